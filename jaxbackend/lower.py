@@ -1,0 +1,147 @@
+"""IR → one pure JAX function.
+
+``lower(graph)`` returns ``fn(params, buffers, inputs, key) -> (outputs, new_buffers)`` where
+``params``/``buffers`` are dicts keyed by the IR inputs' targets, ``inputs`` is the list of user
+(batch) arrays in flattened order, ``key`` is a PRNG key (each random op draws from
+``fold_in(key, node_index)``, so a seed reproduces a run), ``outputs`` are the graph's non-buffer
+outputs in order and ``new_buffers`` maps buffer names to their new values.
+
+Each node's tensor results are cast to the dtype PyTorch reported for it (this is where torch's type
+promotion rules are enforced) and checked against its static shape.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxbackend import dtypes
+from jaxbackend.ops import registry
+from torchpar.ir.graph import DType, Graph, Node, OutMeta, Ref, TensorMeta
+
+StepFn = Callable[[dict[str, jax.Array], dict[str, jax.Array], Sequence[jax.Array], jax.Array],
+                  tuple[list[Any], dict[str, jax.Array]]]
+
+
+class UnsupportedOpsError(NotImplementedError):
+    """Raised at compile time when some ops of a graph have no lowering; lists every one of them."""
+
+
+class LoweringError(RuntimeError):
+    """A lowering failed or disagreed with PyTorch's static shape; names the op and its source line."""
+
+
+def unsupported_ops(graph: Graph) -> list[Node]:
+    """Nodes of ``graph`` whose target has no lowering, in graph order."""
+    return [node for node in graph.nodes if registry.get(node.target) is None]
+
+
+def check_supported(graph: Graph) -> None:
+    """Raise :class:`UnsupportedOpsError` naming every unsupported op, its operands and source line."""
+    missing = unsupported_ops(graph)
+    if not missing:
+        return
+    metas = graph.metas()
+    lines = [f"{len(missing)} op(s) in the model have no JAX lowering in torchpar:"]
+    for node in missing:
+        lines.append(f"  - {node.target}({node.describe_inputs(metas)}) -> {_describe_out(node.out)}")
+        if node.source:
+            lines.append(f"      at {node.source}")
+    lines.append("Try: rewrite that line with supported ops, or register a lowering with "
+                 "@jaxbackend.ops.registry.lowers(<target>) (see docs/debugging.md).")
+    raise UnsupportedOpsError("\n".join(lines))
+
+
+def lower(graph: Graph) -> StepFn:
+    """The pure JAX function computing ``graph`` (see the module docstring for its signature)."""
+    check_supported(graph)
+    constants = {name: jnp.asarray(value) for name, value in graph.constants.items()}
+    lowerings = [registry.get(node.target) for node in graph.nodes]
+    buffer_outputs = [o for o in graph.outputs if o.kind == "buffer"]
+    value_outputs = [o for o in graph.outputs if o.kind != "buffer"]
+
+    def run(params: dict[str, jax.Array], buffers: dict[str, jax.Array], inputs: Sequence[jax.Array],
+            key: jax.Array) -> tuple[list[Any], dict[str, jax.Array]]:
+        env: dict[str, Any] = {}
+        for inp in graph.inputs:
+            if inp.kind == "param":
+                env[inp.name] = params[inp.target]
+            elif inp.kind == "buffer":
+                env[inp.name] = buffers[inp.target]
+            elif inp.kind == "constant":
+                env[inp.name] = constants[inp.target]
+            else:
+                env[inp.name] = inputs[int(inp.target)]
+        for index, (node, lowering) in enumerate(zip(graph.nodes, lowerings)):
+            args = _materialize(node.args, env)
+            kwargs = {k: _materialize(v, env) for k, v in node.kwargs.items()}
+            if lowering.random:
+                kwargs["key"] = jax.random.fold_in(key, index)
+            try:
+                result = lowering.fn(*args, **kwargs)
+            except Exception as error:
+                raise LoweringError(_context(node, graph, f"lowering raised {type(error).__name__}: {error}")) from error
+            env[node.name] = _conform(result, node, graph)
+        outputs = [env[o.value.name] if o.value is not None else None for o in value_outputs]
+        new_buffers = {o.target: env[o.value.name] for o in buffer_outputs}
+        return outputs, new_buffers
+
+    return run
+
+
+def _materialize(value: Any, env: dict[str, Any]) -> Any:
+    if isinstance(value, Ref):
+        return env[value.name]
+    if isinstance(value, DType):
+        return dtypes.to_jax(value.name)
+    if isinstance(value, list):
+        return [_materialize(v, env) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_materialize(v, env) for v in value)
+    return value
+
+
+def _conform(result: Any, node: Node, graph: Graph) -> Any:
+    """Cast ``result`` to the node's torch dtype and check its shape against the node's meta."""
+    meta = node.out
+    if isinstance(meta, TensorMeta):
+        return _conform_one(result, meta, node, graph)
+    if isinstance(meta, tuple):
+        if not isinstance(result, (tuple, list)) or len(result) != len(meta):
+            raise LoweringError(_context(node, graph, f"expected {len(meta)} results, got {type(result).__name__}"))
+        return tuple(_conform_one(r, m, node, graph) if m is not None else r for r, m in zip(result, meta))
+    return result
+
+
+def _conform_one(value: Any, meta: TensorMeta, node: Node, graph: Graph) -> jax.Array:
+    value = jnp.asarray(value)
+    if tuple(value.shape) != meta.shape:
+        raise LoweringError(_context(node, graph, f"produced shape {list(value.shape)}, PyTorch says {list(meta.shape)}"))
+    want = dtypes.to_jax(meta.dtype)
+    return value if value.dtype == want else value.astype(want)
+
+
+def _context(node: Node, graph: Graph, problem: str) -> str:
+    where = f"\n  at {node.source}" if node.source else ""
+    return f"{node.target}({node.describe_inputs(graph.metas())}) -> {_describe_out(node.out)}: {problem}{where}"
+
+
+def _describe_out(out: OutMeta) -> str:
+    if isinstance(out, tuple):
+        return "(" + ", ".join(str(m) for m in out) + ")"
+    return str(out)
+
+
+def to_numpy_input(array: np.ndarray) -> np.ndarray:
+    """A host array in the dtype JAX will hold it in (int64 → int32 when x64 is off)."""
+    want = jax.dtypes.canonicalize_dtype(array.dtype)
+    return array if array.dtype == want else array.astype(want)
+
+
+__all__ = [
+    "LoweringError", "StepFn", "UnsupportedOpsError", "check_supported", "lower", "unsupported_ops",
+    "to_numpy_input",
+]

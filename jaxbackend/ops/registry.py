@@ -1,0 +1,64 @@
+"""The op registry: ATen overload name → JAX function.
+
+A lowering is registered with ``@lowers("aten.add.Tensor", ...)`` and called with the op's own
+arguments in ATen order, where tensors are ``jax.Array``, dtypes are JAX dtypes, and everything else
+(ints, floats, lists, ``None``, strings for devices/layouts) is passed through. Lowerings of random
+ops are registered with ``random=True`` and receive a ``key=`` PRNG key keyword.
+
+The caller (:mod:`jaxbackend.lower`) casts every tensor result to the dtype PyTorch reported for the
+node, so a lowering may leave type promotion to JAX where the two agree in value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+LoweringFn = Callable[..., Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class Lowering:
+    """How to run one ATen overload in JAX."""
+
+    target: str
+    fn: LoweringFn
+    random: bool = False
+
+
+_REGISTRY: dict[str, Lowering] = {}
+
+
+def lowers(*targets: str, random: bool = False) -> Callable[[LoweringFn], LoweringFn]:
+    """Register ``fn`` as the lowering of each of ``targets`` (e.g. ``"aten.mm.default"``)."""
+
+    def register(fn: LoweringFn) -> LoweringFn:
+        for target in targets:
+            assert target not in _REGISTRY, f"{target} registered twice"
+            _REGISTRY[target] = Lowering(target, fn, random)
+        return fn
+
+    return register
+
+
+def get(target: str) -> Lowering | None:
+    """The lowering of ``target``, or ``None`` if it has none."""
+    _load_all()
+    return _REGISTRY.get(target)
+
+
+def supported_targets() -> frozenset[str]:
+    _load_all()
+    return frozenset(_REGISTRY)
+
+
+_loaded = False
+
+
+def _load_all() -> None:
+    global _loaded
+    if not _loaded:
+        _loaded = True
+        from jaxbackend.ops import (  # noqa: F401  (registration side effects)
+            elementwise, indexing, linalg, nn, random_ops, reduction, shape,
+        )

@@ -1,0 +1,322 @@
+r"""SGD, Adam and AdamW in pure JAX, with torch.optim's exact update formulas.
+
+The update is a pure function of (params, grads, state, scalars) so it can be jitted once per
+`OptimizerSpec` (a static argument holding only structural, compile-time facts) and reused for every
+step: all hyper-parameters, including ones a learning-rate scheduler changes, arrive as runtime
+scalars built on the host by `step_scalars`. Nothing here imports torch.
+
+Notation: θ a parameter, g its gradient, t the (1-based) step of the param group, γ lr, λ weight
+decay, μ momentum, τ dampening, β₁ β₂ the betas, ε eps. All scalars are rounded to float32 on the
+host, as torch rounds a Python float to the tensor's dtype inside its kernels; everything derived
+from several hyper-parameters (1 - τ, 1 - β, 1 - γλ, bias corrections) is computed in float64 first,
+as torch does in its non-capturable path.
+
+SGD (torch/optim/sgd.py, ``_single_tensor_sgd``)::
+
+    g ← -g                          if maximize
+    g ← g + λ·θ
+    if μ ≠ 0:
+        b ← g                       on the group's first momentum step (torch: grad.clone(), no τ)
+        b ← μ·b + (1 - τ)·g         otherwise
+        g ← g + μ·b                 if nesterov
+        g ← b                       otherwise
+    θ ← θ + (-γ)·g
+
+Adam (torch/optim/adam.py, ``_single_tensor_adam``, decoupled_weight_decay=False)::
+
+    g ← -g                          if maximize
+    g ← g + λ·θ
+    m ← lerp(m, g, 1 - β₁)          torch.lerp: w = 1-β₁; |w| < ½ ? m + w·(g - m) : g - (g - m)·(1 - w)
+    v ← β₂·v + ((1 - β₂)·g)·g
+    v̂ ← max(v̂, v)                  if amsgrad (state "max_exp_avg_sq"; the denominator uses v̂)
+    denom ← √v / √(1 - β₂ᵗ) + ε
+    θ ← θ + ((-γ / (1 - β₁ᵗ))·m) / denom
+
+AdamW (torch/optim/adamw.py = Adam with decoupled_weight_decay=True): as Adam, except that the
+weight decay multiplies the parameter before anything else and never touches g::
+
+    θ ← θ·(1 - γλ)
+
+Gradient clipping (torch.nn.utils.clip_grad_norm_, norm_type=2)::
+
+    n ← ‖(‖g₁‖₂, …, ‖g_k‖₂)‖₂,   c ← min(max_norm / (n + 1e-6), 1),   gᵢ ← c·gᵢ
+
+Scalars pytree (`step_scalars` output, argument of `apply_updates`): a tuple with one dict per param
+group, each value a 0-d numpy array (float32, flags bool), so its tree structure and avals never
+change between steps and jit never retraces:
+
+    sgd:   lr, weight_decay, momentum, one_minus_dampening,
+           momentum_on (bool: μ ≠ 0), momentum_init (bool: first momentum step, b ← g)
+    adam:  lr, weight_decay, beta1_weight (1 - β₁), beta2, one_minus_beta2, eps,
+           bias_correction2_sqrt (√(1 - β₂ᵗ)), neg_step_size (-γ / (1 - β₁ᵗ))
+    adamw: as adam, but param_scale (1 - γλ) replaces weight_decay
+
+Math runs in the parameter's dtype promoted to at least float32 (torch's "opmath") and results are
+cast back to the parameter's dtype, so bf16 parameters are updated in float32 and rounded once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = [
+    "OPTIMIZER_KINDS",
+    "OptimizerSpec",
+    "init_state",
+    "apply_updates",
+    "clip_grads_by_global_norm",
+    "step_scalars",
+    "state_keys",
+]
+
+OPTIMIZER_KINDS = ("sgd", "adam", "adamw")
+
+Array = jax.Array
+Params = dict[str, Array]
+State = dict[str, dict[str, Array]]
+Scalars = tuple[dict[str, Any], ...]
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class OptimizerSpec:
+    """The compile-time structure of an optimizer; hashable, used as a jit static argument."""
+
+    kind: str
+    """One of "sgd", "adam", "adamw"."""
+    param_names: tuple[str, ...]
+    """Trainable parameters the optimizer updates, in optimizer order."""
+    group_of_param: tuple[int, ...]
+    """Param-group index of each entry of `param_names`."""
+    nesterov: tuple[bool, ...]
+    """Per group: SGD Nesterov momentum (always False for Adam/AdamW)."""
+    amsgrad: tuple[bool, ...]
+    """Per group: Adam/AdamW AMSGrad variant (always False for SGD)."""
+    maximize: tuple[bool, ...]
+    """Per group: ascend the objective instead of descending it."""
+
+    def __post_init__(self) -> None:
+        for field in ("param_names", "group_of_param", "nesterov", "amsgrad", "maximize"):
+            value = getattr(self, field)
+            if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+                raise TypeError(f"OptimizerSpec.{field} must be a tuple, got {type(value).__name__}")
+            object.__setattr__(self, field, tuple(value))
+        if self.kind not in OPTIMIZER_KINDS:
+            raise ValueError(f"OptimizerSpec.kind must be one of {OPTIMIZER_KINDS}, got {self.kind!r}")
+        num_groups = len(self.nesterov)
+        if num_groups == 0:
+            raise ValueError("OptimizerSpec needs at least one param group (nesterov/amsgrad/maximize are per group)")
+        if len(self.amsgrad) != num_groups or len(self.maximize) != num_groups:
+            raise ValueError(
+                "OptimizerSpec.nesterov, .amsgrad and .maximize need one entry per param group, got lengths "
+                f"{len(self.nesterov)}, {len(self.amsgrad)}, {len(self.maximize)}"
+            )
+        for field in ("nesterov", "amsgrad", "maximize"):
+            if not all(isinstance(v, (bool, np.bool_)) for v in getattr(self, field)):
+                raise TypeError(f"OptimizerSpec.{field} must hold bools, got {getattr(self, field)}")
+            object.__setattr__(self, field, tuple(bool(v) for v in getattr(self, field)))
+        if len(self.group_of_param) != len(self.param_names):
+            raise ValueError(
+                f"OptimizerSpec.group_of_param has {len(self.group_of_param)} entries for "
+                f"{len(self.param_names)} param_names"
+            )
+        if not all(isinstance(n, str) for n in self.param_names):
+            raise TypeError(f"OptimizerSpec.param_names must hold str, got {self.param_names}")
+        if len(set(self.param_names)) != len(self.param_names):
+            dups = sorted({n for n in self.param_names if self.param_names.count(n) > 1})
+            raise ValueError(f"OptimizerSpec.param_names has duplicates: {dups}")
+        for name, group in zip(self.param_names, self.group_of_param):
+            if not isinstance(group, (int, np.integer)) or isinstance(group, bool) or not 0 <= group < num_groups:
+                raise ValueError(f"param {name!r} has group {group!r}; groups are 0..{num_groups - 1}")
+        object.__setattr__(self, "group_of_param", tuple(int(g) for g in self.group_of_param))
+        if self.kind == "sgd" and any(self.amsgrad):
+            raise ValueError("amsgrad is an Adam/AdamW flag; SGD groups must have amsgrad=False")
+        if self.kind != "sgd" and any(self.nesterov):
+            raise ValueError("nesterov is an SGD flag; Adam/AdamW groups must have nesterov=False")
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.nesterov)
+
+
+def state_keys(spec: OptimizerSpec, group: int) -> tuple[str, ...]:
+    """Names of the per-parameter state tensors of a param group (torch's names)."""
+    if spec.kind == "sgd":
+        return ("momentum_buffer",)
+    if spec.amsgrad[group]:
+        return ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+    return ("exp_avg", "exp_avg_sq")
+
+
+def init_state(spec: OptimizerSpec, params: Mapping[str, Array]) -> State:
+    """Zero state for every parameter in `spec.param_names`; same shape and dtype as the parameter.
+
+    Step counts are per group and live on the host (they enter through `step_scalars`), so the
+    state holds tensors only.
+    """
+    missing = [n for n in spec.param_names if n not in params]
+    if missing:
+        raise ValueError(f"init_state: params lack optimizer parameters {missing}")
+    return {
+        name: {key: jnp.zeros_like(params[name]) for key in state_keys(spec, group)}
+        for name, group in zip(spec.param_names, spec.group_of_param)
+    }
+
+
+def apply_updates(
+    spec: OptimizerSpec,
+    params: Mapping[str, Array],
+    grads: Mapping[str, Array],
+    state: Mapping[str, Mapping[str, Array]],
+    scalars: Scalars,
+) -> tuple[Params, State]:
+    """One optimizer step; pure and jittable with `spec` static. Returns (new_params, new_state).
+
+    Parameters not in `spec.param_names`, and spec parameters absent from `grads` (no gradient this
+    step, like a torch parameter whose ``.grad`` is None), are returned unchanged with their state.
+    """
+    assert len(scalars) == spec.num_groups, (len(scalars), spec.num_groups)
+    update = _sgd_update if spec.kind == "sgd" else _adam_update
+    new_params = dict(params)
+    new_state: State = {}
+    for name, group in zip(spec.param_names, spec.group_of_param):
+        if name not in grads:  # no gradient this step (PyTorch: .grad is None): leave it alone
+            new_state[name] = dict(state[name])
+            continue
+        new_params[name], new_state[name] = update(
+            spec, group, params[name], grads[name], state[name], scalars[group]
+        )
+    return new_params, new_state
+
+
+def _opmath(x: Array) -> tuple[Array, Any]:
+    """Upcast to at least float32 (torch computes low-precision updates in float32)."""
+    dtype = jnp.promote_types(x.dtype, jnp.float32)
+    return x.astype(dtype), dtype
+
+
+def _sgd_update(spec, group, p, g, state, s):
+    p_dtype, buf_dtype = p.dtype, state["momentum_buffer"].dtype
+    p, dt = _opmath(p)
+    g = g.astype(dt)
+    buf = state["momentum_buffer"].astype(dt)
+    lr, wd, mu, one_minus_damp = (s[k].astype(dt) for k in ("lr", "weight_decay", "momentum", "one_minus_dampening"))
+
+    if spec.maximize[group]:
+        g = -g
+    g = g + wd * p
+    # Operand order matters on CPU: LLVM fuses the *first* product of `x*y + z*w` into an FMA, and
+    # torch's buf.mul_(μ).add_(g, alpha=1-τ) is fma(g, 1-τ, round(μ·b)); this order reproduces it.
+    new_buf = jnp.where(s["momentum_init"], g, one_minus_damp * g + buf * mu)
+    direction = g + mu * new_buf if spec.nesterov[group] else new_buf
+    direction = jnp.where(s["momentum_on"], direction, g)
+    new_buf = jnp.where(s["momentum_on"], new_buf, buf)  # torch leaves the buffer alone when μ = 0
+    new_p = p + (-lr) * direction
+    return new_p.astype(p_dtype), {"momentum_buffer": new_buf.astype(buf_dtype)}
+
+
+def _lerp(start: Array, end: Array, weight: Array) -> Array:
+    """torch.lerp's two-sided formula (aten/src/ATen/native/Lerp.h), exact at weight 0 and 1."""
+    diff = end - start
+    return jnp.where(jnp.abs(weight) < 0.5, start + weight * diff, end - diff * (1 - weight))
+
+
+def _adam_update(spec, group, p, g, state, s):
+    p_dtype = p.dtype
+    p, dt = _opmath(p)
+    g = g.astype(dt)
+    m, v = state["exp_avg"].astype(dt), state["exp_avg_sq"].astype(dt)
+
+    if spec.maximize[group]:
+        g = -g
+    if spec.kind == "adamw":
+        p = p * s["param_scale"].astype(dt)
+    else:
+        g = g + s["weight_decay"].astype(dt) * p
+    m = _lerp(m, g, s["beta1_weight"].astype(dt))
+    v = (s["one_minus_beta2"].astype(dt) * g) * g + v * s["beta2"].astype(dt)  # order: see _sgd_update
+    new_state = {"exp_avg": m.astype(state["exp_avg"].dtype), "exp_avg_sq": v.astype(state["exp_avg_sq"].dtype)}
+    if spec.amsgrad[group]:
+        v_max = jnp.maximum(state["max_exp_avg_sq"].astype(dt), v)
+        new_state["max_exp_avg_sq"] = v_max.astype(state["max_exp_avg_sq"].dtype)
+        v = v_max
+    denom = jnp.sqrt(v) / s["bias_correction2_sqrt"].astype(dt) + s["eps"].astype(dt)
+    new_p = p + (s["neg_step_size"].astype(dt) * m) / denom
+    return new_p.astype(p_dtype), new_state
+
+
+def clip_grads_by_global_norm(grads: Mapping[str, Array], max_norm: float | Array) -> tuple[dict[str, Array], Array]:
+    """torch.nn.utils.clip_grad_norm_(…, max_norm, norm_type=2): returns (clipped grads, total norm).
+
+    Like torch, always multiplies by the clamped coefficient (1 when the norm is below max_norm),
+    so there is no data-dependent branch. The total norm is float32 (the norm of per-tensor norms).
+    """
+    if not grads:
+        return dict(grads), jnp.zeros((), jnp.float32)
+    norms = [jnp.sqrt(jnp.sum(jnp.square(_opmath(g)[0]))) for g in grads.values()]
+    total_norm = jnp.sqrt(jnp.sum(jnp.square(jnp.stack([n.astype(jnp.float32) for n in norms]))))
+    clip_coef = jnp.minimum(jnp.asarray(max_norm, jnp.float32) / (total_norm + 1e-6), 1.0)
+    clipped = {k: (g * clip_coef.astype(g.dtype)).astype(g.dtype) for k, g in grads.items()}
+    return clipped, total_norm
+
+
+def _f32(x: float) -> np.ndarray:
+    return np.asarray(x, dtype=np.float32)
+
+
+def step_scalars(
+    spec: OptimizerSpec, group_hparams: Sequence[Mapping[str, Any]], group_steps: Sequence[int]
+) -> Scalars:
+    """Runtime scalars for the coming step, from plain-Python per-group hyper-parameters.
+
+    group_hparams[i] uses torch's param_group keys: SGD ``lr, momentum, dampening, weight_decay``;
+    Adam/AdamW ``lr, betas=(β₁, β₂), eps, weight_decay`` (``beta1``/``beta2`` are accepted too).
+    group_steps[i] is the 1-based step about to run. For Adam it is torch's state["step"] after
+    the increment (it sets the bias corrections). For SGD it counts momentum steps of the group's
+    buffer: 1 means "no buffer yet, initialize it from the gradient" (it is ignored when μ = 0).
+    """
+    if len(group_hparams) != spec.num_groups or len(group_steps) != spec.num_groups:
+        raise ValueError(
+            f"step_scalars: spec has {spec.num_groups} param groups, got {len(group_hparams)} hparam dicts "
+            f"and {len(group_steps)} steps"
+        )
+    out = []
+    for hp, step in zip(group_hparams, group_steps):
+        step = int(step)
+        if step < 1:
+            raise ValueError(f"step_scalars: steps are 1-based, got {step}")
+        lr, wd = float(hp["lr"]), float(hp["weight_decay"])
+        if spec.kind == "sgd":
+            momentum = float(hp["momentum"])
+            out.append({
+                "lr": _f32(lr),
+                "weight_decay": _f32(wd),
+                "momentum": _f32(momentum),
+                "one_minus_dampening": _f32(1.0 - float(hp["dampening"])),
+                "momentum_on": np.asarray(momentum != 0.0),
+                "momentum_init": np.asarray(step == 1),
+            })
+            continue
+        beta1, beta2 = (float(b) for b in hp["betas"]) if "betas" in hp else (float(hp["beta1"]), float(hp["beta2"]))
+        bias_correction1 = 1.0 - beta1**step  # float64 on the host, like torch's non-capturable path
+        bias_correction2 = 1.0 - beta2**step
+        scalars = {
+            "lr": _f32(lr),
+            "beta1_weight": _f32(1.0 - beta1),
+            "beta2": _f32(beta2),
+            "one_minus_beta2": _f32(1.0 - beta2),
+            "eps": _f32(float(hp["eps"])),
+            "bias_correction2_sqrt": _f32(bias_correction2**0.5),
+            "neg_step_size": _f32(-(lr / bias_correction1)),
+        }
+        if spec.kind == "adamw":
+            scalars["param_scale"] = _f32(1.0 - lr * wd)
+        else:
+            scalars["weight_decay"] = _f32(wd)
+        out.append(scalars)
+    return tuple(out)

@@ -1,0 +1,352 @@
+"""``torchpar.compile`` and the :class:`Engine` it returns.
+
+The engine owns the training state as JAX arrays — parameters, buffers, optimizer state — and one
+compiled XLA executable per batch shape signature. Each ``step`` reads the optimizer's hyper-parameters
+from ``optimizer.param_groups`` (so torch LR schedulers work), runs forward + ``jax.value_and_grad``
++ the optimizer update in one executable, and returns the loss. ``sync_to_torch`` writes the state back
+into the user's model and optimizer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.utils._pytree as pytree
+
+from torchpar.capture.export import Capture, LossFn, capture_forward, capture_train_step, dtype_name
+from torchpar.capture.optim import TorchOptimizerBridge
+from torchpar.cluster import current_cluster
+from torchpar.ir.graph import Graph, TensorMeta
+from torchpar.methods import Method
+from torchpar.planner.plan import Plan, StagePlan
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class CompileOptions:
+    """Options of :func:`compile` beyond the model, optimizer and method."""
+
+    grad_clip_norm: float | None = None
+    """Clip gradients to this global L2 norm before the update (``clip_grad_norm_``); ``None`` = off."""
+    seed: int = 0
+    """Seed of the PRNG stream that dropout and other random ops draw from; a seed reproduces a run."""
+
+    def __post_init__(self) -> None:
+        if self.grad_clip_norm is not None and not self.grad_clip_norm > 0:
+            raise ValueError(f"grad_clip_norm must be positive or None, got {self.grad_clip_norm}")
+
+
+def compile(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    example_batch: Any,
+    loss_fn: LossFn | None = None,
+    method: Method | None = None,
+    grad_clip_norm: float | None = None,
+    seed: int = 0,
+) -> "Engine":
+    """Capture ``model``'s training step on ``example_batch`` and compile it with ``method``.
+
+    ``method=None`` runs on one device. See DESIGN.md §2 for the calling convention and the loss rule.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if method is not None:
+        raise NotImplementedError(
+            f"method={type(method).__name__}() is not implemented yet; only method=None (one device) runs in this "
+            "version")
+    options = CompileOptions(grad_clip_norm=grad_clip_norm, seed=seed)
+    return Engine(model, optimizer, example_batch, loss_fn, options)
+
+
+@dataclasses.dataclass
+class _Executable:
+    """A compiled step for one batch signature."""
+
+    capture: Capture
+    compiled: Any
+    trainable: tuple[str, ...]
+
+
+class Engine:
+    """A compiled training step bound to a model and optimizer. Create it with :func:`torchpar.compile`."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, example_batch: Any,
+                 loss_fn: LossFn | None, options: CompileOptions):
+        import jax
+
+        from jaxbackend import optim as jax_optim
+
+        self._jax = jax
+        self._jax_optim = jax_optim
+        self.model = model
+        self.optimizer = optimizer
+        self.options = options
+        self._loss_fn = loss_fn
+        self._timings: dict[str, float] = {}
+        self._device = jax.devices()[0]
+
+        self._param_names = _unique_named(model.named_parameters())
+        self._buffer_names = _unique_named(model.named_buffers())
+        self._bridge = TorchOptimizerBridge(optimizer, {id(p): n for n, p in self._param_names.items()})
+        self._spec = self._bridge.spec
+        self._params = {n: self._put(p) for n, p in self._param_names.items()}
+        self._buffers = {n: self._put(b) for n, b in self._buffer_names.items()}
+        self._opt_state = jax.tree.map(self._put_array, self._bridge.initial_state())
+        self._steps_taken = 0
+        self._base_key = jax.random.key(options.seed)
+
+        self._example_signature = _signature(example_batch)
+        self._train: dict[tuple, _Executable] = {}
+        self._eval: dict[tuple, tuple[Capture, Any]] = {}
+        self._last: _Executable | None = None
+        self._train_executable(example_batch)
+
+    # --- public API --------------------------------------------------------------------------------
+
+    def step(self, batch: Any) -> float:
+        """One optimizer step on ``batch``; returns the loss (before the update) as a float."""
+        executable = self._train_executable(batch)
+        inputs = self._inputs(batch)
+        scalars = self._bridge.step_scalars()
+        key = self._jax.random.fold_in(self._base_key, self._steps_taken)
+        loss, self._params, self._opt_state, self._buffers = executable.compiled(
+            self._params, self._opt_state, self._buffers, inputs, scalars, key)
+        self._steps_taken += 1
+        self._last = executable
+        return float(loss)
+
+    def forward(self, batch: Any) -> Any:
+        """The model's eval-mode outputs on ``batch``, as torch tensors in the model's output structure."""
+        capture, compiled = self._eval_executable(batch)
+        outputs = compiled(self._params, self._buffers, self._inputs(batch))
+        tensors = [_to_torch(o) if o is not None else None for o in outputs]
+        return pytree.tree_unflatten(tensors, capture.out_spec)
+
+    def sync_to_torch(self) -> None:
+        """Copy parameters, buffers and optimizer state into the torch model and optimizer."""
+        with torch.no_grad():
+            for name, param in self._param_names.items():
+                param.copy_(_to_torch(self._params[name]).to(param.dtype))
+            for name, buffer in self._buffer_names.items():
+                buffer.copy_(_to_torch(self._buffers[name]).to(buffer.dtype))
+        self._bridge.write_back(self._jax.tree.map(np.asarray, self._opt_state))
+
+    def state_dict(self) -> dict[str, Any]:
+        """A checkpoint of parameters, buffers, optimizer state, step count and PRNG position.
+
+        Arrays are CPU torch tensors holding the exact values; ``load_state_dict`` restores them."""
+        to_torch = lambda x: _to_torch(x)  # noqa: E731
+        return {
+            "params": {n: to_torch(v) for n, v in self._params.items()},
+            "buffers": {n: to_torch(v) for n, v in self._buffers.items()},
+            "optimizer": self._jax.tree.map(to_torch, self._opt_state),
+            "optimizer_counters": self._bridge.state_dict(),
+            "steps_taken": self._steps_taken,
+            "seed": self.options.seed,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a checkpoint made by :meth:`state_dict` (same model and optimizer structure)."""
+        for kind, current in (("params", self._params), ("buffers", self._buffers)):
+            missing = set(current) ^ set(state[kind])
+            if missing:
+                raise ValueError(f"checkpoint {kind} differ from the model's: {sorted(missing)[:5]}")
+        self._params = {n: self._put(state["params"][n]) for n in self._params}
+        self._buffers = {n: self._put(state["buffers"][n]) for n in self._buffers}
+        self._opt_state = self._jax.tree.map(self._put, state["optimizer"])
+        self._bridge.load_state_dict(state["optimizer_counters"])
+        self._steps_taken = int(state["steps_taken"])
+        if int(state["seed"]) != self.options.seed:
+            log.warning("checkpoint seed %s differs from this engine's seed %s; using the checkpoint's",
+                        state["seed"], self.options.seed)
+            self._base_key = self._jax.random.key(int(state["seed"]))
+
+    def hlo_text(self) -> list[str]:
+        """Optimized HLO of each compiled stage of the most recently used step (one stage here)."""
+        executable = self._last or next(iter(self._train.values()))
+        return [executable.compiled.as_text()]
+
+    @property
+    def plan(self) -> Plan:
+        """The execution plan (one stage on one device for ``method=None``)."""
+        executable = self._last or next(iter(self._train.values()))
+        graph = executable.capture.graph
+        cluster = current_cluster()
+        compute_s = 3.0 * graph.total_flops / cluster.device_flops
+        params = {name: [None] * len(meta.shape) for name, meta in _param_metas(graph).items()}
+        stage = StagePlan(layers=[0], submesh_shape=(1, 1), logical_mesh_shape=(1, 1), params=params,
+                          estimated_cost_s=compute_s, estimated_compute_s=compute_s,
+                          estimated_memory_bytes=_state_bytes(graph, len(executable.trainable)))
+        return Plan(method="single_device", stages=[stage], estimated_step_s=compute_s, timings=dict(self._timings))
+
+    @property
+    def graph(self) -> Graph:
+        """The captured training graph (IR) of the most recent batch signature."""
+        return (self._last or next(iter(self._train.values()))).capture.graph
+
+    # --- compilation ----------------------------------------------------------------------------
+
+    def _train_executable(self, batch: Any) -> _Executable:
+        signature = _signature(batch)
+        self._check_compatible(signature)
+        if signature in self._train:
+            return self._train[signature]
+        if self._train:
+            log.info("torchpar: new batch shapes %s, recompiling the training step", _describe(signature))
+        jax = self._jax
+        t0 = time.perf_counter()
+        capture = capture_train_step(self.model, batch, self._loss_fn)
+        t1 = time.perf_counter()
+        from jaxbackend.lower import lower
+
+        run = lower(capture.graph)
+        trainable = self._trainable(capture.graph)
+        step_fn = _make_train_step(run, trainable, self._spec, self._jax_optim, self.options.grad_clip_norm)
+        args = (self._params, self._opt_state, self._buffers, self._inputs(batch), self._jax_optim.step_scalars(self._spec, self._bridge.hparams(), [1] * self._spec.num_groups),
+                jax.random.key(0))
+        lowered = jax.jit(step_fn, donate_argnums=(0, 1, 2)).lower(*args)
+        t2 = time.perf_counter()
+        compiled = lowered.compile()
+        t3 = time.perf_counter()
+        self._timings.update(capture=capture.export_s + capture.decompose_s, lower=t2 - t1, xla_compile=t3 - t2)
+        log.info("torchpar: compiled training step (%d ops) in %.2fs: capture %.2fs, lower %.2fs, XLA %.2fs",
+                 len(capture.graph.nodes), t3 - t0, t1 - t0, t2 - t1, t3 - t2)
+        executable = _Executable(capture=capture, compiled=compiled, trainable=trainable)
+        self._train[signature] = executable
+        return executable
+
+    def _eval_executable(self, batch: Any) -> tuple[Capture, Any]:
+        signature = _signature(batch)
+        self._check_compatible(signature)
+        if signature not in self._eval:
+            from jaxbackend.lower import lower
+
+            capture = capture_forward(self.model, batch)
+            run = lower(capture.graph)
+            key = self._jax.random.key(0)
+            forward = self._jax.jit(lambda params, buffers, inputs: run(params, buffers, inputs, key)[0])
+            self._eval[signature] = (capture, forward)
+        return self._eval[signature]
+
+    def _trainable(self, graph: Graph) -> tuple[str, ...]:
+        """Parameters the optimizer updates this step: in the optimizer, requiring grad, and reaching the
+        loss (PyTorch leaves the others' ``.grad`` as ``None`` and skips them)."""
+        reaching = _params_reaching_loss(graph)
+        names = []
+        for name in self._spec.param_names:
+            if not self._param_names[name].requires_grad:
+                continue
+            if name not in reaching:
+                log.info("torchpar: parameter %s does not affect the loss; it is not updated (as in PyTorch)", name)
+                continue
+            names.append(name)
+        return tuple(names)
+
+    def _check_compatible(self, signature: tuple) -> None:
+        spec, leaves = signature
+        example_spec, example_leaves = self._example_signature
+        if spec != example_spec:
+            raise ValueError(f"batch structure {spec} differs from the example batch's {example_spec}")
+        for index, ((shape, dtype), (example_shape, example_dtype)) in enumerate(zip(leaves, example_leaves)):
+            if dtype != example_dtype or len(shape) != len(example_shape):
+                raise ValueError(
+                    f"batch leaf {index} is {dtype}{list(shape)} but the example batch has "
+                    f"{example_dtype}{list(example_shape)}: dtype and rank must match the example "
+                    "(sizes may change; each new shape compiles once)")
+
+    # --- data movement --------------------------------------------------------------------------
+
+    def _put(self, tensor: torch.Tensor) -> Any:
+        return self._put_array(tensor.detach().cpu().numpy())
+
+    def _put_array(self, array: Any) -> Any:
+        from jaxbackend.lower import to_numpy_input
+
+        return self._jax.device_put(to_numpy_input(np.asarray(array)), self._device)
+
+    def _inputs(self, batch: Any) -> list[Any]:
+        from torchpar.capture.export import batch_to_call_args
+
+        leaves = pytree.tree_leaves(batch_to_call_args(batch))
+        return [self._put(leaf) for leaf in leaves]
+
+
+def _make_train_step(run: Callable, trainable: tuple[str, ...], spec: Any, jax_optim: Any,
+                     grad_clip_norm: float | None) -> Callable:
+    """The pure step ``(params, opt_state, buffers, inputs, scalars, key) → (loss, params, opt_state, buffers)``."""
+    import jax
+
+    def step(params, opt_state, buffers, inputs, scalars, key):
+        frozen = {n: v for n, v in params.items() if n not in trainable}
+
+        def loss_of(train_params):
+            outputs, new_buffers = run({**frozen, **train_params}, buffers, inputs, key)
+            return outputs[0], new_buffers
+
+        (loss, new_buffers), grads = jax.value_and_grad(loss_of, has_aux=True)({n: params[n] for n in trainable})
+        if grad_clip_norm is not None:
+            grads, _ = jax_optim.clip_grads_by_global_norm(grads, grad_clip_norm)
+        new_params, new_state = jax_optim.apply_updates(spec, params, grads, opt_state, scalars)
+        return loss, new_params, new_state, {**buffers, **new_buffers}
+
+    return step
+
+
+def _params_reaching_loss(graph: Graph) -> set[str]:
+    """Targets of parameter inputs with a data path to the loss output."""
+    producers = {n.name: n for n in graph.nodes}
+    stack = [o.value.name for o in graph.outputs if o.kind == "loss" and o.value is not None]
+    seen: set[str] = set()
+    while stack:
+        name = stack.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        if name in producers:
+            stack.extend(producers[name].refs())
+    return {i.target for i in graph.inputs if i.kind == "param" and i.name in seen}
+
+
+def _param_metas(graph: Graph) -> dict[str, TensorMeta]:
+    return {i.target: i.meta for i in graph.inputs if i.kind == "param"}
+
+
+def _state_bytes(graph: Graph, trainable_count: int) -> int:
+    params = _param_metas(graph)
+    return sum(m.nbytes for m in params.values()) * 4  # params, grads, two moments (upper bound)
+
+
+def _unique_named(named: Any) -> dict[str, torch.Tensor]:
+    """``named_parameters()``/``named_buffers()`` as a dict; tied tensors keep their first name."""
+    return dict(named)
+
+
+def _signature(batch: Any) -> tuple:
+    from torchpar.capture.export import batch_to_call_args
+
+    leaves, spec = pytree.tree_flatten(batch_to_call_args(batch))
+    for leaf in leaves:
+        if not isinstance(leaf, torch.Tensor):
+            raise TypeError(f"every batch leaf must be a torch.Tensor, got {type(leaf).__name__}")
+    return str(spec), tuple((tuple(leaf.shape), dtype_name(leaf.dtype)) for leaf in leaves)
+
+
+def _describe(signature: tuple) -> str:
+    return ", ".join(f"{dtype}{list(shape)}" for shape, dtype in signature[1])
+
+
+def _to_torch(array: Any) -> torch.Tensor:
+    value = np.asarray(array)
+    if value.dtype.name == "bfloat16":
+        return torch.from_numpy(value.astype(np.float32)).to(torch.bfloat16)
+    return torch.from_numpy(np.array(value, copy=True))

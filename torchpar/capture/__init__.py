@@ -1,0 +1,1 @@
+"""Capture: torch objects (model, batch, optimizer) → the IR and optimizer spec."""

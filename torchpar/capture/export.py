@@ -1,0 +1,311 @@
+"""torch.export capture: ``nn.Module`` + example batch → :class:`torchpar.ir.Graph`.
+
+The model is wrapped so that the exported program computes exactly what the user's loop computes:
+``model(**batch)`` / ``model(*batch)`` / ``model(batch)``, then the loss selected as DESIGN.md §2
+states. Export is non-strict, then ``run_decompositions()`` reduces the graph to core ATen, except
+``scaled_dot_product_attention``, which stays one op (a fused lowering, one node for the planner).
+
+Parameters and buffers are keyed by their ``named_parameters()`` / ``named_buffers()`` names. Tied
+parameters (GPT-2 ``lm_head.weight`` is ``transformer.wte.weight``) are two placeholders with one
+target, so the lowered function reads one array twice and ``jax.grad`` sums both gradients.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.utils._pytree as pytree
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind, OutputKind
+
+from torchpar.capture.boundary import BOUNDARY_TARGET
+from torchpar.ir.costs import op_flops
+from torchpar.ir.graph import DType, Graph, Input, Node, Output, Ref, TensorMeta
+
+log = logging.getLogger(__name__)
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+# Ops kept whole instead of decomposed to core ATen (each has a direct lowering).
+_KEEP_UNDECOMPOSED = ("scaled_dot_product_attention.default",)
+
+
+@dataclasses.dataclass
+class Capture:
+    """An exported model step.
+
+    ``graph`` is the IR. ``in_spec`` is the pytree spec of ``(args, kwargs)`` the model was called
+    with; user inputs of the graph are its leaves in order, with metas ``input_metas``.
+    ``out_spec`` unflattens the graph's user outputs (eval capture). ``export_s`` and
+    ``decompose_s`` are the seconds spent in ``torch.export`` and ``run_decompositions``.
+    """
+
+    graph: Graph
+    in_spec: pytree.TreeSpec
+    input_metas: list[TensorMeta]
+    out_spec: pytree.TreeSpec | None
+    export_s: float
+    decompose_s: float
+
+
+def batch_to_call_args(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The calling convention: dict → ``model(**batch)``, tuple/list → ``model(*batch)``, else
+    ``model(batch)``."""
+    if isinstance(batch, dict):
+        return (), dict(batch)
+    if isinstance(batch, (tuple, list)):
+        return tuple(batch), {}
+    return (batch,), {}
+
+
+def call_args_to_batch(batch_type: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Inverse of :func:`batch_to_call_args`, for handing the batch to a ``loss_fn``."""
+    if issubclass(batch_type, dict):
+        return kwargs
+    if issubclass(batch_type, (tuple, list)):
+        return batch_type(args)
+    return args[0]
+
+
+def select_loss(outputs: Any, batch: Any, loss_fn: LossFn | None) -> torch.Tensor:
+    """The training loss: ``loss_fn(outputs, batch)`` if given, else a scalar output, else
+    ``outputs.loss`` / ``outputs["loss"]``."""
+    if loss_fn is not None:
+        loss = loss_fn(outputs, batch)
+    elif isinstance(outputs, torch.Tensor):
+        loss = outputs
+    elif getattr(outputs, "loss", None) is not None:
+        loss = outputs.loss
+    elif isinstance(outputs, dict) and outputs.get("loss") is not None:
+        loss = outputs["loss"]
+    else:
+        raise ValueError(
+            f"cannot find the loss in the model output of type {type(outputs).__name__}: return a scalar "
+            "tensor, an object with .loss / ['loss'] (for HF models pass labels in the batch), or pass "
+            "loss_fn=lambda outputs, batch: ... to torchpar.compile")
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise ValueError(f"the loss must be a scalar tensor, got {shape}; reduce it (e.g. .mean()) in loss_fn")
+    return loss
+
+
+class _LossModule(torch.nn.Module):
+    """Calls the user's model and returns the scalar loss (the exported training step)."""
+
+    def __init__(self, model: torch.nn.Module, batch_type: type, loss_fn: LossFn | None):
+        super().__init__()
+        self.model = model
+        self._batch_type = batch_type
+        self._loss_fn = loss_fn
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        outputs = self.model(*args, **kwargs)
+        return select_loss(outputs, call_args_to_batch(self._batch_type, args, kwargs), self._loss_fn)
+
+
+class _ForwardModule(torch.nn.Module):
+    """Calls the user's model and returns its outputs unchanged (the exported eval forward)."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.model(*args, **kwargs)
+
+
+def capture_train_step(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None = None) -> Capture:
+    """Export ``model`` in train mode on ``batch`` into a graph whose single output is the loss
+    (plus the new values of mutated buffers)."""
+    return _capture(_LossModule(model, type(batch), loss_fn), model, batch, training=True)
+
+
+def capture_forward(model: torch.nn.Module, batch: Any) -> Capture:
+    """Export ``model`` in eval mode on ``batch``; the graph's outputs are the model's outputs."""
+    return _capture(_ForwardModule(model), model, batch, training=False)
+
+
+def _capture(wrapper: torch.nn.Module, model: torch.nn.Module, batch: Any, *, training: bool) -> Capture:
+    args, kwargs = batch_to_call_args(batch)
+    leaves, in_spec = pytree.tree_flatten((args, kwargs))
+    for path, leaf in zip(_leaf_paths(args, kwargs), leaves):
+        if not isinstance(leaf, torch.Tensor):
+            raise TypeError(f"batch entry {path} is a {type(leaf).__name__}; every batch leaf must be a tensor")
+    was_training = model.training
+    model.train(training)
+    try:
+        t0 = time.perf_counter()
+        with torch.no_grad() if not training else _nullcontext():
+            exported = torch.export.export(wrapper, args, kwargs, strict=False)
+        t1 = time.perf_counter()
+        table = torch.export.default_decompositions()
+        for op in list(table):
+            if str(op).removeprefix("aten.") in _KEEP_UNDECOMPOSED:
+                del table[op]
+        exported = exported.run_decompositions(table)
+        t2 = time.perf_counter()
+    finally:
+        model.train(was_training)
+    graph = _to_ir(exported, model, user_output_kind="loss" if training else "user")
+    log.info("captured %s graph: %d ops (export %.2fs, decompose %.2fs)",
+             "train" if training else "eval", len(graph.nodes), t1 - t0, t2 - t1)
+    return Capture(
+        graph=graph,
+        in_spec=in_spec,
+        input_metas=[_tensor_meta(leaf) for leaf in leaves],
+        out_spec=None if training else exported.call_spec.out_spec,
+        export_s=t1 - t0,
+        decompose_s=t2 - t1,
+    )
+
+
+class _nullcontext:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+def _leaf_paths(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[str]:
+    paths, _ = pytree.tree_flatten_with_path((args, kwargs))
+    return [pytree.keystr(path[1:]) for path, _ in paths]
+
+
+def _to_ir(exported: ExportedProgram, model: torch.nn.Module, *, user_output_kind: str) -> Graph:
+    """Translate the exported program's graph and signature into the IR."""
+    signature = exported.graph_signature
+    canonical = _canonical_param_names(model)
+    inputs: list[Input] = []
+    constants: dict[str, np.ndarray] = {}
+    user_index = 0
+    placeholders = [n for n in exported.graph.nodes if n.op == "placeholder"]
+    for node, spec in zip(placeholders, signature.input_specs, strict=True):
+        meta = _meta_of(node.meta.get("val"))
+        target = _strip_wrapper(spec.target) if spec.target is not None else ""
+        if spec.kind == InputKind.PARAMETER:
+            inputs.append(Input(node.name, "param", canonical.get(target, target), meta))
+        elif spec.kind == InputKind.BUFFER:
+            inputs.append(Input(node.name, "buffer", target, meta))
+        elif spec.kind == InputKind.CONSTANT_TENSOR:
+            constants[target] = exported.constants[spec.target].detach().cpu().numpy()
+            inputs.append(Input(node.name, "constant", target, meta))
+        elif spec.kind == InputKind.USER_INPUT:
+            inputs.append(Input(node.name, "input", str(user_index), meta))
+            user_index += 1
+        else:
+            raise NotImplementedError(f"torch.export input kind {spec.kind.name} ({spec.target}) is not supported")
+    metas = {i.name: i.meta for i in inputs}
+    nodes: list[Node] = []
+    for fx_node in exported.graph.nodes:
+        if fx_node.op != "call_function":
+            continue
+        target = _target_name(fx_node.target)
+        node = Node(
+            name=fx_node.name,
+            target=target,
+            args=_convert(fx_node.args),
+            kwargs={k: _convert(v) for k, v in fx_node.kwargs.items()},
+            out=_meta_of(fx_node.meta.get("val")),
+            source=_source_line(fx_node.meta.get("stack_trace")),
+            module_path=_module_path(fx_node.meta.get("nn_module_stack")),
+        )
+        node = dataclasses.replace(node, flops=op_flops(target, [metas.get(r) for r in node.refs()], node.out))
+        metas[node.name] = node.out
+        nodes.append(node)
+    output_node = next(n for n in exported.graph.nodes if n.op == "output")
+    results = output_node.args[0]
+    outputs: list[Output] = []
+    for value, spec in zip(results, signature.output_specs, strict=True):
+        ref = Ref(value.name) if isinstance(value, torch.fx.Node) else None
+        if spec.kind == OutputKind.BUFFER_MUTATION:
+            outputs.append(Output("buffer", ref, _strip_wrapper(spec.target)))
+        elif spec.kind == OutputKind.USER_OUTPUT:
+            outputs.append(Output(user_output_kind, ref))
+        else:
+            raise NotImplementedError(
+                f"torch.export output kind {spec.kind.name} ({spec.target}) is not supported: the model "
+                "mutates one of its inputs in place; clone the input before mutating it")
+    graph = Graph(inputs=inputs, nodes=nodes, outputs=outputs, constants=constants)
+    graph.validate()
+    return graph
+
+
+def _canonical_param_names(model: torch.nn.Module) -> dict[str, str]:
+    """Every name a parameter is reachable under → its first ``named_parameters()`` name."""
+    first: dict[int, str] = {}
+    for name, param in model.named_parameters():
+        first.setdefault(id(param), name)
+    return {name: first[id(p)] for name, p in model.named_parameters(remove_duplicate=False)}
+
+
+def _strip_wrapper(target: str) -> str:
+    return target.removeprefix("model.")
+
+
+def _target_name(target: Any) -> str:
+    if target is BOUNDARY_TARGET:
+        return "torchpar.pipeline_boundary"
+    if isinstance(target, torch._ops.OpOverload):
+        return f"aten.{target._opname}.{target._overloadname}" if target.namespace == "aten" else str(target)
+    if getattr(target, "__name__", None) == "getitem":
+        return "getitem"
+    return str(target)
+
+
+def _convert(value: Any) -> Any:
+    """fx argument → IR argument (see :mod:`torchpar.ir.graph`)."""
+    if isinstance(value, torch.fx.Node):
+        return Ref(value.name)
+    if isinstance(value, torch.dtype):
+        return DType(dtype_name(value))
+    if isinstance(value, (torch.device, torch.layout, torch.memory_format)):
+        return str(value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_convert(v) for v in value) if isinstance(value, list) else tuple(_convert(v) for v in value)
+    if isinstance(value, (int, float, bool, str)) or value is None:
+        return value
+    if isinstance(value, torch.SymInt | torch.SymFloat | torch.SymBool):
+        raise NotImplementedError(f"symbolic value {value} in the exported graph: torchpar compiles static shapes")
+    raise NotImplementedError(f"unsupported argument of type {type(value).__name__} in the exported graph: {value!r}")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _tensor_meta(tensor: torch.Tensor) -> TensorMeta:
+    return TensorMeta(tuple(int(s) for s in tensor.shape), dtype_name(tensor.dtype))
+
+
+def _meta_of(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return _tensor_meta(value)
+    if isinstance(value, (list, tuple)):
+        return tuple(_tensor_meta(v) if isinstance(v, torch.Tensor) else None for v in value)
+    return None
+
+
+def _source_line(stack_trace: str | None) -> str:
+    """The innermost frame of the user's (or the model library's) code, not torch's own."""
+    if not stack_trace:
+        return ""
+    lines = stack_trace.strip().splitlines()
+    frames = [(lines[i].strip(), lines[i + 1].strip() if i + 1 < len(lines) else "")
+              for i in range(len(lines)) if lines[i].lstrip().startswith("File ")]
+    user_frames = [f for f in frames if "/torch/" not in f[0] and "torchpar/capture" not in f[0]]
+    frame, code = (user_frames or frames or [("", "")])[-1]
+    location = frame.removeprefix("File ").replace('", line ', ":").replace('"', "")
+    return f"{location}: {code}" if code else location
+
+
+def _module_path(stack: dict[str, tuple[str, Any]] | None) -> str:
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    return path.removeprefix("model.").removeprefix("model")

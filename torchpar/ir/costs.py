@@ -1,0 +1,49 @@
+"""FLOP estimates per ATen op, from static shapes alone.
+
+Contract: ``op_flops(target, operands, out)`` returns floating-point operations of the forward op
+(a multiply-add counts 2). Matmuls and convolutions are exact; everything else is approximated by
+the number of output elements (elementwise) or input elements (reductions), which is what matters
+for balancing layers and pricing stages — the matmuls dominate transformer FLOPs.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+from torchpar.ir.graph import OutMeta, TensorMeta
+
+_FREE_OPS = frozenset({
+    "aten.view.default", "aten._unsafe_view.default", "aten.reshape.default", "aten.permute.default",
+    "aten.expand.default", "aten.squeeze.dims", "aten.squeeze.dim", "aten.squeeze.default",
+    "aten.unsqueeze.default", "aten.alias.default", "aten.t.default", "aten.transpose.int",
+    "aten.slice.Tensor", "aten.select.int", "aten.split_with_sizes.default", "aten.split.Tensor",
+    "aten._assert_tensor_metadata.default", "getitem", "aten.detach.default",
+    "aten.lift_fresh_copy.default", "aten.clone.default", "aten.full.default", "aten.arange.start_step",
+    "aten.arange.default", "aten.arange.start", "aten.scalar_tensor.default", "aten.zeros.default",
+    "aten.ones.default", "aten.empty.memory_format", "aten.full_like.default",
+})
+
+_REDUCTIONS = ("sum", "mean", "amax", "amin", "max", "min", "prod", "var", "std", "any", "all",
+               "_softmax", "_log_softmax", "native_layer_norm", "_native_batch_norm", "argmax", "argmin")
+
+
+def op_flops(target: str, operands: Sequence[OutMeta], out: OutMeta) -> float:
+    """FLOPs of one op; ``operands`` are the metas of its tensor operands in argument order."""
+    tensors = [m for m in operands if isinstance(m, TensorMeta)]
+    outs = [out] if isinstance(out, TensorMeta) else [m for m in (out or ()) if isinstance(m, TensorMeta)]
+    out_numel = sum(m.numel for m in outs)
+    name = target.split(".")[1] if target.startswith("aten.") else target
+    if target in _FREE_OPS:
+        return 0.0
+    if name in ("mm", "addmm", "bmm", "baddbmm", "matmul") and len(tensors) >= 2:
+        a, b = (tensors[1], tensors[2]) if name in ("addmm", "baddbmm") and len(tensors) >= 3 else tensors[:2]
+        contracted = a.shape[-1] if a.shape else 1
+        return 2.0 * out_numel * contracted
+    if name == "convolution" and len(tensors) >= 2:
+        weight = tensors[1]
+        per_output = math.prod(weight.shape[1:])  # C_in / groups × kernel
+        return 2.0 * out_numel * per_output
+    if name.startswith(_REDUCTIONS) and tensors:
+        return float(tensors[0].numel) * (5 if "norm" in name or "softmax" in name else 1)
+    return float(out_numel)

@@ -1,0 +1,186 @@
+"""The one IR in the middle: a functional graph of core ATen ops, free of torch objects.
+
+Capture (``torchpar.capture``) produces a :class:`Graph`; planner passes read it; ``jaxbackend.lower``
+turns it into a JAX function. Everything here is plain data (numpy arrays for constants), so a graph
+can be inspected, sliced into stages and serialized without importing torch or jax.
+
+Vocabulary:
+- An *input* is a graph placeholder: a parameter, a buffer, a lifted constant or a user (batch) input.
+- A *node* is one ATen call. Its ``args``/``kwargs`` hold python scalars, lists, ``None``, strings,
+  :class:`Ref` (the value of another node or input) and :class:`DType` (a tensor dtype).
+- A node's ``out`` is a :class:`TensorMeta`, a tuple of them (multi-output ops; ``None`` for a
+  non-tensor slot), or ``None`` for ops with no tensor result.
+- An *output* is the loss, a user output, or the new value of a mutated buffer.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Literal
+
+import numpy as np
+
+DTYPE_BYTES: dict[str, int] = {
+    "bool": 1, "uint8": 1, "int8": 1, "int16": 2, "uint16": 2, "int32": 4, "uint32": 4,
+    "int64": 8, "uint64": 8, "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8,
+    "complex64": 8, "complex128": 16, "float8_e4m3fn": 1, "float8_e5m2": 1,
+}
+
+
+@dataclass(frozen=True)
+class Ref:
+    """The value of the input or node called ``name``."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class DType:
+    """A tensor dtype argument, by its torch name without the ``torch.`` prefix (``"float32"``)."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """Static shape and dtype of one tensor value."""
+
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def numel(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * DTYPE_BYTES.get(self.dtype, 4)
+
+    def __str__(self) -> str:
+        return f"{self.dtype}{list(self.shape)}"
+
+
+InputKind = Literal["param", "buffer", "constant", "input"]
+OutputKind = Literal["loss", "user", "buffer"]
+OutMeta = TensorMeta | tuple[TensorMeta | None, ...] | None
+
+
+@dataclass(frozen=True)
+class Input:
+    """A graph placeholder.
+
+    ``target`` is the parameter or buffer name as in ``model.named_parameters()`` /
+    ``named_buffers()`` (tied parameters: the first name, so two placeholders may share a target),
+    the constant's key in :attr:`Graph.constants`, or for a user input its position in the
+    flattened batch (``"0"``, ``"1"``, ...).
+    """
+
+    name: str
+    kind: InputKind
+    target: str
+    meta: TensorMeta
+
+
+@dataclass(frozen=True)
+class Node:
+    """One ATen call. ``target`` is the overload name, e.g. ``"aten.addmm.default"``."""
+
+    name: str
+    target: str
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    out: OutMeta
+    flops: float = 0.0
+    source: str = ""
+    module_path: str = ""
+
+    def refs(self) -> Iterator[str]:
+        """Names of the values this node reads, in argument order (with repeats)."""
+        yield from _iter_refs(self.args)
+        yield from _iter_refs(tuple(self.kwargs.values()))
+
+    @property
+    def out_bytes(self) -> int:
+        if isinstance(self.out, TensorMeta):
+            return self.out.nbytes
+        if isinstance(self.out, tuple):
+            return sum(m.nbytes for m in self.out if m is not None)
+        return 0
+
+    def describe_inputs(self, metas: dict[str, OutMeta]) -> str:
+        """``"float32[8, 16], int64[8]"`` for the tensor operands, for error messages."""
+        return ", ".join(str(metas.get(r)) for r in self.refs())
+
+
+@dataclass(frozen=True)
+class Output:
+    """A graph result: the loss, a user output, or the new value of buffer ``target``."""
+
+    kind: OutputKind
+    value: Ref | None
+    target: str = ""
+
+
+@dataclass
+class Graph:
+    """A functional graph: inputs → nodes (topologically ordered) → outputs.
+
+    Invariants: node and input names are unique; every :class:`Ref` names an input or an earlier node.
+    """
+
+    inputs: list[Input]
+    nodes: list[Node]
+    outputs: list[Output]
+    constants: dict[str, np.ndarray] = field(default_factory=dict)
+
+    def metas(self) -> dict[str, OutMeta]:
+        """Static meta of every value by name."""
+        metas: dict[str, OutMeta] = {i.name: i.meta for i in self.inputs}
+        metas.update({n.name: n.out for n in self.nodes})
+        return metas
+
+    def inputs_of_kind(self, kind: InputKind) -> list[Input]:
+        return [i for i in self.inputs if i.kind == kind]
+
+    @property
+    def total_flops(self) -> float:
+        return float(sum(n.flops for n in self.nodes))
+
+    def op_counts(self) -> collections.Counter[str]:
+        return collections.Counter(n.target for n in self.nodes)
+
+    def validate(self) -> None:
+        """Assert the structural invariants (internal consistency, not user error)."""
+        seen = {i.name for i in self.inputs}
+        assert len(seen) == len(self.inputs), "duplicate input names"
+        for node in self.nodes:
+            for ref in node.refs():
+                assert ref in seen, f"{node.name} reads {ref} before it is defined"
+            assert node.name not in seen, f"duplicate node name {node.name}"
+            seen.add(node.name)
+        for out in self.outputs:
+            assert out.value is None or out.value.name in seen
+
+    def summary(self, top: int = 12) -> str:
+        """A few lines: sizes, FLOPs and the most frequent ops."""
+        kinds = collections.Counter(i.kind for i in self.inputs)
+        lines = [
+            f"Graph: {len(self.nodes)} ops, inputs {dict(kinds)}, outputs "
+            f"{[o.kind for o in self.outputs]}, {self.total_flops / 1e9:.3f} GFLOP",
+        ]
+        for target, count in self.op_counts().most_common(top):
+            lines.append(f"  {count:5d}  {target}")
+        return "\n".join(lines)
+
+    def replace(self, **changes: Any) -> "Graph":
+        return dataclasses.replace(self, **changes)
+
+
+def _iter_refs(values: tuple[Any, ...]) -> Iterator[str]:
+    for value in values:
+        if isinstance(value, Ref):
+            yield value.name
+        elif isinstance(value, (list, tuple)):
+            yield from _iter_refs(tuple(value))

@@ -1,0 +1,99 @@
+"""Parallel methods and their options: what ``torchpar.compile(method=...)`` accepts.
+
+``None`` runs on one device. The others describe a plan family; the planner turns them into a
+:class:`torchpar.planner.plan.Plan`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(kw_only=True, frozen=True)
+class DataParallel:
+    """Batch split over all devices, parameters replicated, gradients all-reduced."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class Zero2Parallel:
+    """Data parallel with gradients reduce-scattered and optimizer state sharded (ZeRO stage 2)."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class Zero3Parallel:
+    """ZeRO stage 3: parameters sharded too, all-gathered where used."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class ShardParallel:
+    """Intra-operator parallelism chosen by the sharding ILP on a 2-D logical mesh."""
+
+    mesh_shape: tuple[int, int] | None = None
+    """Logical mesh ``(d0, d1)``; ``None`` tries every factorization of the device count."""
+
+    def __post_init__(self) -> None:
+        if self.mesh_shape is not None:
+            if len(self.mesh_shape) != 2 or any(int(d) < 1 for d in self.mesh_shape):
+                raise ValueError(f"mesh_shape must be two positive ints, got {self.mesh_shape}")
+
+
+@dataclass(kw_only=True, frozen=True)
+class AutoLayerOption:
+    """Cluster the ops into ``layer_num`` layers of near-equal FLOPs."""
+
+    layer_num: int
+    """Number of layers to form."""
+    eps: float = 0.5
+    """Each layer's FLOPs stay within ``(1 + eps)`` × the mean."""
+
+    def __post_init__(self) -> None:
+        if self.layer_num < 1:
+            raise ValueError(f"layer_num must be ≥ 1, got {self.layer_num}")
+        if self.eps < 0:
+            raise ValueError(f"eps must be ≥ 0, got {self.eps}")
+
+
+@dataclass(kw_only=True, frozen=True)
+class ManualStageOption:
+    """Stages given by hand: which layers, on which submesh, with which logical mesh."""
+
+    forward_stage_layer_ids: tuple[tuple[int, ...], ...]
+    """Layer ids of each stage, contiguous and in order."""
+    submesh_physical_shapes: tuple[tuple[int, int], ...]
+    """(hosts, devices) of each stage's submesh."""
+    submesh_logical_shapes: tuple[tuple[int, int], ...]
+    """Logical mesh of each stage."""
+
+    def __post_init__(self) -> None:
+        n = len(self.forward_stage_layer_ids)
+        if n == 0 or len(self.submesh_physical_shapes) != n or len(self.submesh_logical_shapes) != n:
+            raise ValueError("forward_stage_layer_ids, submesh_physical_shapes and submesh_logical_shapes "
+                             "must be non-empty and of equal length")
+
+
+@dataclass(kw_only=True, frozen=True)
+class PipeshardParallel:
+    """Pipeline stages on submeshes (inter-op) with the ILP inside each stage (intra-op)."""
+
+    num_micro_batches: int = 1
+    """Micro-batches per step; the batch dim must divide evenly."""
+    layer_option: AutoLayerOption | Literal["manual"] = AutoLayerOption(layer_num=2)
+    """How ops are grouped into layers; ``"manual"`` cuts at ``mark_pipeline_boundary``."""
+    stage_option: Literal["auto", "uniform"] | ManualStageOption = "auto"
+    """How layers are grouped into stages and stages placed on submeshes."""
+    schedule: Literal["1f1b", "gpipe"] = "1f1b"
+    """Pipeline schedule."""
+
+    def __post_init__(self) -> None:
+        if self.num_micro_batches < 1:
+            raise ValueError(f"num_micro_batches must be ≥ 1, got {self.num_micro_batches}")
+        if self.schedule not in ("1f1b", "gpipe"):
+            raise ValueError(f"schedule must be '1f1b' or 'gpipe', got {self.schedule!r}")
+        if not isinstance(self.layer_option, AutoLayerOption) and self.layer_option != "manual":
+            raise ValueError(f"layer_option must be AutoLayerOption(...) or 'manual', got {self.layer_option!r}")
+        if not isinstance(self.stage_option, ManualStageOption) and self.stage_option not in ("auto", "uniform"):
+            raise ValueError(f"stage_option must be 'auto', 'uniform' or ManualStageOption(...), got {self.stage_option!r}")
+
+
+Method = DataParallel | Zero2Parallel | Zero3Parallel | ShardParallel | PipeshardParallel

@@ -1,0 +1,1 @@
+"""Planner: IR → Plan (layers, stages, shardings)."""

@@ -1,0 +1,77 @@
+"""The Plan: what runs where. Plain data with a JSON round trip (DESIGN.md §2).
+
+A spec is a list with one entry per tensor dim: ``None`` if replicated along it, else the list of
+logical mesh axes (0 and/or 1) the dim is split over.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+Spec = list[list[int] | None]
+
+
+@dataclass(kw_only=True)
+class StagePlan:
+    """One pipeline stage: its layers, submesh, logical mesh and parameter specs."""
+
+    layers: list[int]
+    submesh_shape: tuple[int, int]
+    logical_mesh_shape: tuple[int, int]
+    params: dict[str, Spec]
+    estimated_cost_s: float
+    estimated_compute_s: float = 0.0
+    estimated_communication_s: float = 0.0
+    estimated_memory_bytes: int = 0
+
+
+@dataclass(kw_only=True)
+class Plan:
+    """A parallel execution plan; see DESIGN.md §2 for the serialized format."""
+
+    method: str
+    stages: list[StagePlan]
+    num_micro_batches: int = 1
+    schedule: str = "none"
+    estimated_step_s: float = 0.0
+    solver: dict[str, Any] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        for stage in data["stages"]:
+            stage["submesh_shape"] = list(stage["submesh_shape"])
+            stage["logical_mesh_shape"] = list(stage["logical_mesh_shape"])
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Plan":
+        stages = [StagePlan(**{**s, "submesh_shape": tuple(s["submesh_shape"]),
+                               "logical_mesh_shape": tuple(s["logical_mesh_shape"])}) for s in data["stages"]]
+        return cls(**{**data, "stages": stages})
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        return cls.from_dict(json.loads(text))
+
+    def summary(self) -> str:
+        lines = [f"Plan: {self.method}, {len(self.stages)} stage(s), {self.num_micro_batches} micro-batch(es), "
+                 f"schedule {self.schedule}, estimated step {self.estimated_step_s * 1e3:.2f} ms"]
+        for index, stage in enumerate(self.stages):
+            lines.append(f"  stage {index}: layers {stage.layers}, submesh {stage.submesh_shape}, logical mesh "
+                         f"{stage.logical_mesh_shape}, est. {stage.estimated_cost_s * 1e3:.2f} ms "
+                         f"(compute {stage.estimated_compute_s * 1e3:.2f} ms, comm "
+                         f"{stage.estimated_communication_s * 1e3:.2f} ms), {len(stage.params)} params")
+            for name, spec in stage.params.items():
+                lines.append(f"    {name}: {spec}")
+        if self.solver:
+            lines.append("  solver: " + ", ".join(f"{k}={v}" for k, v in self.solver.items()))
+        if self.timings:
+            lines.append("  compile phases: " + ", ".join(f"{k} {v:.2f}s" for k, v in self.timings.items()))
+        return "\n".join(lines)
