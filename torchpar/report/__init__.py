@@ -1,0 +1,1 @@
+"""Reports: plan summaries, HTML/PNG, and the side-by-side loss comparison."""

@@ -1,0 +1,114 @@
+"""Models built from configs with random weights (nothing is downloaded), with a matching batch.
+
+For the examples, the benchmarks and the command line: ``build("gpt2", {"n_layer": 4}, batch_size=8,
+seq_len=128)`` returns ``(model, batch)`` where ``model(**batch).loss`` is the training loss.
+Families: ``gpt2``, ``llama``, ``bert`` (masked LM), ``vit``, ``resnet`` (HuggingFace transformers) and
+``mlp`` (a plain PyTorch MLP with an MSE loss).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+FAMILIES = ("gpt2", "llama", "bert", "vit", "resnet", "mlp")
+
+
+class MLP(torch.nn.Module):
+    """``depth`` bias-free Linear layers with ReLU between them; ``forward(x, y)`` returns the MSE loss."""
+
+    def __init__(self, width: int = 256, depth: int = 4, bias: bool = False):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width, bias=bias) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        for index, layer in enumerate(self.layers):
+            x = layer(x)
+            if index < len(self.layers) - 1:
+                x = torch.relu(x)
+        return torch.nn.functional.mse_loss(x, y)
+
+
+def build(family: str, overrides: dict[str, Any] | None = None, *, batch_size: int = 2, seq_len: int = 16,
+          dropout: float = 0.0) -> tuple[torch.nn.Module, Any]:
+    """A randomly initialised model of ``family`` and a random batch for it.
+
+    ``overrides`` are config fields (HF config attributes, or ``width``/``depth`` for ``mlp``) applied on
+    top of a tiny default config. ``dropout`` sets every dropout probability of the config.
+    """
+    if family not in _BUILDERS:
+        raise ValueError(f"unknown model family {family!r}; choose one of {', '.join(FAMILIES)}")
+    return _BUILDERS[family](dict(overrides or {}), batch_size, seq_len, dropout)
+
+
+def _token_batch(vocab: int, batch_size: int, seq_len: int) -> torch.Tensor:
+    return torch.randint(0, vocab, (batch_size, seq_len))
+
+
+def _gpt2(overrides: dict, batch_size: int, seq_len: int, dropout: float) -> tuple[torch.nn.Module, Any]:
+    import transformers
+
+    fields = dict(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=max(64, seq_len), bos_token_id=0,
+                  eos_token_id=0, resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout)
+    config = transformers.GPT2Config(**{**fields, **overrides})
+    ids = _token_batch(config.vocab_size, batch_size, seq_len)
+    return transformers.GPT2LMHeadModel(config), {"input_ids": ids, "labels": ids}
+
+
+def _llama(overrides: dict, batch_size: int, seq_len: int, dropout: float) -> tuple[torch.nn.Module, Any]:
+    import transformers
+
+    fields = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=128, max_position_embeddings=max(64, seq_len),
+                  attention_dropout=dropout)
+    config = transformers.LlamaConfig(**{**fields, **overrides})
+    ids = _token_batch(config.vocab_size, batch_size, seq_len)
+    return transformers.LlamaForCausalLM(config), {"input_ids": ids, "labels": ids}
+
+
+def _bert(overrides: dict, batch_size: int, seq_len: int, dropout: float) -> tuple[torch.nn.Module, Any]:
+    import transformers
+
+    fields = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                  vocab_size=128, max_position_embeddings=max(64, seq_len), hidden_dropout_prob=dropout,
+                  attention_probs_dropout_prob=dropout)
+    config = transformers.BertConfig(**{**fields, **overrides})
+    ids = _token_batch(config.vocab_size, batch_size, seq_len)
+    labels = ids.clone()
+    labels[:, ::3] = -100
+    return transformers.BertForMaskedLM(config), {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+                                                  "labels": labels}
+
+
+def _vit(overrides: dict, batch_size: int, seq_len: int, dropout: float) -> tuple[torch.nn.Module, Any]:
+    import transformers
+
+    fields = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                  image_size=32, patch_size=8, num_labels=10, hidden_dropout_prob=dropout,
+                  attention_probs_dropout_prob=dropout)
+    config = transformers.ViTConfig(**{**fields, **overrides})
+    pixels = torch.randn(batch_size, config.num_channels, config.image_size, config.image_size)
+    labels = torch.randint(0, config.num_labels, (batch_size,))
+    return transformers.ViTForImageClassification(config), {"pixel_values": pixels, "labels": labels}
+
+
+def _resnet(overrides: dict, batch_size: int, seq_len: int, dropout: float) -> tuple[torch.nn.Module, Any]:
+    import transformers
+
+    fields = dict(embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], num_labels=10)
+    config = transformers.ResNetConfig(**{**fields, **overrides})
+    pixels = torch.randn(batch_size, config.num_channels, 32, 32)
+    labels = torch.randint(0, config.num_labels, (batch_size,))
+    return transformers.ResNetForImageClassification(config), {"pixel_values": pixels, "labels": labels}
+
+
+def _mlp(overrides: dict, batch_size: int, seq_len: int, dropout: float) -> tuple[torch.nn.Module, Any]:
+    model = MLP(**{"width": 64, "depth": 4, **overrides})
+    width = model.layers[0].in_features
+    return model, (torch.randn(batch_size, width), torch.randn(batch_size, width))
+
+
+_BUILDERS: dict[str, Callable[[dict, int, int, float], tuple[torch.nn.Module, Any]]] = {
+    "gpt2": _gpt2, "llama": _llama, "bert": _bert, "vit": _vit, "resnet": _resnet, "mlp": _mlp,
+}
