@@ -1,0 +1,164 @@
+r"""The intra-operator sharding ILP (Alpa §4), solved with OR-Tools CP-SAT.
+
+Given the solver graph (roots ``v`` with strategies ``k ∈ K_v``; per-strategy cost ``c_v[k]`` =
+compute + the collectives the strategy and its merged followers cause; per-strategy memory
+``m_v[k]``; edges ``(u, v)`` with resharding costs ``R_uv[k, l]``) it solves
+
+    minimize    Σ_v Σ_k c_v[k]·x_v[k]  +  Σ_(u,v) Σ_(k,l) R_uv[k,l]·y_uv[k,l]
+    subject to  Σ_k x_v[k] = 1                              for every root v        (one choice)
+                y_uv[k,l] ≥ x_u[k] + x_v[l] − 1              for R_uv[k,l] > 0       (edge ↔ nodes)
+                Σ_v Σ_k m_v[k]·x_v[k] ≤ M                                            (memory)
+                x_v = x_w                                   for v, w of one share class (repeated layers)
+                x, y ∈ {0, 1}
+
+The edge variables linearize the product ``x_u[k]·x_v[l]``. Because every ``R ≥ 0`` and the problem
+minimizes, the one-sided constraint is exact: at an optimum ``y = x_u ∧ x_v`` wherever it costs, and
+pairs with ``R = 0`` need no variable at all (Alpa's one-hot ``e`` with equality constraints gives the
+same optimum with ``|K_u|·|K_v|`` variables per edge). The memory constraint is taken at the training
+step's peak — the forward/backward boundary, where the parameters, gradients, optimizer state and every
+activation saved for the backward pass are live. A parameter and its update share a layout by
+construction: one root holds the parameter, its gradient and its optimizer state.
+
+Builders: :func:`_one_choice` (first family), :func:`_edges` (second), :func:`_memory` (third),
+:func:`_share` (fourth). Costs are scaled to integer nanoseconds for CP-SAT.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+import numpy as np
+
+from torchpar.planner.sharding.solver_graph import SolverGraph
+
+log = logging.getLogger(__name__)
+
+_SCALE = 1e9  # seconds → integer nanoseconds
+
+
+class MemoryBudgetError(ValueError):
+    """No plan fits the memory budget; the message states the smallest feasible budget."""
+
+
+@dataclass
+class Solution:
+    """The chosen strategy index of every root and the solver's statistics."""
+
+    choice: list[int]
+    objective_s: float
+    bound_s: float
+    status: str
+    num_variables: int
+    num_constraints: int
+    solve_s: float
+    memory_bytes: float
+
+    @property
+    def gap(self) -> float:
+        return 0.0 if self.objective_s <= 0 else max(0.0, (self.objective_s - self.bound_s) / self.objective_s)
+
+    def stats(self) -> dict[str, float | int | str]:
+        return {"status": self.status, "objective_s": self.objective_s, "bound_s": self.bound_s, "gap": self.gap,
+                "variables": self.num_variables, "constraints": self.num_constraints, "solve_s": self.solve_s,
+                "peak_memory_bytes": self.memory_bytes}
+
+
+def solve(graph: SolverGraph, *, memory_budget: float | None = None, time_limit_s: float = 30.0,
+          workers: int = 2) -> Solution:
+    """Solve the ILP on ``graph``; raises :class:`MemoryBudgetError` if no layout fits ``memory_budget``."""
+    from ortools.sat.python import cp_model
+
+    start = time.perf_counter()
+    model = cp_model.CpModel()
+    x = _one_choice(model, graph)
+    objective = [int(round(c * _SCALE)) * var for root, vars_ in zip(graph.roots, x)
+                 for c, var in zip(root.cost, vars_) if c > 0]
+    objective += _edges(model, graph, x)
+    if memory_budget is not None:
+        _memory(model, graph, x, memory_budget)
+    _share(model, graph, x)
+    model.minimize(sum(objective))
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = time_limit_s
+    solver.parameters.num_workers = workers
+    status = solver.solve(model)
+    elapsed = time.perf_counter() - start
+    proto = model.proto
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        if status == cp_model.INFEASIBLE and memory_budget is not None:
+            smallest = minimum_memory(graph)
+            raise MemoryBudgetError(
+                f"no sharding plan fits the memory budget of {memory_budget / 2**20:.1f} MiB per device; the "
+                f"smallest feasible budget is {smallest / 2**20:.1f} MiB. Use more devices, a smaller batch, or "
+                "PipeshardParallel.")
+        raise RuntimeError(f"the sharding ILP ended with status {solver.status_name(status)} after {elapsed:.1f}s; "
+                           "raise the time limit")
+    choice = [next(k for k, var in enumerate(vars_) if solver.value(var)) for vars_ in x]
+    memory = float(sum(root.memory[k] for root, k in zip(graph.roots, choice)))
+    solution = Solution(choice=choice, objective_s=evaluate(graph, choice), bound_s=solver.best_objective_bound / _SCALE,
+                        status=solver.status_name(status), num_variables=len(proto.variables),
+                        num_constraints=len(proto.constraints), solve_s=elapsed, memory_bytes=memory)
+    log.info("sharding ILP: %s, objective %.3g s, gap %.2g, %d vars, %d constraints, %.2fs", solution.status,
+             solution.objective_s, solution.gap, solution.num_variables, solution.num_constraints, elapsed)
+    return solution
+
+
+def _one_choice(model, graph: SolverGraph) -> list[list]:
+    """x_v[k] with Σ_k x_v[k] = 1."""
+    x = []
+    for v, root in enumerate(graph.roots):
+        vars_ = [model.new_bool_var(f"x{v}_{k}") for k in range(len(root.strategies))]
+        model.add_exactly_one(vars_)
+        x.append(vars_)
+    return x
+
+
+def _edges(model, graph: SolverGraph, x: list[list]) -> list:
+    """y_uv[k,l] ≥ x_u[k] + x_v[l] − 1 for R_uv[k,l] > 0; returns the objective terms."""
+    terms = []
+    for (u, v), matrix in graph.edges.items():
+        for k, l in zip(*np.nonzero(matrix)):
+            cost = int(round(matrix[k, l] * _SCALE))
+            if cost <= 0:
+                continue
+            y = model.new_bool_var(f"y{u}_{v}_{k}_{l}")
+            model.add_bool_or([x[u][k].Not(), x[v][l].Not(), y])
+            terms.append(cost * y)
+    return terms
+
+
+def _memory(model, graph: SolverGraph, x: list[list], budget: float) -> None:
+    """Σ_v Σ_k m_v[k]·x_v[k] ≤ M (in KiB, to keep coefficients small)."""
+    terms = [int(np.ceil(m / 1024)) * var for root, vars_ in zip(graph.roots, x) for m, var in zip(root.memory, vars_) if m > 0]
+    model.add(sum(terms) <= int(budget // 1024))
+
+
+def _share(model, graph: SolverGraph, x: list[list]) -> None:
+    """x_v = x_w for roots of one share class (the same op in identical repeated layers)."""
+    classes: dict[str, list[int]] = defaultdict(list)
+    for v, root in enumerate(graph.roots):
+        if root.share_key is not None:
+            classes[root.share_key].append(v)
+    for members in classes.values():
+        first = members[0]
+        names = [s.name for s in graph.roots[first].strategies]
+        for other in members[1:]:
+            if [s.name for s in graph.roots[other].strategies] != names:
+                continue
+            for a, b in zip(x[first], x[other]):
+                model.add(a == b)
+
+
+def evaluate(graph: SolverGraph, choice: list[int]) -> float:
+    """The objective of a given choice, in seconds (node costs plus edge resharding)."""
+    total = sum(float(root.cost[k]) for root, k in zip(graph.roots, choice))
+    total += sum(float(matrix[choice[u], choice[v]]) for (u, v), matrix in graph.edges.items())
+    return total
+
+
+def minimum_memory(graph: SolverGraph) -> float:
+    """A lower bound on the per-device memory of any plan: each root at its least-memory strategy."""
+    return float(sum(root.memory.min() for root in graph.roots))

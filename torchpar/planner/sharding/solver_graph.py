@@ -1,0 +1,299 @@
+"""IR → solver graph: roots with strategies, and resharding-cost edges between them.
+
+Roots are parameters, batch inputs, buffers/constants (replicated only) and anchor ops (see
+:mod:`.strategies`). Every other op is merged into the root of the operand it follows (the largest
+one), so it shares that root's ILP variable: for each of the root's strategies the follower's layout
+is computed by :func:`.follow.follow`, and its costs are added to the root's cost vector. An edge
+``(u, v)`` holds ``R[k, l]``: the cost of resharding the values flowing from root ``u`` (in strategy
+``k``) into what root ``v`` (in strategy ``l``) requires, forward plus — when the value needs a
+gradient — the reverse resharding of that gradient in the backward pass.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from torchpar.ir.graph import Graph, Node, TensorMeta
+from torchpar.planner.sharding.cost_model import LogicalMesh
+from torchpar.planner.sharding.follow import Multi, follow
+from torchpar.planner.sharding.spec import Spec
+from torchpar.planner.sharding.strategies import Strategy, anchor_einsum, einsum_strategies, layout_root_strategies
+
+_SKIPPED = {"aten._assert_tensor_metadata.default", "aten._assert_scalar.default"}
+
+
+@dataclass
+class Root:
+    """An ILP node. ``cost[k]``/``memory[k]``: seconds and per-device bytes of strategy ``k``, its own
+    plus those of the ops merged into it."""
+
+    name: str
+    kind: str
+    label: str
+    strategies: list[Strategy]
+    cost: np.ndarray
+    memory: np.ndarray
+    share_key: str | None = None
+    followers: list[str] = field(default_factory=list)
+
+
+@dataclass
+class ValueLayout:
+    """The value's spec under each strategy of its root (``Multi`` for multi-output ops)."""
+
+    root: int
+    specs: list[Any]
+
+
+@dataclass
+class SolverGraph:
+    mesh: LogicalMesh
+    roots: list[Root]
+    edges: dict[tuple[int, int], np.ndarray]
+    values: dict[str, ValueLayout]
+    anchor_operands: dict[str, list[str]]
+
+    @property
+    def num_strategies(self) -> int:
+        return sum(len(r.strategies) for r in self.roots)
+
+    def summary(self) -> str:
+        kinds = defaultdict(int)
+        for root in self.roots:
+            kinds[root.kind] += 1
+        return (f"solver graph on mesh {self.mesh.shape}: {len(self.roots)} roots {dict(kinds)}, "
+                f"{self.num_strategies} strategies, {len(self.edges)} edges")
+
+
+def build_solver_graph(graph: Graph, mesh: LogicalMesh, *, trainable: set[str], optimizer_state_copies: float,
+                       batch_dim_axes: tuple[int, ...] | None = None) -> SolverGraph:
+    """The solver graph of ``graph`` on ``mesh``.
+
+    ``trainable``: parameter names that get gradients and optimizer state (``2 + optimizer_state_copies``
+    copies in memory). ``batch_dim_axes``: if given, batch inputs must split dim 0 over exactly these axes
+    (data-parallel style plans).
+    """
+    builder = _Builder(graph, mesh, trainable, optimizer_state_copies, batch_dim_axes)
+    return builder.build()
+
+
+class _Builder:
+    def __init__(self, graph: Graph, mesh: LogicalMesh, trainable: set[str], state_copies: float,
+                 batch_dim_axes: tuple[int, ...] | None):
+        self.graph = graph
+        self.mesh = mesh
+        self.trainable = trainable
+        self.state_copies = state_copies
+        self.batch_dim_axes = batch_dim_axes
+        self.metas = graph.metas()
+        self.roots: list[Root] = []
+        self.edges: dict[tuple[int, int], np.ndarray] = {}
+        self.values: dict[str, ValueLayout] = {}
+        self.anchor_operands: dict[str, list[str]] = {}
+        self.needs_grad = self._needs_grad()
+        self._paths: dict[int, tuple[str, str]] = {}  # root → (module path, what it is), for share classes
+
+    def _needs_grad(self) -> set[str]:
+        grad = {i.name for i in self.graph.inputs if i.kind == "param" and i.target in self.trainable}
+        for node in self.graph.nodes:
+            if any(r in grad for r in node.refs()):
+                grad.add(node.name)
+        return grad
+
+    def build(self) -> SolverGraph:
+        for inp in self.graph.inputs:
+            self._add_input(inp)
+        for node in self.graph.nodes:
+            if node.target in _SKIPPED or node.out is None:
+                continue
+            self._add_node(node)
+        for out in self.graph.outputs:
+            if out.kind == "buffer" and out.value is not None and out.value.name in self.values:
+                meta = self.metas[out.value.name]
+                self._require(out.value.name, lambda k: (None,) * len(meta.shape), meta, None)
+        self._assign_share_keys()
+        return SolverGraph(self.mesh, self.roots, self.edges, self.values, self.anchor_operands)
+
+    def _assign_share_keys(self) -> None:
+        """Roots in identical repeated blocks (``h.0``, ``h.1``, … with the same ops, at least two anchors
+        each) get one share key per position, so the ILP picks one layout for all of them."""
+        blocks: dict[str, dict[str, list[tuple[int, str]]]] = defaultdict(lambda: defaultdict(list))
+        for index, (path, what) in sorted(self._paths.items()):
+            match = re.match(r"^(.*?\.\d+)(\..*)?$", path)
+            if not match:
+                continue
+            instance = match.group(1)
+            pattern = re.sub(r"\.\d+$", ".#", instance)
+            blocks[pattern][instance].append((index, f"{match.group(2) or ''}|{what}"))
+        for pattern, instances in blocks.items():
+            signatures = {tuple(w for _, w in members) for members in instances.values()}
+            anchors = sum(self.roots[i].kind == "anchor" for i, _ in next(iter(instances.values())))
+            if len(instances) < 2 or len(signatures) != 1 or anchors < 2:
+                continue
+            for members in instances.values():
+                for position, (index, what) in enumerate(members):
+                    self.roots[index].share_key = f"{pattern}|{position}|{what}"
+
+    # --- roots ----------------------------------------------------------------------------------
+
+    def _new_root(self, name: str, kind: str, label: str, strategies: list[Strategy], share_key: str | None) -> int:
+        cost = np.array([s.compute_s + s.comm_s for s in strategies], dtype=np.float64)
+        memory = np.array([s.memory_bytes for s in strategies], dtype=np.float64)
+        self.roots.append(Root(name, kind, label, strategies, cost, memory, share_key))
+        index = len(self.roots) - 1
+        self.values[name] = ValueLayout(index, [s.out_spec for s in strategies])
+        return index
+
+    def _add_input(self, inp: Any) -> None:
+        meta = inp.meta
+        if inp.kind == "param":
+            copies = 2.0 + self.state_copies if inp.target in self.trainable else 1.0
+            strategies = layout_root_strategies(meta.shape, meta.nbytes, self.mesh, state_copies=copies)
+            self._new_root(inp.name, "param", inp.target, strategies, None)
+            self._paths[len(self.roots) - 1] = (inp.target.rsplit(".", 1)[0], f"param {inp.target.rsplit('.', 1)[-1]}|{meta}")
+        elif inp.kind == "input":
+            strategies = layout_root_strategies(meta.shape, meta.nbytes, self.mesh, state_copies=1.0)
+            if self.batch_dim_axes is not None and meta.shape:
+                wanted = self.batch_dim_axes or None
+                strategies = [s for s in strategies if s.out_spec[0] == wanted and not any(s.out_spec[1:])]
+                if not strategies:
+                    raise ValueError(f"batch input {inp.target} of shape {list(meta.shape)} cannot be split over mesh "
+                                     f"axes {self.batch_dim_axes} of {self.mesh.shape}: the batch size must divide evenly")
+            self._new_root(inp.name, "input", f"input {inp.target}", strategies, None)
+        else:  # buffers and constants stay replicated
+            spec = (None,) * len(meta.shape)
+            self._new_root(inp.name, inp.kind, inp.target, [Strategy("replicated", spec, memory_bytes=meta.nbytes)], None)
+
+    # --- nodes ----------------------------------------------------------------------------------
+
+    def _add_node(self, node: Node) -> None:
+        refs = [r for r in node.refs()]
+        operand_metas = [self.metas.get(r) for r in refs]
+        out = node.out
+        tensor_operands = all(isinstance(m, TensorMeta) for m in operand_metas)
+        einsum = None
+        if tensor_operands and isinstance(out, TensorMeta) and refs:
+            einsum = anchor_einsum(node.target, node.args, [len(m.shape) for m in operand_metas], len(out.shape))
+        if einsum is not None and len(einsum.operands) == len(refs):
+            self._add_anchor(node, refs, operand_metas, einsum)
+            return
+        tracked = [i for i, r in enumerate(refs) if r in self.values]
+        if not tracked:
+            self._add_constant(node)
+            return
+        main = max(tracked, key=lambda i: (_numel(operand_metas[i]), -i))
+        self._add_follower(node, refs, operand_metas, main)
+
+    def _add_constant(self, node: Node) -> None:
+        out = node.out
+        if isinstance(out, TensorMeta):
+            spec: Any = (None,) * len(out.shape)
+        else:
+            spec = Multi((None,) * len(m.shape) if m is not None else None for m in out)
+        self._new_root(node.name, "constant", node.target, [Strategy("replicated", spec)], None)
+
+    def _add_anchor(self, node: Node, refs: list[str], metas: list[Any], einsum: Any) -> None:
+        grads = [r in self.needs_grad for r in refs]
+        strategies = einsum_strategies(einsum, [m.shape for m in metas], node.out.shape, node.flops,
+                                       node.out.nbytes, [m.nbytes for m in metas], grads, self.mesh)
+        index = self._new_root(node.name, "anchor", f"{node.target} {node.module_path}".strip(), strategies, None)
+        if node.module_path:
+            self._paths[index] = (node.module_path, f"{node.target}|{node.out}")
+        self.anchor_operands[node.name] = refs
+        for position, ref in enumerate(refs):
+            if ref not in self.values:
+                continue
+            self._require(ref, lambda l, p=position: strategies[l].in_specs[p], metas[position], index,
+                          grad=ref in self.needs_grad)
+
+    def _add_follower(self, node: Node, refs: list[str], metas: list[Any], main: int) -> None:
+        layout = self.values[refs[main]]
+        root = self.roots[layout.root]
+        grads = [r in self.needs_grad for r in refs]
+        cache: dict[Any, Any] = {}
+        results = []
+        for spec in layout.specs:
+            cache_key = repr(spec)
+            if cache_key not in cache:
+                cache[cache_key] = follow(node, metas, main, spec, self.mesh, grads)
+            results.append(cache[cache_key])
+        out_bytes = node.out_bytes
+        for k, result in enumerate(results):
+            root.cost[k] += result.comm_s
+            root.memory[k] += _local_bytes(out_bytes, result.out, self.mesh)
+        root.followers.append(node.name)
+        self.values[node.name] = ValueLayout(layout.root, [r.out for r in results])
+        for position, ref in enumerate(refs):
+            if ref not in self.values or metas[position] is None or isinstance(metas[position], tuple):
+                continue
+            if all(r.required[position] is None for r in results):
+                continue
+            self._require(ref, lambda k, p=position: results[k].required[p], metas[position], layout.root,
+                          grad=ref in self.needs_grad)
+
+    def _require(self, ref: str, required_of: Any, meta: TensorMeta, consumer_root: int | None,
+                 grad: bool = False) -> None:
+        """Charge resharding value ``ref`` into ``required_of(k)`` for each strategy ``k`` of the consumer root
+        (``None``: a fixed requirement, charged to the value's own root)."""
+        layout = self.values[ref]
+        nbytes = float(meta.nbytes)
+        source = layout.root
+        if consumer_root is None or consumer_root == source:
+            root = self.roots[source]
+            for k, spec in enumerate(layout.specs):
+                wanted = required_of(k)
+                if wanted is not None and spec is not None:
+                    root.cost[k] += self._reshard(nbytes, spec, wanted, grad)
+            return
+        rows = len(self.roots[source].strategies)
+        cols = len(self.roots[consumer_root].strategies)
+        matrix = np.zeros((rows, cols))
+        wanted_specs = [required_of(l) for l in range(cols)]
+        cache: dict[tuple[str, str], float] = {}
+        for k, spec in enumerate(layout.specs):
+            if spec is None:
+                continue
+            for l, wanted in enumerate(wanted_specs):
+                if wanted is None:
+                    continue
+                key = (repr(spec), repr(wanted))
+                if key not in cache:
+                    cache[key] = self._reshard(nbytes, spec, wanted, grad)
+                matrix[k, l] = cache[key]
+        if not matrix.any():
+            return
+        pair = (source, consumer_root) if source < consumer_root else (consumer_root, source)
+        if pair != (source, consumer_root):
+            matrix = matrix.T
+        self.edges[pair] = self.edges.get(pair, 0) + matrix
+
+    def _reshard(self, nbytes: float, src: Spec, dst: Spec, grad: bool) -> float:
+        if len(src) != len(dst):
+            return 0.0
+        cost = self.mesh.resharding(nbytes, src, dst)
+        if grad:
+            cost += self.mesh.resharding(nbytes, dst, src)
+        return cost
+
+
+def _numel(meta: Any) -> int:
+    if isinstance(meta, TensorMeta):
+        return meta.numel
+    if isinstance(meta, tuple):
+        return max((m.numel for m in meta if m is not None), default=0)
+    return 0
+
+
+def _local_bytes(nbytes: int, spec: Any, mesh: LogicalMesh) -> float:
+    if not isinstance(spec, tuple) or isinstance(spec, Multi) or not spec:
+        return float(nbytes)
+    pieces = 1
+    for entry in spec:
+        for axis in entry or ():
+            pieces *= mesh.shape[axis]
+    return nbytes / pieces

@@ -1,0 +1,201 @@
+"""Sharding strategies of the ops that get their own ILP variable.
+
+Three kinds of values choose a layout in the ILP (they are the *roots* of the solver graph):
+parameters, batch inputs, and *anchor* ops — matmuls, convolution, embedding and attention, described
+as einsums over labelled dims. Every other op *follows* an operand (see :mod:`.solver_graph`).
+
+An einsum strategy assigns each mesh axis to at most one label (an axis may also stay unused; one
+label may take both axes). Its costs, for an op ``O = f(A, B)``:
+
+- compute: ``3·FLOPs / (∏ assigned axis sizes) / device_flops`` (forward + backward);
+- forward all-reduce of the (local) output over each axis assigned to a contracted label;
+- backward all-reduce of ``∂A`` over each axis whose label is not in ``A`` (it is contracted when
+  computing ``∂A = g(∂O, B)``), if ``A`` needs a gradient — e.g. the data-parallel weight-gradient
+  sync (batch label absent from the weight) or Megatron's input-gradient sync after a column split.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from torchpar.planner.sharding.cost_model import LogicalMesh
+from torchpar.planner.sharding.spec import Spec, describe, is_valid, make_spec
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One layout choice of a root.
+
+    ``out_spec``: the root's output layout (for tuple outputs, of the first). ``in_specs``: the layout
+    each tensor operand must have (in ``Node.refs()`` order; ``None`` = no requirement).
+    ``compute_s``/``comm_s``: seconds this choice costs by itself; ``memory_bytes``: per-device bytes
+    it keeps alive at the training step's peak.
+    """
+
+    name: str
+    out_spec: Spec
+    in_specs: tuple[Spec | None, ...] = ()
+    compute_s: float = 0.0
+    comm_s: float = 0.0
+    memory_bytes: float = 0.0
+    collectives: tuple[str, ...] = field(default=(), compare=False)
+
+
+@dataclass(frozen=True)
+class Einsum:
+    """An op as an einsum: one label string per tensor operand, and the output's labels.
+
+    Labels absent from ``out`` are contracted. ``free`` labels are those a strategy may split (spatial
+    dims of a convolution are not splittable, for instance).
+    """
+
+    operands: tuple[str, ...]
+    out: str
+    splittable: str
+
+    @property
+    def contracted(self) -> str:
+        return "".join(sorted({l for ops in self.operands for l in ops} - set(self.out)))
+
+
+def layout_strategies(shape: Sequence[int], mesh: LogicalMesh) -> list[Spec]:
+    """Every valid layout of a tensor of ``shape``: replicated, one dim on one or both axes, or two
+    dims on one axis each. Axes of size 1 are never used (they add nothing)."""
+    rank = len(shape)
+    live_axes = [a for a in (0, 1) if mesh.shape[a] > 1]
+    specs: list[Spec] = [make_spec(rank, {})]
+    for dim in range(rank):
+        for axes in _axis_groups(live_axes):
+            specs.append(make_spec(rank, {dim: axes}))
+    if len(live_axes) == 2:
+        for d0, d1 in itertools.permutations(range(rank), 2):
+            specs.append(make_spec(rank, {d0: (0,), d1: (1,)}))
+    return [s for s in dict.fromkeys(specs) if is_valid(s, shape, mesh.shape)]
+
+
+def _axis_groups(live_axes: list[int]) -> list[tuple[int, ...]]:
+    groups = [(a,) for a in live_axes]
+    if len(live_axes) == 2:
+        groups.append((0, 1))
+    return groups
+
+
+def einsum_strategies(einsum: Einsum, operand_shapes: Sequence[Sequence[int]], out_shape: Sequence[int],
+                      flops: float, out_bytes: float, operand_bytes: Sequence[float],
+                      needs_grad: Sequence[bool], mesh: LogicalMesh) -> list[Strategy]:
+    """Every assignment of mesh axes to splittable labels that divides the dims evenly."""
+    sizes = _label_sizes(einsum, operand_shapes, out_shape)
+    live_axes = [a for a in (0, 1) if mesh.shape[a] > 1]
+    labels = [l for l in dict.fromkeys(einsum.splittable) if l in sizes]
+    assignments: list[dict[str, tuple[int, ...]]] = [{}]
+    for axes in _axis_groups(live_axes):
+        for label in labels:
+            assignments.append({label: axes})
+    if len(live_axes) == 2:
+        for l0, l1 in itertools.permutations(labels, 2):
+            assignments.append({l0: (0,), l1: (1,)})
+    strategies = []
+    for assignment in assignments:
+        if any(sizes[l] % math.prod(mesh.shape[a] for a in axes) for l, axes in assignment.items()):
+            continue
+        strategies.append(_einsum_strategy(einsum, assignment, operand_shapes, out_shape, flops, out_bytes,
+                                           operand_bytes, needs_grad, mesh))
+    return strategies
+
+
+def _label_sizes(einsum: Einsum, operand_shapes: Sequence[Sequence[int]], out_shape: Sequence[int]) -> dict[str, int]:
+    sizes: dict[str, int] = {}
+    for labels, shape in [*zip(einsum.operands, operand_shapes), (einsum.out, out_shape)]:
+        for label, size in zip(labels, shape):
+            sizes[label] = max(sizes.get(label, 1), int(size))
+    return sizes
+
+
+def _spec_for(labels: str, assignment: dict[str, tuple[int, ...]]) -> Spec:
+    return tuple(assignment.get(l) for l in labels)
+
+
+def _unsplit_broadcast(spec: Spec, shape: Sequence[int]) -> Spec:
+    """Size-1 (broadcast) dims are never split."""
+    return tuple(None if size == 1 else entry for entry, size in zip(spec, shape))
+
+
+def _einsum_strategy(einsum: Einsum, assignment: dict[str, tuple[int, ...]], operand_shapes, out_shape, flops,
+                     out_bytes, operand_bytes, needs_grad, mesh: LogicalMesh) -> Strategy:
+    out_spec = _spec_for(einsum.out, assignment)
+    in_specs = tuple(_unsplit_broadcast(_spec_for(labels, assignment), shape)
+                     for labels, shape in zip(einsum.operands, operand_shapes))
+    shards = math.prod(mesh.shape[a] for axes in assignment.values() for a in axes)
+    comm = 0.0
+    collectives = []
+    out_local = out_bytes / math.prod(mesh.shape[a] for label in einsum.out for a in assignment.get(label, ()))
+    for label, axes in assignment.items():
+        if label not in einsum.out:
+            comm += mesh.all_reduce(out_local, axes)
+            collectives.append(f"fwd all-reduce {out_local:.0f}B over {axes}")
+    for labels, nbytes, grad in zip(einsum.operands, operand_bytes, needs_grad):
+        if not grad:
+            continue
+        local = nbytes / math.prod(mesh.shape[a] for label in labels for a in assignment.get(label, ()))
+        for label, axes in assignment.items():
+            if label not in labels:
+                comm += mesh.all_reduce(local, axes)
+                collectives.append(f"bwd all-reduce {local:.0f}B over {axes}")
+    name = ",".join(f"{label}@{''.join(map(str, axes))}" for label, axes in assignment.items()) or "replicated"
+    return Strategy(name=name, out_spec=out_spec, in_specs=in_specs, compute_s=mesh.compute(3.0 * flops, shards),
+                    comm_s=comm, memory_bytes=out_local, collectives=tuple(collectives))
+
+
+def layout_root_strategies(shape: Sequence[int], nbytes: float, mesh: LogicalMesh, *,
+                           state_copies: float) -> list[Strategy]:
+    """Strategies of a parameter or batch input: each valid layout, holding ``state_copies`` × its bytes
+    per device (a parameter: itself, its gradient and the optimizer state; an input: 1)."""
+    strategies = []
+    for spec in layout_strategies(shape, mesh):
+        local = nbytes / math.prod(mesh.shape[a] for entry in spec if entry for a in entry)
+        strategies.append(Strategy(name=describe(spec), out_spec=spec, memory_bytes=state_copies * local))
+    return strategies
+
+
+# --- einsum descriptions of the anchor ops --------------------------------------------------------------
+
+_LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+
+def anchor_einsum(target: str, args: tuple, operand_ranks: Sequence[int], out_rank: int) -> Einsum | None:
+    """The einsum view of an anchor op, or ``None`` if ``target`` is not one (its operands are its tensor
+    operands in ``Node.refs()`` order, whose ranks are ``operand_ranks``)."""
+    if target == "aten.mm.default":
+        return Einsum(("mk", "kn"), "mn", "mkn")
+    if target == "aten.addmm.default":
+        bias = "mn"[2 - operand_ranks[0]:] if operand_ranks[0] <= 2 else "mn"
+        return Einsum((bias, "mk", "kn"), "mn", "mkn")
+    if target == "aten.bmm.default":
+        return Einsum(("bmk", "bkn"), "bmn", "bmkn")
+    if target == "aten.baddbmm.default":
+        bias = "bmn"[3 - operand_ranks[0]:]
+        return Einsum((bias, "bmk", "bkn"), "bmn", "bmkn")
+    if target == "aten.convolution.default":
+        spatial = out_rank - 2
+        space = "hwd"[:spatial]
+        kernel = "uvz"[:spatial]
+        groups = args[8] if len(args) > 8 else 1
+        splittable = "no" + ("c" if groups == 1 else "")
+        operands = ["nc" + space, "oc" + kernel] + (["o"] if len(operand_ranks) > 2 else [])
+        if groups != 1:
+            splittable = "n"
+        return Einsum(tuple(operands), "no" + space, splittable)
+    if target == "aten.embedding.default":
+        index_labels = _LETTERS[: operand_ranks[1]]
+        return Einsum(("VD", index_labels), index_labels + "D", "VD" + index_labels)
+    if target == "aten.scaled_dot_product_attention.default":
+        if operand_ranks[0] != 4:
+            return None
+        operands = ["bhle", "bhse", "bhsf"]
+        if len(operand_ranks) > 3:  # attn_mask broadcasts against [b, h, l, s]
+            operands.append("bhls"[4 - operand_ranks[3]:])
+        return Einsum(tuple(operands), "bhlf", "bh")
+    return None
