@@ -12,7 +12,7 @@ promotion rules are enforced) and checked against its static shape.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +20,7 @@ import numpy as np
 
 from jaxbackend import dtypes
 from jaxbackend.ops import registry
+from jaxbackend.sharding import constrain
 from torchpar.ir.graph import DType, Graph, Node, OutMeta, Ref, TensorMeta
 
 StepFn = Callable[[dict[str, jax.Array], dict[str, jax.Array], Sequence[jax.Array], jax.Array],
@@ -55,9 +56,18 @@ def check_supported(graph: Graph) -> None:
     raise UnsupportedOpsError("\n".join(lines))
 
 
-def lower(graph: Graph) -> StepFn:
-    """The pure JAX function computing ``graph`` (see the module docstring for its signature)."""
+def lower(graph: Graph, *, value_shardings: Mapping[str, Any] | None = None,
+          operand_shardings: Mapping[str, Sequence[Any]] | None = None) -> StepFn:
+    """The pure JAX function computing ``graph`` (see the module docstring for its signature).
+
+    ``value_shardings`` maps input or node names to a sharding their value is constrained to
+    (``with_sharding_constraint``) where it is produced; ``operand_shardings`` maps a node name to one
+    sharding (or ``None``) per tensor operand, constrained right before the op reads it. These are how a
+    sharding plan is enforced; the backward pass inherits them through ``jax.grad``.
+    """
     check_supported(graph)
+    value_shardings = dict(value_shardings or {})
+    operand_shardings = dict(operand_shardings or {})
     constants = {name: jnp.asarray(value) for name, value in graph.constants.items()}
     lowerings = [registry.get(node.target) for node in graph.nodes]
     buffer_outputs = [o for o in graph.outputs if o.kind == "buffer"]
@@ -75,9 +85,16 @@ def lower(graph: Graph) -> StepFn:
                 env[inp.name] = constants[inp.target]
             else:
                 env[inp.name] = inputs[int(inp.target)]
+            if inp.name in value_shardings:
+                env[inp.name] = constrain(env[inp.name], value_shardings[inp.name])
         for index, (node, lowering) in enumerate(zip(graph.nodes, lowerings)):
-            args = _materialize(node.args, env)
-            kwargs = {k: _materialize(v, env) for k, v in node.kwargs.items()}
+            scope = env
+            if node.name in operand_shardings:
+                scope = dict(env)
+                for ref, sharding in zip(node.refs(), operand_shardings[node.name]):
+                    scope[ref] = constrain(env[ref], sharding)
+            args = _materialize(node.args, scope)
+            kwargs = {k: _materialize(v, scope) for k, v in node.kwargs.items()}
             if lowering.random:
                 kwargs["key"] = jax.random.fold_in(key, index)
             try:
@@ -85,6 +102,8 @@ def lower(graph: Graph) -> StepFn:
             except Exception as error:
                 raise LoweringError(_context(node, graph, f"lowering raised {type(error).__name__}: {error}")) from error
             env[node.name] = _conform(result, node, graph)
+            if node.name in value_shardings:
+                env[node.name] = constrain(env[node.name], value_shardings[node.name])
         outputs = [env[o.value.name] if o.value is not None else None for o in value_outputs]
         new_buffers = {o.target: env[o.value.name] for o in buffer_outputs}
         return outputs, new_buffers

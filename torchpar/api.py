@@ -21,9 +21,11 @@ import torch.utils._pytree as pytree
 from torchpar.capture.export import Capture, LossFn, capture_forward, capture_train_step, dtype_name
 from torchpar.capture.optim import TorchOptimizerBridge
 from torchpar.cluster import current_cluster
-from torchpar.ir.graph import Graph, TensorMeta
-from torchpar.methods import Method
-from torchpar.planner.plan import Plan, StagePlan
+from torchpar.ir.graph import Graph
+from torchpar.methods import DataParallel, Method, PipeshardParallel, ShardParallel, Zero2Parallel, Zero3Parallel
+from torchpar.planner.for_method import plan_for_method, single_device_plan
+from torchpar.planner.plan import Plan
+from torchpar.runtime.placement import Placement
 
 log = logging.getLogger(__name__)
 
@@ -48,24 +50,27 @@ def compile(
     *,
     example_batch: Any,
     loss_fn: LossFn | None = None,
-    method: Method | None = None,
+    method: Method | Plan | None = None,
     grad_clip_norm: float | None = None,
     seed: int = 0,
 ) -> "Engine":
     """Capture ``model``'s training step on ``example_batch`` and compile it with ``method``.
 
-    ``method=None`` runs on one device. See DESIGN.md §2 for the calling convention and the loss rule.
+    ``method=None`` runs on one device; a :class:`Plan` (e.g. loaded with ``Plan.from_dict``) runs as given,
+    without solving. See DESIGN.md §2 for the calling convention and the loss rule.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    if method is not None:
+    if isinstance(method, PipeshardParallel):
         raise NotImplementedError(
-            f"method={type(method).__name__}() is not implemented yet; only method=None (one device) runs in this "
-            "version")
+            "PipeshardParallel is not implemented yet; use DataParallel, Zero2Parallel, Zero3Parallel, ShardParallel "
+            "or a Plan")
+    if method is not None and not isinstance(method, (DataParallel, Zero2Parallel, Zero3Parallel, ShardParallel, Plan)):
+        raise TypeError(f"method must be None, a torchpar parallel method or a Plan, got {type(method).__name__}")
     options = CompileOptions(grad_clip_norm=grad_clip_norm, seed=seed)
-    return Engine(model, optimizer, example_batch, loss_fn, options)
+    return Engine(model, optimizer, example_batch, loss_fn, options, method)
 
 
 @dataclasses.dataclass
@@ -81,7 +86,7 @@ class Engine:
     """A compiled training step bound to a model and optimizer. Create it with :func:`torchpar.compile`."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, example_batch: Any,
-                 loss_fn: LossFn | None, options: CompileOptions):
+                 loss_fn: LossFn | None, options: CompileOptions, method: Method | Plan | None = None):
         import jax
 
         from jaxbackend import optim as jax_optim
@@ -91,25 +96,30 @@ class Engine:
         self.model = model
         self.optimizer = optimizer
         self.options = options
+        self.method = method
         self._loss_fn = loss_fn
         self._timings: dict[str, float] = {}
-        self._device = jax.devices()[0]
 
         self._param_names = _unique_named(model.named_parameters())
         self._buffer_names = _unique_named(model.named_buffers())
         self._bridge = TorchOptimizerBridge(optimizer, {id(p): n for n, p in self._param_names.items()})
         self._spec = self._bridge.spec
-        self._params = {n: self._put(p) for n, p in self._param_names.items()}
-        self._buffers = {n: self._put(b) for n, b in self._buffer_names.items()}
-        self._opt_state = jax.tree.map(self._put_array, self._bridge.initial_state())
         self._steps_taken = 0
         self._base_key = jax.random.key(options.seed)
-
         self._example_signature = _signature(example_batch)
         self._train: dict[tuple, _Executable] = {}
         self._eval: dict[tuple, tuple[Capture, Any]] = {}
         self._last: _Executable | None = None
-        self._train_executable(example_batch)
+
+        capture = self._capture(example_batch)
+        self._plan = self._make_plan(capture.graph, method)
+        self._placement = Placement.from_stage(self._plan.stages[0], capture.graph)
+        self._params = {n: self._put(p, self._placement.param(n)) for n, p in self._param_names.items()}
+        self._buffers = {n: self._put(b, self._placement.replicated) for n, b in self._buffer_names.items()}
+        initial_state = self._bridge.initial_state()
+        self._opt_state = {name: {key: self._put_array(value, self._placement.state_of(name)) for key, value in entries.items()}
+                           for name, entries in initial_state.items()}
+        self._train_executable(example_batch, capture)
 
     # --- public API --------------------------------------------------------------------------------
 
@@ -161,9 +171,10 @@ class Engine:
             missing = set(current) ^ set(state[kind])
             if missing:
                 raise ValueError(f"checkpoint {kind} differ from the model's: {sorted(missing)[:5]}")
-        self._params = {n: self._put(state["params"][n]) for n in self._params}
-        self._buffers = {n: self._put(state["buffers"][n]) for n in self._buffers}
-        self._opt_state = self._jax.tree.map(self._put, state["optimizer"])
+        self._params = {n: self._put(state["params"][n], self._placement.param(n)) for n in self._params}
+        self._buffers = {n: self._put(state["buffers"][n], self._placement.replicated) for n in self._buffers}
+        self._opt_state = {name: {key: self._put(value, self._placement.state_of(name)) for key, value in entries.items()}
+                           for name, entries in state["optimizer"].items()}
         self._bridge.load_state_dict(state["optimizer_counters"])
         self._steps_taken = int(state["steps_taken"])
         if int(state["seed"]) != self.options.seed:
@@ -178,16 +189,9 @@ class Engine:
 
     @property
     def plan(self) -> Plan:
-        """The execution plan (one stage on one device for ``method=None``)."""
-        executable = self._last or next(iter(self._train.values()))
-        graph = executable.capture.graph
-        cluster = current_cluster()
-        compute_s = 3.0 * graph.total_flops / cluster.device_flops
-        params = {name: [None] * len(meta.shape) for name, meta in _param_metas(graph).items()}
-        stage = StagePlan(layers=[0], submesh_shape=(1, 1), logical_mesh_shape=(1, 1), params=params,
-                          estimated_cost_s=compute_s, estimated_compute_s=compute_s,
-                          estimated_memory_bytes=_state_bytes(graph, len(executable.trainable)))
-        return Plan(method="single_device", stages=[stage], estimated_step_s=compute_s, timings=dict(self._timings))
+        """The execution plan, with every compile phase's seconds in ``timings``."""
+        self._plan.timings.update(self._timings)
+        return self._plan
 
     @property
     def graph(self) -> Graph:
@@ -196,7 +200,27 @@ class Engine:
 
     # --- compilation ----------------------------------------------------------------------------
 
-    def _train_executable(self, batch: Any) -> _Executable:
+    def _capture(self, batch: Any) -> Capture:
+        start = time.perf_counter()
+        capture = capture_train_step(self.model, batch, self._loss_fn)
+        self._timings["capture"] = time.perf_counter() - start
+        return capture
+
+    def _make_plan(self, graph: Graph, method: Method | Plan | None) -> Plan:
+        cluster = current_cluster()
+        if method is None:
+            return single_device_plan(graph, cluster)
+        if isinstance(method, Plan):
+            if len(method.stages) != 1:
+                raise NotImplementedError("plans with several pipeline stages need PipeshardParallel (not implemented yet)")
+            return method
+        trainable = set(self._trainable(graph))
+        copies = sum(len(self._jax_optim.state_keys(self._spec, g)) for g in range(self._spec.num_groups)) / max(self._spec.num_groups, 1)
+        plan = plan_for_method(graph, method, cluster, trainable=trainable, optimizer_state_copies=copies)
+        log.info("torchpar plan:\n%s", plan.summary())
+        return plan
+
+    def _train_executable(self, batch: Any, capture: Capture | None = None) -> _Executable:
         signature = _signature(batch)
         self._check_compatible(signature)
         if signature in self._train:
@@ -205,22 +229,27 @@ class Engine:
             log.info("torchpar: new batch shapes %s, recompiling the training step", _describe(signature))
         jax = self._jax
         t0 = time.perf_counter()
-        capture = capture_train_step(self.model, batch, self._loss_fn)
+        capture = capture or self._capture(batch)
         t1 = time.perf_counter()
         from jaxbackend.lower import lower
 
-        run = lower(capture.graph)
+        placement = self._placement
+        run = lower(capture.graph, value_shardings=placement.values, operand_shardings=placement.operands)
         trainable = self._trainable(capture.graph)
-        step_fn = _make_train_step(run, trainable, self._spec, self._jax_optim, self.options.grad_clip_norm)
-        args = (self._params, self._opt_state, self._buffers, self._inputs(batch), self._jax_optim.step_scalars(self._spec, self._bridge.hparams(), [1] * self._spec.num_groups),
-                jax.random.key(0))
-        lowered = jax.jit(step_fn, donate_argnums=(0, 1, 2)).lower(*args)
+        step_fn = _make_train_step(run, trainable, self._spec, self._jax_optim, self.options.grad_clip_norm,
+                                   placement.grads)
+        out_shardings = (placement.replicated, {n: placement.param(n) for n in self._params},
+                         {n: {k: placement.state_of(n) for k in entries} for n, entries in self._opt_state.items()},
+                         {n: placement.replicated for n in self._buffers})
+        scalars = self._jax_optim.step_scalars(self._spec, self._bridge.hparams(), [1] * self._spec.num_groups)
+        args = (self._params, self._opt_state, self._buffers, self._inputs(batch), scalars, jax.random.key(0))
+        lowered = jax.jit(step_fn, donate_argnums=(0, 1, 2), out_shardings=out_shardings).lower(*args)
         t2 = time.perf_counter()
         compiled = lowered.compile()
         t3 = time.perf_counter()
-        self._timings.update(capture=capture.export_s + capture.decompose_s, lower=t2 - t1, xla_compile=t3 - t2)
-        log.info("torchpar: compiled training step (%d ops) in %.2fs: capture %.2fs, lower %.2fs, XLA %.2fs",
-                 len(capture.graph.nodes), t3 - t0, t1 - t0, t2 - t1, t3 - t2)
+        self._timings.update(lower=t2 - t1, xla_compile=t3 - t2)
+        log.info("torchpar: compiled training step (%d ops) in %.2fs: lower %.2fs, XLA %.2fs",
+                 len(capture.graph.nodes), t3 - t0, t2 - t1, t3 - t2)
         executable = _Executable(capture=capture, compiled=compiled, trainable=trainable)
         self._train[signature] = executable
         return executable
@@ -232,7 +261,7 @@ class Engine:
             from jaxbackend.lower import lower
 
             capture = capture_forward(self.model, batch)
-            run = lower(capture.graph)
+            run = lower(capture.graph)  # eval: let XLA propagate from the parameters' layouts
             key = self._jax.random.key(0)
             forward = self._jax.jit(lambda params, buffers, inputs: run(params, buffers, inputs, key)[0])
             self._eval[signature] = (capture, forward)
@@ -266,23 +295,23 @@ class Engine:
 
     # --- data movement --------------------------------------------------------------------------
 
-    def _put(self, tensor: torch.Tensor) -> Any:
-        return self._put_array(tensor.detach().cpu().numpy())
+    def _put(self, tensor: torch.Tensor, sharding: Any) -> Any:
+        return self._put_array(tensor.detach().cpu().numpy(), sharding)
 
-    def _put_array(self, array: Any) -> Any:
+    def _put_array(self, array: Any, sharding: Any) -> Any:
         from jaxbackend.lower import to_numpy_input
 
-        return self._jax.device_put(to_numpy_input(np.asarray(array)), self._device)
+        return self._jax.device_put(to_numpy_input(np.asarray(array)), sharding)
 
     def _inputs(self, batch: Any) -> list[Any]:
         from torchpar.capture.export import batch_to_call_args
 
         leaves = pytree.tree_leaves(batch_to_call_args(batch))
-        return [self._put(leaf) for leaf in leaves]
+        return [self._put(leaf, self._placement.input(i)) for i, leaf in enumerate(leaves)]
 
 
 def _make_train_step(run: Callable, trainable: tuple[str, ...], spec: Any, jax_optim: Any,
-                     grad_clip_norm: float | None) -> Callable:
+                     grad_clip_norm: float | None, grad_shardings: dict[str, Any]) -> Callable:
     """The pure step ``(params, opt_state, buffers, inputs, scalars, key) → (loss, params, opt_state, buffers)``."""
     import jax
 
@@ -294,6 +323,10 @@ def _make_train_step(run: Callable, trainable: tuple[str, ...], spec: Any, jax_o
             return outputs[0], new_buffers
 
         (loss, new_buffers), grads = jax.value_and_grad(loss_of, has_aux=True)({n: params[n] for n in trainable})
+        if grad_shardings:  # ZeRO: reduce-scatter the gradients instead of all-reducing them
+            from jaxbackend.sharding import constrain
+
+            grads = {n: constrain(g, grad_shardings.get(n)) for n, g in grads.items()}
         if grad_clip_norm is not None:
             grads, _ = jax_optim.clip_grads_by_global_norm(grads, grad_clip_norm)
         new_params, new_state = jax_optim.apply_updates(spec, params, grads, opt_state, scalars)
@@ -315,15 +348,6 @@ def _params_reaching_loss(graph: Graph) -> set[str]:
         if name in producers:
             stack.extend(producers[name].refs())
     return {i.target for i in graph.inputs if i.kind == "param" and i.name in seen}
-
-
-def _param_metas(graph: Graph) -> dict[str, TensorMeta]:
-    return {i.target: i.meta for i in graph.inputs if i.kind == "param"}
-
-
-def _state_bytes(graph: Graph, trainable_count: int) -> int:
-    params = _param_metas(graph)
-    return sum(m.nbytes for m in params.values()) * 4  # params, grads, two moments (upper bound)
 
 
 def _unique_named(named: Any) -> dict[str, torch.Tensor]:

@@ -29,12 +29,18 @@ class ClusterSpec:
     """Sustained FLOP/s of one device (fp32); prices compute in plan estimates."""
     device_memory_bytes: int = 8 << 30
     """Memory budget of one device."""
+    alpha: tuple[float, float] = (1e-4, 1e-5)
+    """Collective latency (s) on logical mesh axis 0 and axis 1; axis 1 is the inner, faster one."""
+    beta: tuple[float, float] = (1e-9, 1e-10)
+    """Inverse bandwidth (s/byte) on logical mesh axis 0 and axis 1."""
 
     def __post_init__(self) -> None:
         if self.num_hosts < 1 or self.devices_per_host < 1:
             raise ValueError(f"a cluster needs ≥1 host and ≥1 device per host, got {self.num_hosts}×{self.devices_per_host}")
         if self.device_flops <= 0 or self.device_memory_bytes <= 0:
             raise ValueError("device_flops and device_memory_bytes must be positive")
+        if len(self.alpha) != 2 or len(self.beta) != 2 or min(*self.alpha, *self.beta) < 0:
+            raise ValueError(f"alpha and beta are two non-negative numbers (axis 0, axis 1), got {self.alpha}, {self.beta}")
 
     @property
     def num_devices(self) -> int:

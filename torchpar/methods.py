@@ -14,15 +14,33 @@ from typing import Literal
 class DataParallel:
     """Batch split over all devices, parameters replicated, gradients all-reduced."""
 
+    mesh_shape: tuple[int, int] | None = None
+    """Logical mesh ``(d0, d1)`` over the first ``d0·d1`` devices; ``None`` = ``(1, all devices)``."""
+
+    def __post_init__(self) -> None:
+        _check_mesh_shape(self.mesh_shape)
+
 
 @dataclass(kw_only=True, frozen=True)
 class Zero2Parallel:
     """Data parallel with gradients reduce-scattered and optimizer state sharded (ZeRO stage 2)."""
 
+    mesh_shape: tuple[int, int] | None = None
+    """Logical mesh ``(d0, d1)`` over the first ``d0·d1`` devices; ``None`` = ``(1, all devices)``."""
+
+    def __post_init__(self) -> None:
+        _check_mesh_shape(self.mesh_shape)
+
 
 @dataclass(kw_only=True, frozen=True)
 class Zero3Parallel:
     """ZeRO stage 3: parameters sharded too, all-gathered where used."""
+
+    mesh_shape: tuple[int, int] | None = None
+    """Logical mesh ``(d0, d1)`` over the first ``d0·d1`` devices; ``None`` = ``(1, all devices)``."""
+
+    def __post_init__(self) -> None:
+        _check_mesh_shape(self.mesh_shape)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -30,12 +48,18 @@ class ShardParallel:
     """Intra-operator parallelism chosen by the sharding ILP on a 2-D logical mesh."""
 
     mesh_shape: tuple[int, int] | None = None
-    """Logical mesh ``(d0, d1)``; ``None`` tries every factorization of the device count."""
+    """Logical mesh ``(d0, d1)``; ``None`` tries every factorization of the device count, keeps the cheapest."""
+    memory_budget: int | None = None
+    """Bytes per device the plan may use; ``None`` = the cluster's device memory."""
+    solver_time_limit_s: float = 30.0
+    """CP-SAT time limit per solve; the plan reports the optimality gap reached."""
 
     def __post_init__(self) -> None:
-        if self.mesh_shape is not None:
-            if len(self.mesh_shape) != 2 or any(int(d) < 1 for d in self.mesh_shape):
-                raise ValueError(f"mesh_shape must be two positive ints, got {self.mesh_shape}")
+        _check_mesh_shape(self.mesh_shape)
+        if self.memory_budget is not None and self.memory_budget <= 0:
+            raise ValueError(f"memory_budget must be positive bytes, got {self.memory_budget}")
+        if self.solver_time_limit_s <= 0:
+            raise ValueError(f"solver_time_limit_s must be positive, got {self.solver_time_limit_s}")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -97,3 +121,8 @@ class PipeshardParallel:
 
 
 Method = DataParallel | Zero2Parallel | Zero3Parallel | ShardParallel | PipeshardParallel
+
+
+def _check_mesh_shape(mesh_shape: tuple[int, int] | None) -> None:
+    if mesh_shape is not None and (len(mesh_shape) != 2 or any(int(d) < 1 for d in mesh_shape)):
+        raise ValueError(f"mesh_shape must be two positive ints, got {mesh_shape}")

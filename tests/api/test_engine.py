@@ -196,11 +196,11 @@ def test_loss_must_be_found():
         torchpar.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), example_batch=torch.randn(4, 2))
 
 
-def test_parallel_methods_not_yet_available_say_so():
+def test_pipeshard_not_yet_available_says_so():
     model = torch.nn.Linear(2, 1)
-    with pytest.raises(NotImplementedError, match="ShardParallel"):
+    with pytest.raises(NotImplementedError, match="PipeshardParallel"):
         torchpar.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), example_batch=torch.randn(4, 2),
-                         method=torchpar.ShardParallel(), loss_fn=lambda out, batch: out.sum())
+                         method=torchpar.PipeshardParallel(), loss_fn=lambda out, batch: out.sum())
 
 
 def test_option_validation():

@@ -16,7 +16,13 @@ Spec = list[list[int] | None]
 
 @dataclass(kw_only=True)
 class StagePlan:
-    """One pipeline stage: its layers, submesh, logical mesh and parameter specs."""
+    """One pipeline stage: its layers, submesh, logical mesh and the layout of every tensor it pins.
+
+    ``params`` are keyed by ``named_parameters()`` names; ``grads`` and ``optimizer_state`` default to the
+    parameter's spec (they differ under ZeRO); ``params_at_use`` is the layout a parameter is gathered to
+    where the model reads it (ZeRO-3). ``inputs`` are keyed by the batch leaf's flattened position;
+    ``activations`` and ``operands`` by IR node name (the op's output, and each tensor operand it reads).
+    """
 
     layers: list[int]
     submesh_shape: tuple[int, int]
@@ -26,6 +32,13 @@ class StagePlan:
     estimated_compute_s: float = 0.0
     estimated_communication_s: float = 0.0
     estimated_memory_bytes: int = 0
+    grads: dict[str, Spec] = field(default_factory=dict)
+    optimizer_state: dict[str, Spec] = field(default_factory=dict)
+    params_at_use: dict[str, Spec] = field(default_factory=dict)
+    inputs: dict[str, Spec] = field(default_factory=dict)
+    activations: dict[str, Spec] = field(default_factory=dict)
+    operands: dict[str, list[Spec | None]] = field(default_factory=dict)
+    strategies: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(kw_only=True)
@@ -68,10 +81,24 @@ class Plan:
                          f"{stage.logical_mesh_shape}, est. {stage.estimated_cost_s * 1e3:.2f} ms "
                          f"(compute {stage.estimated_compute_s * 1e3:.2f} ms, comm "
                          f"{stage.estimated_communication_s * 1e3:.2f} ms), {len(stage.params)} params")
+            lines.append(f"    est. memory {stage.estimated_memory_bytes / 2**20:.2f} MiB per device")
+            width = max((len(n) for n in stage.params), default=0)
             for name, spec in stage.params.items():
-                lines.append(f"    {name}: {spec}")
+                extra = ""
+                if stage.optimizer_state.get(name, spec) != spec:
+                    extra += f"  optimizer state {stage.optimizer_state[name]}"
+                if stage.grads.get(name, spec) != spec:
+                    extra += f"  grad {stage.grads[name]}"
+                lines.append(f"    {name:<{width}}  {_spec_text(spec)}{extra}")
+            for leaf, spec in stage.inputs.items():
+                lines.append(f"    batch leaf {leaf}: {_spec_text(spec)}")
         if self.solver:
             lines.append("  solver: " + ", ".join(f"{k}={v}" for k, v in self.solver.items()))
         if self.timings:
             lines.append("  compile phases: " + ", ".join(f"{k} {v:.2f}s" for k, v in self.timings.items()))
         return "\n".join(lines)
+
+
+def _spec_text(spec: Spec) -> str:
+    """``[[1], None]`` → ``S1 R`` style text."""
+    return " ".join("R" if not entry else "S" + "".join(str(a) for a in entry) for entry in spec) or "scalar"

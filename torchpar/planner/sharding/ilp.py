@@ -67,8 +67,12 @@ class Solution:
 
 
 def solve(graph: SolverGraph, *, memory_budget: float | None = None, time_limit_s: float = 30.0,
-          workers: int = 2) -> Solution:
-    """Solve the ILP on ``graph``; raises :class:`MemoryBudgetError` if no layout fits ``memory_budget``."""
+          workers: int = 2, allowed: dict[int, set[int]] | None = None) -> Solution:
+    """Solve the ILP on ``graph``; raises :class:`MemoryBudgetError` if no layout fits ``memory_budget``.
+
+    ``allowed`` restricts roots to some strategy indices (hand plans are restrictions of the same ILP,
+    so the automatic plan is never worse than them by the cost model).
+    """
     from ortools.sat.python import cp_model
 
     start = time.perf_counter()
@@ -80,6 +84,10 @@ def solve(graph: SolverGraph, *, memory_budget: float | None = None, time_limit_
     if memory_budget is not None:
         _memory(model, graph, x, memory_budget)
     _share(model, graph, x)
+    for v, keep in (allowed or {}).items():
+        for k, var in enumerate(x[v]):
+            if k not in keep:
+                model.add(var == 0)
     model.minimize(sum(objective))
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = time_limit_s

@@ -1,0 +1,64 @@
+"""Where a one-stage plan puts things: a device mesh and a JAX sharding for every pinned tensor.
+
+Built from a :class:`~torchpar.planner.plan.StagePlan`; the engine places parameters, optimizer state
+and batches with it, and hands its value/operand shardings to the lowering (which constrains them with
+``with_sharding_constraint``). One device is the 1×1 mesh, so every plan runs on one code path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from torchpar.ir.graph import Graph
+from torchpar.planner.plan import StagePlan
+
+
+@dataclass
+class Placement:
+    """Shardings of one stage. ``params``/``grads``/``state`` by parameter name, ``inputs`` by batch
+    leaf position, ``values``/``operands`` by IR value name (see ``jaxbackend.lower.lower``)."""
+
+    mesh: Any
+    params: dict[str, Any]
+    grads: dict[str, Any]
+    state: dict[str, Any]
+    inputs: dict[int, Any]
+    values: dict[str, Any]
+    operands: dict[str, list[Any]]
+    replicated: Any
+
+    @classmethod
+    def from_stage(cls, stage: StagePlan, graph: Graph, devices: list[Any] | None = None) -> "Placement":
+        from jaxbackend import sharding as jsh
+
+        mesh = jsh.make_mesh(tuple(stage.logical_mesh_shape), devices)
+        named = lambda spec: jsh.named_sharding(mesh, spec)  # noqa: E731
+        params = {n: named(s) for n, s in stage.params.items()}
+        grads = {n: named(s) for n, s in stage.grads.items()}
+        state = {n: named(stage.optimizer_state.get(n, s)) for n, s in stage.params.items()}
+        inputs = {int(i): named(s) for i, s in stage.inputs.items()}
+        values: dict[str, Any] = {}
+        by_target = {}
+        for inp in graph.inputs:
+            if inp.kind == "param":
+                by_target.setdefault(inp.target, []).append(inp.name)
+        for name, spec in stage.params_at_use.items():
+            for placeholder in by_target.get(name, []):
+                values[placeholder] = named(spec)
+        node_names = {n.name for n in graph.nodes}
+        for name, spec in stage.activations.items():
+            if name in node_names:
+                values[name] = named(spec)
+        operands = {name: [named(s) if s is not None else None for s in specs]
+                    for name, specs in stage.operands.items() if name in node_names}
+        return cls(mesh, params, grads, state, inputs, values, operands, jsh.replicated(mesh))
+
+    def param(self, name: str) -> Any:
+        return self.params.get(name, self.replicated)
+
+    def state_of(self, name: str) -> Any:
+        return self.state.get(name, self.param(name))
+
+    def input(self, index: int) -> Any:
+        return self.inputs.get(index, self.replicated)
