@@ -187,6 +187,15 @@ class Engine:
         executable = self._last or next(iter(self._train.values()))
         return [executable.compiled.as_text()]
 
+    def memory_stats(self) -> list[dict[str, int]]:
+        """XLA's per-device memory analysis of each compiled stage (bytes of arguments, outputs, temporaries,
+        generated code) for the most recently used step."""
+        executable = self._last or next(iter(self._train.values()))
+        analysis = executable.compiled.memory_analysis()
+        fields = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes",
+                  "generated_code_size_in_bytes")
+        return [{f.removesuffix("_size_in_bytes") + "_bytes": int(getattr(analysis, f, 0) or 0) for f in fields}]
+
     @property
     def plan(self) -> Plan:
         """The execution plan, with every compile phase's seconds in ``timings``."""

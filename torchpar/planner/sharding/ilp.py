@@ -67,11 +67,12 @@ class Solution:
 
 
 def solve(graph: SolverGraph, *, memory_budget: float | None = None, time_limit_s: float = 30.0,
-          workers: int = 2, allowed: dict[int, set[int]] | None = None) -> Solution:
+          workers: int = 2, allowed: dict[int, set[int]] | None = None, relative_gap: float = 1e-4) -> Solution:
     """Solve the ILP on ``graph``; raises :class:`MemoryBudgetError` if no layout fits ``memory_budget``.
 
     ``allowed`` restricts roots to some strategy indices (hand plans are restrictions of the same ILP,
-    so the automatic plan is never worse than them by the cost model).
+    so the automatic plan is never worse than them by the cost model). The solver stops once the
+    optimality gap is at most ``relative_gap`` (reported in the solution).
     """
     from ortools.sat.python import cp_model
 
@@ -92,6 +93,7 @@ def solve(graph: SolverGraph, *, memory_budget: float | None = None, time_limit_
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = time_limit_s
     solver.parameters.num_workers = workers
+    solver.parameters.relative_gap_limit = relative_gap
     status = solver.solve(model)
     elapsed = time.perf_counter() - start
     proto = model.proto
@@ -125,17 +127,43 @@ def _one_choice(model, graph: SolverGraph) -> list[list]:
 
 
 def _edges(model, graph: SolverGraph, x: list[list]) -> list:
-    """y_uv[k,l] ≥ x_u[k] + x_v[l] − 1 for R_uv[k,l] > 0; returns the objective terms."""
+    """y_uv[g,h] ≥ X_u[g] + X_v[h] − 1 for R_uv[g,h] > 0; returns the objective terms.
+
+    Strategies of ``u`` whose rows of ``R_uv`` are identical form one group ``g`` with indicator
+    ``X_u[g] = Σ_{k∈g} x_u[k]`` (likewise columns for ``v``): the linearization needs one variable per
+    distinct (row, column) pair with a positive cost, not per strategy pair.
+    """
     terms = []
     for (u, v), matrix in graph.edges.items():
-        for k, l in zip(*np.nonzero(matrix)):
-            cost = int(round(matrix[k, l] * _SCALE))
+        row_groups, rows = _groups(model, matrix, x[u], f"r{u}_{v}")
+        col_groups, cols = _groups(model, matrix.T, x[v], f"c{u}_{v}")
+        reduced = matrix[np.ix_([g[0] for g in rows], [h[0] for h in cols])]
+        for g, h in zip(*np.nonzero(reduced)):
+            cost = int(round(reduced[g, h] * _SCALE))
             if cost <= 0:
                 continue
-            y = model.new_bool_var(f"y{u}_{v}_{k}_{l}")
-            model.add_bool_or([x[u][k].Not(), x[v][l].Not(), y])
+            y = model.new_bool_var(f"y{u}_{v}_{g}_{h}")
+            model.add_bool_or([row_groups[g].Not(), col_groups[h].Not(), y])
             terms.append(cost * y)
     return terms
+
+
+def _groups(model, matrix: np.ndarray, x_row: list, name: str) -> tuple[list, list[list[int]]]:
+    """Indicators of the groups of identical rows of ``matrix`` (one per group) and the groups."""
+    _, inverse = np.unique(matrix, axis=0, return_inverse=True)
+    members: dict[int, list[int]] = defaultdict(list)
+    for k, group in enumerate(np.asarray(inverse).reshape(-1)):
+        members[int(group)].append(k)
+    groups = [members[g] for g in sorted(members)]
+    indicators = []
+    for index, group in enumerate(groups):
+        if len(group) == 1:
+            indicators.append(x_row[group[0]])
+            continue
+        indicator = model.new_bool_var(f"{name}_{index}")
+        model.add(indicator == sum(x_row[k] for k in group))
+        indicators.append(indicator)
+    return indicators, groups
 
 
 def _memory(model, graph: SolverGraph, x: list[list], budget: float) -> None:

@@ -1,0 +1,104 @@
+"""The sharding ILP on small graphs: the plans it must find, and its objective in closed form."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from torchpar import zoo
+from torchpar.capture.export import capture_train_step
+from torchpar.cluster import ClusterSpec
+from torchpar.planner.intra_op import plan_stage
+from torchpar.planner.sharding.cost_model import LogicalMesh
+from torchpar.planner.sharding.ilp import MemoryBudgetError, evaluate, solve
+from torchpar.planner.sharding.solver_graph import build_solver_graph
+
+CLUSTER = ClusterSpec(num_hosts=1, devices_per_host=8)
+ADAM_STATE = 2.0
+
+
+def _mlp_graph(width: int, batch: int, depth: int = 6):
+    torch.manual_seed(0)
+    model = zoo.MLP(width=width, depth=depth)
+    batch_tensors = (torch.randn(batch, width), torch.randn(batch, width))
+    graph = capture_train_step(model, batch_tensors).graph
+    return graph, {n for n, _ in model.named_parameters()}
+
+
+def _plan(graph, trainable, kind="auto", mesh=(1, 4), **kwargs):
+    return plan_stage(graph, kind=kind, mesh_shape=mesh, cluster=CLUSTER, trainable=trainable,
+                      optimizer_state_copies=ADAM_STATE, **kwargs)
+
+
+def test_wide_mlp_gets_megatron_and_objective_is_closed_form():
+    width, batch = 256, 32
+    graph, trainable = _mlp_graph(width, batch)
+    result = _plan(graph, trainable)
+    params = result.stage.params
+    for i in range(6):  # torch Linear weight [out, in]: column split = [[1], None], row split = [None, [1]]
+        assert params[f"layers.{i}.weight"] == ([[1], None] if i % 2 == 0 else [None, [1]]), params
+    mesh = LogicalMesh(shape=(1, 4), alpha=CLUSTER.alpha, beta=CLUSTER.beta, device_flops=CLUSTER.device_flops)
+    compute = 6 * mesh.compute(3 * 2 * batch * width * width, 4)
+    communication = 5 * mesh.all_reduce(batch * width * 4, [1])  # 3 forward + 2 backward
+    assert result.solution.objective_s == pytest.approx(compute + communication, rel=1e-9)
+    assert result.communication_s == pytest.approx(communication, rel=1e-9)
+    assert result.solution.status == "OPTIMAL"
+
+
+def test_narrow_mlp_with_big_batch_is_data_parallel():
+    width, batch = 32, 256
+    graph, trainable = _mlp_graph(width, batch)
+    result = _plan(graph, trainable)
+    assert all(spec == [None, None] for spec in result.stage.params.values())
+    mesh = LogicalMesh(shape=(1, 4), alpha=CLUSTER.alpha, beta=CLUSTER.beta, device_flops=CLUSTER.device_flops)
+    compute = 6 * mesh.compute(3 * 2 * batch * width * width, 4)
+    gradient_sync = 6 * mesh.all_reduce(width * width * 4, [1])
+    loss_mean = mesh.all_reduce(4, [1])  # the scalar loss summed over batch shards
+    assert result.solution.objective_s == pytest.approx(compute + gradient_sync + loss_mean, rel=1e-9)
+
+
+def test_hand_plans_are_never_cheaper_than_auto():
+    graph, trainable = _mlp_graph(128, 64)
+    for mesh in [(1, 4), (2, 2), (2, 4)]:
+        auto = _plan(graph, trainable, mesh=mesh).stage.estimated_cost_s
+        for kind in ["data_parallel", "zero2", "zero3", "megatron"]:
+            hand = _plan(graph, trainable, kind=kind, mesh=mesh).stage.estimated_cost_s
+            assert auto <= hand * (1 + 1e-6), (mesh, kind, auto, hand)
+
+
+def test_gpt2_block_gets_megatron_attention_and_mlp():
+    torch.manual_seed(0)
+    model, batch = zoo.build("gpt2", {"n_layer": 1, "n_embd": 256, "n_head": 4, "vocab_size": 64}, batch_size=1,
+                             seq_len=8)
+    graph = capture_train_step(model, batch).graph
+    result = _plan(graph, {n for n, _ in model.named_parameters()})
+    params = result.stage.params
+    # GPT-2's Conv1D stores weights as [in, out]: a column split is [None, [1]], a row split [[1], None]
+    assert params["transformer.h.0.attn.c_attn.weight"] == [None, [1]]
+    assert params["transformer.h.0.mlp.c_fc.weight"] == [None, [1]]
+    assert params["transformer.h.0.attn.c_proj.weight"] == [[1], None]
+    assert params["transformer.h.0.mlp.c_proj.weight"] == [[1], None]
+
+
+def test_memory_budget_too_small_states_the_smallest_feasible_budget():
+    graph, trainable = _mlp_graph(256, 32)
+    with pytest.raises(MemoryBudgetError, match=r"smallest feasible budget is \d+\.\d MiB"):
+        _plan(graph, trainable, memory_budget=64 * 1024)
+
+
+def test_repeated_blocks_share_one_choice():
+    torch.manual_seed(0)
+    model, batch = zoo.build("gpt2", {"n_layer": 3}, batch_size=4, seq_len=16)
+    graph = capture_train_step(model, batch).graph
+    mesh = LogicalMesh(shape=(2, 2))
+    solver_graph = build_solver_graph(graph, mesh, trainable={n for n, _ in model.named_parameters()},
+                                      optimizer_state_copies=ADAM_STATE)
+    shared = [r for r in solver_graph.roots if r.share_key]
+    assert shared, "transformer blocks h.0..h.2 must form share classes"
+    solution = solve(solver_graph)
+    by_key: dict[str, set[str]] = {}
+    for root, k in zip(solver_graph.roots, solution.choice):
+        if root.share_key:
+            by_key.setdefault(root.share_key, set()).add(root.strategies[k].name)
+    assert all(len(names) == 1 for names in by_key.values())
+    assert evaluate(solver_graph, solution.choice) == pytest.approx(solution.objective_s)

@@ -1,0 +1,119 @@
+"""Sharded training on fake CPU devices: every method and mesh gives one device's losses, and the
+compiled HLO moves exactly the communication the plan says."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import torchpar
+from torchpar import zoo
+from torchpar.report.hlo import collectives
+
+LOSS_RTOL = 1e-4
+STEPS = 10
+METHODS = {
+    "shard": torchpar.ShardParallel,
+    "dp": torchpar.DataParallel,
+    "zero2": torchpar.Zero2Parallel,
+    "zero3": torchpar.Zero3Parallel,
+}
+MESHES = [(1, 4), (2, 2), (2, 4)]
+
+
+def _losses(family: str, method, steps: int = STEPS) -> list[float]:
+    torch.manual_seed(0)
+    overrides = {"width": 32} if family == "mlp" else None
+    model, batch = zoo.build(family, overrides, batch_size=8, seq_len=16)
+    engine = torchpar.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-3), example_batch=batch, method=method)
+    return [engine.step(batch) for _ in range(steps)]
+
+
+_reference: dict[str, list[float]] = {}
+
+
+@pytest.mark.parametrize("mesh", MESHES, ids=lambda m: f"{m[0]}x{m[1]}")
+@pytest.mark.parametrize("method", list(METHODS))
+@pytest.mark.parametrize("family", ["mlp", "gpt2", "llama"])
+def test_losses_match_one_device(family, method, mesh):
+    if family not in _reference:
+        _reference[family] = _losses(family, None)
+    losses = _losses(family, METHODS[method](mesh_shape=mesh))
+    torch.testing.assert_close(losses, _reference[family], rtol=LOSS_RTOL, atol=0)
+
+
+def _mlp_engine(width: int, batch: int, method):
+    torch.manual_seed(0)
+    model = zoo.MLP(width=width, depth=6)
+    data = (torch.randn(batch, width), torch.randn(batch, width))
+    engine = torchpar.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-3), example_batch=data, method=method)
+    engine.step(data)
+    return engine
+
+
+def test_megatron_mlp_moves_exactly_five_all_reduces():
+    engine = _mlp_engine(256, 32, torchpar.ShardParallel(mesh_shape=(1, 4)))
+    found = collectives(engine.hlo_text()[0])
+    assert {c.kind for c in found} == {"all-reduce"}, [c.line for c in found]
+    assert sum(c.elements for c in found) == 5 * 32 * 256  # three forward, two backward
+    assert all(shape == (32, 256) for c in found for _, shape in c.shapes)
+
+
+def test_data_parallel_mlp_only_all_reduces_gradients():
+    engine = _mlp_engine(32, 256, torchpar.ShardParallel(mesh_shape=(1, 4)))
+    params = engine.plan.stages[0].params
+    assert all(spec == [None, None] for spec in params.values())
+    found = collectives(engine.hlo_text()[0])
+    assert {c.kind for c in found} == {"all-reduce"}
+    tensors = [shape for c in found for _, shape in c.shapes if shape]  # leave out the scalar loss
+    assert sorted(tensors) == [(32, 32)] * 6
+
+
+def test_zero2_shards_optimizer_state_and_gathers_updated_parameters():
+    dp = _mlp_engine(64, 64, torchpar.DataParallel(mesh_shape=(1, 4)))
+    zero2 = _mlp_engine(64, 64, torchpar.Zero2Parallel(mesh_shape=(1, 4)))
+    gathers = [c for c in collectives(zero2.hlo_text()[0]) if c.kind == "all-gather"]
+    assert sorted(shape for c in gathers for _, shape in c.shapes) == [(64, 64)] * 6  # updated shards → params
+    # arguments = parameters + optimizer state + batch; only the optimizer state (2 moments) shrinks 4×
+    optimizer_bytes = 6 * 64 * 64 * 4 * 2
+    dp_args = dp.memory_stats()[0]["argument_bytes"]
+    zero2_args = zero2.memory_stats()[0]["argument_bytes"]
+    assert dp_args - zero2_args == optimizer_bytes - optimizer_bytes // 4
+
+
+@pytest.mark.xfail(strict=True, reason="XLA:CPU's SPMD pipeline has no ReduceScatterCreator pass: the sharded "
+                   "gradient is lowered as all-reduce + dynamic-slice; an explicit psum_scatter path is still to do")
+def test_zero2_gradients_are_reduce_scattered():
+    zero2 = _mlp_engine(64, 64, torchpar.Zero2Parallel(mesh_shape=(1, 4)))
+    found = collectives(zero2.hlo_text()[0])
+    assert any(c.kind == "reduce-scatter" for c in found)
+    assert not [c for c in found if c.kind == "all-reduce" and any(len(shape) == 2 for _, shape in c.shapes)]
+
+
+def test_plan_round_trips_and_runs_without_solving():
+    engine = _mlp_engine(256, 32, torchpar.ShardParallel(mesh_shape=(1, 4)))
+    plan = engine.plan
+    loaded = torchpar.Plan.from_json(plan.to_json())
+    assert loaded.to_dict() == plan.to_dict()
+    torch.manual_seed(0)
+    model = zoo.MLP(width=256, depth=6)
+    data = (torch.randn(32, 256), torch.randn(32, 256))
+    reference = copy.deepcopy(model)
+    replay = torchpar.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-3), example_batch=data, method=loaded)
+    assert replay.plan.stages[0].params == plan.stages[0].params
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    ref_opt.zero_grad()
+    loss = reference(*data)
+    loss.backward()
+    assert replay.step(data) == pytest.approx(loss.item(), rel=LOSS_RTOL)
+
+
+def test_plan_summary_reports_specs_solver_and_phases():
+    engine = _mlp_engine(256, 32, torchpar.ShardParallel(mesh_shape=(1, 4)))
+    summary = engine.plan.summary()
+    assert "layers.0.weight" in summary and "S1 R" in summary
+    assert "solver:" in summary and "variables=" in summary and "gap=" in summary
+    for phase in ("capture", "ilp", "lower", "xla_compile"):
+        assert phase in engine.plan.timings
