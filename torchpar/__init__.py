@@ -14,6 +14,7 @@ from torchpar.methods import (
     AutoLayerOption,
     DataParallel,
     ManualStageOption,
+    MegatronParallel,
     PipeshardParallel,
     ShardParallel,
     Zero2Parallel,
@@ -32,6 +33,13 @@ def compile(model: Any, optimizer: Any, **kwargs: Any) -> "Engine":
     return api.compile(model, optimizer, **kwargs)
 
 
+def plan(model: Any, optimizer: Any, **kwargs: Any) -> Plan:
+    """Capture and plan without compiling or running a step; see :func:`torchpar.api.plan`."""
+    from torchpar import api
+
+    return api.plan(model, optimizer, **kwargs)
+
+
 compile.__doc__ = (
     "Capture ``model``'s training step on ``example_batch`` and compile it with ``method``.\n\n"
     "torchpar.compile(model, optimizer, *, example_batch, loss_fn=None, method=None, grad_clip_norm=None, "
@@ -43,6 +51,7 @@ __all__ = [
     "ClusterSpec",
     "DataParallel",
     "ManualStageOption",
+    "MegatronParallel",
     "PipeshardParallel",
     "Plan",
     "ShardParallel",
@@ -51,4 +60,5 @@ __all__ = [
     "compile",
     "init",
     "mark_pipeline_boundary",
+    "plan",
 ]

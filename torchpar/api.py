@@ -22,7 +22,8 @@ from torchpar.capture.export import Capture, LossFn, capture_forward, capture_tr
 from torchpar.capture.optim import TorchOptimizerBridge
 from torchpar.cluster import current_cluster
 from torchpar.ir.graph import Graph
-from torchpar.methods import DataParallel, Method, PipeshardParallel, ShardParallel, Zero2Parallel, Zero3Parallel
+from torchpar.methods import (DataParallel, MegatronParallel, Method, PipeshardParallel, ShardParallel, Zero2Parallel,
+                              Zero3Parallel)
 from torchpar.planner.for_method import plan_for_method, single_device_plan
 from torchpar.planner.plan import Plan
 from torchpar.runtime.placement import Placement
@@ -67,10 +68,37 @@ def compile(
         raise NotImplementedError(
             "PipeshardParallel is not implemented yet; use DataParallel, Zero2Parallel, Zero3Parallel, ShardParallel "
             "or a Plan")
-    if method is not None and not isinstance(method, (DataParallel, Zero2Parallel, Zero3Parallel, ShardParallel, Plan)):
+    if method is not None and not isinstance(method, (DataParallel, Zero2Parallel, Zero3Parallel, MegatronParallel,
+                                                      ShardParallel, Plan)):
         raise TypeError(f"method must be None, a torchpar parallel method or a Plan, got {type(method).__name__}")
     options = CompileOptions(grad_clip_norm=grad_clip_norm, seed=seed)
     return Engine(model, optimizer, example_batch, loss_fn, options, method)
+
+
+def plan(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, example_batch: Any,
+         loss_fn: LossFn | None = None, method: Method | None = None) -> Plan:
+    """The plan ``method`` gives the model's training step, without XLA compilation or a step (for inspecting
+    and comparing plans). Capture and planning phases are timed in ``plan.timings``."""
+    from jaxbackend import optim as jax_optim
+
+    start = time.perf_counter()
+    capture = capture_train_step(model, example_batch, loss_fn)
+    capture_s = time.perf_counter() - start
+    names = _unique_named(model.named_parameters())
+    spec = TorchOptimizerBridge(optimizer, {id(p): n for n, p in names.items()}).spec
+    trainable = {n for n in spec.param_names if names[n].requires_grad} & _params_reaching_loss(capture.graph)
+    if method is None:
+        result = single_device_plan(capture.graph, current_cluster())
+    else:
+        result = plan_for_method(capture.graph, method, current_cluster(), trainable=trainable,
+                                 optimizer_state_copies=_state_copies(spec, jax_optim))
+    result.timings = {"capture": capture_s, **result.timings}
+    return result
+
+
+def _state_copies(spec: Any, jax_optim: Any) -> float:
+    """Optimizer-state tensors per parameter (2 for Adam, 1 for SGD with momentum), averaged over groups."""
+    return sum(len(jax_optim.state_keys(spec, g)) for g in range(spec.num_groups)) / max(spec.num_groups, 1)
 
 
 @dataclasses.dataclass
@@ -224,8 +252,8 @@ class Engine:
                 raise NotImplementedError("plans with several pipeline stages need PipeshardParallel (not implemented yet)")
             return method
         trainable = set(self._trainable(graph))
-        copies = sum(len(self._jax_optim.state_keys(self._spec, g)) for g in range(self._spec.num_groups)) / max(self._spec.num_groups, 1)
-        plan = plan_for_method(graph, method, cluster, trainable=trainable, optimizer_state_copies=copies)
+        plan = plan_for_method(graph, method, cluster, trainable=trainable,
+                               optimizer_state_copies=_state_copies(self._spec, self._jax_optim))
         log.info("torchpar plan:\n%s", plan.summary())
         return plan
 

@@ -44,6 +44,18 @@ class Zero3Parallel:
 
 
 @dataclass(kw_only=True, frozen=True)
+class MegatronParallel:
+    """Hand plan: Megatron-style tensor parallelism on mesh axis 1 (in each repeated block the linear
+    layers alternate column- and row-split), data parallelism on axis 0."""
+
+    mesh_shape: tuple[int, int] | None = None
+    """Logical mesh ``(d0, d1)``; ``None`` = ``(1, all devices)`` (pure tensor parallelism)."""
+
+    def __post_init__(self) -> None:
+        _check_mesh_shape(self.mesh_shape)
+
+
+@dataclass(kw_only=True, frozen=True)
 class ShardParallel:
     """Intra-operator parallelism chosen by the sharding ILP on a 2-D logical mesh."""
 
@@ -120,7 +132,7 @@ class PipeshardParallel:
             raise ValueError(f"stage_option must be 'auto', 'uniform' or ManualStageOption(...), got {self.stage_option!r}")
 
 
-Method = DataParallel | Zero2Parallel | Zero3Parallel | ShardParallel | PipeshardParallel
+Method = DataParallel | Zero2Parallel | Zero3Parallel | MegatronParallel | ShardParallel | PipeshardParallel
 
 
 def _check_mesh_shape(mesh_shape: tuple[int, int] | None) -> None:

@@ -3,7 +3,7 @@
 For the examples, the benchmarks and the command line: ``build("gpt2", {"n_layer": 4}, batch_size=8,
 seq_len=128)`` returns ``(model, batch)`` where ``model(**batch).loss`` is the training loss.
 Families: ``gpt2``, ``llama``, ``bert`` (masked LM), ``vit``, ``resnet`` (HuggingFace transformers) and
-``mlp`` (a plain PyTorch MLP with an MSE loss).
+``mlp`` (a plain PyTorch MLP with an MSE loss) and ``moe`` (one top-k mixture-of-experts layer).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import torch
 
-FAMILIES = ("gpt2", "llama", "bert", "vit", "resnet", "mlp")
+FAMILIES = ("gpt2", "llama", "bert", "vit", "resnet", "mlp", "moe")
 
 
 class MLP(torch.nn.Module):
@@ -28,6 +28,35 @@ class MLP(torch.nn.Module):
             if index < len(self.layers) - 1:
                 x = torch.relu(x)
         return torch.nn.functional.mse_loss(x, y)
+
+
+class MoELayer(torch.nn.Module):
+    """One mixture-of-experts feed-forward layer with top-k routing and static shapes.
+
+    ``x_BTD`` → router logits → softmax → top-k gates (renormalized) → every expert's FFN on every token
+    (``einsum`` over expert-stacked weights ``w_in_EDF``/``w_out_EFD``), combined with the sparse gates.
+    Dense dispatch keeps shapes static (no data-dependent token lists), so it exports and shards; it
+    computes all experts, trading FLOPs for simplicity. ``forward(x, y)`` returns the MSE loss plus the
+    usual load-balancing auxiliary loss.
+    """
+
+    def __init__(self, width: int = 64, hidden: int = 128, experts: int = 4, top_k: int = 2):
+        super().__init__()
+        self.top_k = top_k
+        self.router = torch.nn.Linear(width, experts, bias=False)
+        self.w_in_EDF = torch.nn.Parameter(torch.randn(experts, width, hidden) * width ** -0.5)
+        self.w_out_EFD = torch.nn.Parameter(torch.randn(experts, hidden, width) * hidden ** -0.5)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        probs_BTE = torch.softmax(self.router(x), dim=-1)
+        top_p, top_i = torch.topk(probs_BTE, self.top_k, dim=-1)
+        gates_BTE = torch.zeros_like(probs_BTE).scatter(-1, top_i, top_p / top_p.sum(-1, keepdim=True))
+        hidden_EBTF = torch.relu(torch.einsum("btd,edf->ebtf", x, self.w_in_EDF))
+        out_EBTD = torch.einsum("ebtf,efd->ebtd", hidden_EBTF, self.w_out_EFD)
+        out_BTD = torch.einsum("ebtd,bte->btd", out_EBTD, gates_BTE)
+        load_E = (gates_BTE > 0).float().mean(dim=(0, 1))
+        aux = (load_E * probs_BTE.mean(dim=(0, 1))).sum() * probs_BTE.shape[-1]
+        return torch.nn.functional.mse_loss(out_BTD, y) + 0.01 * aux
 
 
 def build(family: str, overrides: dict[str, Any] | None = None, *, batch_size: int = 2, seq_len: int = 16,
@@ -109,6 +138,12 @@ def _mlp(overrides: dict, batch_size: int, seq_len: int, dropout: float) -> tupl
     return model, (torch.randn(batch_size, width), torch.randn(batch_size, width))
 
 
+def _moe(overrides: dict, batch_size: int, seq_len: int, dropout: float) -> tuple[torch.nn.Module, Any]:
+    model = MoELayer(**{"width": 64, "hidden": 128, "experts": 4, "top_k": 2, **overrides})
+    width = model.router.in_features
+    return model, (torch.randn(batch_size, seq_len, width), torch.randn(batch_size, seq_len, width))
+
+
 _BUILDERS: dict[str, Callable[[dict, int, int, float], tuple[torch.nn.Module, Any]]] = {
-    "gpt2": _gpt2, "llama": _llama, "bert": _bert, "vit": _vit, "resnet": _resnet, "mlp": _mlp,
+    "gpt2": _gpt2, "llama": _llama, "bert": _bert, "vit": _vit, "resnet": _resnet, "mlp": _mlp, "moe": _moe,
 }

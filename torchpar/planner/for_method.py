@@ -7,11 +7,12 @@ from typing import Any
 
 from torchpar.cluster import ClusterSpec
 from torchpar.ir.graph import Graph
-from torchpar.methods import DataParallel, ShardParallel, Zero2Parallel, Zero3Parallel
+from torchpar.methods import DataParallel, MegatronParallel, ShardParallel, Zero2Parallel, Zero3Parallel
 from torchpar.planner.intra_op import mesh_shapes_for, plan_best_mesh, plan_stage
 from torchpar.planner.plan import Plan, StagePlan
 
-_KINDS = {DataParallel: "data_parallel", Zero2Parallel: "zero2", Zero3Parallel: "zero3", ShardParallel: "auto"}
+_KINDS = {DataParallel: "data_parallel", Zero2Parallel: "zero2", Zero3Parallel: "zero3", MegatronParallel: "megatron",
+          ShardParallel: "auto"}
 
 
 def single_device_plan(graph: Graph, cluster: ClusterSpec) -> Plan:
