@@ -4,7 +4,8 @@
 ``params``/``buffers`` are dicts keyed by the IR inputs' targets, ``inputs`` is the list of user
 (batch) arrays in flattened order, ``key`` is a PRNG key (each random op draws from
 ``fold_in(key, node_index)``, so a seed reproduces a run), ``outputs`` are the graph's non-buffer
-outputs in order and ``new_buffers`` maps buffer names to their new values.
+outputs in order and ``new_buffers`` maps buffer names to their new values. A pipeline stage's graph
+also reads ``activations`` (a mapping from whole-graph value names to arrays).
 
 Each node's tensor results are cast to the dtype PyTorch reported for it (this is where torch's type
 promotion rules are enforced) and checked against its static shape.
@@ -74,7 +75,7 @@ def lower(graph: Graph, *, value_shardings: Mapping[str, Any] | None = None,
     value_outputs = [o for o in graph.outputs if o.kind != "buffer"]
 
     def run(params: dict[str, jax.Array], buffers: dict[str, jax.Array], inputs: Sequence[jax.Array],
-            key: jax.Array) -> tuple[list[Any], dict[str, jax.Array]]:
+            key: jax.Array, activations: Mapping[str, jax.Array] | None = None) -> tuple[list[Any], dict[str, jax.Array]]:
         env: dict[str, Any] = {}
         for inp in graph.inputs:
             if inp.kind == "param":
@@ -83,6 +84,8 @@ def lower(graph: Graph, *, value_shardings: Mapping[str, Any] | None = None,
                 env[inp.name] = buffers[inp.target]
             elif inp.kind == "constant":
                 env[inp.name] = constants[inp.target]
+            elif inp.kind == "activation":
+                env[inp.name] = activations[inp.target]
             else:
                 env[inp.name] = inputs[int(inp.target)]
             if inp.name in value_shardings:

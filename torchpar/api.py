@@ -64,12 +64,8 @@ def compile(
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    if isinstance(method, PipeshardParallel):
-        raise NotImplementedError(
-            "PipeshardParallel is not implemented yet; use DataParallel, Zero2Parallel, Zero3Parallel, ShardParallel "
-            "or a Plan")
     if method is not None and not isinstance(method, (DataParallel, Zero2Parallel, Zero3Parallel, MegatronParallel,
-                                                      ShardParallel, Plan)):
+                                                      ShardParallel, PipeshardParallel, Plan)):
         raise TypeError(f"method must be None, a torchpar parallel method or a Plan, got {type(method).__name__}")
     options = CompileOptions(grad_clip_norm=grad_clip_norm, seed=seed)
     return Engine(model, optimizer, example_batch, loss_fn, options, method)
@@ -139,6 +135,10 @@ class Engine:
         self._eval: dict[tuple, tuple[Capture, Any]] = {}
         self._last: _Executable | None = None
 
+        self._pipeline = None
+        if isinstance(method, PipeshardParallel):
+            self._init_pipeline(example_batch, method)
+            return
         capture = self._capture(example_batch)
         self._plan = self._make_plan(capture.graph, method)
         self._placement = Placement.from_stage(self._plan.stages[0], capture.graph)
@@ -149,10 +149,35 @@ class Engine:
                            for name, entries in initial_state.items()}
         self._train_executable(example_batch, capture)
 
+    def _init_pipeline(self, example_batch: Any, method: PipeshardParallel) -> None:
+        from torchpar.planner.pipeline_plan import plan_pipeline
+        from torchpar.runtime.pipeline_runner import PipelineRunner
+
+        micro_example = _first_micro_batch(example_batch, method.num_micro_batches)
+        capture = self._capture(micro_example)
+        trainable = set(self._trainable(capture.graph))
+        pipeline = plan_pipeline(capture.graph, method, current_cluster(), trainable=trainable,
+                                 optimizer_state_copies=_state_copies(self._spec, self._jax_optim))
+        self._plan = pipeline.plan
+        self._plan.timings["capture"] = self._timings["capture"]
+        start = time.perf_counter()
+        self._pipeline = PipelineRunner(pipeline, spec=self._spec, trainable=trainable,
+                                        grad_clip_norm=self.options.grad_clip_norm)
+        params = {n: p.detach().cpu().numpy() for n, p in self._param_names.items()}
+        buffers = {n: b.detach().cpu().numpy() for n, b in self._buffer_names.items()}
+        from jaxbackend.lower import to_numpy_input
+
+        to_host = lambda tree: self._jax.tree.map(lambda a: to_numpy_input(np.asarray(a)), tree)  # noqa: E731
+        self._pipeline.load(to_host(params), to_host(buffers), to_host(self._bridge.initial_state()))
+        self._timings["lower"] = time.perf_counter() - start
+        log.info("torchpar plan:\n%s", self._plan.summary())
+
     # --- public API --------------------------------------------------------------------------------
 
     def step(self, batch: Any) -> float:
         """One optimizer step on ``batch``; returns the loss (before the update) as a float."""
+        if self._pipeline is not None:
+            return self._pipeline_step(batch)
         executable = self._train_executable(batch)
         inputs = self._inputs(batch)
         scalars = self._bridge.step_scalars()
@@ -163,31 +188,56 @@ class Engine:
         self._last = executable
         return float(loss)
 
+    def _pipeline_step(self, batch: Any) -> float:
+        signature = _signature(batch)
+        self._check_compatible(signature)
+        if signature != self._example_signature:
+            raise ValueError(f"PipeshardParallel runs the batch shapes it was compiled for "
+                             f"({_describe(self._example_signature)}); got {_describe(signature)}")
+        from jaxbackend.lower import to_numpy_input
+        from torchpar.capture.export import batch_to_call_args
+
+        leaves = [to_numpy_input(leaf.detach().cpu().numpy()) for leaf in pytree.tree_leaves(batch_to_call_args(batch))]
+        scalars = self._bridge.step_scalars()
+        key = self._jax.random.fold_in(self._base_key, self._steps_taken)
+        loss = self._pipeline.step(leaves, scalars, key)
+        self._steps_taken += 1
+        return loss
+
+    def _state_arrays(self) -> tuple[dict[str, Any], dict[str, Any], dict[str, dict[str, Any]]]:
+        """Parameters, buffers and optimizer state (device arrays, or host arrays for a pipeline)."""
+        if self._pipeline is not None:
+            return self._pipeline.export()
+        return self._params, self._buffers, self._opt_state
+
     def forward(self, batch: Any) -> Any:
         """The model's eval-mode outputs on ``batch``, as torch tensors in the model's output structure."""
         capture, compiled = self._eval_executable(batch)
-        outputs = compiled(self._params, self._buffers, self._inputs(batch))
+        params, buffers, _ = self._state_arrays()
+        outputs = compiled(params, buffers, self._eval_inputs(batch))
         tensors = [_to_torch(o) if o is not None else None for o in outputs]
         return pytree.tree_unflatten(tensors, capture.out_spec)
 
     def sync_to_torch(self) -> None:
         """Copy parameters, buffers and optimizer state into the torch model and optimizer."""
+        params, buffers, opt_state = self._state_arrays()
         with torch.no_grad():
             for name, param in self._param_names.items():
-                param.copy_(_to_torch(self._params[name]).to(param.dtype))
+                param.copy_(_to_torch(params[name]).to(param.dtype))
             for name, buffer in self._buffer_names.items():
-                buffer.copy_(_to_torch(self._buffers[name]).to(buffer.dtype))
-        self._bridge.write_back(self._jax.tree.map(np.asarray, self._opt_state))
+                buffer.copy_(_to_torch(buffers[name]).to(buffer.dtype))
+        self._bridge.write_back(self._jax.tree.map(np.asarray, opt_state))
 
     def state_dict(self) -> dict[str, Any]:
         """A checkpoint of parameters, buffers, optimizer state, step count and PRNG position.
 
         Arrays are CPU torch tensors holding the exact values; ``load_state_dict`` restores them."""
         to_torch = lambda x: _to_torch(x)  # noqa: E731
+        params, buffers, opt_state = self._state_arrays()
         return {
-            "params": {n: to_torch(v) for n, v in self._params.items()},
-            "buffers": {n: to_torch(v) for n, v in self._buffers.items()},
-            "optimizer": self._jax.tree.map(to_torch, self._opt_state),
+            "params": {n: to_torch(v) for n, v in params.items()},
+            "buffers": {n: to_torch(v) for n, v in buffers.items()},
+            "optimizer": self._jax.tree.map(to_torch, opt_state),
             "optimizer_counters": self._bridge.state_dict(),
             "steps_taken": self._steps_taken,
             "seed": self.options.seed,
@@ -195,14 +245,23 @@ class Engine:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a checkpoint made by :meth:`state_dict` (same model and optimizer structure)."""
-        for kind, current in (("params", self._params), ("buffers", self._buffers)):
+        for kind, current in (("params", self._param_names), ("buffers", self._buffer_names)):
             missing = set(current) ^ set(state[kind])
             if missing:
                 raise ValueError(f"checkpoint {kind} differ from the model's: {sorted(missing)[:5]}")
-        self._params = {n: self._put(state["params"][n], self._placement.param(n)) for n in self._params}
-        self._buffers = {n: self._put(state["buffers"][n], self._placement.replicated) for n in self._buffers}
-        self._opt_state = {name: {key: self._put(value, self._placement.state_of(name)) for key, value in entries.items()}
-                           for name, entries in state["optimizer"].items()}
+        if self._pipeline is not None:
+            from jaxbackend.lower import to_numpy_input
+
+            host = lambda t: to_numpy_input(t.detach().cpu().numpy())  # noqa: E731
+            self._pipeline.load({n: host(v) for n, v in state["params"].items()},
+                                {n: host(v) for n, v in state["buffers"].items()},
+                                {n: {k: host(v) for k, v in e.items()} for n, e in state["optimizer"].items()})
+        else:
+            self._params = {n: self._put(state["params"][n], self._placement.param(n)) for n in self._params}
+            self._buffers = {n: self._put(state["buffers"][n], self._placement.replicated) for n in self._buffers}
+            self._opt_state = {name: {key: self._put(value, self._placement.state_of(name))
+                                      for key, value in entries.items()}
+                               for name, entries in state["optimizer"].items()}
         self._bridge.load_state_dict(state["optimizer_counters"])
         self._steps_taken = int(state["steps_taken"])
         if int(state["seed"]) != self.options.seed:
@@ -211,13 +270,18 @@ class Engine:
             self._base_key = self._jax.random.key(int(state["seed"]))
 
     def hlo_text(self) -> list[str]:
-        """Optimized HLO of each compiled stage of the most recently used step (one stage here)."""
+        """Optimized HLO of each compiled stage of the most recently used step (for a pipeline: each stage's
+        forward)."""
+        if self._pipeline is not None:
+            return self._pipeline.hlo_text()
         executable = self._last or next(iter(self._train.values()))
         return [executable.compiled.as_text()]
 
     def memory_stats(self) -> list[dict[str, int]]:
         """XLA's per-device memory analysis of each compiled stage (bytes of arguments, outputs, temporaries,
         generated code) for the most recently used step."""
+        if self._pipeline is not None:
+            raise NotImplementedError("memory_stats is per compiled step; a pipeline has one per stage (not exposed yet)")
         executable = self._last or next(iter(self._train.values()))
         analysis = executable.compiled.memory_analysis()
         fields = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes",
@@ -233,6 +297,8 @@ class Engine:
     @property
     def graph(self) -> Graph:
         """The captured training graph (IR) of the most recent batch signature."""
+        if self._pipeline is not None:
+            raise NotImplementedError("a pipeline engine holds one graph per stage: engine.pipeline_stages")
         return (self._last or next(iter(self._train.values()))).capture.graph
 
     # --- compilation ----------------------------------------------------------------------------
@@ -340,6 +406,14 @@ class Engine:
 
         return self._jax.device_put(to_numpy_input(np.asarray(array)), sharding)
 
+    def _eval_inputs(self, batch: Any) -> list[Any]:
+        if self._pipeline is None:
+            return self._inputs(batch)
+        from jaxbackend.lower import to_numpy_input
+        from torchpar.capture.export import batch_to_call_args
+
+        return [to_numpy_input(leaf.detach().cpu().numpy()) for leaf in pytree.tree_leaves(batch_to_call_args(batch))]
+
     def _inputs(self, batch: Any) -> list[Any]:
         from torchpar.capture.export import batch_to_call_args
 
@@ -390,6 +464,21 @@ def _params_reaching_loss(graph: Graph) -> set[str]:
 def _unique_named(named: Any) -> dict[str, torch.Tensor]:
     """``named_parameters()``/``named_buffers()`` as a dict; tied tensors keep their first name."""
     return dict(named)
+
+
+def _first_micro_batch(batch: Any, num_micro_batches: int) -> Any:
+    """The first of ``num_micro_batches`` equal slices of every batch leaf along dim 0 (for capture)."""
+    from torchpar.capture.export import batch_to_call_args, call_args_to_batch
+
+    args, kwargs = batch_to_call_args(batch)
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    for index, leaf in enumerate(leaves):
+        if leaf.dim() == 0 or leaf.shape[0] % num_micro_batches:
+            raise ValueError(f"batch leaf {index} of shape {list(leaf.shape)} cannot be split into {num_micro_batches} "
+                             "equal micro-batches along dim 0")
+    sliced = [leaf[: leaf.shape[0] // num_micro_batches] for leaf in leaves]
+    args, kwargs = pytree.tree_unflatten(sliced, spec)
+    return call_args_to_batch(type(batch), args, kwargs)
 
 
 def _signature(batch: Any) -> tuple:

@@ -196,13 +196,6 @@ def test_loss_must_be_found():
         torchpar.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), example_batch=torch.randn(4, 2))
 
 
-def test_pipeshard_not_yet_available_says_so():
-    model = torch.nn.Linear(2, 1)
-    with pytest.raises(NotImplementedError, match="PipeshardParallel"):
-        torchpar.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), example_batch=torch.randn(4, 2),
-                         method=torchpar.PipeshardParallel(), loss_fn=lambda out, batch: out.sum())
-
-
 def test_option_validation():
     with pytest.raises(ValueError):
         torchpar.ShardParallel(mesh_shape=(0, 2))

@@ -62,8 +62,8 @@ class TensorMeta:
         return f"{self.dtype}{list(self.shape)}"
 
 
-InputKind = Literal["param", "buffer", "constant", "input"]
-OutputKind = Literal["loss", "user", "buffer"]
+InputKind = Literal["param", "buffer", "constant", "input", "activation"]
+OutputKind = Literal["loss", "user", "buffer", "activation"]
 OutMeta = TensorMeta | tuple[TensorMeta | None, ...] | None
 
 
@@ -73,8 +73,9 @@ class Input:
 
     ``target`` is the parameter or buffer name as in ``model.named_parameters()`` /
     ``named_buffers()`` (tied parameters: the first name, so two placeholders may share a target),
-    the constant's key in :attr:`Graph.constants`, or for a user input its position in the
-    flattened batch (``"0"``, ``"1"``, ...).
+    the constant's key in :attr:`Graph.constants`, for a user input its position in the
+    flattened batch (``"0"``, ``"1"``, ...), and for an activation (a pipeline stage's input computed by
+    an earlier stage) the name of that value in the whole graph.
     """
 
     name: str
@@ -116,7 +117,8 @@ class Node:
 
 @dataclass(frozen=True)
 class Output:
-    """A graph result: the loss, a user output, or the new value of buffer ``target``."""
+    """A graph result: the loss, a user output, the new value of buffer ``target``, or (in a pipeline
+    stage) an activation ``target`` that later stages read."""
 
     kind: OutputKind
     value: Ref | None

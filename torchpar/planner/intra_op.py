@@ -168,6 +168,8 @@ def _stage_from_solution(kind: PlanKind, graph: Graph, solver_graph: SolverGraph
             params[root.label] = strategy.out_spec
         elif root.kind == "input":
             inputs[metas[root.name].target] = strategy.out_spec
+        elif root.kind == "activation":
+            activations[root.name] = strategy.out_spec
         elif root.kind == "anchor":
             activations[root.name] = strategy.out_spec
             operands[root.name] = list(strategy.in_specs)

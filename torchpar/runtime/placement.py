@@ -30,6 +30,7 @@ class Placement:
 
     @classmethod
     def from_stage(cls, stage: StagePlan, graph: Graph, devices: list[Any] | None = None) -> "Placement":
+        """Shardings of ``stage`` on a mesh of ``devices`` (default: the first devices JAX has)."""
         from jaxbackend import sharding as jsh
 
         mesh = jsh.make_mesh(tuple(stage.logical_mesh_shape), devices)
@@ -47,8 +48,9 @@ class Placement:
             for placeholder in by_target.get(name, []):
                 values[placeholder] = named(spec)
         node_names = {n.name for n in graph.nodes}
+        activation_inputs = {i.name for i in graph.inputs if i.kind == "activation"}
         for name, spec in stage.activations.items():
-            if name in node_names:
+            if name in node_names or name in activation_inputs:
                 values[name] = named(spec)
         operands = {name: [named(s) if s is not None else None for s in specs]
                     for name, specs in stage.operands.items() if name in node_names}
@@ -62,3 +64,7 @@ class Placement:
 
     def input(self, index: int) -> Any:
         return self.inputs.get(index, self.replicated)
+
+    def value(self, name: str) -> Any:
+        """The sharding of an IR value (e.g. an activation entering the stage), replicated if unpinned."""
+        return self.values.get(name, self.replicated)

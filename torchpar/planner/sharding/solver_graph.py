@@ -156,6 +156,9 @@ class _Builder:
             strategies = layout_root_strategies(meta.shape, meta.nbytes, self.mesh, state_copies=copies)
             self._new_root(inp.name, "param", inp.target, strategies, None)
             self._paths[len(self.roots) - 1] = (inp.target.rsplit(".", 1)[0], f"param {inp.target.rsplit('.', 1)[-1]}|{meta}")
+        elif inp.kind == "activation":  # from the previous pipeline stage: any layout, priced by its consumers
+            strategies = layout_root_strategies(meta.shape, meta.nbytes, self.mesh, state_copies=1.0)
+            self._new_root(inp.name, "activation", f"activation {inp.target}", strategies, None)
         elif inp.kind == "input":
             strategies = layout_root_strategies(meta.shape, meta.nbytes, self.mesh, state_copies=1.0)
             if self.batch_dim_axes is not None and meta.shape:

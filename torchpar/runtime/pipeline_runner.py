@@ -1,0 +1,55 @@
+"""PipeshardParallel execution: build each stage's program on its devices and drive the steps.
+
+``PipelineRunner`` is what the engine holds for a pipeline plan: it splits batches into micro-batches,
+runs a step on the chosen runtime (local, or Ray actors per host), and moves the training state in and
+out as host arrays.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxbackend import optim as jax_optim
+from torchpar.planner.pipeline_plan import PipelinePlan
+from torchpar.runtime.local import LocalPipeline, split_micro_batches
+from torchpar.runtime.placement import Placement
+from torchpar.runtime.schedules import make_schedule
+from torchpar.runtime.stage_program import StageProgram
+
+log = logging.getLogger(__name__)
+
+
+class PipelineRunner:
+    """Runs a :class:`PipelinePlan` in this process (the local runtime)."""
+
+    def __init__(self, pipeline: PipelinePlan, *, spec: jax_optim.OptimizerSpec, trainable: set[str],
+                 grad_clip_norm: float | None):
+        self.pipeline = pipeline
+        plan = pipeline.plan
+        self.num_micro_batches = plan.num_micro_batches
+        all_devices = jax.devices()
+        self.programs = []
+        for stage_graph, stage_plan, device_ids in zip(pipeline.stages, plan.stages, pipeline.devices):
+            devices = [all_devices[i] for i in device_ids]
+            placement = Placement.from_stage(stage_plan, stage_graph.graph, devices)
+            self.programs.append(StageProgram(stage_graph, placement=placement, spec=spec, trainable=trainable,
+                                              num_micro_batches=self.num_micro_batches))
+        self.schedule = make_schedule(plan.schedule, len(self.programs), self.num_micro_batches)
+        self.runtime = LocalPipeline(self.programs, self.schedule, grad_clip_norm)
+
+    def load(self, params: dict[str, np.ndarray], buffers: dict[str, np.ndarray],
+             opt_state: dict[str, dict[str, np.ndarray]]) -> None:
+        self.runtime.state.load(params, buffers, opt_state)
+
+    def export(self) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict[str, dict[str, np.ndarray]]]:
+        return self.runtime.state.export()
+
+    def step(self, leaves: list[np.ndarray], scalars: Any, key: Any) -> float:
+        return self.runtime.step(split_micro_batches(leaves, self.num_micro_batches), scalars, key)
+
+    def hlo_text(self) -> list[str]:
+        return [program.forward_hlo() for program in self.programs]

@@ -1,0 +1,149 @@
+"""The compiled functions of one pipeline stage, on its own devices.
+
+For micro-batch ``m`` a stage runs ``forward`` (its sub-graph, saving the residuals of ``jax.vjp`` so
+the backward pass does not recompute the forward), later ``backward`` with the cotangents of the
+activations it sent on (the last stage seeds its loss with ``1/M``), and adds the parameter gradients
+into an accumulator. After the last micro-batch, ``update`` applies the optimizer once to the stage's
+parameters with the accumulated gradients (optionally scaled by a global clipping factor).
+
+Everything here is plain JAX on the stage's placement; the runtimes (:mod:`.local`, :mod:`.ray_runtime`)
+move activations and cotangents between stages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxbackend import optim as jax_optim
+from jaxbackend.lower import lower
+from torchpar.planner.slicing import StageGraph
+from torchpar.runtime.placement import Placement
+
+LOSS = "__loss__"
+
+
+def _is_float(dtype_name: str) -> bool:
+    return dtype_name in ("float16", "bfloat16", "float32", "float64")
+
+
+def sub_spec(spec: jax_optim.OptimizerSpec, names: tuple[str, ...]) -> jax_optim.OptimizerSpec:
+    """The optimizer spec restricted to ``names`` (group indices and flags kept)."""
+    keep = [(n, g) for n, g in zip(spec.param_names, spec.group_of_param) if n in set(names)]
+    return dataclasses.replace(spec, param_names=tuple(n for n, _ in keep), group_of_param=tuple(g for _, g in keep))
+
+
+class StageProgram:
+    """Jitted forward / backward / accumulate / update of one stage (see the module docstring)."""
+
+    def __init__(self, stage: StageGraph, *, placement: Placement, spec: jax_optim.OptimizerSpec, trainable: set[str],
+                 num_micro_batches: int):
+        self.stage = stage
+        self.placement = placement
+        self.num_micro_batches = num_micro_batches
+        self.trainable = tuple(n for n in stage.params if n in trainable)
+        self.spec = sub_spec(spec, self.trainable)
+        metas = {i.name: i.meta for i in stage.graph.inputs}
+        self.float_acts = tuple(a for a in stage.activation_inputs if _is_float(metas[a].dtype))
+        self.other_acts = tuple(a for a in stage.activation_inputs if a not in self.float_acts)
+        run = lower(stage.graph, value_shardings=placement.values, operand_shardings=placement.operands)
+        value_outputs = [o for o in stage.graph.outputs if o.kind != "buffer"]
+        out_names = [LOSS if o.kind == "loss" else o.target for o in value_outputs]
+        node_metas = stage.graph.metas()
+        float_out = {name for name, o in zip(out_names, value_outputs)
+                     if name == LOSS or _is_float(node_metas[o.value.name].dtype)}
+        trainable_names = self.trainable
+        scale = 1.0 / num_micro_batches
+
+        def forward(params, buffers, inputs, acts, key):
+            frozen = {n: v for n, v in params.items() if n not in trainable_names}
+            other = {a: acts[a] for a in self.other_acts}
+
+            def f(train_params, float_acts):
+                outputs, new_buffers = run({**frozen, **train_params}, buffers, inputs, key, {**float_acts, **other})
+                values = dict(zip(out_names, outputs))
+                diff = {n: v for n, v in values.items() if n in float_out}
+                rest = {n: v for n, v in values.items() if n not in float_out}
+                return diff, (rest, new_buffers)
+
+            diff, vjp_fn, (rest, new_buffers) = jax.vjp(
+                f, {n: params[n] for n in trainable_names}, {a: acts[a] for a in self.float_acts}, has_aux=True)
+            return diff, rest, new_buffers, vjp_fn
+
+        def backward(vjp_fn, cotangents):
+            if self.stage.has_loss:
+                cotangents = {**cotangents, LOSS: jnp.asarray(scale, jnp.float32)}
+            grads, act_cotangents = vjp_fn(cotangents)
+            return grads, act_cotangents
+
+        def accumulate(total, grads):
+            return jax.tree.map(jnp.add, total, grads)
+
+        def update(params, grads, state, scalars, clip_scale):
+            grads = {n: g * clip_scale.astype(g.dtype) for n, g in grads.items()}
+            return jax_optim.apply_updates(self.spec, params, grads, state, scalars)
+
+        def squared_norm(grads):
+            return sum((jnp.sum(jnp.square(g.astype(jnp.float32))) for g in grads.values()), jnp.float32(0))
+
+        self._forward = jax.jit(forward)
+        self._forward_signature: Any = None
+        self._backward = jax.jit(backward)
+        self._accumulate = jax.jit(accumulate, donate_argnums=(0,))
+        self._update = jax.jit(update, donate_argnums=(0, 2))
+        self._squared_norm = jax.jit(squared_norm)
+
+    # --- calls ------------------------------------------------------------------------------------
+
+    def put(self, value: Any) -> Any:
+        """``value`` replicated on this stage's devices."""
+        return jax.device_put(value, self.placement.replicated)
+
+    def put_param(self, name: str, value: Any) -> Any:
+        return jax.device_put(value, self.placement.param(name))
+
+    def put_state(self, name: str, value: Any) -> Any:
+        return jax.device_put(value, self.placement.state_of(name))
+
+    def put_input(self, index: int, value: Any) -> Any:
+        return jax.device_put(value, self.placement.input(index))
+
+    def put_activation(self, name: str, value: Any) -> Any:
+        return jax.device_put(value, self.placement.value(name))
+
+    def forward(self, params: dict, buffers: dict, inputs: dict, acts: dict, key: Any) -> tuple[dict, dict, dict, Any]:
+        """→ (float outputs incl. the loss, other outputs, new buffers, residuals)."""
+        if self._forward_signature is None:
+            self._forward_signature = jax.tree.map(
+                lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None)),
+                (params, buffers, inputs, acts, key))
+        return self._forward(params, buffers, inputs, acts, key)
+
+    def forward_hlo(self) -> str:
+        """Optimized HLO of the stage's forward (available after its first step)."""
+        if self._forward_signature is None:
+            raise RuntimeError("the stage has not run yet: call engine.step first")
+        return self._forward.lower(*self._forward_signature).compile().as_text()
+
+    def backward(self, residuals: Any, cotangents: dict) -> tuple[dict, dict]:
+        """→ (parameter gradients, cotangents of the float activation inputs)."""
+        return self._backward(residuals, cotangents)
+
+    def accumulate(self, total: dict | None, grads: dict) -> dict:
+        return grads if total is None else self._accumulate(total, grads)
+
+    def squared_norm(self, grads: dict) -> Any:
+        return self._squared_norm(grads)
+
+    def update(self, params: dict, grads: dict, state: dict, scalars: Any, clip_scale: float = 1.0) -> tuple[dict, dict]:
+        owned = {n: params[n] for n in self.trainable}
+        new_params, new_state = self._update(owned, grads, state, scalars, np.float32(clip_scale))
+        return {**params, **new_params}, new_state
+
+    def zero_cotangents(self, outputs: dict) -> dict:
+        """Zero cotangents for float outputs no later stage differentiates (e.g. unused activations)."""
+        return {n: jnp.zeros_like(v) for n, v in outputs.items() if n != LOSS}
