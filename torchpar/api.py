@@ -162,7 +162,7 @@ class Engine:
         self._plan.timings["capture"] = self._timings["capture"]
         start = time.perf_counter()
         self._pipeline = PipelineRunner(pipeline, spec=self._spec, trainable=trainable,
-                                        grad_clip_norm=self.options.grad_clip_norm)
+                                        grad_clip_norm=self.options.grad_clip_norm, cluster=current_cluster())
         params = {n: p.detach().cpu().numpy() for n, p in self._param_names.items()}
         buffers = {n: b.detach().cpu().numpy() for n, b in self._buffer_names.items()}
         from jaxbackend.lower import to_numpy_input
@@ -268,6 +268,11 @@ class Engine:
             log.warning("checkpoint seed %s differs from this engine's seed %s; using the checkpoint's",
                         state["seed"], self.options.seed)
             self._base_key = self._jax.random.key(int(state["seed"]))
+
+    def shutdown(self) -> None:
+        """Free the engine's remote workers (Ray actors of a pipeline); the engine is unusable afterwards."""
+        if self._pipeline is not None:
+            self._pipeline.shutdown()
 
     def hlo_text(self) -> list[str]:
         """Optimized HLO of each compiled stage of the most recently used step (for a pipeline: each stage's

@@ -33,6 +33,8 @@ class ClusterSpec:
     """Collective latency (s) on logical mesh axis 0 and axis 1; axis 1 is the inner, faster one."""
     beta: tuple[float, float] = (1e-9, 1e-10)
     """Inverse bandwidth (s/byte) on logical mesh axis 0 and axis 1."""
+    runtime: str = "local"
+    """Where pipeline stages run: ``"local"`` (this process) or ``"ray"`` (one actor per host)."""
 
     def __post_init__(self) -> None:
         if self.num_hosts < 1 or self.devices_per_host < 1:
@@ -50,17 +52,27 @@ class ClusterSpec:
 _cluster: ClusterSpec | None = None
 
 
-def init(cluster: str = "local", num_devices: int | None = None, **kwargs: object) -> ClusterSpec:
-    """Declare the cluster torchpar plans for.
+def init(cluster: str = "local", num_devices: int | None = None, *, num_hosts: int | None = None,
+         devices_per_host: int | None = None, address: str | None = None) -> ClusterSpec:
+    """Declare the cluster torchpar plans for; call it before anything imports JAX.
 
-    ``cluster="local"``: one process; with ``num_devices=N`` on a CPU-only machine JAX is given N fake
-    CPU devices (call before anything imports JAX). Returns the :class:`ClusterSpec` in force.
+    - ``cluster="local", num_devices=N``: one process with N (fake CPU) devices, seen as one host; or
+      ``num_hosts=H, devices_per_host=D`` to simulate H hosts of D devices in this process.
+    - ``cluster="ray", num_hosts=H, devices_per_host=D``: start an embedded Ray with one actor per host,
+      each owning D fake CPU devices; ``address=...`` joins an existing Ray cluster instead.
+    Returns the :class:`ClusterSpec` in force.
     """
     global _cluster
-    if cluster != "local":
-        raise NotImplementedError(f"cluster={cluster!r}: only cluster='local' is available in this version")
-    if kwargs:
-        raise TypeError(f"init(cluster='local') got unexpected options {sorted(kwargs)}")
+    if cluster not in ("local", "ray"):
+        raise ValueError(f"cluster must be 'local' or 'ray', got {cluster!r}")
+    if num_hosts is not None or devices_per_host is not None:
+        if num_hosts is None or devices_per_host is None or num_hosts < 1 or devices_per_host < 1:
+            raise ValueError("give both num_hosts ≥ 1 and devices_per_host ≥ 1")
+        if num_devices is not None and num_devices != num_hosts * devices_per_host:
+            raise ValueError(f"num_devices={num_devices} contradicts {num_hosts} hosts × {devices_per_host} devices")
+        num_devices = num_hosts * devices_per_host
+    elif cluster == "ray":
+        raise ValueError("cluster='ray' needs num_hosts and devices_per_host")
     if num_devices is not None:
         if num_devices < 1:
             raise ValueError(f"num_devices must be ≥ 1, got {num_devices}")
@@ -73,9 +85,37 @@ def init(cluster: str = "local", num_devices: int | None = None, **kwargs: objec
             f"torchpar.init asked for {num_devices} devices but JAX has {available}: JAX was imported before "
             "torchpar.init; call torchpar.init first, or set XLA_FLAGS="
             f"{_DEVICE_COUNT_FLAG}={num_devices} before starting Python")
-    _cluster = ClusterSpec(num_hosts=1, devices_per_host=num_devices or available)
-    log.info("torchpar cluster: local, %d device(s) of %s", _cluster.num_devices, jax.devices()[0].platform)
+    hosts = num_hosts or 1
+    per_host = devices_per_host or (num_devices or available)
+    if cluster == "ray":
+        _start_ray(address, hosts)
+    _cluster = ClusterSpec(num_hosts=hosts, devices_per_host=per_host, runtime=cluster)
+    log.info("torchpar cluster: %s, %d host(s) × %d device(s) of %s", cluster, hosts, per_host,
+             jax.devices()[0].platform)
     return _cluster
+
+
+def shutdown() -> None:
+    """Stop the embedded Ray (if torchpar started one) and forget the cluster."""
+    global _cluster
+    _cluster = None
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+def _start_ray(address: str | None, num_hosts: int) -> None:
+    import ray
+
+    if ray.is_initialized():
+        return
+    if address is not None:
+        ray.init(address=address, log_to_driver=True)
+        return
+    cpus = max(os.cpu_count() or 1, num_hosts)
+    ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=True, configure_logging=False,
+             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}})
 
 
 def current_cluster() -> ClusterSpec:

@@ -21,7 +21,6 @@ from torchpar.cluster import ClusterSpec
 from torchpar.ir.graph import Graph
 from torchpar.methods import ManualStageOption, PipeshardParallel
 from torchpar.planner import layers as layers_mod
-from torchpar.planner import stages as stages_mod
 from torchpar.planner.intra_op import plan_stage
 from torchpar.planner.plan import Plan
 from torchpar.planner.slicing import StageGraph, slice_stages, stage_of_nodes
@@ -82,12 +81,15 @@ def plan_pipeline(graph: Graph, method: PipeshardParallel, cluster: ClusterSpec,
         stage_layers = [list(ids) for ids in option.forward_stage_layer_ids]
         submeshes = [tuple(s) for s in option.submesh_physical_shapes]
         logical = [tuple(s) for s in option.submesh_logical_shapes]
-        stages_mod.validate_manual(stage_layers, submeshes, logical, num_layers, cluster.num_hosts,
-                                   cluster.devices_per_host)
+        _validate_manual(stage_layers, submeshes, logical, num_layers)
     elif option == "uniform":
+        from torchpar.planner import stages as stages_mod
+
         stage_layers, submeshes, logical = stages_mod.uniform_stages(num_layers, cluster.num_hosts,
                                                                      cluster.devices_per_host)
     else:
+        from torchpar.planner import stages as stages_mod
+
         cost = stages_mod.AnalyticStageCost(layering, graph, cluster, method.num_micro_batches, optimizer_state_copies)
         result = stages_mod.stage_dp(num_layers, cluster.num_hosts, cluster.devices_per_host, method.num_micro_batches,
                                      cost, cluster.device_memory_bytes)
@@ -117,6 +119,18 @@ def plan_pipeline(graph: Graph, method: PipeshardParallel, cluster: ClusterSpec,
                 estimated_step_s=estimated, solver=solver, timings=timings)
     log.info("pipeline plan: %d layers → %d stages %s on %s", num_layers, len(stage_plans), stage_layers, submeshes)
     return PipelinePlan(plan=plan, stages=stage_graphs, devices=devices, layering=layering)
+
+
+def _validate_manual(stage_layers: list[list[int]], submeshes: list[tuple[int, int]], logical: list[tuple[int, int]],
+                     num_layers: int) -> None:
+    flat = [layer for layers in stage_layers for layer in layers]
+    if flat != list(range(num_layers)):
+        raise ValueError(f"ManualStageOption.forward_stage_layer_ids must cover layers 0..{num_layers - 1} in order, "
+                         f"each once; got {stage_layers}")
+    for index, (physical, mesh) in enumerate(zip(submeshes, logical)):
+        if physical[0] * physical[1] != mesh[0] * mesh[1]:
+            raise ValueError(f"stage {index}: logical mesh {mesh} has {mesh[0] * mesh[1]} devices but its submesh "
+                             f"{physical} has {physical[0] * physical[1]}")
 
 
 def _describe_runner_up(candidate: object) -> dict:

@@ -65,6 +65,16 @@ class LocalPipeline:
         self.grad_clip_norm = grad_clip_norm
         self.state = PipelineState(programs)
 
+    def load(self, params: dict[str, np.ndarray], buffers: dict[str, np.ndarray],
+             opt_state: dict[str, dict[str, np.ndarray]]) -> None:
+        self.state.load(params, buffers, opt_state)
+
+    def export(self) -> tuple[dict[str, Any], dict[str, Any], dict[str, dict[str, Any]]]:
+        return self.state.export()
+
+    def hlo_text(self) -> list[str]:
+        return [program.forward_hlo() for program in self.programs]
+
     def step(self, micro_inputs: list[dict[int, np.ndarray]], scalars: Any, key: Any) -> float:
         """One optimizer step over the micro-batches; returns the mean micro-batch loss."""
         programs, state = self.programs, self.state

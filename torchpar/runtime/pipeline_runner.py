@@ -14,6 +14,7 @@ import jax
 import numpy as np
 
 from jaxbackend import optim as jax_optim
+from torchpar.cluster import ClusterSpec
 from torchpar.planner.pipeline_plan import PipelinePlan
 from torchpar.runtime.local import LocalPipeline, split_micro_batches
 from torchpar.runtime.placement import Placement
@@ -27,10 +28,16 @@ class PipelineRunner:
     """Runs a :class:`PipelinePlan` in this process (the local runtime)."""
 
     def __init__(self, pipeline: PipelinePlan, *, spec: jax_optim.OptimizerSpec, trainable: set[str],
-                 grad_clip_norm: float | None):
+                 grad_clip_norm: float | None, cluster: ClusterSpec):
         self.pipeline = pipeline
         plan = pipeline.plan
         self.num_micro_batches = plan.num_micro_batches
+        if cluster.runtime == "ray":
+            from torchpar.runtime.ray_runtime import RayPipeline
+
+            self.runtime = RayPipeline(pipeline, spec=spec, trainable=trainable, grad_clip_norm=grad_clip_norm,
+                                       num_hosts=cluster.num_hosts, devices_per_host=cluster.devices_per_host)
+            return
         all_devices = jax.devices()
         self.programs = []
         for stage_graph, stage_plan, device_ids in zip(pipeline.stages, plan.stages, pipeline.devices):
@@ -43,13 +50,18 @@ class PipelineRunner:
 
     def load(self, params: dict[str, np.ndarray], buffers: dict[str, np.ndarray],
              opt_state: dict[str, dict[str, np.ndarray]]) -> None:
-        self.runtime.state.load(params, buffers, opt_state)
+        self.runtime.load(params, buffers, opt_state)
 
     def export(self) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict[str, dict[str, np.ndarray]]]:
-        return self.runtime.state.export()
+        return self.runtime.export()
 
     def step(self, leaves: list[np.ndarray], scalars: Any, key: Any) -> float:
         return self.runtime.step(split_micro_batches(leaves, self.num_micro_batches), scalars, key)
 
     def hlo_text(self) -> list[str]:
-        return [program.forward_hlo() for program in self.programs]
+        return self.runtime.hlo_text()
+
+    def shutdown(self) -> None:
+        """Free the runtime's workers (Ray actors); the local runtime holds nothing to free."""
+        if hasattr(self.runtime, "shutdown"):
+            self.runtime.shutdown()

@@ -1,0 +1,625 @@
+"""Inter-operator parallelism: layers → pipeline stages on submeshes (Alpa §5).
+
+The problem
+-----------
+Layers ``0..L−1`` (:mod:`.layers`), ``B`` micro-batches, a cluster of ``H`` hosts × ``D`` devices
+(``N = H·D``). A stage is a contiguous layer range ``[k..i]`` on a submesh ``σ`` (:func:`submesh_shapes`)
+with a logical mesh ``c`` (:func:`logical_mesh_shapes`). A :data:`StageCostModel` prices one
+micro-batch's forward + backward of the stage: latency ``t(k,i,σ,c)``, per-device memory
+``m + f(s)·a`` (static bytes ``m``; activation bytes ``a`` per micro-batch in flight; with ``s`` the
+number of stages from this one to the last, ``f(s) = min(s, B)`` under 1F1B, ``f(s) = B`` under GPipe).
+
+    minimize   T = Σ_j t_j + (B − 1) · max_j t_j          (1F1B / GPipe pipeline latency)
+    over       stages covering layers 0..L−1 in order, submeshes whose sizes sum to N, one c per stage
+    subject to m_j + f(s_j)·a_j ≤ memory_budget  for every stage j
+
+The DP (:func:`stage_dp`)
+-------------------------
+The best feasible logical mesh does not depend on anything but the stage and ``s``:
+
+    t*(k, i, σ, s) = min_c { t(k,i,σ,c) : m + f(s)·a ≤ budget }                  (:func:`_stage_table`)
+
+For a fixed bound ``t_max`` on every stage's latency, with ``F(s, k, d)`` the least Σ t of ``s`` stages
+covering layers ``k..L−1`` on exactly ``d`` devices:
+
+    F(s, k, d) = min_{i ≥ k, σ: |σ| ≤ d, t*(k,i,σ,s) ≤ t_max}  t*(k,i,σ,s) + F(s−1, i+1, d−|σ|)
+    F(0, L, 0) = 0,   F(0, k, d) = ∞ otherwise                                     (:func:`_suffix_dp`)
+
+    T(t_max) = min_s F(s, 0, N) + (B − 1) · t_max ≥ the true T of its arg-min partition.
+
+``t_max`` runs over the sorted distinct values of ``t*``; the optimum ``T*`` with slowest stage ``t⁰`` is
+found at ``t_max = t⁰``. Early stop: once ``B · t_max ≥`` the best true ``T`` so far, no partition whose
+slowest stage is ≥ ``t_max`` can beat it (its ``T ≥ B · max_j t_j``). The runners-up are the other
+distinct partitions met on the way, ranked by their true ``T``.
+
+Exact tiling: submeshes are ``(1, 2^k)`` with ``2^k`` dividing ``D`` and ``(n, D)`` for ``n = 1..H``. Their
+sizes form a divisibility chain (each divides the next and ``D``), so any multiset of them whose sizes sum
+to ``N`` packs into the ``H`` hosts (first-fit decreasing leaves every host's free space a multiple of the
+next size); counting devices, as ``d`` does, is therefore exact (:func:`assign_devices` finds the packing).
+(For ``D`` a power of two these are exactly Alpa's ``(1, 2^k)`` and ``(n, D)``.)
+
+Cost: ``O(L²·|σ|·|c|)`` cost-model calls, then per ``t_max`` ``O(S·L²·|σ|·N)`` numpy work, ``S = min(L, N)``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import time
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Callable, Literal, Protocol, Sequence
+
+import numpy as np
+
+from torchpar.cluster import ClusterSpec
+from torchpar.ir.graph import Graph
+from torchpar.planner.layers import Layering
+from torchpar.planner.sharding.cost_model import LogicalMesh
+
+log = logging.getLogger(__name__)
+
+Shape = tuple[int, int]
+Schedule = Literal["1f1b", "gpipe"]
+
+
+# ---------------------------------------------------------------------------------------------- meshes
+
+def submesh_shapes(num_hosts: int, devices_per_host: int) -> tuple[Shape, ...]:
+    """Physical submesh shapes ``(hosts, devices per host)``: ``(1, 2^k)`` for ``2^k < D`` dividing ``D``, then
+    ``(n, D)`` for ``n = 1..H`` (see the module docstring for why the ``2^k`` must divide ``D``)."""
+    _check_cluster(num_hosts, devices_per_host)
+    shapes = []
+    size = 1
+    while size < devices_per_host and devices_per_host % size == 0:
+        shapes.append((1, size))
+        size *= 2
+    shapes.extend((hosts, devices_per_host) for hosts in range(1, num_hosts + 1))
+    return tuple(shapes)
+
+
+def logical_mesh_shapes(submesh: Shape) -> tuple[Shape, ...]:
+    """Every 2-D logical mesh ``(a, b)`` with ``a·b`` = the submesh's device count, ``a`` ascending."""
+    devices = submesh[0] * submesh[1]
+    return tuple((a, devices // a) for a in range(1, devices + 1) if devices % a == 0)
+
+
+def assign_devices(submeshes: Sequence[Shape], num_hosts: int, devices_per_host: int) -> tuple[tuple[int, ...], ...]:
+    """Device indices (host ``h`` owns ``[h·D, (h+1)·D)``) of each submesh, tiling the cluster exactly.
+
+    Tries stage order first (each stage takes the next free devices, so neighbouring stages sit on
+    neighbouring devices), then an exact packing search. ``ValueError`` if the shapes cannot tile the
+    cluster.
+    """
+    _check_cluster(num_hosts, devices_per_host)
+    shapes = [tuple(int(x) for x in s) for s in submeshes]
+    for index, (hosts, devices) in enumerate(shapes):
+        if not (hosts == 1 and 1 <= devices <= devices_per_host) and not (devices == devices_per_host and 1 <= hosts):
+            raise ValueError(f"stage {index}: submesh {(hosts, devices)} is neither (1, k) with k ≤ {devices_per_host} "
+                             f"nor (n, {devices_per_host}) whole hosts")
+    total = sum(h * d for h, d in shapes)
+    if total != num_hosts * devices_per_host:
+        raise ValueError(f"the submeshes {shapes} hold {total} devices, but the cluster has {num_hosts}×"
+                         f"{devices_per_host} = {num_hosts * devices_per_host}; they must tile it exactly")
+    placement = _place_in_order(shapes, num_hosts, devices_per_host) or _place_packed(shapes, num_hosts,
+                                                                                      devices_per_host)
+    if placement is None:
+        raise ValueError(f"the submeshes {shapes} cannot tile {num_hosts} host(s) of {devices_per_host} devices "
+                         "without splitting a (1, k) submesh across hosts")
+    return placement
+
+
+def _place_in_order(shapes: list[Shape], num_hosts: int, per_host: int) -> tuple[tuple[int, ...], ...] | None:
+    host, offset, result = 0, 0, []
+    for hosts, devices in shapes:
+        if hosts > 1 or devices == per_host:
+            if offset:
+                return None
+            result.append(tuple(range(host * per_host, (host + hosts) * per_host)))
+            host += hosts
+        else:
+            if offset + devices > per_host:
+                return None
+            result.append(tuple(range(host * per_host + offset, host * per_host + offset + devices)))
+            offset += devices
+            if offset == per_host:
+                host, offset = host + 1, 0
+    return tuple(result)
+
+
+def _place_packed(shapes: list[Shape], num_hosts: int, per_host: int) -> tuple[tuple[int, ...], ...] | None:
+    """Whole-host submeshes on the first hosts, then an exact bin packing of the ``(1, k)`` ones."""
+    result: list[tuple[int, ...] | None] = [None] * len(shapes)
+    host = 0
+    for index, (hosts, devices) in enumerate(shapes):
+        if hosts > 1 or devices == per_host:
+            result[index] = tuple(range(host * per_host, (host + hosts) * per_host))
+            host += hosts
+    small = sorted((i for i, (h, d) in enumerate(shapes) if result[i] is None), key=lambda i: -shapes[i][1])
+    free = [per_host] * (num_hosts - host)
+    where: dict[int, int] = {}
+
+    def place(position: int) -> bool:
+        if position == len(small):
+            return True
+        size = shapes[small[position]][1]
+        tried = set()
+        for bin_index, room in enumerate(free):
+            if room >= size and room not in tried:
+                tried.add(room)
+                free[bin_index] -= size
+                where[small[position]] = bin_index
+                if place(position + 1):
+                    return True
+                free[bin_index] += size
+        return False
+
+    if not place(0):
+        return None
+    used = [0] * len(free)
+    for index in sorted(where):
+        bin_index, size = where[index], shapes[index][1]
+        first = (host + bin_index) * per_host + used[bin_index]
+        result[index] = tuple(range(first, first + size))
+        used[bin_index] += size
+    return tuple(r for r in result if r is not None)
+
+
+# ------------------------------------------------------------------------------------------ cost model
+
+@dataclass(frozen=True)
+class StageCost:
+    """One micro-batch's forward + backward of a stage on a submesh with a logical mesh."""
+
+    latency_s: float
+    """Seconds per micro-batch (data-parallel gradient sync amortized over the micro-batches)."""
+    memory_bytes: float
+    """Per-device bytes that do not depend on the schedule: parameters, gradients, optimizer state."""
+    activation_bytes: float = 0.0
+    """Per-device bytes kept for the backward pass, per micro-batch in flight."""
+    compute_s: float = 0.0
+    communication_s: float = 0.0
+
+    def peak_bytes(self, in_flight: int) -> float:
+        """Per-device memory with ``in_flight`` micro-batches' activations alive."""
+        return self.memory_bytes + in_flight * self.activation_bytes
+
+
+class StageCostModel(Protocol):
+    """``cost(first_layer, last_layer, submesh, logical)`` → :class:`StageCost` of layers
+    ``[first_layer..last_layer]`` (inclusive) on the physical ``submesh`` with logical mesh ``logical``."""
+
+    def __call__(self, first_layer: int, last_layer: int, submesh: Shape, logical: Shape) -> StageCost: ...
+
+
+_ALIAS_OPS = frozenset({
+    "aten.view.default", "aten._unsafe_view.default", "aten.reshape.default", "aten.permute.default",
+    "aten.expand.default", "aten.t.default", "aten.transpose.int", "aten.unsqueeze.default",
+    "aten.squeeze.default", "aten.squeeze.dim", "aten.squeeze.dims", "aten.alias.default", "aten.slice.Tensor",
+    "aten.select.int", "aten.split.Tensor", "aten.split_with_sizes.default", "aten.detach.default", "getitem",
+    "aten._assert_tensor_metadata.default",
+})
+
+
+class AnalyticStageCost:
+    """The alpha-beta stage cost model, from the IR alone (no compilation, no profiling).
+
+    ``graph`` is captured on one micro-batch (as :func:`torchpar.planner.pipeline_plan.plan_pipeline` does).
+    A logical mesh ``(a, b)`` is read as ``a``-way data parallel (axis 0) × ``b``-way tensor parallel
+    (axis 1). For layers ``k..i`` with forward FLOPs ``F``, parameter bytes ``P`` (every parameter the
+    stage reads, so a tied weight counts in each stage that uses it), buffer bytes ``Q``, activation bytes
+    ``A`` (outputs of the non-view ops) and entering bytes ``E_l`` per layer (:class:`Layering`):
+
+        compute_s       = 3·F / (a·b · device_flops)                    (backward ≈ 2× forward)
+        data-parallel   = AR_0(P / b) / num_micro_batches               (gradient sync once per step)
+        tensor-parallel = Σ_l 4 · AR_1(E_l / a)                         (Megatron: one all-reduce per
+                                                                         attention/MLP half, fwd and bwd)
+        latency_s       = compute_s + data-parallel + tensor-parallel
+        memory_bytes    = (P·(2 + optimizer_state_copies) + Q) / b      (weights, grads, optimizer state
+                                                                         replicated over axis 0)
+        activation_bytes = A / (a·b)
+
+    with ``AR_x`` the all-reduce cost on logical axis ``x`` from :class:`LogicalMesh` (the cluster's
+    alpha/beta). ``(n, 1)`` is pure data parallelism and ``(1, n)`` pure tensor parallelism; the DP picks
+    the cheapest shape that fits memory. Cross-stage transfers are not priced (as in Alpa).
+    """
+
+    def __init__(self, layering: Layering, graph: Graph, cluster: ClusterSpec, num_micro_batches: int,
+                 optimizer_state_copies: float):
+        if num_micro_batches < 1:
+            raise ValueError(f"num_micro_batches must be ≥ 1, got {num_micro_batches}")
+        if optimizer_state_copies < 0:
+            raise ValueError(f"optimizer_state_copies must be ≥ 0, got {optimizer_state_copies}")
+        self.layering = layering
+        self.cluster = cluster
+        self.num_micro_batches = num_micro_batches
+        self.optimizer_state_copies = float(optimizer_state_copies)
+        kinds = {i.name: (i.kind, i.target, i.meta.nbytes) for i in graph.inputs}
+        self._state_bytes = {target: nbytes for kind, target, nbytes in kinds.values() if kind in ("param", "buffer")}
+        self._params: list[frozenset[str]] = []
+        self._buffers: list[frozenset[str]] = []
+        self._activation: list[float] = []
+        for start, end in layering.node_ranges:
+            reads = [kinds[r] for node in graph.nodes[start:end] for r in node.refs() if r in kinds]
+            self._params.append(frozenset(target for kind, target, _ in reads if kind == "param"))
+            self._buffers.append(frozenset(target for kind, target, _ in reads if kind == "buffer"))
+            self._activation.append(float(sum(n.out_bytes for n in graph.nodes[start:end] if n.target not in _ALIAS_OPS)))
+        self._range = lru_cache(maxsize=None)(self._range_totals)
+
+    def _range_totals(self, first: int, last: int) -> tuple[float, float, float, float, tuple[int, ...]]:
+        layers = range(first, last + 1)
+        params = frozenset().union(*(self._params[l] for l in layers))
+        buffers = frozenset().union(*(self._buffers[l] for l in layers)) - params
+        return (float(sum(self.layering.flops[l] for l in layers)),
+                float(sum(self._state_bytes[t] for t in params)),
+                float(sum(self._state_bytes[t] for t in buffers)),
+                float(sum(self._activation[l] for l in layers)),
+                tuple(self.layering.boundary_bytes[l] for l in layers))
+
+    def parameter_bytes(self, first_layer: int, last_layer: int) -> float:
+        """Bytes of the distinct parameters layers ``first_layer..last_layer`` read."""
+        return self._range(first_layer, last_layer)[1]
+
+    def __call__(self, first_layer: int, last_layer: int, submesh: Shape, logical: Shape) -> StageCost:
+        devices = submesh[0] * submesh[1]
+        data, tensor = logical
+        if data * tensor != devices:
+            raise ValueError(f"logical mesh {logical} does not have the {devices} devices of submesh {submesh}")
+        flops, params, buffers, activations, entering = self._range(first_layer, last_layer)
+        mesh = LogicalMesh(shape=(data, tensor), alpha=self.cluster.alpha, beta=self.cluster.beta,
+                           device_flops=self.cluster.device_flops)
+        compute = 3.0 * flops / (devices * self.cluster.device_flops)
+        communication = (mesh.all_reduce(params / tensor, [0]) / self.num_micro_batches
+                         + sum(4.0 * mesh.all_reduce(e / data, [1]) for e in entering))
+        return StageCost(
+            latency_s=compute + communication,
+            memory_bytes=(params * (2.0 + self.optimizer_state_copies) + buffers) / tensor,
+            activation_bytes=activations / devices,
+            compute_s=compute,
+            communication_s=communication,
+        )
+
+
+# ---------------------------------------------------------------------------------------------- result
+
+@dataclass(frozen=True)
+class StageChoice:
+    """One pipeline stage: layers ``first_layer..last_layer`` on ``submesh`` viewed as ``logical``."""
+
+    first_layer: int
+    last_layer: int
+    submesh: Shape
+    """Physical shape ``(hosts, devices per host)``."""
+    logical: Shape
+    """Logical mesh shape ``(axis 0, axis 1)``."""
+    latency_s: float
+    """One micro-batch's forward + backward."""
+    memory_bytes: float
+    """Peak per-device bytes with this stage's micro-batches in flight."""
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        return tuple(range(self.first_layer, self.last_layer + 1))
+
+    @property
+    def num_devices(self) -> int:
+        return self.submesh[0] * self.submesh[1]
+
+
+@dataclass(frozen=True)
+class StagePartition:
+    """Stages in pipeline order and their estimated step time ``Σ t + (B−1)·max t``."""
+
+    stages: tuple[StageChoice, ...]
+    num_micro_batches: int
+
+    @property
+    def cost_s(self) -> float:
+        return pipeline_latency([s.latency_s for s in self.stages], self.num_micro_batches)
+
+    @property
+    def forward_stage_layer_ids(self) -> tuple[tuple[int, ...], ...]:
+        return tuple(s.layers for s in self.stages)
+
+    @property
+    def submesh_physical_shapes(self) -> tuple[Shape, ...]:
+        return tuple(s.submesh for s in self.stages)
+
+    @property
+    def submesh_logical_shapes(self) -> tuple[Shape, ...]:
+        return tuple(s.logical for s in self.stages)
+
+    def to_dict(self) -> dict:
+        return {"estimated_step_s": self.cost_s,
+                "stages": [{"layers": list(s.layers), "submesh_shape": list(s.submesh),
+                            "logical_mesh_shape": list(s.logical), "estimated_cost_s": s.latency_s,
+                            "estimated_memory_bytes": s.memory_bytes} for s in self.stages]}
+
+    def __str__(self) -> str:
+        parts = [f"L{s.first_layer}-{s.last_layer}@{s.submesh[0]}x{s.submesh[1]}/{s.logical[0]}x{s.logical[1]}"
+                 for s in self.stages]
+        return f"{self.cost_s * 1e3:.3f} ms [{' | '.join(parts)}]"
+
+
+@dataclass(frozen=True)
+class StagePlanResult:
+    """What :func:`stage_dp` found: the best partition, the runners-up and how long the search took."""
+
+    best: StagePartition
+    runners_up: tuple[StagePartition, ...]
+    dp_s: float
+    """Seconds in the DP (cost-model calls included)."""
+    num_t_max_tried: int
+    num_t_max_candidates: int
+
+    @property
+    def stages(self) -> tuple[StageChoice, ...]:
+        return self.best.stages
+
+    @property
+    def cost_s(self) -> float:
+        return self.best.cost_s
+
+    def summary(self) -> str:
+        best = self.best
+        latencies = [s.latency_s for s in best.stages]
+        lines = [f"Stage DP: {len(best.stages)} stage(s), {best.num_micro_batches} micro-batch(es), est. step "
+                 f"{best.cost_s * 1e3:.3f} ms (Σt {sum(latencies) * 1e3:.3f} + {best.num_micro_batches - 1}×max "
+                 f"{max(latencies) * 1e3:.3f}), DP {self.dp_s:.3f}s, t_max tried {self.num_t_max_tried}/"
+                 f"{self.num_t_max_candidates}"]
+        for index, s in enumerate(best.stages):
+            lines.append(f"  stage {index}: layers {s.first_layer}-{s.last_layer}, submesh {s.submesh}, logical "
+                         f"{s.logical}, {s.latency_s * 1e3:.3f} ms, {s.memory_bytes / 2**20:.1f} MiB/device")
+        for rank, other in enumerate(self.runners_up, 2):
+            lines.append(f"  #{rank}: {other}")
+        return "\n".join(lines)
+
+
+def pipeline_latency(latencies: Sequence[float], num_micro_batches: int) -> float:
+    """``Σ t + (B − 1)·max t``: the step time of a 1F1B or GPipe pipeline with stage latencies ``t``."""
+    return float(sum(latencies) + (num_micro_batches - 1) * max(latencies))
+
+
+# ------------------------------------------------------------------------------------------------- DP
+
+def stage_dp(num_layers: int, cluster_hosts: int, devices_per_host: int, num_micro_batches: int,
+             cost: StageCostModel, memory_budget: float, *, schedule: Schedule = "1f1b",
+             num_runners_up: int = 3) -> StagePlanResult:
+    """Alpa's inter-op DP (module docstring): contiguous layer ranges × submeshes × logical meshes that tile
+    the cluster, minimizing ``Σ t + (B−1)·max t`` subject to ``memory_budget`` bytes per device."""
+    _check_cluster(cluster_hosts, devices_per_host)
+    if num_layers < 1:
+        raise ValueError(f"num_layers must be ≥ 1, got {num_layers}")
+    if num_micro_batches < 1:
+        raise ValueError(f"num_micro_batches must be ≥ 1, got {num_micro_batches}")
+    if not memory_budget > 0:
+        raise ValueError(f"memory_budget must be positive, got {memory_budget}")
+    t0 = time.perf_counter()
+    submeshes = submesh_shapes(cluster_hosts, devices_per_host)
+    num_devices = cluster_hosts * devices_per_host
+    table = _stage_table(num_layers, submeshes, min(num_layers, num_devices), num_micro_batches, cost,
+                         memory_budget, schedule)
+    sizes = [h * d for h, d in submeshes]
+    if not math.isfinite(_suffix_dp(table.latency, sizes, num_devices, np.add)[0]):
+        need, _ = _suffix_dp(table.min_memory, sizes, num_devices, np.maximum)
+        raise ValueError(f"no stage plan fits in {memory_budget / 2**30:.3f} GiB per device: the smallest needs "
+                         f"{need / 2**30:.3f} GiB ({need:.0f} bytes) per device; add devices, raise the budget or "
+                         "use fewer micro-batches in flight")
+    candidates = np.unique(table.latency[np.isfinite(table.latency)])
+    found: dict[tuple, StagePartition] = {}
+    best = math.inf
+    tried = 0
+    for t_max in candidates:
+        if num_micro_batches * t_max >= best:
+            break
+        tried += 1
+        _, plan = _suffix_dp(np.where(table.latency <= t_max, table.latency, np.inf), sizes, num_devices, np.add)
+        if not plan:  # no tiling with every stage within t_max
+            continue
+        partition = _partition(plan, table, submeshes, num_micro_batches, schedule)
+        found.setdefault(_key(partition), partition)
+        best = min(best, partition.cost_s)
+    ranked = sorted(found.values(), key=lambda p: (p.cost_s, len(p.stages)))
+    result = StagePlanResult(best=ranked[0], runners_up=tuple(ranked[1:1 + num_runners_up]),
+                             dp_s=time.perf_counter() - t0, num_t_max_tried=tried,
+                             num_t_max_candidates=len(candidates))
+    log.info("stage DP: %s in %.3fs (%d/%d t_max)", result.best, result.dp_s, tried, len(candidates))
+    return result
+
+
+@dataclass
+class _Table:
+    latency: np.ndarray
+    """[s−1, k, i, σ]: least latency of layers k..i on submesh σ among logical meshes that fit in memory
+    with s stages from this one to the last (∞: none fits, or i < k)."""
+    logical: np.ndarray
+    """[s−1, k, i, σ]: index of that logical mesh in ``logical_mesh_shapes(σ)``."""
+    memory: np.ndarray
+    """[s−1, k, i, σ]: its peak per-device bytes."""
+    min_memory: np.ndarray
+    """[s−1, k, i, σ]: least peak bytes over all logical meshes (to report what would fit)."""
+
+
+def _in_flight(stages_after: np.ndarray, num_micro_batches: int, schedule: Schedule) -> np.ndarray:
+    if schedule == "gpipe":
+        return np.full_like(stages_after, num_micro_batches)
+    if schedule == "1f1b":
+        return np.minimum(stages_after, num_micro_batches)
+    raise ValueError(f"schedule must be '1f1b' or 'gpipe', got {schedule!r}")
+
+
+def _stage_table(num_layers: int, submeshes: Sequence[Shape], max_stages: int, num_micro_batches: int,
+                 cost: StageCostModel, memory_budget: float, schedule: Schedule) -> _Table:
+    shape = (max_stages, num_layers, num_layers, len(submeshes))
+    latency = np.full(shape, np.inf)
+    logical = np.full(shape, -1, dtype=np.int64)
+    memory = np.full(shape, np.inf)
+    min_memory = np.full(shape, np.inf)
+    in_flight = _in_flight(np.arange(1, max_stages + 1), num_micro_batches, schedule)
+    for first, last in itertools.combinations_with_replacement(range(num_layers), 2):
+        for index, submesh in enumerate(submeshes):
+            for choice, mesh in enumerate(logical_mesh_shapes(submesh)):
+                stage = cost(first, last, submesh, mesh)
+                peak = stage.memory_bytes + in_flight * stage.activation_bytes  # [s−1]
+                cell = (slice(None), first, last, index)
+                min_memory[cell] = np.minimum(min_memory[cell], peak)
+                better = (peak <= memory_budget) & (stage.latency_s < latency[cell])
+                latency[cell] = np.where(better, stage.latency_s, latency[cell])
+                logical[cell] = np.where(better, choice, logical[cell])
+                memory[cell] = np.where(better, peak, memory[cell])
+    return _Table(latency, logical, memory, min_memory)
+
+
+def _suffix_dp(weight: np.ndarray, sizes: Sequence[int], num_devices: int,
+               combine: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> tuple[float, list[tuple[int, int, int]]]:
+    """``F(s, k, d) = min_{i, σ} combine(weight[s−1, k, i, σ], F(s−1, i+1, d−|σ|))``, ``F(0, L, 0) = 0``.
+
+    Returns (min_s F(s, 0, N), the arg-min stages as ``(first layer, last layer, submesh index)``)."""
+    max_stages, num_layers, _, num_submeshes = weight.shape
+    value = np.full((num_layers + 1, num_devices + 1), np.inf)
+    value[num_layers, 0] = 0.0
+    choices = []
+    best, best_stages = math.inf, 0
+    for s in range(1, max_stages + 1):
+        after = value[1:, :]  # [i, d]: F(s−1, i+1, d)
+        shifted = np.full((num_layers, num_submeshes, num_devices + 1), np.inf)
+        for index, size in enumerate(sizes):
+            if size <= num_devices:
+                shifted[:, index, size:] = after[:, :num_devices + 1 - size]
+        candidates = combine(weight[s - 1][:, :, :, None], shifted[None])  # [k, i, σ, d]
+        flat = candidates.reshape(num_layers, num_layers * num_submeshes, num_devices + 1)
+        choice = flat.argmin(axis=1)  # [k, d] → i·|σ| + σ
+        value = np.full((num_layers + 1, num_devices + 1), np.inf)
+        value[:num_layers] = np.take_along_axis(flat, choice[:, None, :], axis=1)[:, 0, :]
+        choices.append(choice)
+        if value[0, num_devices] < best:
+            best, best_stages = float(value[0, num_devices]), s
+    if not math.isfinite(best):
+        return best, []
+    stages, first, devices = [], 0, num_devices
+    for s in range(best_stages, 0, -1):
+        last, index = divmod(int(choices[s - 1][first, devices]), num_submeshes)
+        stages.append((first, last, index))
+        first, devices = last + 1, devices - sizes[index]
+    assert first == num_layers and devices == 0, "the arg-min chain covers every layer and device"
+    return best, stages
+
+
+def _partition(plan: list[tuple[int, int, int]], table: _Table, submeshes: Sequence[Shape], num_micro_batches: int,
+               schedule: Schedule) -> StagePartition:
+    stages = []
+    for position, (first, last, index) in enumerate(plan):
+        cell = (len(plan) - position - 1, first, last, index)
+        stages.append(StageChoice(first_layer=first, last_layer=last, submesh=submeshes[index],
+                                  logical=logical_mesh_shapes(submeshes[index])[int(table.logical[cell])],
+                                  latency_s=float(table.latency[cell]), memory_bytes=float(table.memory[cell])))
+    return StagePartition(stages=tuple(stages), num_micro_batches=num_micro_batches)
+
+
+def _key(partition: StagePartition) -> tuple:
+    return tuple((s.first_layer, s.last_layer, s.submesh, s.logical) for s in partition.stages)
+
+
+# ----------------------------------------------------------------------------------- uniform and manual
+
+def uniform_stages(num_layers: int, num_stages: int | None, cluster_hosts: int, devices_per_host: int, *,
+                   cost: StageCostModel | None = None, num_micro_batches: int = 1,
+                   memory_budget: float = math.inf, schedule: Schedule = "1f1b") -> StagePartition:
+    """Equal layer counts (the first ``L mod S`` stages get one more) on equal submeshes.
+
+    ``num_stages=None``: the most stages (≤ ``num_layers``) that split the cluster into equal submeshes.
+    With ``cost``, each stage's logical mesh is the fastest that fits ``memory_budget`` (else the smallest,
+    with a warning) and latencies are filled in; without it, the logical mesh is the physical shape.
+    """
+    _check_cluster(cluster_hosts, devices_per_host)
+    num_devices = cluster_hosts * devices_per_host
+    if num_stages is None:
+        num_stages = next(s for s in range(min(num_layers, num_devices), 0, -1)
+                          if num_devices % s == 0 and _uniform_submesh(num_devices // s, devices_per_host))
+    if not 1 <= num_stages <= num_layers:
+        raise ValueError(f"num_stages must be between 1 and the number of layers ({num_layers}), got {num_stages}")
+    per_stage = num_devices // num_stages
+    submesh = _uniform_submesh(per_stage, devices_per_host) if num_devices % num_stages == 0 else None
+    if submesh is None:
+        raise ValueError(f"{num_stages} uniform stages cannot split {cluster_hosts}×{devices_per_host} devices into "
+                         f"equal submeshes (1, k≤{devices_per_host}) or (n, {devices_per_host}); choose a number of "
+                         "stages that divides the devices")
+    counts = [num_layers // num_stages + (1 if s < num_layers % num_stages else 0) for s in range(num_stages)]
+    bounds = np.cumsum([0, *counts])
+    return _evaluate([(int(bounds[s]), int(bounds[s + 1]) - 1) for s in range(num_stages)], [submesh] * num_stages,
+                     None, cost, num_micro_batches, memory_budget, schedule)
+
+
+def manual_stages(forward_stage_layer_ids: Sequence[Sequence[int]], submesh_physical_shapes: Sequence[Shape],
+                  submesh_logical_shapes: Sequence[Shape] | None, *, num_layers: int, cluster_hosts: int,
+                  devices_per_host: int, cost: StageCostModel | None = None, num_micro_batches: int = 1,
+                  memory_budget: float = math.inf, schedule: Schedule = "1f1b") -> StagePartition:
+    """Validate a hand-written stage layout (``ManualStageOption``) and price it with ``cost`` if given.
+
+    Checks: the layer ids of each stage are consecutive, stages are in order and cover ``0..num_layers−1``
+    once; each submesh is ``(1, k≤D)`` or ``(n, D)`` and together they tile the cluster exactly; each
+    logical mesh has its submesh's device count. ``submesh_logical_shapes=None`` picks the fastest
+    logical mesh with ``cost`` (the physical shape without it).
+    """
+    _check_cluster(cluster_hosts, devices_per_host)
+    stage_layers = [tuple(int(l) for l in ids) for ids in forward_stage_layer_ids]
+    count = len(stage_layers)
+    if count == 0 or len(submesh_physical_shapes) != count or (
+            submesh_logical_shapes is not None and len(submesh_logical_shapes) != count):
+        raise ValueError(f"need one submesh (and logical mesh) per stage: {count} stage(s), "
+                         f"{len(submesh_physical_shapes)} submesh(es), "
+                         f"{None if submesh_logical_shapes is None else len(submesh_logical_shapes)} logical mesh(es)")
+    for index, ids in enumerate(stage_layers):
+        if not ids or list(ids) != list(range(ids[0], ids[0] + len(ids))):
+            raise ValueError(f"stage {index}'s layer ids {list(ids)} are not a non-empty run of consecutive layers")
+    if [l for ids in stage_layers for l in ids] != list(range(num_layers)):
+        raise ValueError(f"forward_stage_layer_ids must cover layers 0..{num_layers - 1} in order, each once; got "
+                         f"{[list(ids) for ids in stage_layers]}")
+    submeshes = [tuple(int(x) for x in s) for s in submesh_physical_shapes]
+    assign_devices(submeshes, cluster_hosts, devices_per_host)
+    logical = None
+    if submesh_logical_shapes is not None:
+        logical = [tuple(int(x) for x in s) for s in submesh_logical_shapes]
+        for index, (physical, mesh) in enumerate(zip(submeshes, logical)):
+            if len(mesh) != 2 or min(mesh) < 1 or mesh[0] * mesh[1] != physical[0] * physical[1]:
+                raise ValueError(f"stage {index}: logical mesh {mesh} must be two positive ints whose product is the "
+                                 f"{physical[0] * physical[1]} devices of submesh {physical}")
+    return _evaluate([(ids[0], ids[-1]) for ids in stage_layers], submeshes, logical, cost, num_micro_batches,
+                     memory_budget, schedule)
+
+
+def _uniform_submesh(devices: int, per_host: int) -> Shape | None:
+    if devices >= per_host:
+        return (devices // per_host, per_host) if devices % per_host == 0 else None
+    return (1, devices) if devices >= 1 else None
+
+
+def _evaluate(ranges: list[tuple[int, int]], submeshes: list[Shape], logical: list[Shape] | None,
+              cost: StageCostModel | None, num_micro_batches: int, memory_budget: float,
+              schedule: Schedule) -> StagePartition:
+    in_flight = _in_flight(np.arange(len(ranges), 0, -1), num_micro_batches, schedule)
+    stages = []
+    for position, ((first, last), submesh) in enumerate(zip(ranges, submeshes)):
+        meshes = [logical[position]] if logical is not None else list(logical_mesh_shapes(submesh))
+        if cost is None:
+            mesh = meshes[0] if logical is not None else submesh
+            stages.append(StageChoice(first, last, submesh, mesh, 0.0, 0.0))
+            continue
+        priced = [(cost(first, last, submesh, mesh), mesh) for mesh in meshes]
+        fitting = [(c, m) for c, m in priced if c.peak_bytes(int(in_flight[position])) <= memory_budget]
+        if fitting:
+            stage, mesh = min(fitting, key=lambda cm: cm[0].latency_s)
+        else:
+            stage, mesh = min(priced, key=lambda cm: cm[0].peak_bytes(int(in_flight[position])))
+            log.warning("stage %d (layers %d-%d on %s) needs %.3f GiB per device, over the %.3f GiB budget",
+                        position, first, last, submesh, stage.peak_bytes(int(in_flight[position])) / 2**30,
+                        memory_budget / 2**30)
+        stages.append(StageChoice(first, last, submesh, mesh, stage.latency_s,
+                                  stage.peak_bytes(int(in_flight[position]))))
+    return StagePartition(stages=tuple(stages), num_micro_batches=num_micro_batches)
+
+
+def _check_cluster(num_hosts: int, devices_per_host: int) -> None:
+    if num_hosts < 1 or devices_per_host < 1:
+        raise ValueError(f"a cluster needs ≥ 1 host and ≥ 1 device per host, got {num_hosts}×{devices_per_host}")
