@@ -170,6 +170,10 @@ class Engine:
         to_host = lambda tree: self._jax.tree.map(lambda a: to_numpy_input(np.asarray(a)), tree)  # noqa: E731
         self._pipeline.load(to_host(params), to_host(buffers), to_host(self._bridge.initial_state()))
         self._timings["lower"] = time.perf_counter() - start
+        start = time.perf_counter()
+        self._pipeline.warm_up(self._jax_optim.step_scalars(self._spec, self._bridge.hparams(),
+                                                            [1] * self._spec.num_groups))
+        self._timings["xla_compile"] = time.perf_counter() - start
         log.info("torchpar plan:\n%s", self._plan.summary())
 
     # --- public API --------------------------------------------------------------------------------

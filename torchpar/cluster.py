@@ -35,6 +35,8 @@ class ClusterSpec:
     """Inverse bandwidth (s/byte) on logical mesh axis 0 and axis 1."""
     runtime: str = "local"
     """Where pipeline stages run: ``"local"`` (this process) or ``"ray"`` (one actor per host)."""
+    cores_per_host: int | None = None
+    """Ray runtime on one machine: CPU cores each host actor is pinned to (``None`` = an even share)."""
 
     def __post_init__(self) -> None:
         if self.num_hosts < 1 or self.devices_per_host < 1:
@@ -53,13 +55,15 @@ _cluster: ClusterSpec | None = None
 
 
 def init(cluster: str = "local", num_devices: int | None = None, *, num_hosts: int | None = None,
-         devices_per_host: int | None = None, address: str | None = None) -> ClusterSpec:
+         devices_per_host: int | None = None, address: str | None = None,
+         cores_per_host: int | None = None) -> ClusterSpec:
     """Declare the cluster torchpar plans for; call it before anything imports JAX.
 
     - ``cluster="local", num_devices=N``: one process with N (fake CPU) devices, seen as one host; or
       ``num_hosts=H, devices_per_host=D`` to simulate H hosts of D devices in this process.
     - ``cluster="ray", num_hosts=H, devices_per_host=D``: start an embedded Ray with one actor per host,
-      each owning D fake CPU devices; ``address=...`` joins an existing Ray cluster instead.
+      each owning D fake CPU devices; ``address=...`` joins an existing Ray cluster instead. On one machine
+      each host actor is pinned to ``cores_per_host`` cores (default: an even share of the machine's).
     Returns the :class:`ClusterSpec` in force.
     """
     global _cluster
@@ -89,7 +93,9 @@ def init(cluster: str = "local", num_devices: int | None = None, *, num_hosts: i
     per_host = devices_per_host or (num_devices or available)
     if cluster == "ray":
         _start_ray(address, hosts)
-    _cluster = ClusterSpec(num_hosts=hosts, devices_per_host=per_host, runtime=cluster)
+    if cores_per_host is not None and cores_per_host < 1:
+        raise ValueError(f"cores_per_host must be ≥ 1, got {cores_per_host}")
+    _cluster = ClusterSpec(num_hosts=hosts, devices_per_host=per_host, runtime=cluster, cores_per_host=cores_per_host)
     log.info("torchpar cluster: %s, %d host(s) × %d device(s) of %s", cluster, hosts, per_host,
              jax.devices()[0].platform)
     return _cluster

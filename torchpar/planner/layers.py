@@ -50,7 +50,7 @@ from torchpar.ir.graph import Graph, Node, OutMeta, TensorMeta
 
 log = logging.getLogger(__name__)
 
-BOUNDARY_TARGET = "torchpar.pipeline_boundary"
+BOUNDARY_OP = "torchpar.pipeline_boundary"
 
 HEAVY_OPS = frozenset({
     "mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "convolution", "_convolution",
@@ -104,7 +104,7 @@ def manual_layers(graph: Graph) -> Layering:
     """Cut ``graph`` after each ``torchpar.pipeline_boundary`` node (the boundary node belongs to the layer
     before the cut). A boundary that is the graph's last node adds no empty layer."""
     t0 = time.perf_counter()
-    cuts = [index + 1 for index, node in enumerate(graph.nodes) if node.target == BOUNDARY_TARGET]
+    cuts = [index + 1 for index, node in enumerate(graph.nodes) if node.target == BOUNDARY_OP]
     if not cuts:
         raise ValueError(
             "layer_option='manual' needs pipeline boundaries, but the graph has none: call "

@@ -4,7 +4,7 @@ The problem
 -----------
 Layers ``0..L−1`` (:mod:`.layers`), ``B`` micro-batches, a cluster of ``H`` hosts × ``D`` devices
 (``N = H·D``). A stage is a contiguous layer range ``[k..i]`` on a submesh ``σ`` (:func:`submesh_shapes`)
-with a logical mesh ``c`` (:func:`logical_mesh_shapes`). A :data:`StageCostModel` prices one
+with a logical mesh ``c`` (:func:`logical_mesh_shapes`). A :class:`StageCostModel` prices one
 micro-batch's forward + backward of the stage: latency ``t(k,i,σ,c)``, per-device memory
 ``m + f(s)·a`` (static bytes ``m``; activation bytes ``a`` per micro-batch in flight; with ``s`` the
 number of stages from this one to the last, ``f(s) = min(s, B)`` under 1F1B, ``f(s) = B`` under GPipe).
@@ -32,13 +32,15 @@ found at ``t_max = t⁰``. Early stop: once ``B · t_max ≥`` the best true ``T
 slowest stage is ≥ ``t_max`` can beat it (its ``T ≥ B · max_j t_j``). The runners-up are the other
 distinct partitions met on the way, ranked by their true ``T``.
 
-Exact tiling: submeshes are ``(1, 2^k)`` with ``2^k`` dividing ``D`` and ``(n, D)`` for ``n = 1..H``. Their
-sizes form a divisibility chain (each divides the next and ``D``), so any multiset of them whose sizes sum
-to ``N`` packs into the ``H`` hosts (first-fit decreasing leaves every host's free space a multiple of the
-next size); counting devices, as ``d`` does, is therefore exact (:func:`assign_devices` finds the packing).
-(For ``D`` a power of two these are exactly Alpa's ``(1, 2^k)`` and ``(n, D)``.)
+Exact tiling: submeshes are ``(1, 2^k)`` with ``2^k`` dividing ``D`` and ``(n, D)`` for ``n = 1..H``. The
+whole-host ones take whole hosts; the sub-host sizes divide each other and ``D``, so placed largest first
+every host's free space stays a multiple of the next size. Any multiset of them whose sizes sum to ``N``
+therefore tiles the cluster, and counting devices, as ``d`` does, is exact (:func:`assign_devices` finds
+the placement). For ``D`` a power of two these are exactly Alpa's ``(1, 2^k)`` and ``(n, D)``.
 
-Cost: ``O(L²·|σ|·|c|)`` cost-model calls, then per ``t_max`` ``O(S·L²·|σ|·N)`` numpy work, ``S = min(L, N)``.
+Cost: ``O(L²·|σ|·|c|)`` cost-model calls, then per ``t_max`` ``O(S·L²·|σ|·N)`` numpy work, where ``S`` is
+the number of distinct rows ``t*(·, s)``: stage counts ``s ≥ ŝ`` with identical rows (memory no longer
+binds, or ``s ≥ B`` under 1F1B) share one level, solved layer by layer (:func:`_suffix_dp`).
 """
 
 from __future__ import annotations
@@ -384,15 +386,17 @@ def pipeline_latency(latencies: Sequence[float], num_micro_batches: int) -> floa
 # ------------------------------------------------------------------------------------------------- DP
 
 def stage_dp(num_layers: int, cluster_hosts: int, devices_per_host: int, num_micro_batches: int,
-             cost: StageCostModel, memory_budget: float, *, schedule: Schedule = "1f1b",
+             cost: StageCostModel, memory_budget: float | None, *, schedule: Schedule = "1f1b",
              num_runners_up: int = 3) -> StagePlanResult:
     """Alpa's inter-op DP (module docstring): contiguous layer ranges × submeshes × logical meshes that tile
-    the cluster, minimizing ``Σ t + (B−1)·max t`` subject to ``memory_budget`` bytes per device."""
+    the cluster, minimizing ``Σ t + (B−1)·max t`` subject to ``memory_budget`` bytes per device (``None``:
+    no limit). ``ValueError`` naming the smallest budget that would fit if nothing fits."""
     _check_cluster(cluster_hosts, devices_per_host)
     if num_layers < 1:
         raise ValueError(f"num_layers must be ≥ 1, got {num_layers}")
     if num_micro_batches < 1:
         raise ValueError(f"num_micro_batches must be ≥ 1, got {num_micro_batches}")
+    memory_budget = math.inf if memory_budget is None else memory_budget
     if not memory_budget > 0:
         raise ValueError(f"memory_budget must be positive, got {memory_budget}")
     t0 = time.perf_counter()
@@ -475,35 +479,67 @@ def _suffix_dp(weight: np.ndarray, sizes: Sequence[int], num_devices: int,
                combine: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> tuple[float, list[tuple[int, int, int]]]:
     """``F(s, k, d) = min_{i, σ} combine(weight[s−1, k, i, σ], F(s−1, i+1, d−|σ|))``, ``F(0, L, 0) = 0``.
 
-    Returns (min_s F(s, 0, N), the arg-min stages as ``(first layer, last layer, submesh index)``)."""
+    Returns (min_s F(s, 0, N), the arg-min stages as ``(first layer, last layer, submesh index)``).
+
+    Stage counts with identical weights are merged: if ``weight[s−1] = weight[ŝ−1]`` for all ``s ≥ ŝ`` (memory
+    stops depending on the stages after a stage once it fits with them all, e.g. at ``s ≥ B`` under 1F1B,
+    or at once when memory never binds), level ``ŝ`` stands for "ŝ or more stages":
+    ``F(ŝ, k, d) = min_{i, σ} combine(w, min(F(ŝ−1, i+1, ·), F(ŝ, i+1, ·)))``, solved for ``k = L−1 … 0``.
+    """
     max_stages, num_layers, _, num_submeshes = weight.shape
+    top = max_stages  # ŝ
+    while top > 1 and np.array_equal(weight[top - 1], weight[top - 2]):
+        top -= 1
     value = np.full((num_layers + 1, num_devices + 1), np.inf)
     value[num_layers, 0] = 0.0
-    choices = []
-    best, best_stages = math.inf, 0
-    for s in range(1, max_stages + 1):
-        after = value[1:, :]  # [i, d]: F(s−1, i+1, d)
-        shifted = np.full((num_layers, num_submeshes, num_devices + 1), np.inf)
-        for index, size in enumerate(sizes):
-            if size <= num_devices:
-                shifted[:, index, size:] = after[:, :num_devices + 1 - size]
-        candidates = combine(weight[s - 1][:, :, :, None], shifted[None])  # [k, i, σ, d]
+    choices: list[np.ndarray] = []
+    best, best_level = math.inf, 0
+    for s in range(1, top):
+        candidates = combine(weight[s - 1][:, :, :, None], _shift(value[1:], sizes, num_devices)[None])  # [k,i,σ,d]
         flat = candidates.reshape(num_layers, num_layers * num_submeshes, num_devices + 1)
         choice = flat.argmin(axis=1)  # [k, d] → i·|σ| + σ
         value = np.full((num_layers + 1, num_devices + 1), np.inf)
         value[:num_layers] = np.take_along_axis(flat, choice[:, None, :], axis=1)[:, 0, :]
         choices.append(choice)
         if value[0, num_devices] < best:
-            best, best_stages = float(value[0, num_devices]), s
+            best, best_level = float(value[0, num_devices]), s
+    # level ŝ, absorbing: its successor is level ŝ−1 or ŝ itself, so solve it layer by layer from the end
+    below = value
+    level = np.full((num_layers + 1, num_devices + 1), np.inf)
+    stay = np.zeros((num_layers + 1, num_devices + 1), dtype=bool)  # [i+1, d]: successor is level ŝ itself
+    after = below[1:].copy()  # [i, d]: min(F(ŝ−1, i+1, d), F(ŝ, i+1, d)), row i final once level[i+1] is
+    top_choice = np.zeros((num_layers, num_devices + 1), dtype=np.int64)
+    for k in range(num_layers - 1, -1, -1):
+        if k + 1 < num_layers:
+            stay[k + 1] = level[k + 1] < below[k + 1]
+            after[k] = np.minimum(below[k + 1], level[k + 1])
+        shifted = _shift(after[k:], sizes, num_devices)  # [i−k, σ, d]
+        flat = combine(weight[top - 1][k, k:, :, None], shifted).reshape(-1, num_devices + 1)
+        choice = flat.argmin(axis=0)
+        level[k] = flat[choice, np.arange(num_devices + 1)]
+        top_choice[k] = choice + k * num_submeshes
+    if level[0, num_devices] < best:
+        best, best_level = float(level[0, num_devices]), top
     if not math.isfinite(best):
         return best, []
-    stages, first, devices = [], 0, num_devices
-    for s in range(best_stages, 0, -1):
-        last, index = divmod(int(choices[s - 1][first, devices]), num_submeshes)
+    stages, first, devices, s = [], 0, num_devices, best_level
+    while s > 0:
+        at_top = s == top
+        last, index = divmod(int((top_choice if at_top else choices[s - 1])[first, devices]), num_submeshes)
         stages.append((first, last, index))
         first, devices = last + 1, devices - sizes[index]
+        s = s if at_top and first < num_layers and stay[first, devices] else s - 1
     assert first == num_layers and devices == 0, "the arg-min chain covers every layer and device"
     return best, stages
+
+
+def _shift(after: np.ndarray, sizes: Sequence[int], num_devices: int) -> np.ndarray:
+    """``[i, σ, d] = after[i, d − |σ|]`` (∞ where ``d < |σ|``)."""
+    shifted = np.full((after.shape[0], len(sizes), num_devices + 1), np.inf)
+    for index, size in enumerate(sizes):
+        if size <= num_devices:
+            shifted[:, index, size:] = after[:, :num_devices + 1 - size]
+    return shifted
 
 
 def _partition(plan: list[tuple[int, int, int]], table: _Table, submeshes: Sequence[Shape], num_micro_batches: int,

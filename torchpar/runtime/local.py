@@ -75,6 +75,11 @@ class LocalPipeline:
     def hlo_text(self) -> list[str]:
         return [program.forward_hlo() for program in self.programs]
 
+    def warm_up(self, scalars: Any) -> None:
+        """Compile every stage's functions now rather than inside the first step."""
+        for s, program in enumerate(self.programs):
+            program.warm_up(self.state.params[s], self.state.buffers[s], self.state.opt_state[s], scalars)
+
     def step(self, micro_inputs: list[dict[int, np.ndarray]], scalars: Any, key: Any) -> float:
         """One optimizer step over the micro-batches; returns the mean micro-batch loss."""
         programs, state = self.programs, self.state

@@ -36,7 +36,8 @@ class PipelineRunner:
             from torchpar.runtime.ray_runtime import RayPipeline
 
             self.runtime = RayPipeline(pipeline, spec=spec, trainable=trainable, grad_clip_norm=grad_clip_norm,
-                                       num_hosts=cluster.num_hosts, devices_per_host=cluster.devices_per_host)
+                                       num_hosts=cluster.num_hosts, devices_per_host=cluster.devices_per_host,
+                                       cores_per_host=cluster.cores_per_host)
             return
         all_devices = jax.devices()
         self.programs = []
@@ -51,6 +52,9 @@ class PipelineRunner:
     def load(self, params: dict[str, np.ndarray], buffers: dict[str, np.ndarray],
              opt_state: dict[str, dict[str, np.ndarray]]) -> None:
         self.runtime.load(params, buffers, opt_state)
+
+    def warm_up(self, scalars: Any) -> None:
+        self.runtime.warm_up(scalars)
 
     def export(self) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict[str, dict[str, np.ndarray]]]:
         return self.runtime.export()

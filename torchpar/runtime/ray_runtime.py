@@ -18,6 +18,7 @@ import logging
 import os
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -26,6 +27,7 @@ import ray
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 60.0
+COMPILE_TIMEOUT_S = 1800.0
 
 
 class PipelineError(RuntimeError):
@@ -73,6 +75,11 @@ class HostWorker:
     def set_peers(self, peers: dict[int, Any]) -> None:
         self._peers = peers  # host index → actor handle
 
+    def warm_up(self, scalars: Any) -> None:
+        """Compile every stage's functions now (see ``StageProgram.warm_up``)."""
+        for s, program in self._programs.items():
+            program.warm_up(self._params[s], self._buffers[s], self._opt_state[s], scalars)
+
     def load(self, params: dict, buffers: dict, opt_state: dict) -> None:
         for s, program in self._programs.items():
             self._params[s] = {n: program.put_param(n, params[n]) for n in program.stage.params}
@@ -116,12 +123,15 @@ class HostWorker:
 
     # --- a step ---------------------------------------------------------------------------------------
 
-    def run_step(self, micro_inputs: list[dict[int, np.ndarray]], key_data: np.ndarray) -> dict:
-        """Every local stage's forward/backward instructions; returns losses, gradient norms and the
-        gradients of parameters shared with other stages."""
+    def run_step(self, micro_inputs: list[dict[int, np.ndarray]], key_data: np.ndarray, start_time: float) -> dict:
+        """Every local stage's forward/backward instructions; returns losses, gradient norms, the gradients
+        of parameters shared with other stages, and each stage's compute blocks ``(op, micro_batch, start,
+        end)`` in seconds since ``start_time`` (the driver's ``time.time()`` when it issued the step)."""
         import jax
 
         key = jax.random.wrap_key_data(key_data)
+        self._step_start = start_time
+        self._blocks = {s: [] for s in self._programs}
         results: dict[int, Any] = {}
         errors: list[BaseException] = []
 
@@ -144,7 +154,7 @@ class HostWorker:
         sq_norms = {s: float(self._programs[s].squared_norm(self._grads[s])) if self._grads.get(s) else 0.0
                     for s in self._programs}
         grads = {s: {n: np.asarray(g) for n, g in self._grads.get(s, {}).items()} for s in self._programs}
-        return {"losses": losses, "sq_norms": sq_norms, "grads_of_shared": grads}
+        return {"losses": losses, "sq_norms": sq_norms, "grads_of_shared": grads, "blocks": self._blocks}
 
     def _run_stage(self, s: int, micro_inputs: list[dict[int, np.ndarray]], key: Any) -> list[float]:
         import jax
@@ -165,8 +175,11 @@ class HostWorker:
                 received[mb] = {n: program.put_activation(n, v) for n, v in payload.items()}
             elif ins.op == "forward":
                 inputs = {i: program.put_input(i, micro_inputs[mb][i]) for i in program.stage.batch_inputs}
+                begin = time.time()
                 diff, rest, new_buffers, vjp = program.forward(self._params[s], self._buffers[s], inputs,
                                                                received.pop(mb, {}), jax.random.fold_in(key, s * 65536 + mb))
+                jax.block_until_ready(diff)
+                self._blocks[s].append(("forward", mb, begin - self._step_start, time.time() - self._step_start))
                 self._buffers[s] = {**self._buffers[s], **new_buffers}
                 residuals[mb] = vjp
                 if LOSS in diff:
@@ -179,8 +192,11 @@ class HostWorker:
                 payload = self._receive("grad", s, mb)
                 cotangents[mb] = {n: jax.device_put(v, program.placement.value(n)) for n, v in payload.items()}
             elif ins.op == "backward":
+                begin = time.time()
                 grads, act_cotangents = program.backward(residuals[mb], cotangents.pop(mb, {}))
                 self._grads[s] = program.accumulate(self._grads[s], grads)
+                jax.block_until_ready(self._grads[s])
+                self._blocks[s].append(("backward", mb, begin - self._step_start, time.time() - self._step_start))
                 outputs[mb] = (act_cotangents, {})
             elif ins.op == "send_grad":
                 act_cotangents, _ = outputs.pop(mb)
@@ -205,11 +221,31 @@ class HostWorker:
         return {s: program.forward_hlo() for s, program in self._programs.items()}
 
 
+@dataclass
+class StepTimeline:
+    """Measured compute blocks ``(op, micro_batch, start_s, end_s)`` of each stage in the last step."""
+
+    blocks: list[list[tuple[str, int, float, float]]]
+    makespan: float
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Idle share of the stages' time between the first and the last compute block of the step."""
+        starts = [b[2] for stage in self.blocks for b in stage]
+        ends = [b[3] for stage in self.blocks for b in stage]
+        if not starts:
+            return 0.0
+        span = max(ends) - min(starts)
+        busy = sum(b[3] - b[2] for stage in self.blocks for b in stage)
+        return 1.0 - busy / (span * len(self.blocks))
+
+
 class RayPipeline:
     """Driver side of the Ray runtime (see the module docstring)."""
 
     def __init__(self, pipeline: Any, *, spec: Any, trainable: set[str], grad_clip_norm: float | None,
-                 num_hosts: int, devices_per_host: int, timeout_s: float = DEFAULT_TIMEOUT_S):
+                 num_hosts: int, devices_per_host: int, cores_per_host: int | None = None,
+                 timeout_s: float = DEFAULT_TIMEOUT_S):
         from torchpar.runtime.schedules import make_schedule
 
         plan = pipeline.plan
@@ -222,7 +258,7 @@ class RayPipeline:
                 raise NotImplementedError(f"stage {s} spans several hosts; the Ray runtime places a stage on one host")
         self.stage_host = stage_host
         hosts = sorted(set(stage_host.values()))
-        self.workers = _start_workers(hosts, devices_per_host, timeout_s)
+        self.workers = _start_workers(hosts, devices_per_host, cores_per_host, timeout_s)
         schedule = make_schedule(plan.schedule, len(pipeline.stages), self.num_micro_batches)
         self.stages_of_host = {h: [s for s in stage_host if stage_host[s] == h] for h in hosts}
         calls = []
@@ -256,6 +292,11 @@ class RayPipeline:
     def load(self, params: dict, buffers: dict, opt_state: dict) -> None:
         self._get([w.load.remote(params, buffers, opt_state) for w in self.workers.values()], "loading the state")
 
+    def warm_up(self, scalars: Any) -> None:
+        """Compile every stage on its host (compilation is not held to the step timeout)."""
+        self._get([w.warm_up.remote(scalars) for w in self.workers.values()], "compiling the stages",
+                  timeout=COMPILE_TIMEOUT_S)
+
     def export(self) -> tuple[dict, dict, dict]:
         params, buffers, opt_state = {}, {}, {}
         for p, b, o in self._get([w.export.remote() for w in self.workers.values()], "exporting the state"):
@@ -270,9 +311,14 @@ class RayPipeline:
     def step(self, micro_inputs: list[dict[int, np.ndarray]], scalars: Any, key: Any) -> float:
         import jax
 
+        if not self.workers:
+            raise PipelineError("this pipeline's host actors were stopped after an earlier failure; compile again")
         key_data = np.asarray(jax.random.key_data(key))
-        refs = {h: w.run_step.remote(micro_inputs, key_data) for h, w in self.workers.items()}
+        start = time.time()
+        refs = {h: w.run_step.remote(micro_inputs, key_data, start) for h, w in self.workers.items()}
         results = dict(zip(refs, self._get_each(refs, "running the forward and backward passes")))
+        blocks = {s: b for r in results.values() for s, b in r["blocks"].items()}
+        self.last_timeline = StepTimeline(blocks=[blocks[s] for s in sorted(blocks)], makespan=time.time() - start)
         losses = [loss for r in results.values() for loss in r["losses"]]
         totals = {}
         for name, stages in self.shared.items():
@@ -291,20 +337,36 @@ class RayPipeline:
         return float(np.mean(losses))
 
     def _get_each(self, refs: dict, what: str) -> list:
+        """Results of one call per host, in host order; the first failure (a dead actor, an error in a stage,
+        or the timeout) stops the pipeline's actors and raises :class:`PipelineError` naming the stages."""
         deadline = time.monotonic() + self.timeout_s
-        values = []
-        for host, ref in refs.items():
+        host_of = {ref: host for host, ref in refs.items()}
+        pending = list(refs.values())
+        values: dict[int, Any] = {}
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(deadline - time.monotonic(), 0.0))
+            if not ready:
+                stuck = [self.stages_of_host[host_of[r]] for r in pending]
+                self._abort()
+                raise PipelineError(f"timed out after {self.timeout_s:.0f}s {what}; stage(s) {stuck} did not finish "
+                                    "(the pipeline's actors were stopped)")
+            ref = ready[0]
+            host = host_of[ref]
             try:
-                values.append(ray.get(ref, timeout=max(deadline - time.monotonic(), 0.1)))
-            except ray.exceptions.GetTimeoutError:
-                raise PipelineError(f"timed out after {self.timeout_s:.0f}s {what} on the host of stage(s) "
-                                    f"{self.stages_of_host[host]}") from None
+                values[host] = ray.get(ref)
             except ray.exceptions.RayActorError as error:
-                raise PipelineError(f"the host actor running stage(s) {self.stages_of_host[host]} died while {what}: "
-                                    f"{type(error).__name__}") from None
+                self._abort()
+                raise PipelineError(f"the host actor running stage(s) {self.stages_of_host[host]} died while {what} "
+                                    f"({type(error).__name__}); the pipeline's actors were stopped") from None
             except ray.exceptions.RayTaskError as error:
+                self._abort()
                 raise PipelineError(f"stage(s) {self.stages_of_host[host]} failed while {what}: {error}") from None
-        return values
+        return [values[host] for host in refs]
+
+    def _abort(self) -> None:
+        for worker in self.workers.values():
+            ray.kill(worker)
+        self.workers = {}
 
     def hlo_text(self) -> list[str]:
         texts: dict[int, str] = {}
@@ -318,17 +380,18 @@ class RayPipeline:
         self.workers = {}
 
 
-def _start_workers(hosts: list[int], devices_per_host: int, timeout_s: float) -> dict[int, Any]:
+def _start_workers(hosts: list[int], devices_per_host: int, cores_per_host: int | None,
+                   timeout_s: float) -> dict[int, Any]:
     available = int(ray.available_resources().get("CPU", 0))
     cpus = os.cpu_count() or 1
-    per_host = max(1, cpus // len(hosts)) if len(hosts) <= cpus else 1
+    per_host = cores_per_host or (max(1, cpus // len(hosts)) if len(hosts) <= cpus else 1)
     if len(hosts) > available:
         raise PipelineError(f"the Ray cluster has {available} free CPU(s) but the plan needs {len(hosts)} host actors "
                             "(one CPU each); use fewer hosts or a bigger cluster")
     workers = {}
     flags = f"--xla_force_host_platform_device_count={devices_per_host}"
     for index, host in enumerate(hosts):
-        cores = list(range(index * per_host, (index + 1) * per_host)) if len(hosts) <= cpus else None
+        cores = [c % cpus for c in range(index * per_host, (index + 1) * per_host)] if len(hosts) <= cpus else None
         workers[host] = HostWorker.options(
             num_cpus=1, runtime_env={"env_vars": {"XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}},
             name=None).remote(host, cores)

@@ -144,6 +144,24 @@ class StageProgram:
         new_params, new_state = self._update(owned, grads, state, scalars, np.float32(clip_scale))
         return {**params, **new_params}, new_state
 
+    def warm_up(self, params: dict, buffers: dict, opt_state: dict, scalars: Any) -> None:
+        """Compile every function of the stage by running it once on zeros of the right shapes (the state
+        passed in is not modified), so the first training step does not pay XLA compilation."""
+        from jaxbackend.dtypes import to_jax
+
+        zeros = lambda meta: np.zeros(meta.shape, to_jax(meta.dtype))  # noqa: E731
+        graph_inputs = self.stage.graph.inputs
+        inputs = {int(i.target): self.put_input(int(i.target), zeros(i.meta)) for i in graph_inputs if i.kind == "input"}
+        acts = {i.name: self.put_activation(i.name, zeros(i.meta)) for i in graph_inputs if i.kind == "activation"}
+        diff, _, _, vjp = self.forward(params, buffers, inputs, acts, jax.random.key(0))
+        grads, _ = self.backward(vjp, {n: jnp.zeros_like(v) for n, v in diff.items() if n != LOSS})
+        copy = lambda tree: jax.tree.map(jnp.copy, tree)  # noqa: E731
+        self.accumulate(copy(grads), grads)
+        self.squared_norm(grads)
+        if self.trainable:
+            self.update(copy(params), grads, copy(opt_state), scalars, 1.0)
+        jax.block_until_ready(grads)
+
     def zero_cotangents(self, outputs: dict) -> dict:
         """Zero cotangents for float outputs no later stage differentiates (e.g. unused activations)."""
         return {n: jnp.zeros_like(v) for n, v in outputs.items() if n != LOSS}
