@@ -78,13 +78,20 @@ def plan(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, example_ba
     from jaxbackend import optim as jax_optim
 
     start = time.perf_counter()
-    capture = capture_train_step(model, example_batch, loss_fn)
+    pipeshard = isinstance(method, PipeshardParallel)
+    batch = _first_micro_batch(example_batch, method.num_micro_batches) if pipeshard else example_batch
+    capture = capture_train_step(model, batch, loss_fn)
     capture_s = time.perf_counter() - start
     names = _unique_named(model.named_parameters())
     spec = TorchOptimizerBridge(optimizer, {id(p): n for n, p in names.items()}).spec
     trainable = {n for n in spec.param_names if names[n].requires_grad} & _params_reaching_loss(capture.graph)
     if method is None:
         result = single_device_plan(capture.graph, current_cluster())
+    elif pipeshard:
+        from torchpar.planner.pipeline_plan import plan_pipeline
+
+        result = plan_pipeline(capture.graph, method, current_cluster(), trainable=trainable,
+                               optimizer_state_copies=_state_copies(spec, jax_optim)).plan
     else:
         result = plan_for_method(capture.graph, method, current_cluster(), trainable=trainable,
                                  optimizer_state_copies=_state_copies(spec, jax_optim))

@@ -40,6 +40,10 @@ def op_flops(target: str, operands: Sequence[OutMeta], out: OutMeta) -> float:
         a, b = (tensors[1], tensors[2]) if name in ("addmm", "baddbmm") and len(tensors) >= 3 else tensors[:2]
         contracted = a.shape[-1] if a.shape else 1
         return 2.0 * out_numel * contracted
+    if name == "scaled_dot_product_attention" and len(tensors) >= 3:
+        query, key, value = tensors[:3]  # [..., L, E], [..., S, E], [..., S, Ev]: Q·Kᵀ then softmax(·)·V
+        batch = out_numel // max(value.shape[-1], 1) // max(query.shape[-2], 1)
+        return 2.0 * batch * query.shape[-2] * key.shape[-2] * (query.shape[-1] + value.shape[-1])
     if name == "convolution" and len(tensors) >= 2:
         weight = tensors[1]
         per_output = math.prod(weight.shape[1:])  # C_in / groups × kernel

@@ -24,12 +24,13 @@ Constraint: F(a, b) ≤ cap with cap = (1 + eps) · Σ_k f_k / L, except that a 
 cap (an LM head) may form a layer by itself. If no split satisfies that, cap is raised to the smallest
 achievable max-layer FLOPs. Both relaxations warn.
 
-Objective, lexicographic: (1) the largest C of any layer, (2) the sum of C, (3) Σ F² over layers (with
-L and Σ F fixed, this is the FLOP variance). Solved exactly by two DPs over prefixes (:func:`_prefix_dp`):
+Objective, lexicographic: (1) the largest C of any layer, (2) Σ F² over layers (with L and Σ F fixed,
+this is the FLOP variance: among the splits with the smallest boundary, the most balanced), (3) the
+sum of C. Solved exactly by two DPs over prefixes (:func:`_prefix_dp`):
 
     G(l, b) = min_{a ≤ b, F(a,b) ≤ cap}  max(G(l−1, a−1), C(a, b))           G(0, −1) = 0
     M* = G(L, K−1)
-    S(l, b) = lexmin_{a ≤ b, F(a,b) ≤ cap, C(a,b) ≤ M*}  S(l−1, a−1) + (C(a, b), F(a, b)²)
+    S(l, b) = lexmin_{a ≤ b, F(a,b) ≤ cap, C(a,b) ≤ M*}  S(l−1, a−1) + (F(a, b)², C(a, b))
 
 Every layer holds at least one heavy op, so L ≤ K. The C matrix is built in O(K² + Σ reads) with a
 difference array (:func:`_entering_bytes`); each DP is O(K²·L) numpy work.
@@ -156,8 +157,8 @@ def cluster_layers(graph: Graph, layer_num: int, eps: float = 0.5) -> Layering:
                       "their own; each may form a layer by itself", stacklevel=2)
     assert math.isfinite(max_entering), "the most balanced split is feasible"
     allowed &= entering <= max_entering
-    _, firsts = _prefix_dp(np.where(allowed, entering, np.inf), layer_num, np.add,
-                           np.where(allowed, block_flops ** 2, np.inf))
+    _, firsts = _prefix_dp(np.where(allowed, block_flops ** 2, np.inf), layer_num, np.add,
+                           np.where(allowed, entering, np.inf))
     starts = [unit_starts[a] for a in firsts]
     layering = _make_layering(graph, starts, method="cluster", seconds=time.perf_counter() - t0)
     log.info("clustered %d ops (%d heavy) into %d layers in %.3fs; max entering %.2f MiB",

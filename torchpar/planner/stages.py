@@ -414,9 +414,12 @@ def stage_dp(num_layers: int, cluster_hosts: int, devices_per_host: int, num_mic
     found: dict[tuple, StagePartition] = {}
     best = math.inf
     tried = 0
+    extra = 0
     for t_max in candidates:
-        if num_micro_batches * t_max >= best:
-            break
+        if num_micro_batches * t_max >= best:  # no larger t_max can win (Alpa's early stop) …
+            if extra >= num_runners_up:
+                break
+            extra += 1  # … but a few more t_max give runners-up to report
         tried += 1
         _, plan = _suffix_dp(np.where(table.latency <= t_max, table.latency, np.inf), sizes, num_devices, np.add)
         if not plan:  # no tiling with every stage within t_max

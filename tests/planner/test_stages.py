@@ -1,0 +1,234 @@
+"""The inter-op stage DP, submeshes, the analytic stage cost, uniform and manual stages
+(torchpar/planner/stages.py)."""
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+
+from torchpar import zoo
+from torchpar.capture.export import capture_train_step
+from torchpar.cluster import ClusterSpec
+from torchpar.planner.layers import cluster_layers
+from torchpar.planner.stages import (AnalyticStageCost, StageCost, assign_devices, logical_mesh_shapes,
+                                     manual_stages, pipeline_latency, stage_dp, submesh_shapes, uniform_stages)
+
+
+def linear_cost(work, overhead=0.2):
+    """Perfectly split compute plus a per-device overhead: pipelining pays off, and so do balanced stages."""
+
+    def cost(first, last, submesh, logical):
+        devices = submesh[0] * submesh[1]
+        return StageCost(latency_s=sum(work[first:last + 1]) / devices + overhead * (devices - 1), memory_bytes=0.0)
+
+    return cost
+
+
+def random_cost(seed, num_layers):
+    """Latency and memory that depend on the layers, the submesh and the logical mesh in irregular ways, with a
+    per-device overhead large enough that pipelines of several stages often win."""
+    rng = np.random.default_rng(seed)
+    work = rng.uniform(0.5, 3.0, num_layers)
+    params = rng.uniform(1.0, 4.0, num_layers) * 1e9  # bytes
+    activations = rng.uniform(0.5, 2.0, num_layers) * 1e9
+    skew = {}
+
+    def cost(first, last, submesh, logical):
+        devices = submesh[0] * submesh[1]
+        key = (first, last, submesh, logical)
+        skew.setdefault(key, rng.uniform(0.5, 3.0))
+        return StageCost(latency_s=work[first:last + 1].sum() / devices + skew[key] * (devices - 1),
+                         memory_bytes=params[first:last + 1].sum() / logical[1],
+                         activation_bytes=activations[first:last + 1].sum() / devices)
+
+    return cost
+
+
+def brute_force(num_layers, hosts, per_host, micro_batches, cost, budget):
+    """Every contiguous split × every submesh assignment that uses all devices × the best fitting logical mesh."""
+    submeshes = submesh_shapes(hosts, per_host)
+    best = math.inf
+    for cuts in itertools.product((False, True), repeat=num_layers - 1):
+        bounds = [0, *(i + 1 for i, cut in enumerate(cuts) if cut), num_layers]
+        ranges = list(zip(bounds, bounds[1:]))
+        for assignment in itertools.product(submeshes, repeat=len(ranges)):
+            if sum(h * d for h, d in assignment) != hosts * per_host:
+                continue
+            latencies = []
+            for position, ((start, end), submesh) in enumerate(zip(ranges, assignment)):
+                in_flight = min(len(ranges) - position, micro_batches)
+                fitting = [c.latency_s for c in (cost(start, end - 1, submesh, m) for m in logical_mesh_shapes(submesh))
+                           if c.peak_bytes(in_flight) <= budget]
+                if not fitting:
+                    break
+                latencies.append(min(fitting))
+            else:
+                best = min(best, pipeline_latency(latencies, micro_batches))
+    return best
+
+
+def test_submesh_and_logical_shapes():
+    assert submesh_shapes(2, 4) == ((1, 1), (1, 2), (1, 4), (2, 4))
+    assert submesh_shapes(1, 8) == ((1, 1), (1, 2), (1, 4), (1, 8))
+    assert submesh_shapes(2, 6) == ((1, 1), (1, 2), (1, 6), (2, 6))  # (1, 4) could not tile 6-device hosts
+    assert logical_mesh_shapes((2, 4)) == ((1, 8), (2, 4), (4, 2), (8, 1))
+    assert logical_mesh_shapes((1, 1)) == ((1, 1),)
+
+
+def test_assign_devices_tiles_the_cluster():
+    assert assign_devices([(1, 2), (1, 2), (1, 4)], 2, 4) == ((0, 1), (2, 3), (4, 5, 6, 7))
+    placed = assign_devices([(1, 2), (1, 4), (1, 2)], 2, 4)  # not in order: packed
+    assert sorted(d for devices in placed for d in devices) == list(range(8))
+    assert all(len({d // 4 for d in devices}) == 1 for devices in placed)  # a (1, k) submesh stays on one host
+    with pytest.raises(ValueError, match="tile"):
+        assign_devices([(1, 3), (1, 3), (1, 2)], 2, 4)  # 8 devices, but 3+3 cannot share a 4-device host
+    with pytest.raises(ValueError, match="hold 6 devices"):
+        assign_devices([(1, 2), (1, 4)], 2, 4)
+
+
+def test_heavy_layer_gets_more_devices():
+    work = [1.0, 1.0, 4.0, 1.0]
+    for hosts, per_host in ((1, 8), (2, 4)):
+        result = stage_dp(4, hosts, per_host, 8, linear_cost(work), memory_budget=1.0)
+        heavy = next(s for s in result.stages if s.first_layer <= 2 <= s.last_layer)
+        others = [s for s in result.stages if s is not heavy]
+        # a stage of its own, and more devices than any other stage
+        assert heavy.layers == (2,) and all(heavy.num_devices > s.num_devices for s in others)
+        assert sum(s.num_devices for s in result.stages) == 8
+
+
+def test_equal_layers_give_equal_stages():
+    for num_layers, hosts, per_host in ((4, 1, 8), (4, 2, 4), (8, 2, 4)):
+        result = stage_dp(num_layers, hosts, per_host, 8, linear_cost([1.0] * num_layers), memory_budget=1.0)
+        assert len({len(s.layers) for s in result.stages}) == 1
+        assert len({s.submesh for s in result.stages}) == 1
+        assert len(result.stages) > 1
+        assert [l for s in result.stages for l in s.layers] == list(range(num_layers))
+
+
+def test_objective_is_the_pipeline_latency_of_the_returned_stages():
+    result = stage_dp(6, 2, 4, 8, random_cost(0, 6), memory_budget=math.inf)
+    latencies = [s.latency_s for s in result.stages]
+    assert result.cost_s == pytest.approx(sum(latencies) + 7 * max(latencies))
+    assert all(other.cost_s >= result.cost_s for other in result.runners_up)
+    assert len({str(p) for p in (result.best, *result.runners_up)}) == 1 + len(result.runners_up)
+    assert "stage 0" in result.summary()
+    assert result.dp_s > 0
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_dp_with_early_stop_matches_brute_force(seed):
+    """Random instances, with memory budgets that rule out some (stage, logical mesh, in-flight count)
+    choices, or all: the DP (t_max early stop, merged stage counts) finds the brute-force optimum."""
+    rng = np.random.default_rng(100 + seed)
+    hosts, per_host = [(1, 4), (2, 2), (1, 8), (2, 4)][seed % 4]
+    num_layers = int(rng.integers(2, 6))
+    micro_batches = int(rng.integers(1, 6))
+    cost = random_cost(seed, num_layers)
+    for budget in (5e9, 8e9, math.inf):
+        expected = brute_force(num_layers, hosts, per_host, micro_batches, cost, budget)
+        if not math.isfinite(expected):
+            with pytest.raises(ValueError, match="smallest needs"):
+                stage_dp(num_layers, hosts, per_host, micro_batches, cost, budget)
+            continue
+        result = stage_dp(num_layers, hosts, per_host, micro_batches, cost, budget)
+        assert result.cost_s == pytest.approx(expected, rel=1e-12)
+        assert all(s.memory_bytes <= budget for s in result.stages)
+        assert result.num_t_max_tried <= result.num_t_max_candidates
+
+
+def test_early_stop_prunes_t_max():
+    result = stage_dp(8, 2, 4, 16, linear_cost([1.0] * 8), memory_budget=1.0)
+    assert result.num_t_max_tried < result.num_t_max_candidates
+
+
+def test_memory_infeasible_names_the_smallest_budget():
+    cost = random_cost(7, 4)
+    with pytest.raises(ValueError, match="smallest needs") as error:
+        stage_dp(4, 1, 4, 4, cost, memory_budget=1e8)
+    need = float(str(error.value).split("(")[1].split(" bytes")[0])
+    stage_dp(4, 1, 4, 4, cost, memory_budget=need * (1 + 1e-9))  # fits exactly at the reported need
+    with pytest.raises(ValueError):
+        stage_dp(4, 1, 4, 4, cost, memory_budget=need * (1 - 1e-6))
+
+
+def test_uniform_stages():
+    partition = uniform_stages(6, 4, 2, 4)
+    assert partition.forward_stage_layer_ids == ((0, 1), (2, 3), (4,), (5,))
+    assert partition.submesh_physical_shapes == ((1, 2),) * 4
+    assert uniform_stages(8, 2, 2, 4).submesh_physical_shapes == ((1, 4), (1, 4))
+    assert uniform_stages(8, 1, 2, 4).submesh_physical_shapes == ((2, 4),)
+    assert len(uniform_stages(4, None, 2, 4).stages) == 4
+    priced = uniform_stages(4, 2, 1, 8, cost=linear_cost([1.0] * 4), num_micro_batches=4)
+    assert priced.cost_s == pytest.approx((2 + 4 - 1) * (2 / 4 + 0.2 * 3))  # (S + B − 1)·t
+    with pytest.raises(ValueError, match="equal submeshes"):
+        uniform_stages(6, 3, 2, 4)
+    with pytest.raises(ValueError, match="between 1 and"):
+        uniform_stages(2, 4, 2, 4)
+
+
+def test_manual_stages_validation():
+    ok = manual_stages([[0, 1], [2]], [(1, 4), (1, 4)], [(2, 2), (1, 4)], num_layers=3, cluster_hosts=2,
+                       devices_per_host=4)
+    assert ok.submesh_logical_shapes == ((2, 2), (1, 4))
+    chosen = manual_stages([[0, 1], [2]], [(1, 4), (1, 4)], None, num_layers=3, cluster_hosts=1, devices_per_host=8,
+                           cost=linear_cost([1.0] * 3))
+    assert chosen.stages[0].latency_s > 0
+    bad = [
+        (([[0], [2, 1]], [(1, 4), (1, 4)], None), "consecutive"),
+        (([[0], [2]], [(1, 4), (1, 4)], None), "cover layers"),
+        (([[0, 1], [2]], [(1, 4), (1, 2)], None), "tile it exactly"),
+        (([[0, 1], [2]], [(1, 4), (1, 4)], [(2, 2), (2, 4)]), "logical mesh"),
+        (([[0, 1], [2]], [(1, 4)], None), "one submesh"),
+        (([[0, 1], [2]], [(1, 4), (2, 2)], None), "whole hosts"),
+    ]
+    for (layers, physical, logical), message in bad:
+        with pytest.raises(ValueError, match=message):
+            manual_stages(layers, physical, logical, num_layers=3, cluster_hosts=2, devices_per_host=4)
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    model, batch = zoo.build("gpt2", {"n_layer": 2}, batch_size=2, seq_len=16)
+    graph = capture_train_step(model, batch).graph
+    return graph, cluster_layers(graph, 4)
+
+
+def test_analytic_cost_formulas(gpt2):
+    graph, layering = gpt2
+    cluster = ClusterSpec(num_hosts=1, devices_per_host=8)
+    cost = AnalyticStageCost(layering, graph, cluster, num_micro_batches=4, optimizer_state_copies=2)
+    last = layering.num_layers - 1
+    one = cost(0, last, (1, 1), (1, 1))
+    assert one.communication_s == 0.0
+    assert one.compute_s == pytest.approx(3 * sum(layering.flops) / cluster.device_flops)
+    params = cost.parameter_bytes(0, last)
+    assert params == sum({i.target: i.meta.nbytes for i in graph.inputs if i.kind == "param"}.values())
+    assert one.memory_bytes >= 4 * params  # weights + grads + 2 Adam moments
+    # tied embedding / LM head weight: counted in every stage that reads it
+    wte = next(i.meta.nbytes for i in graph.inputs if i.target == "transformer.wte.weight")
+    assert cost.parameter_bytes(0, 0) + cost.parameter_bytes(1, last) >= params + wte
+    # data parallel: gradient all-reduce once per step, spread over the micro-batches
+    data = cost(0, last, (1, 8), (8, 1))
+    fewer = AnalyticStageCost(layering, graph, cluster, num_micro_batches=1, optimizer_state_copies=2)(
+        0, last, (1, 8), (8, 1))
+    assert data.compute_s == pytest.approx(one.compute_s / 8)
+    assert data.communication_s == pytest.approx(fewer.communication_s / 4)
+    assert data.activation_bytes == pytest.approx(one.activation_bytes / 8)
+    # tensor parallel shards the state, data parallel replicates it
+    assert cost(0, last, (1, 8), (1, 8)).memory_bytes == pytest.approx(one.memory_bytes / 8)
+    assert data.memory_bytes == pytest.approx(one.memory_bytes)
+    with pytest.raises(ValueError):
+        cost(0, last, (1, 8), (2, 2))
+
+
+def test_stage_dp_on_gpt2_layers(gpt2):
+    graph, layering = gpt2
+    cluster = ClusterSpec(num_hosts=2, devices_per_host=4)
+    cost = AnalyticStageCost(layering, graph, cluster, num_micro_batches=8, optimizer_state_copies=2)
+    result = stage_dp(layering.num_layers, 2, 4, 8, cost, cluster.device_memory_bytes)
+    assert [l for s in result.stages for l in s.layers] == list(range(layering.num_layers))
+    assigned = assign_devices(result.best.submesh_physical_shapes, 2, 4)
+    assert sorted(d for devices in assigned for d in devices) == list(range(8))
+    assert result.cost_s == pytest.approx(pipeline_latency([s.latency_s for s in result.stages], 8))
