@@ -192,6 +192,7 @@ class Engine:
         executable = self._train_executable(batch)
         inputs = self._inputs(batch)
         scalars = self._bridge.step_scalars()
+        _mark_optimizer_stepped(self.optimizer)
         key = self._jax.random.fold_in(self._base_key, self._steps_taken)
         loss, self._params, self._opt_state, self._buffers = executable.compiled(
             self._params, self._opt_state, self._buffers, inputs, scalars, key)
@@ -210,6 +211,7 @@ class Engine:
 
         leaves = [to_numpy_input(leaf.detach().cpu().numpy()) for leaf in pytree.tree_leaves(batch_to_call_args(batch))]
         scalars = self._bridge.step_scalars()
+        _mark_optimizer_stepped(self.optimizer)
         key = self._jax.random.fold_in(self._base_key, self._steps_taken)
         loss = self._pipeline.step(leaves, scalars, key)
         self._steps_taken += 1
@@ -480,6 +482,12 @@ def _params_reaching_loss(graph: Graph) -> set[str]:
 def _unique_named(named: Any) -> dict[str, torch.Tensor]:
     """``named_parameters()``/``named_buffers()`` as a dict; tied tensors keep their first name."""
     return dict(named)
+
+
+def _mark_optimizer_stepped(optimizer: torch.optim.Optimizer) -> None:
+    """Tell torch LR schedulers the optimizer has stepped (the flag ``optimizer.step`` itself sets), so
+    ``scheduler.step()`` after ``engine.step`` is not mistaken for a call before the first optimizer step."""
+    optimizer._opt_called = True  # type: ignore[attr-defined]
 
 
 def _first_micro_batch(batch: Any, num_micro_batches: int) -> Any:

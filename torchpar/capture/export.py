@@ -126,8 +126,19 @@ def capture_train_step(model: torch.nn.Module, batch: Any, loss_fn: LossFn | Non
 
 
 def capture_forward(model: torch.nn.Module, batch: Any) -> Capture:
-    """Export ``model`` in eval mode on ``batch``; the graph's outputs are the model's outputs."""
-    return _capture(_ForwardModule(model), model, batch, training=False)
+    """Export ``model`` in eval mode on ``batch``; the graph's outputs are the model's outputs.
+
+    HuggingFace models are exported with ``config.use_cache = False``: a KV cache object is not a tensor
+    output (and training-style evaluation does not need it)."""
+    config = getattr(model, "config", None)
+    use_cache = getattr(config, "use_cache", None)
+    if use_cache:
+        config.use_cache = False
+    try:
+        return _capture(_ForwardModule(model), model, batch, training=False)
+    finally:
+        if use_cache:
+            config.use_cache = use_cache
 
 
 def _capture(wrapper: torch.nn.Module, model: torch.nn.Module, batch: Any, *, training: bool) -> Capture:

@@ -98,6 +98,19 @@ class Plan:
             lines.append("  compile phases: " + ", ".join(f"{k} {v:.2f}s" for k, v in self.timings.items()))
         return "\n".join(lines)
 
+    def save_html(self, path: str, timeline: Any = None, **options: Any) -> None:
+        """Write a self-contained HTML report; see :func:`torchpar.report.html.render_html` for ``timeline``
+        (a measured step) and the ``options`` (``cluster``, ``param_shapes``, ``layer_stats``, ``title``)."""
+        from torchpar.report.html import save_html
+
+        save_html(self, path, timeline=timeline, **options)
+
+    def save_png(self, path: str, **options: Any) -> None:
+        """Write a PNG of the device grid and the pipeline timeline (:func:`torchpar.report.png.save_png`)."""
+        from torchpar.report.png import save_png
+
+        save_png(self, path, **options)
+
 
 def _spec_text(spec: Spec) -> str:
     """``[[1], None]`` → ``S1 R`` style text."""

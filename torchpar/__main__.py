@@ -1,0 +1,218 @@
+"""The command line: ``python -m torchpar plan ...`` and ``python -m torchpar compare ...``.
+
+    python -m torchpar plan --model gpt2 --config '{"n_layer": 12}' --devices 8 --hosts 2 \\
+        --method pipeshard --micro-batches 4 --layers 4 --out plan.html --png plan.png --json plan.json
+    python -m torchpar plan --model path/to/model.py --devices 8 --method shard --out plan.html
+    python -m torchpar compare --model llama --optimizer adamw --steps 20 --plot loss.png
+
+``plan`` captures and plans the training step (no XLA compilation, no step), prints ``Plan.summary()`` and
+writes the HTML report (and a PNG / the plan's JSON). ``--model`` is a model family of
+:mod:`torchpar.zoo` (random weights, tiny default config, ``--config`` overrides) or a Python file whose
+``build()`` returns ``(model, optimizer, batch)``. ``compare`` trains a zoo model with PyTorch and with
+torchpar side by side (:func:`torchpar.report.compare.compare_training`) and exits 1 if the losses diverge.
+
+The simulated cluster (``--devices``, ``--hosts``) is set with ``torchpar.init`` before anything imports JAX.
+Output is quiet by default; ``-v`` logs INFO, ``-vv`` DEBUG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import logging
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+METHODS = ("single", "dp", "zero2", "zero3", "megatron", "shard", "pipeshard")
+OPTIMIZERS = ("adamw", "adam", "sgd")
+
+log = logging.getLogger("torchpar.cli")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    _configure_logging(args.verbose)
+    try:
+        _init_cluster(args)
+        return args.run(args)
+    except (ValueError, TypeError, NotImplementedError, FileNotFoundError) as error:
+        if args.verbose:
+            raise
+        print(f"torchpar {args.command}: error: {error}", file=sys.stderr)
+        return 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m torchpar", description="torchpar: plan and compare parallel "
+                                     "training of PyTorch models on JAX.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    plan = commands.add_parser("plan", help="plan a training step and write an HTML report")
+    _common_arguments(plan, method="shard", batch_size=8, seq_len=128)
+    plan.add_argument("--out", default="plan.html", help="HTML report path")
+    plan.add_argument("--png", default=None, help="also write a PNG of the device grid and the timeline")
+    plan.add_argument("--json", default=None, help="also write the plan as JSON (Plan.from_json reads it back)")
+    plan.set_defaults(run=_plan_command)
+
+    compare = commands.add_parser("compare", help="train with PyTorch and torchpar, compare losses")
+    _common_arguments(compare, method="single", batch_size=4, seq_len=32)
+    compare.add_argument("--steps", type=int, default=20)
+    compare.add_argument("--tolerance", type=float, default=1e-4, help="max relative loss difference")
+    compare.add_argument("--plot", default=None, help="PNG of both loss curves")
+    compare.set_defaults(run=_compare_command)
+    return parser
+
+
+def _common_arguments(parser: argparse.ArgumentParser, *, method: str, batch_size: int, seq_len: int) -> None:
+    parser.add_argument("--model", default="gpt2", help="zoo family (gpt2, llama, bert, vit, resnet, mlp, moe) or a "
+                        "Python file defining build() -> (model, optimizer, batch)")
+    parser.add_argument("--config", default="{}", help='JSON config overrides of a zoo model, e.g. \'{"n_layer": 12}\'')
+    parser.add_argument("--devices", type=int, default=8, help="number of (fake CPU) devices")
+    parser.add_argument("--hosts", type=int, default=1, help="simulated hosts; --devices must be a multiple")
+    parser.add_argument("--method", choices=METHODS, default=method, help=f"parallel method (default {method})")
+    parser.add_argument("--mesh", default=None, help="logical mesh 'd0xd1' for dp/zero2/zero3/megatron/shard "
+                        "(default: all devices; shard tries every factorization)")
+    parser.add_argument("--micro-batches", type=int, default=4, help="pipeshard: micro-batches per step")
+    parser.add_argument("--layers", type=int, default=4, help="pipeshard: layers formed by operator clustering")
+    parser.add_argument("--stages", choices=("auto", "uniform"), default="auto", help="pipeshard: stage option")
+    parser.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b", help="pipeshard: schedule")
+    parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="zoo models: the optimizer")
+    parser.add_argument("--lr", type=float, default=None, help="learning rate (default 1e-3, SGD 0.02)")
+    parser.add_argument("--batch-size", type=int, default=batch_size)
+    parser.add_argument("--seq-len", type=int, default=seq_len)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="-v: INFO logs, -vv: DEBUG")
+
+
+def _configure_logging(verbose: int) -> None:
+    level = logging.WARNING if not verbose else logging.INFO if verbose == 1 else logging.DEBUG
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    if not verbose:
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        warnings.filterwarnings("ignore", category=DeprecationWarning)
+        warnings.filterwarnings("ignore", category=UserWarning, module="torch")
+
+
+def _init_cluster(args: argparse.Namespace) -> None:
+    """``torchpar.init`` for ``--devices``/``--hosts``; must run before JAX is imported."""
+    import torchpar
+
+    if args.devices < 1 or args.hosts < 1 or args.devices % args.hosts:
+        raise ValueError(f"--devices {args.devices} must be a positive multiple of --hosts {args.hosts}")
+    if args.hosts > 1:
+        torchpar.init(cluster="local", num_hosts=args.hosts, devices_per_host=args.devices // args.hosts)
+    else:
+        torchpar.init(cluster="local", num_devices=args.devices)
+    try:
+        import transformers
+
+        if not args.verbose:
+            transformers.logging.set_verbosity_error()
+    except ImportError:
+        pass
+
+
+def _method(args: argparse.Namespace) -> Any:
+    import torchpar
+
+    mesh = _mesh(args.mesh)
+    if args.method == "pipeshard":
+        if mesh is not None:
+            raise ValueError("--mesh applies to one-stage methods; pipeshard picks each stage's mesh")
+        return torchpar.PipeshardParallel(num_micro_batches=args.micro_batches,
+                                          layer_option=torchpar.AutoLayerOption(layer_num=args.layers),
+                                          stage_option=args.stages, schedule=args.schedule)
+    if args.method == "single":
+        return None
+    kinds = {"dp": torchpar.DataParallel, "zero2": torchpar.Zero2Parallel, "zero3": torchpar.Zero3Parallel,
+             "megatron": torchpar.MegatronParallel, "shard": torchpar.ShardParallel}
+    return kinds[args.method](mesh_shape=mesh)
+
+
+def _mesh(text: str | None) -> tuple[int, int] | None:
+    if text is None:
+        return None
+    parts = text.lower().replace(",", "x").split("x")
+    if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+        raise ValueError(f"--mesh is 'd0xd1', e.g. 2x4; got {text!r}")
+    return int(parts[0]), int(parts[1])
+
+
+def _build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
+    """``(model, optimizer, batch)`` from a zoo family or from a file's ``build()``."""
+    import torch
+
+    torch.manual_seed(args.seed)
+    if args.model.endswith(".py"):
+        path = Path(args.model)
+        if not path.is_file():
+            raise FileNotFoundError(f"--model {args.model}: no such file")
+        spec = importlib.util.spec_from_file_location(f"_torchpar_model_{path.stem}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        if not callable(getattr(module, "build", None)):
+            raise ValueError(f"{path} must define build() -> (model, optimizer, batch)")
+        built = module.build()
+        if not isinstance(built, tuple) or len(built) != 3:
+            raise ValueError(f"{path}: build() must return (model, optimizer, batch), got {type(built).__name__}")
+        return built
+    from torchpar import zoo
+    from torchpar.report.compare import make_optimizer
+
+    model, batch = zoo.build(args.model, _config(args), batch_size=args.batch_size, seq_len=args.seq_len)
+    lr = args.lr if args.lr is not None else (0.02 if args.optimizer == "sgd" else 1e-3)
+    return model, make_optimizer(args.optimizer, model.parameters(), lr), batch
+
+
+def _config(args: argparse.Namespace) -> dict:
+    try:
+        config = json.loads(args.config)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"--config is not valid JSON: {error}") from error
+    if not isinstance(config, dict):
+        raise ValueError(f"--config must be a JSON object, got {args.config!r}")
+    return config
+
+
+def _plan_command(args: argparse.Namespace) -> int:
+    import torchpar
+
+    model, optimizer, batch = _build(args)
+    method = _method(args)
+    log.info("planning %s with %s", args.model, type(method).__name__ if method else "one device")
+    plan = torchpar.plan(model, optimizer, example_batch=batch, method=method)
+    print(plan.summary())
+    shapes = {name: list(p.shape) for name, p in model.named_parameters()}
+    plan.save_html(args.out, param_shapes=shapes, title=f"torchpar plan: {Path(args.model).stem} ({args.method})")
+    print(f"HTML report written to {args.out}")
+    if args.png:
+        plan.save_png(args.png)
+        print(f"PNG written to {args.png}")
+    if args.json:
+        Path(args.json).write_text(plan.to_json(), encoding="utf-8")
+        print(f"plan JSON written to {args.json}")
+    return 0
+
+
+def _compare_command(args: argparse.Namespace) -> int:
+    from torchpar.report.compare import compare_training
+
+    if args.model.endswith(".py"):
+        raise ValueError("compare takes a zoo model family (it builds the model twice from the same seed)")
+    result = compare_training(args.model, steps=args.steps, optimizer=args.optimizer, lr=args.lr,
+                              method=_method(args), overrides=_config(args), batch_size=args.batch_size,
+                              seq_len=args.seq_len, seed=args.seed, tolerance=args.tolerance,
+                              progress=sys.stderr.isatty())
+    print(f"{args.model} with {args.optimizer}, {args.steps} steps, torchpar on {result.method}")
+    print(result.table())
+    if args.plot:
+        result.plot(args.plot)
+        print(f"plot written to {args.plot}")
+    return 0 if result.passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
