@@ -249,7 +249,8 @@ def _cards(plan: Plan, grid: DeviceGrid, view: TimelineView) -> str:
              ("estimated step", _fmt_s(plan.estimated_step_s)),
              (f"bubble ({view.source})", f"{100 * view.bubble_fraction:.1f}%")]
     return "<div class='cards'>" + "".join(
-        f"<div class='card'><div class='k'>{_e(k)}</div><div class='v'>{_e(v)}</div></div>" for k, v in items) + "</div>"
+        f"<div class='card'><div class='k'>{_e(k)}</div><div class='v'>{_e(v)}</div></div>" for k, v in items
+    ) + "</div>"
 
 
 def _section(title: str, anchor: str, content: str) -> str:
@@ -304,7 +305,9 @@ def _stage_table(plan: Plan, grid: DeviceGrid, view: TimelineView | None) -> str
             ratio = per_micro / stage.estimated_cost_s if stage.estimated_cost_s > 0 else float("nan")
             cells += [(_fmt_s(per_micro), per_micro), (f"{ratio:.2f}×" if ratio == ratio else "–", ratio)]
         rows.append(cells)
-    return _table(heads, rows, numeric=set(range(5, len(heads))), css="stages")
+    caption = ("<p class='sub'>Estimates come from the analytic cost model, per micro-batch; memory is per device."
+               + (" Measured: forward + backward time per micro-batch in the given timeline." if view else "") + "</p>")
+    return _table(heads, rows, numeric=set(range(5, len(heads))), css="stages") + caption
 
 
 def _stage_bars(plan: Plan, cluster: ClusterSpec) -> str:
@@ -362,7 +365,8 @@ def _columns(values: list[float], colors: list[str], fmt: Any) -> str:
         parts.append(f"<rect class='layerbar' x='{x:.1f}' y='{height - bottom - h:.1f}' width='{step * 0.8:.1f}' "
                      f"height='{h:.1f}' fill='{color}'><title>layer {i}: {_e(fmt(value))}</title></rect>")
         if len(values) <= 48 or i % math.ceil(len(values) / 48) == 0:
-            parts.append(f"<text x='{x + step * 0.4:.1f}' y='{height - 6}' class='tick' text-anchor='middle'>{i}</text>")
+            parts.append(f"<text x='{x + step * 0.4:.1f}' y='{height - 6}' class='tick' "
+                         f"text-anchor='middle'>{i}</text>")
     return f"<svg viewBox='0 0 {width} {height}' class='chart' role='img'>{''.join(parts)}</svg>"
 
 
@@ -397,7 +401,8 @@ def _param_table(plan: Plan, shapes: Mapping[str, Sequence[int]] | None) -> str:
     numeric = {i for i, h in enumerate(heads) if h in ("rank", "shards", "elements / device")}
     legend = (f"<div class='legend'><span><b class='chip'>R</b> replicated dim</span><span><b class='chip' "
               f"style='background:{AXIS_COLORS[0]}'>S0</b> split over logical mesh axis 0</span><span><b class='chip' "
-              f"style='background:{AXIS_COLORS[1]}'>S1</b> over axis 1</span><span>Click a header to sort.</span></div>")
+              f"style='background:{AXIS_COLORS[1]}'>S1</b> over axis 1</span><span>Click a header to sort.</span>"
+              "</div>")
     return legend + _table(heads, rows, numeric=numeric, sortable=True, css="params", scroll=len(rows) > 20)
 
 
@@ -439,14 +444,17 @@ def _timeline_svg(plan: Plan, view: TimelineView) -> str:
         y = top + stage * (row_h + gap)
         color = stage_color(stage)
         parts.append(f"<rect x='{left}' y='{y}' width='{inner}' height='{row_h}' class='lane'/>"
-                     f"<text x='{left - 8}' y='{y + row_h / 2 + 4}' class='lanelabel' text-anchor='end'>stage {stage}</text>")
+                     f"<text x='{left - 8}' y='{y + row_h / 2 + 4}' class='lanelabel' "
+                     f"text-anchor='end'>stage {stage}</text>")
         for op, micro, start, end in blocks:
             x, w = left + start * scale, max((end - start) * scale, 1.0)
             kind = {"forward": "fwd", "backward": "bwd"}.get(op, "other")
             fill = _tint(color, 0.5) if kind == "fwd" else color if kind == "bwd" else "#999"
             label = f"{op[0].upper()}{'' if micro is None else micro}"
-            tip = f"stage {stage} {op} micro-batch {micro}: {_fmt_tick(start, view.relative)} – {_fmt_tick(end, view.relative)}"
-            parts.append(f"<rect class='blk {kind}' data-stage='{stage}' data-micro-batch='{'' if micro is None else micro}' "
+            tip = (f"stage {stage} {op} micro-batch {micro}: {_fmt_tick(start, view.relative)} – "
+                   f"{_fmt_tick(end, view.relative)}")
+            parts.append(f"<rect class='blk {kind}' data-stage='{stage}' "
+                         f"data-micro-batch='{'' if micro is None else micro}' "
                          f"x='{x:.2f}' y='{y + 2}' width='{w:.2f}' height='{row_h - 4}' rx='3' fill='{fill}'>"
                          f"<title>{_e(tip)}</title></rect>")
             if w >= 8 * len(label) + 4:
@@ -455,7 +463,8 @@ def _timeline_svg(plan: Plan, view: TimelineView) -> str:
     what = {"estimated": f"estimated from the cost model (forward ⅓, backward ⅔ of each stage's cost), schedule "
                          f"{plan.schedule}", "simulated": "simulated", "measured": "measured"}[view.source]
     legend = (f"<div class='legend'><span><i class='swatch' style='background:{_tint(PALETTE[0], 0.5)}'></i>forward "
-              f"(light)</span><span><i class='swatch' style='background:{PALETTE[0]}'></i>backward (stage colour)</span>"
+              f"(light)</span><span><i class='swatch' style='background:{PALETTE[0]}'></i>backward (stage colour)"
+              "</span>"
               f"<span><i class='swatch' style='background:{IDLE_COLOR}'></i>idle (bubble)</span><span>labels: F/B + "
               f"micro-batch</span></div>")
     caption = (f"<p class='sub'>{_e(what)}; makespan {_e(_fmt_tick(view.makespan, view.relative))}, bubble "
@@ -519,7 +528,8 @@ def _table(heads: list[str], rows: list[list[Cell]], *, numeric: set[int] = froz
             attrs = (" class='num'" if i in numeric else "") + ("" if key is None else f" data-sort='{_e(key)}'")
             tds.append(f"<td{attrs}>{inner}</td>")
         body.append("<tr>" + "".join(tds) + "</tr>")
-    return (f"<div class='tablewrap{' scroll' if scroll else ''}'><table class='{classes}'><thead><tr>{head}</tr></thead>"
+    wrap = "tablewrap scroll" if scroll else "tablewrap"
+    return (f"<div class='{wrap}'><table class='{classes}'><thead><tr>{head}</tr></thead>"
             f"<tbody>{''.join(body)}</tbody></table></div>")
 
 
