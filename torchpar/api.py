@@ -295,6 +295,14 @@ class Engine:
         executable = self._last or next(iter(self._train.values()))
         return [executable.compiled.as_text()]
 
+    @property
+    def last_timeline(self) -> Any:
+        """Measured compute blocks of each pipeline stage in the last step (Ray runtime), for
+        ``plan.save_html(path, timeline=engine.last_timeline)``; ``None`` when not recorded."""
+        if self._pipeline is None:
+            return None
+        return getattr(self._pipeline.runtime, "last_timeline", None)
+
     def memory_stats(self) -> list[dict[str, int]]:
         """XLA's per-device memory analysis of each compiled stage (bytes of arguments, outputs, temporaries,
         generated code) for the most recently used step."""

@@ -51,4 +51,5 @@ def plan_for_method(graph: Graph, method: Any, cluster: ClusterSpec, *, trainabl
     elapsed = time.perf_counter() - start
     stats = result.solver_stats()
     return Plan(method=kind, stages=[result.stage], estimated_step_s=result.stage.estimated_cost_s,
-                solver=stats, timings={"ilp": elapsed})
+                solver=stats, timings={"ilp": elapsed},
+                cluster={"num_hosts": cluster.num_hosts, "devices_per_host": cluster.devices_per_host})

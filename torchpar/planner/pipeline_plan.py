@@ -106,6 +106,9 @@ def plan_pipeline(graph: Graph, method: PipeshardParallel, cluster: ClusterSpec,
     solver["stage_partition"] = partition.to_dict()
     solver["runners_up"] = runners_up
     plan = Plan(method="pipeshard", stages=stage_plans, num_micro_batches=micro, schedule=method.schedule,
-                estimated_step_s=estimated, solver=solver, timings=timings)
+                estimated_step_s=estimated, solver=solver, timings=timings,
+                layers=[{"flops": float(f), "activation_bytes": float(b)}
+                        for f, b in zip(layering.flops, layering.boundary_bytes)],
+                cluster={"num_hosts": hosts, "devices_per_host": per_host})
     log.info("pipeline plan: %d layers → %d stages %s on %s", num_layers, len(stage_plans), stage_layers, submeshes)
     return PipelinePlan(plan=plan, stages=stage_graphs, devices=devices, layering=layering)

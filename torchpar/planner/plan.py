@@ -52,6 +52,10 @@ class Plan:
     estimated_step_s: float = 0.0
     solver: dict[str, Any] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
+    layers: list[dict[str, float]] = field(default_factory=list)
+    """Per pipeline layer: forward ``flops`` and entering ``activation_bytes`` (pipeline plans)."""
+    cluster: dict[str, int] = field(default_factory=dict)
+    """``num_hosts`` and ``devices_per_host`` the plan was made for."""
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
@@ -103,6 +107,12 @@ class Plan:
         (a measured step) and the ``options`` (``cluster``, ``param_shapes``, ``layer_stats``, ``title``)."""
         from torchpar.report.html import save_html
 
+        if "layer_stats" not in options and self.layers:
+            options["layer_stats"] = self.layers
+        if "cluster" not in options and self.cluster:
+            from torchpar.cluster import ClusterSpec
+
+            options["cluster"] = ClusterSpec(**self.cluster)
         save_html(self, path, timeline=timeline, **options)
 
     def save_png(self, path: str, **options: Any) -> None:
