@@ -1,0 +1,93 @@
+"""Pipeline planning end to end on captured graphs: the stage DP's partitions, and slicing invariants."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torchpar
+from torchpar.capture.export import capture_train_step
+from torchpar.cluster import ClusterSpec
+from torchpar.planner.pipeline_plan import plan_pipeline
+from torchpar.planner.slicing import slice_stages
+
+# 2 hosts × 4 devices with a slow network (10 GB/s inner, 1 GB/s outer), where pipelining pays off
+SLOW_NETWORK = ClusterSpec(num_hosts=2, devices_per_host=4, alpha=(1e-3, 1e-4), beta=(1e-8, 1e-9))
+WIDTH, BATCH, MICRO = 1024, 512, 8
+
+
+class Blocks(torch.nn.Module):
+    """Blocks of ``depth[i]`` Linear+ReLU layers each, a pipeline boundary after every block."""
+
+    def __init__(self, depths: list[int]):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(*[m for _ in range(d) for m in (torch.nn.Linear(WIDTH, WIDTH), torch.nn.ReLU())])
+            for d in depths)
+
+    def forward(self, x, y):
+        for index, block in enumerate(self.blocks):
+            x = block(x)
+            if index < len(self.blocks) - 1:
+                x = torchpar.mark_pipeline_boundary(x)
+        return torch.nn.functional.mse_loss(x, y)
+
+
+def _plan(depths: list[int]):
+    torch.manual_seed(0)
+    model = Blocks(depths)
+    micro_batch = (torch.randn(BATCH // MICRO, WIDTH), torch.randn(BATCH // MICRO, WIDTH))
+    graph = capture_train_step(model, micro_batch).graph
+    method = torchpar.PipeshardParallel(num_micro_batches=MICRO, layer_option="manual", stage_option="auto")
+    return plan_pipeline(graph, method, SLOW_NETWORK, trainable={n for n, _ in model.named_parameters()},
+                         optimizer_state_copies=2)
+
+
+def test_equal_layers_get_equal_stages():
+    stages = _plan([1, 1, 1, 1]).plan.stages
+    assert len(stages) > 1
+    assert len({len(s.layers) for s in stages}) == 1
+    assert len({tuple(s.submesh_shape) for s in stages}) == 1
+
+
+def test_a_layer_four_times_heavier_gets_more_devices_or_its_own_stage():
+    stages = _plan([1, 1, 4, 1, 1]).plan.stages
+    heavy = next(s for s in stages if 2 in s.layers)
+    devices = lambda s: s.submesh_shape[0] * s.submesh_shape[1]  # noqa: E731
+    assert heavy.layers == [2] or devices(heavy) > max(devices(s) for s in stages if s is not heavy)
+
+
+def test_plan_reports_partition_runners_up_and_phase_timings():
+    plan = _plan([1, 1, 1, 1]).plan
+    assert plan.solver["stage_partition"]["stages"]
+    assert plan.solver["runners_up"], "the alternatives the DP weighed are reported"
+    for runner_up in plan.solver["runners_up"]:
+        assert runner_up["estimated_step_s"] >= plan.solver["stage_partition"]["estimated_step_s"] - 1e-12
+    assert {"cluster", "stage_dp", "ilp"} <= set(plan.timings)
+
+
+def test_values_crossing_several_stages_pass_through_neighbours():
+    class Skip(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b, self.c = (torch.nn.Linear(8, 8) for _ in range(3))
+
+        def forward(self, x):
+            h = torchpar.mark_pipeline_boundary(self.a(x))
+            k = torchpar.mark_pipeline_boundary(self.b(h))
+            return (self.c(k) + h).sum()  # h is made in stage 0 and read in stage 2
+
+    graph = capture_train_step(Skip(), torch.randn(4, 8)).graph
+    from torchpar.planner.layers import manual_layers
+    from torchpar.planner.slicing import stage_of_nodes
+
+    layering = manual_layers(graph)
+    stages = slice_stages(graph, stage_of_nodes(graph, layering.layer_of, [[0], [1], [2]]))
+    for previous, current in zip(stages, stages[1:]):
+        assert current.activation_inputs == previous.activation_outputs
+    skipped = set(stages[0].activation_outputs) & set(stages[2].activation_inputs)
+    assert skipped and skipped <= set(stages[1].activation_inputs) & set(stages[1].activation_outputs)
+    assert stages[-1].has_loss and not stages[0].has_loss
+    with pytest.raises(ValueError):
+        slice_stages(graph, {**stage_of_nodes(graph, layering.layer_of, [[0], [1], [2]]),
+                             graph.nodes[-1].name: 0})
