@@ -1,7 +1,8 @@
 """Elementwise ATen ops: arithmetic, comparisons, logic, activations, math functions.
 
 Python scalars stay weakly typed in JAX, so ``int_tensor * 0.5`` promotes like torch; the caller
-casts every result to torch's result dtype.
+casts every result to torch's result dtype. Float-valued math (``exp``, ``sigmoid``, ...) on integer
+tensors computes in float32, torch's default dtype, since several JAX functions reject integers.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxbackend.ops.registry import lowers
+from jaxbackend.ops.scalars import fit
 
 
 def _scaled(other, alpha):
@@ -84,21 +86,54 @@ def _unary(target: str, fn) -> None:
     lowers(target)(lambda x: fn(x))
 
 
+def _float(x):
+    """Integer and bool tensors as float32: torch's float-valued math promotes them to the default dtype."""
+    x = jnp.asarray(x)
+    return x if jnp.issubdtype(x.dtype, jnp.inexact) else x.astype(jnp.float32)
+
+
+def _float_only(fn):
+    """``fn`` on floats; the identity on integers (rounding an integer tensor keeps it, as in torch)."""
+    return lambda x: fn(x) if jnp.issubdtype(x.dtype, jnp.inexact) else x
+
+
+@jax.custom_jvp
+def _digamma(x):
+    return jnp.where(x == 0, -jnp.inf, jax.scipy.special.digamma(x))
+
+
+@_digamma.defjvp
+def _digamma_jvp(primals, tangents):
+    """d/dx digamma = trigamma; JAX's ``polygamma(1, x)`` is inaccurate for x < 0, so reflect there:
+    ``trigamma(x) = π² / sin²(πx) − trigamma(1 − x)``."""
+    (x,), (t,) = primals, tangents
+    negative = x < 0
+    positive_x = jnp.where(negative, 1.0 - x, x)
+    trigamma = jax.scipy.special.polygamma(1, positive_x)
+    trigamma = jnp.where(negative, (math.pi / jnp.sin(math.pi * x)) ** 2 - trigamma, trigamma)
+    return _digamma(x), t * trigamma
+
+
+# Value-preserving on integers (torch keeps the input dtype).
 for _name, _fn in {
-    "neg": jnp.negative, "abs": jnp.abs, "exp": jnp.exp, "exp2": jnp.exp2, "expm1": jnp.expm1,
-    "log": jnp.log, "log2": jnp.log2, "log10": jnp.log10, "log1p": jnp.log1p, "sqrt": jnp.sqrt,
-    "rsqrt": jax.lax.rsqrt, "reciprocal": jnp.reciprocal, "sin": jnp.sin, "cos": jnp.cos,
-    "tan": jnp.tan, "asin": jnp.arcsin, "acos": jnp.arccos, "atan": jnp.arctan, "sinh": jnp.sinh,
-    "cosh": jnp.cosh, "tanh": jnp.tanh, "asinh": jnp.arcsinh, "acosh": jnp.arccosh,
-    "atanh": jnp.arctanh, "erf": jax.scipy.special.erf, "erfc": jax.scipy.special.erfc,
-    "erfinv": jax.scipy.special.erfinv, "sigmoid": jax.nn.sigmoid, "floor": jnp.floor,
-    "ceil": jnp.ceil, "trunc": jnp.trunc, "round": jnp.round, "sign": jnp.sign,
-    "logical_not": jnp.logical_not, "bitwise_not": jnp.invert, "isnan": jnp.isnan,
-    "isinf": jnp.isinf, "relu": jax.nn.relu, "lgamma": jax.scipy.special.gammaln,
-    "digamma": jax.scipy.special.digamma, "sgn": jnp.sign, "frac": lambda x: x - jnp.trunc(x),
-    "signbit": jnp.signbit,
+    "neg": jnp.negative, "abs": jnp.abs, "floor": _float_only(jnp.floor), "ceil": _float_only(jnp.ceil),
+    "trunc": _float_only(jnp.trunc), "round": _float_only(jnp.round), "sign": jnp.sign, "sgn": jnp.sign,
+    "logical_not": jnp.logical_not, "bitwise_not": jnp.invert, "isnan": jnp.isnan, "isinf": jnp.isinf,
+    "relu": jax.nn.relu, "frac": lambda x: x - jnp.trunc(x), "signbit": jnp.signbit,
 }.items():
     _unary(f"aten.{_name}.default", _fn)
+
+# Float-valued math: integer inputs compute in float32.
+for _name, _fn in {
+    "exp": jnp.exp, "exp2": jnp.exp2, "expm1": jnp.expm1, "log": jnp.log, "log2": jnp.log2,
+    "log10": jnp.log10, "log1p": jnp.log1p, "sqrt": jnp.sqrt, "rsqrt": jax.lax.rsqrt,
+    "reciprocal": jnp.reciprocal, "sin": jnp.sin, "cos": jnp.cos, "tan": jnp.tan, "asin": jnp.arcsin,
+    "acos": jnp.arccos, "atan": jnp.arctan, "sinh": jnp.sinh, "cosh": jnp.cosh, "tanh": jnp.tanh,
+    "asinh": jnp.arcsinh, "acosh": jnp.arccosh, "atanh": jnp.arctanh, "erf": jax.scipy.special.erf,
+    "erfc": jax.scipy.special.erfc, "erfinv": jax.scipy.special.erfinv, "sigmoid": jax.nn.sigmoid,
+    "lgamma": jax.scipy.special.gammaln, "digamma": _digamma,
+}.items():
+    _unary(f"aten.{_name}.default", lambda x, fn=_fn: fn(_float(x)))
 
 
 @lowers("aten.isfinite.default")
@@ -122,7 +157,7 @@ def round_decimals(x, decimals=0):
 
 
 def _binary(target: str, fn) -> None:
-    lowers(target)(lambda x, other: fn(x, other))
+    lowers(target)(lambda x, other: fn(x, fit(other)))
 
 
 for _name, _fn in {
@@ -135,9 +170,15 @@ for _name, _fn in {
 for _name, _fn in {
     "logical_and": jnp.logical_and, "logical_or": jnp.logical_or, "logical_xor": jnp.logical_xor,
     "maximum": jnp.maximum, "minimum": jnp.minimum, "fmax": jnp.fmax, "fmin": jnp.fmin,
-    "copysign": jnp.copysign, "nextafter": jnp.nextafter,
+    "nextafter": jnp.nextafter,
 }.items():
     _binary(f"aten.{_name}.default", _fn)
+
+
+@lowers("aten.copysign.Tensor", "aten.copysign.Scalar")
+def copysign(x, other):
+    return jnp.copysign(_float(x), other)
+
 
 for _name, _fn in {
     "bitwise_and": jnp.bitwise_and, "bitwise_or": jnp.bitwise_or, "bitwise_xor": jnp.bitwise_xor,
@@ -146,28 +187,40 @@ for _name, _fn in {
     _binary(f"aten.{_name}.Scalar", _fn)
 
 
+@lowers("aten.bitwise_left_shift.Tensor", "aten.bitwise_left_shift.Tensor_Scalar",
+        "aten.bitwise_left_shift.Scalar_Tensor", "aten.__lshift__.Scalar", "aten.__lshift__.Tensor")
+def bitwise_left_shift(x, other):
+    return jnp.left_shift(x, other)
+
+
+@lowers("aten.bitwise_right_shift.Tensor", "aten.bitwise_right_shift.Tensor_Scalar",
+        "aten.bitwise_right_shift.Scalar_Tensor", "aten.__rshift__.Scalar", "aten.__rshift__.Tensor")
+def bitwise_right_shift(x, other):
+    return jnp.right_shift(x, other)
+
+
 @lowers("aten.where.self", "aten.where.ScalarSelf", "aten.where.ScalarOther", "aten.where.Scalar")
 def where(condition, x, other):
-    return jnp.where(condition, x, other)
+    return jnp.where(condition, fit(x), fit(other))
 
 
 @lowers("aten.clamp.default", "aten.clamp.Tensor")
 def clamp(x, min=None, max=None):
     if min is not None:
-        x = jnp.maximum(x, min)
+        x = jnp.maximum(x, fit(min))
     if max is not None:
-        x = jnp.minimum(x, max)
+        x = jnp.minimum(x, fit(max))
     return x
 
 
 @lowers("aten.clamp_min.default", "aten.clamp_min.Tensor")
 def clamp_min(x, min):
-    return jnp.maximum(x, min)
+    return jnp.maximum(x, fit(min))
 
 
 @lowers("aten.clamp_max.default", "aten.clamp_max.Tensor")
 def clamp_max(x, max):
-    return jnp.minimum(x, max)
+    return jnp.minimum(x, fit(max))
 
 
 @lowers("aten.gelu.default")

@@ -31,22 +31,49 @@ def matmul(a, b):
 
 @lowers("aten.addmm.default")
 def addmm(bias, a, b, beta=1, alpha=1):
-    product = jnp.matmul(a, b, precision=_PRECISION)
-    if alpha != 1:
-        product = product * alpha
-    if beta == 0:
-        return product
-    return product + (bias if beta == 1 else bias * beta)
+    return _axpby(bias, jnp.matmul(a, b, precision=_PRECISION), beta, alpha)
 
 
 @lowers("aten.baddbmm.default")
 def baddbmm(bias, a, b, beta=1, alpha=1):
-    product = jnp.matmul(a, b, precision=_PRECISION)
+    return _axpby(bias, jnp.matmul(a, b, precision=_PRECISION), beta, alpha)
+
+
+@lowers("aten.addbmm.default")
+def addbmm(bias, a, b, beta=1, alpha=1):
+    """``beta·bias + alpha·Σ_b a[b] @ b[b]``."""
+    return _axpby(bias, jnp.einsum("bij,bjk->ik", a, b, precision=_PRECISION), beta, alpha)
+
+
+@lowers("aten.addmv.default")
+def addmv(bias, mat, vec, beta=1, alpha=1):
+    return _axpby(bias, jnp.matmul(mat, vec, precision=_PRECISION), beta, alpha)
+
+
+def _axpby(bias, product, beta, alpha):
+    """``beta·bias + alpha·product``; ``beta = 0`` ignores ``bias`` (even NaN in it), as torch does.
+    On integer tensors torch truncates float ``alpha``/``beta`` to integers first."""
+    if not jnp.issubdtype(product.dtype, jnp.inexact):
+        alpha, beta = int(alpha), int(beta)
     if alpha != 1:
         product = product * alpha
     if beta == 0:
         return product
     return product + (bias if beta == 1 else bias * beta)
+
+
+@lowers("aten._trilinear.default")
+def trilinear(i1, i2, i3, expand1, expand2, expand3, sumdim, unroll_dim=1):
+    """``Σ_sumdim i1·i2·i3`` after unsqueezing each input at its ``expand`` dims (``F.bilinear``)."""
+    rank = i1.ndim + len(expand1)
+    letters = "abcdefghijklmnopqrstuvwxyz"[:rank]
+
+    def spec(expand):
+        return "".join(letters[d] for d in range(rank) if d not in expand)
+
+    out = "".join(letters[d] for d in range(rank) if d not in sumdim)
+    return jnp.einsum(f"{spec(expand1)},{spec(expand2)},{spec(expand3)}->{out}", i1, i2, i3,
+                      precision=_PRECISION)
 
 
 @lowers("aten.dot.default", "aten.vdot.default")
@@ -57,6 +84,46 @@ def dot(a, b):
 @lowers("aten.mv.default")
 def mv(a, b):
     return jnp.matmul(a, b, precision=_PRECISION)
+
+
+@lowers("aten._grouped_mm.default", "transformers.grouped_mm_fallback.default")
+def grouped_mm(x, weight, offs=None, bias=None, out_dtype=None):
+    """Mixture-of-experts matmul: rows ``offs[e-1]:offs[e]`` of ``x [S, K]`` times ``weight[e] [K, N]``.
+
+    ``offs`` holds cumulative row counts, so the shape is static and only the grouping is data: one
+    ``ragged_dot``. Rows past ``offs[-1]`` come out zero (PyTorch leaves them unwritten). Also lowers
+    HF transformers' CPU fallback op of the same signature (its default ``grouped_mm`` experts path).
+    """
+    if x.ndim == 2 and weight.ndim == 3 and offs is not None:
+        sizes = jnp.diff(offs.astype(jnp.int32), prepend=0)
+        out = jax.lax.ragged_dot(x, weight, sizes, precision=_PRECISION)
+    elif x.ndim == 3 and weight.ndim == 3 and offs is None:
+        out = jnp.matmul(x, weight, precision=_PRECISION)
+    else:
+        raise NotImplementedError(f"_grouped_mm of a {x.ndim}-d by a {weight.ndim}-d operand"
+                                  f"{' with' if offs is not None else ' without'} offsets")
+    if bias is not None:
+        out = out + bias
+    return out if out_dtype is None else out.astype(out_dtype)
+
+
+@lowers("aten._cdist_forward.default")
+def cdist(x1, x2, p, compute_mode=None):
+    """p-norm distance between each row of ``x1 [..., P, M]`` and of ``x2 [..., R, M]``.
+
+    Computed from the differences (not ``|x|² + |y|² − 2xy``), with a zero gradient at zero distance,
+    as PyTorch's backward gives.
+    """
+    diff = jnp.abs(x1[..., :, None, :] - x2[..., None, :, :])
+    if p == 0:
+        return jnp.sum(diff != 0, axis=-1).astype(x1.dtype)
+    if p == float("inf"):
+        return jnp.max(diff, axis=-1)
+    if p == 1:
+        return jnp.sum(diff, axis=-1)
+    powered = jnp.sum(diff ** p, axis=-1)
+    positive = powered > 0
+    return jnp.where(positive, jnp.where(positive, powered, 1.0) ** (1.0 / p), 0.0)
 
 
 @lowers("aten.convolution.default")

@@ -1,33 +1,91 @@
-"""Neural-network ops: softmax, normalization, embedding, pooling, attention."""
+"""Neural-network ops: softmax, normalization, embedding, attention (pooling is in ``pooling.py``)."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxbackend.ops.registry import lowers
 
 _PRECISION = jax.lax.Precision.HIGHEST
 
 
+# Softmax over rows that may be entirely -inf (a fully masked attention row). Such a "dead" row is
+# shifted by the most negative float instead of its max (-inf), so its exponentials are 0, not NaN;
+# clamping its sum to the smallest normal float then gives a zero softmax. The clamps are no-ops on live
+# rows (their sum is at least 1) and, unlike ``where``, keep XLA's reduce + exp fusion intact.
+
+def _exp_and_sum(x, axis):
+    shift = jnp.maximum(jnp.max(x, axis=axis, keepdims=True), jnp.finfo(x.dtype).min)
+    shifted = x - jax.lax.stop_gradient(shift)
+    exp = jnp.exp(shifted)
+    return shifted, exp, jnp.sum(exp, axis=axis, keepdims=True)
+
+
+def _live(total):
+    return jnp.maximum(total, jnp.finfo(total.dtype).tiny)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
+def _softmax(x, axis, nan_dead_rows):
+    """Softmax along ``axis``; dead rows are NaN (``nan_dead_rows``, PyTorch's ``_softmax``) or 0.
+
+    The JVP is ``y·(t − Σ y·t)`` with the zero-filled ``y``, so a dead row's gradient is 0 even when
+    its value is NaN: torch's ``_safe_softmax`` decomposes to ``where(dead, 0, _softmax)``, and a NaN
+    gradient there would poison the whole backward pass.
+    """
+    _, exp, total = _exp_and_sum(x, axis)
+    return exp / (total if nan_dead_rows else _live(total))
+
+
+@_softmax.defjvp
+def _softmax_jvp(axis, nan_dead_rows, primals, tangents):
+    (x,), (t,) = primals, tangents
+    _, exp, total = _exp_and_sum(x, axis)
+    y = exp / _live(total)
+    return (exp / total if nan_dead_rows else y), y * (t - jnp.sum(y * t, axis=axis, keepdims=True))
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+def _log_softmax(x, axis):
+    """Log-softmax along ``axis``; a dead row is NaN, as in PyTorch, with a finite gradient."""
+    shifted, _, total = _exp_and_sum(x, axis)
+    return shifted - jnp.log(total)
+
+
+@_log_softmax.defjvp
+def _log_softmax_jvp(axis, primals, tangents):
+    (x,), (t,) = primals, tangents
+    shifted, exp, total = _exp_and_sum(x, axis)
+    y = exp / _live(total)
+    return shifted - jnp.log(total), t - jnp.sum(y * t, axis=axis, keepdims=True)
+
+
 @lowers("aten._softmax.default")
 def softmax(x, dim, half_to_float=False):
-    return jax.nn.softmax(x.astype(jnp.float32) if half_to_float else x, axis=dim)
+    x = x.astype(jnp.float32) if half_to_float else x
+    return _softmax(x, dim, True) if x.ndim else jnp.ones_like(x)
 
 
 @lowers("aten._log_softmax.default")
 def log_softmax(x, dim, half_to_float=False):
-    return jax.nn.log_softmax(x.astype(jnp.float32) if half_to_float else x, axis=dim)
+    x = x.astype(jnp.float32) if half_to_float else x
+    return _log_softmax(x, dim) if x.ndim else x - x
+
+
+def _masked_softmax(x, axis):
+    """Softmax that gives zeros (and zero gradients) for rows whose every entry is ``-inf``."""
+    if x.ndim == 0:
+        return jnp.where(x == -jnp.inf, 0.0, 1.0).astype(x.dtype)
+    return _softmax(x, axis, False)
 
 
 @lowers("aten._safe_softmax.default")
 def safe_softmax(x, dim, dtype=None):
-    x = x if dtype is None else x.astype(dtype)
-    out = jax.nn.softmax(x, axis=dim)
-    return jnp.where(jnp.all(x == -jnp.inf, axis=dim, keepdims=True), 0.0, out)
+    return _masked_softmax(x if dtype is None else x.astype(dtype), dim)
 
 
 @lowers("aten.native_layer_norm.default")
@@ -47,7 +105,7 @@ def native_layer_norm(x, normalized_shape, weight, bias, eps):
 
 @lowers("aten.native_group_norm.default")
 def native_group_norm(x, weight, bias, n, c, hw, group, eps):
-    grouped = x.reshape(n, group, -1)
+    grouped = x.reshape(n, group, (c // group) * hw)
     mean = jnp.mean(grouped, axis=-1, keepdims=True)
     centered = grouped - mean
     var = jnp.mean(centered * centered, axis=-1, keepdims=True)
@@ -120,130 +178,6 @@ def embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=
     return out
 
 
-# --- pooling -----------------------------------------------------------------------------------------
-
-def _pool_geometry(in_sizes, kernel, stride, padding, dilation, ceil_mode):
-    """Per spatial dim ``(low_pad, high_pad)`` giving PyTorch's output size."""
-    pads = []
-    for size, k, s, p, d in zip(in_sizes, kernel, stride, padding, dilation):
-        span = d * (k - 1) + 1
-        numerator = size + 2 * p - span + ((s - 1) if ceil_mode else 0)
-        out = numerator // s + 1
-        if ceil_mode and (out - 1) * s >= size + p:
-            out -= 1
-        pads.append((p, max((out - 1) * s + span - size - p, 0)))
-    return pads
-
-
-def _tuple(value, n, default=None):
-    if value is None or (isinstance(value, (list, tuple)) and len(value) == 0):
-        return default
-    value = list(value) if isinstance(value, (list, tuple)) else [value]
-    return tuple(value * n if len(value) == 1 else value)
-
-
-@lowers("aten.max_pool2d_with_indices.default", "aten.max_pool3d_with_indices.default")
-def max_pool_with_indices(x, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
-    """Returns ``(values, indices)``; indices are flat positions within each input plane."""
-    spatial = len(kernel_size) if isinstance(kernel_size, (list, tuple)) and len(kernel_size) > 1 else x.ndim - 2
-    kernel = _tuple(kernel_size, spatial)
-    stride = _tuple(stride, spatial, kernel)
-    padding = _tuple(padding, spatial)
-    dilation = _tuple(dilation, spatial)
-    pads = _pool_geometry(x.shape[-spatial:], kernel, stride, padding, dilation, ceil_mode)
-    lead = x.ndim - spatial
-    window = (1,) * lead + kernel
-    strides = (1,) * lead + stride
-    dil = (1,) * lead + dilation
-    full_pads = [(0, 0)] * lead + pads
-    neg_inf = _lowest(x.dtype)
-    values = jax.lax.reduce_window(x, neg_inf, jax.lax.max, window, strides, full_pads, window_dilation=dil)
-    indices = _window_argmax(jax.lax.stop_gradient(x), kernel, stride, dilation, pads, values.shape[-spatial:])
-    return values, indices
-
-
-def _lowest(dtype) -> np.ndarray:
-    """The identity of max as a concrete numpy scalar (so JAX picks its differentiable max-pool)."""
-    if jnp.issubdtype(dtype, jnp.floating):
-        return np.array(-np.inf, dtype)
-    return np.array(jnp.iinfo(dtype).min, dtype)
-
-
-def _window_argmax(x, kernel, stride, dilation, pads, out_sizes):
-    """Flat in-plane index of the first maximum of each pooling window (PyTorch's ``indices``).
-
-    Walks the kernel offsets with strided slices of the padded input — no autodiff involved.
-    """
-    spatial = len(kernel)
-    in_sizes = x.shape[-spatial:]
-    lead = x.ndim - spatial
-    low = _lowest(x.dtype)
-    padded = jax.lax.pad(x, low, [(0, 0, 0)] * lead + [(lo, hi, 0) for lo, hi in pads])
-    best_val = best_idx = None
-    for offset in np.ndindex(*kernel):
-        starts = [o * d for o, d in zip(offset, dilation)]
-        window = padded
-        coords = []
-        for axis, (start, s, n, (lo, _)) in enumerate(zip(starts, stride, out_sizes, pads)):
-            window = jax.lax.slice_in_dim(window, start, start + (n - 1) * s + 1, s, axis=lead + axis)
-            coords.append(start - lo + s * np.arange(n))
-        flat = np.zeros(out_sizes, np.int64)
-        for axis, c in enumerate(coords):
-            shape = [1] * spatial
-            shape[axis] = -1
-            flat = flat * in_sizes[axis] + c.reshape(shape)
-        flat = jnp.asarray(flat, jnp.int32)
-        if best_val is None:
-            best_val, best_idx = window, jnp.broadcast_to(flat, window.shape)
-        else:
-            better = (window > best_val) | (jnp.isnan(window) & ~jnp.isnan(best_val))
-            best_val = jnp.where(better, window, best_val)
-            best_idx = jnp.where(better, flat, best_idx)
-    return best_idx
-
-
-@lowers("aten.avg_pool2d.default", "aten.avg_pool3d.default", "aten.avg_pool1d.default")
-def avg_pool(x, kernel_size, stride=(), padding=0, ceil_mode=False, count_include_pad=True, divisor_override=None):
-    spatial = len(kernel_size)
-    kernel = _tuple(kernel_size, spatial)
-    stride = _tuple(stride, spatial, kernel)
-    padding = _tuple(padding, spatial)
-    pads = _pool_geometry(x.shape[-spatial:], kernel, stride, padding, (1,) * spatial, ceil_mode)
-    lead = x.ndim - spatial
-    window = (1,) * lead + kernel
-    strides = (1,) * lead + stride
-    full_pads = [(0, 0)] * lead + pads
-    total = jax.lax.reduce_window(x, np.zeros((), x.dtype), jax.lax.add, window, strides, full_pads)
-    if divisor_override:
-        return total / divisor_override
-    # Count window cells inside the input (count_include_pad=False) or inside input + explicit padding.
-    ones = jnp.ones(x.shape[-spatial:], x.dtype)
-    if count_include_pad:
-        ones = jax.lax.pad(ones, jnp.array(1, x.dtype), [(p, p, 0) for p in padding])
-        count_pads = [(0, hi - lo) for (lo, hi) in pads]
-    else:
-        count_pads = pads
-    counts = jax.lax.reduce_window(ones, np.zeros((), x.dtype), jax.lax.add, kernel, stride, count_pads)
-    return total / counts
-
-
-@lowers("aten._adaptive_avg_pool2d.default", "aten.adaptive_avg_pool2d.default",
-        "aten._adaptive_avg_pool3d.default", "aten.adaptive_avg_pool1d.default")
-def adaptive_avg_pool(x, output_size):
-    spatial = len(output_size)
-    out = x
-    for axis_offset, out_size in enumerate(output_size):
-        axis = x.ndim - spatial + axis_offset
-        size = x.shape[axis]
-        pieces = []
-        for i in range(out_size):
-            start = (i * size) // out_size
-            end = -((-(i + 1) * size) // out_size)
-            pieces.append(jnp.mean(jax.lax.slice_in_dim(out, start, end, axis=axis), axis=axis, keepdims=True))
-        out = jnp.concatenate(pieces, axis=axis)
-    return out
-
-
 # --- attention ---------------------------------------------------------------------------------------
 
 @lowers("aten.scaled_dot_product_attention.default", random=True)
@@ -270,8 +204,7 @@ def scaled_dot_product_attention(query, key_, value, attn_mask=None, dropout_p=0
             scores = scores + attn_mask
     if allowed is not None:
         scores = jnp.where(allowed, scores, -jnp.inf)
-    weights = jax.nn.softmax(scores, axis=-1)
-    weights = jnp.where(jnp.isneginf(jnp.max(scores, axis=-1, keepdims=True)), 0.0, weights)
+    weights = _masked_softmax(scores, -1)
     if dropout_p > 0.0:
         keep = jax.random.bernoulli(key, 1.0 - dropout_p, weights.shape)
         weights = jnp.where(keep, weights / (1.0 - dropout_p), 0.0)

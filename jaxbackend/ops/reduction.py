@@ -128,6 +128,27 @@ def cumprod(x, dim, dtype=None):
     return jnp.cumprod(x, axis=dim, dtype=dtype) if x.ndim else x
 
 
+@lowers("aten.logcumsumexp.default")
+def logcumsumexp(x, dim):
+    return jax.lax.cumlogsumexp(x, axis=dim % x.ndim) if x.ndim else x
+
+
+@lowers("aten.histc.default")
+def histc(x, bins=100, min=0, max=0):
+    """Counts of ``x`` in ``bins`` equal bins over ``[min, max]`` (the data's range when ``min == max``);
+    values outside are ignored, ``max`` itself falls in the last bin."""
+    if min == max:
+        lo, hi = jnp.min(x), jnp.max(x)
+        lo, hi = jnp.where(lo == hi, lo - 1, lo), jnp.where(lo == hi, hi + 1, hi)
+    else:
+        lo, hi = jnp.asarray(min, x.dtype), jnp.asarray(max, x.dtype)
+    position = jnp.floor((x - lo) / (hi - lo) * bins).astype(jnp.int32)
+    position = jnp.where(x == hi, bins - 1, position)
+    inside = (x >= lo) & (x <= hi)
+    index = jnp.where(inside, position, bins).reshape(-1)
+    return jnp.zeros((bins,), x.dtype).at[index].add(1, mode="drop")
+
+
 @lowers("aten.linalg_vector_norm.default")
 def vector_norm(x, ord=2, dim=None, keepdim=False, dtype=None):
     axes = _axes(x, dim)

@@ -60,5 +60,5 @@ def _load_all() -> None:
     if not _loaded:
         _loaded = True
         from jaxbackend.ops import (  # noqa: F401  (registration side effects)
-            elementwise, indexing, linalg, nn, random_ops, reduction, shape,
+            elementwise, indexing, linalg, nn, pooling, random_ops, reduction, shape, upsample,
         )

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxbackend.ops.registry import lowers
+from jaxbackend.ops.scalars import fit
 
 
 def _dim(dim: int, rank: int) -> int:
@@ -62,11 +63,17 @@ def unsqueeze(x, dim):
 def slice_(x, dim=0, start=None, end=None, step=1):
     dim = _dim(dim, x.ndim)
     size = x.shape[dim]
+    start, end = _clamp_range(size, start, end)
+    return jax.lax.slice_in_dim(x, start, end, step, axis=dim)
+
+
+def _clamp_range(size: int, start, end) -> tuple[int, int]:
+    """Python slice bounds (negative from the end, clamped to ``[0, size]``, ``end >= start``)."""
     start = 0 if start is None else start
     end = size if end is None else end
     start = min(max(start + size if start < 0 else start, 0), size)
     end = min(max(end + size if end < 0 else end, start), size)
-    return jax.lax.slice_in_dim(x, start, end, step, axis=dim)
+    return start, end
 
 
 @lowers("aten.select.int", "aten.select_copy.int")
@@ -95,6 +102,59 @@ def split(x, split_size, dim=0):
 def unbind(x, dim=0):
     dim = _dim(dim, x.ndim)
     return [jax.lax.index_in_dim(x, i, axis=dim, keepdims=False) for i in range(x.shape[dim])]
+
+
+@lowers("aten.slice_scatter.default")
+def slice_scatter(x, src, dim=0, start=None, end=None, step=1):
+    """``x`` with ``x[..., start:end:step, ...] = src`` along ``dim``."""
+    dim = _dim(dim, x.ndim)
+    start, end = _clamp_range(x.shape[dim], start, end)
+    src = src.astype(x.dtype)
+    if step == 1:
+        return jax.lax.dynamic_update_slice_in_dim(x, src, start, axis=dim)
+    return x.at[(slice(None),) * dim + (slice(start, end, step),)].set(src)
+
+
+@lowers("aten.select_scatter.default")
+def select_scatter(x, src, dim, index):
+    dim = _dim(dim, x.ndim)
+    index = index + x.shape[dim] if index < 0 else index
+    return jax.lax.dynamic_update_slice_in_dim(x, jnp.expand_dims(src.astype(x.dtype), dim), index, axis=dim)
+
+
+@lowers("aten.diagonal.default", "aten.diagonal_copy.default")
+def diagonal(x, offset=0, dim1=0, dim2=1):
+    return jnp.diagonal(x, offset, _dim(dim1, x.ndim), _dim(dim2, x.ndim))
+
+
+@lowers("aten.diagonal_scatter.default")
+def diagonal_scatter(x, src, offset=0, dim1=0, dim2=1):
+    dim1, dim2 = _dim(dim1, x.ndim), _dim(dim2, x.ndim)
+    rows = np.arange(src.shape[-1]) + max(-offset, 0)
+    cols = np.arange(src.shape[-1]) + max(offset, 0)
+    moved = jnp.moveaxis(x, (dim1, dim2), (-2, -1))
+    moved = moved.at[..., rows, cols].set(src.astype(x.dtype))
+    return jnp.moveaxis(moved, (-2, -1), (dim1, dim2))
+
+
+@lowers("aten.unfold.default")
+def unfold(x, dimension, size, step):
+    """Sliding windows of ``size`` every ``step`` along ``dimension``, as a new last dim."""
+    if x.ndim == 0:
+        return x.reshape(1)
+    dim = _dim(dimension, x.ndim)
+    count = (x.shape[dim] - size) // step + 1
+    windows = np.arange(count)[:, None] * step + np.arange(size)[None, :]
+    return jnp.moveaxis(jnp.take(x, jnp.asarray(windows, jnp.int32), axis=dim), dim + 1, -1)
+
+
+@lowers("aten.repeat_interleave.Tensor")
+def repeat_interleave(repeats, output_size=None):
+    """``[0]*repeats[0] + [1]*repeats[1] + ...``; the static ``output_size`` must be given."""
+    if output_size is None:
+        raise NotImplementedError("repeat_interleave with tensor repeats and no output_size has a "
+                                  "data-dependent shape; pass output_size=")
+    return jnp.repeat(jnp.arange(repeats.shape[0]), repeats, total_repeat_length=output_size)
 
 
 @lowers("aten.cat.default")
@@ -143,7 +203,7 @@ def constant_pad_nd(x, pad, value=0):
     for i in range(len(pad) // 2):
         widths[x.ndim - 1 - i] = (pad[2 * i], pad[2 * i + 1])
     config = [(lo, hi, 0) for lo, hi in widths]
-    return jax.lax.pad(x, jnp.asarray(value, x.dtype), config)
+    return jax.lax.pad(x, jnp.asarray(fit(value), x.dtype), config)
 
 
 # --- identity-like -----------------------------------------------------------------------------------
@@ -166,7 +226,7 @@ def copy(x, src, non_blocking=False):
 
 
 @lowers("aten._assert_tensor_metadata.default", "aten._assert_scalar.default",
-        "aten.sym_constrain_range_for_size.default")
+        "aten.sym_constrain_range_for_size.default", "aten._assert_async.msg", "aten._assert_async.default")
 def assert_metadata(*args, **kwargs):
     return None
 
@@ -187,12 +247,12 @@ def full(size, fill_value, dtype=None, layout=None, device=None, pin_memory=None
     if dtype is None:
         dtype = jnp.bool_ if isinstance(fill_value, bool) else (
             jnp.int32 if isinstance(fill_value, int) else jnp.float32)
-    return jnp.full(tuple(size), fill_value, dtype)
+    return jnp.full(tuple(size), fit(fill_value), dtype)
 
 
 @lowers("aten.full_like.default")
 def full_like(x, fill_value, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
-    return jnp.full(x.shape, fill_value, x.dtype if dtype is None else dtype)
+    return jnp.full(x.shape, fit(fill_value), x.dtype if dtype is None else dtype)
 
 
 @lowers("aten.zeros.default")
@@ -220,6 +280,11 @@ def empty(size, *rest, dtype=None, layout=None, device=None, pin_memory=None, me
     return jnp.zeros(tuple(size), _float_default(dtype))
 
 
+@lowers("aten.empty_permuted.default")
+def empty_permuted(size, physical_layout, dtype=None, layout=None, device=None, pin_memory=None):
+    return jnp.zeros(tuple(size), _float_default(dtype))
+
+
 @lowers("aten.empty_like.default")
 def empty_like(x, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
     return jnp.zeros(x.shape, x.dtype if dtype is None else dtype)
@@ -237,7 +302,7 @@ def new_ones(x, size, dtype=None, layout=None, device=None, pin_memory=None):
 
 @lowers("aten.new_full.default")
 def new_full(x, size, fill_value, dtype=None, layout=None, device=None, pin_memory=None):
-    return jnp.full(tuple(size), fill_value, x.dtype if dtype is None else dtype)
+    return jnp.full(tuple(size), fit(fill_value), x.dtype if dtype is None else dtype)
 
 
 @lowers("aten.new_empty.default", "aten.new_empty_strided.default")
@@ -247,7 +312,7 @@ def new_empty(x, size, *rest, dtype=None, layout=None, device=None, pin_memory=N
 
 @lowers("aten.scalar_tensor.default")
 def scalar_tensor(value, dtype=None, layout=None, device=None, pin_memory=None):
-    return jnp.asarray(value, _float_default(dtype))
+    return jnp.asarray(fit(value), _float_default(dtype))
 
 
 def _arange_dtype(values, dtype):
@@ -271,6 +336,16 @@ def arange_start_step(start, end, step=1, dtype=None, layout=None, device=None, 
     dtype = _arange_dtype([start, end, step], dtype)
     count = max(int(np.ceil((end - start) / step)), 0)
     return (start + step * jnp.arange(count, dtype=jnp.float32 if jnp.issubdtype(dtype, jnp.floating) else dtype)).astype(dtype)
+
+
+@lowers("aten.tril_indices.default")
+def tril_indices(row, col, offset=0, dtype=None, layout=None, device=None, pin_memory=None):
+    return jnp.asarray(np.stack(np.tril_indices(row, offset, col)).reshape(2, -1), dtype or jnp.int32)
+
+
+@lowers("aten.triu_indices.default")
+def triu_indices(row, col, offset=0, dtype=None, layout=None, device=None, pin_memory=None):
+    return jnp.asarray(np.stack(np.triu_indices(row, offset, col)).reshape(2, -1), dtype or jnp.int32)
 
 
 @lowers("aten.linspace.default")

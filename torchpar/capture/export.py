@@ -204,7 +204,7 @@ def _to_ir(exported: ExportedProgram, model: torch.nn.Module, *, user_output_kin
         elif spec.kind == InputKind.BUFFER:
             inputs.append(Input(node.name, "buffer", target, meta))
         elif spec.kind == InputKind.CONSTANT_TENSOR:
-            constants[target] = exported.constants[spec.target].detach().cpu().numpy()
+            constants[target] = tensor_to_numpy(exported.constants[spec.target])
             inputs.append(Input(node.name, "constant", target, meta))
         elif spec.kind == InputKind.USER_INPUT:
             inputs.append(Input(node.name, "input", str(user_index), meta))
@@ -284,6 +284,16 @@ def _convert(value: Any) -> Any:
     if isinstance(value, torch.SymInt | torch.SymFloat | torch.SymBool):
         raise NotImplementedError(f"symbolic value {value} in the exported graph: torchpar compiles static shapes")
     raise NotImplementedError(f"unsupported argument of type {type(value).__name__} in the exported graph: {value!r}")
+
+
+def tensor_to_numpy(tensor: torch.Tensor) -> np.ndarray:
+    """A host copy of ``tensor``; bfloat16 becomes ``ml_dtypes.bfloat16`` (numpy has no bf16 of its own)."""
+    tensor = tensor.detach().cpu()
+    if tensor.dtype == torch.bfloat16:
+        import ml_dtypes
+
+        return tensor.float().numpy().astype(ml_dtypes.bfloat16)
+    return tensor.numpy()
 
 
 def dtype_name(dtype: torch.dtype) -> str:
