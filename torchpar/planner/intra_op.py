@@ -118,9 +118,20 @@ def _restrictions(kind: PlanKind, graph: SolverGraph) -> dict[int, set[int]]:
         for v, root in enumerate(graph.roots):
             if root.kind == "param":
                 allowed[v] = {k for k, s in enumerate(root.strategies) if not any(s.out_spec)}
+            elif root.kind == "anchor":  # ops split only their batch (leading output) dim, or nothing
+                keep = {k for k, s in enumerate(root.strategies) if not any(s.out_spec[1:]) and _splits_only_output(s)}
+                if keep:
+                    allowed[v] = keep
     elif kind == "megatron":
         allowed.update(_megatron_restrictions(graph))
     return allowed
+
+
+def _splits_only_output(strategy) -> bool:
+    """Every mesh axis the strategy uses splits its output (no contracted-dim splits)."""
+    out_axes = {a for entry in strategy.out_spec if entry for a in entry}
+    used = {a for spec in strategy.in_specs if spec for entry in spec if entry for a in entry}
+    return used <= out_axes
 
 
 def _megatron_restrictions(graph: SolverGraph) -> dict[int, set[int]]:
