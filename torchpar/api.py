@@ -39,6 +39,9 @@ class CompileOptions:
     """Clip gradients to this global L2 norm before the update (``clip_grad_norm_``); ``None`` = off."""
     seed: int = 0
     """Seed of the PRNG stream that dropout and other random ops draw from; a seed reproduces a run."""
+    xla_library_fusions: bool = True
+    """On CPU, compile with XLA's YNNPACK and oneDNN library fusions (``jaxbackend.compiler``); ``False``
+    keeps XLA's defaults."""
 
     def __post_init__(self) -> None:
         if self.grad_clip_norm is not None and not self.grad_clip_norm > 0:
@@ -54,6 +57,7 @@ def compile(
     method: Method | Plan | None = None,
     grad_clip_norm: float | None = None,
     seed: int = 0,
+    xla_library_fusions: bool = True,
 ) -> "Engine":
     """Capture ``model``'s training step on ``example_batch`` and compile it with ``method``.
 
@@ -67,7 +71,7 @@ def compile(
     if method is not None and not isinstance(method, (DataParallel, Zero2Parallel, Zero3Parallel, MegatronParallel,
                                                       ShardParallel, PipeshardParallel, Plan)):
         raise TypeError(f"method must be None, a torchpar parallel method or a Plan, got {type(method).__name__}")
-    options = CompileOptions(grad_clip_norm=grad_clip_norm, seed=seed)
+    options = CompileOptions(grad_clip_norm=grad_clip_norm, seed=seed, xla_library_fusions=xla_library_fusions)
     return Engine(model, optimizer, example_batch, loss_fn, options, method)
 
 
@@ -169,7 +173,8 @@ class Engine:
         self._plan.timings["capture"] = self._timings["capture"]
         start = time.perf_counter()
         self._pipeline = PipelineRunner(pipeline, spec=self._spec, trainable=trainable,
-                                        grad_clip_norm=self.options.grad_clip_norm, cluster=current_cluster())
+                                        grad_clip_norm=self.options.grad_clip_norm, cluster=current_cluster(),
+                                        library_fusions=self.options.xla_library_fusions)
         params = {n: p.detach().cpu().numpy() for n, p in self._param_names.items()}
         buffers = {n: b.detach().cpu().numpy() for n, b in self._buffer_names.items()}
         from jaxbackend.lower import to_numpy_input
@@ -374,7 +379,10 @@ class Engine:
         args = (self._params, self._opt_state, self._buffers, self._inputs(batch), scalars, jax.random.key(0))
         lowered = jax.jit(step_fn, donate_argnums=(0, 1, 2), out_shardings=out_shardings).lower(*args)
         t2 = time.perf_counter()
-        compiled = lowered.compile()
+        from jaxbackend.compiler import compiler_options
+
+        compiled = lowered.compile(compiler_options=compiler_options(self.options.xla_library_fusions,
+                                                                     placement.mesh.devices.size))
         t3 = time.perf_counter()
         self._timings.update(lower=t2 - t1, xla_compile=t3 - t2)
         log.info("torchpar: compiled training step (%d ops) in %.2fs: lower %.2fs, XLA %.2fs",
@@ -392,7 +400,11 @@ class Engine:
             capture = capture_forward(self.model, batch)
             run = lower(capture.graph)  # eval: let XLA propagate from the parameters' layouts
             key = self._jax.random.key(0)
-            forward = self._jax.jit(lambda params, buffers, inputs: run(params, buffers, inputs, key)[0])
+            from jaxbackend.compiler import compiler_options
+
+            devices = 1 if self._pipeline is not None else self._placement.mesh.devices.size
+            forward = self._jax.jit(lambda params, buffers, inputs: run(params, buffers, inputs, key)[0],
+                                    compiler_options=compiler_options(self.options.xla_library_fusions, devices))
             self._eval[signature] = (capture, forward)
         return self._eval[signature]
 

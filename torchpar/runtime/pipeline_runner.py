@@ -28,7 +28,7 @@ class PipelineRunner:
     """Runs a :class:`PipelinePlan` in this process (the local runtime)."""
 
     def __init__(self, pipeline: PipelinePlan, *, spec: jax_optim.OptimizerSpec, trainable: set[str],
-                 grad_clip_norm: float | None, cluster: ClusterSpec):
+                 grad_clip_norm: float | None, cluster: ClusterSpec, library_fusions: bool = True):
         self.pipeline = pipeline
         plan = pipeline.plan
         self.num_micro_batches = plan.num_micro_batches
@@ -36,6 +36,7 @@ class PipelineRunner:
             from torchpar.runtime.ray_runtime import RayPipeline
 
             self.runtime = RayPipeline(pipeline, spec=spec, trainable=trainable, grad_clip_norm=grad_clip_norm,
+                                       library_fusions=library_fusions,
                                        num_hosts=cluster.num_hosts, devices_per_host=cluster.devices_per_host,
                                        cores_per_host=cluster.cores_per_host)
             return
@@ -45,7 +46,8 @@ class PipelineRunner:
             devices = [all_devices[i] for i in device_ids]
             placement = Placement.from_stage(stage_plan, stage_graph.graph, devices)
             self.programs.append(StageProgram(stage_graph, placement=placement, spec=spec, trainable=trainable,
-                                              num_micro_batches=self.num_micro_batches))
+                                              num_micro_batches=self.num_micro_batches,
+                                              library_fusions=library_fusions))
         self.schedule = make_schedule(plan.schedule, len(self.programs), self.num_micro_batches)
         self.runtime = LocalPipeline(self.programs, self.schedule, grad_clip_norm)
 

@@ -53,7 +53,8 @@ class HostWorker:
                 "cores": sorted(os.sched_getaffinity(0))}
 
     def setup(self, stages: list[tuple[Any, Any, list[int]]], spec: Any, trainable: set[str], num_micro_batches: int,
-              schedule: list[list[Any]], stage_host: dict[int, int], timeout_s: float) -> None:
+              schedule: list[list[Any]], stage_host: dict[int, int], timeout_s: float,
+              library_fusions: bool = True) -> None:
         import jax
 
         from torchpar.runtime.placement import Placement
@@ -66,7 +67,8 @@ class HostWorker:
         for stage_graph, stage_plan, local_devices in stages:
             placement = Placement.from_stage(stage_plan, stage_graph.graph, [devices[i] for i in local_devices])
             self._programs[stage_graph.index] = StageProgram(stage_graph, placement=placement, spec=spec,
-                                                             trainable=trainable, num_micro_batches=num_micro_batches)
+                                                             trainable=trainable, num_micro_batches=num_micro_batches,
+                                                             library_fusions=library_fusions)
         self._params = {s: {} for s in self._programs}
         self._buffers = {s: {} for s in self._programs}
         self._opt_state = {s: {} for s in self._programs}
@@ -245,7 +247,7 @@ class RayPipeline:
 
     def __init__(self, pipeline: Any, *, spec: Any, trainable: set[str], grad_clip_norm: float | None,
                  num_hosts: int, devices_per_host: int, cores_per_host: int | None = None,
-                 timeout_s: float = DEFAULT_TIMEOUT_S):
+                 timeout_s: float = DEFAULT_TIMEOUT_S, library_fusions: bool = True):
         from torchpar.runtime.schedules import make_schedule
 
         plan = pipeline.plan
@@ -266,7 +268,7 @@ class RayPipeline:
             local = [(pipeline.stages[s], plan.stages[s], [d - host * devices_per_host for d in pipeline.devices[s]])
                      for s in self.stages_of_host[host]]
             calls.append(worker.setup.remote(local, spec, trainable, self.num_micro_batches, schedule, stage_host,
-                                             timeout_s))
+                                             timeout_s, library_fusions))
         self._get(calls, "setting up the stages")
         self._get([w.set_peers.remote(self.workers) for w in self.workers.values()], "connecting the hosts")
         self.shared = {}

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxbackend import optim as jax_optim
+from jaxbackend.compiler import compiler_options
 from jaxbackend.lower import lower
 from torchpar.planner.slicing import StageGraph
 from torchpar.runtime.placement import Placement
@@ -41,7 +42,7 @@ class StageProgram:
     """Jitted forward / backward / accumulate / update of one stage (see the module docstring)."""
 
     def __init__(self, stage: StageGraph, *, placement: Placement, spec: jax_optim.OptimizerSpec, trainable: set[str],
-                 num_micro_batches: int):
+                 num_micro_batches: int, library_fusions: bool = True):
         self.stage = stage
         self.placement = placement
         self.num_micro_batches = num_micro_batches
@@ -90,12 +91,13 @@ class StageProgram:
         def squared_norm(grads):
             return sum((jnp.sum(jnp.square(g.astype(jnp.float32))) for g in grads.values()), jnp.float32(0))
 
-        self._forward = jax.jit(forward)
+        options = self._options = compiler_options(library_fusions, placement.mesh.devices.size)
+        self._forward = jax.jit(forward, compiler_options=options)
         self._forward_signature: Any = None
-        self._backward = jax.jit(backward)
-        self._accumulate = jax.jit(accumulate, donate_argnums=(0,))
-        self._update = jax.jit(update, donate_argnums=(0, 2))
-        self._squared_norm = jax.jit(squared_norm)
+        self._backward = jax.jit(backward, compiler_options=options)
+        self._accumulate = jax.jit(accumulate, donate_argnums=(0,), compiler_options=options)
+        self._update = jax.jit(update, donate_argnums=(0, 2), compiler_options=options)
+        self._squared_norm = jax.jit(squared_norm, compiler_options=options)
 
     # --- calls ------------------------------------------------------------------------------------
 
@@ -127,7 +129,7 @@ class StageProgram:
         """Optimized HLO of the stage's forward (available after its first step)."""
         if self._forward_signature is None:
             raise RuntimeError("the stage has not run yet: call engine.step first")
-        return self._forward.lower(*self._forward_signature).compile().as_text()
+        return self._forward.lower(*self._forward_signature).compile(compiler_options=self._options).as_text()
 
     def backward(self, residuals: Any, cotangents: dict) -> tuple[dict, dict]:
         """→ (parameter gradients, cotangents of the float activation inputs)."""

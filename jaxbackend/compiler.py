@@ -1,0 +1,31 @@
+"""XLA compiler options torchpar passes to every compilation.
+
+On the CPU backend YNNPACK library fusions of dots, reductions and elementwise ops make a training step
+markedly faster (``benchmarks/xla_cpu_notes.md``: the largest single lever, and compilation about twice
+as fast). oneDNN matmul fusion (``xla_cpu_use_onednn`` + ``LIBRARY_FUSION_TYPE_DOT``) would add a few
+percent but fails to compile HF Llama ("partition compile failed", which aborts the process) in
+jaxlib 0.10.2, so it is left off. Other backends get no extra options.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+CPU_LIBRARY_FUSIONS: dict[str, Any] = {
+    "xla_cpu_experimental_ynn_fusion_type":
+        "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT,LIBRARY_FUSION_TYPE_REDUCE,LIBRARY_FUSION_TYPE_ELTWISE",
+}
+
+
+def compiler_options(library_fusions: bool = True, num_devices: int = 1) -> dict[str, Any]:
+    """Options for ``jit(..., compiler_options=...)`` / ``lowered.compile(compiler_options=...)`` of an
+    executable running on ``num_devices`` devices.
+
+    The CPU library fusions are used for single-device executables only (multi-device SPMD programs on
+    fake CPU devices keep XLA's defaults: they are what the sharding tests check collectives on).
+    """
+    if library_fusions and num_devices == 1 and jax.default_backend() == "cpu":
+        return dict(CPU_LIBRARY_FUSIONS)
+    return {}
