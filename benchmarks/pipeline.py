@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torchpar
 
-    ray.init(num_cpus=4, include_dashboard=False, configure_logging=False)  # 3 actors, at most 2 running at once
+    ray.init(num_cpus=4, include_dashboard=False, configure_logging=False)  # 4 actors, at most 2 running at once
     import torch
 
     from torchpar.cluster import shutdown
@@ -68,11 +68,13 @@ def main(argv: list[str] | None = None) -> int:
         return torchpar.compile(model, torch.optim.SGD(model.parameters(), lr=1e-3), example_batch=batch, method=method)
 
     single = engine(1, 1, 1)
+    single_micro = engine(1, 1, args.micro_batches)
     piped = engine(2, 2, args.micro_batches)
-    times = {"one host": [], "2-stage pipeline": []}
+    times = {"one host": [], "one host, micro-batched": [], "2-stage pipeline": []}
     bubbles = []
     for round_index in range(args.warmup + args.steps):
-        for name, eng in (("one host", single), ("2-stage pipeline", piped)):
+        for name, eng in (("one host", single), ("one host, micro-batched", single_micro),
+                          ("2-stage pipeline", piped)):
             start = time.perf_counter()
             eng.step(batch)
             elapsed = time.perf_counter() - start
@@ -96,8 +98,14 @@ def main(argv: list[str] | None = None) -> int:
         json.dump({"config": vars(args), "median_step_s": medians, "all_step_s": times, "speedup": speedup,
                    "bubble_fraction_measured": measured_bubble, "bubble_fraction_ideal": ideal_bubble}, handle,
                   indent=1)
+    timeline = piped.last_timeline
+    for stage, blocks in enumerate(timeline.blocks):
+        busy = sum(end - start for _, _, start, end in blocks)
+        print(f"stage {stage}: busy {busy:.3f}s of makespan {timeline.makespan:.3f}s; blocks "
+              + " ".join(f"{op[0].upper()}{mb}:{start:.2f}-{end:.2f}" for op, mb, start, end in blocks))
     print(f"wrote {args.json}")
     single.shutdown()
+    single_micro.shutdown()
     piped.shutdown()
     shutdown()
     return 0

@@ -84,7 +84,7 @@ def init(cluster: str = "local", num_devices: int | None = None, *, num_hosts: i
     import jax  # after XLA_FLAGS is set
 
     available = jax.device_count()
-    if num_devices is not None and available < num_devices:
+    if num_devices is not None and available < num_devices and cluster == "local":
         raise RuntimeError(
             f"torchpar.init asked for {num_devices} devices but JAX has {available}: JAX was imported before "
             "torchpar.init; call torchpar.init first, or set XLA_FLAGS="

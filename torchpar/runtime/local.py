@@ -121,8 +121,8 @@ class LocalPipeline:
                             break
                         cotangents[(s, mb)] = mailbox.pop(("grad", s, mb))
                     elif ins.op == "backward":
-                        stage_grads, act_cotangents = program.backward(residuals[(s, mb)], cotangents.pop((s, mb), {}))
-                        grads[s] = program.accumulate(grads[s], stage_grads)
+                        grads[s], act_cotangents = program.backward_into(residuals[(s, mb)],
+                                                                         cotangents.pop((s, mb), {}), grads[s])
                         outputs[(s, mb)] = (act_cotangents, {})
                     elif ins.op == "send_grad":
                         act_cotangents, _ = outputs.pop((s, mb))

@@ -195,8 +195,8 @@ class HostWorker:
                 cotangents[mb] = {n: jax.device_put(v, program.placement.value(n)) for n, v in payload.items()}
             elif ins.op == "backward":
                 begin = time.time()
-                grads, act_cotangents = program.backward(residuals[mb], cotangents.pop(mb, {}))
-                self._grads[s] = program.accumulate(self._grads[s], grads)
+                self._grads[s], act_cotangents = program.backward_into(residuals[mb], cotangents.pop(mb, {}),
+                                                                       self._grads[s])
                 jax.block_until_ready(self._grads[s])
                 self._blocks[s].append(("backward", mb, begin - self._step_start, time.time() - self._step_start))
                 outputs[mb] = (act_cotangents, {})

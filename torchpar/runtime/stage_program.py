@@ -84,6 +84,10 @@ class StageProgram:
         def accumulate(total, grads):
             return jax.tree.map(jnp.add, total, grads)
 
+        def backward_accumulate(vjp_fn, cotangents, total):
+            grads, act_cotangents = backward(vjp_fn, cotangents)
+            return accumulate(total, grads), act_cotangents
+
         def update(params, grads, state, scalars, clip_scale):
             grads = {n: g * clip_scale.astype(g.dtype) for n, g in grads.items()}
             return jax_optim.apply_updates(self.spec, params, grads, state, scalars)
@@ -96,6 +100,7 @@ class StageProgram:
         self._forward_signature: Any = None
         self._backward = jax.jit(backward, compiler_options=options)
         self._accumulate = jax.jit(accumulate, donate_argnums=(0,), compiler_options=options)
+        self._backward_accumulate = jax.jit(backward_accumulate, donate_argnums=(2,), compiler_options=options)
         self._update = jax.jit(update, donate_argnums=(0, 2), compiler_options=options)
         self._squared_norm = jax.jit(squared_norm, compiler_options=options)
 
@@ -138,6 +143,14 @@ class StageProgram:
     def accumulate(self, total: dict | None, grads: dict) -> dict:
         return grads if total is None else self._accumulate(total, grads)
 
+    def backward_into(self, residuals: Any, cotangents: dict, total: dict | None) -> tuple[dict, dict]:
+        """Backward of one micro-batch with its parameter gradients added into ``total`` (donated) in the
+        same executable, so the accumulation costs no extra pass over the gradients.
+        → (accumulated gradients, cotangents of the float activation inputs)."""
+        if total is None:
+            return self._backward(residuals, cotangents)
+        return self._backward_accumulate(residuals, cotangents, total)
+
     def squared_norm(self, grads: dict) -> Any:
         return self._squared_norm(grads)
 
@@ -156,9 +169,10 @@ class StageProgram:
         inputs = {int(i.target): self.put_input(int(i.target), zeros(i.meta)) for i in graph_inputs if i.kind == "input"}
         acts = {i.name: self.put_activation(i.name, zeros(i.meta)) for i in graph_inputs if i.kind == "activation"}
         diff, _, _, vjp = self.forward(params, buffers, inputs, acts, jax.random.key(0))
-        grads, _ = self.backward(vjp, {n: jnp.zeros_like(v) for n, v in diff.items() if n != LOSS})
+        cotangents = {n: jnp.zeros_like(v) for n, v in diff.items() if n != LOSS}
+        grads, _ = self.backward(vjp, cotangents)
         copy = lambda tree: jax.tree.map(jnp.copy, tree)  # noqa: E731
-        self.accumulate(copy(grads), grads)
+        self.backward_into(vjp, cotangents, copy(grads))
         self.squared_norm(grads)
         if self.trainable:
             self.update(copy(params), grads, copy(opt_state), scalars, 1.0)
