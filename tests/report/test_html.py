@@ -266,3 +266,34 @@ def test_parameter_table_sorts_on_header_click(tmp_path):
     assert result["up"] == sorted(names, key=str.lower) or result["up"] == sorted(names)
     assert result["down"] == result["up"][::-1]
     assert result["rank"] == sorted(result["rank"], key=int)
+
+
+def test_gpt2_12_layer_pipeshard_report_on_two_hosts(two_hosts, tmp_path):
+    """The acceptance case: GPT-2 with 12 layers on 2 hosts × 4 devices with PipeshardParallel."""
+    torch.manual_seed(0)
+    model, batch = zoo.build("gpt2", {"n_layer": 12}, batch_size=8, seq_len=16)
+    method = torchpar.PipeshardParallel(num_micro_batches=4, layer_option=torchpar.AutoLayerOption(layer_num=4),
+                                        stage_option="uniform")
+    plan = torchpar.plan(model, torch.optim.AdamW(model.parameters(), lr=1e-3), example_batch=batch, method=method)
+    stages, micro = len(plan.stages), plan.num_micro_batches
+    assert stages > 1
+    path = tmp_path / "gpt2.html"
+    plan.save_html(path, param_shapes={n: list(p.shape) for n, p in model.named_parameters()})
+    plan.save_png(tmp_path / "gpt2.png")
+    text = path.read_text(encoding="utf-8")
+    page = Page(text)
+    _assert_self_contained(page, text)
+    cells = page.find("div", "device")
+    assert len(cells) == 8 and len({c.attrs["data-stage"] for c in cells}) == stages
+    assert len(page.rows("stages")) == stages
+    assert len(page.rows("params")) == sum(len(s.params) for s in plan.stages)
+    assert len(page.find("rect", "fwd")) == len(page.find("rect", "bwd")) == stages * micro
+    assert (tmp_path / "gpt2.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    if os.path.exists(CHROMIUM):
+        shot = tmp_path / "shot.png"
+        command = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                   "--disable-component-update", "--disable-sync", "--no-first-run",
+                   f"--user-data-dir={tmp_path / 'profile'}", f"--screenshot={shot}", "--window-size=1400,2400",
+                   path.resolve().as_uri()]
+        subprocess.run(command, check=False, capture_output=True, timeout=120)
+        assert shot.exists() and shot.stat().st_size > 10_000
