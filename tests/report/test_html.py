@@ -117,6 +117,18 @@ def two_hosts():
     torchpar.init(cluster="local", num_devices=8)
 
 
+def _screenshot(html, tmp_path):
+    """Render ``html`` with headless Chromium; returns the PNG path (asserting it was written)."""
+    shot = tmp_path / "shot.png"
+    command = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+               "--disable-component-update", "--disable-sync", "--no-first-run",
+               f"--user-data-dir={tmp_path / 'profile'}", f"--screenshot={shot}", "--window-size=1400,2400",
+               html.resolve().as_uri()]
+    subprocess.run(command, check=False, capture_output=True, timeout=120)
+    assert shot.exists(), "Chromium wrote no screenshot"
+    return shot
+
+
 def _assert_self_contained(page: Page, text: str) -> None:
     for element in page.elements:
         for name in ("src", "href", "xlink:href", "action", "data"):
@@ -234,13 +246,8 @@ def test_save_png(gpt2, tmp_path):
 def test_chromium_renders_the_page(tmp_path):
     html = tmp_path / "plan.html"
     _hand_plan().save_html(html, cluster=ClusterSpec(num_hosts=2, devices_per_host=4))
-    shot = tmp_path / "plan.png"
-    command = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-               "--disable-component-update", "--disable-sync", "--no-first-run",
-               f"--user-data-dir={tmp_path / 'profile'}", f"--screenshot={shot}", "--window-size=1400,2000",
-               html.resolve().as_uri()]
-    subprocess.run(command, check=False, capture_output=True, timeout=120)
-    assert shot.exists() and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000
+    shot = _screenshot(html, tmp_path)
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000
 
 
 @pytest.mark.skipif(not os.path.exists(CHROMIUM), reason=f"{CHROMIUM} is not installed (apt-get install chromium)")
@@ -290,10 +297,4 @@ def test_gpt2_12_layer_pipeshard_report_on_two_hosts(two_hosts, tmp_path):
     assert len(page.find("rect", "fwd")) == len(page.find("rect", "bwd")) == stages * micro
     assert (tmp_path / "gpt2.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     if os.path.exists(CHROMIUM):
-        shot = tmp_path / "shot.png"
-        command = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                   "--disable-component-update", "--disable-sync", "--no-first-run",
-                   f"--user-data-dir={tmp_path / 'profile'}", f"--screenshot={shot}", "--window-size=1400,2400",
-                   path.resolve().as_uri()]
-        subprocess.run(command, check=False, capture_output=True, timeout=120)
-        assert shot.exists() and shot.stat().st_size > 10_000
+        assert _screenshot(path, tmp_path).stat().st_size > 10_000

@@ -7,6 +7,7 @@ and benchmarks can count communication in what XLA actually compiled. Async pair
 
 from __future__ import annotations
 
+import math
 import re
 from collections import Counter
 from dataclasses import dataclass
@@ -28,23 +29,11 @@ class Collective:
 
     @property
     def elements(self) -> int:
-        total = 0
-        for _, dims in self.shapes:
-            count = 1
-            for d in dims:
-                count *= d
-            total += count
-        return total
+        return sum(math.prod(dims) for _, dims in self.shapes)
 
     @property
     def bytes(self) -> int:
-        total = 0
-        for dtype, dims in self.shapes:
-            count = 1
-            for d in dims:
-                count *= d
-            total += count * _BYTES.get(dtype, 4)
-        return total
+        return sum(math.prod(dims) * _BYTES.get(dtype, 4) for dtype, dims in self.shapes)
 
 
 def collectives(hlo: str) -> list[Collective]:
