@@ -1,7 +1,7 @@
 """Pipeline speed-up on simulated hosts: a 2-stage pipeline on 2 Ray host actors with one core each vs
 one host actor (one core) running the whole model.
 
-    python benchmarks/pipeline.py [--width 2048] [--depth 8] [--batch 1024] [--micro-batches 8] [--steps 5]
+    python benchmarks/pipeline.py [--width 1024] [--depth 8] [--batch 4096] [--micro-batches 8] [--steps 7]
 
 Both engines train the same compute-bound MLP with SGD; their steps are interleaved (one of each per
 round) and the medians compared. Also reports the measured bubble fraction of the pipeline next to the
@@ -20,11 +20,11 @@ import time
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--width", type=int, default=2048)
+    parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--depth", type=int, default=8)
-    parser.add_argument("--batch", type=int, default=1024)
+    parser.add_argument("--batch", type=int, default=4096)
     parser.add_argument("--micro-batches", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=7)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--json", default="benchmarks/results/pipeline.json")
     args = parser.parse_args(argv)
