@@ -12,6 +12,7 @@ target, so the lowered function reads one array twice and ``jax.grad`` sums both
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -151,7 +152,7 @@ def _capture(wrapper: torch.nn.Module, model: torch.nn.Module, batch: Any, *, tr
     model.train(training)
     try:
         t0 = time.perf_counter()
-        with torch.no_grad() if not training else _nullcontext():
+        with torch.no_grad() if not training else contextlib.nullcontext():
             exported = torch.export.export(wrapper, args, kwargs, strict=False)
         t1 = time.perf_counter()
         table = torch.export.default_decompositions()
@@ -173,14 +174,6 @@ def _capture(wrapper: torch.nn.Module, model: torch.nn.Module, batch: Any, *, tr
         export_s=t1 - t0,
         decompose_s=t2 - t1,
     )
-
-
-class _nullcontext:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
 
 
 def _leaf_paths(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[str]:

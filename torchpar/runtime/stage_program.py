@@ -99,7 +99,6 @@ class StageProgram:
         self._forward = jax.jit(forward, compiler_options=options)
         self._forward_signature: Any = None
         self._backward = jax.jit(backward, compiler_options=options)
-        self._accumulate = jax.jit(accumulate, donate_argnums=(0,), compiler_options=options)
         self._backward_accumulate = jax.jit(backward_accumulate, donate_argnums=(2,), compiler_options=options)
         self._update = jax.jit(update, donate_argnums=(0, 2), compiler_options=options)
         self._squared_norm = jax.jit(squared_norm, compiler_options=options)
@@ -140,9 +139,6 @@ class StageProgram:
         """→ (parameter gradients, cotangents of the float activation inputs)."""
         return self._backward(residuals, cotangents)
 
-    def accumulate(self, total: dict | None, grads: dict) -> dict:
-        return grads if total is None else self._accumulate(total, grads)
-
     def backward_into(self, residuals: Any, cotangents: dict, total: dict | None) -> tuple[dict, dict]:
         """Backward of one micro-batch with its parameter gradients added into ``total`` (donated) in the
         same executable, so the accumulation costs no extra pass over the gradients.
@@ -178,6 +174,3 @@ class StageProgram:
             self.update(copy(params), grads, copy(opt_state), scalars, 1.0)
         jax.block_until_ready(grads)
 
-    def zero_cotangents(self, outputs: dict) -> dict:
-        """Zero cotangents for float outputs no later stage differentiates (e.g. unused activations)."""
-        return {n: jnp.zeros_like(v) for n, v in outputs.items() if n != LOSS}
