@@ -58,15 +58,26 @@ def check_supported(graph: Graph) -> None:
 
 
 def lower(graph: Graph, *, value_shardings: Mapping[str, Any] | None = None,
-          operand_shardings: Mapping[str, Sequence[Any]] | None = None) -> StepFn:
+          operand_shardings: Mapping[str, Sequence[Any]] | None = None, layouts: Any = None) -> StepFn:
     """The pure JAX function computing ``graph`` (see the module docstring for its signature).
 
     ``value_shardings`` maps input or node names to a sharding their value is constrained to
     (``with_sharding_constraint``) where it is produced; ``operand_shardings`` maps a node name to one
     sharding (or ``None``) per tensor operand, constrained right before the op reads it. These are how a
-    sharding plan is enforced; the backward pass inherits them through ``jax.grad``.
+    sharding plan is enforced under GSPMD; the backward pass inherits them through ``jax.grad``.
+
+    ``layouts`` (a ``torchpar.planner.sharding.layouts.ValueLayouts``) instead makes a per-device
+    function for ``jax.shard_map``: inputs and results are this device's shards, and the collectives the
+    plan implies are explicit (:mod:`jaxbackend.spmd`). It excludes the two sharding mappings.
     """
     check_supported(graph)
+    local = None
+    if layouts is not None:
+        from jaxbackend.spmd import LocalProgram
+
+        if value_shardings or operand_shardings:
+            raise ValueError("a per-device (layouts=) lowering takes no sharding constraints")
+        local = LocalProgram(layouts)
     value_shardings = dict(value_shardings or {})
     operand_shardings = dict(operand_shardings or {})
     constants = {name: jnp.asarray(value) for name, value in graph.constants.items()}
@@ -96,15 +107,23 @@ def lower(graph: Graph, *, value_shardings: Mapping[str, Any] | None = None,
                 scope = dict(env)
                 for ref, sharding in zip(node.refs(), operand_shardings[node.name]):
                     scope[ref] = constrain(env[ref], sharding)
+            elif local is not None:
+                scope = local.read_operands(node, env)
             args = _materialize(node.args, scope)
             kwargs = {k: _materialize(v, scope) for k, v in node.kwargs.items()}
+            if local is not None:
+                args = local.rewrite_args(node, args)
             if lowering.random:
                 kwargs["key"] = jax.random.fold_in(key, index)
+                if local is not None:
+                    kwargs["key"] = local.key(node, kwargs["key"])
             try:
                 result = lowering.fn(*args, **kwargs)
             except Exception as error:
                 raise LoweringError(_context(node, graph, f"lowering raised {type(error).__name__}: {error}")) from error
-            env[node.name] = _conform(result, node, graph)
+            if local is not None:
+                result = local.finish(node, result)
+            env[node.name] = _conform(result, node, graph, local)
             if node.name in value_shardings:
                 env[node.name] = constrain(env[node.name], value_shardings[node.name])
         outputs = [env[o.value.name] if o.value is not None else None for o in value_outputs]
@@ -126,21 +145,31 @@ def _materialize(value: Any, env: dict[str, Any]) -> Any:
     return value
 
 
-def _conform(result: Any, node: Node, graph: Graph) -> Any:
-    """Cast ``result`` to the node's torch dtype and check its shape against the node's meta."""
+def _conform(result: Any, node: Node, graph: Graph, local: Any = None) -> Any:
+    """Cast ``result`` to the node's torch dtype and check its shape against the node's meta (per device:
+    its local shape)."""
     meta = node.out
+    spec = local.spec(node.name) if local is not None else None
     if isinstance(meta, TensorMeta):
-        return _conform_one(result, meta, node, graph)
+        return _conform_one(result, local.local_meta(meta, spec) if local is not None else meta, node, graph, local)
     if isinstance(meta, tuple):
         if not isinstance(result, (tuple, list)) or len(result) != len(meta):
             raise LoweringError(_context(node, graph, f"expected {len(meta)} results, got {type(result).__name__}"))
-        return tuple(_conform_one(r, m, node, graph) if m is not None else r for r, m in zip(result, meta))
+        if local is not None:
+            specs = spec if isinstance(spec, tuple) and len(spec) == len(meta) else (None,) * len(meta)
+            meta = tuple(local.local_meta(m, s) if m is not None else None for m, s in zip(meta, specs))
+        return tuple(_conform_one(r, m, node, graph, local) if m is not None else r for r, m in zip(result, meta))
     return result
 
 
-def _conform_one(value: Any, meta: TensorMeta, node: Node, graph: Graph) -> jax.Array:
+def _conform_one(value: Any, meta: TensorMeta, node: Node, graph: Graph, local: Any = None) -> jax.Array:
     value = jnp.asarray(value)
     if tuple(value.shape) != meta.shape:
+        if local is not None:
+            from jaxbackend.spmd import LocalModeError
+
+            raise LocalModeError(_context(node, graph, f"per device it produced shape {list(value.shape)}, the "
+                                                       f"plan's layout gives {list(meta.shape)}"))
         raise LoweringError(_context(node, graph, f"produced shape {list(value.shape)}, PyTorch says {list(meta.shape)}"))
     want = dtypes.to_jax(meta.dtype)
     return value if value.dtype == want else value.astype(want)

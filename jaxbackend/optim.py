@@ -58,7 +58,7 @@ cast back to the parameter's dtype, so bf16 parameters are updated in float32 an
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -250,15 +250,19 @@ def _adam_update(spec, group, p, g, state, s):
     return new_p.astype(p_dtype), new_state
 
 
-def clip_grads_by_global_norm(grads: Mapping[str, Array], max_norm: float | Array) -> tuple[dict[str, Array], Array]:
+def clip_grads_by_global_norm(grads: Mapping[str, Array], max_norm: float | Array,
+                              complete_sum: Callable[[str, Array], Array] | None = None) -> tuple[dict[str, Array], Array]:
     """torch.nn.utils.clip_grad_norm_(…, max_norm, norm_type=2): returns (clipped grads, total norm).
 
     Like torch, always multiplies by the clamped coefficient (1 when the norm is below max_norm),
     so there is no data-dependent branch. The total norm is float32 (the norm of per-tensor norms).
+    ``complete_sum(name, s)``, inside ``shard_map``: the whole tensor's sum of squares from this device's
+    ``s`` (a ``psum`` over the axes sharding that gradient).
     """
     if not grads:
         return dict(grads), jnp.zeros((), jnp.float32)
-    norms = [jnp.sqrt(jnp.sum(jnp.square(_opmath(g)[0]))) for g in grads.values()]
+    complete_sum = complete_sum or (lambda name, s: s)
+    norms = [jnp.sqrt(complete_sum(k, jnp.sum(jnp.square(_opmath(g)[0])))) for k, g in grads.items()]
     total_norm = jnp.sqrt(jnp.sum(jnp.square(jnp.stack([n.astype(jnp.float32) for n in norms]))))
     clip_coef = jnp.minimum(jnp.asarray(max_norm, jnp.float32) / (total_norm + 1e-6), 1.0)
     clipped = {k: (g * clip_coef.astype(g.dtype)).astype(g.dtype) for k, g in grads.items()}

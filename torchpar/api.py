@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 import numpy as np
 import torch
@@ -30,6 +30,10 @@ from torchpar.runtime.placement import Placement
 
 log = logging.getLogger(__name__)
 
+SpmdMode = Literal["auto", "gspmd", "shard_map"]
+SPMD_MODES: tuple[str, ...] = ("auto", "gspmd", "shard_map")
+_SHARD_MAP_METHODS = ("data_parallel", "zero2", "zero3")
+
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
 class CompileOptions:
@@ -42,10 +46,18 @@ class CompileOptions:
     xla_library_fusions: bool = True
     """On CPU, compile with XLA's YNNPACK and oneDNN library fusions (``jaxbackend.compiler``); ``False``
     keeps XLA's defaults."""
+    spmd: SpmdMode = "auto"
+    """How a sharded one-stage plan becomes a program. ``"gspmd"``: global shapes, XLA's SPMD partitioner
+    inserts the collectives. ``"shard_map"``: a per-device program with explicit collectives
+    (``torchpar.runtime.spmd_step``; gradients are reduce-scattered as such under ZeRO); a plan it cannot
+    run is an error. ``"auto"``: ``shard_map`` for DataParallel/Zero2/Zero3 plans when it can run them
+    (else GSPMD, with the reason logged), GSPMD for the others. ``engine.spmd_mode`` says which ran."""
 
     def __post_init__(self) -> None:
         if self.grad_clip_norm is not None and not self.grad_clip_norm > 0:
             raise ValueError(f"grad_clip_norm must be positive or None, got {self.grad_clip_norm}")
+        if self.spmd not in SPMD_MODES:
+            raise ValueError(f"spmd must be one of {SPMD_MODES}, got {self.spmd!r}")
 
 
 def compile(
@@ -58,6 +70,7 @@ def compile(
     grad_clip_norm: float | None = None,
     seed: int = 0,
     xla_library_fusions: bool = True,
+    spmd: SpmdMode = "auto",
 ) -> "Engine":
     """Capture ``model``'s training step on ``example_batch`` and compile it with ``method``.
 
@@ -71,7 +84,8 @@ def compile(
     if method is not None and not isinstance(method, (DataParallel, Zero2Parallel, Zero3Parallel, MegatronParallel,
                                                       ShardParallel, PipeshardParallel, Plan)):
         raise TypeError(f"method must be None, a torchpar parallel method or a Plan, got {type(method).__name__}")
-    options = CompileOptions(grad_clip_norm=grad_clip_norm, seed=seed, xla_library_fusions=xla_library_fusions)
+    options = CompileOptions(grad_clip_norm=grad_clip_norm, seed=seed, xla_library_fusions=xla_library_fusions,
+                             spmd=spmd)
     return Engine(model, optimizer, example_batch, loss_fn, options, method)
 
 
@@ -115,6 +129,8 @@ class _Executable:
     capture: Capture
     compiled: Any
     trainable: tuple[str, ...]
+    spmd: str
+    """``"shard_map"`` or ``"gspmd"`` (see :attr:`CompileOptions.spmd`)."""
 
 
 class Engine:
@@ -320,6 +336,14 @@ class Engine:
         return [{f.removesuffix("_size_in_bytes") + "_bytes": int(getattr(analysis, f, 0) or 0) for f in fields}]
 
     @property
+    def spmd_mode(self) -> str:
+        """How the most recently used step runs: ``"shard_map"`` (a per-device program with explicit
+        collectives) or ``"gspmd"`` (XLA partitions it); ``"pipeline"`` for PipeshardParallel."""
+        if self._pipeline is not None:
+            return "pipeline"
+        return (self._last or next(iter(self._train.values()))).spmd
+
+    @property
     def plan(self) -> Plan:
         """The execution plan, with every compile phase's seconds in ``timings``."""
         self._plan.timings.update(self._timings)
@@ -365,19 +389,33 @@ class Engine:
         t0 = time.perf_counter()
         capture = capture or self._capture(batch)
         t1 = time.perf_counter()
-        from jaxbackend.lower import lower
-
         placement = self._placement
-        run = lower(capture.graph, value_shardings=placement.values, operand_shardings=placement.operands)
         trainable = self._trainable(capture.graph)
-        step_fn = _make_train_step(run, trainable, self._spec, self._jax_optim, self.options.grad_clip_norm,
-                                   placement.grads)
         out_shardings = (placement.replicated, {n: placement.param(n) for n in self._params},
                          {n: {k: placement.state_of(n) for k in entries} for n, entries in self._opt_state.items()},
                          {n: placement.replicated for n in self._buffers})
         scalars = self._jax_optim.step_scalars(self._spec, self._bridge.hparams(), [1] * self._spec.num_groups)
         args = (self._params, self._opt_state, self._buffers, self._inputs(batch), scalars, jax.random.key(0))
-        lowered = jax.jit(step_fn, donate_argnums=(0, 1, 2), out_shardings=out_shardings).lower(*args)
+        jit_step = lambda step_fn: jax.jit(step_fn, donate_argnums=(0, 1, 2), out_shardings=out_shardings)  # noqa: E731
+        lowered, spmd = None, "gspmd"
+        layouts = self._shard_map_layouts(capture.graph)
+        if layouts is not None:
+            from jaxbackend.spmd import LocalModeError
+
+            try:
+                lowered = jit_step(self._spmd_step(capture, layouts, trainable, len(args[3]))).lower(*args)
+                spmd = "shard_map"
+            except LocalModeError as error:
+                if self.options.spmd == "shard_map":
+                    raise ValueError(f"spmd='shard_map' cannot run this plan: {error}\nTry spmd='gspmd'.") from error
+                log.warning("torchpar: the per-device (shard_map) step cannot run this plan, using GSPMD: %s", error)
+        if lowered is None:
+            from jaxbackend.lower import lower
+
+            run = lower(capture.graph, value_shardings=placement.values, operand_shardings=placement.operands)
+            step_fn = _make_train_step(run, trainable, self._spec, self._jax_optim, self.options.grad_clip_norm,
+                                       placement.grads)
+            lowered = jit_step(step_fn).lower(*args)
         t2 = time.perf_counter()
         from jaxbackend.compiler import compiler_options
 
@@ -385,11 +423,41 @@ class Engine:
                                                                      placement.mesh.devices.size))
         t3 = time.perf_counter()
         self._timings.update(lower=t2 - t1, xla_compile=t3 - t2)
-        log.info("torchpar: compiled training step (%d ops) in %.2fs: lower %.2fs, XLA %.2fs",
-                 len(capture.graph.nodes), t3 - t0, t2 - t1, t3 - t2)
-        executable = _Executable(capture=capture, compiled=compiled, trainable=trainable)
+        log.info("torchpar: compiled training step (%d ops, %s) in %.2fs: lower %.2fs, XLA %.2fs",
+                 len(capture.graph.nodes), spmd, t3 - t0, t2 - t1, t3 - t2)
+        executable = _Executable(capture=capture, compiled=compiled, trainable=trainable, spmd=spmd)
         self._train[signature] = executable
         return executable
+
+    def _shard_map_layouts(self, graph: Graph) -> Any:
+        """The value layouts a per-device step runs with, or ``None`` for the GSPMD step (per
+        :attr:`CompileOptions.spmd`; raises ``ValueError`` if ``"shard_map"`` was asked for and cannot run)."""
+        mode = self.options.spmd
+        if mode == "gspmd" or (mode == "auto" and self._plan.method not in _SHARD_MAP_METHODS):
+            return None
+        from torchpar.planner.sharding.layouts import replay_layouts
+
+        layouts = replay_layouts(graph, self._plan.stages[0])
+        obstacles = layouts.obstacles()
+        if not obstacles:
+            return layouts
+        reasons = "\n  ".join(obstacles[:10])
+        if mode == "shard_map":
+            raise ValueError(f"spmd='shard_map' cannot run this plan:\n  {reasons}\nTry spmd='gspmd'.")
+        log.warning("torchpar: %s plan runs under GSPMD; a per-device (shard_map) step cannot run it:\n  %s",
+                    self._plan.method, reasons)
+        return None
+
+    def _spmd_step(self, capture: Capture, layouts: Any, trainable: tuple[str, ...], num_inputs: int) -> Callable:
+        from jaxbackend.lower import lower
+        from torchpar.runtime.spmd_step import make_spmd_step
+
+        run = lower(capture.graph, layouts=layouts)
+        return make_spmd_step(run, layouts, self._plan.stages[0], mesh=self._placement.mesh,
+                              param_names=list(self._params), buffer_names=list(self._buffers),
+                              state_keys={n: list(e) for n, e in self._opt_state.items()}, num_inputs=num_inputs,
+                              trainable=trainable, spec=self._spec, jax_optim=self._jax_optim,
+                              grad_clip_norm=self.options.grad_clip_norm)
 
     def _eval_executable(self, batch: Any) -> tuple[Capture, Any]:
         signature = _signature(batch)

@@ -81,7 +81,7 @@ def plan_stage(graph: Graph, *, kind: PlanKind, mesh_shape: tuple[int, int], clu
     solver_graph = build_solver_graph(graph, mesh, trainable=trainable, optimizer_state_copies=optimizer_state_copies,
                                       batch_dim_axes=batch_axes)
     build_s = time.perf_counter() - start
-    allowed = _restrictions(kind, solver_graph)
+    allowed = _restrictions(kind, solver_graph, batch_axes)
     solution = solve(solver_graph, memory_budget=memory_budget, time_limit_s=time_limit_s, allowed=allowed)
     stage, communication_s = _stage_from_solution(kind, graph, solver_graph, solution, mesh, trainable)
     return IntraOpResult(stage, solver_graph, solution, communication_s, build_s)
@@ -112,16 +112,20 @@ def plan_best_mesh(graph: Graph, *, kind: PlanKind, mesh_shapes: list[tuple[int,
 
 # --- restrictions (hand plans) ---------------------------------------------------------------------------
 
-def _restrictions(kind: PlanKind, graph: SolverGraph) -> dict[int, set[int]]:
+def _restrictions(kind: PlanKind, graph: SolverGraph, batch_axes: tuple[int, ...] | None) -> dict[int, set[int]]:
     allowed: dict[int, set[int]] = {}
     if kind in ("data_parallel", "zero2", "zero3"):
         for v, root in enumerate(graph.roots):
             if root.kind == "param":
                 allowed[v] = {k for k, s in enumerate(root.strategies) if not any(s.out_spec)}
-            elif root.kind == "anchor":  # ops split only their batch (leading output) dim, or nothing
-                keep = {k for k, s in enumerate(root.strategies) if not any(s.out_spec[1:]) and _splits_only_output(s)}
-                if keep:
-                    allowed[v] = keep
+            elif root.kind == "anchor":
+                # ops split their batch (leading output) dim over every batch axis; where that dim does not
+                # divide (or is not a batch dim, e.g. size 1), they split it partly or not at all
+                only_batch = {k for k, s in enumerate(root.strategies)
+                              if not any(s.out_spec[1:]) and _splits_only_output(s)}
+                whole_batch = {k for k in only_batch if root.strategies[k].out_spec[0] == (batch_axes or None)}
+                if whole_batch or only_batch:
+                    allowed[v] = whole_batch or only_batch
     elif kind == "megatron":
         allowed.update(_megatron_restrictions(graph))
     return allowed

@@ -1,0 +1,136 @@
+"""Per-device execution of a graph: what ``lower`` does differently inside ``jax.shard_map``.
+
+Under GSPMD (the default) every op sees global shapes and XLA partitions the program. Inside a
+``shard_map`` every op sees its device's shard, so the program must say itself what XLA would
+otherwise insert. :class:`LocalProgram` does that from the value layouts of a plan
+(``torchpar.planner.sharding.layouts.ValueLayouts``: a spec per value, the spec each op reads its
+operands in, and where a local result is a partial sum):
+
+- an operand laid out differently from what its op reads is resharded: a split dim that must be whole
+  is all-gathered, a whole dim that must be split is sliced at this device's ``axis_index``;
+- size arguments (``view``, ``expand``, ``new_zeros``, …) become the output's local shape;
+- a partial result is finished with ``psum`` (sum, contraction) or ``pmean`` (mean);
+- a random op whose output is split draws from a key folded with the device's position, so shards draw
+  different numbers;
+- every result is checked against its local shape.
+
+The backward pass needs no rules: ``jax.grad`` transposes these collectives (psum ↔ broadcast,
+all-gather ↔ reduce-scatter), which is what makes gradient reduce-scatter explicit in the HLO.
+Mesh axis ``a`` is named ``"d{a}"`` (:data:`jaxbackend.sharding.AXIS_NAMES`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from jaxbackend.sharding import AXIS_NAMES
+from torchpar.ir.graph import Node, TensorMeta
+from torchpar.planner.sharding.follow import Multi
+
+_SIZE_ARGUMENT = {"aten.view.default": 1, "aten._unsafe_view.default": 1, "aten.reshape.default": 1,
+                  "aten.expand.default": 1, "aten.new_zeros.default": 1, "aten.new_ones.default": 1,
+                  "aten.new_empty.default": 1, "aten.new_full.default": 1}
+"""Ops with a size argument (its position): it is rewritten to the output's local shape."""
+
+
+class LocalModeError(RuntimeError):
+    """A per-device program cannot run this graph (found while tracing); the GSPMD path can."""
+
+
+def axis_names(axes: Sequence[int]) -> tuple[str, ...]:
+    return tuple(AXIS_NAMES[a] for a in axes)
+
+
+class LocalProgram:
+    """Per-device rules for one graph; ``layouts`` is a ``ValueLayouts`` (see the module docstring)."""
+
+    def __init__(self, layouts: Any):
+        self.layouts = layouts
+        self.mesh_shape = tuple(layouts.mesh_shape)
+
+    def spec(self, name: str) -> Any:
+        return self.layouts.values.get(name)
+
+    def read_operands(self, node: Node, env: dict[str, Any]) -> dict[str, Any]:
+        """``env`` with each operand of ``node`` resharded to the spec the op reads it in."""
+        required = self.layouts.operands.get(node.name)
+        if not required:
+            return env
+        scope = env
+        for ref, wanted in zip(node.refs(), required):
+            have = self.spec(ref)
+            if wanted is None or have is None or tuple(have) == tuple(wanted):
+                continue
+            if scope is env:
+                scope = dict(env)
+            scope[ref] = self.reshard(env[ref], have, wanted)
+        return scope
+
+    def reshard(self, x: jax.Array, have: Sequence[Any], wanted: Sequence[Any]) -> jax.Array:
+        """``x`` (this device's shard under ``have``) as its shard under ``wanted``: all-gather the dims
+        whose split changes, then slice the dims ``wanted`` splits."""
+        if len(have) != len(wanted):
+            raise LocalModeError(f"cannot reshard a rank-{len(have)} layout to rank {len(wanted)}")
+        for dim, (old, new) in enumerate(zip(have, wanted)):
+            if old and old != new:
+                x = jax.lax.all_gather(x, axis_names(old), axis=dim, tiled=True)
+        for dim, (old, new) in enumerate(zip(have, wanted)):
+            if new and old != new:
+                pieces = math.prod(self.mesh_shape[a] for a in new)
+                size = x.shape[dim] // pieces
+                start = jax.lax.axis_index(axis_names(new)) * size
+                x = jax.lax.dynamic_slice_in_dim(x, start, size, axis=dim)
+        return x
+
+    def rewrite_args(self, node: Node, args: list[Any]) -> list[Any]:
+        """``args`` with a size argument replaced by the output's local shape."""
+        position = _SIZE_ARGUMENT.get(node.target)
+        if position is None or not isinstance(node.out, TensorMeta) or len(args) <= position:
+            return args
+        args = list(args)
+        args[position] = list(self.layouts.local_shape(node.out.shape, self.spec(node.name)))
+        return args
+
+    def key(self, node: Node, key: jax.Array) -> jax.Array:
+        """The key a random op draws from: folded with the device's position along the axes splitting its
+        output, so each shard draws its own numbers (and replicas along other axes the same ones)."""
+        axes = sorted({a for entry in _first_spec(self.spec(node.name)) or () if entry for a in entry})
+        if not axes:
+            return key
+        return jax.random.fold_in(key, jax.lax.axis_index(axis_names(axes)))
+
+    def finish(self, node: Node, result: Any) -> Any:
+        """Complete a partial local result with its collective."""
+        partial = self.layouts.partial.get(node.name)
+        if partial is None:
+            return result
+        kind, axes = partial
+        names = axis_names(axes)
+        if kind == "mean":
+            return jax.lax.pmean(result, names)
+        return jax.lax.psum(result, names)
+
+    def local_meta(self, meta: TensorMeta, spec: Any) -> TensorMeta:
+        return TensorMeta(self.layouts.local_shape(meta.shape, spec), meta.dtype)
+
+
+def require_invariant(value: jax.Array, what: str) -> jax.Array:
+    """Raise :class:`LocalModeError` unless ``value`` is the same on every device by construction (its
+    type varies along no mesh axis), as a loss must be for its gradient to be right."""
+    varying = getattr(getattr(jax.typeof(value), "manual_axis_type", None), "varying", frozenset())
+    if varying:
+        raise LocalModeError(f"{what} varies along mesh axes {sorted(varying)}: it is not reduced across devices")
+    return value
+
+
+def _first_spec(spec: Any) -> Any:
+    if isinstance(spec, Multi):  # a multi-output op: its first tensor result's spec
+        return next((s for s in spec if s is not None), None)
+    return spec
+
+
+__all__ = ["LocalModeError", "LocalProgram", "axis_names", "require_invariant"]

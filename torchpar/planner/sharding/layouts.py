@@ -1,0 +1,180 @@
+"""Every value's layout under a solved stage plan, replayed from the plan alone.
+
+A :class:`~torchpar.planner.plan.StagePlan` pins only the ILP's roots: parameters, batch inputs and
+anchor ops (with the layout each anchor reads its operands in). Every other op followed an operand
+while solving (:mod:`.solver_graph`); :func:`replay_layouts` walks the graph in order and applies the
+same follower rules (:func:`.follow.follow`, same choice of followed operand), so a plan loaded from
+JSON yields the same layouts as the solver graph it came from.
+
+The result is what an SPMD program written per device needs (``jaxbackend.spmd``): for each value its
+spec, for each op the spec each tensor operand must be resharded to before the op reads it, and the
+mesh axes over which the op's local result is only a partial sum (a reduction or a contraction over a
+split dim). :meth:`ValueLayouts.obstacles` lists what such a program cannot run.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from torchpar.ir.graph import Graph, Node, TensorMeta
+from torchpar.planner.plan import StagePlan
+from torchpar.planner.sharding.cost_model import LogicalMesh
+from torchpar.planner.sharding.follow import _REDUCTIONS, Multi, follow
+from torchpar.planner.sharding.solver_graph import _SKIPPED, _numel
+from torchpar.planner.sharding.spec import Spec, from_json
+from torchpar.planner.sharding.strategies import anchor_einsum
+
+_BATCH_NORMS = {"aten._native_batch_norm_legit_functional.default", "aten._native_batch_norm_legit.no_stats",
+                "aten._native_batch_norm_legit_no_training.default"}
+
+PARTIAL_SUM_REDUCTIONS = {"aten.sum.dim_IntList": "sum", "aten.sum.default": "sum",
+                          "aten.mean.dim": "mean", "aten.mean.default": "mean"}
+"""Reductions a per-device program can finish with one collective: ``sum`` → psum, ``mean`` → pmean (the
+shards of a split dim are equal-sized, so the mean of local means is the global mean)."""
+
+
+@dataclass
+class ValueLayouts:
+    """Layouts of one stage's values on a logical mesh of ``mesh_shape``.
+
+    ``values``: spec of every input and node (a :class:`~.follow.Multi` for multi-output ops, ``None``
+    for non-tensor values). ``operands``: per node, the spec each tensor operand (``Node.refs()`` order)
+    must have when the op reads it (``None`` = read as it is). ``partial``: per node, the mesh axes its
+    local result must be summed over, and how (``"sum"``/``"mean"``/``"contract"``).
+    """
+
+    mesh_shape: tuple[int, int]
+    values: dict[str, Any] = field(default_factory=dict)
+    operands: dict[str, tuple[Spec | None, ...]] = field(default_factory=dict)
+    partial: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+
+    def local_shape(self, shape: tuple[int, ...], spec: Spec | None) -> tuple[int, ...]:
+        """The per-device shape of a tensor of global ``shape`` laid out as ``spec``."""
+        if not spec:
+            return tuple(shape)
+        return tuple(size // math.prod(self.mesh_shape[a] for a in entry) if entry else size
+                     for size, entry in zip(shape, spec))
+
+    def obstacles(self) -> list[str]:
+        """Why a per-device (``shard_map``) program cannot run this stage; empty if it can."""
+        return list(self.problems)
+
+
+def replay_layouts(graph: Graph, stage: StagePlan) -> ValueLayouts:
+    """The layout of every value of ``graph`` under ``stage`` (see the module docstring)."""
+    mesh_shape = tuple(stage.logical_mesh_shape)
+    mesh = LogicalMesh(shape=mesh_shape)
+    layouts = ValueLayouts(mesh_shape=mesh_shape)
+    metas = graph.metas()
+    for inp in graph.inputs:
+        layouts.values[inp.name] = _input_spec(inp, stage)
+    for output in graph.outputs:
+        if output.kind == "buffer":
+            layouts.problems.append(f"the step updates buffer {output.target} (e.g. batch-norm running statistics)")
+    for node in graph.nodes:
+        if node.target in _SKIPPED or node.out is None:
+            continue
+        _replay_node(node, metas, stage, mesh, layouts)
+    return layouts
+
+
+def _input_spec(inp: Any, stage: StagePlan) -> Spec:
+    rank = len(inp.meta.shape)
+    if inp.kind == "param":
+        spec = stage.params_at_use.get(inp.target, stage.params.get(inp.target))
+    elif inp.kind == "input":
+        spec = stage.inputs.get(str(inp.target))
+    elif inp.kind == "activation":
+        spec = stage.activations.get(inp.name)
+    else:
+        spec = None
+    return from_json(spec) if spec is not None else (None,) * rank
+
+
+def _replay_node(node: Node, metas: dict, stage: StagePlan, mesh: LogicalMesh, layouts: ValueLayouts) -> None:
+    refs = list(node.refs())
+    operand_metas = [metas.get(r) for r in refs]
+    out = node.out
+    einsum = None
+    if refs and isinstance(out, TensorMeta) and all(isinstance(m, TensorMeta) for m in operand_metas):
+        einsum = anchor_einsum(node.target, node.args, [len(m.shape) for m in operand_metas], len(out.shape))
+    if einsum is not None and len(einsum.operands) == len(refs):
+        _replay_anchor(node, stage, layouts)
+        return
+    tracked = [i for i, r in enumerate(refs) if r in layouts.values]
+    if not tracked:  # a constant: computed whole on every device
+        layouts.values[node.name] = _replicated_out(out)
+        layouts.operands[node.name] = (None,) * len(refs)
+        return
+    main = max(tracked, key=lambda i: (_numel(operand_metas[i]), -i))
+    result = follow(node, operand_metas, main, layouts.values[refs[main]], mesh, [False] * len(refs))
+    layouts.values[node.name] = result.out
+    layouts.operands[node.name] = result.required
+    for position, (ref, required) in enumerate(zip(refs, result.required)):
+        current = layouts.values.get(ref)
+        if required is None and isinstance(operand_metas[position], TensorMeta) and _is_split(current) \
+                and node.target != "getitem":
+            layouts.problems.append(f"{node.target} ({node.name}) has no layout rule for its split operand {ref}")
+    if node.target in _REDUCTIONS:
+        _replay_reduction(node, operand_metas[main], result.required[main], layouts)
+    elif node.target in _BATCH_NORMS and _is_split(result.required[0]):
+        layouts.problems.append(f"{node.target} ({node.name}) normalizes over a split batch: its statistics would "
+                                "need a cross-device reduction")
+
+
+def _replay_anchor(node: Node, stage: StagePlan, layouts: ValueLayouts) -> None:
+    out_spec = stage.activations.get(node.name)
+    in_specs = stage.operands.get(node.name)
+    if out_spec is None or in_specs is None:
+        layouts.problems.append(f"the plan pins no layout for {node.target} ({node.name})")
+        layouts.values[node.name] = _replicated_out(node.out)
+        layouts.operands[node.name] = (None,) * len(list(node.refs()))
+        return
+    out = from_json(out_spec)
+    required = tuple(from_json(s) if s is not None else None for s in in_specs)
+    layouts.values[node.name] = out
+    layouts.operands[node.name] = required
+    out_axes = {a for entry in out if entry for a in entry}
+    contracted = sorted({a for spec in required if spec for entry in spec if entry for a in entry} - out_axes)
+    if contracted:
+        layouts.partial[node.name] = ("contract", tuple(contracted))
+
+
+def _replay_reduction(node: Node, main_meta: TensorMeta, spec: Spec | None, layouts: ValueLayouts) -> None:
+    if not spec:
+        return
+    rank = len(main_meta.shape)
+    dims_arg = node.args[1] if len(node.args) > 1 else None
+    if node.target in ("aten.sum.default", "aten.mean.default") or dims_arg is None or dims_arg == []:
+        dims = set(range(rank))
+    else:
+        dims = {d % rank for d in ([dims_arg] if isinstance(dims_arg, int) else dims_arg)}
+    axes = tuple(sorted(a for d, entry in enumerate(spec) if entry and d in dims for a in entry))
+    if not axes:
+        return
+    kind = PARTIAL_SUM_REDUCTIONS.get(node.target)
+    if kind is None:
+        layouts.problems.append(f"{node.target} ({node.name}) reduces over a split dim; only sum and mean are "
+                                "finished with a collective")
+        return
+    layouts.partial[node.name] = (kind, axes)
+
+
+def _replicated_out(out: Any) -> Any:
+    if isinstance(out, TensorMeta):
+        return (None,) * len(out.shape)
+    if isinstance(out, tuple):
+        return Multi((None,) * len(m.shape) if m is not None else None for m in out)
+    return None
+
+
+def _is_split(spec: Any) -> bool:
+    if isinstance(spec, Multi):
+        return any(_is_split(s) for s in spec)
+    return bool(spec) and any(entry for entry in spec)
+
+
+__all__ = ["PARTIAL_SUM_REDUCTIONS", "ValueLayouts", "replay_layouts"]

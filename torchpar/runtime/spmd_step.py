@@ -1,0 +1,135 @@
+"""The training step of a one-stage plan as one per-device program (``jax.shard_map``).
+
+The GSPMD step (``torchpar.api``) leaves collectives to XLA's partitioner. This one writes them: the
+lowering runs per device (:mod:`jaxbackend.spmd`), and the step around it handles parameters by their
+three layouts in the plan — stored (``S``), read by the model (``U``), gradient and optimizer state
+(``G``):
+
+- ``S == U`` (data parallel, ZeRO-2): the parameter enters the loss as a *varying* copy
+  (``pcast`` outside ``jax.grad``), so ``jax.grad`` returns this device's partial gradient. It is finished explicitly:
+  ``psum_scatter`` to ``G``'s split (ZeRO-2: a reduce-scatter in the HLO, not all-reduce + slice) and
+  ``psum`` over the other axes it varies along (data parallel: the gradient all-reduce);
+- ``S != U`` (ZeRO-3): the stored shard is all-gathered inside the loss; the transpose of that
+  all-gather reduce-scatters the gradient onto the shard;
+- the optimizer updates this device's piece of ``G`` (a local slice of a replicated parameter under
+  ZeRO-2), with gradient clipping's norm completed across shards. Updated ZeRO-2 parameters leave the
+  program sharded and the jit output sharding all-gathers them.
+
+The loss must come out the same on every device by construction (it is ``psum``-reduced where the
+plan reduces over a split batch); otherwise :class:`jaxbackend.spmd.LocalModeError` is raised while
+tracing, and the caller falls back to GSPMD.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+
+from jaxbackend import sharding as jsh
+from jaxbackend.spmd import LocalProgram, axis_names, require_invariant
+from torchpar.planner.plan import StagePlan
+
+
+def make_spmd_step(run: Callable, layouts: Any, stage: StagePlan, *, mesh: Any, param_names: list[str],
+                   buffer_names: list[str], state_keys: dict[str, list[str]], num_inputs: int,
+                   trainable: tuple[str, ...], spec: Any, jax_optim: Any,
+                   grad_clip_norm: float | None) -> Callable:
+    """``step(params, opt_state, buffers, inputs, scalars, key) → (loss, params, opt_state, buffers)`` as
+    a ``shard_map`` over ``mesh``, for ``run`` lowered per device with ``layouts`` (see the module
+    docstring). Arguments and results are global arrays; ``params`` come back in their ``G`` layout."""
+    program = LocalProgram(layouts)
+    stored = {n: _spec(stage.params.get(n)) for n in param_names}
+    at_use = {n: _spec(stage.params_at_use.get(n)) or stored[n] for n in param_names}
+    grad = {n: _spec(stage.grads.get(n)) or stored[n] for n in param_names}
+    state = {n: _spec(stage.optimizer_state.get(n)) or grad[n] for n in param_names}
+    live_axes = tuple(a for a in jsh.AXIS_NAMES if mesh.shape[a] > 1)
+
+    def spec_or_whole(spec: Any, rank: int) -> tuple:
+        return spec if spec is not None else (None,) * rank
+
+    def body(params, opt_state, buffers, inputs, scalars, key):
+        read = {n: _as_read(program, p, stored[n], at_use[n]) for n, p in params.items() if n not in trainable}
+
+        def loss_of(train_params):
+            used = dict(read)
+            for name, p in train_params.items():
+                used[name] = p if _same(stored[name], at_use[name]) else \
+                    program.reshard(p, spec_or_whole(stored[name], p.ndim), spec_or_whole(at_use[name], p.ndim))
+            outputs, new_buffers = run(used, buffers, inputs, key)
+            return require_invariant(outputs[0], "the loss"), new_buffers
+
+        # differentiate with respect to per-device copies, so each gradient is this device's partial sum (the
+        # gradient of the invariant parameter itself would be all-reduced by pcast's transpose)
+        copies = {n: _varying_copy(params[n], stored[n], at_use[n], live_axes) for n in trainable}
+        (loss, new_buffers), grads = jax.value_and_grad(loss_of, has_aux=True)(copies)
+        grads = {n: _finish_gradient(g, stored[n], grad[n]) for n, g in grads.items()}
+        if grad_clip_norm is not None:
+            complete = lambda name, s: jax.lax.psum(s, axis_names(_mesh_axes(grad[name]))) if _axes(grad[name]) else s  # noqa: E731
+            grads, _ = jax_optim.clip_grads_by_global_norm(grads, grad_clip_norm, complete)
+        pieces = {n: (program.reshard(p, spec_or_whole(stored[n], p.ndim), spec_or_whole(grad[n], p.ndim))
+                      if n in grads else p) for n, p in params.items()}
+        new_params, new_state = jax_optim.apply_updates(spec, pieces, grads, opt_state, scalars)
+        return loss, new_params, new_state, {**buffers, **new_buffers}
+
+    P = jsh.partition_spec
+    param_out = {n: P(grad[n] or ()) if n in trainable else P(stored[n] or ()) for n in param_names}
+    state_specs = {n: {k: P(state[n] or ()) for k in keys} for n, keys in state_keys.items()}
+    input_specs = [P(stage.inputs.get(str(i)) or ()) for i in range(num_inputs)]
+    whole = jax.sharding.PartitionSpec()
+    in_specs = ({n: P(stored[n] or ()) for n in param_names}, state_specs, {n: whole for n in buffer_names},
+                input_specs, whole, whole)
+    out_specs = (whole, param_out, state_specs, {n: whole for n in buffer_names})
+    return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+
+
+def _finish_gradient(g: jax.Array, stored: Any, target: Any) -> jax.Array:
+    """This device's partial gradient → its piece of the whole gradient laid out as ``target``:
+    reduce-scatter onto ``target``'s split dims, then all-reduce over the other axes it still varies along
+    (axes splitting the stored parameter are a layout, not a partial sum)."""
+    owned = set(_mesh_axes(stored))
+    for dim, entry in enumerate(target or ()):
+        if entry and not set(entry) <= owned:
+            g = jax.lax.psum_scatter(g, axis_names(entry), scatter_dimension=dim, tiled=True)
+            owned |= set(entry)
+    varying = getattr(jax.typeof(g).manual_axis_type, "varying", frozenset())
+    rest = tuple(a for a in jsh.AXIS_NAMES if a in varying and jsh.AXIS_NAMES.index(a) not in owned)
+    return jax.lax.psum(g, rest) if rest else g
+
+
+def _varying_copy(p: jax.Array, stored: Any, at_use: Any, live_axes: tuple[str, ...]) -> jax.Array:
+    """``p`` typed as varying along the live mesh axes it is not split over (a ZeRO-3 shard, all-gathered
+    inside the loss, needs no copy: the all-gather's transpose already reduce-scatters its gradient)."""
+    if not _same(stored, at_use):
+        return p
+    free = tuple(a for a in live_axes if a not in _axes(stored))
+    return jax.lax.pcast(p, free, to="varying") if free else p
+
+
+def _as_read(program: LocalProgram, p: jax.Array, stored: Any, at_use: Any) -> jax.Array:
+    if _same(stored, at_use):
+        return p
+    whole = (None,) * p.ndim
+    return program.reshard(p, stored or whole, at_use or whole)
+
+
+def _spec(json_spec: Any) -> tuple | None:
+    """A plan's JSON spec as a tuple spec (``None`` if absent)."""
+    if json_spec is None:
+        return None
+    return tuple(tuple(entry) if entry else None for entry in json_spec)
+
+
+def _axes(spec: Any) -> tuple[str, ...]:
+    return axis_names(_mesh_axes(spec))
+
+
+def _mesh_axes(spec: Any) -> tuple[int, ...]:
+    return tuple(a for entry in (spec or ()) if entry for a in entry)
+
+
+def _same(a: Any, b: Any) -> bool:
+    return tuple(a or ()) == tuple(b or ()) or (not _mesh_axes(a) and not _mesh_axes(b))
+
+
+__all__ = ["make_spmd_step"]
