@@ -70,14 +70,19 @@ class LocalProgram:
             scope[ref] = self.reshard(env[ref], have, wanted)
         return scope
 
-    def reshard(self, x: jax.Array, have: Sequence[Any], wanted: Sequence[Any]) -> jax.Array:
+    def reshard(self, x: jax.Array, have: Sequence[Any], wanted: Sequence[Any], *, invariant: bool = True) -> jax.Array:
         """``x`` (this device's shard under ``have``) as its shard under ``wanted``: all-gather the dims
-        whose split changes, then slice the dims ``wanted`` splits."""
+        whose split changes, then slice the dims ``wanted`` splits.
+
+        ``invariant``: the gathered value is typed as the same on every device along the gathered axes (its
+        gradient is sliced back, with no communication); ``False`` keeps it per-device, so the gradient is
+        reduce-scattered onto the shard (a ZeRO-3 parameter, whose gradient is a per-device partial sum)."""
         if len(have) != len(wanted):
             raise LocalModeError(f"cannot reshard a rank-{len(have)} layout to rank {len(wanted)}")
+        gather = _all_gather_invariant if invariant else jax.lax.all_gather
         for dim, (old, new) in enumerate(zip(have, wanted)):
             if old and old != new:
-                x = jax.lax.all_gather(x, axis_names(old), axis=dim, tiled=True)
+                x = gather(x, axis_names(old), axis=dim, tiled=True)
         for dim, (old, new) in enumerate(zip(have, wanted)):
             if new and old != new:
                 pieces = math.prod(self.mesh_shape[a] for a in new)
@@ -116,6 +121,14 @@ class LocalProgram:
 
     def local_meta(self, meta: TensorMeta, spec: Any) -> TensorMeta:
         return TensorMeta(self.layouts.local_shape(meta.shape, spec), meta.dtype)
+
+
+def _all_gather_invariant(x: jax.Array, axes: tuple[str, ...], *, axis: int, tiled: bool) -> jax.Array:
+    # JAX's all-gather whose result is typed invariant along ``axes`` (transpose: a local slice). It is not
+    # re-exported from jax.lax in JAX 0.10; tests/jaxbackend/test_spmd.py pins its behaviour.
+    from jax._src.lax.parallel import all_gather_invariant
+
+    return all_gather_invariant(x, axes, axis=axis, tiled=tiled)
 
 
 def require_invariant(value: jax.Array, what: str) -> jax.Array:

@@ -49,8 +49,8 @@ class CompileOptions:
     spmd: SpmdMode = "auto"
     """How a sharded one-stage plan becomes a program. ``"gspmd"``: global shapes, XLA's SPMD partitioner
     inserts the collectives. ``"shard_map"``: a per-device program with explicit collectives
-    (``torchpar.runtime.spmd_step``; gradients are reduce-scattered as such under ZeRO); a plan it cannot
-    run is an error. ``"auto"``: ``shard_map`` for DataParallel/Zero2/Zero3 plans when it can run them
+    (``torchpar.runtime.spmd_step``; gradients are reduce-scattered as such under ZeRO), for data-parallel
+    and ZeRO plans; any other plan, or one it cannot run, is an error. ``"auto"``: ``shard_map`` for DataParallel/Zero2/Zero3 plans when it can run them
     (else GSPMD, with the reason logged), GSPMD for the others. ``engine.spmd_mode`` says which ran."""
 
     def __post_init__(self) -> None:
@@ -435,13 +435,16 @@ class Engine:
         mode = self.options.spmd
         if mode == "gspmd" or (mode == "auto" and self._plan.method not in _SHARD_MAP_METHODS):
             return None
+        if self._plan.method not in _SHARD_MAP_METHODS:
+            raise ValueError(f"spmd='shard_map' runs DataParallel, Zero2Parallel and Zero3Parallel plans; this plan is "
+                             f"{self._plan.method!r}. Use spmd='auto' or 'gspmd'.")
         from torchpar.planner.sharding.layouts import replay_layouts
 
         layouts = replay_layouts(graph, self._plan.stages[0])
         obstacles = layouts.obstacles()
         if not obstacles:
             return layouts
-        reasons = "\n  ".join(obstacles[:10])
+        reasons = "\n  ".join(obstacles[:10] + ([f"… and {len(obstacles) - 10} more"] if len(obstacles) > 10 else []))
         if mode == "shard_map":
             raise ValueError(f"spmd='shard_map' cannot run this plan:\n  {reasons}\nTry spmd='gspmd'.")
         log.warning("torchpar: %s plan runs under GSPMD; a per-device (shard_map) step cannot run it:\n  %s",

@@ -23,12 +23,12 @@ METHODS = {
 MESHES = [(1, 4), (2, 2), (2, 4)]
 
 
-def _losses(family: str, method, steps: int = STEPS) -> list[float]:
+def _losses(family: str, method, steps: int = STEPS) -> tuple[list[float], str]:
     torch.manual_seed(0)
     overrides = {"width": 32} if family == "mlp" else None
     model, batch = zoo.build(family, overrides, batch_size=8, seq_len=16)
     engine = torchpar.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-3), example_batch=batch, method=method)
-    return [engine.step(batch) for _ in range(steps)]
+    return [engine.step(batch) for _ in range(steps)], engine.spmd_mode
 
 
 _reference: dict[str, list[float]] = {}
@@ -39,9 +39,11 @@ _reference: dict[str, list[float]] = {}
 @pytest.mark.parametrize("family", ["mlp", "gpt2", "llama"])
 def test_losses_match_one_device(family, method, mesh):
     if family not in _reference:
-        _reference[family] = _losses(family, None)
-    losses = _losses(family, METHODS[method](mesh_shape=mesh))
+        _reference[family] = _losses(family, None)[0]
+    losses, spmd_mode = _losses(family, METHODS[method](mesh_shape=mesh))
     torch.testing.assert_close(losses, _reference[family], rtol=LOSS_RTOL, atol=0)
+    # data-parallel and ZeRO plans run as per-device programs with explicit collectives; the others under GSPMD
+    assert spmd_mode == ("gspmd" if method == "shard" else "shard_map")
 
 
 def _mlp_engine(width: int, batch: int, method):
@@ -83,13 +85,23 @@ def test_zero2_shards_optimizer_state_and_gathers_updated_parameters():
     assert dp_args - zero2_args == optimizer_bytes - optimizer_bytes // 4
 
 
-@pytest.mark.xfail(strict=True, reason="XLA:CPU's SPMD pipeline has no ReduceScatterCreator pass: the sharded "
-                   "gradient is lowered as all-reduce + dynamic-slice; an explicit psum_scatter path is still to do")
-def test_zero2_gradients_are_reduce_scattered():
-    zero2 = _mlp_engine(64, 64, torchpar.Zero2Parallel(mesh_shape=(1, 4)))
-    found = collectives(zero2.hlo_text()[0])
-    assert any(c.kind == "reduce-scatter" for c in found)
-    assert not [c for c in found if c.kind == "all-reduce" and any(len(shape) == 2 for _, shape in c.shapes)]
+@pytest.mark.parametrize("method", [torchpar.Zero2Parallel, torchpar.Zero3Parallel], ids=["zero2", "zero3"])
+def test_zero_gradients_are_reduce_scattered(method):
+    engine = _mlp_engine(64, 64, method(mesh_shape=(1, 4)))
+    assert engine.spmd_mode == "shard_map"
+    found = collectives(engine.hlo_text()[0])
+    scattered = sorted(shape for c in found if c.kind == "reduce-scatter" for _, shape in c.shapes)
+    assert scattered == [(16, 64)] * 6  # each 64×64 weight gradient, reduced onto its quarter
+    all_reduced = [shape for c in found if c.kind == "all-reduce" for _, shape in c.shapes]
+    assert all_reduced == [()]  # only the scalar loss: no gradient all-reduce
+
+
+def test_data_parallel_all_reduces_each_gradient_once():
+    engine = _mlp_engine(64, 64, torchpar.DataParallel(mesh_shape=(1, 4)))
+    assert engine.spmd_mode == "shard_map"
+    found = collectives(engine.hlo_text()[0])
+    assert {c.kind for c in found} == {"all-reduce"}
+    assert sorted(shape for c in found for _, shape in c.shapes) == [()] + [(64, 64)] * 6
 
 
 def test_plan_round_trips_and_runs_without_solving():

@@ -55,7 +55,8 @@ def make_spmd_step(run: Callable, layouts: Any, stage: StagePlan, *, mesh: Any, 
             used = dict(read)
             for name, p in train_params.items():
                 used[name] = p if _same(stored[name], at_use[name]) else \
-                    program.reshard(p, spec_or_whole(stored[name], p.ndim), spec_or_whole(at_use[name], p.ndim))
+                    program.reshard(p, spec_or_whole(stored[name], p.ndim), spec_or_whole(at_use[name], p.ndim),
+                                    invariant=False)
             outputs, new_buffers = run(used, buffers, inputs, key)
             return require_invariant(outputs[0], "the loss"), new_buffers
 

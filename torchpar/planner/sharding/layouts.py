@@ -49,7 +49,11 @@ class ValueLayouts:
     values: dict[str, Any] = field(default_factory=dict)
     operands: dict[str, tuple[Spec | None, ...]] = field(default_factory=dict)
     partial: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)
-    problems: list[str] = field(default_factory=list)
+    problems: dict[str, list[str]] = field(default_factory=dict)
+    """What a per-device program cannot run: a reason → the values (ops, buffers) it concerns."""
+
+    def add_problem(self, reason: str, name: str) -> None:
+        self.problems.setdefault(reason, []).append(name)
 
     def local_shape(self, shape: tuple[int, ...], spec: Spec | None) -> tuple[int, ...]:
         """The per-device shape of a tensor of global ``shape`` laid out as ``spec``."""
@@ -59,8 +63,10 @@ class ValueLayouts:
                      for size, entry in zip(shape, spec))
 
     def obstacles(self) -> list[str]:
-        """Why a per-device (``shard_map``) program cannot run this stage; empty if it can."""
-        return list(self.problems)
+        """Why a per-device (``shard_map``) program cannot run this stage, one line per reason naming up to
+        three of the values concerned; empty if it can."""
+        return [f"{reason}: {', '.join(names[:3])}{f' and {len(names) - 3} more' if len(names) > 3 else ''}"
+                for reason, names in self.problems.items()]
 
 
 def replay_layouts(graph: Graph, stage: StagePlan) -> ValueLayouts:
@@ -73,7 +79,7 @@ def replay_layouts(graph: Graph, stage: StagePlan) -> ValueLayouts:
         layouts.values[inp.name] = _input_spec(inp, stage)
     for output in graph.outputs:
         if output.kind == "buffer":
-            layouts.problems.append(f"the step updates buffer {output.target} (e.g. batch-norm running statistics)")
+            layouts.add_problem("the step updates buffers (e.g. batch-norm running statistics)", output.target)
     for node in graph.nodes:
         if node.target in _SKIPPED or node.out is None:
             continue
@@ -117,19 +123,19 @@ def _replay_node(node: Node, metas: dict, stage: StagePlan, mesh: LogicalMesh, l
         current = layouts.values.get(ref)
         if required is None and isinstance(operand_metas[position], TensorMeta) and _is_split(current) \
                 and node.target != "getitem":
-            layouts.problems.append(f"{node.target} ({node.name}) has no layout rule for its split operand {ref}")
+            layouts.add_problem(f"{node.target} has no layout rule for a split operand", node.name)
     if node.target in _REDUCTIONS:
         _replay_reduction(node, operand_metas[main], result.required[main], layouts)
     elif node.target in _BATCH_NORMS and _is_split(result.required[0]):
-        layouts.problems.append(f"{node.target} ({node.name}) normalizes over a split batch: its statistics would "
-                                "need a cross-device reduction")
+        layouts.add_problem(f"{node.target} normalizes over a split batch (its statistics would need a "
+                            "cross-device reduction)", node.name)
 
 
 def _replay_anchor(node: Node, stage: StagePlan, layouts: ValueLayouts) -> None:
     out_spec = stage.activations.get(node.name)
     in_specs = stage.operands.get(node.name)
     if out_spec is None or in_specs is None:
-        layouts.problems.append(f"the plan pins no layout for {node.target} ({node.name})")
+        layouts.add_problem(f"the plan pins no layout for {node.target}", node.name)
         layouts.values[node.name] = _replicated_out(node.out)
         layouts.operands[node.name] = (None,) * len(list(node.refs()))
         return
@@ -157,8 +163,8 @@ def _replay_reduction(node: Node, main_meta: TensorMeta, spec: Spec | None, layo
         return
     kind = PARTIAL_SUM_REDUCTIONS.get(node.target)
     if kind is None:
-        layouts.problems.append(f"{node.target} ({node.name}) reduces over a split dim; only sum and mean are "
-                                "finished with a collective")
+        layouts.add_problem(f"{node.target} reduces over a split dim (only sum and mean are finished with a "
+                            "collective)", node.name)
         return
     layouts.partial[node.name] = (kind, axes)
 

@@ -1,0 +1,72 @@
+"""Layouts replayed from a plan alone equal the solver graph's layouts under the solved choice."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torchpar
+from torchpar import zoo
+from torchpar.capture.export import capture_train_step
+from torchpar.cluster import ClusterSpec
+from torchpar.planner.intra_op import plan_stage
+from torchpar.planner.plan import Plan
+from torchpar.planner.sharding.layouts import replay_layouts
+
+CLUSTER = ClusterSpec(num_hosts=1, devices_per_host=8)
+
+
+@pytest.mark.parametrize("kind", ["auto", "data_parallel", "zero3", "megatron"])
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_replayed_layouts_equal_the_solvers(family, kind):
+    torch.manual_seed(0)
+    model, batch = zoo.build(family, batch_size=8, seq_len=16)
+    graph = capture_train_step(model, batch).graph
+    trainable = {n for n, _ in model.named_parameters()}
+    result = plan_stage(graph, kind=kind, mesh_shape=(2, 2), cluster=CLUSTER, trainable=trainable,
+                        optimizer_state_copies=2.0)
+    plan = Plan(method=kind, stages=[result.stage])
+    stage = Plan.from_json(plan.to_json()).stages[0]  # from the serialized plan alone
+    layouts = replay_layouts(graph, stage)
+    choice = result.solution.choice
+    # a tied parameter (GPT-2's wte/lm_head) is one stored tensor read by two placeholders, which the solver
+    # may lay out differently; the plan stores one layout, so its readers' layouts are not replayable (nor used:
+    # the per-device step runs only data-parallel plans, where every parameter is replicated)
+    targets = [i.target for i in graph.inputs if i.kind == "param"]
+    tied = {i.name for i in graph.inputs if i.kind == "param" and targets.count(i.target) > 1}
+    compared = 0
+    for name, layout in result.solver_graph.values.items():
+        if name in tied:
+            continue
+        assert layouts.values[name] == layout.specs[choice[layout.root]], name
+        compared += 1
+    assert compared > len(graph.nodes) // 2
+
+
+def test_data_parallel_layouts_split_the_batch_and_finish_the_loss_with_psums():
+    torch.manual_seed(0)
+    model, batch = zoo.build("gpt2", batch_size=8, seq_len=16)
+    graph = capture_train_step(model, batch).graph
+    result = plan_stage(graph, kind="data_parallel", mesh_shape=(2, 2), cluster=CLUSTER,
+                        trainable={n for n, _ in model.named_parameters()}, optimizer_state_copies=2.0)
+    layouts = replay_layouts(graph, result.stage)
+    assert not layouts.obstacles()
+    anchors = [n for n in graph.nodes if n.name in result.stage.activations]
+    assert anchors and all(layouts.values[n.name][0] == (0, 1) for n in anchors if n.out.shape[0] % 4 == 0)
+    # cross-entropy's numerator and its count of unmasked labels, each summed over the split batch
+    partial = {name: kind for name, (kind, axes) in layouts.partial.items()}
+    assert sorted(partial.values()) == ["sum", "sum"]
+    assert all(axes == (0, 1) for _, axes in layouts.partial.values())
+
+
+def test_unrunnable_ops_are_reported_by_reason():
+    torch.manual_seed(0)
+    model, batch = zoo.build("resnet", batch_size=8)
+    graph = capture_train_step(model, batch).graph
+    result = plan_stage(graph, kind="data_parallel", mesh_shape=(1, 4), cluster=CLUSTER,
+                        trainable={n for n, _ in model.named_parameters()}, optimizer_state_copies=2.0)
+    obstacles = replay_layouts(graph, result.stage).obstacles()
+    assert len(obstacles) == 2, obstacles
+    assert any("normalizes over a split batch" in line and "more" in line for line in obstacles)
+    assert any(line.startswith("the step updates buffers") for line in obstacles)
+    assert torchpar  # the package import sets up fake devices via conftest

@@ -1,0 +1,109 @@
+"""The per-device (shard_map) training step of data-parallel and ZeRO plans: same parameters as one device
+(SGD, so a mis-scaled gradient shows), the global loss normalization kept, dropout per shard, and a plan it
+cannot run falling back to GSPMD with the reason."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+
+import torchpar
+from torchpar import zoo
+
+PARAM_RTOL, PARAM_ATOL = 1e-4, 1e-6
+METHODS = [torchpar.DataParallel, torchpar.Zero2Parallel, torchpar.Zero3Parallel]
+
+
+def _train(model, batch, method, steps: int, **options) -> tuple[list[float], dict[str, torch.Tensor], str]:
+    engine = torchpar.compile(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), example_batch=batch,
+                              method=method, **options)
+    losses = [engine.step(batch) for _ in range(steps)]
+    engine.sync_to_torch()
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, engine.spmd_mode
+
+
+@pytest.mark.parametrize("method", METHODS, ids=["dp", "zero2", "zero3"])
+def test_parameters_match_one_device_with_clipping(method):
+    torch.manual_seed(0)
+    model, batch = zoo.build("gpt2", batch_size=8, seq_len=16)
+    reference = copy.deepcopy(model)
+    # a clip norm below the gradient norm, so the clipping coefficient (a norm over sharded gradients) matters
+    ref_losses, ref_params, _ = _train(reference, batch, None, 4, grad_clip_norm=0.5)
+    losses, params, mode = _train(model, batch, method(mesh_shape=(2, 4)), 4, grad_clip_norm=0.5, spmd="shard_map")
+    assert mode == "shard_map"
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=0)
+    for name, value in ref_params.items():
+        torch.testing.assert_close(params[name], value, rtol=PARAM_RTOL, atol=PARAM_ATOL, msg=name)
+
+
+def test_loss_normalization_is_global_with_ignored_labels():
+    """HF's loss divides by the count of labels that are not -100 in the whole batch. With the ignored labels
+    all on one shard, the mean of per-shard means (what averaging local losses gives) differs from it."""
+    torch.manual_seed(0)
+    model, batch = zoo.build("gpt2", batch_size=8, seq_len=16)
+    labels = batch["labels"].clone()
+    labels[:2, 3:] = -100  # rows 0-1 are shard 0 of 4
+    batch = {"input_ids": batch["input_ids"], "labels": labels}
+    with torch.no_grad():
+        whole = model(**batch).loss.item()
+        per_shard = [model(input_ids=batch["input_ids"][i:i + 2], labels=labels[i:i + 2]).loss.item() for i in (0, 2, 4, 6)]
+    rtol = 1e-5
+    assert abs(sum(per_shard) / 4 - whole) > 50 * rtol * whole  # the case discriminates at this tolerance
+    losses, _, mode = _train(model, batch, torchpar.DataParallel(mesh_shape=(1, 4)), 1, spmd="shard_map")
+    assert mode == "shard_map"
+    assert losses[0] == pytest.approx(whole, rel=rtol)
+
+
+def test_dropout_draws_per_shard_and_reproduces_per_seed():
+    def losses(seed: int) -> list[float]:
+        torch.manual_seed(0)
+        model, batch = zoo.build("gpt2", batch_size=8, seq_len=16, dropout=0.1)
+        return _train(model, batch, torchpar.DataParallel(mesh_shape=(1, 4)), 3, seed=seed, spmd="shard_map")[0]
+
+    first, again, other = losses(1), losses(1), losses(2)
+    assert first == again
+    assert first != other
+    torch.manual_seed(0)
+    model, batch = zoo.build("gpt2", batch_size=8, seq_len=16, dropout=0.1)
+    with torch.no_grad():
+        no_dropout = model.eval()(**batch).loss.item()
+    assert first[0] != pytest.approx(no_dropout, rel=1e-6)  # dropout is applied
+
+
+def test_batch_norm_plan_falls_back_to_gspmd_with_the_reason(caplog):
+    torch.manual_seed(0)
+    model, batch = zoo.build("resnet", batch_size=8)
+    reference = copy.deepcopy(model)
+    caplog.set_level(logging.WARNING, logger="torchpar")
+    losses, _, mode = _train(model, batch, torchpar.Zero2Parallel(mesh_shape=(1, 4)), 2)
+    assert mode == "gspmd"
+    assert "normalizes over a split batch" in caplog.text and "updates buffers" in caplog.text
+    ref_losses, _, _ = _train(reference, batch, None, 2)
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-4, atol=0)
+
+
+def test_shard_map_asked_for_and_impossible_is_an_error():
+    torch.manual_seed(0)
+    model, batch = zoo.build("resnet", batch_size=8)
+    with pytest.raises(ValueError, match="(?s)spmd=.shard_map. cannot run this plan.*normalizes over a split batch"):
+        _train(model, batch, torchpar.DataParallel(mesh_shape=(1, 4)), 1, spmd="shard_map")
+    model, batch = zoo.build("mlp", batch_size=8)
+    with pytest.raises(ValueError, match="runs DataParallel, Zero2Parallel and Zero3Parallel plans"):
+        _train(model, batch, torchpar.ShardParallel(mesh_shape=(1, 4)), 1, spmd="shard_map")
+    with pytest.raises(ValueError, match="spmd must be one of"):
+        _train(model, batch, None, 1, spmd="manual")
+
+
+def test_gspmd_can_be_chosen_for_a_zero_plan():
+    torch.manual_seed(0)
+    model, batch = zoo.build("mlp", batch_size=8)
+    reference = copy.deepcopy(model)
+    losses, params, mode = _train(model, batch, torchpar.Zero2Parallel(mesh_shape=(2, 2)), 3, spmd="gspmd")
+    assert mode == "gspmd"
+    ref_losses, ref_params, _ = _train(reference, batch, torchpar.Zero2Parallel(mesh_shape=(2, 2)), 3)
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=0)
+    for name, value in ref_params.items():
+        torch.testing.assert_close(params[name], value, rtol=PARAM_RTOL, atol=PARAM_ATOL, msg=name)
