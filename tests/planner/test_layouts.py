@@ -29,15 +29,8 @@ def test_replayed_layouts_equal_the_solvers(family, kind):
     stage = Plan.from_json(plan.to_json()).stages[0]  # from the serialized plan alone
     layouts = replay_layouts(graph, stage)
     choice = result.solution.choice
-    # a tied parameter (GPT-2's wte/lm_head) is one stored tensor read by two placeholders, which the solver
-    # may lay out differently; the plan stores one layout, so its readers' layouts are not replayable (nor used:
-    # the per-device step runs only data-parallel plans, where every parameter is replicated)
-    targets = [i.target for i in graph.inputs if i.kind == "param"]
-    tied = {i.name for i in graph.inputs if i.kind == "param" and targets.count(i.target) > 1}
     compared = 0
     for name, layout in result.solver_graph.values.items():
-        if name in tied:
-            continue
         assert layouts.values[name] == layout.specs[choice[layout.root]], name
         compared += 1
     assert compared > len(graph.nodes) // 2
@@ -70,3 +63,15 @@ def test_unrunnable_ops_are_reported_by_reason():
     assert any("normalizes over a split batch" in line and "more" in line for line in obstacles)
     assert any(line.startswith("the step updates buffers") for line in obstacles)
     assert torchpar  # the package import sets up fake devices via conftest
+
+
+def test_a_tied_parameter_has_one_layout_in_the_plan():
+    torch.manual_seed(0)
+    model, batch = zoo.build("gpt2", batch_size=2, seq_len=16)
+    graph = capture_train_step(model, batch).graph
+    readers = [i.name for i in graph.inputs if i.target == "transformer.wte.weight"]
+    assert len(readers) == 2  # the embedding and the LM head read one tensor
+    result = plan_stage(graph, kind="megatron", mesh_shape=(1, 4), cluster=CLUSTER,
+                        trainable={n for n, _ in model.named_parameters()}, optimizer_state_copies=2.0)
+    roots = {result.solver_graph.values[name].root for name in readers}
+    assert len(roots) == 1

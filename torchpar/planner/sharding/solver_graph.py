@@ -152,6 +152,10 @@ class _Builder:
     def _add_input(self, inp: Any) -> None:
         meta = inp.meta
         if inp.kind == "param":
+            tied = next((i.name for i in self.graph.inputs if i.kind == "param" and i.target == inp.target), inp.name)
+            if tied != inp.name:  # a tied parameter (e.g. GPT-2's wte/lm_head) is one tensor with one layout
+                self.values[inp.name] = self.values[tied]
+                return
             copies = 2.0 + self.state_copies if inp.target in self.trainable else 1.0
             strategies = layout_root_strategies(meta.shape, meta.nbytes, self.mesh, state_copies=copies)
             self._new_root(inp.name, "param", inp.target, strategies, None)
