@@ -113,6 +113,7 @@ def lower(graph: Graph, *, value_shardings: Mapping[str, Any] | None = None,
             kwargs = {k: _materialize(v, scope) for k, v in node.kwargs.items()}
             if local is not None:
                 args = local.rewrite_args(node, args)
+                kwargs.update(local.extra_kwargs(node))
             if lowering.random:
                 kwargs["key"] = jax.random.fold_in(key, index)
                 if local is not None:

@@ -9,7 +9,8 @@ operands in, and where a local result is a partial sum):
 - an operand laid out differently from what its op reads is resharded: a split dim that must be whole
   is all-gathered, a whole dim that must be split is sliced at this device's ``axis_index``;
 - size arguments (``view``, ``expand``, ``new_zeros``, …) become the output's local shape;
-- a partial result is finished with ``psum`` (sum, contraction) or ``pmean`` (mean);
+- a partial result is finished with ``psum`` (sum, contraction) or ``pmean`` (mean); batch norm over a
+  split batch averages its statistics across the devices (``pmean``), as one device would see them;
 - a random op whose output is split draws from a key folded with the device's position, so shards draw
   different numbers;
 - every result is checked against its local shape.
@@ -99,6 +100,12 @@ class LocalProgram:
         args = list(args)
         args[position] = list(self.layouts.local_shape(node.out.shape, self.spec(node.name)))
         return args
+
+    def extra_kwargs(self, node: Node) -> dict[str, Any]:
+        """Keyword arguments that make an op's lowering work across devices (batch-norm statistics of the
+        whole split batch: ``across=`` mesh axis names)."""
+        axes = self.layouts.statistics_axes.get(node.name)
+        return {"across": axis_names(axes)} if axes else {}
 
     def key(self, node: Node, key: jax.Array) -> jax.Array:
         """The key a random op draws from: folded with the device's position along the axes splitting its

@@ -119,12 +119,19 @@ def native_group_norm(x, weight, bias, n, c, hw, group, eps):
     return out, mean.reshape(n, group), rstd.reshape(n, group)
 
 
-def _batch_norm_train(x, weight, bias, eps):
+def _batch_norm_train(x, weight, bias, eps, across: tuple[str, ...] = ()):
+    """Normalize over every dim but the channel dim 1. ``across``: inside ``shard_map``, the mesh axes the
+    batch is split over; the statistics are then those of the whole batch (equal shards: mean of means)."""
     axes = (0,) + tuple(range(2, x.ndim))
     shape = (1, -1) + (1,) * (x.ndim - 2)
-    mean = jnp.mean(x, axis=axes)
+
+    def mean_of(v):
+        local = jnp.mean(v, axis=axes)
+        return jax.lax.pmean(local, across) if across else local
+
+    mean = mean_of(x)
     centered = x - mean.reshape(shape)
-    var = jnp.mean(centered * centered, axis=axes)
+    var = mean_of(centered * centered)
     rstd = jax.lax.rsqrt(var + eps)
     out = centered * rstd.reshape(shape)
     if weight is not None:
@@ -135,14 +142,15 @@ def _batch_norm_train(x, weight, bias, eps):
 
 
 @lowers("aten._native_batch_norm_legit_functional.default")
-def batch_norm_functional(x, weight, bias, running_mean, running_var, training, momentum, eps):
+def batch_norm_functional(x, weight, bias, running_mean, running_var, training, momentum, eps,
+                          across: tuple[str, ...] = ()):
     """Returns ``(out, save_mean, save_rstd, new_running_mean, new_running_var)``; running stats
-    update with the unbiased batch variance, as PyTorch does."""
+    update with the unbiased batch variance, as PyTorch does. ``across``: see :func:`_batch_norm_train`."""
     if not training:
         out, _, _ = batch_norm_no_training(x, weight, bias, running_mean, running_var, momentum, eps)
         return out, jnp.zeros((0,), x.dtype), jnp.zeros((0,), x.dtype), running_mean, running_var
-    out, mean, var, rstd = _batch_norm_train(x, weight, bias, eps)
-    n = x.size // x.shape[1]
+    out, mean, var, rstd = _batch_norm_train(x, weight, bias, eps, across)
+    n = x.size // x.shape[1] * (jax.lax.axis_size(across) if across else 1)
     unbiased = var * (n / max(n - 1, 1))
     new_mean = (1 - momentum) * running_mean + momentum * mean
     new_var = (1 - momentum) * running_var + momentum * unbiased
@@ -150,8 +158,8 @@ def batch_norm_functional(x, weight, bias, running_mean, running_var, training, 
 
 
 @lowers("aten._native_batch_norm_legit.no_stats")
-def batch_norm_no_stats(x, weight, bias, training, momentum, eps):
-    out, mean, _, rstd = _batch_norm_train(x, weight, bias, eps)
+def batch_norm_no_stats(x, weight, bias, training, momentum, eps, across: tuple[str, ...] = ()):
+    out, mean, _, rstd = _batch_norm_train(x, weight, bias, eps, across)
     return out, mean, rstd
 
 

@@ -5,13 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-import torchpar
 from torchpar import zoo
 from torchpar.capture.export import capture_train_step
 from torchpar.cluster import ClusterSpec
 from torchpar.planner.intra_op import plan_stage
 from torchpar.planner.plan import Plan
-from torchpar.planner.sharding.layouts import replay_layouts
+from torchpar.planner.sharding.layouts import ValueLayouts, replay_layouts
 
 CLUSTER = ClusterSpec(num_hosts=1, devices_per_host=8)
 
@@ -52,17 +51,26 @@ def test_data_parallel_layouts_split_the_batch_and_finish_the_loss_with_psums():
     assert all(axes == (0, 1) for _, axes in layouts.partial.values())
 
 
-def test_unrunnable_ops_are_reported_by_reason():
+def test_batch_norm_over_the_split_batch_averages_statistics_across_the_batch_axes():
     torch.manual_seed(0)
     model, batch = zoo.build("resnet", batch_size=8)
     graph = capture_train_step(model, batch).graph
-    result = plan_stage(graph, kind="data_parallel", mesh_shape=(1, 4), cluster=CLUSTER,
+    result = plan_stage(graph, kind="data_parallel", mesh_shape=(2, 2), cluster=CLUSTER,
                         trainable={n for n, _ in model.named_parameters()}, optimizer_state_copies=2.0)
-    obstacles = replay_layouts(graph, result.stage).obstacles()
-    assert len(obstacles) == 2, obstacles
-    assert any("normalizes over a split batch" in line and "more" in line for line in obstacles)
-    assert any(line.startswith("the step updates buffers") for line in obstacles)
-    assert torchpar  # the package import sets up fake devices via conftest
+    layouts = replay_layouts(graph, result.stage)
+    assert not layouts.obstacles()
+    norms = [n.name for n in graph.nodes if n.target == "aten._native_batch_norm_legit_functional.default"]
+    assert norms and {layouts.statistics_axes[name] for name in norms} == {(0, 1)}
+
+
+def test_obstacles_are_grouped_by_reason():
+    layouts = ValueLayouts(mesh_shape=(1, 4))
+    for index in range(5):
+        layouts.add_problem("aten.example.default has no per-device rule", f"example_{index}")
+    layouts.add_problem("a buffer's new value is split across devices", "running_mean")
+    assert layouts.obstacles() == [
+        "aten.example.default has no per-device rule: example_0, example_1, example_2 and 2 more",
+        "a buffer's new value is split across devices: running_mean"]
 
 
 def test_a_tied_parameter_has_one_layout_in_the_plan():

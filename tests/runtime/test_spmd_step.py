@@ -1,6 +1,6 @@
 """The per-device (shard_map) training step of data-parallel and ZeRO plans: same parameters as one device
-(SGD, so a mis-scaled gradient shows), the global loss normalization kept, dropout per shard, and a plan it
-cannot run falling back to GSPMD with the reason."""
+(SGD, so a mis-scaled gradient shows), the global loss normalization kept, batch norm over the whole batch,
+dropout per shard, and a plan it cannot run falling back to GSPMD with the reason."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch
 
 import torchpar
 from torchpar import zoo
+from torchpar.planner.sharding import layouts as layouts_module
 
 PARAM_RTOL, PARAM_ATOL = 1e-4, 1e-6
 METHODS = [torchpar.DataParallel, torchpar.Zero2Parallel, torchpar.Zero3Parallel]
@@ -73,23 +74,51 @@ def test_dropout_draws_per_shard_and_reproduces_per_seed():
     assert first[0] != pytest.approx(no_dropout, rel=1e-6)  # dropout is applied
 
 
-def test_batch_norm_plan_falls_back_to_gspmd_with_the_reason(caplog):
+@pytest.mark.parametrize("method", [torchpar.DataParallel, torchpar.Zero2Parallel], ids=["dp", "zero2"])
+def test_batch_norm_uses_the_whole_batchs_statistics(method):
+    """ResNet: batch norm over the split batch averages its statistics across devices, so outputs, gradients
+    and running statistics are one device's."""
     torch.manual_seed(0)
     model, batch = zoo.build("resnet", batch_size=8)
     reference = copy.deepcopy(model)
+    engine = torchpar.compile(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), example_batch=batch,
+                              method=method(mesh_shape=(2, 2)), spmd="shard_map")
+    losses = [engine.step(batch) for _ in range(3)]
+    engine.sync_to_torch()
+    ref_losses, ref_params, _ = _train(reference, batch, None, 3)
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=0)
+    for name, value in ref_params.items():
+        torch.testing.assert_close(dict(model.named_parameters())[name], value, rtol=PARAM_RTOL, atol=PARAM_ATOL, msg=name)
+    buffers = dict(model.named_buffers())
+    for name, value in reference.named_buffers():
+        torch.testing.assert_close(buffers[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_plan_it_cannot_run_falls_back_to_gspmd_with_the_reason(caplog):
+    torch.manual_seed(0)
+    model, batch = zoo.build("bert", batch_size=8)
+    reference = copy.deepcopy(model)
     caplog.set_level(logging.WARNING, logger="torchpar")
-    losses, _, mode = _train(model, batch, torchpar.Zero2Parallel(mesh_shape=(1, 4)), 2)
-    assert mode == "gspmd"
-    assert "normalizes over a split batch" in caplog.text and "updates buffers" in caplog.text
+    layouts_of = layouts_module.replay_layouts
+
+    def refuse(graph, stage):  # as if an op had no per-device rule
+        layouts = layouts_of(graph, stage)
+        layouts.add_problem("aten.example.default has no per-device rule", graph.nodes[0].name)
+        return layouts
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(layouts_module, "replay_layouts", refuse)
+        losses, _, mode = _train(model, batch, torchpar.Zero2Parallel(mesh_shape=(1, 4)), 2)
+        assert mode == "gspmd"
+        assert "aten.example.default has no per-device rule" in caplog.text
+        with pytest.raises(ValueError, match="(?s)spmd='shard_map' cannot run this plan.*aten.example.default"):
+            _train(copy.deepcopy(reference), batch, torchpar.DataParallel(mesh_shape=(1, 4)), 1, spmd="shard_map")
     ref_losses, _, _ = _train(reference, batch, None, 2)
     torch.testing.assert_close(losses, ref_losses, rtol=1e-4, atol=0)
 
 
-def test_shard_map_asked_for_and_impossible_is_an_error():
+def test_shard_map_only_runs_data_parallel_plans():
     torch.manual_seed(0)
-    model, batch = zoo.build("resnet", batch_size=8)
-    with pytest.raises(ValueError, match="(?s)spmd=.shard_map. cannot run this plan.*normalizes over a split batch"):
-        _train(model, batch, torchpar.DataParallel(mesh_shape=(1, 4)), 1, spmd="shard_map")
     model, batch = zoo.build("mlp", batch_size=8)
     with pytest.raises(ValueError, match="runs DataParallel, Zero2Parallel and Zero3Parallel plans"):
         _train(model, batch, torchpar.ShardParallel(mesh_shape=(1, 4)), 1, spmd="shard_map")

@@ -15,8 +15,8 @@ three layouts in the plan — stored (``S``), read by the model (``U``), gradien
   ZeRO-2), with gradient clipping's norm completed across shards. Updated ZeRO-2 parameters leave the
   program sharded and the jit output sharding all-gathers them.
 
-The loss must come out the same on every device by construction (it is ``psum``-reduced where the
-plan reduces over a split batch); otherwise :class:`jaxbackend.spmd.LocalModeError` is raised while
+The loss and new buffer values (batch-norm running statistics) must come out the same on every device
+by construction (``psum``/``pmean``-reduced where the plan reduces over a split batch); otherwise :class:`jaxbackend.spmd.LocalModeError` is raised while
 tracing, and the caller falls back to GSPMD.
 """
 
@@ -58,6 +58,8 @@ def make_spmd_step(run: Callable, layouts: Any, stage: StagePlan, *, mesh: Any, 
                     program.reshard(p, spec_or_whole(stored[name], p.ndim), spec_or_whole(at_use[name], p.ndim),
                                     invariant=False)
             outputs, new_buffers = run(used, buffers, inputs, key)
+            for name, value in new_buffers.items():
+                require_invariant(value, f"the new value of buffer {name}")
             return require_invariant(outputs[0], "the loss"), new_buffers
 
         # differentiate with respect to per-device copies, so each gradient is this device's partial sum (the

@@ -49,6 +49,8 @@ class ValueLayouts:
     values: dict[str, Any] = field(default_factory=dict)
     operands: dict[str, tuple[Spec | None, ...]] = field(default_factory=dict)
     partial: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)
+    statistics_axes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    """Per batch-norm node whose batch is split: the mesh axes its statistics are averaged across."""
     problems: dict[str, list[str]] = field(default_factory=dict)
     """What a per-device program cannot run: a reason → the values (ops, buffers) it concerns."""
 
@@ -77,13 +79,13 @@ def replay_layouts(graph: Graph, stage: StagePlan) -> ValueLayouts:
     metas = graph.metas()
     for inp in graph.inputs:
         layouts.values[inp.name] = _input_spec(inp, stage)
-    for output in graph.outputs:
-        if output.kind == "buffer":
-            layouts.add_problem("the step updates buffers (e.g. batch-norm running statistics)", output.target)
     for node in graph.nodes:
         if node.target in _SKIPPED or node.out is None:
             continue
         _replay_node(node, metas, stage, mesh, layouts)
+    for output in graph.outputs:  # a buffer's new value must come out whole on every device
+        if output.kind == "buffer" and output.value is not None and _is_split(layouts.values.get(output.value.name)):
+            layouts.add_problem("a buffer's new value is split across devices", output.target)
     return layouts
 
 
@@ -127,8 +129,11 @@ def _replay_node(node: Node, metas: dict, stage: StagePlan, mesh: LogicalMesh, l
     if node.target in _REDUCTIONS:
         _replay_reduction(node, operand_metas[main], result.required[main], layouts)
     elif node.target in _BATCH_NORMS and _is_split(result.required[0]):
-        layouts.add_problem(f"{node.target} normalizes over a split batch (its statistics would need a "
-                            "cross-device reduction)", node.name)
+        spec = result.required[0]
+        if spec[1] if len(spec) > 1 else None:
+            layouts.add_problem(f"{node.target} splits its channel dim", node.name)
+        elif node.target != "aten._native_batch_norm_legit_no_training.default":  # eval mode reads no batch stats
+            layouts.statistics_axes[node.name] = tuple(sorted(a for entry in spec if entry for a in entry))
 
 
 def _replay_anchor(node: Node, stage: StagePlan, layouts: ValueLayouts) -> None:
