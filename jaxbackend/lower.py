@@ -111,9 +111,11 @@ def lower(graph: Graph, *, value_shardings: Mapping[str, Any] | None = None,
                 scope = local.read_operands(node, env)
             args = _materialize(node.args, scope)
             kwargs = {k: _materialize(v, scope) for k, v in node.kwargs.items()}
+            bias_term = None
             if local is not None:
                 args = local.rewrite_args(node, args)
                 kwargs.update(local.extra_kwargs(node))
+                args, bias_term = local.hold_back_bias(node, args, kwargs)
             if lowering.random:
                 kwargs["key"] = jax.random.fold_in(key, index)
                 if local is not None:
@@ -123,12 +125,14 @@ def lower(graph: Graph, *, value_shardings: Mapping[str, Any] | None = None,
             except Exception as error:
                 raise LoweringError(_context(node, graph, f"lowering raised {type(error).__name__}: {error}")) from error
             if local is not None:
-                result = local.finish(node, result)
+                result = local.finish(node, result, bias_term)
             env[node.name] = _conform(result, node, graph, local)
             if node.name in value_shardings:
                 env[node.name] = constrain(env[node.name], value_shardings[node.name])
         outputs = [env[o.value.name] if o.value is not None else None for o in value_outputs]
         new_buffers = {o.target: env[o.value.name] for o in buffer_outputs}
+        if local is not None:  # buffers are stored whole on every device
+            new_buffers = {o.target: local.whole(env[o.value.name], local.spec(o.value.name)) for o in buffer_outputs}
         return outputs, new_buffers
 
     return run

@@ -37,6 +37,9 @@ _SIZE_ARGUMENT = {"aten.view.default": 1, "aten._unsafe_view.default": 1, "aten.
                   "aten.new_empty.default": 1, "aten.new_full.default": 1}
 """Ops with a size argument (its position): it is rewritten to the output's local shape."""
 
+_BIAS_ARGUMENT = {"aten.addmm.default": 0, "aten.baddbmm.default": 0, "aten.convolution.default": 2}
+"""Anchors with a bias operand (its position), added once after a partial product is summed."""
+
 
 class LocalModeError(RuntimeError):
     """A per-device program cannot run this graph (found while tracing); the GSPMD path can."""
@@ -92,6 +95,12 @@ class LocalProgram:
                 x = jax.lax.dynamic_slice_in_dim(x, start, size, axis=dim)
         return x
 
+    def whole(self, x: jax.Array, spec: Any) -> jax.Array:
+        """This device's shard of a value laid out as ``spec``, gathered to the whole value."""
+        if not spec or not any(spec):
+            return x
+        return self.reshard(x, spec, (None,) * len(spec))
+
     def rewrite_args(self, node: Node, args: list[Any]) -> list[Any]:
         """``args`` with a size argument replaced by the output's local shape."""
         position = _SIZE_ARGUMENT.get(node.target)
@@ -115,8 +124,26 @@ class LocalProgram:
             return key
         return jax.random.fold_in(key, jax.lax.axis_index(axis_names(axes)))
 
-    def finish(self, node: Node, result: Any) -> Any:
-        """Complete a partial local result with its collective."""
+    def hold_back_bias(self, node: Node, args: list[Any], kwargs: dict[str, Any]) -> tuple[list[Any], Any]:
+        """For a biased matmul/convolution whose local result is a partial product (a split contracted dim):
+        the arguments without the bias, and the bias term to add once after the sum (else every device would
+        add it). ``(args, None)`` for every other op."""
+        position = _BIAS_ARGUMENT.get(node.target)
+        partial = self.layouts.partial.get(node.name)
+        if position is None or partial is None or partial[0] != "contract" or len(args) <= position \
+                or args[position] is None:
+            return args, None
+        args = list(args)
+        bias = args[position]
+        if node.target == "aten.convolution.default":
+            args[position] = None
+            return args, lambda out: out + bias.reshape((1, -1) + (1,) * (out.ndim - 2))
+        beta = kwargs.get("beta", args[3] if len(args) > 3 else 1)
+        args[position] = jnp.zeros((), bias.dtype)
+        return args, lambda out: out + beta * bias
+
+    def finish(self, node: Node, result: Any, bias_term: Any = None) -> Any:
+        """Complete a partial local result with its collective (then add a held-back bias term)."""
         partial = self.layouts.partial.get(node.name)
         if partial is None:
             return result
@@ -124,7 +151,8 @@ class LocalProgram:
         names = axis_names(axes)
         if kind == "mean":
             return jax.lax.pmean(result, names)
-        return jax.lax.psum(result, names)
+        result = jax.lax.psum(result, names)
+        return bias_term(result) if bias_term is not None else result
 
     def local_meta(self, meta: TensorMeta, spec: Any) -> TensorMeta:
         return TensorMeta(self.layouts.local_shape(meta.shape, spec), meta.dtype)

@@ -49,9 +49,10 @@ class CompileOptions:
     spmd: SpmdMode = "auto"
     """How a sharded one-stage plan becomes a program. ``"gspmd"``: global shapes, XLA's SPMD partitioner
     inserts the collectives. ``"shard_map"``: a per-device program with explicit collectives
-    (``torchpar.runtime.spmd_step``; gradients are reduce-scattered as such under ZeRO), for data-parallel
-    and ZeRO plans; any other plan, or one it cannot run, is an error. ``"auto"``: ``shard_map`` for DataParallel/Zero2/Zero3 plans when it can run them
-    (else GSPMD, with the reason logged), GSPMD for the others. ``engine.spmd_mode`` says which ran."""
+    (``torchpar.runtime.spmd_step``; gradients are reduce-scattered as such under ZeRO) for any one-stage
+    plan; one it cannot run is an error. ``"auto"``: ``shard_map`` for DataParallel/Zero2/Zero3 plans when it
+    can run them (else GSPMD, with the reason logged), GSPMD for the others. ``engine.spmd_mode`` says which
+    ran."""
 
     def __post_init__(self) -> None:
         if self.grad_clip_norm is not None and not self.grad_clip_norm > 0:
@@ -180,6 +181,9 @@ class Engine:
         from torchpar.planner.pipeline_plan import plan_pipeline
         from torchpar.runtime.pipeline_runner import PipelineRunner
 
+        if self.options.spmd != "auto":
+            log.warning("torchpar: spmd=%r is ignored by PipeshardParallel (its stages run under GSPMD)",
+                        self.options.spmd)
         micro_example = _first_micro_batch(example_batch, method.num_micro_batches)
         capture = self._capture(micro_example)
         trainable = set(self._trainable(capture.graph))
@@ -435,9 +439,6 @@ class Engine:
         mode = self.options.spmd
         if mode == "gspmd" or (mode == "auto" and self._plan.method not in _SHARD_MAP_METHODS):
             return None
-        if self._plan.method not in _SHARD_MAP_METHODS:
-            raise ValueError(f"spmd='shard_map' runs DataParallel, Zero2Parallel and Zero3Parallel plans; this plan is "
-                             f"{self._plan.method!r}. Use spmd='auto' or 'gspmd'.")
         from torchpar.planner.sharding.layouts import replay_layouts
 
         layouts = replay_layouts(graph, self._plan.stages[0])
@@ -460,7 +461,8 @@ class Engine:
                               param_names=list(self._params), buffer_names=list(self._buffers),
                               state_keys={n: list(e) for n, e in self._opt_state.items()}, num_inputs=num_inputs,
                               trainable=trainable, spec=self._spec, jax_optim=self._jax_optim,
-                              grad_clip_norm=self.options.grad_clip_norm)
+                              grad_clip_norm=self.options.grad_clip_norm,
+                              per_device_gradients=self._plan.method in _SHARD_MAP_METHODS)
 
     def _eval_executable(self, batch: Any) -> tuple[Capture, Any]:
         signature = _signature(batch)

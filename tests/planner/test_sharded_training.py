@@ -46,17 +46,20 @@ def test_losses_match_one_device(family, method, mesh):
     assert spmd_mode == ("gspmd" if method == "shard" else "shard_map")
 
 
-def _mlp_engine(width: int, batch: int, method):
+def _mlp_engine(width: int, batch: int, method, **options):
     torch.manual_seed(0)
     model = zoo.MLP(width=width, depth=6)
     data = (torch.randn(batch, width), torch.randn(batch, width))
-    engine = torchpar.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-3), example_batch=data, method=method)
+    engine = torchpar.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-3), example_batch=data, method=method,
+                              **options)
     engine.step(data)
     return engine
 
 
-def test_megatron_mlp_moves_exactly_five_all_reduces():
-    engine = _mlp_engine(256, 32, torchpar.ShardParallel(mesh_shape=(1, 4)))
+@pytest.mark.parametrize("spmd", ["gspmd", "shard_map"])
+def test_megatron_mlp_moves_exactly_five_all_reduces(spmd):
+    engine = _mlp_engine(256, 32, torchpar.ShardParallel(mesh_shape=(1, 4)), spmd=spmd)
+    assert engine.spmd_mode == spmd
     found = collectives(engine.hlo_text()[0])
     assert {c.kind for c in found} == {"all-reduce"}, [c.line for c in found]
     assert sum(c.elements for c in found) == 5 * 32 * 256  # three forward, two backward

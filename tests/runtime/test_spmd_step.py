@@ -117,11 +117,28 @@ def test_a_plan_it_cannot_run_falls_back_to_gspmd_with_the_reason(caplog):
     torch.testing.assert_close(losses, ref_losses, rtol=1e-4, atol=0)
 
 
-def test_shard_map_only_runs_data_parallel_plans():
+@pytest.mark.parametrize("method", [torchpar.MegatronParallel, torchpar.ShardParallel], ids=["megatron", "auto"])
+@pytest.mark.parametrize("family", ["gpt2", "resnet"])
+def test_tensor_parallel_plans_run_per_device_when_asked(family, method):
+    """Row-split matmuls add their bias once after the partial sum; channel-split batch norm keeps whole
+    running statistics (ResNet's Megatron plan splits channels)."""
+    torch.manual_seed(0)
+    model, batch = zoo.build(family, batch_size=8, seq_len=16)
+    reference = copy.deepcopy(model)
+    losses, params, mode = _train(model, batch, method(mesh_shape=(2, 2)), 3, spmd="shard_map")
+    assert mode == "shard_map"
+    ref_losses, ref_params, _ = _train(reference, batch, None, 3)
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=0)
+    for name, value in ref_params.items():
+        torch.testing.assert_close(params[name], value, rtol=PARAM_RTOL, atol=PARAM_ATOL, msg=name)
+    buffers = dict(model.named_buffers())
+    for name, value in reference.named_buffers():
+        torch.testing.assert_close(buffers[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_an_unknown_spmd_mode_is_an_error():
     torch.manual_seed(0)
     model, batch = zoo.build("mlp", batch_size=8)
-    with pytest.raises(ValueError, match="runs DataParallel, Zero2Parallel and Zero3Parallel plans"):
-        _train(model, batch, torchpar.ShardParallel(mesh_shape=(1, 4)), 1, spmd="shard_map")
     with pytest.raises(ValueError, match="spmd must be one of"):
         _train(model, batch, None, 1, spmd="manual")
 

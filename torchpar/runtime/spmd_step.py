@@ -6,9 +6,13 @@ three layouts in the plan — stored (``S``), read by the model (``U``), gradien
 (``G``):
 
 - ``S == U`` (data parallel, ZeRO-2): the parameter enters the loss as a *varying* copy
-  (``pcast`` outside ``jax.grad``), so ``jax.grad`` returns this device's partial gradient. It is finished explicitly:
-  ``psum_scatter`` to ``G``'s split (ZeRO-2: a reduce-scatter in the HLO, not all-reduce + slice) and
-  ``psum`` over the other axes it varies along (data parallel: the gradient all-reduce);
+  (``pcast`` outside ``jax.grad``), so ``jax.grad`` returns this device's partial gradient. It is finished
+  explicitly: ``psum_scatter`` to ``G``'s split (ZeRO-2: a reduce-scatter in the HLO, not all-reduce +
+  slice) and ``psum`` over the other axes it varies along (data parallel: the gradient all-reduce, once
+  per parameter even when it is read twice, as a tied embedding is);
+- ``S == U`` in other plans (tensor parallel, the ILP's): the parameter enters as it is, and JAX's
+  transposes of the implicit ``pvary`` where it meets per-device values all-reduce its gradient exactly
+  over the axes whose devices contributed differently;
 - ``S != U`` (ZeRO-3): the stored shard is all-gathered inside the loss; the transpose of that
   all-gather reduce-scatters the gradient onto the shard;
 - the optimizer updates this device's piece of ``G`` (a local slice of a replicated parameter under
@@ -34,10 +38,15 @@ from torchpar.planner.plan import StagePlan
 def make_spmd_step(run: Callable, layouts: Any, stage: StagePlan, *, mesh: Any, param_names: list[str],
                    buffer_names: list[str], state_keys: dict[str, list[str]], num_inputs: int,
                    trainable: tuple[str, ...], spec: Any, jax_optim: Any,
-                   grad_clip_norm: float | None) -> Callable:
+                   grad_clip_norm: float | None, per_device_gradients: bool) -> Callable:
     """``step(params, opt_state, buffers, inputs, scalars, key) → (loss, params, opt_state, buffers)`` as
     a ``shard_map`` over ``mesh``, for ``run`` lowered per device with ``layouts`` (see the module
-    docstring). Arguments and results are global arrays; ``params`` come back in their ``G`` layout."""
+    docstring). Arguments and results are global arrays; ``params`` come back in their ``G`` layout.
+
+    ``per_device_gradients``: every device's loss contribution is distinct (data-parallel and ZeRO plans: the
+    batch is split over every mesh axis), so gradients are taken per device and reduced explicitly once
+    (ZeRO-2 needs this for its reduce-scatter). Otherwise (tensor-parallel plans, whose devices may compute
+    the same values) JAX's transposes of its implicit broadcasts reduce the gradients where they arise."""
     program = LocalProgram(layouts)
     stored = {n: _spec(stage.params.get(n)) for n in param_names}
     at_use = {n: _spec(stage.params_at_use.get(n)) or stored[n] for n in param_names}
@@ -62,9 +71,11 @@ def make_spmd_step(run: Callable, layouts: Any, stage: StagePlan, *, mesh: Any, 
                 require_invariant(value, f"the new value of buffer {name}")
             return require_invariant(outputs[0], "the loss"), new_buffers
 
-        # differentiate with respect to per-device copies, so each gradient is this device's partial sum (the
-        # gradient of the invariant parameter itself would be all-reduced by pcast's transpose)
-        copies = {n: _varying_copy(params[n], stored[n], at_use[n], live_axes) for n in trainable}
+        # data parallel: differentiate with respect to per-device copies, so each gradient is this device's partial
+        # sum, reduced once below (the invariant parameter's gradient would be all-reduced at every use by the
+        # transposes of JAX's implicit pvary); other plans: let those transposes reduce it
+        copies = {n: _varying_copy(params[n], stored[n], at_use[n], live_axes) if per_device_gradients
+                  else params[n] for n in trainable}
         (loss, new_buffers), grads = jax.value_and_grad(loss_of, has_aux=True)(copies)
         grads = {n: _finish_gradient(g, stored[n], grad[n]) for n, g in grads.items()}
         if grad_clip_norm is not None:

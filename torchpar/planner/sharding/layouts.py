@@ -83,9 +83,6 @@ def replay_layouts(graph: Graph, stage: StagePlan) -> ValueLayouts:
         if node.target in _SKIPPED or node.out is None:
             continue
         _replay_node(node, metas, stage, mesh, layouts)
-    for output in graph.outputs:  # a buffer's new value must come out whole on every device
-        if output.kind == "buffer" and output.value is not None and _is_split(layouts.values.get(output.value.name)):
-            layouts.add_problem("a buffer's new value is split across devices", output.target)
     return layouts
 
 
@@ -128,12 +125,11 @@ def _replay_node(node: Node, metas: dict, stage: StagePlan, mesh: LogicalMesh, l
             layouts.add_problem(f"{node.target} has no layout rule for a split operand", node.name)
     if node.target in _REDUCTIONS:
         _replay_reduction(node, operand_metas[main], result.required[main], layouts)
-    elif node.target in _BATCH_NORMS and _is_split(result.required[0]):
-        spec = result.required[0]
-        if spec[1] if len(spec) > 1 else None:
-            layouts.add_problem(f"{node.target} splits its channel dim", node.name)
-        elif node.target != "aten._native_batch_norm_legit_no_training.default":  # eval mode reads no batch stats
-            layouts.statistics_axes[node.name] = tuple(sorted(a for entry in spec if entry for a in entry))
+    elif node.target in _BATCH_NORMS and node.target != "aten._native_batch_norm_legit_no_training.default":
+        spec = result.required[0]  # statistics are per channel (dim 1) over the other dims, some of them split
+        axes = tuple(sorted(a for d, entry in enumerate(spec or ()) if entry and d != 1 for a in entry))
+        if axes:
+            layouts.statistics_axes[node.name] = axes
 
 
 def _replay_anchor(node: Node, stage: StagePlan, layouts: ValueLayouts) -> None:
