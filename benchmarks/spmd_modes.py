@@ -1,4 +1,4 @@
-"""Data-parallel and ZeRO plans as a per-device program (shard_map) vs under XLA's GSPMD partitioner.
+"""One-stage plans as a per-device program (shard_map) vs under XLA's GSPMD partitioner.
 
     python benchmarks/spmd_modes.py [--devices 8] [--mesh 2x4] [--steps 6] [--warmup 2] [--json out.json]
 
@@ -28,7 +28,7 @@ MODELS: dict[str, tuple[dict[str, Any], int, int]] = {
                "num_key_value_heads": 2, "vocab_size": 8192}, 16, 64),
     "resnet": ({}, 16, 0),
 }
-METHODS = ("DataParallel", "Zero2Parallel", "Zero3Parallel")
+METHODS = ("DataParallel", "Zero2Parallel", "Zero3Parallel", "MegatronParallel", "ShardParallel")
 MODES = ("gspmd", "shard_map")
 
 
@@ -37,6 +37,7 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=8)
     parser.add_argument("--mesh", default="2x4", help="logical mesh AxB (A·B ≤ --devices)")
     parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--json", default=os.path.join(os.path.dirname(__file__), "results", "spmd_modes.json"))
@@ -53,7 +54,7 @@ def main() -> None:
 
     mesh = tuple(int(x) for x in args.mesh.split("x"))
     rows = []
-    cases = [(family, method) for family in args.models.split(",") for method in METHODS]
+    cases = [(family, method) for family in args.models.split(",") for method in args.methods.split(",")]
     for family, method_name in tqdm(cases, desc="compile + time", file=sys.stderr):
         overrides, batch_size, seq_len = MODELS[family]
         torch.manual_seed(0)
@@ -86,14 +87,14 @@ def main() -> None:
         row["step_time_ratio_shard_map_over_gspmd"] = row["shard_map"]["median_step_s"] / row["gspmd"]["median_step_s"]
         rows.append(row)
 
-    print(f"\n{'model':<7} {'method':<14} {'mode':<10} {'collectives (count, KiB)':<62} {'step ms':>8} {'loss':>9}")
+    print(f"\n{'model':<7} {'method':<16} {'mode':<10} {'collectives (count, KiB)':<62} {'step ms':>8} {'loss':>9}")
     for row in rows:
         for mode in MODES:
             entry = row[mode]
             text = ", ".join(f"{k} {n}×/{entry['collective_bytes'][k] / 1024:.0f}" for k, n in entry["collectives"].items())
-            print(f"{row['model']:<7} {row['method']:<14} {entry['ran_as']:<10} {text:<62} "
+            print(f"{row['model']:<7} {row['method']:<16} {entry['ran_as']:<10} {text:<62} "
                   f"{entry['median_step_s'] * 1e3:8.1f} {entry['final_loss']:9.5f}")
-        print(f"{'':<7} {'':<14} {'ratio':<10} {'shard_map / gspmd step time':<62} "
+        print(f"{'':<7} {'':<16} {'ratio':<10} {'shard_map / gspmd step time':<62} "
               f"{row['step_time_ratio_shard_map_over_gspmd']:8.2f}")
     result = {"machine": platform.platform(), "cpus": os.cpu_count(), "devices": args.devices, "steps": args.steps,
               "warmup": args.warmup, "rows": rows}

@@ -120,8 +120,9 @@ def lower(graph: Graph, *, value_shardings: Mapping[str, Any] | None = None,
                 kwargs["key"] = jax.random.fold_in(key, index)
                 if local is not None:
                     kwargs["key"] = local.key(node, kwargs["key"])
+            fn = (local.replacement(node) if local is not None else None) or lowering.fn
             try:
-                result = lowering.fn(*args, **kwargs)
+                result = fn(*args, **kwargs)
             except Exception as error:
                 raise LoweringError(_context(node, graph, f"lowering raised {type(error).__name__}: {error}")) from error
             if local is not None:

@@ -22,6 +22,7 @@ Mesh axis ``a`` is named ``"d{a}"`` (:data:`jaxbackend.sharding.AXIS_NAMES`).
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Sequence
 
@@ -124,6 +125,17 @@ class LocalProgram:
             return key
         return jax.random.fold_in(key, jax.lax.axis_index(axis_names(axes)))
 
+    def replacement(self, node: Node) -> Any:
+        """A per-device lowering to use instead of the op's own, or ``None``: an embedding whose table is
+        split by rows looks up only the rows this device holds (zeros elsewhere; the psum completes it)."""
+        if node.target != "aten.embedding.default" or node.name not in self.layouts.partial:
+            return None
+        table_spec = (self.layouts.operands.get(node.name) or (None,))[0]
+        rows_axes = table_spec[0] if table_spec else None
+        if not rows_axes:
+            return None
+        return functools.partial(_embedding_rows, names=axis_names(rows_axes))
+
     def hold_back_bias(self, node: Node, args: list[Any], kwargs: dict[str, Any]) -> tuple[list[Any], Any]:
         """For a biased matmul/convolution whose local result is a partial product (a split contracted dim):
         the arguments without the bias, and the bias term to add once after the sum (else every device would
@@ -164,6 +176,21 @@ def _all_gather_invariant(x: jax.Array, axes: tuple[str, ...], *, axis: int, til
     from jax._src.lax.parallel import all_gather_invariant
 
     return all_gather_invariant(x, axes, axis=axis, tiled=tiled)
+
+
+def _embedding_rows(weight: jax.Array, indices: jax.Array, padding_idx: int = -1, scale_grad_by_freq: bool = False,
+                    sparse: bool = False, *, names: tuple[str, ...]) -> jax.Array:
+    """``aten.embedding`` on this device's block of table rows (global row ``i`` is local row
+    ``i - axis_index·rows``): rows held elsewhere give zeros, so a ``psum`` over ``names`` completes it."""
+    if scale_grad_by_freq:
+        raise NotImplementedError("embedding(scale_grad_by_freq=True) is not supported")
+    rows = weight.shape[0]
+    local = indices - jax.lax.axis_index(names) * rows
+    held = (local >= 0) & (local < rows)
+    out = jnp.take(weight, jnp.clip(local, 0, rows - 1), axis=0)
+    if padding_idx is not None and padding_idx >= 0:  # the padding row gets no gradient, as in PyTorch
+        out = jnp.where((indices == padding_idx)[..., None], jax.lax.stop_gradient(out), out)
+    return jnp.where(held[..., None], out, jnp.zeros((), out.dtype))
 
 
 def require_invariant(value: jax.Array, what: str) -> jax.Array:

@@ -118,7 +118,7 @@ def test_a_plan_it_cannot_run_falls_back_to_gspmd_with_the_reason(caplog):
 
 
 @pytest.mark.parametrize("method", [torchpar.MegatronParallel, torchpar.ShardParallel], ids=["megatron", "auto"])
-@pytest.mark.parametrize("family", ["gpt2", "resnet"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "resnet"])
 def test_tensor_parallel_plans_run_per_device_when_asked(family, method):
     """Row-split matmuls add their bias once after the partial sum; channel-split batch norm keeps whole
     running statistics (ResNet's Megatron plan splits channels)."""
@@ -134,6 +134,24 @@ def test_tensor_parallel_plans_run_per_device_when_asked(family, method):
     buffers = dict(model.named_buffers())
     for name, value in reference.named_buffers():
         torch.testing.assert_close(buffers[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_an_embedding_split_by_rows_looks_up_only_its_rows():
+    """A large vocabulary makes the plan split the (tied) embedding table by rows: each device looks up the
+    rows it holds, zeros elsewhere, and the psum completes the lookup."""
+    torch.manual_seed(0)
+    model, batch = zoo.build("gpt2", {"vocab_size": 8192}, batch_size=8, seq_len=16)
+    reference = copy.deepcopy(model)
+    engine = torchpar.compile(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), example_batch=batch,
+                              method=torchpar.MegatronParallel(mesh_shape=(2, 2)), spmd="shard_map")
+    assert engine.plan.stages[0].params["transformer.wte.weight"] == [[1], None]
+    losses = [engine.step(batch) for _ in range(3)]
+    engine.sync_to_torch()
+    ref_losses, ref_params, _ = _train(reference, batch, None, 3)
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=0)
+    params = dict(model.named_parameters())
+    for name, value in ref_params.items():
+        torch.testing.assert_close(params[name], value, rtol=PARAM_RTOL, atol=PARAM_ATOL, msg=name)
 
 
 def test_an_unknown_spmd_mode_is_an_error():

@@ -78,9 +78,9 @@ def make_spmd_step(run: Callable, layouts: Any, stage: StagePlan, *, mesh: Any, 
                   else params[n] for n in trainable}
         (loss, new_buffers), grads = jax.value_and_grad(loss_of, has_aux=True)(copies)
         grads = {n: _finish_gradient(g, stored[n], grad[n]) for n, g in grads.items()}
-        if grad_clip_norm is not None:
-            complete = lambda name, s: jax.lax.psum(s, axis_names(_mesh_axes(grad[name]))) if _axes(grad[name]) else s  # noqa: E731
-            grads, _ = jax_optim.clip_grads_by_global_norm(grads, grad_clip_norm, complete)
+        if grad_clip_norm is not None:  # a sharded gradient's sum of squares is completed across its shards
+            grads, _ = jax_optim.clip_grads_by_global_norm(
+                grads, grad_clip_norm, lambda name, s: jax.lax.psum(s, _axes(grad[name])) if _axes(grad[name]) else s)
         pieces = {n: (program.reshard(p, spec_or_whole(stored[n], p.ndim), spec_or_whole(grad[n], p.ndim))
                       if n in grads else p) for n, p in params.items()}
         new_params, new_state = jax_optim.apply_updates(spec, pieces, grads, opt_state, scalars)
