@@ -111,22 +111,17 @@ def lower(graph: Graph, *, value_shardings: Mapping[str, Any] | None = None,
                 scope = local.read_operands(node, env)
             args = _materialize(node.args, scope)
             kwargs = {k: _materialize(v, scope) for k, v in node.kwargs.items()}
-            bias_term = None
-            if local is not None:
-                args = local.rewrite_args(node, args)
-                kwargs.update(local.extra_kwargs(node))
-                args, bias_term = local.hold_back_bias(node, args, kwargs)
             if lowering.random:
                 kwargs["key"] = jax.random.fold_in(key, index)
-                if local is not None:
-                    kwargs["key"] = local.key(node, kwargs["key"])
-            fn = (local.replacement(node) if local is not None else None) or lowering.fn
+            fn, finish = lowering.fn, None
+            if local is not None:
+                fn, args, kwargs, finish = local.prepare(node, fn, args, kwargs)
             try:
                 result = fn(*args, **kwargs)
             except Exception as error:
                 raise LoweringError(_context(node, graph, f"lowering raised {type(error).__name__}: {error}")) from error
-            if local is not None:
-                result = local.finish(node, result, bias_term)
+            if finish is not None:
+                result = finish(result)
             env[node.name] = _conform(result, node, graph, local)
             if node.name in value_shardings:
                 env[node.name] = constrain(env[node.name], value_shardings[node.name])

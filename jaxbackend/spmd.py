@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -95,6 +95,17 @@ class LocalProgram:
                 start = jax.lax.axis_index(axis_names(new)) * size
                 x = jax.lax.dynamic_slice_in_dim(x, start, size, axis=dim)
         return x
+
+    def prepare(self, node: Node, fn: Callable, args: list[Any], kwargs: dict[str, Any]
+                ) -> tuple[Callable, list[Any], dict[str, Any], Callable[[Any], Any]]:
+        """The per-device call of ``node``: its lowering (or a replacement), arguments (local sizes, extra
+        keywords, a per-shard random key, a held-back bias) and what finishes its result."""
+        args = self.rewrite_args(node, args)
+        kwargs = {**kwargs, **self.extra_kwargs(node)}
+        if "key" in kwargs:
+            kwargs["key"] = self.key(node, kwargs["key"])
+        args, bias_term = self.hold_back_bias(node, args, kwargs)
+        return self.replacement(node) or fn, args, kwargs, functools.partial(self.finish, node, bias_term=bias_term)
 
     def whole(self, x: jax.Array, spec: Any) -> jax.Array:
         """This device's shard of a value laid out as ``spec``, gathered to the whole value."""
