@@ -11,8 +11,11 @@ operands in, and where a local result is a partial sum):
 - size arguments (``view``, ``expand``, ``new_zeros``, …) become the output's local shape;
 - a partial result is finished with ``psum`` (sum, contraction) or ``pmean`` (mean); batch norm over a
   split batch averages its statistics across the devices (``pmean``), as one device would see them;
+- a matmul or convolution whose local result is a partial product adds its bias once, after the psum;
+  an embedding whose table is split by rows looks up only the rows it holds (zeros elsewhere);
 - a random op whose output is split draws from a key folded with the device's position, so shards draw
   different numbers;
+- buffers' new values are gathered whole;
 - every result is checked against its local shape.
 
 The backward pass needs no rules: ``jax.grad`` transposes these collectives (psum ↔ broadcast,
