@@ -29,3 +29,13 @@ def compiler_options(library_fusions: bool = True, num_devices: int = 1) -> dict
     if library_fusions and num_devices == 1 and jax.default_backend() == "cpu":
         return dict(CPU_LIBRARY_FUSIONS)
     return {}
+
+
+MEMORY_FIELDS = ("argument", "output", "alias", "temp", "generated_code")
+
+
+def memory_analysis(compiled: Any) -> dict[str, int]:
+    """XLA's per-device memory analysis of a compiled executable: ``{argument,output,alias,temp,
+    generated_code}_bytes``."""
+    analysis = compiled.memory_analysis()
+    return {f"{field}_bytes": int(getattr(analysis, f"{field}_size_in_bytes", 0) or 0) for field in MEMORY_FIELDS}

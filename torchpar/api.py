@@ -330,14 +330,15 @@ class Engine:
 
     def memory_stats(self) -> list[dict[str, int]]:
         """XLA's per-device memory analysis of each compiled stage (bytes of arguments, outputs, temporaries,
-        generated code) for the most recently used step."""
+        generated code) for the most recently used step. A pipeline stage has two executables: its fields
+        are prefixed ``forward_`` (parameters and a micro-batch in, activations and residuals out) and
+        ``backward_`` (residuals and cotangents in, gradients out); available after the first step."""
         if self._pipeline is not None:
-            raise NotImplementedError("memory_stats is per compiled step; a pipeline has one per stage (not exposed yet)")
+            return self._pipeline.memory_stats()
+        from jaxbackend.compiler import memory_analysis
+
         executable = self._last or next(iter(self._train.values()))
-        analysis = executable.compiled.memory_analysis()
-        fields = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes",
-                  "generated_code_size_in_bytes")
-        return [{f.removesuffix("_size_in_bytes") + "_bytes": int(getattr(analysis, f, 0) or 0) for f in fields}]
+        return [memory_analysis(executable.compiled)]
 
     @property
     def spmd_mode(self) -> str:

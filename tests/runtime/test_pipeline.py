@@ -139,3 +139,23 @@ def test_killing_a_host_actor_mid_step_raises_naming_the_stage():
     finally:
         shutdown()
         torchpar.init(cluster="local", num_devices=8)
+
+
+def test_memory_stats_are_per_stage_and_executable(runtime):
+    model, batch, layer_option, stage_option = _build("mlp", "manual", 2)
+    engine = torchpar.compile(model, torch.optim.SGD(model.parameters(), lr=0.05), example_batch=batch,
+                              method=torchpar.PipeshardParallel(num_micro_batches=2, layer_option=layer_option,
+                                                                stage_option=stage_option))
+    try:
+        engine.step(batch)
+        stats = engine.memory_stats()
+        assert len(stats) == 2
+        stage_param_bytes = 2 * (32 * 32 + 32) * 4  # two Linear(32, 32) layers per stage
+        for stage in stats:
+            assert set(stage) == {f"{e}_{f}_bytes" for e in ("forward", "backward")
+                                  for f in ("argument", "output", "alias", "temp", "generated_code")}
+            # parameters (sharded at most over the stage's 4 devices) enter the forward; gradients leave the backward
+            assert stage["forward_argument_bytes"] >= stage_param_bytes // 4
+            assert stage["backward_output_bytes"] >= stage_param_bytes // 4
+    finally:
+        engine.shutdown()

@@ -75,6 +75,9 @@ class LocalPipeline:
     def hlo_text(self) -> list[str]:
         return [program.forward_hlo() for program in self.programs]
 
+    def memory_stats(self) -> list[dict[str, int]]:
+        return [program.memory_stats() for program in self.programs]
+
     def warm_up(self, scalars: Any) -> None:
         """Compile every stage's functions now rather than inside the first step."""
         for s, program in enumerate(self.programs):

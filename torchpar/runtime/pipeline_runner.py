@@ -67,6 +67,9 @@ class PipelineRunner:
     def hlo_text(self) -> list[str]:
         return self.runtime.hlo_text()
 
+    def memory_stats(self) -> list[dict[str, int]]:
+        return self.runtime.memory_stats()
+
     def shutdown(self) -> None:
         """Free the runtime's workers (Ray actors); the local runtime holds nothing to free."""
         if hasattr(self.runtime, "shutdown"):

@@ -222,6 +222,9 @@ class HostWorker:
     def hlo_text(self) -> dict[int, str]:
         return {s: program.forward_hlo() for s, program in self._programs.items()}
 
+    def memory_stats(self) -> dict[int, dict[str, int]]:
+        return {s: program.memory_stats() for s, program in self._programs.items()}
+
 
 @dataclass
 class StepTimeline:
@@ -371,10 +374,17 @@ class RayPipeline:
         self.workers = {}
 
     def hlo_text(self) -> list[str]:
-        texts: dict[int, str] = {}
-        for result in self._get([w.hlo_text.remote() for w in self.workers.values()], "reading HLO"):
-            texts.update(result)
-        return [texts[s] for s in sorted(texts)]
+        return self._per_stage("hlo_text", "reading HLO")
+
+    def memory_stats(self) -> list[dict[str, int]]:
+        return self._per_stage("memory_stats", "reading memory statistics")
+
+    def _per_stage(self, method: str, what: str) -> list[Any]:
+        """A per-stage result gathered from every host's actor, in stage order."""
+        results: dict[int, Any] = {}
+        for result in self._get([getattr(w, method).remote() for w in self.workers.values()], what):
+            results.update(result)
+        return [results[s] for s in sorted(results)]
 
     def shutdown(self) -> None:
         for worker in self.workers.values():

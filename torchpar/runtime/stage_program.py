@@ -98,6 +98,7 @@ class StageProgram:
         options = self._options = compiler_options(library_fusions, placement.mesh.devices.size)
         self._forward = jax.jit(forward, compiler_options=options)
         self._forward_signature: Any = None
+        self._backward_signature: Any = None
         self._backward = jax.jit(backward, compiler_options=options)
         self._backward_accumulate = jax.jit(backward_accumulate, donate_argnums=(2,), compiler_options=options)
         self._update = jax.jit(update, donate_argnums=(0, 2), compiler_options=options)
@@ -124,19 +125,33 @@ class StageProgram:
     def forward(self, params: dict, buffers: dict, inputs: dict, acts: dict, key: Any) -> tuple[dict, dict, dict, Any]:
         """→ (float outputs incl. the loss, other outputs, new buffers, residuals)."""
         if self._forward_signature is None:
-            self._forward_signature = jax.tree.map(
-                lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None)),
-                (params, buffers, inputs, acts, key))
+            self._forward_signature = _signature_of((params, buffers, inputs, acts, key))
         return self._forward(params, buffers, inputs, acts, key)
 
     def forward_hlo(self) -> str:
         """Optimized HLO of the stage's forward (available after its first step)."""
-        if self._forward_signature is None:
+        return self._compiled(self._forward, self._forward_signature).as_text()
+
+    def memory_stats(self) -> dict[str, int]:
+        """XLA's per-device memory analysis of the stage's forward and backward executables, fields prefixed
+        ``forward_``/``backward_`` (available after the stage's first forward and backward)."""
+        from jaxbackend.compiler import memory_analysis
+
+        stats = {}
+        for prefix, fn, signature in (("forward", self._forward, self._forward_signature),
+                                      ("backward", self._backward, self._backward_signature)):
+            stats.update({f"{prefix}_{k}": v for k, v in memory_analysis(self._compiled(fn, signature)).items()})
+        return stats
+
+    def _compiled(self, fn: Any, signature: Any) -> Any:
+        if signature is None:
             raise RuntimeError("the stage has not run yet: call engine.step first")
-        return self._forward.lower(*self._forward_signature).compile(compiler_options=self._options).as_text()
+        return fn.lower(*signature).compile(compiler_options=self._options)
 
     def backward(self, residuals: Any, cotangents: dict) -> tuple[dict, dict]:
         """→ (parameter gradients, cotangents of the float activation inputs)."""
+        if self._backward_signature is None:
+            self._backward_signature = _signature_of((residuals, cotangents))
         return self._backward(residuals, cotangents)
 
     def backward_into(self, residuals: Any, cotangents: dict, total: dict | None) -> tuple[dict, dict]:
@@ -144,7 +159,7 @@ class StageProgram:
         same executable, so the accumulation costs no extra pass over the gradients.
         → (accumulated gradients, cotangents of the float activation inputs)."""
         if total is None:
-            return self._backward(residuals, cotangents)
+            return self.backward(residuals, cotangents)
         return self._backward_accumulate(residuals, cotangents, total)
 
     def squared_norm(self, grads: dict) -> Any:
@@ -174,3 +189,8 @@ class StageProgram:
             self.update(copy(params), grads, copy(opt_state), scalars, 1.0)
         jax.block_until_ready(grads)
 
+
+
+def _signature_of(args: Any) -> Any:
+    """Shapes, dtypes and shardings of ``args`` (a pytree of arrays), to lower a jitted function again."""
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None)), args)
