@@ -345,30 +345,30 @@ def test_forward_matches_torch_eval(trained, family):
     assert_outputs_match(out, ref, family)
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
-def test_forward_matches_torch_eval_without_cache(family):
-    init, batch = build(family)
-    init.config.use_cache = False
+def _trained_and_eval_reference(init, batch, family: str, optimizer: str):
+    """An engine trained 3 steps from a copy of ``init``, its synced model, and that model's eval outputs."""
     model = copy.deepcopy(init)
-    engine = torchpar.compile(model, make_optimizer("sgd", family, model), example_batch=batch)
+    engine = torchpar.compile(model, make_optimizer(optimizer, family, model), example_batch=batch)
     for _ in range(3):
         engine.step(batch)
     engine.sync_to_torch()
     with torch.no_grad():
         ref = copy.deepcopy(model).eval()(**batch)
+    return engine, model, ref
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_forward_matches_torch_eval_without_cache(family):
+    init, batch = build(family)
+    init.config.use_cache = False
+    engine, _, ref = _trained_and_eval_reference(init, batch, family, "sgd")
     assert_outputs_match(engine.forward(batch), ref, family)
 
 
 @pytest.mark.parametrize("family", ["bert"])
 def test_forward_is_eval_mode_with_dropout(family):
     init, batch = build(family, dropout=0.1)
-    model = copy.deepcopy(init)
-    engine = torchpar.compile(model, make_optimizer("adamw", family, model), example_batch=batch)
-    for _ in range(3):
-        engine.step(batch)
-    engine.sync_to_torch()
-    with torch.no_grad():
-        ref = copy.deepcopy(model).eval()(**batch)
+    engine, model, ref = _trained_and_eval_reference(init, batch, family, "adamw")
     first = engine.forward(batch)
     assert_outputs_match(first, ref, family)
     assert torch.equal(engine.forward(batch).logits, first.logits), "eval forward must not drop out"

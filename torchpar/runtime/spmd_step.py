@@ -54,18 +54,13 @@ def make_spmd_step(run: Callable, layouts: Any, stage: StagePlan, *, mesh: Any, 
     state = {n: _spec(stage.optimizer_state.get(n)) or grad[n] for n in param_names}
     live_axes = tuple(a for a in jsh.AXIS_NAMES if mesh.shape[a] > 1)
 
-    def spec_or_whole(spec: Any, rank: int) -> tuple:
-        return spec if spec is not None else (None,) * rank
-
     def body(params, opt_state, buffers, inputs, scalars, key):
-        read = {n: _as_read(program, p, stored[n], at_use[n]) for n, p in params.items() if n not in trainable}
+        read = {n: _relayout(program, p, stored[n], at_use[n]) for n, p in params.items() if n not in trainable}
 
         def loss_of(train_params):
             used = dict(read)
             for name, p in train_params.items():
-                used[name] = p if _same(stored[name], at_use[name]) else \
-                    program.reshard(p, spec_or_whole(stored[name], p.ndim), spec_or_whole(at_use[name], p.ndim),
-                                    invariant=False)
+                used[name] = _relayout(program, p, stored[name], at_use[name], invariant=False)
             outputs, new_buffers = run(used, buffers, inputs, key)
             for name, value in new_buffers.items():
                 require_invariant(value, f"the new value of buffer {name}")
@@ -81,8 +76,7 @@ def make_spmd_step(run: Callable, layouts: Any, stage: StagePlan, *, mesh: Any, 
         if grad_clip_norm is not None:  # a sharded gradient's sum of squares is completed across its shards
             grads, _ = jax_optim.clip_grads_by_global_norm(
                 grads, grad_clip_norm, lambda name, s: jax.lax.psum(s, _axes(grad[name])) if _axes(grad[name]) else s)
-        pieces = {n: (program.reshard(p, spec_or_whole(stored[n], p.ndim), spec_or_whole(grad[n], p.ndim))
-                      if n in grads else p) for n, p in params.items()}
+        pieces = {n: _relayout(program, p, stored[n], grad[n]) if n in grads else p for n, p in params.items()}
         new_params, new_state = jax_optim.apply_updates(spec, pieces, grads, opt_state, scalars)
         return loss, new_params, new_state, {**buffers, **new_buffers}
 
@@ -120,11 +114,12 @@ def _varying_copy(p: jax.Array, stored: Any, at_use: Any, live_axes: tuple[str, 
     return jax.lax.pcast(p, free, to="varying") if free else p
 
 
-def _as_read(program: LocalProgram, p: jax.Array, stored: Any, at_use: Any) -> jax.Array:
-    if _same(stored, at_use):
+def _relayout(program: LocalProgram, p: jax.Array, have: Any, wanted: Any, *, invariant: bool = True) -> jax.Array:
+    """This device's piece of ``p`` (laid out as ``have``; ``None`` = whole) as laid out as ``wanted``."""
+    if _same(have, wanted):
         return p
     whole = (None,) * p.ndim
-    return program.reshard(p, stored or whole, at_use or whole)
+    return program.reshard(p, have or whole, wanted or whole, invariant=invariant)
 
 
 def _spec(json_spec: Any) -> tuple | None:

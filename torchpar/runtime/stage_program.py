@@ -99,6 +99,7 @@ class StageProgram:
         self._forward = jax.jit(forward, compiler_options=options)
         self._forward_signature: Any = None
         self._backward_signature: Any = None
+        self._inspected: dict[Any, Any] = {}
         self._backward = jax.jit(backward, compiler_options=options)
         self._backward_accumulate = jax.jit(backward_accumulate, donate_argnums=(2,), compiler_options=options)
         self._update = jax.jit(update, donate_argnums=(0, 2), compiler_options=options)
@@ -144,9 +145,12 @@ class StageProgram:
         return stats
 
     def _compiled(self, fn: Any, signature: Any) -> Any:
+        """``fn`` compiled for ``signature`` (once: HLO text and memory statistics read the same executable)."""
         if signature is None:
             raise RuntimeError("the stage has not run yet: call engine.step first")
-        return fn.lower(*signature).compile(compiler_options=self._options)
+        if fn not in self._inspected:
+            self._inspected[fn] = fn.lower(*signature).compile(compiler_options=self._options)
+        return self._inspected[fn]
 
     def backward(self, residuals: Any, cotangents: dict) -> tuple[dict, dict]:
         """→ (parameter gradients, cotangents of the float activation inputs)."""

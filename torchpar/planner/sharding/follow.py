@@ -203,13 +203,17 @@ def _broadcast_like(out: TensorMeta, operands: Sequence[Any], main: int, main_sp
     return Follow(out_spec_t, tuple(required), comm)
 
 
-def _reduce(node: Node, main_meta: TensorMeta, out: TensorMeta, spec: Spec, mesh: LogicalMesh, n_operands: int) -> Follow:
-    rank = len(main_meta.shape)
+def reduced_dims(node: Node, rank: int) -> set[int]:
+    """The dims of its rank-``rank`` operand that the reduction ``node`` reduces over."""
     dims_arg = node.args[1] if len(node.args) > 1 else None
     if node.target in ("aten.sum.default", "aten.mean.default", "aten.any.default") or dims_arg is None or dims_arg == []:
-        dims = set(range(rank))
-    else:
-        dims = {d % rank for d in ([dims_arg] if isinstance(dims_arg, int) else dims_arg)}
+        return set(range(rank))
+    return {d % rank for d in ([dims_arg] if isinstance(dims_arg, int) else dims_arg)}
+
+
+def _reduce(node: Node, main_meta: TensorMeta, out: TensorMeta, spec: Spec, mesh: LogicalMesh, n_operands: int) -> Follow:
+    rank = len(main_meta.shape)
+    dims = reduced_dims(node, rank)
     keepdim = len(out.shape) == rank
     out_spec = tuple((None if d in dims else e) for d, e in enumerate(spec)) if keepdim else \
         tuple(e for d, e in enumerate(spec) if d not in dims)

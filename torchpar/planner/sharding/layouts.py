@@ -21,7 +21,7 @@ from typing import Any
 from torchpar.ir.graph import Graph, Node, TensorMeta
 from torchpar.planner.plan import StagePlan
 from torchpar.planner.sharding.cost_model import LogicalMesh
-from torchpar.planner.sharding.follow import _REDUCTIONS, Multi, follow
+from torchpar.planner.sharding.follow import _REDUCTIONS, Multi, follow, reduced_dims
 from torchpar.planner.sharding.solver_graph import _SKIPPED, _numel
 from torchpar.planner.sharding.spec import Spec, from_json
 from torchpar.planner.sharding.strategies import anchor_einsum
@@ -153,12 +153,7 @@ def _replay_anchor(node: Node, stage: StagePlan, layouts: ValueLayouts) -> None:
 def _replay_reduction(node: Node, main_meta: TensorMeta, spec: Spec | None, layouts: ValueLayouts) -> None:
     if not spec:
         return
-    rank = len(main_meta.shape)
-    dims_arg = node.args[1] if len(node.args) > 1 else None
-    if node.target in ("aten.sum.default", "aten.mean.default") or dims_arg is None or dims_arg == []:
-        dims = set(range(rank))
-    else:
-        dims = {d % rank for d in ([dims_arg] if isinstance(dims_arg, int) else dims_arg)}
+    dims = reduced_dims(node, len(main_meta.shape))
     axes = tuple(sorted(a for d, entry in enumerate(spec) if entry and d in dims for a in entry))
     if not axes:
         return
