@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
             if round_index >= args.warmup:
                 times[name].append(elapsed)
                 if eng is piped:
-                    bubbles.append(eng._pipeline.runtime.last_timeline.bubble_fraction)
+                    bubbles.append(eng.last_timeline.bubble_fraction)
     medians = {name: statistics.median(values) for name, values in times.items()}
     speedup = medians["one host"] / medians["2-stage pipeline"]
     stages, micro = 2, args.micro_batches

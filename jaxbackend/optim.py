@@ -71,6 +71,7 @@ __all__ = [
     "init_state",
     "apply_updates",
     "clip_grads_by_global_norm",
+    "clip_coefficient",
     "step_scalars",
     "state_keys",
 ]
@@ -264,9 +265,15 @@ def clip_grads_by_global_norm(grads: Mapping[str, Array], max_norm: float | Arra
     complete_sum = complete_sum or (lambda name, s: s)
     norms = [jnp.sqrt(complete_sum(k, jnp.sum(jnp.square(_opmath(g)[0])))) for k, g in grads.items()]
     total_norm = jnp.sqrt(jnp.sum(jnp.square(jnp.stack([n.astype(jnp.float32) for n in norms]))))
-    clip_coef = jnp.minimum(jnp.asarray(max_norm, jnp.float32) / (total_norm + 1e-6), 1.0)
+    clip_coef = clip_coefficient(total_norm, max_norm)
     clipped = {k: (g * clip_coef.astype(g.dtype)).astype(g.dtype) for k, g in grads.items()}
     return clipped, total_norm
+
+
+def clip_coefficient(total_norm: Array | float, max_norm: float | Array) -> Array:
+    """``clip_grad_norm_``'s factor ``min(max_norm / (total_norm + 1e-6), 1)`` in float32: every gradient is
+    multiplied by it (the one clipping formula; a pipeline computes ``total_norm`` across its stages)."""
+    return jnp.minimum(jnp.asarray(max_norm, jnp.float32) / (jnp.asarray(total_norm, jnp.float32) + 1e-6), 1.0)
 
 
 def _f32(x: float) -> np.ndarray:

@@ -1,6 +1,6 @@
 """Specs → JAX shardings on a device mesh.
 
-A spec (see ``torchpar.planner.sharding.spec``) has one entry per tensor dim: ``None`` or a tuple of
+A spec (see ``torchpar.ir.layout``) has one entry per tensor dim: ``None`` or a tuple of
 logical mesh axes. Axis ``a`` is the mesh axis named ``"d{a}"``.
 """
 

@@ -3,7 +3,7 @@
 Under GSPMD (the default) every op sees global shapes and XLA partitions the program. Inside a
 ``shard_map`` every op sees its device's shard, so the program must say itself what XLA would
 otherwise insert. :class:`LocalProgram` does that from the value layouts of a plan
-(``torchpar.planner.sharding.layouts.ValueLayouts``: a spec per value, the spec each op reads its
+(a ``ValueLayouts`` from the planner, taken as data: a spec per value, the spec each op reads its
 operands in, and where a local result is a partial sum):
 
 - an operand laid out differently from what its op reads is resharded: a split dim that must be whole
@@ -34,7 +34,7 @@ import jax.numpy as jnp
 
 from jaxbackend.sharding import AXIS_NAMES
 from torchpar.ir.graph import Node, TensorMeta
-from torchpar.planner.sharding.follow import Multi
+from torchpar.ir.layout import Multi
 
 _SIZE_ARGUMENT = {"aten.view.default": 1, "aten._unsafe_view.default": 1, "aten.reshape.default": 1,
                   "aten.expand.default": 1, "aten.new_zeros.default": 1, "aten.new_ones.default": 1,

@@ -1,15 +1,14 @@
 """torchpar: automatic inter- and intra-operator parallelism for PyTorch training, on JAX/XLA.
 
-The public face. ``import torchpar`` does not import JAX, so ``torchpar.init(num_devices=N)`` can still
-set the number of (fake CPU) devices before JAX starts.
+The public face. ``import torchpar`` imports neither JAX nor torch, so ``torchpar.init(num_devices=N)`` can
+still set the number of (fake CPU) devices before JAX starts, and Ray host actors start without torch.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from torchpar.capture.boundary import mark_pipeline_boundary
-from torchpar.cluster import ClusterSpec, init
+from torchpar.cluster import ClusterSpec, init, shutdown
 from torchpar.methods import (
     AutoLayerOption,
     DataParallel,
@@ -20,10 +19,20 @@ from torchpar.methods import (
     Zero2Parallel,
     Zero3Parallel,
 )
-from torchpar.planner.plan import Plan
 
 if TYPE_CHECKING:
     from torchpar.api import Engine
+    from torchpar.planner.plan import Plan
+
+
+def __getattr__(name: str) -> Any:
+    """``torchpar.Plan`` on first use: importing the package pulls in no planner, lowering or runtime module
+    (``jaxbackend`` imports ``torchpar.ir`` and must not drag the planner in with it)."""
+    if name == "Plan":
+        from torchpar.planner.plan import Plan
+
+        return Plan
+    raise AttributeError(f"module 'torchpar' has no attribute {name!r}")
 
 
 def compile(model: Any, optimizer: Any, **kwargs: Any) -> "Engine":
@@ -33,11 +42,19 @@ def compile(model: Any, optimizer: Any, **kwargs: Any) -> "Engine":
     return api.compile(model, optimizer, **kwargs)
 
 
-def plan(model: Any, optimizer: Any, **kwargs: Any) -> Plan:
+def plan(model: Any, optimizer: Any, **kwargs: Any) -> "Plan":
     """Capture and plan without compiling or running a step; see :func:`torchpar.api.plan`."""
     from torchpar import api
 
     return api.plan(model, optimizer, **kwargs)
+
+
+def mark_pipeline_boundary(x: Any) -> Any:
+    """Identity on ``x`` inside ``forward`` that survives ``torch.export``: with ``layer_option="manual"`` a
+    pipeline layer ends here (see :func:`torchpar.capture.boundary.mark_pipeline_boundary`)."""
+    from torchpar.capture.boundary import mark_pipeline_boundary as mark
+
+    return mark(x)
 
 
 compile.__doc__ = (
@@ -61,4 +78,5 @@ __all__ = [
     "init",
     "mark_pipeline_boundary",
     "plan",
+    "shutdown",
 ]

@@ -34,15 +34,23 @@ class ClusterSpec:
     beta: tuple[float, float] = (1e-9, 1e-10)
     """Inverse bandwidth (s/byte) on logical mesh axis 0 and axis 1."""
     runtime: str = "local"
-    """Where pipeline stages run: ``"local"`` (this process) or ``"ray"`` (one actor per host)."""
+    """Where plans run: ``"local"`` (this process's devices) or ``"ray"`` (one actor per host)."""
     cores_per_host: int | None = None
-    """Ray runtime on one machine: CPU cores each host actor is pinned to (``None`` = an even share)."""
+    """Ray runtime, simulated hosts on one machine: CPU cores each host actor is pinned to (``None`` = an even
+    share)."""
+    accelerator: str = "cpu"
+    """Devices of a host: ``"cpu"`` (JAX CPU devices) or ``"gpu"``."""
+    timeout_s: float = 60.0
+    """Ray runtime: the longest a step, a message between stages or placing the host actors may take before
+    the engine raises (compilation has its own, longer limit)."""
 
     def __post_init__(self) -> None:
         if self.num_hosts < 1 or self.devices_per_host < 1:
             raise ValueError(f"a cluster needs ≥1 host and ≥1 device per host, got {self.num_hosts}×{self.devices_per_host}")
         if self.device_flops <= 0 or self.device_memory_bytes <= 0:
             raise ValueError("device_flops and device_memory_bytes must be positive")
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
         if len(self.alpha) != 2 or len(self.beta) != 2 or min(*self.alpha, *self.beta) < 0:
             raise ValueError(f"alpha and beta are two non-negative numbers (axis 0, axis 1), got {self.alpha}, {self.beta}")
 
@@ -55,28 +63,40 @@ _cluster: ClusterSpec | None = None
 
 
 def init(cluster: str = "local", num_devices: int | None = None, *, num_hosts: int | None = None,
-         devices_per_host: int | None = None, address: str | None = None,
-         cores_per_host: int | None = None) -> ClusterSpec:
-    """Declare the cluster torchpar plans for; call it before anything imports JAX.
+         devices_per_host: int | None = None, address: str | None = None, accelerator: str = "auto",
+         cores_per_host: int | None = None, timeout_s: float = 60.0) -> ClusterSpec:
+    """Declare the cluster torchpar plans for and runs on; call it before anything imports JAX.
 
     - ``cluster="local", num_devices=N``: one process with N (fake CPU) devices, seen as one host; or
       ``num_hosts=H, devices_per_host=D`` to simulate H hosts of D devices in this process.
-    - ``cluster="ray", num_hosts=H, devices_per_host=D``: start an embedded Ray with one actor per host,
-      each owning D fake CPU devices; ``address=...`` joins an existing Ray cluster instead. On one machine
-      each host actor is pinned to ``cores_per_host`` cores (default: an even share of the machine's).
-    Returns the :class:`ClusterSpec` in force.
+    - ``cluster="ray", num_hosts=H, devices_per_host=D``: start an embedded Ray on this machine with one actor
+      per simulated host, each owning D devices (GPUs if the machine has H·D of them, else JAX CPU devices).
+    - ``cluster="ray", address="auto" | "ip:port"``: join a running Ray cluster; every alive node is a host,
+      owning its GPUs (``devices_per_host`` defaults to the GPUs per node; 1 CPU device on CPU-only nodes);
+      ``num_hosts`` / ``devices_per_host`` select a subset.
+    - ``accelerator``: ``"auto"``, or force ``"cpu"`` / ``"gpu"`` host devices (Ray runtime).
+    - ``cores_per_host``: simulated hosts are pinned to this many cores each (default: an even share).
+    - ``timeout_s``: Ray runtime, the longest a step or placing the actors may take before it raises.
+
+    The driver process holds no device of a Ray plan. Returns the :class:`ClusterSpec` in force.
     """
     global _cluster
     if cluster not in ("local", "ray"):
         raise ValueError(f"cluster must be 'local' or 'ray', got {cluster!r}")
+    if cores_per_host is not None and cores_per_host < 1:
+        raise ValueError(f"cores_per_host must be ≥ 1, got {cores_per_host}")
+    if num_hosts is not None and num_hosts < 1 or devices_per_host is not None and devices_per_host < 1:
+        raise ValueError(f"num_hosts and devices_per_host must be ≥ 1, got {num_hosts} and {devices_per_host}")
+    if cluster == "ray":
+        return _init_ray(address, num_hosts, devices_per_host, accelerator, cores_per_host, timeout_s)
+    if address is not None:
+        raise ValueError("address= joins a Ray cluster: use cluster='ray'")
     if num_hosts is not None or devices_per_host is not None:
-        if num_hosts is None or devices_per_host is None or num_hosts < 1 or devices_per_host < 1:
+        if num_hosts is None or devices_per_host is None:
             raise ValueError("give both num_hosts ≥ 1 and devices_per_host ≥ 1")
         if num_devices is not None and num_devices != num_hosts * devices_per_host:
             raise ValueError(f"num_devices={num_devices} contradicts {num_hosts} hosts × {devices_per_host} devices")
         num_devices = num_hosts * devices_per_host
-    elif cluster == "ray":
-        raise ValueError("cluster='ray' needs num_hosts and devices_per_host")
     if num_devices is not None:
         if num_devices < 1:
             raise ValueError(f"num_devices must be ≥ 1, got {num_devices}")
@@ -84,44 +104,50 @@ def init(cluster: str = "local", num_devices: int | None = None, *, num_hosts: i
     import jax  # after XLA_FLAGS is set
 
     available = jax.device_count()
-    if num_devices is not None and available < num_devices and cluster == "local":
+    if num_devices is not None and available < num_devices:
         raise RuntimeError(
             f"torchpar.init asked for {num_devices} devices but JAX has {available}: JAX was imported before "
             "torchpar.init; call torchpar.init first, or set XLA_FLAGS="
             f"{_DEVICE_COUNT_FLAG}={num_devices} before starting Python")
     hosts = num_hosts or 1
     per_host = devices_per_host or (num_devices or available)
-    if cluster == "ray":
-        _start_ray(address, hosts)
-    if cores_per_host is not None and cores_per_host < 1:
-        raise ValueError(f"cores_per_host must be ≥ 1, got {cores_per_host}")
-    _cluster = ClusterSpec(num_hosts=hosts, devices_per_host=per_host, runtime=cluster, cores_per_host=cores_per_host)
-    log.info("torchpar cluster: %s, %d host(s) × %d device(s) of %s", cluster, hosts, per_host,
-             jax.devices()[0].platform)
+    accelerator_found = "gpu" if jax.devices()[0].platform == "gpu" else "cpu"
+    _cluster = ClusterSpec(num_hosts=hosts, devices_per_host=per_host, runtime="local", cores_per_host=cores_per_host,
+                           accelerator=accelerator_found, timeout_s=timeout_s)
+    log.info("torchpar cluster: local, %d host(s) × %d device(s) of %s", hosts, per_host, jax.devices()[0].platform)
+    return _cluster
+
+
+def _init_ray(address: str | None, num_hosts: int | None, devices_per_host: int | None, accelerator: str,
+              cores_per_host: int | None, timeout_s: float) -> ClusterSpec:
+    global _cluster
+    from torchpar.runtime import ray_cluster
+
+    if address is None and (num_hosts is None or devices_per_host is None):
+        raise ValueError("cluster='ray' needs num_hosts and devices_per_host (simulated hosts on this machine), or "
+                         "address='auto' / 'ip:port' to join a running Ray cluster")
+    connected = ray_cluster.connect(address=address, num_hosts=num_hosts, devices_per_host=devices_per_host,
+                                    accelerator=accelerator)
+    _cluster = ClusterSpec(num_hosts=len(connected.hosts), devices_per_host=connected.devices_per_host, runtime="ray",
+                           cores_per_host=cores_per_host, accelerator=connected.accelerator, timeout_s=timeout_s)
     return _cluster
 
 
 def shutdown() -> None:
-    """Stop the embedded Ray (if torchpar started one) and forget the cluster."""
+    """Close every open engine of this process (freeing their Ray actors), disconnect from Ray (stopping the
+    embedded instance if torchpar started one) and forget the cluster."""
     global _cluster
+    if "torchpar.runtime.executor" in sys.modules:
+        from torchpar.runtime.executor import close_all
+
+        closed = close_all()
+        if closed:
+            log.info("torchpar.shutdown: closed %d open engine(s)", closed)
     _cluster = None
-    import ray
+    if "ray" in sys.modules:
+        from torchpar.runtime import ray_cluster
 
-    if ray.is_initialized():
-        ray.shutdown()
-
-
-def _start_ray(address: str | None, num_hosts: int) -> None:
-    import ray
-
-    if ray.is_initialized():
-        return
-    if address is not None:
-        ray.init(address=address, log_to_driver=True)
-        return
-    cpus = max(os.cpu_count() or 1, num_hosts)
-    ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=True, configure_logging=False,
-             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}})
+        ray_cluster.disconnect()
 
 
 def current_cluster() -> ClusterSpec:

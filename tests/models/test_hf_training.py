@@ -269,7 +269,7 @@ def test_lr_scheduler_changes_lr_without_recompiling(family):
             ref_scheduler.step()
     assert len(set(lrs)) == len(lrs), f"the schedule should change lr every step: {lrs}"
     assert_losses_close(ours, ref, what=f"{family} AdamW + LambdaLR")
-    assert len(engine._train) == 1, "changing lr must not recompile the step"
+    assert engine.compiled_signatures == 1, "changing lr must not recompile the step"
 
 
 # --- 4. dropout -----------------------------------------------------------------------------------
@@ -450,7 +450,7 @@ def test_new_batch_shape_recompiles_once_and_matches(family, caplog):
                               if r.name.startswith("torchpar")))
     ref = [torch_step(ref_model, ref_optimizer, b) for b in sequence]
     assert recompiles == [0, 1, 0, 0, 0], f"recompile log lines per step: {recompiles}"
-    assert len(engine._train) == 2
+    assert engine.compiled_signatures == 2
     assert_losses_close(ours, ref, what=f"{family} AdamW, alternating batch shapes")
 
 
@@ -465,4 +465,4 @@ def test_batch_with_other_structure_or_dtype_is_rejected(trained, family):
     retyped = {**batch, key: batch[key].to(torch.int32 if key == "input_ids" else torch.float64)}
     with pytest.raises(ValueError, match="dtype"):
         engine.step(retyped)
-    assert len(engine._train) == 1, "a rejected batch must not compile anything"
+    assert engine.compiled_signatures == 1, "a rejected batch must not compile anything"

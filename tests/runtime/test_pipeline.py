@@ -128,7 +128,7 @@ def test_killing_a_host_actor_mid_step_raises_naming_the_stage():
         engine = torchpar.compile(model, torch.optim.SGD(model.parameters(), lr=0.01), example_batch=batch,
                                   method=method)
         engine.step(batch)  # warm up: compiled and running
-        victim = engine._pipeline.runtime.workers[1]
+        victim = engine.executor.actors[1]
         killer = threading.Timer(0.3, lambda: __import__("ray").kill(victim))
         start = time.monotonic()
         killer.start()

@@ -312,7 +312,8 @@ def _source_line(stack_trace: str | None) -> str:
     lines = stack_trace.strip().splitlines()
     frames = [(lines[i].strip(), lines[i + 1].strip() if i + 1 < len(lines) else "")
               for i in range(len(lines)) if lines[i].lstrip().startswith("File ")]
-    user_frames = [f for f in frames if "/torch/" not in f[0] and "torchpar/capture" not in f[0]]
+    user_frames = [f for f in frames if "/torch/" not in f[0] and "torchpar/capture" not in f[0]
+                   and "torchpar/__init__.py" not in f[0]]
     frame, code = (user_frames or frames or [("", "")])[-1]
     location = frame.removeprefix("File ").replace('", line ', ":").replace('"', "")
     return f"{location}: {code}" if code else location

@@ -49,6 +49,10 @@ def plan_for_method(graph: Graph, method: Any, cluster: ClusterSpec, *, trainabl
     else:
         result = plan_stage(graph, mesh_shape=(1, cluster.num_devices), **common)
     elapsed = time.perf_counter() - start
+    count = result.stage.logical_mesh_shape[0] * result.stage.logical_mesh_shape[1]
+    per_host = cluster.devices_per_host
+    result.stage.submesh_shape = (count // per_host, per_host) if count > per_host and count % per_host == 0 else (1, count)
+    result.stage.device_ids = list(range(count))
     stats = result.solver_stats()
     return Plan(method=kind, stages=[result.stage], estimated_step_s=result.stage.estimated_cost_s,
                 solver=stats, timings={"ilp": elapsed},

@@ -25,11 +25,11 @@ from typing import Literal
 
 from torchpar.cluster import ClusterSpec
 from torchpar.ir.graph import Graph
+from torchpar.ir.layout import Spec, is_valid, make_spec, to_json
 from torchpar.planner.plan import StagePlan
 from torchpar.planner.sharding.cost_model import LogicalMesh
 from torchpar.planner.sharding.ilp import Solution, evaluate, solve
 from torchpar.planner.sharding.solver_graph import SolverGraph, build_solver_graph
-from torchpar.planner.sharding.spec import Spec, is_valid, make_spec, to_json
 
 log = logging.getLogger(__name__)
 

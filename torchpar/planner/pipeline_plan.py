@@ -97,6 +97,7 @@ def plan_pipeline(graph: Graph, method: PipeshardParallel, cluster: ClusterSpec,
                             memory_budget=cluster.device_memory_bytes)
         result.stage.layers = stage_layers[index]
         result.stage.submesh_shape = submeshes[index]
+        result.stage.device_ids = devices[index]
         stage_plans.append(result.stage)
         solver[f"stage{index}"] = result.solver_stats()
     timings["ilp"] = time.perf_counter() - start

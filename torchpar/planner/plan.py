@@ -39,6 +39,13 @@ class StagePlan:
     activations: dict[str, Spec] = field(default_factory=dict)
     operands: dict[str, list[Spec | None]] = field(default_factory=dict)
     strategies: dict[str, str] = field(default_factory=dict)
+    device_ids: list[int] = field(default_factory=list)
+    """Cluster device indices of the submesh (host ``h`` owns ``[h·D, (h+1)·D)`` for ``D`` devices per host),
+    in the logical mesh's row-major order; empty means the first ``d0·d1`` devices."""
+
+    def devices(self) -> list[int]:
+        """:attr:`device_ids`, or the first ``d0·d1`` device indices when none are stored."""
+        return list(self.device_ids) or list(range(self.logical_mesh_shape[0] * self.logical_mesh_shape[1]))
 
 
 @dataclass(kw_only=True)

@@ -1,6 +1,6 @@
 """Where a one-stage plan puts things: a device mesh and a JAX sharding for every pinned tensor.
 
-Built from a :class:`~torchpar.planner.plan.StagePlan`; the engine places parameters, optimizer state
+Built from a :class:`~torchpar.planner.plan.StagePlan`; the runtime places parameters, optimizer state
 and batches with it, and hands its value/operand shardings to the lowering (which constrains them with
 ``with_sharding_constraint``). One device is the 1×1 mesh, so every plan runs on one code path.
 """
@@ -29,8 +29,10 @@ class Placement:
     replicated: Any
 
     @classmethod
-    def from_stage(cls, stage: StagePlan, graph: Graph, devices: list[Any] | None = None) -> "Placement":
-        """Shardings of ``stage`` on a mesh of ``devices`` (default: the first devices JAX has)."""
+    def from_stage(cls, stage: StagePlan, graph: Graph | None, devices: list[Any] | None = None) -> "Placement":
+        """Shardings of ``stage`` on a mesh of ``devices`` (default: the first devices JAX has). Without a
+        ``graph`` only the stored tensors are placed (parameters, optimizer state, batch leaves), not the
+        values inside the step."""
         from jaxbackend import sharding as jsh
 
         mesh = jsh.make_mesh(tuple(stage.logical_mesh_shape), devices)
@@ -40,6 +42,8 @@ class Placement:
         state = {n: named(stage.optimizer_state.get(n, s)) for n, s in stage.params.items()}
         inputs = {int(i): named(s) for i, s in stage.inputs.items()}
         values: dict[str, Any] = {}
+        if graph is None:
+            return cls(mesh, params, grads, state, inputs, values, {}, jsh.replicated(mesh))
         by_target = {}
         for inp in graph.inputs:
             if inp.kind == "param":

@@ -1,6 +1,6 @@
 """The training step of a one-stage plan as one per-device program (``jax.shard_map``).
 
-The GSPMD step (``torchpar.api``) leaves collectives to XLA's partitioner. This one writes them: the
+The GSPMD step (:func:`torchpar.runtime.train_step.make_fused_step`) leaves collectives to XLA's partitioner. This one writes them: the
 lowering runs per device (:mod:`jaxbackend.spmd`), and the step around it handles parameters by their
 three layouts in the plan — stored (``S``), read by the model (``U``), gradient and optimizer state
 (``G``):
@@ -33,11 +33,12 @@ import jax
 from jaxbackend import sharding as jsh
 from jaxbackend.spmd import LocalProgram, axis_names, require_invariant
 from torchpar.planner.plan import StagePlan
+from torchpar.runtime.train_step import optimizer_tail
 
 
 def make_spmd_step(run: Callable, layouts: Any, stage: StagePlan, *, mesh: Any, param_names: list[str],
                    buffer_names: list[str], state_keys: dict[str, list[str]], num_inputs: int,
-                   trainable: tuple[str, ...], spec: Any, jax_optim: Any,
+                   trainable: tuple[str, ...], spec: Any,
                    grad_clip_norm: float | None, per_device_gradients: bool) -> Callable:
     """``step(params, opt_state, buffers, inputs, scalars, key) → (loss, params, opt_state, buffers)`` as
     a ``shard_map`` over ``mesh``, for ``run`` lowered per device with ``layouts`` (see the module
@@ -73,11 +74,11 @@ def make_spmd_step(run: Callable, layouts: Any, stage: StagePlan, *, mesh: Any, 
                   else params[n] for n in trainable}
         (loss, new_buffers), grads = jax.value_and_grad(loss_of, has_aux=True)(copies)
         grads = {n: _finish_gradient(g, stored[n], grad[n]) for n, g in grads.items()}
-        if grad_clip_norm is not None:  # a sharded gradient's sum of squares is completed across its shards
-            grads, _ = jax_optim.clip_grads_by_global_norm(
-                grads, grad_clip_norm, lambda name, s: jax.lax.psum(s, _axes(grad[name])) if _axes(grad[name]) else s)
         pieces = {n: _relayout(program, p, stored[n], grad[n]) if n in grads else p for n, p in params.items()}
-        new_params, new_state = jax_optim.apply_updates(spec, pieces, grads, opt_state, scalars)
+        # a sharded gradient's sum of squares is completed across its shards for clipping
+        new_params, new_state = optimizer_tail(
+            spec, pieces, grads, opt_state, scalars, grad_clip_norm=grad_clip_norm,
+            complete_sum=lambda name, s: jax.lax.psum(s, _axes(grad[name])) if _axes(grad[name]) else s)
         return loss, new_params, new_state, {**buffers, **new_buffers}
 
     P = jsh.partition_spec

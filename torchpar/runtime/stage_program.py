@@ -6,8 +6,9 @@ activations it sent on (the last stage seeds its loss with ``1/M``), and adds th
 into an accumulator. After the last micro-batch, ``update`` applies the optimizer once to the stage's
 parameters with the accumulated gradients (optionally scaled by a global clipping factor).
 
-Everything here is plain JAX on the stage's placement; the runtimes (:mod:`.local`, :mod:`.ray_runtime`)
-move activations and cotangents between stages.
+Everything here is plain JAX on the stage's placement, whose devices may span several processes (then
+every process of the stage builds the same program and runs it on global arrays); the pipeline
+interpreter (:mod:`.interpreter`) moves activations and cotangents between stages.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ from jaxbackend import optim as jax_optim
 from jaxbackend.compiler import compiler_options
 from jaxbackend.lower import lower
 from torchpar.planner.slicing import StageGraph
+from torchpar.runtime.arrays import put
 from torchpar.runtime.placement import Placement
+from torchpar.runtime.train_step import optimizer_tail
 
 LOSS = "__loss__"
 
@@ -89,8 +92,7 @@ class StageProgram:
             return accumulate(total, grads), act_cotangents
 
         def update(params, grads, state, scalars, clip_scale):
-            grads = {n: g * clip_scale.astype(g.dtype) for n, g in grads.items()}
-            return jax_optim.apply_updates(self.spec, params, grads, state, scalars)
+            return optimizer_tail(self.spec, params, grads, state, scalars, clip_scale=clip_scale)
 
         def squared_norm(grads):
             return sum((jnp.sum(jnp.square(g.astype(jnp.float32))) for g in grads.values()), jnp.float32(0))
@@ -109,19 +111,19 @@ class StageProgram:
 
     def put(self, value: Any) -> Any:
         """``value`` replicated on this stage's devices."""
-        return jax.device_put(value, self.placement.replicated)
+        return put(value, self.placement.replicated)
 
     def put_param(self, name: str, value: Any) -> Any:
-        return jax.device_put(value, self.placement.param(name))
+        return put(value, self.placement.param(name))
 
     def put_state(self, name: str, value: Any) -> Any:
-        return jax.device_put(value, self.placement.state_of(name))
+        return put(value, self.placement.state_of(name))
 
     def put_input(self, index: int, value: Any) -> Any:
-        return jax.device_put(value, self.placement.input(index))
+        return put(value, self.placement.input(index))
 
     def put_activation(self, name: str, value: Any) -> Any:
-        return jax.device_put(value, self.placement.value(name))
+        return put(value, self.placement.value(name))
 
     def forward(self, params: dict, buffers: dict, inputs: dict, acts: dict, key: Any) -> tuple[dict, dict, dict, Any]:
         """→ (float outputs incl. the loss, other outputs, new buffers, residuals)."""

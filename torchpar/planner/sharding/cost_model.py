@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from torchpar.planner.sharding.spec import MeshShape, Spec, dim_shards, num_shards
+from torchpar.ir.layout import MeshShape, Spec, dim_shards, num_shards
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -22,14 +22,8 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from torchpar.ir.graph import Node, TensorMeta
+from torchpar.ir.layout import Multi, Spec, is_valid
 from torchpar.planner.sharding.cost_model import LogicalMesh
-from torchpar.planner.sharding.spec import Spec, is_valid
-
-
-
-class Multi(tuple):
-    """The specs of a multi-output op's results (``None`` for non-tensor results)."""
-
 
 OutSpec = Spec | Multi | None
 

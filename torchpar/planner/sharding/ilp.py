@@ -14,7 +14,9 @@ compute + the collectives the strategy and its merged followers cause; per-strat
 The edge variables linearize the product ``x_u[k]·x_v[l]``. Because every ``R ≥ 0`` and the problem
 minimizes, the one-sided constraint is exact: at an optimum ``y = x_u ∧ x_v`` wherever it costs, and
 pairs with ``R = 0`` need no variable at all (Alpa's one-hot ``e`` with equality constraints gives the
-same optimum with ``|K_u|·|K_v|`` variables per edge). The memory constraint is taken at the training
+same optimum with ``|K_u|·|K_v|`` variables per edge). When every root has one admissible strategy
+(a 1×1 mesh, or a hand plan that pins everything) the choice is forced: :func:`_forced_choice` evaluates
+it directly, without CP-SAT (so one device never needs OR-Tools). The memory constraint is taken at the training
 step's peak — the forward/backward boundary, where the parameters, gradients, optimizer state and every
 activation saved for the backward pass are live. A parameter and its update share a layout by
 construction: one root holds the parameter, its gradient and its optimizer state.
@@ -74,9 +76,12 @@ def solve(graph: SolverGraph, *, memory_budget: float | None = None, time_limit_
     so the automatic plan is never worse than them by the cost model). The solver stops once the
     optimality gap is at most ``relative_gap`` (reported in the solution).
     """
+    start = time.perf_counter()
+    forced = _forced_choice(graph, allowed)
+    if forced is not None:
+        return _forced_solution(graph, forced, memory_budget, time.perf_counter() - start)
     from ortools.sat.python import cp_model
 
-    start = time.perf_counter()
     model = cp_model.CpModel()
     x = _one_choice(model, graph)
     objective = [int(round(c * _SCALE)) * var for root, vars_ in zip(graph.roots, x)
@@ -114,6 +119,29 @@ def solve(graph: SolverGraph, *, memory_budget: float | None = None, time_limit_
     log.info("sharding ILP: %s, objective %.3g s, gap %.2g, %d vars, %d constraints, %.2fs", solution.status,
              solution.objective_s, solution.gap, solution.num_variables, solution.num_constraints, elapsed)
     return solution
+
+
+def _forced_choice(graph: SolverGraph, allowed: dict[int, set[int]] | None) -> list[int] | None:
+    """The only admissible strategy of every root, or ``None`` if some root has a real choice."""
+    choice = []
+    for v, root in enumerate(graph.roots):
+        admissible = [k for k in range(len(root.strategies)) if allowed is None or v not in allowed or k in allowed[v]]
+        if len(admissible) != 1:
+            return None
+        choice.append(admissible[0])
+    return choice
+
+
+def _forced_solution(graph: SolverGraph, choice: list[int], memory_budget: float | None, elapsed: float) -> Solution:
+    """The solution of a problem whose choice is forced (see the module docstring); checks the memory budget."""
+    memory = float(sum(root.memory[k] for root, k in zip(graph.roots, choice)))
+    if memory_budget is not None and memory > memory_budget:
+        raise MemoryBudgetError(
+            f"no sharding plan fits the memory budget of {memory_budget / 2**20:.1f} MiB per device; the only "
+            f"plan on this mesh needs {memory / 2**20:.1f} MiB. Use more devices, a smaller batch, or PipeshardParallel.")
+    objective = evaluate(graph, choice)
+    return Solution(choice=choice, objective_s=objective, bound_s=objective, status="FORCED", num_variables=0,
+                    num_constraints=0, solve_s=elapsed, memory_bytes=memory)
 
 
 def _one_choice(model, graph: SolverGraph) -> list[list]:

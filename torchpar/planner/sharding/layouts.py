@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torchpar.ir.graph import Graph, Node, TensorMeta
+from torchpar.ir.layout import Multi, Spec, from_json
 from torchpar.planner.plan import StagePlan
 from torchpar.planner.sharding.cost_model import LogicalMesh
-from torchpar.planner.sharding.follow import _REDUCTIONS, Multi, follow, reduced_dims
+from torchpar.planner.sharding.follow import _REDUCTIONS, follow, reduced_dims
 from torchpar.planner.sharding.solver_graph import _SKIPPED, _numel
-from torchpar.planner.sharding.spec import Spec, from_json
 from torchpar.planner.sharding.strategies import anchor_einsum
 
 _BATCH_NORMS = {"aten._native_batch_norm_legit_functional.default", "aten._native_batch_norm_legit.no_stats",
@@ -39,7 +39,7 @@ shards of a split dim are equal-sized, so the mean of local means is the global 
 class ValueLayouts:
     """Layouts of one stage's values on a logical mesh of ``mesh_shape``.
 
-    ``values``: spec of every input and node (a :class:`~.follow.Multi` for multi-output ops, ``None``
+    ``values``: spec of every input and node (a :class:`~torchpar.ir.layout.Multi` for multi-output ops, ``None``
     for non-tensor values). ``operands``: per node, the spec each tensor operand (``Node.refs()`` order)
     must have when the op reads it (``None`` = read as it is). ``partial``: per node, the mesh axes its
     local result must be summed over, and how (``"sum"``/``"mean"``/``"contract"``).

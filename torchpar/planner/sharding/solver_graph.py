@@ -19,9 +19,9 @@ from typing import Any
 import numpy as np
 
 from torchpar.ir.graph import Graph, Node, TensorMeta
+from torchpar.ir.layout import Multi, Spec
 from torchpar.planner.sharding.cost_model import LogicalMesh
-from torchpar.planner.sharding.follow import Multi, follow
-from torchpar.planner.sharding.spec import Spec
+from torchpar.planner.sharding.follow import follow
 from torchpar.planner.sharding.strategies import Strategy, anchor_einsum, einsum_strategies, layout_root_strategies
 
 _SKIPPED = {"aten._assert_tensor_metadata.default", "aten._assert_scalar.default"}

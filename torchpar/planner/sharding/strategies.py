@@ -21,8 +21,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from torchpar.ir.layout import Spec, describe, is_valid, make_spec
 from torchpar.planner.sharding.cost_model import LogicalMesh
-from torchpar.planner.sharding.spec import Spec, describe, is_valid, make_spec
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Sharding specs on a 2-D logical mesh.
+"""Layouts on a 2-D logical mesh: the sharding spec type every floor shares (plain data, no torch, no jax).
 
 A spec has one entry per tensor dim: ``None`` (replicated along that dim) or a tuple of the logical
 mesh axes (0 and/or 1, in major-to-minor order) the dim is split over. Every mesh axis splits at
@@ -55,6 +55,10 @@ def to_json(spec: Spec) -> list[list[int] | None]:
 
 def from_json(data: Iterable[list[int] | None]) -> Spec:
     return tuple(tuple(entry) if entry else None for entry in data)
+
+
+class Multi(tuple):
+    """The specs of a multi-output op's results (``None`` for non-tensor results)."""
 
 
 def describe(spec: Spec) -> str:

@@ -1,0 +1,258 @@
+"""The executor seam: how a plan runs, behind one interface.
+
+An :class:`Executor` is built from an :class:`~.worker.ExecutionSpec` (the plan, the stage graphs, the
+optimizer spec, run options) and answers
+
+- ``load_state(HostState)`` / ``export_state() → HostState``: the training state in and out, as host arrays;
+- ``compile_step(key, graph, trainable, leaves, scalars)``: one-stage plans compile one step per batch
+  signature ``key`` (pipelines compile their stages in ``warm_up``);
+- ``step(key, leaves, scalars, key_data) → loss``: one optimizer step on a batch (host arrays);
+- ``forward(key, graph, leaves) → outputs``: the eval forward;
+- ``hlo_text()``, ``memory_stats()`` (per stage), ``describe_workers()``, ``spmd_mode``, ``last_timeline``;
+- ``close()``: free everything it started (also a context manager).
+
+Implementations differ only in where the workers (:mod:`.worker`) live: :class:`LocalExecutor` holds one
+in this process, over all its devices; ``RayExecutor`` (:mod:`.ray_executor`) one per host actor. The
+driver-side logic of a step — splitting micro-batches, clipping across stages, the loss, the timeline
+— is here, once.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import weakref
+from typing import Any, Hashable, Sequence
+
+import numpy as np
+
+from torchpar.ir.graph import Graph
+from torchpar.runtime import gradients
+from torchpar.runtime.state import HostState, collect_state
+from torchpar.runtime.timeline import StepTimeline
+from torchpar.runtime.worker import ExecutionSpec, StepReport
+
+log = logging.getLogger(__name__)
+
+_open_executors: "weakref.WeakSet[Executor]" = weakref.WeakSet()
+
+
+def open_executors() -> list["Executor"]:
+    """Executors of this process not closed yet (what holds Ray actors and CPUs)."""
+    return [e for e in list(_open_executors) if not e.closed]
+
+
+def close_all() -> int:
+    """Close every open executor of this process; returns how many were closed."""
+    executors = open_executors()
+    for executor in executors:
+        executor.close()
+    return len(executors)
+
+
+class ExecutorClosedError(RuntimeError):
+    """The executor was closed (by the user, or after a failure stopped its workers)."""
+
+
+class Executor:
+    """One plan's execution (see the module docstring); subclasses provide :meth:`_call`."""
+
+    kind = "abstract"
+
+    def __init__(self, spec: ExecutionSpec, label: str = ""):
+        self.spec = spec
+        self.label = label or spec.plan.method
+        self.created = time.strftime("%H:%M:%S")
+        self.closed = False
+        self._closed_reason = "it was closed"
+        self._state_names: dict[str, list[str]] = {}
+        self._spmd = "pipeline" if spec.is_pipeline else "gspmd"
+        self._timeline: StepTimeline | None = None
+        self.timings: dict[str, float] = {}
+        """Seconds of the executor's own set-up phases (e.g. starting and joining Ray host actors)."""
+        _open_executors.add(self)
+
+    # --- the calls to workers (subclasses) ------------------------------------------------------------------
+
+    def _call(self, method: str, *args: Any, what: str, timeout_s: float | None = None) -> list[Any]:
+        """``worker.method(*args)`` on every worker, results in rank order; raises if any fails."""
+        raise NotImplementedError
+
+    def _release(self) -> None:
+        """Free what the executor started (workers, actors)."""
+
+    # --- state ------------------------------------------------------------------------------------------------
+
+    def load_state(self, state: HostState) -> None:
+        self._check_open()
+        self._state_names = {n: list(entries) for n, entries in state.opt_state.items()}
+        self._call("load", state, what="loading the training state")
+
+    def export_state(self) -> HostState:
+        self._check_open()
+        entries = [entry for part in self._call("export", what="exporting the training state") for entry in part]
+        state = collect_state(entries)
+        state.opt_state = {n: state.opt_state.get(n, {}) for n in self._state_names}
+        return state
+
+    # --- compilation ----------------------------------------------------------------------------------------
+
+    def compile_step(self, key: Hashable, graph: Graph, trainable: tuple[str, ...],
+                     leaves: list[tuple[tuple[int, ...], str]], scalars: Any) -> dict[str, float]:
+        """Compile a one-stage plan's step for batch signature ``key``; returns phase seconds."""
+        self._check_open()
+        result = self._call("compile_step", key, graph, trainable, leaves, scalars, what="compiling the step",
+                            timeout_s=self.compile_timeout_s)[0]
+        self._spmd = result["spmd"]
+        return {"lower": result["lower"], "xla_compile": result["xla_compile"]}
+
+    def warm_up(self, scalars: Any) -> None:
+        self._check_open()
+        self._call("warm_up", scalars, what="compiling the stages", timeout_s=self.compile_timeout_s)
+
+    @property
+    def compile_timeout_s(self) -> float:
+        return 1800.0
+
+    # --- running ----------------------------------------------------------------------------------------------
+
+    def step(self, key: Hashable, leaves: list[np.ndarray], scalars: Any, key_data: np.ndarray) -> float:
+        """One optimizer step on the batch ``leaves``; the mean micro-batch loss."""
+        self._check_open()
+        start = time.time()
+        payload: Any = leaves
+        if self.spec.is_pipeline:
+            payload = split_micro_batches(leaves, self.spec.plan.num_micro_batches)
+        reports: list[StepReport] = self._call("run_step", key, payload, scalars, key_data, start,
+                                               what="running the step")
+        if not all(r.updated for r in reports):
+            norms = [v for r in reports for v in r.squared_norms.values()]
+            scale = gradients.clip_scale(norms, self.spec.options.grad_clip_norm)
+            self._call("apply_update", scale, what="applying the optimizer update")
+        blocks = {s: b for r in reports for s, b in r.blocks.items()}
+        self._timeline = StepTimeline(blocks=[blocks.get(s, []) for s in range(len(self.spec.plan.stages))],
+                                      makespan=time.time() - start)
+        losses = [loss for r in reports for loss in r.losses]
+        if not losses:
+            raise AssertionError("no worker reported the loss")
+        return float(np.mean(losses))
+
+    def forward(self, key: Hashable, graph: Graph, leaves: list[np.ndarray]) -> list[np.ndarray | None]:
+        """Eval-mode outputs of ``graph`` (a forward capture) on ``leaves``, as host arrays."""
+        self._check_open()
+        if self.spec.is_pipeline:
+            return self._forward_on_driver(graph, leaves)
+        from torchpar.runtime.arrays import assemble
+
+        results = self._call("forward", key, graph, leaves, what="running the forward", timeout_s=self.compile_timeout_s)
+        outputs = []
+        for index, first in enumerate(results[0]):
+            if first is None:
+                outputs.append(None)
+                continue
+            shape, dtype, payload = first
+            if isinstance(payload, np.ndarray):
+                outputs.append(payload)
+                continue
+            pieces = [piece for result in results for piece in result[index][2]]
+            outputs.append(assemble(shape, dtype, pieces))
+        return outputs
+
+    def _forward_on_driver(self, graph: Graph, leaves: list[np.ndarray]) -> list[np.ndarray | None]:
+        """A pipeline's eval forward: the whole graph on this process's default device, with the state
+        exported from the stages (pipelines compile no eval program of their own)."""
+        import jax
+
+        from jaxbackend.lower import lower
+
+        state = self.export_state()
+        run = lower(graph)
+        outputs, _ = jax.jit(lambda p, b, i: run(p, b, i, jax.random.key(0)))(state.params, state.buffers, leaves)
+        return [None if o is None else np.asarray(o) for o in outputs]
+
+    # --- inspection -------------------------------------------------------------------------------------------
+
+    def hlo_text(self) -> list[str]:
+        """Optimized HLO of each stage's (forward) executable, in stage order."""
+        return self._per_stage("hlo_text", "reading HLO")
+
+    def memory_stats(self) -> list[dict[str, int]]:
+        return self._per_stage("memory_stats", "reading memory statistics")
+
+    def describe_workers(self) -> list[dict[str, Any]]:
+        """Each worker's own account of itself (process, devices, stages, steps run), in rank order."""
+        self._check_open()
+        return self._call("describe", what="describing the workers")
+
+    def _per_stage(self, method: str, what: str) -> list[Any]:
+        self._check_open()
+        merged: dict[int, Any] = {}
+        for result in self._call(method, what=what):
+            merged.update(result)
+        return [merged[s] for s in sorted(merged)]
+
+    @property
+    def spmd_mode(self) -> str:
+        """``"shard_map"`` / ``"gspmd"`` for one-stage plans (of the last compiled step), ``"pipeline"``."""
+        return self._spmd
+
+    @property
+    def last_timeline(self) -> StepTimeline | None:
+        """Measured compute blocks of each stage in the last step."""
+        return self._timeline
+
+    # --- lifecycle ----------------------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Free the workers; the executor is unusable afterwards. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        _open_executors.discard(self)
+        self._release()
+
+    def _stop(self, reason: str) -> None:
+        """Close after a failure; later calls say why."""
+        self._closed_reason = reason
+        self.close()
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise ExecutorClosedError(f"this engine's executor is closed ({self._closed_reason}); compile again")
+
+    def __enter__(self) -> "Executor":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def summary(self) -> str:
+        return f"{type(self).__name__}({self.label}, created {self.created})"
+
+
+class LocalExecutor(Executor):
+    """Every worker call in this process, on its own JAX devices (the local runtime)."""
+
+    kind = "local"
+
+    def __init__(self, spec: ExecutionSpec, label: str = ""):
+        super().__init__(spec, label)
+        from torchpar.runtime.worker import make_worker
+
+        self.worker = make_worker(spec, rank=0)
+
+    def _call(self, method: str, *args: Any, what: str, timeout_s: float | None = None) -> list[Any]:
+        return [getattr(self.worker, method)(*args)]
+
+    def _release(self) -> None:
+        self.worker = None  # type: ignore[assignment]
+
+
+def split_micro_batches(leaves: Sequence[np.ndarray], num_micro_batches: int) -> list[dict[int, np.ndarray]]:
+    """Split every batch leaf along dim 0 into ``num_micro_batches`` equal parts."""
+    for index, leaf in enumerate(leaves):
+        if leaf.ndim == 0 or leaf.shape[0] % num_micro_batches:
+            raise ValueError(f"batch leaf {index} of shape {list(leaf.shape)} cannot be split into "
+                             f"{num_micro_batches} equal micro-batches along dim 0")
+    parts = [np.split(leaf, num_micro_batches) for leaf in leaves]
+    return [{i: parts[i][m] for i in range(len(leaves))} for m in range(num_micro_batches)]

@@ -1,0 +1,113 @@
+"""The Ray actor of one host: a process owning the host's accelerators and running its :class:`~.worker.Worker`.
+
+Life of an actor (driven by :mod:`.ray_executor`):
+
+1. created on its node with ``num_gpus = devices_per_host`` on a GPU cluster (Ray sets
+   ``CUDA_VISIBLE_DEVICES``; JAX sees exactly those GPUs), or with ``XLA_FLAGS`` giving it
+   ``devices_per_host`` JAX CPU devices; ``XLA_PYTHON_CLIENT_PREALLOCATE=false`` so JAX shares the GPU
+   with anything else in the process; simulated hosts sharing one machine pin themselves to disjoint cores;
+2. :meth:`HostActor.join` — all actors of an engine form one JAX multi-controller system
+   (``jax.distributed.initialize``, coordinator on rank 0; CPU collectives over gloo), so a mesh may span
+   them; a single actor skips it;
+3. :meth:`HostActor.build` — the worker for the plan; peers are the other actors, reached for stage
+   messages through :meth:`HostActor.deliver` (Ray's object transfer, never via the driver);
+4. :meth:`HostActor.call` — any worker call (load, step, export, …). Calls run on the actor's thread pool,
+   so deliveries from peers arrive while a step waits for them.
+
+JAX is imported only here, after the environment is set, so the actor's devices are the host's.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from typing import Any
+
+import ray
+
+log = logging.getLogger(__name__)
+
+ACTOR_CONCURRENCY = 32
+"""Threads serving an actor's calls: a step, its stage threads' deliveries from peers, and pings."""
+
+
+@ray.remote(max_concurrency=ACTOR_CONCURRENCY)
+class HostActor:
+    """One host of an engine (see the module docstring)."""
+
+    def __init__(self, host: int, rank: int, slot: int, slots_on_node: int, cores_per_host: int | None):
+        self.host = host
+        self.rank = rank
+        self.worker: Any = None
+        self._cores = _pin(slot, slots_on_node, cores_per_host)
+
+    def info(self) -> dict[str, Any]:
+        """Where the actor runs (node, pid, the GPUs Ray gave it, pinned cores); imports nothing heavy."""
+        return {"host": self.host, "rank": self.rank, "pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
+                "address": ray.util.get_node_ip_address(), "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "cores": self._cores}
+
+    def coordinator_address(self) -> str:
+        """``ip:port`` of a free port on this node for the JAX coordinator (rank 0)."""
+        with socket.socket() as probe:
+            probe.bind(("", 0))
+            port = probe.getsockname()[1]
+        return f"{ray.util.get_node_ip_address()}:{port}"
+
+    def join(self, coordinator: str | None, num_processes: int, timeout_s: float) -> dict[str, Any]:
+        """Join the engine's JAX system as process ``rank`` (``coordinator=None``: a single process); returns
+        the devices JAX sees."""
+        import jax
+
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        if coordinator is not None:
+            jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=self.rank,
+                                       initialization_timeout=int(max(timeout_s, 1)))
+        local = jax.local_devices()
+        return {"rank": self.rank, "process_index": jax.process_index(), "platform": local[0].platform,
+                "local_devices": [str(d) for d in local], "global_devices": jax.device_count()}
+
+    def build(self, spec: Any, peers: dict[int, Any]) -> None:
+        """Build this host's worker for ``spec``; ``peers`` maps process ranks to actor handles."""
+        from torchpar.runtime.worker import make_worker
+
+        self._peers = peers
+        self.worker = make_worker(spec, self.rank, self._deliver_to_peer)
+
+    def call(self, method: str, *args: Any) -> Any:
+        """``worker.method(*args)``."""
+        return getattr(self.worker, method)(*args)
+
+    def deliver(self, key: Any, payload: Any) -> None:
+        """A stage message from a peer (see :mod:`.transport`)."""
+        self.worker.deliver(key, payload)
+
+    def ping(self) -> int:
+        return self.rank
+
+    def _deliver_to_peer(self, rank: int, key: Any, payload: Any) -> None:
+        self._peers[rank].deliver.remote(key, payload)
+
+
+def _pin(slot: int, slots_on_node: int, cores_per_host: int | None) -> list[int]:
+    """Pin this process to its share of the node's cores when several host actors share the node."""
+    if slots_on_node < 2 and cores_per_host is None:
+        return sorted(os.sched_getaffinity(0))
+    cores = sorted(os.sched_getaffinity(0))
+    per_host = cores_per_host or max(1, len(cores) // slots_on_node)
+    if per_host * slots_on_node > len(cores) and cores_per_host is None:
+        return cores  # more hosts than cores: do not pin
+    chosen = [cores[c % len(cores)] for c in range(slot * per_host, (slot + 1) * per_host)]
+    os.sched_setaffinity(0, set(chosen))
+    return chosen
+
+
+def actor_environment(devices_per_host: int) -> dict[str, str]:
+    """Environment variables of a host actor (see the module docstring): the CPU device count only matters
+    where JAX runs on CPU; no platform is forced (a GPU actor whose JAX has no GPU falls back to CPU)."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    flags = " ".join(f for f in flags.split() if not f.startswith("--xla_force_host_platform_device_count"))
+    env = {"XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count={devices_per_host}".strip(),
+           "XLA_PYTHON_CLIENT_PREALLOCATE": os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE", "false")}
+    return env

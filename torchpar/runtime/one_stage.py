@@ -1,0 +1,153 @@
+"""A one-stage plan's compiled programs on its mesh: the fused training step and the eval forward.
+
+One :class:`OneStageProgram` per process that owns devices of the plan's mesh (the whole mesh in the local
+runtime; in the Ray runtime every host actor of the mesh builds the same program and runs it as one SPMD
+program over all of them). It holds no state: the worker passes parameters, optimizer state and buffers
+in and keeps what comes back.
+
+A training step is compiled once per batch signature (a new capture of the same model). It runs as
+
+- ``"shard_map"``: a per-device program with explicit collectives (:mod:`.spmd_step`), for data-parallel
+  and ZeRO plans by default, or any plan with ``spmd="shard_map"``;
+- ``"gspmd"``: global shapes, XLA's partitioner inserts the collectives (:func:`.train_step.make_fused_step`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+from jaxbackend import optim as jax_optim
+from jaxbackend.compiler import compiler_options
+from torchpar.ir.graph import Graph
+from torchpar.planner.plan import StagePlan
+from torchpar.runtime.placement import Placement
+from torchpar.runtime.train_step import make_fused_step
+
+log = logging.getLogger(__name__)
+
+SHARD_MAP_METHODS = ("data_parallel", "zero2", "zero3")
+"""Plan methods whose step runs per device under ``spmd="auto"``."""
+
+
+@dataclass
+class CompiledStep:
+    """A training step compiled for one batch signature."""
+
+    compiled: Any
+    spmd: str
+    """``"shard_map"`` or ``"gspmd"``."""
+    num_inputs: int
+    lower_s: float
+    compile_s: float
+
+
+class OneStageProgram:
+    """Compiles steps and forwards of one stage plan on ``devices`` (see the module docstring)."""
+
+    def __init__(self, stage: StagePlan, method: str, devices: list[Any], *, optimizer: jax_optim.OptimizerSpec,
+                 grad_clip_norm: float | None, spmd: str, library_fusions: bool):
+        self.stage = stage
+        self.method = method
+        self.devices = devices
+        self.optimizer = optimizer
+        self.grad_clip_norm = grad_clip_norm
+        self.spmd = spmd
+        self.library_fusions = library_fusions
+        self.placement = Placement.from_stage(stage, None, devices)
+        self._options = compiler_options(library_fusions, len(devices))
+
+    def compile_step(self, graph: Graph, trainable: tuple[str, ...], leaves: list[tuple[tuple[int, ...], Any]],
+                     state: tuple[dict, dict, dict], scalars: Any) -> CompiledStep:
+        """Lower and compile the training step of ``graph`` for batch ``leaves`` (shape and dtype of each, in
+        flattened order), the given state (arrays on this program's shardings) and optimizer
+        scalars; raises ``ValueError`` if ``spmd="shard_map"`` cannot run it."""
+        params, opt_state, buffers = state
+        placement = Placement.from_stage(self.stage, graph, self.devices)
+        inputs = [jax.ShapeDtypeStruct(shape, dtype, sharding=placement.input(i))
+                  for i, (shape, dtype) in enumerate(leaves)]
+        out_shardings = (placement.replicated, {n: placement.param(n) for n in params},
+                         {n: {k: placement.state_of(n) for k in entries} for n, entries in opt_state.items()},
+                         {n: placement.replicated for n in buffers})
+        key_data = np.asarray(jax.random.key_data(jax.random.key(0)))
+        args = (params, opt_state, buffers, inputs, scalars, key_data)
+
+        def jit_step(fn: Callable) -> Any:  # the PRNG key travels as raw key data: a host array in every process
+            with_key = lambda p, o, b, i, s, k: fn(p, o, b, i, s, jax.random.wrap_key_data(k))  # noqa: E731
+            return jax.jit(with_key, donate_argnums=(0, 1, 2), out_shardings=out_shardings)
+
+        start = time.perf_counter()
+        lowered, spmd = None, "gspmd"
+        layouts = self._shard_map_layouts(graph)
+        if layouts is not None:
+            from jaxbackend.spmd import LocalModeError
+
+            try:
+                step_fn = self._spmd_step(graph, layouts, trainable, placement, params, opt_state, buffers, len(inputs))
+                lowered = jit_step(step_fn).lower(*args)
+                spmd = "shard_map"
+            except LocalModeError as error:
+                if self.spmd == "shard_map":
+                    raise ValueError(f"spmd='shard_map' cannot run this plan: {error}\nTry spmd='gspmd'.") from error
+                log.warning("torchpar: the per-device (shard_map) step cannot run this plan, using GSPMD: %s", error)
+        if lowered is None:
+            from jaxbackend.lower import lower
+
+            run = lower(graph, value_shardings=placement.values, operand_shardings=placement.operands)
+            step_fn = make_fused_step(run, trainable, self.optimizer, self.grad_clip_norm, placement.grads)
+            lowered = jit_step(step_fn).lower(*args)
+        lowered_at = time.perf_counter()
+        compiled = lowered.compile(compiler_options=self._options)
+        done = time.perf_counter()
+        log.info("torchpar: compiled training step (%d ops, %s) in %.2fs: lower %.2fs, XLA %.2fs",
+                 len(graph.nodes), spmd, done - start, lowered_at - start, done - lowered_at)
+        return CompiledStep(compiled=compiled, spmd=spmd, num_inputs=len(inputs), lower_s=lowered_at - start,
+                            compile_s=done - lowered_at)
+
+    def input_sharding(self, index: int) -> Any:
+        return self.placement.input(index)
+
+    def compile_forward(self, graph: Graph) -> Callable:
+        """The eval forward of ``graph``: ``(params, buffers, inputs) → outputs``; shardings propagate from the
+        parameters' layouts."""
+        from jaxbackend.lower import lower
+
+        run = lower(graph)
+        key = jax.random.key(0)
+        return jax.jit(lambda params, buffers, inputs: run(params, buffers, inputs, key)[0],
+                       compiler_options=self._options)
+
+    def _shard_map_layouts(self, graph: Graph) -> Any:
+        """The value layouts a per-device step runs with, or ``None`` for the GSPMD step (per ``spmd``)."""
+        if self.spmd == "gspmd" or (self.spmd == "auto" and self.method not in SHARD_MAP_METHODS):
+            return None
+        from torchpar.planner.sharding.layouts import replay_layouts
+
+        layouts = replay_layouts(graph, self.stage)
+        obstacles = layouts.obstacles()
+        if not obstacles:
+            return layouts
+        reasons = "\n  ".join(obstacles[:10] + ([f"… and {len(obstacles) - 10} more"] if len(obstacles) > 10 else []))
+        if self.spmd == "shard_map":
+            raise ValueError(f"spmd='shard_map' cannot run this plan:\n  {reasons}\nTry spmd='gspmd'.")
+        log.warning("torchpar: %s plan runs under GSPMD; a per-device (shard_map) step cannot run it:\n  %s",
+                    self.method, reasons)
+        return None
+
+    def _spmd_step(self, graph: Graph, layouts: Any, trainable: tuple[str, ...], placement: Placement,
+                   params: dict, opt_state: dict, buffers: dict, num_inputs: int) -> Callable:
+        from jaxbackend.lower import lower
+        from torchpar.runtime.spmd_step import make_spmd_step
+
+        run = lower(graph, layouts=layouts)
+        return make_spmd_step(run, layouts, self.stage, mesh=placement.mesh, param_names=list(params),
+                              buffer_names=list(buffers), state_keys={n: list(e) for n, e in opt_state.items()},
+                              num_inputs=num_inputs, trainable=trainable, spec=self.optimizer,
+                              grad_clip_norm=self.grad_clip_norm,
+                              per_device_gradients=self.method in SHARD_MAP_METHODS)
+

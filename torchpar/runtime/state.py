@@ -1,0 +1,71 @@
+"""The training state on the host: what goes into an executor and what comes back out.
+
+:class:`HostState` is the state as numpy arrays (what ``engine.state_dict`` and ``sync_to_torch`` read and
+``load_state_dict`` writes). Workers export their share of it as :class:`Exported` entries — a whole
+array, or the pieces of a sharded one that this process owns (:mod:`.arrays`) — and
+:func:`collect_state` puts every process's entries together. A parameter held by several pipeline stages
+(tied weights) is taken from the first stage holding it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import numpy as np
+
+from torchpar.runtime.arrays import assemble, to_host
+
+
+@dataclass
+class HostState:
+    """Parameters and buffers by name, optimizer state by parameter name and state key, as host arrays."""
+
+    params: dict[str, np.ndarray] = field(default_factory=dict)
+    buffers: dict[str, np.ndarray] = field(default_factory=dict)
+    opt_state: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Exported:
+    """One array of one stage, as held by one process: ``kind`` is ``"param"``, ``"buffer"`` or ``"state"``
+    (``name`` is then ``(parameter, key)``); ``payload`` the whole array or this process's pieces."""
+
+    stage: int
+    kind: str
+    name: Any
+    shape: tuple[int, ...]
+    dtype: Any
+    payload: Any
+
+
+def export_arrays(stage: int, params: dict, buffers: dict, opt_state: dict) -> list[Exported]:
+    """This process's share of one stage's state (see :class:`Exported`)."""
+    entries = [Exported(stage, "param", n, tuple(v.shape), v.dtype, to_host(v)) for n, v in params.items()]
+    entries += [Exported(stage, "buffer", n, tuple(v.shape), v.dtype, to_host(v)) for n, v in buffers.items()]
+    entries += [Exported(stage, "state", (n, k), tuple(v.shape), v.dtype, to_host(v))
+                for n, keys in opt_state.items() for k, v in keys.items()]
+    return entries
+
+
+def collect_state(entries: Iterable[Exported]) -> HostState:
+    """Every process's :class:`Exported` entries → one :class:`HostState`."""
+    first_stage: dict[tuple[str, Any], int] = {}
+    grouped: dict[tuple[int, str, Any], list[Exported]] = {}
+    for entry in entries:
+        key = (entry.kind, entry.name)
+        first_stage[key] = min(first_stage.get(key, entry.stage), entry.stage)
+        grouped.setdefault((entry.stage, entry.kind, entry.name), []).append(entry)
+    state = HostState()
+    for (kind, name), stage in first_stage.items():
+        parts = grouped[(stage, kind, name)]
+        whole = next((p.payload for p in parts if isinstance(p.payload, np.ndarray)), None)
+        value = whole if whole is not None else assemble(parts[0].shape, parts[0].dtype,
+                                                         [piece for p in parts for piece in p.payload])
+        if kind == "param":
+            state.params[name] = value
+        elif kind == "buffer":
+            state.buffers[name] = value
+        else:
+            state.opt_state.setdefault(name[0], {})[name[1]] = value
+    return state

@@ -1,0 +1,64 @@
+"""The training step as pure JAX functions: one builder, specialized by how a program runs.
+
+Every executable that trains ends the same way — finish the gradients (reduce them to their layout),
+clip them by their global norm, apply the optimizer — and starts the same way — run the lowered graph
+with the trainable parameters as the differentiated argument. The variants differ only in where the
+step is cut and who completes the collectives:
+
+- :func:`make_fused_step` — one-stage plans under GSPMD (one device included): forward, backward and
+  update in one function; XLA's partitioner inserts the collectives (ZeRO gradients are constrained to
+  their sharded layout so they are reduce-scattered);
+- ``runtime.spmd_step.make_spmd_step`` — the same step as a per-device ``shard_map`` program whose
+  gradient reductions are explicit; it reuses :func:`optimizer_tail` with a cross-shard norm;
+- ``runtime.stage_program.StageProgram`` — a pipeline stage: forward and backward are separate
+  executables per micro-batch, and its update is :func:`optimizer_tail` with the clipping factor the
+  runtime computed from every stage's gradients.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+import jax
+
+from jaxbackend import optim as jax_optim
+
+
+def optimizer_tail(spec: jax_optim.OptimizerSpec, params: Mapping[str, Any], grads: Mapping[str, Any],
+                   opt_state: Mapping[str, Any], scalars: Any, *, grad_clip_norm: float | None = None,
+                   complete_sum: Callable[[str, Any], Any] | None = None,
+                   clip_scale: Any = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Clip and apply the optimizer: ``→ (new params, new optimizer state)``.
+
+    Clipping is either computed here from ``grads`` (``grad_clip_norm``; ``complete_sum`` completes a
+    sharded gradient's sum of squares inside ``shard_map``) or given as ``clip_scale``, the factor a
+    pipeline computed from every stage (:func:`jaxbackend.optim.clip_coefficient`)."""
+    if grad_clip_norm is not None:
+        grads, _ = jax_optim.clip_grads_by_global_norm(grads, grad_clip_norm, complete_sum)
+    elif clip_scale is not None:
+        grads = {n: g * clip_scale.astype(g.dtype) for n, g in grads.items()}
+    return jax_optim.apply_updates(spec, params, grads, opt_state, scalars)
+
+
+def make_fused_step(run: Callable, trainable: tuple[str, ...], spec: jax_optim.OptimizerSpec,
+                    grad_clip_norm: float | None, grad_shardings: Mapping[str, Any]) -> Callable:
+    """``step(params, opt_state, buffers, inputs, scalars, key) → (loss, params, opt_state, buffers)`` for
+    ``run`` (a lowered graph whose first output is the loss). ``grad_shardings`` constrains gradients
+    whose layout differs from their parameter's (ZeRO)."""
+
+    def step(params, opt_state, buffers, inputs, scalars, key):
+        frozen = {n: v for n, v in params.items() if n not in trainable}
+
+        def loss_of(train_params):
+            outputs, new_buffers = run({**frozen, **train_params}, buffers, inputs, key)
+            return outputs[0], new_buffers
+
+        (loss, new_buffers), grads = jax.value_and_grad(loss_of, has_aux=True)({n: params[n] for n in trainable})
+        if grad_shardings:  # ZeRO: reduce-scatter the gradients instead of all-reducing them
+            from jaxbackend.sharding import constrain
+
+            grads = {n: constrain(g, grad_shardings.get(n)) for n, g in grads.items()}
+        new_params, new_state = optimizer_tail(spec, params, grads, opt_state, scalars, grad_clip_norm=grad_clip_norm)
+        return loss, new_params, new_state, {**buffers, **new_buffers}
+
+    return step

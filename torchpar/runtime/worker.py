@@ -1,0 +1,339 @@
+"""What one process does for a plan: build its programs, hold its share of the state, run its part of a step.
+
+The local runtime has one :class:`Worker`, called directly; the Ray runtime has one per host actor
+(:mod:`.host_actor`), all joined into one JAX multi-controller system. Every worker of an engine gets the
+same :class:`ExecutionSpec` and its process rank, builds the programs of the stages whose devices it
+owns, and answers the same calls:
+
+``load(state)`` / ``export()``; ``warm_up(scalars)``; ``run_step(...) → StepReport``;
+``apply_update(clip_scale)``; ``hlo_text()`` / ``memory_stats()`` (by stage, from the stage's lead —
+lowest-ranked — process); ``describe()``.
+
+- :class:`OneStageWorker` — a one-stage plan (one device, DataParallel, ZeRO, ShardParallel, Megatron):
+  one fused step per batch signature over the plan's mesh (:mod:`.one_stage`), which may span hosts;
+- :class:`PipelineWorker` — PipeshardParallel: a :class:`~.stage_program.StageProgram` per stage it takes
+  part in, each run on its own thread by the interpreter (:mod:`.interpreter`); tied gradients and
+  global-norm clipping are finished across stages (:mod:`.gradients`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Hashable
+
+import jax
+import numpy as np
+
+from jaxbackend import optim as jax_optim
+from torchpar.ir.graph import Graph
+from torchpar.planner.plan import Plan
+from torchpar.planner.slicing import StageGraph
+from torchpar.runtime import gradients
+from torchpar.runtime.arrays import local_scalar, put
+from torchpar.runtime.devices import DeviceMap
+from torchpar.runtime.state import Exported, HostState, export_arrays
+from torchpar.runtime.transport import Deliver, Mailbox, Transport
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True, frozen=True)
+class RunOptions:
+    """Options of :func:`torchpar.compile` that the programs need."""
+
+    grad_clip_norm: float | None = None
+    library_fusions: bool = True
+    spmd: str = "auto"
+    timeout_s: float = 60.0
+    """Longest wait for a message from another stage or process."""
+
+
+@dataclass(kw_only=True)
+class ExecutionSpec:
+    """Everything a worker builds its programs from (plain data: it travels to Ray actors)."""
+
+    plan: Plan
+    optimizer: jax_optim.OptimizerSpec
+    devices: DeviceMap
+    options: RunOptions
+    stage_graphs: list[StageGraph] = field(default_factory=list)
+    """Pipeline plans: each stage's sub-graph (one-stage plans get a graph per batch signature instead)."""
+    trainable: tuple[str, ...] = ()
+    """Pipeline plans: the parameters the optimizer updates."""
+
+    @property
+    def is_pipeline(self) -> bool:
+        return self.plan.method == "pipeshard"
+
+    def stage_ranks(self) -> dict[int, tuple[int, ...]]:
+        """The process ranks running each stage."""
+        return {s: self.devices.ranks(stage.devices()) for s, stage in enumerate(self.plan.stages)}
+
+
+@dataclass
+class StepReport:
+    """One worker's part of a step, for the driver. Losses are reported by the lead process of the stage
+    computing them; squared norms (when clipping) by each stage's lead."""
+
+    losses: list[float] = field(default_factory=list)
+    squared_norms: dict[int, float] = field(default_factory=dict)
+    blocks: dict[int, list[tuple[str, int, float, float]]] = field(default_factory=dict)
+    updated: bool = False
+    """The optimizer update ran inside the step (no clipping across stages needed)."""
+
+
+class Worker:
+    """The calls every worker answers (see the module docstring)."""
+
+    def __init__(self, spec: ExecutionSpec, rank: int):
+        self.spec = spec
+        self.rank = rank
+        self.steps_run = 0
+
+    def describe(self) -> dict[str, Any]:
+        """Where this worker runs and what it ran: host, process, devices, stages, steps."""
+        devices = jax.local_devices()
+        return {"rank": self.rank, "pid": os.getpid(), "process_index": jax.process_index(),
+                "process_count": jax.process_count(), "platform": devices[0].platform,
+                "local_devices": [str(d) for d in devices], "steps_run": self.steps_run,
+                "stages": self.stages(), "cores": sorted(os.sched_getaffinity(0))}
+
+    def stages(self) -> list[int]:
+        raise NotImplementedError
+
+
+# --- one-stage plans --------------------------------------------------------------------------------------
+
+
+class OneStageWorker(Worker):
+    """A one-stage plan's share on this process: the state on the plan's mesh and one step per signature."""
+
+    def __init__(self, spec: ExecutionSpec, rank: int):
+        super().__init__(spec, rank)
+        from torchpar.runtime.one_stage import OneStageProgram
+
+        stage = spec.plan.stages[0]
+        options = spec.options
+        self.program = OneStageProgram(stage, spec.plan.method, spec.devices.jax_devices(stage.devices()),
+                                       optimizer=spec.optimizer, grad_clip_norm=options.grad_clip_norm,
+                                       spmd=options.spmd, library_fusions=options.library_fusions)
+        self.lead = min(spec.stage_ranks()[0]) == rank
+        self.params: dict[str, Any] = {}
+        self.buffers: dict[str, Any] = {}
+        self.opt_state: dict[str, dict[str, Any]] = {}
+        self._steps: dict[Hashable, Any] = {}
+        self._forwards: dict[Hashable, Any] = {}
+        self._last: Any = None
+
+    def stages(self) -> list[int]:
+        return [0]
+
+    def load(self, state: HostState) -> None:
+        placement = self.program.placement
+        self.params = {n: put(v, placement.param(n)) for n, v in state.params.items()}
+        self.buffers = {n: put(v, placement.replicated) for n, v in state.buffers.items()}
+        self.opt_state = {n: {k: put(v, placement.state_of(n)) for k, v in entries.items()}
+                          for n, entries in state.opt_state.items()}
+
+    def export(self) -> list[Exported]:
+        return export_arrays(0, self.params, self.buffers, self.opt_state)
+
+    def compile_step(self, key: Hashable, graph: Graph, trainable: tuple[str, ...],
+                     leaves: list[tuple[tuple[int, ...], str]], scalars: Any) -> dict[str, Any]:
+        """Compile the training step of ``graph`` for batch signature ``key``; returns how it runs."""
+        compiled = self.program.compile_step(graph, trainable, leaves, (self.params, self.opt_state, self.buffers),
+                                             scalars)
+        self._steps[key] = compiled
+        self._last = compiled
+        return {"spmd": compiled.spmd, "lower": compiled.lower_s, "xla_compile": compiled.compile_s}
+
+    def warm_up(self, scalars: Any) -> None:
+        """Steps compile in :meth:`compile_step`; nothing else to compile."""
+
+    def run_step(self, key: Hashable, leaves: list[np.ndarray], scalars: Any, key_data: np.ndarray,
+                 start_time: float) -> StepReport:
+        compiled = self._steps[key]
+        placement = self.program.placement
+        inputs = [put(leaf, placement.input(i)) for i, leaf in enumerate(leaves)]
+        begin = time.time()
+        loss, self.params, self.opt_state, self.buffers = compiled.compiled(
+            self.params, self.opt_state, self.buffers, inputs, scalars, key_data)
+        self._last = compiled
+        self.steps_run += 1
+        report = StepReport(updated=True)
+        if self.lead:
+            report.losses = [local_scalar(loss)]
+            report.blocks = {0: [("step", 0, begin - start_time, time.time() - start_time)]}
+        return report
+
+    def apply_update(self, clip_scale: float) -> None:
+        raise AssertionError("one-stage steps update inside their executable")
+
+    def forward(self, key: Hashable, graph: Graph, leaves: list[np.ndarray]) -> list[Any]:
+        """The eval forward of ``graph`` on ``leaves``: each output as a host array (lead process) or its pieces."""
+        from torchpar.runtime.arrays import to_host
+
+        if key not in self._forwards:
+            self._forwards[key] = self.program.compile_forward(graph)
+        inputs = [put(leaf, self.program.placement.input(i)) for i, leaf in enumerate(leaves)]
+        outputs = self._forwards[key](self.params, self.buffers, inputs)
+        return [None if o is None else (tuple(o.shape), o.dtype, to_host(o)) for o in outputs]
+
+    def spmd_mode(self) -> str:
+        return (self._last or next(iter(self._steps.values()))).spmd
+
+    def hlo_text(self) -> dict[int, str]:
+        return {0: self._last.compiled.as_text()} if self.lead else {}
+
+    def memory_stats(self) -> dict[int, dict[str, int]]:
+        from jaxbackend.compiler import memory_analysis
+
+        return {0: memory_analysis(self._last.compiled)} if self.lead else {}
+
+
+# --- pipelines ----------------------------------------------------------------------------------------------
+
+
+class PipelineWorker(Worker):
+    """The stages of a pipeline plan that this process takes part in (see the module docstring)."""
+
+    def __init__(self, spec: ExecutionSpec, rank: int, deliver: Deliver | None):
+        super().__init__(spec, rank)
+        from torchpar.runtime.placement import Placement
+        from torchpar.runtime.schedules import make_schedule
+        from torchpar.runtime.stage_program import StageProgram
+
+        plan = spec.plan
+        self.ranks = spec.stage_ranks()
+        trainable = set(spec.trainable)
+        # every stage's layouts (the neighbours' too: a sender lays values out as the receiver reads them)
+        self.placements = {s: Placement.from_stage(stage_plan, graph.graph, spec.devices.jax_devices(stage_plan.devices()))
+                           for s, (graph, stage_plan) in enumerate(zip(spec.stage_graphs, plan.stages))}
+        self.programs: dict[int, StageProgram] = {}
+        for s, graph in enumerate(spec.stage_graphs):
+            if rank in self.ranks[s]:
+                self.programs[s] = StageProgram(graph, placement=self.placements[s], spec=spec.optimizer,
+                                                trainable=trainable, num_micro_batches=plan.num_micro_batches,
+                                                library_fusions=spec.options.library_fusions)
+        from torchpar.runtime.interpreter import StageState
+
+        self.states = {s: StageState() for s in self.programs}
+        self.schedule = make_schedule(plan.schedule, len(plan.stages), plan.num_micro_batches)
+        self.shared = gradients.shared_parameters({s: [n for n in g.params if n in trainable]
+                                                   for s, g in enumerate(spec.stage_graphs)})
+        self.mailbox = Mailbox()
+        self.transport = Transport(rank, self.ranks, self.mailbox, deliver, spec.options.timeout_s)
+
+    def stages(self) -> list[int]:
+        return sorted(self.programs)
+
+    def is_lead(self, stage: int) -> bool:
+        return self.ranks[stage][0] == self.rank
+
+    def deliver(self, key: Any, payload: Any) -> None:
+        """A message from another process (the Ray actor's endpoint)."""
+        self.mailbox.put(key, payload)
+
+    def load(self, state: HostState) -> None:
+        for s, program in self.programs.items():
+            stage = self.states[s]
+            stage.params = {n: program.put_param(n, state.params[n]) for n in program.stage.params}
+            stage.buffers = {i.target: program.put(state.buffers[i.target]) for i in program.stage.graph.inputs
+                             if i.kind == "buffer"}
+            stage.opt_state = {n: {k: program.put_state(n, v) for k, v in state.opt_state[n].items()}
+                               for n in program.trainable}
+
+    def export(self) -> list[Exported]:
+        entries = []
+        for s, stage in self.states.items():
+            entries += export_arrays(s, stage.params, stage.buffers, stage.opt_state)
+        return entries
+
+    def warm_up(self, scalars: Any) -> None:
+        """Compile every stage's executables now (by running them on zeros), not inside the first step.
+        Stages run one after another in rank order, so processes sharing a stage compile it together."""
+        for s, program in sorted(self.programs.items()):
+            stage = self.states[s]
+            program.warm_up(stage.params, stage.buffers, stage.opt_state, scalars)
+
+    def run_step(self, key: Hashable, micro_inputs: list[dict[int, np.ndarray]], scalars: Any, key_data: np.ndarray,
+                 start_time: float) -> StepReport:
+        """Every local stage's instructions on its own thread, then tied gradients; the update too when no
+        clipping needs every stage's norm (else the driver calls :meth:`apply_update`)."""
+        from torchpar.runtime.interpreter import run_instructions
+
+        rng = jax.random.wrap_key_data(key_data)
+        self._scalars = scalars
+        self.transport.begin_step(self.steps_run)
+        runs: dict[int, Any] = {}
+        errors: list[BaseException] = []
+
+        def run(s: int) -> None:
+            try:
+                program, stage = self.programs[s], self.states[s]
+                runs[s] = run_instructions(s, program, stage, self.schedule[s], self.transport, micro_inputs, rng,
+                                           self._layout, start_time)
+                stage.grads = gradients.exchange_tied_gradients(s, stage.grads or {}, self.shared, self.transport,
+                                                                self._grad_layout)
+            except BaseException as error:  # reported to the driver below; wake the other stages
+                errors.append(error)
+                self.mailbox.abort(error)
+
+        threads = [threading.Thread(target=run, args=(s,), name=f"torchpar-stage-{s}", daemon=True)
+                   for s in self.programs]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if errors:
+            raise errors[0]
+        self.steps_run += 1
+        report = StepReport()
+        last = len(self.spec.plan.stages) - 1
+        for s, result in runs.items():
+            if self.is_lead(s):
+                report.blocks[s] = result.blocks
+                if s == last:
+                    report.losses = [local_scalar(loss) for loss in result.losses]
+        if self.spec.options.grad_clip_norm is None:
+            self.apply_update(1.0)
+            report.updated = True
+        else:
+            for s, program in self.programs.items():
+                norm = gradients.owned_squared_norm(s, self.states[s].grads or {}, self.shared, program.squared_norm)
+                if self.is_lead(s):
+                    report.squared_norms[s] = norm
+        return report
+
+    def apply_update(self, clip_scale: float) -> None:
+        """Apply the optimizer once on every local stage with its final gradients times ``clip_scale`` (and the
+        optimizer scalars of the step that computed them)."""
+        for s, program in self.programs.items():
+            stage = self.states[s]
+            if program.trainable:
+                stage.params, stage.opt_state = program.update(stage.params, stage.grads or {}, stage.opt_state,
+                                                               self._scalars, clip_scale)
+            stage.grads = None
+
+    def _layout(self, stage: int, name: str) -> Any:
+        return self.placements[stage].value(name)
+
+    def _grad_layout(self, stage: int, name: str) -> Any:
+        return self.placements[stage].param(name)
+
+    def hlo_text(self) -> dict[int, str]:
+        return {s: p.forward_hlo() for s, p in self.programs.items() if self.is_lead(s)}
+
+    def memory_stats(self) -> dict[int, dict[str, int]]:
+        return {s: p.memory_stats() for s, p in self.programs.items() if self.is_lead(s)}
+
+
+def make_worker(spec: ExecutionSpec, rank: int, deliver: Deliver | None = None) -> Worker:
+    """The worker of process ``rank`` for ``spec``."""
+    if spec.is_pipeline:
+        return PipelineWorker(spec, rank, deliver)
+    return OneStageWorker(spec, rank)
