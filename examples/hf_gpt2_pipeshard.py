@@ -36,13 +36,13 @@ def main() -> None:
     method = torchpar.PipeshardParallel(num_micro_batches=args.micro_batches,
                                         layer_option=torchpar.AutoLayerOption(layer_num=args.layers),
                                         stage_option="auto")
-    engine = torchpar.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-3), example_batch=batch, method=method)
-    plan = engine.plan
-    print(plan.summary())
-    print("chosen partition:", json.dumps(plan.solver.get("stage_partition"), indent=1)[:800])
-    for step in range(args.steps):
-        print(f"step {step}  loss {engine.step(batch):.4f}")
-    engine.shutdown()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with torchpar.compile(model, optimizer, example_batch=batch, method=method) as engine:  # closed on exit
+        plan = engine.plan
+        print(plan.summary())
+        print("chosen partition:", json.dumps(plan.solver.get("stage_partition"), indent=1)[:800])
+        for step in range(args.steps):
+            print(f"step {step}  loss {engine.step(batch):.4f}")
 
 
 if __name__ == "__main__":

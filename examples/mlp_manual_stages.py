@@ -49,19 +49,18 @@ def main() -> None:
                                        submesh_logical_shapes=((1, 4), (2, 2)))
     method = torchpar.PipeshardParallel(num_micro_batches=args.micro_batches, layer_option="manual",
                                         stage_option=stages, schedule=args.schedule)
-    engine = torchpar.compile(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), example_batch=batch,
-                              method=method)
-    print(engine.plan.summary())
-    print(format_schedule(make_schedule(args.schedule, 2, args.micro_batches)))
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
-    print(f"{'step':>4}  {'torchpar':>10}  {'PyTorch':>10}")
-    for step in range(args.steps):
-        ref_opt.zero_grad()
-        loss = reference(*batch)
-        loss.backward()
-        ref_opt.step()
-        print(f"{step:>4}  {engine.step(batch):>10.6f}  {loss.item():>10.6f}")
-    engine.shutdown()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with torchpar.compile(model, optimizer, example_batch=batch, method=method) as engine:
+        print(engine.plan.summary())
+        print(format_schedule(make_schedule(args.schedule, 2, args.micro_batches)))
+        ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+        print(f"{'step':>4}  {'torchpar':>10}  {'PyTorch':>10}")
+        for step in range(args.steps):
+            ref_opt.zero_grad()
+            loss = reference(*batch)
+            loss.backward()
+            ref_opt.step()
+            print(f"{step:>4}  {engine.step(batch):>10.6f}  {loss.item():>10.6f}")
 
 
 if __name__ == "__main__":

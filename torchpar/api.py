@@ -328,9 +328,11 @@ class Engine:
         ``backward_`` (residuals and cotangents in, gradients out); available after the first step."""
         return self._executor.memory_stats()
 
-    def describe_workers(self) -> list[dict[str, Any]]:
-        """Each worker process's own account: rank, pid, JAX process index and devices, stages, steps run."""
-        return self._executor.describe_workers()
+    def describe_workers(self, programs: bool = False) -> list[dict[str, Any]]:
+        """Each worker process's own account: rank, pid, JAX process index and devices, stages, steps run, the
+        devices holding its share of the state; with ``programs=True`` also the HLO it runs per stage and
+        that program's device assignment (as process indices)."""
+        return self._executor.describe_workers(programs)
 
     @property
     def executor(self) -> Any:
@@ -364,9 +366,14 @@ class Engine:
     # --- compilation ----------------------------------------------------------------------------
 
     def _capture(self, batch: Any) -> Capture:
+        """The training graph on ``batch``; every op must have a lowering (checked here, before any worker
+        starts, so the error lists them all at once)."""
+        from jaxbackend.lower import check_supported
+
         start = time.perf_counter()
         capture = capture_train_step(self.model, batch, self._loss_fn)
         self._timings["capture"] = time.perf_counter() - start
+        check_supported(capture.graph)
         return capture
 
     def _make_plan(self, graph: Graph, method: Method | Plan | None) -> Plan:

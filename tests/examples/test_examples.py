@@ -15,6 +15,7 @@ RUNS = {
     "vit_data_parallel.py": ["--steps", "2"],
     "mlp_manual_stages.py": ["--steps", "2"],
     "hf_gpt2_pipeshard.py": ["--steps", "2"],
+    "ray_data_parallel.py": ["--steps", "2"],
 }
 
 

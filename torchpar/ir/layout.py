@@ -11,6 +11,8 @@ import math
 from typing import Iterable, Sequence
 
 Spec = tuple[tuple[int, ...] | None, ...]
+JsonSpec = list[list[int] | None]
+"""The same spec as stored in a plan's JSON (:func:`to_json` / :func:`from_json` convert)."""
 MeshShape = tuple[int, int]
 
 
@@ -61,6 +63,7 @@ class Multi(tuple):
     """The specs of a multi-output op's results (``None`` for non-tensor results)."""
 
 
-def describe(spec: Spec) -> str:
-    """``S1R`` style: per dim ``R`` (replicated) or ``S`` + its axes."""
-    return "".join("R" if not entry else "S" + "".join(str(a) for a in entry) for entry in spec) or "scalar"
+def describe(spec: Spec | Iterable[Sequence[int] | None]) -> str:
+    """The one text form of a spec (tuple or JSON form): per dim ``R`` (replicated) or ``S`` + its mesh axes,
+    space-separated — ``[[1], None]`` is ``S1 R``; a scalar is ``scalar``."""
+    return " ".join("R" if not entry else "S" + "".join(str(a) for a in entry) for entry in spec) or "scalar"

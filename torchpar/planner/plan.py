@@ -11,7 +11,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-Spec = list[list[int] | None]
+from torchpar.ir.layout import JsonSpec, describe
+
+Spec = JsonSpec
 
 
 @dataclass(kw_only=True)
@@ -100,9 +102,9 @@ class Plan:
                     extra += f"  optimizer state {stage.optimizer_state[name]}"
                 if stage.grads.get(name, spec) != spec:
                     extra += f"  grad {stage.grads[name]}"
-                lines.append(f"    {name:<{width}}  {_spec_text(spec)}{extra}")
+                lines.append(f"    {name:<{width}}  {describe(spec)}{extra}")
             for leaf, spec in stage.inputs.items():
-                lines.append(f"    batch leaf {leaf}: {_spec_text(spec)}")
+                lines.append(f"    batch leaf {leaf}: {describe(spec)}")
         if self.solver:
             lines.append("  solver: " + ", ".join(f"{k}={v}" for k, v in self.solver.items()))
         if self.timings:
@@ -128,7 +130,3 @@ class Plan:
 
         save_png(self, path, **options)
 
-
-def _spec_text(spec: Spec) -> str:
-    """``[[1], None]`` → ``S1 R`` style text."""
-    return " ".join("R" if not entry else "S" + "".join(str(a) for a in entry) for entry in spec) or "scalar"

@@ -2,7 +2,9 @@
 
 ``collectives(hlo)`` lists every collective instruction with its kind, result shapes and bytes, so tests
 and benchmarks can count communication in what XLA actually compiled. Async pairs (``*-start`` /
-``*-done``) count once, at the start.
+``*-done``) count once, at the start. ``Collective.groups`` are the participating device groups, as
+logical ids of the executable's device assignment (``replica_groups={{0,1},{2,3}}``, the iota form
+``replica_groups=[2,2]<=[4]`` / ``[2,2]<=[2,2]T(1,0)``, or a permute's ``source_target_pairs``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ _INSTRUCTION = re.compile(
     r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>\([^=]*?\)|[^\s(]+)\s+(?P<op>" + "|".join(KINDS) + r")(?P<start>-start)?\(")
 _COMMENT = re.compile(r"/\*.*?\*/")
 _ARRAY = re.compile(r"(?P<dtype>[a-z]+\d*)\[(?P<dims>[\d,]*)\]")
+_LIST_GROUPS = re.compile(r"(?:replica_groups|source_target_pairs)=\{(?P<groups>(?:\{[\d,]*\},?)*)\}")
+_IOTA_GROUPS = re.compile(r"replica_groups=\[(?P<shape>[\d,]+)\]<=\[(?P<dims>[\d,]+)\](?:T\((?P<perm>[\d,]+)\))?")
 
 
 @dataclass(frozen=True)
@@ -26,6 +30,25 @@ class Collective:
     kind: str
     shapes: tuple[tuple[str, tuple[int, ...]], ...]
     line: str
+
+    @property
+    def groups(self) -> list[list[int]]:
+        """Device groups (logical ids) the collective runs over; empty when the instruction names none (then
+        it spans every device of the executable)."""
+        match = _LIST_GROUPS.search(self.line)
+        if match:
+            return [[int(x) for x in group.split(",") if x] for group in re.findall(r"\{([\d,]*)\}", match.group("groups"))]
+        match = _IOTA_GROUPS.search(self.line)
+        if match:
+            import numpy as np
+
+            shape = [int(x) for x in match.group("shape").split(",")]
+            dims = [int(x) for x in match.group("dims").split(",")]
+            ids = np.arange(math.prod(dims)).reshape(dims)
+            if match.group("perm"):
+                ids = ids.transpose([int(x) for x in match.group("perm").split(",")])
+            return ids.reshape(shape).tolist()
+        return []
 
     @property
     def elements(self) -> int:

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from torchpar.cluster import ClusterSpec, current_cluster
+from torchpar.ir.layout import describe
 from torchpar.planner.plan import Plan, Spec
 
 PALETTE = ("#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7", "#9c755f",
@@ -387,10 +388,10 @@ def _param_table(plan: Plan, shapes: Mapping[str, Sequence[int]] | None) -> str:
             for what, layouts in (("grad", stage.grads), ("optimizer state", stage.optimizer_state),
                                   ("gathered at use", stage.params_at_use)):
                 if name in layouts and layouts[name] != spec:
-                    other.append(f"{what}: {_spec_text(layouts[name])}")
+                    other.append(f"{what}: {describe(layouts[name])}")
             cells = [(f"<i class='swatch' style='background:{stage_color(index)}'></i>{index}", index),
                      (f"<code>{_e(name)}</code>", name), (str(len(spec)), len(spec)),
-                     (_spec_chips(spec), _spec_text(spec)), (str(shards), shards),
+                     (_spec_chips(spec), describe(spec)), (str(shards), shards),
                      (_e("; ".join(other)), "; ".join(other))]
             if with_shapes:
                 shape = list(shapes[name]) if name in shapes else None
@@ -421,10 +422,6 @@ def _spec_chips(spec: Spec) -> str:
             color = AXIS_COLORS[entry[0]] if len(entry) == 1 and entry[0] in (0, 1) else "#bf3989"
             chips.append(f"<b class='chip' style='background:{color}'>S{_e(''.join(map(str, entry)))}</b>")
     return "".join(chips)
-
-
-def _spec_text(spec: Spec) -> str:
-    return " ".join("R" if not entry else "S" + "".join(str(a) for a in entry) for entry in spec) or "scalar"
 
 
 def _timeline_svg(plan: Plan, view: TimelineView) -> str:

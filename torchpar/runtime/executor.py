@@ -66,6 +66,7 @@ class Executor:
         self.closed = False
         self._closed_reason = "it was closed"
         self._state_names: dict[str, list[str]] = {}
+        self._unheld = HostState()
         self._spmd = "pipeline" if spec.is_pipeline else "gspmd"
         self._timeline: StepTimeline | None = None
         self.timings: dict[str, float] = {}
@@ -84,16 +85,32 @@ class Executor:
     # --- state ------------------------------------------------------------------------------------------------
 
     def load_state(self, state: HostState) -> None:
+        """Place ``state`` on the workers. Entries no stage reads (a pipeline's unused buffer, a parameter
+        outside the loss's graph) stay here as host arrays and come back unchanged from :meth:`export_state`."""
         self._check_open()
         self._state_names = {n: list(entries) for n, entries in state.opt_state.items()}
+        params, buffers = self._held_names()
+        self._unheld = HostState(params={n: v for n, v in state.params.items() if n not in params},
+                                 buffers={n: v for n, v in state.buffers.items() if n not in buffers},
+                                 opt_state={n: e for n, e in state.opt_state.items() if n not in params})
         self._call("load", state, what="loading the training state")
 
     def export_state(self) -> HostState:
         self._check_open()
         entries = [entry for part in self._call("export", what="exporting the training state") for entry in part]
         state = collect_state(entries)
-        state.opt_state = {n: state.opt_state.get(n, {}) for n in self._state_names}
+        state.params = {**self._unheld.params, **state.params}
+        state.buffers = {**self._unheld.buffers, **state.buffers}
+        state.opt_state = {n: state.opt_state.get(n, self._unheld.opt_state.get(n, {})) for n in self._state_names}
         return state
+
+    def _held_names(self) -> tuple[set[str] | Any, set[str] | Any]:
+        """Names of the parameters and buffers some worker holds (one-stage plans: all of them)."""
+        if not self.spec.is_pipeline:
+            return _Everything(), _Everything()
+        params = {n for graph in self.spec.stage_graphs for n in graph.params}
+        buffers = {i.target for graph in self.spec.stage_graphs for i in graph.graph.inputs if i.kind == "buffer"}
+        return params, buffers
 
     # --- compilation ----------------------------------------------------------------------------------------
 
@@ -179,10 +196,11 @@ class Executor:
     def memory_stats(self) -> list[dict[str, int]]:
         return self._per_stage("memory_stats", "reading memory statistics")
 
-    def describe_workers(self) -> list[dict[str, Any]]:
-        """Each worker's own account of itself (process, devices, stages, steps run), in rank order."""
+    def describe_workers(self, programs: bool = False) -> list[dict[str, Any]]:
+        """Each worker's own account of itself (process, devices, stages, steps run; with ``programs`` the HLO
+        it runs and its device assignment), in rank order (:meth:`.worker.Worker.describe`)."""
         self._check_open()
-        return self._call("describe", what="describing the workers")
+        return self._call("describe", programs, what="describing the workers")
 
     def _per_stage(self, method: str, what: str) -> list[Any]:
         self._check_open()
@@ -246,6 +264,13 @@ class LocalExecutor(Executor):
 
     def _release(self) -> None:
         self.worker = None  # type: ignore[assignment]
+
+
+class _Everything:
+    """A set containing every name."""
+
+    def __contains__(self, name: object) -> bool:
+        return True
 
 
 def split_micro_batches(leaves: Sequence[np.ndarray], num_micro_batches: int) -> list[dict[int, np.ndarray]]:

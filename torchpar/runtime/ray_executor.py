@@ -36,6 +36,10 @@ log = logging.getLogger(__name__)
 
 RESOURCE_GRACE_S = 5.0
 """How long a start waits for CPUs/GPUs that a just-closed engine is releasing."""
+LIVENESS_PERIOD_S = 2.0
+"""While a call is outstanding, every actor is pinged this often: a dead one ends the wait at once."""
+DEATH_NOTICE_S = 5.0
+"""When an actor fails, how long to wait for Ray to report a peer dead (the failure may be its consequence)."""
 
 
 class HostFailure(RuntimeError):
@@ -155,7 +159,12 @@ class RayExecutor(Executor):
         pending = list(refs.values())
         values: dict[int, Any] = {}
         while pending:
-            ready, pending = ray.wait(pending, num_returns=1, timeout=max(deadline - time.monotonic(), 0.0))
+            left = max(deadline - time.monotonic(), 0.0)
+            ready, pending = ray.wait(pending, num_returns=1, timeout=min(left, LIVENESS_PERIOD_S))
+            if not ready and left > LIVENESS_PERIOD_S:
+                if not placing:
+                    self._check_alive(what)  # a dead peer leaves the others blocked in a collective: name it
+                continue
             if not ready:
                 late = sorted(rank_of[r] for r in pending)
                 if placing:
@@ -171,9 +180,24 @@ class RayExecutor(Executor):
             except ray.exceptions.RayActorError as error:
                 self._fail(f"the actor of {self._where(rank)} died while {what} ({type(error).__name__})")
             except ray.exceptions.RayTaskError as error:
+                # a collective fails fast when its peer process is gone: blame the dead peer, not the survivor
+                self._check_alive(what, wait_s=DEATH_NOTICE_S,
+                                  consequence=f"{self._where(rank)} failed as a consequence: {error.cause}")
                 self._fail(f"{self._where(rank)} failed while {what}: {type(error.cause).__name__}: {error.cause}",
                            cause=error.cause)
         return [values[rank] for rank in sorted(values)]
+
+    def _check_alive(self, what: str, wait_s: float = LIVENESS_PERIOD_S, consequence: str = "") -> None:
+        """Raise naming the first actor Ray reports dead within ``wait_s`` (the others may be waiting for it,
+        or have failed because of it: ``consequence``)."""
+        pings = {actor.ping.remote(): rank for rank, actor in enumerate(self.actors)}
+        ready, _ = ray.wait(list(pings), num_returns=len(pings), timeout=wait_s)
+        for ref in sorted(ready, key=lambda r: pings[r]):
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError as error:
+                self._fail(f"the actor of {self._where(pings[ref])} died while {what} ({type(error).__name__})"
+                           + (f"; {consequence}" if consequence else ""))
 
     def _where(self, rank: int, placed: bool = True) -> str:
         host = self.hosts[rank]
@@ -198,12 +222,20 @@ class RayExecutor(Executor):
 
     def _release(self) -> None:
         actors, self.actors = self.actors, []
+        if not actors or not ray.is_initialized():
+            return
+        held_cpus = ray.available_resources().get("CPU", 0) + len(actors)
         for actor in actors:
             try:
                 ray.kill(actor, no_restart=True)
             except Exception as error:  # already gone
                 log.debug("ray.kill: %s", error)
         _await_death(actors, timeout_s=10.0)
+        # Ray returns a dead actor's resources asynchronously; wait (bounded) so a compile right after
+        # close() finds them free
+        deadline = time.monotonic() + 10.0
+        while ray.available_resources().get("CPU", 0) < held_cpus and time.monotonic() < deadline:
+            time.sleep(0.05)
 
     def summary(self) -> str:
         return (f"{self.label} engine compiled at {self.created} on {len(self.hosts)} host actor(s) "

@@ -135,6 +135,10 @@ class StageProgram:
         """Optimized HLO of the stage's forward (available after its first step)."""
         return self._compiled(self._forward, self._forward_signature).as_text()
 
+    def backward_hlo(self) -> str:
+        """Optimized HLO of the stage's backward (available after its first step)."""
+        return self._compiled(self._backward, self._backward_signature).as_text()
+
     def memory_stats(self) -> dict[str, int]:
         """XLA's per-device memory analysis of the stage's forward and backward executables, fields prefixed
         ``forward_``/``backward_`` (available after the stage's first forward and backward)."""

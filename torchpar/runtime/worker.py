@@ -94,15 +94,30 @@ class Worker:
         self.rank = rank
         self.steps_run = 0
 
-    def describe(self) -> dict[str, Any]:
-        """Where this worker runs and what it ran: host, process, devices, stages, steps."""
+    def describe(self, programs: bool = False) -> dict[str, Any]:
+        """Where this worker runs and what it ran: process, devices, stages, steps, and which of its devices
+        hold a piece of the state. ``programs=True`` adds, per stage, the optimized HLO this process runs and
+        its device assignment as process indices (logical id ``i`` of the HLO's replica groups is device
+        ``i`` of the stage's mesh), so a caller can see which collectives cross processes."""
         devices = jax.local_devices()
-        return {"rank": self.rank, "pid": os.getpid(), "process_index": jax.process_index(),
+        info = {"rank": self.rank, "pid": os.getpid(), "process_index": jax.process_index(),
                 "process_count": jax.process_count(), "platform": devices[0].platform,
                 "local_devices": [str(d) for d in devices], "steps_run": self.steps_run,
-                "stages": self.stages(), "cores": sorted(os.sched_getaffinity(0))}
+                "stages": self.stages(), "cores": sorted(os.sched_getaffinity(0)),
+                "devices_holding_state": sorted({str(s.device) for array in self.state_arrays()
+                                                 for s in array.addressable_shards})}
+        if programs:
+            info["programs"] = self.programs_info()
+        return info
 
     def stages(self) -> list[int]:
+        raise NotImplementedError
+
+    def state_arrays(self) -> list[Any]:
+        """Every array of the state this process holds (parameters, buffers, optimizer state)."""
+        raise NotImplementedError
+
+    def programs_info(self) -> dict[int, dict[str, Any]]:
         raise NotImplementedError
 
 
@@ -131,6 +146,15 @@ class OneStageWorker(Worker):
 
     def stages(self) -> list[int]:
         return [0]
+
+    def state_arrays(self) -> list[Any]:
+        return [*self.params.values(), *self.buffers.values(),
+                *(v for entries in self.opt_state.values() for v in entries.values())]
+
+    def programs_info(self) -> dict[int, dict[str, Any]]:
+        mesh = self.program.placement.mesh
+        return {0: {"hlo": self._last.compiled.as_text() if self._last else "",
+                    "device_processes": [d.process_index for d in mesh.devices.flat]}}
 
     def load(self, state: HostState) -> None:
         placement = self.program.placement
@@ -230,6 +254,16 @@ class PipelineWorker(Worker):
 
     def stages(self) -> list[int]:
         return sorted(self.programs)
+
+    def state_arrays(self) -> list[Any]:
+        return [v for stage in self.states.values()
+                for v in [*stage.params.values(), *stage.buffers.values(),
+                          *(x for entries in stage.opt_state.values() for x in entries.values())]]
+
+    def programs_info(self) -> dict[int, dict[str, Any]]:
+        return {s: {"hlo": p.forward_hlo() + "\n" + p.backward_hlo(),
+                    "device_processes": [d.process_index for d in p.placement.mesh.devices.flat]}
+                for s, p in self.programs.items()}
 
     def is_lead(self, stage: int) -> bool:
         return self.ranks[stage][0] == self.rank

@@ -1,0 +1,104 @@
+"""Every method on the Ray runtime, with meshes that span host actors (one JAX multi-controller system).
+
+Losses and SGD parameters are compared with PyTorch eager on the whole batch. What ran where is asserted
+from the actors' own accounts (``engine.describe_workers``): their processes, devices, the HLO they
+compiled and its device assignment — not from the driver, which holds no device of the plan.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torchpar
+from tests.runtime.ray_helpers import crossing_collectives, gpt2, qwen2, ray_cluster, train_against_pytorch
+
+ONE_STAGE_METHODS = {
+    "data_parallel": (torchpar.DataParallel, "all-reduce"),
+    "zero2": (torchpar.Zero2Parallel, "reduce-scatter"),
+    "shard": (torchpar.ShardParallel, None),
+}
+
+
+@pytest.fixture(scope="module")
+def two_hosts_of_two():
+    with ray_cluster(num_hosts=2, devices_per_host=2) as cluster:
+        yield cluster
+
+
+@pytest.mark.parametrize("method", list(ONE_STAGE_METHODS))
+def test_one_stage_methods_run_on_both_host_actors(two_hosts_of_two, method):
+    torch.manual_seed(0)
+    model, batch = gpt2(num_layers=2)
+    method_cls, gradient_collective = ONE_STAGE_METHODS[method]
+    engine = train_against_pytorch(model, batch, method_cls(), steps=5)
+    with engine:
+        stage = engine.plan.stages[0]
+        assert stage.logical_mesh_shape[0] * stage.logical_mesh_shape[1] == 4 and stage.submesh_shape == (2, 2)
+        workers = engine.describe_workers(programs=True)
+        assert [w["process_index"] for w in workers] == [0, 1]
+        assert all(w["process_count"] == 2 and w["steps_run"] == 5 for w in workers)
+        assert len({w["pid"] for w in workers}) == 2
+        for w in workers:  # each actor holds its share of the state on its own two devices
+            assert len(w["local_devices"]) == 2
+            assert w["devices_holding_state"] and set(w["devices_holding_state"]) <= set(w["local_devices"])
+            crossing = crossing_collectives(w)
+            assert crossing, f"no collective of host {w['rank']}'s program spans both hosts"
+            if gradient_collective:  # the gradient reduction itself crosses the host boundary
+                assert any(c.kind == gradient_collective and c.elements > 1 for c in crossing), \
+                    sorted({c.kind for c in crossing})
+        assert engine.spmd_mode == ("gspmd" if method == "shard" else "shard_map")
+
+
+@pytest.fixture(scope="module")
+def two_hosts_of_four():
+    with ray_cluster(num_hosts=2, devices_per_host=4) as cluster:
+        yield cluster
+
+
+AUTO_CASES = [("gpt2", "gpipe"), ("gpt2", "1f1b"), ("qwen2", "gpipe"), ("qwen2", "1f1b")]
+
+
+@pytest.mark.parametrize("family,schedule", AUTO_CASES, ids=[f"{f}-{s}" for f, s in AUTO_CASES])
+def test_automatic_pipeline_plans_train_whatever_stages_the_dp_picks(two_hosts_of_four, family, schedule):
+    torch.manual_seed(0)
+    model, batch = {"gpt2": gpt2, "qwen2": qwen2}[family](num_layers=4)
+    method = torchpar.PipeshardParallel(num_micro_batches=2, layer_option=torchpar.AutoLayerOption(layer_num=4),
+                                        stage_option="auto", schedule=schedule)
+    with train_against_pytorch(model, batch, method, steps=4) as engine:
+        stages = engine.plan.stages
+        workers = engine.describe_workers()
+        for s, stage in enumerate(stages):
+            hosts = {d // 4 for d in stage.device_ids}
+            runners = [w["rank"] for w in workers if s in w["stages"]]
+            assert len(runners) == len(hosts), (s, stage.device_ids, runners)  # one actor per host of the stage
+        assert all(w["steps_run"] == 4 for w in workers)
+
+
+SPANNING = {
+    # 3 hosts × 2: stage 1 is a 2×2 mesh over hosts 1 and 2 (activations go from one process to two)
+    "3x2": (3, 2, ((1, 2), (2, 2)), ((1, 2), (2, 2))),
+    # 4 hosts × 1: both stages span two hosts, and the activations change layout between them
+    "4x1": (4, 1, ((2, 1), (2, 1)), ((1, 2), (2, 1))),
+}
+
+
+@pytest.mark.parametrize("layout", list(SPANNING))
+def test_manual_stages_on_submeshes_spanning_hosts(layout):
+    hosts, per_host, physical, logical = SPANNING[layout]
+    with ray_cluster(num_hosts=hosts, devices_per_host=per_host):
+        torch.manual_seed(0)
+        model, batch = gpt2(num_layers=4)  # tied embedding: its gradient is summed across the two stages
+        option = torchpar.ManualStageOption(forward_stage_layer_ids=((0, 1), (2, 3)), submesh_physical_shapes=physical,
+                                            submesh_logical_shapes=logical)
+        method = torchpar.PipeshardParallel(num_micro_batches=2, layer_option=torchpar.AutoLayerOption(layer_num=4),
+                                            stage_option=option)
+        with train_against_pytorch(model, batch, method, steps=4, grad_clip_norm=0.5) as engine:
+            workers = engine.describe_workers(programs=True)
+            last = len(engine.plan.stages) - 1
+            runners = [w for w in workers if last in w["stages"]]
+            assert len(runners) == 2 and len({w["pid"] for w in runners}) == 2
+            stage = engine.plan.stages[last]
+            if any(entry and 0 in entry for spec in [*stage.params.values(), *stage.inputs.values()] for entry in spec):
+                # the stage splits something over mesh axis 0, i.e. across its two hosts
+                assert any(crossing_collectives(w, last) for w in runners), "no collective of the stage crossed hosts"
