@@ -102,3 +102,18 @@ def test_repeated_blocks_share_one_choice():
             by_key.setdefault(root.share_key, set()).add(root.strategies[k].name)
     assert all(len(names) == 1 for names in by_key.values())
     assert evaluate(solver_graph, solution.choice) == pytest.approx(solution.objective_s)
+
+
+def test_a_one_device_mesh_is_planned_without_the_solver(monkeypatch):
+    """On a 1×1 mesh every root has one strategy: the plan is evaluated directly, OR-Tools is never imported."""
+    import sys
+
+    graph, trainable = _mlp_graph(64, 8, depth=3)
+    monkeypatch.setitem(sys.modules, "ortools", None)  # any `import ortools...` now fails
+    monkeypatch.setitem(sys.modules, "ortools.sat.python", None)
+    result = _plan(graph, trainable, mesh=(1, 1))
+    assert result.solution.status == "FORCED" and result.solution.num_variables == 0
+    assert result.solution.objective_s == pytest.approx(evaluate(result.solver_graph, result.solution.choice))
+    assert all(all(entry is None for entry in spec) for spec in result.stage.params.values())
+    with pytest.raises(MemoryBudgetError, match="only plan on this mesh needs"):
+        _plan(graph, trainable, mesh=(1, 1), memory_budget=1024)
