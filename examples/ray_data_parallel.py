@@ -34,9 +34,9 @@ def main() -> None:
 
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
-    config = transformers.GPT2Config(n_layer=2, n_embd=128, n_head=4, vocab_size=512, n_positions=64)
+    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=32)
     model = transformers.GPT2LMHeadModel(config)
-    ids = torch.randint(0, config.vocab_size, (8 * cluster.num_devices, 32))
+    ids = torch.randint(0, config.vocab_size, (4 * cluster.num_devices, 16))
     batch = {"input_ids": ids, "labels": ids}
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     try:

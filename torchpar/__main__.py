@@ -26,7 +26,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-METHODS = ("single", "dp", "zero2", "zero3", "megatron", "shard", "pipeshard")
+from torchpar.methods import METHOD_NAMES, METHODS, SINGLE_DEVICE
 OPTIMIZERS = ("adamw", "adam", "sgd")
 
 log = logging.getLogger("torchpar.cli")
@@ -58,7 +58,7 @@ def _parser() -> argparse.ArgumentParser:
     plan.set_defaults(run=_plan_command)
 
     compare = commands.add_parser("compare", help="train with PyTorch and torchpar, compare losses")
-    _common_arguments(compare, method="single", batch_size=4, seq_len=32)
+    _common_arguments(compare, method=SINGLE_DEVICE, batch_size=4, seq_len=32)
     compare.add_argument("--steps", type=int, default=20)
     compare.add_argument("--tolerance", type=float, default=1e-4, help="max relative loss difference")
     compare.add_argument("--plot", default=None, help="PNG of both loss curves")
@@ -72,7 +72,7 @@ def _common_arguments(parser: argparse.ArgumentParser, *, method: str, batch_siz
     parser.add_argument("--config", default="{}", help='JSON config overrides of a zoo model, e.g. \'{"n_layer": 12}\'')
     parser.add_argument("--devices", type=int, default=8, help="number of (fake CPU) devices")
     parser.add_argument("--hosts", type=int, default=1, help="simulated hosts; --devices must be a multiple")
-    parser.add_argument("--method", choices=METHODS, default=method, help=f"parallel method (default {method})")
+    parser.add_argument("--method", choices=METHOD_NAMES, default=method, help=f"parallel method (default {method})")
     parser.add_argument("--mesh", default=None, help="logical mesh 'd0xd1' for dp/zero2/zero3/megatron/shard "
                         "(default: all devices; shard tries every factorization)")
     parser.add_argument("--micro-batches", type=int, default=4, help="pipeshard: micro-batches per step")
@@ -125,11 +125,9 @@ def _method(args: argparse.Namespace) -> Any:
         return torchpar.PipeshardParallel(num_micro_batches=args.micro_batches,
                                           layer_option=torchpar.AutoLayerOption(layer_num=args.layers),
                                           stage_option=args.stages, schedule=args.schedule)
-    if args.method == "single":
+    if args.method == SINGLE_DEVICE:
         return None
-    kinds = {"dp": torchpar.DataParallel, "zero2": torchpar.Zero2Parallel, "zero3": torchpar.Zero3Parallel,
-             "megatron": torchpar.MegatronParallel, "shard": torchpar.ShardParallel}
-    return kinds[args.method](mesh_shape=mesh)
+    return METHODS[args.method](mesh_shape=mesh)
 
 
 def _mesh(text: str | None) -> tuple[int, int] | None:

@@ -14,7 +14,7 @@ import dataclasses
 import logging
 import time
 import weakref
-from typing import Any, Hashable, Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -120,9 +120,9 @@ def plan(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, example_ba
 
 def _state_copies(spec: Any) -> float:
     """Optimizer-state tensors per parameter (2 for Adam, 1 for SGD with momentum), averaged over groups."""
-    from jaxbackend import optim as jax_optim
+    from torchpar.ir.optimizer import state_keys
 
-    return sum(len(jax_optim.state_keys(spec, g)) for g in range(spec.num_groups)) / max(spec.num_groups, 1)
+    return sum(len(state_keys(spec, g)) for g in range(spec.num_groups)) / max(spec.num_groups, 1)
 
 
 class Engine:
@@ -150,7 +150,7 @@ class Engine:
         self._eval: dict[tuple, Capture] = {}
         self._last_signature: tuple | None = None
         self._executor: Any = None
-        self._pipelined = isinstance(method, PipeshardParallel)
+        self._pipelined = isinstance(method, PipeshardParallel) or (isinstance(method, Plan) and method.is_pipeline)
         try:
             if self._pipelined:
                 self._init_pipeline(example_batch, method)
@@ -183,34 +183,37 @@ class Engine:
         self._executor.load_state(self._initial_state())
         self._compile_step(self._example_signature, capture)
 
-    def _init_pipeline(self, example_batch: Any, method: PipeshardParallel) -> None:
-        from jaxbackend import optim as jax_optim
-        from torchpar.planner.pipeline_plan import plan_pipeline
+    def _init_pipeline(self, example_batch: Any, method: PipeshardParallel | Plan) -> None:
+        """Plan a pipeline (or take a saved pipeline ``Plan`` as it is), start its executor, compile the stages."""
+        from torchpar.ir.optimizer import step_scalars
+        from torchpar.planner.pipeline_plan import plan_pipeline, stage_graphs_for
         from torchpar.runtime import build_executor
         from torchpar.runtime.devices import DeviceMap
         from torchpar.runtime.worker import ExecutionSpec
 
         if self.options.spmd != "auto":
-            log.warning("torchpar: spmd=%r is ignored by PipeshardParallel (its stages run under GSPMD)",
-                        self.options.spmd)
+            log.warning("torchpar: spmd=%r is ignored by pipelines (their stages run under GSPMD)", self.options.spmd)
         micro_example = _first_micro_batch(example_batch, method.num_micro_batches)
         capture = self._capture(micro_example)
         trainable = set(self._trainable(capture.graph))
         cluster = current_cluster()
-        pipeline = plan_pipeline(capture.graph, method, cluster, trainable=trainable,
-                                 optimizer_state_copies=_state_copies(self._spec))
-        self._plan = pipeline.plan
+        if isinstance(method, Plan):
+            _check_plan_fits(method, cluster)
+            self._plan, stage_graphs = method, stage_graphs_for(capture.graph, method)
+        else:
+            pipeline = plan_pipeline(capture.graph, method, cluster, trainable=trainable,
+                                     optimizer_state_copies=_state_copies(self._spec))
+            self._plan, stage_graphs = pipeline.plan, pipeline.stages
         self._plan.timings["capture"] = self._timings["capture"]
         start = time.perf_counter()
         spec = ExecutionSpec(plan=self._plan, optimizer=self._spec, devices=DeviceMap(cluster.devices_per_host),
-                             options=self._run_options(), stage_graphs=pipeline.stages,
-                             trainable=tuple(sorted(trainable)))
+                             options=self._run_options(), stage_graphs=stage_graphs, trainable=tuple(sorted(trainable)))
         self._executor = build_executor(spec, cluster, label="pipeshard")
         self._timings.update(self._executor.timings)
         self._executor.load_state(self._initial_state())
         self._timings["lower"] = time.perf_counter() - start - sum(self._executor.timings.values())
         start = time.perf_counter()
-        self._executor.warm_up(jax_optim.step_scalars(self._spec, self._bridge.hparams(), [1] * self._spec.num_groups))
+        self._executor.warm_up(step_scalars(self._spec, self._bridge.hparams(), [1] * self._spec.num_groups))
         self._timings["xla_compile"] = time.perf_counter() - start
         log.info("torchpar plan:\n%s", self._plan.summary())
 
@@ -381,8 +384,7 @@ class Engine:
         if method is None:
             return single_device_plan(graph, cluster)
         if isinstance(method, Plan):
-            if len(method.stages) != 1:
-                raise NotImplementedError("plans with several pipeline stages need PipeshardParallel (not implemented yet)")
+            _check_plan_fits(method, cluster)
             return method
         trainable = set(self._trainable(graph))
         plan = plan_for_method(graph, method, cluster, trainable=trainable, optimizer_state_copies=_state_copies(self._spec))
@@ -390,9 +392,9 @@ class Engine:
         return plan
 
     def _compile_step(self, signature: tuple, capture: Capture) -> None:
-        from jaxbackend import optim as jax_optim
+        from torchpar.ir.optimizer import step_scalars
 
-        scalars = jax_optim.step_scalars(self._spec, self._bridge.hparams(), [1] * self._spec.num_groups)
+        scalars = step_scalars(self._spec, self._bridge.hparams(), [1] * self._spec.num_groups)
         leaves = [(tuple(m.shape), _jax_dtype(m.dtype)) for m in capture.input_metas]
         self._timings.update(self._executor.compile_step(signature, capture.graph, self._trainable(capture.graph),
                                                          leaves, scalars))
@@ -431,6 +433,17 @@ class Engine:
                     f"batch leaf {index} is {dtype}{list(shape)} but the example batch has "
                     f"{example_dtype}{list(example_shape)}: dtype and rank must match the example "
                     "(sizes may change; each new shape compiles once)")
+
+
+def _check_plan_fits(plan: Plan, cluster: Any) -> None:
+    """A saved plan names cluster devices: they must exist in the cluster this process runs on (and a pipeline's
+    submeshes are whole hosts or parts of one: the hosts must have the plan's size)."""
+    per_host = plan.cluster.get("devices_per_host", cluster.devices_per_host)
+    used = [d for stage in plan.stages for d in stage.devices()]
+    if (plan.is_pipeline and per_host != cluster.devices_per_host) or max(used, default=0) >= cluster.num_devices:
+        raise ValueError(f"the plan was made for {plan.cluster.get('num_hosts', '?')} host(s) × {per_host} device(s) "
+                         f"and uses devices up to {max(used, default=0)}; this cluster is {cluster.num_hosts} × "
+                         f"{cluster.devices_per_host}: call torchpar.init with the plan's cluster")
 
 
 def _params_reaching_loss(graph: Graph) -> set[str]:

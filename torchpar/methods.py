@@ -1,18 +1,25 @@
 """Parallel methods and their options: what ``torchpar.compile(method=...)`` accepts.
 
 ``None`` runs on one device. The others describe a plan family; the planner turns them into a
-:class:`torchpar.planner.plan.Plan`.
+:class:`torchpar.planner.plan.Plan`. Each method has one name (``DataParallel.name == "data_parallel"``),
+used alike by ``Plan.method`` in the JSON and by ``python -m torchpar --method``: :data:`METHOD_NAMES`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
+
+SINGLE_DEVICE = "single_device"
+"""The name of ``method=None``: everything on one device."""
 
 
 @dataclass(kw_only=True, frozen=True)
 class DataParallel:
     """Batch split over all devices, parameters replicated, gradients all-reduced."""
+
+    name: ClassVar[str] = "data_parallel"
+    """This method's name in ``Plan.method`` and on the command line."""
 
     mesh_shape: tuple[int, int] | None = None
     """Logical mesh ``(d0, d1)`` over the first ``d0·d1`` devices; ``None`` = ``(1, all devices)``."""
@@ -25,6 +32,9 @@ class DataParallel:
 class Zero2Parallel:
     """Data parallel with gradients reduce-scattered and optimizer state sharded (ZeRO stage 2)."""
 
+    name: ClassVar[str] = "zero2"
+    """This method's name in ``Plan.method`` and on the command line."""
+
     mesh_shape: tuple[int, int] | None = None
     """Logical mesh ``(d0, d1)`` over the first ``d0·d1`` devices; ``None`` = ``(1, all devices)``."""
 
@@ -35,6 +45,9 @@ class Zero2Parallel:
 @dataclass(kw_only=True, frozen=True)
 class Zero3Parallel:
     """ZeRO stage 3: parameters sharded too, all-gathered where used."""
+
+    name: ClassVar[str] = "zero3"
+    """This method's name in ``Plan.method`` and on the command line."""
 
     mesh_shape: tuple[int, int] | None = None
     """Logical mesh ``(d0, d1)`` over the first ``d0·d1`` devices; ``None`` = ``(1, all devices)``."""
@@ -48,6 +61,9 @@ class MegatronParallel:
     """Hand plan: Megatron-style tensor parallelism on mesh axis 1 (in each repeated block the linear
     layers alternate column- and row-split), data parallelism on axis 0."""
 
+    name: ClassVar[str] = "megatron"
+    """This method's name in ``Plan.method`` and on the command line."""
+
     mesh_shape: tuple[int, int] | None = None
     """Logical mesh ``(d0, d1)``; ``None`` = ``(1, all devices)`` (pure tensor parallelism)."""
 
@@ -58,6 +74,9 @@ class MegatronParallel:
 @dataclass(kw_only=True, frozen=True)
 class ShardParallel:
     """Intra-operator parallelism chosen by the sharding ILP on a 2-D logical mesh."""
+
+    name: ClassVar[str] = "shard"
+    """This method's name in ``Plan.method`` and on the command line."""
 
     mesh_shape: tuple[int, int] | None = None
     """Logical mesh ``(d0, d1)``; ``None`` tries every factorization of the device count, keeps the cheapest."""
@@ -112,6 +131,9 @@ class ManualStageOption:
 class PipeshardParallel:
     """Pipeline stages on submeshes (inter-op) with the ILP inside each stage (intra-op)."""
 
+    name: ClassVar[str] = "pipeshard"
+    """This method's name in ``Plan.method`` and on the command line."""
+
     num_micro_batches: int = 1
     """Micro-batches per step; the batch dim must divide evenly."""
     layer_option: AutoLayerOption | Literal["manual"] = AutoLayerOption(layer_num=2)
@@ -133,6 +155,16 @@ class PipeshardParallel:
 
 
 Method = DataParallel | Zero2Parallel | Zero3Parallel | MegatronParallel | ShardParallel | PipeshardParallel
+
+METHODS: dict[str, type | None] = {SINGLE_DEVICE: None, **{m.name: m for m in (
+    DataParallel, Zero2Parallel, Zero3Parallel, MegatronParallel, ShardParallel, PipeshardParallel)}}
+"""Every method by its name (``"single_device"`` is ``method=None``)."""
+METHOD_NAMES: tuple[str, ...] = tuple(METHODS)
+
+
+def method_name(method: Method | None) -> str:
+    """The one name of ``method`` (``None`` → ``"single_device"``)."""
+    return SINGLE_DEVICE if method is None else method.name
 
 
 def _check_mesh_shape(mesh_shape: tuple[int, int] | None) -> None:

@@ -25,7 +25,7 @@ def _mlp_graph(width: int, batch: int, depth: int = 6):
     return graph, {n for n, _ in model.named_parameters()}
 
 
-def _plan(graph, trainable, kind="auto", mesh=(1, 4), **kwargs):
+def _plan(graph, trainable, kind="shard", mesh=(1, 4), **kwargs):
     return plan_stage(graph, kind=kind, mesh_shape=mesh, cluster=CLUSTER, trainable=trainable,
                       optimizer_state_copies=ADAM_STATE, **kwargs)
 

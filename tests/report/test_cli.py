@@ -26,7 +26,7 @@ def test_plan_command(tmp_path):
     result = _run("plan", "--model", "mlp", "--devices", "8", "--method", "shard", "--out", "p.html",
                   "--json", "p.json", "--png", "p.png", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("Plan: auto, 1 stage(s)")
+    assert result.stdout.startswith("Plan: shard, 1 stage(s)")
     assert "layers.0.weight" in result.stdout and "HTML report written to p.html" in result.stdout
     html = (tmp_path / "p.html").read_text(encoding="utf-8")
     assert html.startswith("<!DOCTYPE html>") and html.count("class='device'") + html.count("class='device idle'") == 8
@@ -60,7 +60,7 @@ def test_plan_from_model_file(tmp_path, capsys):
         "    model = Net()\n"
         "    return model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(8, 16)\n")
     out = tmp_path / "tiny.html"
-    assert main(["plan", "--model", str(source), "--devices", "8", "--method", "dp", "--out", str(out),
+    assert main(["plan", "--model", str(source), "--devices", "8", "--method", "data_parallel", "--out", str(out),
                  "--json", str(tmp_path / "tiny.json")]) == 0
     assert "fc.weight" in capsys.readouterr().out
     assert "fc.bias" in out.read_text(encoding="utf-8")

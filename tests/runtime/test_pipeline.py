@@ -87,11 +87,20 @@ CASES = [  # (family, layer option, stages, schedule, micro-batches): every axis
     ("gpt2", "auto", 2, "gpipe", 1),
     ("gpt2", "auto", 4, "1f1b", 4),
 ]
+RAY_CASES = [CASES[0], CASES[3], CASES[4], CASES[7]]  # both families, schedules, layer options, 2 and 4 stages
 
 
-@pytest.mark.parametrize("family,layers,stages,schedule,micro", CASES,
-                         ids=[f"{f}-{l}-{s}st-{sc}-M{m}" for f, l, s, sc, m in CASES])
-def test_pipeline_matches_pytorch(runtime, family, layers, stages, schedule, micro):
+def _ids(cases):
+    return [f"{f}-{l}-{s}st-{sc}-M{m}" for f, l, s, sc, m in cases]
+
+
+# The Ray runtime runs the same workers, interpreter and transport as the local one; it gets the subset
+# RAY_CASES here (more in tests/runtime/test_ray_engine.py)
+@pytest.mark.parametrize("runtime,case", [("local", c) for c in CASES] + [("ray", c) for c in RAY_CASES],
+                         ids=[f"local-{i}" for i in _ids(CASES)] + [f"ray-{i}" for i in _ids(RAY_CASES)],
+                         indirect=["runtime"])
+def test_pipeline_matches_pytorch(runtime, case):
+    family, layers, stages, schedule, micro = case
     model, batch, layer_option, stage_option = _build(family, layers, stages)
     reference = copy.deepcopy(model)
     # SGD with momentum: its parameters are compared element-wise (Adam amplifies round-off; see tests/models)

@@ -1,4 +1,4 @@
-"""torch.optim.Optimizer → `jaxbackend.optim.OptimizerSpec`, and the host side of its state.
+"""torch.optim.Optimizer → `torchpar.ir.optimizer.OptimizerSpec`, and the host side of its state.
 
 `TorchOptimizerBridge` is the only object that touches the user's optimizer:
 
@@ -27,8 +27,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from jaxbackend.optim import OptimizerSpec, state_keys
-from jaxbackend.optim import step_scalars as _step_scalars
+from torchpar.ir.optimizer import OptimizerSpec, state_keys
+from torchpar.ir.optimizer import step_scalars as _step_scalars
 
 __all__ = ["SUPPORTED_OPTIMIZERS", "TorchOptimizerBridge"]
 

@@ -7,12 +7,12 @@ from typing import Any
 
 from torchpar.cluster import ClusterSpec
 from torchpar.ir.graph import Graph
-from torchpar.methods import DataParallel, MegatronParallel, ShardParallel, Zero2Parallel, Zero3Parallel
+from torchpar.methods import (SINGLE_DEVICE, DataParallel, MegatronParallel, ShardParallel, Zero2Parallel,
+                              Zero3Parallel)
 from torchpar.planner.intra_op import mesh_shapes_for, plan_best_mesh, plan_stage
 from torchpar.planner.plan import Plan, StagePlan
 
-_KINDS = {DataParallel: "data_parallel", Zero2Parallel: "zero2", Zero3Parallel: "zero3", MegatronParallel: "megatron",
-          ShardParallel: "auto"}
+_ONE_STAGE = (DataParallel, Zero2Parallel, Zero3Parallel, MegatronParallel, ShardParallel)
 
 
 def single_device_plan(graph: Graph, cluster: ClusterSpec) -> Plan:
@@ -24,13 +24,13 @@ def single_device_plan(graph: Graph, cluster: ClusterSpec) -> Plan:
     stage = StagePlan(layers=[0], submesh_shape=(1, 1), logical_mesh_shape=(1, 1), params=params,
                       estimated_cost_s=compute_s, estimated_compute_s=compute_s,
                       estimated_memory_bytes=state_bytes + activation_bytes)
-    return Plan(method="single_device", stages=[stage], estimated_step_s=compute_s)
+    return Plan(method=SINGLE_DEVICE, stages=[stage], estimated_step_s=compute_s)
 
 
 def plan_for_method(graph: Graph, method: Any, cluster: ClusterSpec, *, trainable: set[str],
                     optimizer_state_copies: float, kind: str | None = None) -> Plan:
     """The plan ``method`` (or the hand-plan ``kind``, e.g. ``"megatron"``) gives ``graph`` on ``cluster``."""
-    kind = kind or _KINDS.get(type(method))
+    kind = kind or (method.name if isinstance(method, _ONE_STAGE) else None)
     if kind is None:
         raise NotImplementedError(f"method {type(method).__name__} is not a one-stage sharding method")
     mesh_shape = getattr(method, "mesh_shape", None)
@@ -44,7 +44,7 @@ def plan_for_method(graph: Graph, method: Any, cluster: ClusterSpec, *, trainabl
             raise ValueError(f"mesh_shape {tuple(mesh_shape)} needs {mesh_shape[0] * mesh_shape[1]} devices; the cluster "
                              f"has {cluster.num_devices} (torchpar.init(num_devices=...))")
         result = plan_stage(graph, mesh_shape=tuple(mesh_shape), **common)
-    elif kind == "auto":
+    elif kind == "shard":
         result = plan_best_mesh(graph, mesh_shapes=mesh_shapes_for(cluster.num_devices), **common)
     else:
         result = plan_stage(graph, mesh_shape=(1, cluster.num_devices), **common)

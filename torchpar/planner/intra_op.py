@@ -3,7 +3,7 @@
 Every plan family is the sharding ILP (:mod:`.sharding.ilp`) on the same solver graph, with some roots
 restricted:
 
-- ``auto`` (ShardParallel): nothing restricted;
+- ``shard`` (ShardParallel, the automatic plan): nothing restricted;
 - ``data_parallel``: batch inputs split on dim 0 over every mesh axis, parameters replicated;
 - ``zero2``: the data-parallel solution, then gradients reduce-scattered and optimizer state sharded;
 - ``zero3``: as ``zero2`` with parameters stored sharded and all-gathered where they are read;
@@ -33,8 +33,9 @@ from torchpar.planner.sharding.solver_graph import SolverGraph, build_solver_gra
 
 log = logging.getLogger(__name__)
 
-PlanKind = Literal["auto", "data_parallel", "zero2", "zero3", "megatron"]
-PLAN_KINDS: tuple[str, ...] = ("auto", "data_parallel", "zero2", "zero3", "megatron")
+PlanKind = Literal["shard", "data_parallel", "zero2", "zero3", "megatron"]
+PLAN_KINDS: tuple[str, ...] = ("shard", "data_parallel", "zero2", "zero3", "megatron")
+"""The one-stage plan families, named as the methods are (:data:`torchpar.methods.METHOD_NAMES`)."""
 
 
 @dataclass

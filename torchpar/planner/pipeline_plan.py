@@ -92,7 +92,7 @@ def plan_pipeline(graph: Graph, method: PipeshardParallel, cluster: ClusterSpec,
     start = time.perf_counter()
     stage_plans, solver = [], {}
     for index, (stage, mesh_shape) in enumerate(zip(stage_graphs, logical)):
-        result = plan_stage(stage.graph, kind="auto", mesh_shape=mesh_shape, cluster=cluster,
+        result = plan_stage(stage.graph, kind="shard", mesh_shape=mesh_shape, cluster=cluster,
                             trainable=trainable & set(stage.params), optimizer_state_copies=optimizer_state_copies,
                             memory_budget=cluster.device_memory_bytes)
         result.stage.layers = stage_layers[index]
@@ -106,10 +106,30 @@ def plan_pipeline(graph: Graph, method: PipeshardParallel, cluster: ClusterSpec,
     estimated = sum(latencies) + (micro - 1) * max(latencies)
     solver["stage_partition"] = partition.to_dict()
     solver["runners_up"] = runners_up
-    plan = Plan(method="pipeshard", stages=stage_plans, num_micro_batches=micro, schedule=method.schedule,
+    plan = Plan(method=PipeshardParallel.name, stages=stage_plans, num_micro_batches=micro, schedule=method.schedule,
                 estimated_step_s=estimated, solver=solver, timings=timings,
                 layers=[{"flops": float(f), "activation_bytes": float(b)}
                         for f, b in zip(layering.flops, layering.boundary_bytes)],
-                cluster={"num_hosts": hosts, "devices_per_host": per_host})
+                cluster={"num_hosts": hosts, "devices_per_host": per_host}, layer_of_node=dict(layering.layer_of))
     log.info("pipeline plan: %d layers → %d stages %s on %s", num_layers, len(stage_plans), stage_layers, submeshes)
     return PipelinePlan(plan=plan, stages=stage_graphs, devices=devices, layering=layering)
+
+
+def stage_graphs_for(graph: Graph, plan: Plan) -> list[StageGraph]:
+    """The stage graphs of a saved pipeline ``plan`` for ``graph`` (the model captured on one micro-batch of the
+    batch the plan was made for): every node's layer from ``plan.layer_of_node``, each stage's layers from
+    ``plan.stages``. Raises ``ValueError`` if the graph is not the one the plan was made for."""
+    if not plan.layer_of_node:
+        raise ValueError("this pipeline plan has no node → layer map (layer_of_node); it was saved by an older "
+                         "torchpar: plan it again")
+    names = {n.name for n in graph.nodes}
+    missing = sorted(names - set(plan.layer_of_node))
+    extra = sorted(set(plan.layer_of_node) - names)
+    if missing or extra:
+        raise ValueError(f"the plan was made for another graph: {len(missing)} op(s) of this model are not in it "
+                         f"({missing[:5]}) and {len(extra)} of its ops are not in this model ({extra[:5]}); "
+                         "compile with the model, batch size (÷ num_micro_batches) and loss the plan was made for")
+    stages = slice_stages(graph, stage_of_nodes(graph, plan.layer_of_node, [list(s.layers) for s in plan.stages]))
+    if len(stages) != len(plan.stages):
+        raise ValueError(f"the plan has {len(plan.stages)} stages but its layers cut this graph into {len(stages)}")
+    return stages

@@ -15,6 +15,9 @@ from torchpar.ir.layout import JsonSpec, describe
 
 Spec = JsonSpec
 
+_FORMER_NAMES = {"auto": "shard"}
+"""Method names of plans saved by earlier versions → today's (``torchpar.methods.METHOD_NAMES``)."""
+
 
 @dataclass(kw_only=True)
 class StagePlan:
@@ -55,6 +58,8 @@ class Plan:
     """A parallel execution plan; see DESIGN.md §2 for the serialized format."""
 
     method: str
+    """The method's one name (:data:`torchpar.methods.METHOD_NAMES`): ``single_device``, ``data_parallel``,
+    ``zero2``, ``zero3``, ``megatron``, ``shard`` or ``pipeshard``."""
     stages: list[StagePlan]
     num_micro_batches: int = 1
     schedule: str = "none"
@@ -65,6 +70,13 @@ class Plan:
     """Per pipeline layer: forward ``flops`` and entering ``activation_bytes`` (pipeline plans)."""
     cluster: dict[str, int] = field(default_factory=dict)
     """``num_hosts`` and ``devices_per_host`` the plan was made for."""
+    layer_of_node: dict[str, int] = field(default_factory=dict)
+    """Pipeline plans: the layer of every node of the graph captured on one micro-batch (IR node names), so
+    the plan alone says how to cut the graph into its stages (with each stage's ``layers``)."""
+
+    @property
+    def is_pipeline(self) -> bool:
+        return self.method == "pipeshard"  # PipeshardParallel.name
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
@@ -75,6 +87,7 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Plan":
+        data = {**data, "method": _FORMER_NAMES.get(data["method"], data["method"])}
         stages = [StagePlan(**{**s, "submesh_shape": tuple(s["submesh_shape"]),
                                "logical_mesh_shape": tuple(s["logical_mesh_shape"])}) for s in data["stages"]]
         return cls(**{**data, "stages": stages})

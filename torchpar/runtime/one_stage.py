@@ -22,9 +22,9 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from jaxbackend import optim as jax_optim
 from jaxbackend.compiler import compiler_options
 from torchpar.ir.graph import Graph
+from torchpar.ir.optimizer import OptimizerSpec
 from torchpar.planner.plan import StagePlan
 from torchpar.runtime.placement import Placement
 from torchpar.runtime.train_step import make_fused_step
@@ -50,7 +50,7 @@ class CompiledStep:
 class OneStageProgram:
     """Compiles steps and forwards of one stage plan on ``devices`` (see the module docstring)."""
 
-    def __init__(self, stage: StagePlan, method: str, devices: list[Any], *, optimizer: jax_optim.OptimizerSpec,
+    def __init__(self, stage: StagePlan, method: str, devices: list[Any], *, optimizer: OptimizerSpec,
                  grad_clip_norm: float | None, spmd: str, library_fusions: bool):
         self.stage = stage
         self.method = method

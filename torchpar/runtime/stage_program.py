@@ -20,9 +20,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxbackend import optim as jax_optim
 from jaxbackend.compiler import compiler_options
 from jaxbackend.lower import lower
+from torchpar.ir.optimizer import OptimizerSpec
 from torchpar.planner.slicing import StageGraph
 from torchpar.runtime.arrays import put
 from torchpar.runtime.placement import Placement
@@ -35,7 +35,7 @@ def _is_float(dtype_name: str) -> bool:
     return dtype_name in ("float16", "bfloat16", "float32", "float64")
 
 
-def sub_spec(spec: jax_optim.OptimizerSpec, names: tuple[str, ...]) -> jax_optim.OptimizerSpec:
+def sub_spec(spec: OptimizerSpec, names: tuple[str, ...]) -> OptimizerSpec:
     """The optimizer spec restricted to ``names`` (group indices and flags kept)."""
     keep = [(n, g) for n, g in zip(spec.param_names, spec.group_of_param) if n in set(names)]
     return dataclasses.replace(spec, param_names=tuple(n for n, _ in keep), group_of_param=tuple(g for _, g in keep))
@@ -44,7 +44,7 @@ def sub_spec(spec: jax_optim.OptimizerSpec, names: tuple[str, ...]) -> jax_optim
 class StageProgram:
     """Jitted forward / backward / accumulate / update of one stage (see the module docstring)."""
 
-    def __init__(self, stage: StageGraph, *, placement: Placement, spec: jax_optim.OptimizerSpec, trainable: set[str],
+    def __init__(self, stage: StageGraph, *, placement: Placement, spec: OptimizerSpec, trainable: set[str],
                  num_micro_batches: int, library_fusions: bool = True):
         self.stage = stage
         self.placement = placement

@@ -22,9 +22,10 @@ from typing import Any, Callable, Mapping
 import jax
 
 from jaxbackend import optim as jax_optim
+from torchpar.ir.optimizer import OptimizerSpec
 
 
-def optimizer_tail(spec: jax_optim.OptimizerSpec, params: Mapping[str, Any], grads: Mapping[str, Any],
+def optimizer_tail(spec: OptimizerSpec, params: Mapping[str, Any], grads: Mapping[str, Any],
                    opt_state: Mapping[str, Any], scalars: Any, *, grad_clip_norm: float | None = None,
                    complete_sum: Callable[[str, Any], Any] | None = None,
                    clip_scale: Any = None) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -40,7 +41,7 @@ def optimizer_tail(spec: jax_optim.OptimizerSpec, params: Mapping[str, Any], gra
     return jax_optim.apply_updates(spec, params, grads, opt_state, scalars)
 
 
-def make_fused_step(run: Callable, trainable: tuple[str, ...], spec: jax_optim.OptimizerSpec,
+def make_fused_step(run: Callable, trainable: tuple[str, ...], spec: OptimizerSpec,
                     grad_clip_norm: float | None, grad_shardings: Mapping[str, Any]) -> Callable:
     """``step(params, opt_state, buffers, inputs, scalars, key) → (loss, params, opt_state, buffers)`` for
     ``run`` (a lowered graph whose first output is the loss). ``grad_shardings`` constrains gradients

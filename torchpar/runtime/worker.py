@@ -28,8 +28,8 @@ from typing import Any, Hashable
 import jax
 import numpy as np
 
-from jaxbackend import optim as jax_optim
 from torchpar.ir.graph import Graph
+from torchpar.ir.optimizer import OptimizerSpec
 from torchpar.planner.plan import Plan
 from torchpar.planner.slicing import StageGraph
 from torchpar.runtime import gradients
@@ -57,7 +57,7 @@ class ExecutionSpec:
     """Everything a worker builds its programs from (plain data: it travels to Ray actors)."""
 
     plan: Plan
-    optimizer: jax_optim.OptimizerSpec
+    optimizer: OptimizerSpec
     devices: DeviceMap
     options: RunOptions
     stage_graphs: list[StageGraph] = field(default_factory=list)
