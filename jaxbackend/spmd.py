@@ -35,14 +35,7 @@ import jax.numpy as jnp
 from jaxbackend.sharding import AXIS_NAMES
 from torchpar.ir.graph import Node, TensorMeta
 from torchpar.ir.layout import Multi
-
-_SIZE_ARGUMENT = {"aten.view.default": 1, "aten._unsafe_view.default": 1, "aten.reshape.default": 1,
-                  "aten.expand.default": 1, "aten.new_zeros.default": 1, "aten.new_ones.default": 1,
-                  "aten.new_empty.default": 1, "aten.new_full.default": 1}
-"""Ops with a size argument (its position): it is rewritten to the output's local shape."""
-
-_BIAS_ARGUMENT = {"aten.addmm.default": 0, "aten.baddbmm.default": 0, "aten.convolution.default": 2}
-"""Anchors with a bias operand (its position), added once after a partial product is summed."""
+from torchpar.ir.op_families import BIAS_ARGUMENT, SIZE_ARGUMENT
 
 
 class LocalModeError(RuntimeError):
@@ -118,7 +111,7 @@ class LocalProgram:
 
     def rewrite_args(self, node: Node, args: list[Any]) -> list[Any]:
         """``args`` with a size argument replaced by the output's local shape."""
-        position = _SIZE_ARGUMENT.get(node.target)
+        position = SIZE_ARGUMENT.get(node.target)
         if position is None or not isinstance(node.out, TensorMeta) or len(args) <= position:
             return args
         args = list(args)
@@ -154,7 +147,7 @@ class LocalProgram:
         """For a biased matmul/convolution whose local result is a partial product (a split contracted dim):
         the arguments without the bias, and the bias term to add once after the sum (else every device would
         add it). ``(args, None)`` for every other op."""
-        position = _BIAS_ARGUMENT.get(node.target)
+        position = BIAS_ARGUMENT.get(node.target)
         partial = self.layouts.partial.get(node.name)
         if position is None or partial is None or partial[0] != "contract" or len(args) <= position \
                 or args[position] is None:

@@ -12,17 +12,7 @@ import math
 from typing import Sequence
 
 from torchpar.ir.graph import OutMeta, TensorMeta
-
-_FREE_OPS = frozenset({
-    "aten.view.default", "aten._unsafe_view.default", "aten.reshape.default", "aten.permute.default",
-    "aten.expand.default", "aten.squeeze.dims", "aten.squeeze.dim", "aten.squeeze.default",
-    "aten.unsqueeze.default", "aten.alias.default", "aten.t.default", "aten.transpose.int",
-    "aten.slice.Tensor", "aten.select.int", "aten.split_with_sizes.default", "aten.split.Tensor",
-    "aten._assert_tensor_metadata.default", "getitem", "aten.detach.default",
-    "aten.lift_fresh_copy.default", "aten.clone.default", "aten.full.default", "aten.arange.start_step",
-    "aten.arange.default", "aten.arange.start", "aten.scalar_tensor.default", "aten.zeros.default",
-    "aten.ones.default", "aten.empty.memory_format", "aten.full_like.default",
-})
+from torchpar.ir.op_families import FREE
 
 _REDUCTIONS = ("sum", "mean", "amax", "amin", "max", "min", "prod", "var", "std", "any", "all",
                "_softmax", "_log_softmax", "native_layer_norm", "_native_batch_norm", "argmax", "argmin")
@@ -34,7 +24,7 @@ def op_flops(target: str, operands: Sequence[OutMeta], out: OutMeta) -> float:
     outs = [out] if isinstance(out, TensorMeta) else [m for m in (out or ()) if isinstance(m, TensorMeta)]
     out_numel = sum(m.numel for m in outs)
     name = target.split(".")[1] if target.startswith("aten.") else target
-    if target in _FREE_OPS:
+    if target in FREE:
         return 0.0
     if name in ("mm", "addmm", "bmm", "baddbmm", "matmul") and len(tensors) >= 2:
         a, b = (tensors[1], tensors[2]) if name in ("addmm", "baddbmm") and len(tensors) >= 3 else tensors[:2]

@@ -7,8 +7,7 @@ from typing import Any
 
 from torchpar.cluster import ClusterSpec
 from torchpar.ir.graph import Graph
-from torchpar.methods import (SINGLE_DEVICE, DataParallel, MegatronParallel, ShardParallel, Zero2Parallel,
-                              Zero3Parallel)
+from torchpar.methods import SINGLE_DEVICE, DataParallel, MegatronParallel, ShardParallel, Zero2Parallel, Zero3Parallel
 from torchpar.planner.intra_op import mesh_shapes_for, plan_best_mesh, plan_stage
 from torchpar.planner.plan import Plan, StagePlan
 

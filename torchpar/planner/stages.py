@@ -57,6 +57,7 @@ import numpy as np
 
 from torchpar.cluster import ClusterSpec
 from torchpar.ir.graph import Graph
+from torchpar.ir.op_families import VIEWS
 from torchpar.planner.layers import Layering
 from torchpar.planner.sharding.cost_model import LogicalMesh
 
@@ -195,15 +196,6 @@ class StageCostModel(Protocol):
     def __call__(self, first_layer: int, last_layer: int, submesh: Shape, logical: Shape) -> StageCost: ...
 
 
-_ALIAS_OPS = frozenset({
-    "aten.view.default", "aten._unsafe_view.default", "aten.reshape.default", "aten.permute.default",
-    "aten.expand.default", "aten.t.default", "aten.transpose.int", "aten.unsqueeze.default",
-    "aten.squeeze.default", "aten.squeeze.dim", "aten.squeeze.dims", "aten.alias.default", "aten.slice.Tensor",
-    "aten.select.int", "aten.split.Tensor", "aten.split_with_sizes.default", "aten.detach.default", "getitem",
-    "aten._assert_tensor_metadata.default",
-})
-
-
 class AnalyticStageCost:
     """The alpha-beta stage cost model, from the IR alone (no compilation, no profiling).
 
@@ -246,7 +238,7 @@ class AnalyticStageCost:
             reads = [kinds[r] for node in graph.nodes[start:end] for r in node.refs() if r in kinds]
             self._params.append(frozenset(target for kind, target, _ in reads if kind == "param"))
             self._buffers.append(frozenset(target for kind, target, _ in reads if kind == "buffer"))
-            self._activation.append(float(sum(n.out_bytes for n in graph.nodes[start:end] if n.target not in _ALIAS_OPS)))
+            self._activation.append(float(sum(n.out_bytes for n in graph.nodes[start:end] if n.target not in VIEWS)))
         self._range = lru_cache(maxsize=None)(self._range_totals)
 
     def _range_totals(self, first: int, last: int) -> tuple[float, float, float, float, tuple[int, ...]]:

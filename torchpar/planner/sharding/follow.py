@@ -23,6 +23,7 @@ from typing import Any, Sequence
 
 from torchpar.ir.graph import Node, TensorMeta
 from torchpar.ir.layout import Multi, Spec, is_valid
+from torchpar.ir.op_families import ALONG_DIM, BATCH_NORMS, REDUCTIONS, RESHAPES
 from torchpar.planner.sharding.cost_model import LogicalMesh
 
 OutSpec = Spec | Multi | None
@@ -37,16 +38,6 @@ class Follow:
     comm_s: float = 0.0
 
 
-_REDUCTIONS = {"aten.sum.dim_IntList", "aten.sum.default", "aten.mean.dim", "aten.mean.default", "aten.amax.default",
-               "aten.amin.default", "aten.any.dim", "aten.any.dims", "aten.any.default", "aten.all.dim",
-               "aten.prod.dim_int", "aten.var.correction", "aten.std.correction", "aten.logsumexp.default",
-               "aten.argmax.default", "aten.argmin.default", "aten.max.dim", "aten.min.dim",
-               "aten.linalg_vector_norm.default"}
-_ALONG_DIM_ARG = {"aten._softmax.default": 1, "aten._log_softmax.default": 1, "aten.cumsum.default": 1,
-                  "aten.cumprod.default": 1, "aten.sort.default": 1, "aten.topk.default": 2, "aten.slice.Tensor": 1,
-                  "aten.split_with_sizes.default": 2, "aten.split.Tensor": 2, "aten.index_select.default": 1,
-                  "aten.gather.default": 1, "aten._safe_softmax.default": 1}
-_VIEWS = {"aten.view.default", "aten._unsafe_view.default", "aten.reshape.default"}
 
 
 def follow(node: Node, operands: Sequence[Any], main: int, main_spec: Any, mesh: LogicalMesh,
@@ -63,7 +54,7 @@ def follow(node: Node, operands: Sequence[Any], main: int, main_spec: Any, mesh:
     first_out = out if isinstance(out, TensorMeta) else next((m for m in (out or ()) if m is not None), None)
     if first_out is None:
         return Follow(None, tuple(None for _ in operands))
-    if target in _VIEWS:
+    if target in RESHAPES:
         return _view(main_meta, first_out, main_spec, mesh, len(operands))
     if target in ("aten.permute.default",):
         dims = [d % len(main_meta.shape) for d in node.args[1]]
@@ -82,15 +73,14 @@ def follow(node: Node, operands: Sequence[Any], main: int, main_spec: Any, mesh:
         return Follow(tuple(main_spec[d] for d in kept), (main_spec,))
     if target == "aten.expand.default":
         return _broadcast_like(first_out, operands, main, main_spec, mesh, needs_grad)
-    if target in _REDUCTIONS:
+    if target in REDUCTIONS:
         return _reduce(node, main_meta, first_out, main_spec, mesh, len(operands))
     if target == "aten.native_layer_norm.default":
         count = len(node.args[1])
         return _normalize(node, operands, main_meta, main_spec, range(len(main_meta.shape) - count, len(main_meta.shape)))
     if target == "aten.native_group_norm.default":
         return _replicated(node, operands)
-    if target in ("aten._native_batch_norm_legit_functional.default", "aten._native_batch_norm_legit_no_training.default",
-                  "aten._native_batch_norm_legit.no_stats"):
+    if target in BATCH_NORMS:
         return _batch_norm(node, operands, main_meta, main_spec, mesh)
     if target in ("aten.max_pool2d_with_indices.default", "aten.avg_pool2d.default",
                   "aten._adaptive_avg_pool2d.default", "aten.constant_pad_nd.default"):
@@ -109,8 +99,8 @@ def follow(node: Node, operands: Sequence[Any], main: int, main_spec: Any, mesh:
         dim = node.args[1] % len(main_meta.shape)
         keep = tuple(None if d == dim else e for d, e in enumerate(main_spec))
         return Follow(tuple(e for d, e in enumerate(keep) if d != dim), (keep,))
-    if target in _ALONG_DIM_ARG:
-        dim = node.args[_ALONG_DIM_ARG[target]] if len(node.args) > _ALONG_DIM_ARG[target] else 0
+    if target in ALONG_DIM:
+        dim = node.args[ALONG_DIM[target]] if len(node.args) > ALONG_DIM[target] else 0
         dims = [dim] if isinstance(dim, int) else list(dim)
         keep = tuple(None if d in [x % len(main_meta.shape) for x in dims] else e for d, e in enumerate(main_spec))
         required = [None] * len(operands)

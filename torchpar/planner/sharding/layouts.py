@@ -20,19 +20,12 @@ from typing import Any
 
 from torchpar.ir.graph import Graph, Node, TensorMeta
 from torchpar.ir.layout import Multi, Spec, from_json
+from torchpar.ir.op_families import ASSERTS, BATCH_NORMS, PARTIAL_SUM_REDUCTIONS, REDUCTIONS
 from torchpar.planner.plan import StagePlan
 from torchpar.planner.sharding.cost_model import LogicalMesh
-from torchpar.planner.sharding.follow import _REDUCTIONS, follow, reduced_dims
-from torchpar.planner.sharding.solver_graph import _SKIPPED, _numel
+from torchpar.planner.sharding.follow import follow, reduced_dims
+from torchpar.planner.sharding.solver_graph import _numel
 from torchpar.planner.sharding.strategies import anchor_einsum
-
-_BATCH_NORMS = {"aten._native_batch_norm_legit_functional.default", "aten._native_batch_norm_legit.no_stats",
-                "aten._native_batch_norm_legit_no_training.default"}
-
-PARTIAL_SUM_REDUCTIONS = {"aten.sum.dim_IntList": "sum", "aten.sum.default": "sum",
-                          "aten.mean.dim": "mean", "aten.mean.default": "mean"}
-"""Reductions a per-device program can finish with one collective: ``sum`` → psum, ``mean`` → pmean (the
-shards of a split dim are equal-sized, so the mean of local means is the global mean)."""
 
 
 @dataclass
@@ -80,7 +73,7 @@ def replay_layouts(graph: Graph, stage: StagePlan) -> ValueLayouts:
     for inp in graph.inputs:
         layouts.values[inp.name] = _input_spec(inp, stage)
     for node in graph.nodes:
-        if node.target in _SKIPPED or node.out is None:
+        if node.target in ASSERTS or node.out is None:
             continue
         _replay_node(node, metas, stage, mesh, layouts)
     return layouts
@@ -123,9 +116,9 @@ def _replay_node(node: Node, metas: dict, stage: StagePlan, mesh: LogicalMesh, l
         if required is None and isinstance(operand_metas[position], TensorMeta) and _is_split(current) \
                 and node.target != "getitem":
             layouts.add_problem(f"{node.target} has no layout rule for a split operand", node.name)
-    if node.target in _REDUCTIONS:
+    if node.target in REDUCTIONS:
         _replay_reduction(node, operand_metas[main], result.required[main], layouts)
-    elif node.target in _BATCH_NORMS and node.target != "aten._native_batch_norm_legit_no_training.default":
+    elif node.target in BATCH_NORMS and node.target != "aten._native_batch_norm_legit_no_training.default":
         spec = result.required[0]  # statistics are per channel (dim 1) over the other dims, some of them split
         axes = tuple(sorted(a for d, entry in enumerate(spec or ()) if entry and d != 1 for a in entry))
         if axes:
@@ -179,4 +172,4 @@ def _is_split(spec: Any) -> bool:
     return bool(spec) and any(entry for entry in spec)
 
 
-__all__ = ["PARTIAL_SUM_REDUCTIONS", "ValueLayouts", "replay_layouts"]
+__all__ = ["ValueLayouts", "replay_layouts"]

@@ -20,11 +20,10 @@ import numpy as np
 
 from torchpar.ir.graph import Graph, Node, TensorMeta
 from torchpar.ir.layout import Multi, Spec
+from torchpar.ir.op_families import ASSERTS
 from torchpar.planner.sharding.cost_model import LogicalMesh
 from torchpar.planner.sharding.follow import follow
 from torchpar.planner.sharding.strategies import Strategy, anchor_einsum, einsum_strategies, layout_root_strategies
-
-_SKIPPED = {"aten._assert_tensor_metadata.default", "aten._assert_scalar.default"}
 
 
 @dataclass
@@ -109,7 +108,7 @@ class _Builder:
         for inp in self.graph.inputs:
             self._add_input(inp)
         for node in self.graph.nodes:
-            if node.target in _SKIPPED or node.out is None:
+            if node.target in ASSERTS or node.out is None:
                 continue
             self._add_node(node)
         for out in self.graph.outputs:

@@ -1,0 +1,63 @@
+"""The op-family table: which ATen overloads belong together, for every pass that treats a family alike.
+
+One place for the sets the cost model, the planner's follower rules and layout replay, the stage cost
+model and the per-device lowering each need; plain data (overload names as the IR stores them), no
+torch, no JAX.
+"""
+
+from __future__ import annotations
+
+RESHAPES = frozenset({"aten.view.default", "aten._unsafe_view.default", "aten.reshape.default"})
+"""Reshapes: same elements, new shape."""
+
+VIEWS = RESHAPES | frozenset({
+    "aten.permute.default", "aten.expand.default", "aten.t.default", "aten.transpose.int", "aten.unsqueeze.default",
+    "aten.squeeze.default", "aten.squeeze.dim", "aten.squeeze.dims", "aten.alias.default", "aten.slice.Tensor",
+    "aten.select.int", "aten.split.Tensor", "aten.split_with_sizes.default", "aten.detach.default", "getitem",
+    "aten._assert_tensor_metadata.default",
+})
+"""Ops whose result aliases an operand (or a tuple element of one): no arithmetic, no new activation memory."""
+
+CREATIONS = frozenset({
+    "aten.lift_fresh_copy.default", "aten.clone.default", "aten.full.default", "aten.arange.start_step",
+    "aten.arange.default", "aten.arange.start", "aten.scalar_tensor.default", "aten.zeros.default",
+    "aten.ones.default", "aten.empty.memory_format", "aten.full_like.default",
+})
+"""Ops that make or copy a tensor without arithmetic."""
+
+FREE = VIEWS | CREATIONS
+"""Ops that cost no FLOPs."""
+
+ASSERTS = frozenset({"aten._assert_tensor_metadata.default", "aten._assert_scalar.default"})
+"""Checks export leaves in the graph; they compute nothing."""
+
+REDUCTIONS = frozenset({
+    "aten.sum.dim_IntList", "aten.sum.default", "aten.mean.dim", "aten.mean.default", "aten.amax.default",
+    "aten.amin.default", "aten.any.dim", "aten.any.dims", "aten.any.default", "aten.all.dim", "aten.prod.dim_int",
+    "aten.var.correction", "aten.std.correction", "aten.logsumexp.default", "aten.argmax.default",
+    "aten.argmin.default", "aten.max.dim", "aten.min.dim", "aten.linalg_vector_norm.default",
+})
+"""Reductions over some dims (their ``dim`` argument, all dims when absent)."""
+
+PARTIAL_SUM_REDUCTIONS = {"aten.sum.dim_IntList": "sum", "aten.sum.default": "sum",
+                          "aten.mean.dim": "mean", "aten.mean.default": "mean"}
+"""Reductions a per-device program finishes with one collective: ``sum`` → psum, ``mean`` → pmean (the
+shards of a split dim are equal-sized, so the mean of local means is the global mean)."""
+
+ALONG_DIM = {"aten._softmax.default": 1, "aten._log_softmax.default": 1, "aten.cumsum.default": 1,
+             "aten.cumprod.default": 1, "aten.sort.default": 1, "aten.topk.default": 2, "aten.slice.Tensor": 1,
+             "aten.split_with_sizes.default": 2, "aten.split.Tensor": 2, "aten.index_select.default": 1,
+             "aten.gather.default": 1, "aten._safe_softmax.default": 1}
+"""Ops working along one dim, and the position of their ``dim`` argument."""
+
+BATCH_NORMS = frozenset({"aten._native_batch_norm_legit_functional.default", "aten._native_batch_norm_legit.no_stats",
+                         "aten._native_batch_norm_legit_no_training.default"})
+"""Batch norm in training (statistics over the batch) and eval (running statistics) forms."""
+
+SIZE_ARGUMENT = {"aten.view.default": 1, "aten._unsafe_view.default": 1, "aten.reshape.default": 1,
+                 "aten.expand.default": 1, "aten.new_zeros.default": 1, "aten.new_ones.default": 1,
+                 "aten.new_empty.default": 1, "aten.new_full.default": 1}
+"""Ops with a size argument, and its position (a per-device program rewrites it to the local shape)."""
+
+BIAS_ARGUMENT = {"aten.addmm.default": 0, "aten.baddbmm.default": 0, "aten.convolution.default": 2}
+"""Matmuls and convolutions with a bias operand, and its position."""
