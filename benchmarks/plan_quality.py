@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import transformers
 
-    from torchpar import zoo
+    from torchpar.harness import zoo
     from torchpar.report.hlo import collectives
 
     transformers.logging.set_verbosity_error()

@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     torchpar.init(cluster="local", num_devices=devices)
     import torch
 
-    from torchpar import zoo
+    from torchpar.harness import zoo
 
     def build():
         torch.manual_seed(0)

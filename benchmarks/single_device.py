@@ -74,7 +74,7 @@ def _compiled_torch_step(model: torch.nn.Module, batch: dict, optimizer: torch.o
 
 def measure(family: str, size: str, steps: int, warmup: int, with_torch_compile: bool) -> dict[str, Any]:
     import torchpar
-    from torchpar import zoo
+    from torchpar.harness import zoo
 
     overrides, batch_size, seq_len = SIZES[family][size]
     torch.manual_seed(0)

@@ -32,9 +32,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import transformers
 
-    from torchpar import zoo
     from torchpar.capture.export import capture_train_step
     from torchpar.cluster import ClusterSpec
+    from torchpar.harness import zoo
     from torchpar.planner.intra_op import logical_mesh
     from torchpar.planner.sharding.ilp import solve
     from torchpar.planner.sharding.solver_graph import build_solver_graph
@@ -79,7 +79,7 @@ def _full_plan(layers: int, devices: int) -> dict:
     import torch
 
     import torchpar
-    from torchpar import zoo
+    from torchpar.harness import zoo
 
     torch.manual_seed(0)
     model, batch = zoo.build("gpt2", {"n_layer": layers, "n_embd": 768, "n_head": 12, "vocab_size": 50257,

@@ -49,7 +49,7 @@ def main() -> None:
     import torch
     from tqdm import tqdm
 
-    from torchpar import zoo
+    from torchpar.harness import zoo
     from torchpar.report.hlo import collectives
 
     mesh = tuple(int(x) for x in args.mesh.split("x"))

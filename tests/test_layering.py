@@ -23,6 +23,8 @@ CASES = {
     "torchpar.runtime.worker": ("torch", "torchpar.capture", "torchpar.report", "torchpar.api"),
     "torchpar.runtime.host_actor": ("torch", "torchpar.capture", "torchpar.report", "torchpar.api"),
     "torchpar": ("torch", "jax", "torchpar.planner", "torchpar.runtime"),
+    "torchpar.api": ("torchpar.harness", "torchpar.report"),
+    "torchpar.report.html": ("torchpar.planner", "torchpar.runtime", "torch", "jax"),  # the Plan is read as data
 }
 
 

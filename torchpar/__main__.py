@@ -7,9 +7,9 @@
 
 ``plan`` captures and plans the training step (no XLA compilation, no step), prints ``Plan.summary()`` and
 writes the HTML report (and a PNG / the plan's JSON). ``--model`` is a model family of
-:mod:`torchpar.zoo` (random weights, tiny default config, ``--config`` overrides) or a Python file whose
+:mod:`torchpar.harness.zoo` (random weights, tiny default config, ``--config`` overrides) or a Python file whose
 ``build()`` returns ``(model, optimizer, batch)``. ``compare`` trains a zoo model with PyTorch and with
-torchpar side by side (:func:`torchpar.report.compare.compare_training`) and exits 1 if the losses diverge.
+torchpar side by side (:func:`torchpar.harness.compare.compare_training`) and exits 1 if the losses diverge.
 
 The simulated cluster (``--devices``, ``--hosts``) is set with ``torchpar.init`` before anything imports JAX.
 Output is quiet by default; ``-v`` logs INFO, ``-vv`` DEBUG.
@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from torchpar.methods import METHOD_NAMES, METHODS, SINGLE_DEVICE
+
 OPTIMIZERS = ("adamw", "adam", "sgd")
 
 log = logging.getLogger("torchpar.cli")
@@ -157,8 +158,8 @@ def _build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
         if not isinstance(built, tuple) or len(built) != 3:
             raise ValueError(f"{path}: build() must return (model, optimizer, batch), got {type(built).__name__}")
         return built
-    from torchpar import zoo
-    from torchpar.report.compare import make_optimizer
+    from torchpar.harness import zoo
+    from torchpar.harness.compare import make_optimizer
 
     model, batch = zoo.build(args.model, _config(args), batch_size=args.batch_size, seq_len=args.seq_len)
     lr = args.lr if args.lr is not None else (0.02 if args.optimizer == "sgd" else 1e-3)
@@ -196,7 +197,7 @@ def _plan_command(args: argparse.Namespace) -> int:
 
 
 def _compare_command(args: argparse.Namespace) -> int:
-    from torchpar.report.compare import compare_training
+    from torchpar.harness.compare import compare_training
 
     if args.model.endswith(".py"):
         raise ValueError("compare takes a zoo model family (it builds the model twice from the same seed)")

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from torchpar import zoo
 from torchpar.capture.export import capture_train_step
 from torchpar.cluster import ClusterSpec
+from torchpar.harness import zoo
 from torchpar.planner.intra_op import plan_stage
 from torchpar.planner.sharding.cost_model import LogicalMesh
 from torchpar.planner.sharding.ilp import MemoryBudgetError, evaluate, solve

@@ -8,10 +8,16 @@ import pytest
 import torch
 
 import torchpar
-from torchpar import zoo
 from torchpar.capture.export import capture_train_step
-from torchpar.planner.layers import Layering, cluster_layers, heavy_op_flops, manual_layers
-from torchpar.planner.layers import _entering_bytes, _units  # the DP's inputs, for the brute-force check
+from torchpar.harness import zoo
+from torchpar.planner.layers import (  # the DP's inputs, for the brute-force check
+    Layering,
+    _entering_bytes,
+    _units,
+    cluster_layers,
+    heavy_op_flops,
+    manual_layers,
+)
 
 BATCH, WIDTH = 8, 32
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from torchpar import zoo
 from torchpar.capture.export import capture_train_step
 from torchpar.cluster import ClusterSpec
+from torchpar.harness import zoo
 from torchpar.planner.intra_op import plan_stage
 from torchpar.planner.plan import Plan
 from torchpar.planner.sharding.layouts import ValueLayouts, replay_layouts

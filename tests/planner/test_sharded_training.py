@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import torchpar
-from torchpar import zoo
+from torchpar.harness import zoo
 from torchpar.report.hlo import collectives
 
 LOSS_RTOL = 1e-4

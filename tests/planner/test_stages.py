@@ -7,12 +7,21 @@ import math
 import numpy as np
 import pytest
 
-from torchpar import zoo
 from torchpar.capture.export import capture_train_step
 from torchpar.cluster import ClusterSpec
+from torchpar.harness import zoo
 from torchpar.planner.layers import cluster_layers
-from torchpar.planner.stages import (AnalyticStageCost, StageCost, assign_devices, logical_mesh_shapes,
-                                     manual_stages, pipeline_latency, stage_dp, submesh_shapes, uniform_stages)
+from torchpar.planner.stages import (
+    AnalyticStageCost,
+    StageCost,
+    assign_devices,
+    logical_mesh_shapes,
+    manual_stages,
+    pipeline_latency,
+    stage_dp,
+    submesh_shapes,
+    uniform_stages,
+)
 
 
 def linear_cost(work, overhead=0.2):

@@ -14,10 +14,11 @@ import pytest
 import torch
 
 import torchpar
-from torchpar import zoo
 from torchpar.cluster import ClusterSpec
+from torchpar.harness import zoo
 from torchpar.planner.plan import Plan
-from torchpar.report.html import device_grid, render_html, stage_color, timeline_view
+from torchpar.report.html import render_html
+from torchpar.report.layout import device_grid, stage_color, timeline_view
 
 CHROMIUM = "/usr/bin/chromium"
 EVIL = "<script>alert('x')</script>&"

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import torchpar
-from torchpar import zoo
 from torchpar.cluster import shutdown
+from torchpar.harness import zoo
 
 LOSS_RTOL = 1e-4
 PARAM_RTOL, PARAM_ATOL = 1e-4, 1e-6

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import torchpar
-from torchpar import zoo
+from torchpar.harness import zoo
 from torchpar.planner.sharding import layouts as layouts_module
 
 PARAM_RTOL, PARAM_ATOL = 1e-4, 1e-6

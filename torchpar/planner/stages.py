@@ -50,229 +50,17 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from functools import lru_cache
-from typing import Callable, Literal, Protocol, Sequence
+from typing import Callable, Literal, Sequence
 
 import numpy as np
 
-from torchpar.cluster import ClusterSpec
-from torchpar.ir.graph import Graph
-from torchpar.ir.op_families import VIEWS
-from torchpar.planner.layers import Layering
-from torchpar.planner.sharding.cost_model import LogicalMesh
+from torchpar.planner.stage_cost import AnalyticStageCost, StageCost, StageCostModel
+from torchpar.planner.submeshes import _check_cluster, assign_devices, logical_mesh_shapes, submesh_shapes
 
 log = logging.getLogger(__name__)
 
 Shape = tuple[int, int]
 Schedule = Literal["1f1b", "gpipe"]
-
-
-# ---------------------------------------------------------------------------------------------- meshes
-
-def submesh_shapes(num_hosts: int, devices_per_host: int) -> tuple[Shape, ...]:
-    """Physical submesh shapes ``(hosts, devices per host)``: ``(1, 2^k)`` for ``2^k < D`` dividing ``D``, then
-    ``(n, D)`` for ``n = 1..H`` (see the module docstring for why the ``2^k`` must divide ``D``)."""
-    _check_cluster(num_hosts, devices_per_host)
-    shapes = []
-    size = 1
-    while size < devices_per_host and devices_per_host % size == 0:
-        shapes.append((1, size))
-        size *= 2
-    shapes.extend((hosts, devices_per_host) for hosts in range(1, num_hosts + 1))
-    return tuple(shapes)
-
-
-def logical_mesh_shapes(submesh: Shape) -> tuple[Shape, ...]:
-    """Every 2-D logical mesh ``(a, b)`` with ``a·b`` = the submesh's device count, ``a`` ascending."""
-    devices = submesh[0] * submesh[1]
-    return tuple((a, devices // a) for a in range(1, devices + 1) if devices % a == 0)
-
-
-def assign_devices(submeshes: Sequence[Shape], num_hosts: int, devices_per_host: int) -> tuple[tuple[int, ...], ...]:
-    """Device indices (host ``h`` owns ``[h·D, (h+1)·D)``) of each submesh, tiling the cluster exactly.
-
-    Tries stage order first (each stage takes the next free devices, so neighbouring stages sit on
-    neighbouring devices), then an exact packing search. ``ValueError`` if the shapes cannot tile the
-    cluster.
-    """
-    _check_cluster(num_hosts, devices_per_host)
-    shapes = [tuple(int(x) for x in s) for s in submeshes]
-    for index, (hosts, devices) in enumerate(shapes):
-        if not (hosts == 1 and 1 <= devices <= devices_per_host) and not (devices == devices_per_host and 1 <= hosts):
-            raise ValueError(f"stage {index}: submesh {(hosts, devices)} is neither (1, k) with k ≤ {devices_per_host} "
-                             f"nor (n, {devices_per_host}) whole hosts")
-    total = sum(h * d for h, d in shapes)
-    if total != num_hosts * devices_per_host:
-        raise ValueError(f"the submeshes {shapes} hold {total} devices, but the cluster has {num_hosts}×"
-                         f"{devices_per_host} = {num_hosts * devices_per_host}; they must tile it exactly")
-    placement = _place_in_order(shapes, num_hosts, devices_per_host) or _place_packed(shapes, num_hosts,
-                                                                                      devices_per_host)
-    if placement is None:
-        raise ValueError(f"the submeshes {shapes} cannot tile {num_hosts} host(s) of {devices_per_host} devices "
-                         "without splitting a (1, k) submesh across hosts")
-    return placement
-
-
-def _place_in_order(shapes: list[Shape], num_hosts: int, per_host: int) -> tuple[tuple[int, ...], ...] | None:
-    host, offset, result = 0, 0, []
-    for hosts, devices in shapes:
-        if hosts > 1 or devices == per_host:
-            if offset:
-                return None
-            result.append(tuple(range(host * per_host, (host + hosts) * per_host)))
-            host += hosts
-        else:
-            if offset + devices > per_host:
-                return None
-            result.append(tuple(range(host * per_host + offset, host * per_host + offset + devices)))
-            offset += devices
-            if offset == per_host:
-                host, offset = host + 1, 0
-    return tuple(result)
-
-
-def _place_packed(shapes: list[Shape], num_hosts: int, per_host: int) -> tuple[tuple[int, ...], ...] | None:
-    """Whole-host submeshes on the first hosts, then an exact bin packing of the ``(1, k)`` ones."""
-    result: list[tuple[int, ...] | None] = [None] * len(shapes)
-    host = 0
-    for index, (hosts, devices) in enumerate(shapes):
-        if hosts > 1 or devices == per_host:
-            result[index] = tuple(range(host * per_host, (host + hosts) * per_host))
-            host += hosts
-    small = sorted((i for i, (h, d) in enumerate(shapes) if result[i] is None), key=lambda i: -shapes[i][1])
-    free = [per_host] * (num_hosts - host)
-    where: dict[int, int] = {}
-
-    def place(position: int) -> bool:
-        if position == len(small):
-            return True
-        size = shapes[small[position]][1]
-        tried = set()
-        for bin_index, room in enumerate(free):
-            if room >= size and room not in tried:
-                tried.add(room)
-                free[bin_index] -= size
-                where[small[position]] = bin_index
-                if place(position + 1):
-                    return True
-                free[bin_index] += size
-        return False
-
-    if not place(0):
-        return None
-    used = [0] * len(free)
-    for index in sorted(where):
-        bin_index, size = where[index], shapes[index][1]
-        first = (host + bin_index) * per_host + used[bin_index]
-        result[index] = tuple(range(first, first + size))
-        used[bin_index] += size
-    return tuple(r for r in result if r is not None)
-
-
-# ------------------------------------------------------------------------------------------ cost model
-
-@dataclass(frozen=True)
-class StageCost:
-    """One micro-batch's forward + backward of a stage on a submesh with a logical mesh."""
-
-    latency_s: float
-    """Seconds per micro-batch (data-parallel gradient sync amortized over the micro-batches)."""
-    memory_bytes: float
-    """Per-device bytes that do not depend on the schedule: parameters, gradients, optimizer state."""
-    activation_bytes: float = 0.0
-    """Per-device bytes kept for the backward pass, per micro-batch in flight."""
-    compute_s: float = 0.0
-    communication_s: float = 0.0
-
-    def peak_bytes(self, in_flight: int) -> float:
-        """Per-device memory with ``in_flight`` micro-batches' activations alive."""
-        return self.memory_bytes + in_flight * self.activation_bytes
-
-
-class StageCostModel(Protocol):
-    """``cost(first_layer, last_layer, submesh, logical)`` → :class:`StageCost` of layers
-    ``[first_layer..last_layer]`` (inclusive) on the physical ``submesh`` with logical mesh ``logical``."""
-
-    def __call__(self, first_layer: int, last_layer: int, submesh: Shape, logical: Shape) -> StageCost: ...
-
-
-class AnalyticStageCost:
-    """The alpha-beta stage cost model, from the IR alone (no compilation, no profiling).
-
-    ``graph`` is captured on one micro-batch (as :func:`torchpar.planner.pipeline_plan.plan_pipeline` does).
-    A logical mesh ``(a, b)`` is read as ``a``-way data parallel (axis 0) × ``b``-way tensor parallel
-    (axis 1). For layers ``k..i`` with forward FLOPs ``F``, parameter bytes ``P`` (every parameter the
-    stage reads, so a tied weight counts in each stage that uses it), buffer bytes ``Q``, activation bytes
-    ``A`` (outputs of the non-view ops) and entering bytes ``E_l`` per layer (:class:`Layering`):
-
-        compute_s       = 3·F / (a·b · device_flops)                    (backward ≈ 2× forward)
-        data-parallel   = AR_0(P / b) / num_micro_batches               (gradient sync once per step)
-        tensor-parallel = Σ_l 4 · AR_1(E_l / a)                         (Megatron: one all-reduce per
-                                                                         attention/MLP half, fwd and bwd)
-        latency_s       = compute_s + data-parallel + tensor-parallel
-        memory_bytes    = (P·(2 + optimizer_state_copies) + Q) / b      (weights, grads, optimizer state
-                                                                         replicated over axis 0)
-        activation_bytes = A / (a·b)
-
-    with ``AR_x`` the all-reduce cost on logical axis ``x`` from :class:`LogicalMesh` (the cluster's
-    alpha/beta). ``(n, 1)`` is pure data parallelism and ``(1, n)`` pure tensor parallelism; the DP picks
-    the cheapest shape that fits memory. Cross-stage transfers are not priced (as in Alpa).
-    """
-
-    def __init__(self, layering: Layering, graph: Graph, cluster: ClusterSpec, num_micro_batches: int,
-                 optimizer_state_copies: float):
-        if num_micro_batches < 1:
-            raise ValueError(f"num_micro_batches must be ≥ 1, got {num_micro_batches}")
-        if optimizer_state_copies < 0:
-            raise ValueError(f"optimizer_state_copies must be ≥ 0, got {optimizer_state_copies}")
-        self.layering = layering
-        self.cluster = cluster
-        self.num_micro_batches = num_micro_batches
-        self.optimizer_state_copies = float(optimizer_state_copies)
-        kinds = {i.name: (i.kind, i.target, i.meta.nbytes) for i in graph.inputs}
-        self._state_bytes = {target: nbytes for kind, target, nbytes in kinds.values() if kind in ("param", "buffer")}
-        self._params: list[frozenset[str]] = []
-        self._buffers: list[frozenset[str]] = []
-        self._activation: list[float] = []
-        for start, end in layering.node_ranges:
-            reads = [kinds[r] for node in graph.nodes[start:end] for r in node.refs() if r in kinds]
-            self._params.append(frozenset(target for kind, target, _ in reads if kind == "param"))
-            self._buffers.append(frozenset(target for kind, target, _ in reads if kind == "buffer"))
-            self._activation.append(float(sum(n.out_bytes for n in graph.nodes[start:end] if n.target not in VIEWS)))
-        self._range = lru_cache(maxsize=None)(self._range_totals)
-
-    def _range_totals(self, first: int, last: int) -> tuple[float, float, float, float, tuple[int, ...]]:
-        layers = range(first, last + 1)
-        params = frozenset().union(*(self._params[l] for l in layers))
-        buffers = frozenset().union(*(self._buffers[l] for l in layers)) - params
-        return (float(sum(self.layering.flops[l] for l in layers)),
-                float(sum(self._state_bytes[t] for t in params)),
-                float(sum(self._state_bytes[t] for t in buffers)),
-                float(sum(self._activation[l] for l in layers)),
-                tuple(self.layering.boundary_bytes[l] for l in layers))
-
-    def parameter_bytes(self, first_layer: int, last_layer: int) -> float:
-        """Bytes of the distinct parameters layers ``first_layer..last_layer`` read."""
-        return self._range(first_layer, last_layer)[1]
-
-    def __call__(self, first_layer: int, last_layer: int, submesh: Shape, logical: Shape) -> StageCost:
-        devices = submesh[0] * submesh[1]
-        data, tensor = logical
-        if data * tensor != devices:
-            raise ValueError(f"logical mesh {logical} does not have the {devices} devices of submesh {submesh}")
-        flops, params, buffers, activations, entering = self._range(first_layer, last_layer)
-        mesh = LogicalMesh(shape=(data, tensor), alpha=self.cluster.alpha, beta=self.cluster.beta,
-                           device_flops=self.cluster.device_flops)
-        compute = 3.0 * flops / (devices * self.cluster.device_flops)
-        communication = (mesh.all_reduce(params / tensor, [0]) / self.num_micro_batches
-                         + sum(4.0 * mesh.all_reduce(e / data, [1]) for e in entering))
-        return StageCost(
-            latency_s=compute + communication,
-            memory_bytes=(params * (2.0 + self.optimizer_state_copies) + buffers) / tensor,
-            activation_bytes=activations / devices,
-            compute_s=compute,
-            communication_s=communication,
-        )
 
 
 # ---------------------------------------------------------------------------------------------- result
@@ -651,6 +439,6 @@ def _evaluate(ranges: list[tuple[int, int]], submeshes: list[Shape], logical: li
     return StagePartition(stages=tuple(stages), num_micro_batches=num_micro_batches)
 
 
-def _check_cluster(num_hosts: int, devices_per_host: int) -> None:
-    if num_hosts < 1 or devices_per_host < 1:
-        raise ValueError(f"a cluster needs ≥ 1 host and ≥ 1 device per host, got {num_hosts}×{devices_per_host}")
+__all__ = ["AnalyticStageCost", "StageChoice", "StageCost", "StageCostModel", "StagePartition", "StagePlanResult",
+           "assign_devices", "logical_mesh_shapes", "manual_stages", "pipeline_latency", "stage_dp", "submesh_shapes",
+           "uniform_stages"]

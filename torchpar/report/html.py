@@ -11,178 +11,38 @@ a sortable table of every parameter's spec; the pipeline timeline (stage × time
 blocks); solver statistics; compile-phase timings.
 
 The page uses inline CSS, JS and SVG only (no network, no CDN), and escapes every text it shows.
-:func:`device_grid`, :func:`timeline_view` and :func:`stage_color` are the layout it shares with
-:mod:`torchpar.report.png`.
+The layout it draws (device grid, timeline, colours) is :mod:`torchpar.report.layout`, shared with
+:mod:`torchpar.report.png`; the stylesheet and script are :mod:`torchpar.report.assets`.
 """
 
 from __future__ import annotations
 
-import colorsys
 import datetime
 import json
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from html import escape
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from torchpar.cluster import ClusterSpec, current_cluster
+from torchpar.cluster import ClusterSpec
+from torchpar.ir.layout import JsonSpec as Spec
 from torchpar.ir.layout import describe
-from torchpar.planner.plan import Plan, Spec
+from torchpar.report.assets import CSS, JS
+from torchpar.report.layout import (
+    AXIS_COLORS,
+    IDLE_COLOR,
+    PALETTE,
+    DeviceGrid,
+    TimelineView,
+    device_grid,
+    grid_cluster,
+    stage_color,
+    timeline_view,
+)
 
-PALETTE = ("#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7", "#9c755f",
-           "#86bcb6")
-"""Stage colours (Tableau 10); stages past the tenth get golden-angle hues."""
-IDLE_COLOR = "#e6e9ed"
-AXIS_COLORS = ("#8250df", "#0969da")
-"""Colours of a dim split over logical mesh axis 0 and axis 1 in the parameter table."""
-
-
-# --- layout shared with png.py ----------------------------------------------------------------------
-
-def stage_color(stage: int) -> str:
-    """The colour of ``stage`` as ``#rrggbb``."""
-    if stage < len(PALETTE):
-        return PALETTE[stage]
-    r, g, b = colorsys.hls_to_rgb((stage * 0.381966) % 1.0, 0.55, 0.55)
-    return f"#{round(r * 255):02x}{round(g * 255):02x}{round(b * 255):02x}"
-
-
-@dataclass(frozen=True)
-class DeviceCell:
-    """One device of the grid: global index (host-major), host, index on the host, and the stage using it
-    with the device's coordinate in that stage's logical mesh (``None`` for an idle device)."""
-
-    device: int
-    host: int
-    local: int
-    stage: int | None
-    mesh_coord: tuple[int, int] | None
-
-
-@dataclass(frozen=True)
-class DeviceGrid:
-    num_hosts: int
-    devices_per_host: int
-    cells: tuple[DeviceCell, ...]
-    stage_devices: tuple[tuple[int, ...], ...]
-    notes: tuple[str, ...]
-
-
-def device_grid(plan: Plan, cluster: ClusterSpec | None = None) -> DeviceGrid:
-    """Where each stage runs. Stages are packed in order as the pipeline places them
-    (:func:`torchpar.planner.stages.assign_devices`: ``(1, k)`` takes ``k`` devices of one host,
-    ``(h, D)`` ``h`` whole hosts); a one-stage plan uses the first devices. ``cluster`` defaults to the one
-    from ``torchpar.init``; if the plan needs more devices than it has, hosts × devices are inferred from
-    the submeshes (with a note)."""
-    notes: list[str] = []
-    submeshes = [(int(s.submesh_shape[0]), int(s.submesh_shape[1])) for s in plan.stages]
-    needed = sum(h * d for h, d in submeshes)
-    cluster = cluster or current_cluster()
-    hosts, per_host = cluster.num_hosts, cluster.devices_per_host
-    if needed > hosts * per_host:
-        per_host = max(d for _, d in submeshes)
-        hosts = math.ceil(needed / per_host)
-        notes.append(f"The plan uses {needed} devices but the cluster has {cluster.num_devices}; the grid shows "
-                     f"{hosts} host(s) × {per_host} device(s) inferred from the stages' submeshes.")
-    stage_devices = _stage_devices(submeshes, hosts, per_host, notes)
-    owner: dict[int, tuple[int, tuple[int, int]]] = {}
-    for stage, (devices, plan_stage) in enumerate(zip(stage_devices, plan.stages)):
-        columns = max(int(plan_stage.logical_mesh_shape[1]), 1)
-        for k, device in enumerate(devices):
-            owner[device] = (stage, (k // columns, k % columns))
-    cells = []
-    for device in range(hosts * per_host):
-        stage, coord = owner.get(device, (None, None))
-        cells.append(DeviceCell(device=device, host=device // per_host, local=device % per_host, stage=stage,
-                                mesh_coord=coord))
-    return DeviceGrid(hosts, per_host, tuple(cells), tuple(tuple(d) for d in stage_devices), tuple(notes))
-
-
-def _stage_devices(submeshes: list[tuple[int, int]], hosts: int, per_host: int, notes: list[str]) -> list[list[int]]:
-    if len(submeshes) > 1 and sum(h * d for h, d in submeshes) == hosts * per_host:
-        from torchpar.planner.stages import assign_devices
-
-        try:
-            return [list(d) for d in assign_devices(submeshes, hosts, per_host)]
-        except ValueError as error:
-            notes.append(f"Stages drawn on consecutive devices: {error}.")
-    result, start = [], 0
-    for h, d in submeshes:  # a one-stage plan runs on the first devices
-        result.append(list(range(start, start + h * d)))
-        start += h * d
-    return result
-
-
-Block = tuple[str, "int | None", float, float]
-"""``(op, micro_batch, start_s, end_s)``; op is ``forward``, ``backward`` or another compute op."""
-
-
-@dataclass(frozen=True)
-class TimelineView:
-    """Compute blocks per stage with time starting at 0."""
-
-    blocks: tuple[tuple[Block, ...], ...]
-    makespan: float
-    bubble_fraction: float
-    source: str
-    """``"estimated"`` (cost model), ``"simulated"`` (a ``schedules.Timeline`` passed in) or ``"measured"``."""
-    relative: bool = False
-    """True when the plan has no cost estimates, so every stage got unit time."""
-
-
-def timeline_view(plan: Plan, timeline: Any = None) -> TimelineView:
-    """The step as stage × time blocks: ``timeline`` if given (per stage a list of ``(op, micro_batch,
-    start_s, end_s)``, or an object with such ``.blocks``: ``schedules.Timeline``, the Ray runtime's
-    ``StepTimeline``), else ``simulate(make_schedule(plan.schedule, S, M))`` with each stage's forward
-    taking ⅓ and its backward ⅔ of its ``estimated_cost_s`` per micro-batch."""
-    from torchpar.runtime import schedules
-
-    if timeline is None:
-        return _estimated_timeline(plan)
-    source = "simulated" if isinstance(timeline, schedules.Timeline) else "measured"
-    raw = getattr(timeline, "blocks", timeline)
-    if len(raw) != len(plan.stages):
-        raise ValueError(f"the timeline has {len(raw)} stage(s) but the plan has {len(plan.stages)}")
-    stages = [[_as_block(b) for b in stage] for stage in raw]
-    stages = [[b for b in stage if b[3] > b[2] or b[0] in schedules.COMPUTE_OPS] for stage in stages]
-    origin = min((b[2] for stage in stages for b in stage), default=0.0)
-    stages = [[(op, m, start - origin, end - origin) for op, m, start, end in stage] for stage in stages]
-    return _view(stages, source)
-
-
-def _estimated_timeline(plan: Plan) -> TimelineView:
-    from torchpar.runtime.schedules import COMPUTE_OPS, SCHEDULES, make_schedule, simulate
-
-    num_stages, micro = len(plan.stages), max(int(plan.num_micro_batches), 1)
-    name = plan.schedule if plan.schedule in SCHEDULES else "gpipe"  # one stage: every schedule is F0..B0..
-    costs = [max(float(s.estimated_cost_s), 0.0) for s in plan.stages]
-    relative = not any(costs)
-    if relative:
-        costs = [1.0] * num_stages
-    simulated = simulate(make_schedule(name, num_stages, micro), [c / 3 for c in costs], [2 * c / 3 for c in costs])
-    stages = [[(b.op, b.micro_batch, b.start, b.end) for b in stage if b.op in COMPUTE_OPS]
-              for stage in simulated.blocks]
-    return _view(stages, "estimated", relative)
-
-
-def _view(stages: list[list[Block]], source: str, relative: bool = False) -> TimelineView:
-    makespan = max((b[3] for stage in stages for b in stage), default=0.0)
-    busy = sum(b[3] - b[2] for stage in stages for b in stage)
-    bubble = 1.0 - busy / (len(stages) * makespan) if makespan > 0 and stages else 0.0
-    return TimelineView(tuple(tuple(s) for s in stages), makespan, max(bubble, 0.0), source, relative)
-
-
-def _as_block(block: Any) -> Block:
-    if hasattr(block, "op") and hasattr(block, "start"):
-        return (str(block.op), block.micro_batch, float(block.start), float(block.end))
-    try:
-        op, micro_batch, start, end = block
-        return (str(op), None if micro_batch is None else int(micro_batch), float(start), float(end))
-    except (TypeError, ValueError) as error:
-        raise ValueError(f"a timeline block is (op, micro_batch, start_s, end_s), got {block!r}") from error
-
+if TYPE_CHECKING:
+    from torchpar.planner.plan import Plan
 
 # --- the page ---------------------------------------------------------------------------------------
 
@@ -223,7 +83,7 @@ def render_html(plan: Plan, *, timeline: Any = None, cluster: ClusterSpec | None
         "".join(f"<p class='note'>{_e(n)}</p>" for n in notes),
         _section("Devices", "devices", _grid_html(plan, grid)),
         _section("Stages", "stages", _stage_table(plan, grid, view if measured else None)),
-        _section("Cost per stage", "costs", _stage_bars(plan, cluster or current_cluster())
+        _section("Cost per stage", "costs", _stage_bars(plan, cluster or grid_cluster(plan))
                  + (_layer_charts(plan, layers) if layers is not None else "")),
         _section("Parameters", "params", _param_table(plan, param_shapes)),
         _section("Pipeline timeline", "timeline", _timeline_svg(plan, view)),
@@ -233,7 +93,7 @@ def render_html(plan: Plan, *, timeline: Any = None, cluster: ClusterSpec | None
     ]
     return (f"<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"
             f"<meta name='viewport' content='width=device-width, initial-scale=1'><title>{_e(title)}</title>"
-            f"<style>{_CSS}</style></head><body><main>{''.join(body)}</main><script>{_JS}</script></body></html>\n")
+            f"<style>{CSS}</style></head><body><main>{''.join(body)}</main><script>{JS}</script></body></html>\n")
 
 
 def _subtitle(plan: Plan, grid: DeviceGrid) -> str:
@@ -619,90 +479,3 @@ def _tint(color: str, amount: float) -> str:
 def _text_on(color: str) -> str:
     r, g, b = (int(color[i:i + 2], 16) / 255 for i in (1, 3, 5))
     return "#1f2328" if 0.2126 * r + 0.7152 * g + 0.0722 * b > 0.6 else "#ffffff"
-
-
-_CSS = """
-:root{--fg:#1f2328;--muted:#59636e;--border:#d1d9e0;--panel:#f6f8fa}
-*{box-sizing:border-box}
-body{margin:0;color:var(--fg);background:#fff;font:14px/1.5 -apple-system,BlinkMacSystemFont,"Segoe UI",Roboto,
-"Helvetica Neue",Arial,sans-serif}
-main{max-width:1180px;margin:0 auto;padding:28px 32px 48px}
-h1{font-size:24px;margin:0 0 2px}
-h2{font-size:18px;margin:36px 0 10px;padding-bottom:6px;border-bottom:1px solid var(--border)}
-h3{font-size:14px;margin:18px 0 6px;color:var(--muted);font-weight:600}
-.sub{color:var(--muted)}
-.note{background:#fff8c5;border:1px solid #e6cf7a;border-radius:6px;padding:6px 12px;margin:8px 0}
-.cards{display:flex;flex-wrap:wrap;gap:10px;margin:18px 0 6px}
-.card{background:var(--panel);border:1px solid var(--border);border-radius:8px;padding:8px 14px;min-width:118px}
-.card .k{font-size:11px;color:var(--muted);text-transform:uppercase;letter-spacing:.05em}
-.card .v{font-size:18px;font-weight:600;font-variant-numeric:tabular-nums}
-.tablewrap{overflow-x:auto}
-.tablewrap.scroll{max-height:560px;overflow-y:auto;border:1px solid #eaeef2;border-radius:6px}
-.tablewrap.scroll th{position:sticky;top:0;z-index:1}
-table.kv{width:auto;min-width:420px}
-table{border-collapse:collapse;width:100%;font-variant-numeric:tabular-nums}
-th,td{text-align:left;padding:5px 10px;border-bottom:1px solid #eaeef2;white-space:nowrap}
-th{background:var(--panel);font-weight:600;font-size:13px}
-th.num,td.num{text-align:right}
-tbody tr:hover{background:#f6f8fa}
-table.sortable th{cursor:pointer;user-select:none}
-table.sortable th:hover{background:#eaeef2}
-th[aria-sort=ascending]::after{content:" \\25B2";font-size:10px}
-th[aria-sort=descending]::after{content:" \\25BC";font-size:10px}
-code,.mono{font-family:ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;font-size:12.5px}
-.swatch{display:inline-block;width:12px;height:12px;border-radius:3px;vertical-align:-1px;margin-right:6px}
-.swatch.comm,.seg.comm{background:repeating-linear-gradient(45deg,#8c959f 0 4px,#d0d7de 4px 8px)}
-.legend{display:flex;flex-wrap:wrap;gap:6px 18px;font-size:12.5px;color:var(--muted);margin:6px 0 10px}
-.chip{display:inline-block;min-width:26px;text-align:center;margin-right:3px;padding:0 5px;border-radius:4px;
-font:600 11.5px/18px ui-monospace,Menlo,Consolas,monospace;color:#fff;background:#8c959f}
-.grid .host{display:flex;align-items:center;gap:6px;margin:6px 0}
-.hostlabel{width:60px;font-size:12px;color:var(--muted)}
-.device{width:76px;height:52px;border-radius:7px;display:flex;flex-direction:column;align-items:center;
-justify-content:center;font-size:11px;line-height:1.3;box-shadow:inset 0 0 0 1px rgba(0,0,0,.08)}
-.device b{font-size:13px}
-.device.idle{background:#e6e9ed;color:var(--muted)}
-.barrow{display:flex;align-items:center;gap:10px;margin:4px 0}
-.barlabel{width:90px;font-size:12.5px;color:var(--muted)}
-.track{flex:1;display:flex;height:16px;background:#f0f2f4;border-radius:4px;overflow:hidden}
-.seg{height:100%}
-.barvalue{width:300px;font-size:12.5px;font-variant-numeric:tabular-nums}
-svg.chart{width:100%;height:auto;display:block}
-svg text{font-family:inherit}
-.tick{font-size:11px;fill:#59636e}
-.axis{stroke:#8c959f}
-.gridline{stroke:#eaeef2}
-.lane{fill:#e6e9ed;opacity:.55}
-.lanelabel{font-size:12px;fill:#1f2328}
-.blklabel{font-size:11px;font-weight:600;pointer-events:none}
-footer{margin-top:40px;font-size:12px;color:var(--muted)}
-"""
-
-_JS = """
-(function () {
-  function key(cell) {
-    var v = cell.getAttribute("data-sort");
-    if (v === null) { v = cell.textContent.trim(); }
-    var n = Number(v);
-    return v !== "" && !isNaN(n) ? n : v;
-  }
-  document.querySelectorAll("table.sortable").forEach(function (table) {
-    var heads = table.querySelectorAll("th");
-    heads.forEach(function (th, col) {
-      th.addEventListener("click", function () {
-        var ascending = th.getAttribute("aria-sort") !== "ascending";
-        heads.forEach(function (h) { h.removeAttribute("aria-sort"); });
-        th.setAttribute("aria-sort", ascending ? "ascending" : "descending");
-        var body = table.tBodies[0];
-        var rows = Array.prototype.slice.call(body.rows);
-        rows.sort(function (a, b) {
-          var x = key(a.cells[col]), y = key(b.cells[col]);
-          var c = (typeof x === "number" && typeof y === "number") ? x - y
-            : String(x).localeCompare(String(y), undefined, {numeric: true});
-          return ascending ? c : -c;
-        });
-        rows.forEach(function (r) { body.appendChild(r); });
-      });
-    });
-  });
-})();
-"""

@@ -7,11 +7,13 @@ so the picture and the HTML page always agree.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torchpar.cluster import ClusterSpec
-from torchpar.planner.plan import Plan
-from torchpar.report.html import IDLE_COLOR, device_grid, stage_color, timeline_view
+from torchpar.report.layout import IDLE_COLOR, device_grid, stage_color, timeline_view
+
+if TYPE_CHECKING:
+    from torchpar.planner.plan import Plan
 
 
 def save_png(plan: Plan, path: str | Path, *, timeline: Any = None, cluster: ClusterSpec | None = None,

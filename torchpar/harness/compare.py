@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from torchpar import zoo
+from torchpar.harness import zoo
 
 log = logging.getLogger(__name__)
 

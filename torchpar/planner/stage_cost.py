@@ -1,0 +1,123 @@
+"""Stage cost models for the inter-op DP (:mod:`.stages`): what one micro-batch of a stage costs on a submesh.
+
+:class:`StageCostModel` is the interface the DP calls; :class:`AnalyticStageCost` prices a stage from the IR
+alone with the cluster's alpha-beta constants (its docstring has the formulas).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Protocol
+
+from torchpar.cluster import ClusterSpec
+from torchpar.ir.graph import Graph
+from torchpar.ir.op_families import VIEWS
+from torchpar.planner.layers import Layering
+from torchpar.planner.sharding.cost_model import LogicalMesh
+
+Shape = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """One micro-batch's forward + backward of a stage on a submesh with a logical mesh."""
+
+    latency_s: float
+    """Seconds per micro-batch (data-parallel gradient sync amortized over the micro-batches)."""
+    memory_bytes: float
+    """Per-device bytes that do not depend on the schedule: parameters, gradients, optimizer state."""
+    activation_bytes: float = 0.0
+    """Per-device bytes kept for the backward pass, per micro-batch in flight."""
+    compute_s: float = 0.0
+    communication_s: float = 0.0
+
+    def peak_bytes(self, in_flight: int) -> float:
+        """Per-device memory with ``in_flight`` micro-batches' activations alive."""
+        return self.memory_bytes + in_flight * self.activation_bytes
+
+
+class StageCostModel(Protocol):
+    """``cost(first_layer, last_layer, submesh, logical)`` → :class:`StageCost` of layers
+    ``[first_layer..last_layer]`` (inclusive) on the physical ``submesh`` with logical mesh ``logical``."""
+
+    def __call__(self, first_layer: int, last_layer: int, submesh: Shape, logical: Shape) -> StageCost: ...
+
+
+class AnalyticStageCost:
+    """The alpha-beta stage cost model, from the IR alone (no compilation, no profiling).
+
+    ``graph`` is captured on one micro-batch (as :func:`torchpar.planner.pipeline_plan.plan_pipeline` does).
+    A logical mesh ``(a, b)`` is read as ``a``-way data parallel (axis 0) × ``b``-way tensor parallel
+    (axis 1). For layers ``k..i`` with forward FLOPs ``F``, parameter bytes ``P`` (every parameter the
+    stage reads, so a tied weight counts in each stage that uses it), buffer bytes ``Q``, activation bytes
+    ``A`` (outputs of the non-view ops) and entering bytes ``E_l`` per layer (:class:`Layering`):
+
+        compute_s       = 3·F / (a·b · device_flops)                    (backward ≈ 2× forward)
+        data-parallel   = AR_0(P / b) / num_micro_batches               (gradient sync once per step)
+        tensor-parallel = Σ_l 4 · AR_1(E_l / a)                         (Megatron: one all-reduce per
+                                                                         attention/MLP half, fwd and bwd)
+        latency_s       = compute_s + data-parallel + tensor-parallel
+        memory_bytes    = (P·(2 + optimizer_state_copies) + Q) / b      (weights, grads, optimizer state
+                                                                         replicated over axis 0)
+        activation_bytes = A / (a·b)
+
+    with ``AR_x`` the all-reduce cost on logical axis ``x`` from :class:`LogicalMesh` (the cluster's
+    alpha/beta). ``(n, 1)`` is pure data parallelism and ``(1, n)`` pure tensor parallelism; the DP picks
+    the cheapest shape that fits memory. Cross-stage transfers are not priced (as in Alpa).
+    """
+
+    def __init__(self, layering: Layering, graph: Graph, cluster: ClusterSpec, num_micro_batches: int,
+                 optimizer_state_copies: float):
+        if num_micro_batches < 1:
+            raise ValueError(f"num_micro_batches must be ≥ 1, got {num_micro_batches}")
+        if optimizer_state_copies < 0:
+            raise ValueError(f"optimizer_state_copies must be ≥ 0, got {optimizer_state_copies}")
+        self.layering = layering
+        self.cluster = cluster
+        self.num_micro_batches = num_micro_batches
+        self.optimizer_state_copies = float(optimizer_state_copies)
+        kinds = {i.name: (i.kind, i.target, i.meta.nbytes) for i in graph.inputs}
+        self._state_bytes = {target: nbytes for kind, target, nbytes in kinds.values() if kind in ("param", "buffer")}
+        self._params: list[frozenset[str]] = []
+        self._buffers: list[frozenset[str]] = []
+        self._activation: list[float] = []
+        for start, end in layering.node_ranges:
+            reads = [kinds[r] for node in graph.nodes[start:end] for r in node.refs() if r in kinds]
+            self._params.append(frozenset(target for kind, target, _ in reads if kind == "param"))
+            self._buffers.append(frozenset(target for kind, target, _ in reads if kind == "buffer"))
+            self._activation.append(float(sum(n.out_bytes for n in graph.nodes[start:end] if n.target not in VIEWS)))
+        self._range = lru_cache(maxsize=None)(self._range_totals)
+
+    def _range_totals(self, first: int, last: int) -> tuple[float, float, float, float, tuple[int, ...]]:
+        layers = range(first, last + 1)
+        params = frozenset().union(*(self._params[l] for l in layers))
+        buffers = frozenset().union(*(self._buffers[l] for l in layers)) - params
+        return (float(sum(self.layering.flops[l] for l in layers)),
+                float(sum(self._state_bytes[t] for t in params)),
+                float(sum(self._state_bytes[t] for t in buffers)),
+                float(sum(self._activation[l] for l in layers)),
+                tuple(self.layering.boundary_bytes[l] for l in layers))
+
+    def parameter_bytes(self, first_layer: int, last_layer: int) -> float:
+        """Bytes of the distinct parameters layers ``first_layer..last_layer`` read."""
+        return self._range(first_layer, last_layer)[1]
+
+    def __call__(self, first_layer: int, last_layer: int, submesh: Shape, logical: Shape) -> StageCost:
+        devices = submesh[0] * submesh[1]
+        data, tensor = logical
+        if data * tensor != devices:
+            raise ValueError(f"logical mesh {logical} does not have the {devices} devices of submesh {submesh}")
+        flops, params, buffers, activations, entering = self._range(first_layer, last_layer)
+        mesh = LogicalMesh(shape=(data, tensor), alpha=self.cluster.alpha, beta=self.cluster.beta,
+                           device_flops=self.cluster.device_flops)
+        compute = 3.0 * flops / (devices * self.cluster.device_flops)
+        communication = (mesh.all_reduce(params / tensor, [0]) / self.num_micro_batches
+                         + sum(4.0 * mesh.all_reduce(e / data, [1]) for e in entering))
+        return StageCost(
+            latency_s=compute + communication,
+            memory_bytes=(params * (2.0 + self.optimizer_state_copies) + buffers) / tensor,
+            activation_bytes=activations / devices,
+            compute_s=compute,
+            communication_s=communication,
+        )
