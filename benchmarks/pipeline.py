@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torchpar
 
-    ray.init(num_cpus=4, include_dashboard=False, configure_logging=False)  # 4 actors, at most 2 running at once
+    ray.init(address="local", num_cpus=4, include_dashboard=False, configure_logging=False)  # 4 actors, at most 2 running at once
     import torch
 
     from torchpar.cluster import shutdown

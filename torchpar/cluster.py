@@ -126,11 +126,28 @@ def _init_ray(address: str | None, num_hosts: int | None, devices_per_host: int 
     if address is None and (num_hosts is None or devices_per_host is None):
         raise ValueError("cluster='ray' needs num_hosts and devices_per_host (simulated hosts on this machine), or "
                          "address='auto' / 'ip:port' to join a running Ray cluster")
+    _keep_driver_off_accelerators()
     connected = ray_cluster.connect(address=address, num_hosts=num_hosts, devices_per_host=devices_per_host,
                                     accelerator=accelerator)
     _cluster = ClusterSpec(num_hosts=len(connected.hosts), devices_per_host=connected.devices_per_host, runtime="ray",
                            cores_per_host=cores_per_host, accelerator=connected.accelerator, timeout_s=timeout_s)
     return _cluster
+
+
+def _keep_driver_off_accelerators() -> None:
+    """The driver of a Ray cluster holds no device of the plan: its own JAX (PRNG keys, a pipeline's eval
+    forward) runs on the CPU, so it never takes GPU memory from a host actor on the same node. Only possible
+    before this process first used JAX; after that the driver keeps the backend it has."""
+    import jax
+    from jax._src import xla_bridge
+
+    if xla_bridge.backends_are_initialized():
+        if jax.default_backend() != "cpu":
+            log.warning("torchpar: this process already uses JAX on %s; as the driver of a Ray cluster it keeps it "
+                        "(call torchpar.init before using JAX to keep the driver off the accelerators)",
+                        jax.default_backend())
+        return
+    jax.config.update("jax_platforms", "cpu")
 
 
 def shutdown() -> None:

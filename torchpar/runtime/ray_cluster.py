@@ -80,7 +80,9 @@ def connect(*, address: str | None, num_hosts: int | None, devices_per_host: int
                              "devices_per_host (or address='auto' to join a running cluster)")
         if not ray.is_initialized():
             cpus = max(os.cpu_count() or 1, num_hosts)
-            ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=True, configure_logging=False,
+            # address="local": never attach to another Ray instance found running on this machine (another
+            # program's, or a test's), whose resources and lifetime are not ours
+            ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=True, configure_logging=False,
                      runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}})
             embedded = True
         _current = _simulated(num_hosts, devices_per_host, accelerator, embedded)

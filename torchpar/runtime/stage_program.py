@@ -104,7 +104,8 @@ class StageProgram:
         self._inspected: dict[Any, Any] = {}
         self._backward = jax.jit(backward, compiler_options=options)
         self._backward_accumulate = jax.jit(backward_accumulate, donate_argnums=(2,), compiler_options=options)
-        self._update = jax.jit(update, donate_argnums=(0, 2), compiler_options=options)
+        self._update_fn = update
+        self._update: Any = None  # jitted at the first call, when the optimizer state's keys are known
         self._squared_norm = jax.jit(squared_norm, compiler_options=options)
 
     # --- calls ------------------------------------------------------------------------------------
@@ -177,6 +178,14 @@ class StageProgram:
 
     def update(self, params: dict, grads: dict, state: dict, scalars: Any, clip_scale: float = 1.0) -> tuple[dict, dict]:
         owned = {n: params[n] for n in self.trainable}
+        if self._update is None:
+            # pin the outputs to the planned layouts: left to XLA's propagation, a parameter could come back
+            # in another layout than it was placed in, and the next step would compile every stage function again
+            placement = self.placement
+            out_shardings = ({n: placement.param(n) for n in owned},
+                             {n: {k: placement.state_of(n) for k in entries} for n, entries in state.items()})
+            self._update = jax.jit(self._update_fn, out_shardings=out_shardings, donate_argnums=(0, 2),
+                                   compiler_options=self._options)
         new_params, new_state = self._update(owned, grads, state, scalars, np.float32(clip_scale))
         return {**params, **new_params}, new_state
 
