@@ -25,7 +25,7 @@ def cluster():
         torchpar.init(cluster="local", num_devices=8)
 
 
-def test_training_across_two_ray_nodes_joined_by_address(cluster):
+def test_training_across_two_ray_nodes_joined_by_address_and_choosing_a_subset(cluster):
     cluster.add_node(num_cpus=2)
     cluster.wait_for_nodes()
     spec = torchpar.init(cluster="ray", address=cluster.address, devices_per_host=2)
@@ -37,6 +37,11 @@ def test_training_across_two_ray_nodes_joined_by_address(cluster):
         assert len({a["node_id"] for a in actors}) == 2, "one host actor per Ray node"
         workers = engine.describe_workers()
         assert [w["process_index"] for w in workers] == [0, 1] and all(w["steps_run"] == 3 for w in workers)
+    # num_hosts selects a subset of the nodes; more hosts than nodes is an error
+    spec = torchpar.init(cluster="ray", address=cluster.address, num_hosts=1, devices_per_host=2)
+    assert (spec.num_hosts, spec.devices_per_host) == (1, 2)
+    with pytest.raises(ValueError, match="asked for 3 host"):
+        torchpar.init(cluster="ray", address=cluster.address, num_hosts=3)
 
 
 def test_gpu_nodes_are_hosts_and_their_actors_are_given_the_gpus(cluster):
@@ -55,15 +60,6 @@ def test_gpu_nodes_are_hosts_and_their_actors_are_given_the_gpus(cluster):
         assert {a["node_id"] for a in actors} == gpu_nodes
         assert all(len(a["gpu_ids"]) == 1 and a["cuda_visible_devices"] == a["gpu_ids"][0] for a in actors)
         assert all(a["platform"] == "cpu" for a in actors)  # no GPU backend in this JAX: it ran on CPU devices
-
-
-def test_num_hosts_selects_a_subset_of_the_nodes(cluster):
-    cluster.add_node(num_cpus=2)
-    cluster.wait_for_nodes()
-    spec = torchpar.init(cluster="ray", address=cluster.address, num_hosts=1, devices_per_host=2)
-    assert (spec.num_hosts, spec.devices_per_host) == (1, 2)
-    with pytest.raises(ValueError, match="asked for 3 host"):
-        torchpar.init(cluster="ray", address=cluster.address, num_hosts=3)
 
 
 def test_actors_the_cluster_cannot_place_are_an_error_within_the_timeout(cluster):
