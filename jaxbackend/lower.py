@@ -58,7 +58,8 @@ def check_supported(graph: Graph) -> None:
 
 
 def lower(graph: Graph, *, value_shardings: Mapping[str, Any] | None = None,
-          operand_shardings: Mapping[str, Sequence[Any]] | None = None, layouts: Any = None) -> StepFn:
+          operand_shardings: Mapping[str, Sequence[Any]] | None = None, layouts: Any = None,
+          observe: Callable[[Node, Any, dict[str, Any]], None] | None = None) -> StepFn:
     """The pure JAX function computing ``graph`` (see the module docstring for its signature).
 
     ``value_shardings`` maps input or node names to a sharding their value is constrained to
@@ -69,6 +70,9 @@ def lower(graph: Graph, *, value_shardings: Mapping[str, Any] | None = None,
     ``layouts`` (a ``torchpar.planner.sharding.layouts.ValueLayouts``) instead makes a per-device
     function for ``jax.shard_map``: inputs and results are this device's shards, and the collectives the
     plan implies are explicit (:mod:`jaxbackend.spmd`). It excludes the two sharding mappings.
+
+    ``observe(node, value, env)`` is called after each node with its value and every value computed so far
+    (for diagnostics run eagerly, outside ``jit``: e.g. finding the first op that produced a nan).
     """
     check_supported(graph)
     local = None
@@ -125,6 +129,8 @@ def lower(graph: Graph, *, value_shardings: Mapping[str, Any] | None = None,
             env[node.name] = _conform(result, node, graph, local)
             if node.name in value_shardings:
                 env[node.name] = constrain(env[node.name], value_shardings[node.name])
+            if observe is not None:
+                observe(node, env[node.name], env)
         outputs = [env[o.value.name] if o.value is not None else None for o in value_outputs]
         new_buffers = {o.target: env[o.value.name] for o in buffer_outputs}
         if local is not None:  # buffers are stored whole on every device

@@ -1,16 +1,23 @@
-"""Test session set-up: 8 fake CPU devices for JAX (before anything imports it), quiet transformers, and one
-XLA compilation cache for the session.
+"""Test session set-up: 8 fake CPU devices for JAX (before anything imports it), quiet transformers, one
+XLA compilation cache for the session, and the ``ray`` mark on every test that starts Ray processes.
 
 Many tests compile the same small programs (the same tiny model under several options, a stage compiled
 in the driver and again in a host actor); JAX's persistent compilation cache, in a directory of this
 session only, compiles each once. The variables are inherited by the processes the tests start (examples,
 Ray host actors), so they share it.
+
+``make test`` runs the tests without the ``ray`` mark on two pytest-xdist workers and the Ray tests after them,
+one at a time: host actors pinned to cores and timeouts measured in seconds do not share two cores with another
+worker's compilations well.
 """
 
 import atexit
+import inspect
 import os
 import shutil
 import tempfile
+
+import pytest
 
 _xla_cache = tempfile.mkdtemp(prefix="torchpar-tests-xla-cache-")
 atexit.register(shutil.rmtree, _xla_cache, ignore_errors=True)
@@ -25,3 +32,23 @@ torchpar.init(cluster="local", num_devices=8)
 import transformers  # noqa: E402
 
 transformers.logging.set_verbosity_error()
+
+
+_RAY_WORDS = ('cluster="ray"', "ray_cluster(", "ray.init(")
+
+
+def _starts_ray(item: pytest.Item) -> bool:
+    """A test starts Ray if its id says so, a fixture it uses is a Ray set-up, or its own code starts Ray."""
+    if "ray" in item.nodeid.lower() or any("host" in name for name in getattr(item, "fixturenames", ())):
+        return True
+    try:
+        source = inspect.getsource(item.function)
+    except (AttributeError, OSError, TypeError):
+        return False
+    return any(word in source for word in _RAY_WORDS)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if _starts_ray(item):
+            item.add_marker(pytest.mark.ray)

@@ -25,13 +25,28 @@ if TYPE_CHECKING:
     from torchpar.planner.plan import Plan
 
 
-def __getattr__(name: str) -> Any:
-    """``torchpar.Plan`` on first use: importing the package pulls in no planner, lowering or runtime module
-    (``jaxbackend`` imports ``torchpar.ir`` and must not drag the planner in with it)."""
-    if name == "Plan":
-        from torchpar.planner.plan import Plan
+_LAZY = {  # public name → module defining it (imported on first use)
+    "Plan": "torchpar.planner.plan",
+    "InputRangeError": "torchpar.ir.index_inputs",
+    "NonFiniteError": "torchpar.runtime.nonfinite",
+    "DeviceMemoryError": "torchpar.runtime.resources",
+    "HostFailure": "torchpar.runtime.ray_executor",
+    "CaptureError": "torchpar.capture.errors",
+    "PlanFormatError": "torchpar.planner.plan_schema",
+    "MemoryBudgetError": "torchpar.planner.sharding.ilp",
+    "UnsupportedOpsError": "jaxbackend.lower",
+    "LoweringError": "jaxbackend.lower",
+}
+"""``torchpar.Plan`` and the errors a user may catch (``docs/debugging.md`` lists every one)."""
 
-        return Plan
+
+def __getattr__(name: str) -> Any:
+    """``torchpar.Plan`` and the error classes on first use: importing the package pulls in no planner, lowering
+    or runtime module (``jaxbackend`` imports ``torchpar.ir`` and must not drag the planner in with it)."""
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'torchpar' has no attribute {name!r}")
 
 

@@ -10,11 +10,12 @@ and optimizer. ``close()`` (or leaving a ``with`` block) frees the executor's wo
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
 import weakref
-from typing import Any, Literal
+from typing import Any, Iterator, Literal
 
 import numpy as np
 import torch
@@ -24,6 +25,7 @@ from torchpar.capture.export import Capture, LossFn, capture_forward, capture_tr
 from torchpar.capture.optim import TorchOptimizerBridge
 from torchpar.cluster import current_cluster
 from torchpar.ir.graph import Graph
+from torchpar.ir.index_inputs import check_index_inputs, index_bounds
 from torchpar.methods import (DataParallel, MegatronParallel, Method, PipeshardParallel, ShardParallel, Zero2Parallel,
                               Zero3Parallel)
 from torchpar.planner.for_method import plan_for_method, single_device_plan
@@ -33,6 +35,10 @@ log = logging.getLogger(__name__)
 
 SpmdMode = Literal["auto", "gspmd", "shard_map"]
 SPMD_MODES: tuple[str, ...] = ("auto", "gspmd", "shard_map")
+OnNonfinite = Literal["raise", "skip", "ignore"]
+ON_NONFINITE: tuple[str, ...] = ("raise", "skip", "ignore")
+DIVERGENCE_FACTOR = 1e3
+"""A loss this many times the first step's is logged as a diverging run (once per engine)."""
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
@@ -53,12 +59,26 @@ class CompileOptions:
     plan; one it cannot run is an error. ``"auto"``: ``shard_map`` for DataParallel/Zero2/Zero3 plans when it
     can run them (else GSPMD, with the reason logged), GSPMD for the others. ``engine.spmd_mode`` says which
     ran."""
+    check_inputs: bool = True
+    """Check, before each step and forward, that integer batch values used as indices (token ids, labels,
+    gathered positions) are in the range PyTorch accepts (:mod:`torchpar.ir.index_inputs`); XLA would clamp them
+    silently. Costs a min/max per checked input on the host."""
+    on_nonfinite: OnNonfinite = "raise"
+    """A step whose loss or gradients are inf/nan never updates the state (the update is skipped inside the
+    executable, as ``torch.amp.GradScaler`` skips ``optimizer.step``). ``"raise"``: then raise
+    :class:`~torchpar.runtime.nonfinite.NonFiniteError` naming the step and the first op that produced the
+    inf/nan (a diagnostic re-run); ``"skip"``: log it, count it in ``engine.skipped_steps`` and go on;
+    ``"ignore"``: apply the update whatever it holds (PyTorch's own behaviour; compiles no check)."""
 
     def __post_init__(self) -> None:
         if self.grad_clip_norm is not None and not self.grad_clip_norm > 0:
             raise ValueError(f"grad_clip_norm must be positive or None, got {self.grad_clip_norm}")
         if self.spmd not in SPMD_MODES:
             raise ValueError(f"spmd must be one of {SPMD_MODES}, got {self.spmd!r}")
+        if self.on_nonfinite not in ON_NONFINITE:
+            raise ValueError(f"on_nonfinite must be one of {ON_NONFINITE}, got {self.on_nonfinite!r}")
+        if not isinstance(self.check_inputs, bool):
+            raise TypeError(f"check_inputs must be True or False, got {self.check_inputs!r}")
 
 
 def compile(
@@ -72,13 +92,16 @@ def compile(
     seed: int = 0,
     xla_library_fusions: bool = True,
     spmd: SpmdMode = "auto",
+    check_inputs: bool = True,
+    on_nonfinite: OnNonfinite = "raise",
 ) -> "Engine":
     """Capture ``model``'s training step on ``example_batch`` and compile it with ``method``.
 
     ``method=None`` runs on one device; a :class:`Plan` (e.g. loaded with ``Plan.from_dict``) runs as given,
     without solving. See DESIGN.md §2 for the calling convention and the loss rule. With
     ``torchpar.init(cluster="ray", ...)`` every method runs on the Ray host actors. The engine holds workers
-    until ``engine.close()``; ``with torchpar.compile(...) as engine:`` closes it on exit.
+    until ``engine.close()``; ``with torchpar.compile(...) as engine:`` closes it on exit. The keyword options
+    are the fields of :class:`CompileOptions` (each documented there).
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -88,7 +111,7 @@ def compile(
                                                       ShardParallel, PipeshardParallel, Plan)):
         raise TypeError(f"method must be None, a torchpar parallel method or a Plan, got {type(method).__name__}")
     options = CompileOptions(grad_clip_norm=grad_clip_norm, seed=seed, xla_library_fusions=xla_library_fusions,
-                             spmd=spmd)
+                             spmd=spmd, check_inputs=check_inputs, on_nonfinite=on_nonfinite)
     return Engine(model, optimizer, example_batch, loss_fn, options, method)
 
 
@@ -146,16 +169,24 @@ class Engine:
         self._steps_taken = 0
         self._base_key = jax.random.key(options.seed)
         self._example_signature = _signature(example_batch)
+        self._example_skeleton = pytree.tree_map(  # the example's structure, shapes and dtypes, without its data
+            lambda leaf: leaf.to("meta") if isinstance(leaf, torch.Tensor) else leaf, example_batch)
         self._captures: dict[tuple, Capture] = {}
         self._eval: dict[tuple, Capture] = {}
         self._last_signature: tuple | None = None
         self._executor: Any = None
+        self._index_bounds: dict[Any, list[Any]] = {}  # signature → what its integer inputs index
+        self._step_graphs: dict[tuple, Graph] = {}  # signature → the graph its step runs (diagnostic re-runs)
+        self._skipped_steps = 0
+        self._first_loss: float | None = None
+        self._warned_divergence = False
         self._pipelined = isinstance(method, PipeshardParallel) or (isinstance(method, Plan) and method.is_pipeline)
         try:
-            if self._pipelined:
-                self._init_pipeline(example_batch, method)
-            else:
-                self._init_one_stage(example_batch, method)
+            with self._translating_failures("compiling the training step"):
+                if self._pipelined:
+                    self._init_pipeline(example_batch, method)
+                else:
+                    self._init_one_stage(example_batch, method)
         except BaseException:
             if self._executor is not None:
                 self._executor.close()
@@ -166,7 +197,8 @@ class Engine:
         from torchpar.runtime.worker import RunOptions
 
         return RunOptions(grad_clip_norm=self.options.grad_clip_norm, library_fusions=self.options.xla_library_fusions,
-                          spmd=self.options.spmd, timeout_s=current_cluster().timeout_s)
+                          spmd=self.options.spmd, timeout_s=current_cluster().timeout_s,
+                          check_finite=self.options.on_nonfinite != "ignore")
 
     def _init_one_stage(self, example_batch: Any, method: Method | Plan | None) -> None:
         from torchpar.runtime import build_executor
@@ -195,6 +227,8 @@ class Engine:
             log.warning("torchpar: spmd=%r is ignored by pipelines (their stages run under GSPMD)", self.options.spmd)
         micro_example = _first_micro_batch(example_batch, method.num_micro_batches)
         capture = self._capture(micro_example)
+        self._index_bounds[self._example_signature] = index_bounds(capture.graph)
+        self._step_graphs[self._example_signature] = capture.graph
         trainable = set(self._trainable(capture.graph))
         cluster = current_cluster()
         if isinstance(method, Plan):
@@ -222,7 +256,7 @@ class Engine:
     def step(self, batch: Any) -> float:
         """One optimizer step on ``batch``; returns the loss (before the update) as a float."""
         signature = _signature(batch)
-        self._check_compatible(signature)
+        self._check_compatible(signature, batch)
         if self._pipelined:
             if signature != self._example_signature:
                 raise ValueError(f"PipeshardParallel runs the batch shapes it was compiled for "
@@ -230,23 +264,59 @@ class Engine:
         elif signature not in self._captures:
             log.info("torchpar: new batch shapes %s, recompiling the training step", _describe(signature))
             self._compile_step(signature, self._capture(batch))
-        leaves = _host_leaves(batch)
+        leaves = self._checked_leaves(batch, signature)
         scalars = self._bridge.step_scalars()
         _mark_optimizer_stepped(self.optimizer)
-        key_data = np.asarray(self._jax.random.key_data(self._jax.random.fold_in(self._base_key, self._steps_taken)))
-        loss = self._executor.step(signature, leaves, scalars, key_data)
+        key_data = self._step_key_data(self._steps_taken)
+        with self._translating_failures(f"running step {self._steps_taken}"):
+            result = self._executor.step(signature, leaves, scalars, key_data)
+        step = self._steps_taken
         self._steps_taken += 1
         self._last_signature = signature
-        return loss
+        if not result.finite and self.options.on_nonfinite != "ignore":
+            self._nonfinite_step(step, result, batch, signature, leaves)
+        else:
+            self._watch_divergence(step, result.loss)
+        return result.loss
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps whose loss or gradients were inf/nan and whose update was skipped (``on_nonfinite="skip"``;
+        with ``"raise"`` each such step raised)."""
+        return self._skipped_steps
+
+    def locate_nonfinite(self, batch: Any) -> str:
+        """Re-run one training step on ``batch`` on this process, eagerly and op by op, with the current state, and
+        say where the first inf/nan comes from (an input, the state, the first op producing it, or the gradients):
+        what ``on_nonfinite="raise"`` reports, on demand. The state is exported from the workers (all of it)."""
+        from torchpar.runtime.nonfinite import locate_nonfinite
+
+        signature = _signature(batch)
+        self._check_compatible(signature, batch)
+        graph = self._graph_for_diagnosis(batch, signature)
+        state = self._executor.export_state()
+        leaves = [_host(leaf) for leaf in pytree.tree_leaves(_call_args(batch))]
+        names = _leaf_names(batch)
+        key = self._jax.random.wrap_key_data(self._step_key_data(self._steps_taken))
+        trainable = self._trainable(graph)
+        for micro in (_split_leaves(leaves, self._plan.num_micro_batches) if self._pipelined else [leaves]):
+            culprit = locate_nonfinite(graph, trainable, state.params, state.buffers, micro, names, key)
+            if culprit is not None:
+                return culprit.text
+        return "the re-run on this process is finite (the inf/nan did not reproduce)"
 
     def forward(self, batch: Any) -> Any:
         """The model's eval-mode outputs on ``batch``, as torch tensors in the model's output structure."""
         signature = _signature(batch)
-        self._check_compatible(signature)
+        self._check_compatible(signature, batch)
         if signature not in self._eval:
             self._eval[signature] = capture_forward(self.model, batch)
         capture = self._eval[signature]
-        outputs = self._executor.forward(("eval", signature), capture.graph, _host_leaves(batch))
+        if ("eval", signature) not in self._index_bounds:
+            self._index_bounds[("eval", signature)] = index_bounds(capture.graph)
+        leaves = self._checked_leaves(batch, ("eval", signature))
+        with self._translating_failures("running the forward"):
+            outputs = self._executor.forward(("eval", signature), capture.graph, leaves)
         tensors = [_to_torch(o) if o is not None else None for o in outputs]
         return pytree.tree_unflatten(tensors, capture.out_spec)
 
@@ -396,9 +466,12 @@ class Engine:
 
         scalars = step_scalars(self._spec, self._bridge.hparams(), [1] * self._spec.num_groups)
         leaves = [(tuple(m.shape), _jax_dtype(m.dtype)) for m in capture.input_metas]
-        self._timings.update(self._executor.compile_step(signature, capture.graph, self._trainable(capture.graph),
-                                                         leaves, scalars))
+        with self._translating_failures("compiling the training step"):
+            self._timings.update(self._executor.compile_step(signature, capture.graph, self._trainable(capture.graph),
+                                                             leaves, scalars))
         self._captures[signature] = capture
+        self._index_bounds[signature] = index_bounds(capture.graph)
+        self._step_graphs[signature] = capture.graph
 
     def _trainable(self, graph: Graph) -> tuple[str, ...]:
         """Parameters the optimizer updates this step: in the optimizer, requiring grad, and reaching the
@@ -422,11 +495,87 @@ class Engine:
                          opt_state={n: {k: _host_array(v) for k, v in e.items()}
                                     for n, e in self._bridge.initial_state().items()})
 
-    def _check_compatible(self, signature: tuple) -> None:
+    # --- checks and failures ------------------------------------------------------------------------------
+
+    def _step_key_data(self, step: int) -> np.ndarray:
+        return np.asarray(self._jax.random.key_data(self._jax.random.fold_in(self._base_key, step)))
+
+    def _checked_leaves(self, batch: Any, key: Any) -> list[np.ndarray]:
+        """The batch's leaves as host arrays in the dtypes JAX holds them in, after the index-range check of the
+        values as the user passed them (before ``int64 → int32`` could wrap a huge id into range)."""
+        raw = [leaf.detach().cpu().numpy() if leaf.dtype != torch.bfloat16 else None
+               for leaf in pytree.tree_leaves(_call_args(batch))]
+        if self.options.check_inputs and self._index_bounds.get(key):
+            check_index_inputs(self._index_bounds[key], raw, _leaf_names(batch))
+        leaves = pytree.tree_leaves(_call_args(batch))
+        return [_host_array(r) if r is not None else _host(leaf) for r, leaf in zip(raw, leaves)]
+
+    @contextlib.contextmanager
+    def _translating_failures(self, what: str) -> Iterator[None]:
+        """Re-raise XLA's out-of-memory as a :class:`DeviceMemoryError` naming the stages and what to try."""
+        from torchpar.runtime.resources import as_device_memory_error
+
+        try:
+            yield
+        except Exception as error:
+            plan = getattr(self, "_plan", None)
+            translated = None if plan is None else as_device_memory_error(
+                error, plan, what=what, device_memory_bytes=current_cluster().device_memory_bytes)
+            if translated is not None:
+                raise translated from error
+            raise
+
+    def _nonfinite_step(self, step: int, result: Any, batch: Any, signature: tuple, leaves: list[np.ndarray]) -> None:
+        """A step skipped for an inf/nan loss or gradient: count it, or raise naming the first culprit."""
+        from torchpar.runtime.nonfinite import AUTO_DIAGNOSIS_BYTES, NonFiniteError
+
+        what = "loss" if not np.isfinite(result.loss) else "gradients"
+        self._skipped_steps += 1
+        if self.options.on_nonfinite == "skip":
+            log.warning("torchpar: step %d produced a non-finite %s (loss %s); its update was skipped (%d skipped so "
+                        "far)", step, what, result.loss, self._skipped_steps)
+            return
+        state_bytes = sum(p.numel() * p.element_size() for p in self._param_names.values())
+        if state_bytes <= AUTO_DIAGNOSIS_BYTES:
+            culprit = self.locate_nonfinite(batch)
+        else:
+            culprit = (f"the state ({state_bytes / 2**30:.1f} GiB) is too large for an automatic re-run on the "
+                       "driver: call engine.locate_nonfinite(batch) to find the first op")
+        history = f"; the first step's loss was {self._first_loss:.4g}" if self._first_loss is not None else ""
+        raise NonFiniteError(
+            f"step {step} produced a non-finite {what} (loss {result.loss}){history}. Its update was skipped: the "
+            f"parameters and optimizer state are those before step {step}.\n"
+            f"  first culprit: {culprit}\n"
+            "Try: a lower learning rate, gradient clipping (torchpar.compile(..., grad_clip_norm=1.0)), checking the "
+            "batch for inf/nan; on_nonfinite='skip' skips such steps and goes on (as torch.amp.GradScaler does), "
+            "'ignore' applies them as PyTorch would.", step=step, loss=result.loss, culprit=culprit)
+
+    def _watch_divergence(self, step: int, loss: float) -> None:
+        """Log once when the loss has grown ``DIVERGENCE_FACTOR``-fold over the first step's."""
+        if self._first_loss is None:
+            self._first_loss = loss
+            return
+        first = abs(self._first_loss)
+        if not self._warned_divergence and first > 0 and abs(loss) > DIVERGENCE_FACTOR * first:
+            self._warned_divergence = True
+            log.warning("torchpar: the loss grew from %.4g (first step) to %.4g at step %d: the run looks divergent "
+                        "(lower the learning rate or clip gradients with grad_clip_norm)", self._first_loss, loss, step)
+
+    def _graph_for_diagnosis(self, batch: Any, signature: tuple) -> Graph:
+        if signature not in self._step_graphs:
+            if self._pipelined:
+                raise ValueError("a pipeline engine diagnoses the batch shapes it was compiled for only")
+            self._step_graphs[signature] = self._capture(batch).graph
+        return self._step_graphs[signature]
+
+    def _check_compatible(self, signature: tuple, batch: Any) -> None:
+        from torchpar.capture.errors import describe_batch_mismatch
+
         spec, leaves = signature
         example_spec, example_leaves = self._example_signature
         if spec != example_spec:
-            raise ValueError(f"batch structure {spec} differs from the example batch's {example_spec}")
+            raise ValueError(f"the batch's structure differs from the example batch's: "
+                             f"{describe_batch_mismatch(self._example_skeleton, batch)}")
         for index, ((shape, dtype), (example_shape, example_dtype)) in enumerate(zip(leaves, example_leaves)):
             if dtype != example_dtype or len(shape) != len(example_shape):
                 raise ValueError(
@@ -486,9 +635,11 @@ def _signature(batch: Any) -> tuple:
     from torchpar.capture.export import batch_to_call_args
 
     leaves, spec = pytree.tree_flatten(batch_to_call_args(batch))
-    for leaf in leaves:
-        if not isinstance(leaf, torch.Tensor):
-            raise TypeError(f"every batch leaf must be a torch.Tensor, got {type(leaf).__name__}")
+    if not all(isinstance(leaf, torch.Tensor) for leaf in leaves):
+        paths, _ = pytree.tree_flatten_with_path(batch)
+        path, leaf = next((p, v) for p, v in paths if not isinstance(v, torch.Tensor))
+        raise TypeError(f"batch{pytree.keystr(path)} is a {type(leaf).__name__}; every batch leaf must be a "
+                        "torch.Tensor (make lists and numbers tensors with torch.tensor(...))")
     return str(spec), tuple((tuple(leaf.shape), dtype_name(leaf.dtype)) for leaf in leaves)
 
 
@@ -496,11 +647,24 @@ def _describe(signature: tuple) -> str:
     return ", ".join(f"{dtype}{list(shape)}" for shape, dtype in signature[1])
 
 
-def _host_leaves(batch: Any) -> list[np.ndarray]:
-    """The batch's leaves in flattened call order as host arrays in the dtypes JAX holds them in."""
+def _call_args(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
     from torchpar.capture.export import batch_to_call_args
 
-    return [_host(leaf) for leaf in pytree.tree_leaves(batch_to_call_args(batch))]
+    return batch_to_call_args(batch)
+
+
+def _leaf_names(batch: Any) -> list[str]:
+    """How to call each batch leaf in messages: ``batch['input_ids']``, ``batch[1]``, or ``the batch``."""
+    if isinstance(batch, torch.Tensor):
+        return ["the batch"]
+    paths, _ = pytree.tree_flatten_with_path(batch)
+    return [f"batch{pytree.keystr(path)}" for path, _ in paths]
+
+
+def _split_leaves(leaves: list[np.ndarray], parts: int) -> list[list[np.ndarray]]:
+    """Each of ``parts`` equal micro-batches of ``leaves`` (split along dim 0)."""
+    return [[leaf[m * (leaf.shape[0] // parts):(m + 1) * (leaf.shape[0] // parts)] for leaf in leaves]
+            for m in range(parts)]
 
 
 def _host(tensor: torch.Tensor) -> np.ndarray:

@@ -16,7 +16,8 @@ import contextlib
 import dataclasses
 import logging
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -25,6 +26,7 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
 from torchpar.capture.boundary import BOUNDARY_TARGET
+from torchpar.capture.errors import dynamic_shape_error, translate_export_error
 from torchpar.ir.costs import op_flops
 from torchpar.ir.graph import DType, Graph, Input, Node, Output, Ref, TensorMeta
 
@@ -148,12 +150,13 @@ def _capture(wrapper: torch.nn.Module, model: torch.nn.Module, batch: Any, *, tr
     for path, leaf in zip(_leaf_paths(args, kwargs), leaves):
         if not isinstance(leaf, torch.Tensor):
             raise TypeError(f"batch entry {path} is a {type(leaf).__name__}; every batch leaf must be a tensor")
+    args, kwargs = _unaliased(args, kwargs)
     was_training = model.training
     model.train(training)
     try:
         t0 = time.perf_counter()
         with torch.no_grad() if not training else contextlib.nullcontext():
-            exported = torch.export.export(wrapper, args, kwargs, strict=False)
+            exported = _export(wrapper, args, kwargs, model, batch)
         t1 = time.perf_counter()
         table = torch.export.default_decompositions()
         for op in list(table):
@@ -174,6 +177,44 @@ def _capture(wrapper: torch.nn.Module, model: torch.nn.Module, batch: Any, *, tr
         export_s=t1 - t0,
         decompose_s=t2 - t1,
     )
+
+
+def _unaliased(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The call arguments with every repeated tensor object (``{"input_ids": ids, "labels": ids}``) cloned:
+    torch.export would make one graph input of both, and a later batch whose two entries differ would feed
+    one of them to both uses."""
+    seen: set[int] = set()
+
+    def distinct(leaf: Any) -> Any:
+        if not isinstance(leaf, torch.Tensor):
+            return leaf
+        if id(leaf) in seen:
+            return leaf.clone()
+        seen.add(id(leaf))
+        return leaf
+
+    return pytree.tree_map(distinct, (args, kwargs))
+
+
+def _export(wrapper: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], model: torch.nn.Module,
+            batch: Any) -> ExportedProgram:
+    """``torch.export.export(wrapper, args, kwargs, strict=False)`` with static shapes.
+
+    Export failures the user can act on are raised as :class:`CaptureError` (the torch error is its
+    ``__cause__``); other errors propagate unchanged. A program that exported with a data-dependent shape
+    (torchpar compiles static shapes) raises :class:`CaptureError` too.
+    """
+    try:
+        exported = torch.export.export(wrapper, args, kwargs, strict=False)
+    except Exception as e:
+        translated = translate_export_error(e, model, batch=batch)
+        if translated is None:
+            raise
+        raise translated from e
+    dynamic = dynamic_shape_error(exported, model)
+    if dynamic is not None:
+        raise dynamic
+    return exported
 
 
 def _leaf_paths(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[str]:

@@ -12,11 +12,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torchpar.ir.layout import JsonSpec, describe
+from torchpar.planner.plan_schema import FORMER_METHOD_NAMES, PlanFormatError, validate_plan_dict
 
 Spec = JsonSpec
-
-_FORMER_NAMES = {"auto": "shard"}
-"""Method names of plans saved by earlier versions → today's (``torchpar.methods.METHOD_NAMES``)."""
 
 
 @dataclass(kw_only=True)
@@ -86,8 +84,11 @@ class Plan:
         return data
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "Plan":
-        data = {**data, "method": _FORMER_NAMES.get(data["method"], data["method"])}
+    def from_dict(cls, data: dict[str, Any]) -> Plan:
+        """The plan ``data`` (:meth:`to_dict`'s form) describes, former method names renamed. Raises
+        :class:`~torchpar.planner.plan_schema.PlanFormatError` (a ``ValueError``) naming the first bad field."""
+        validate_plan_dict(data)
+        data = {**data, "method": FORMER_METHOD_NAMES.get(data["method"], data["method"])}
         stages = [StagePlan(**{**s, "submesh_shape": tuple(s["submesh_shape"]),
                                "logical_mesh_shape": tuple(s["logical_mesh_shape"])}) for s in data["stages"]]
         return cls(**{**data, "stages": stages})
@@ -96,12 +97,22 @@ class Plan:
         return json.dumps(self.to_dict(), indent=1)
 
     @classmethod
-    def from_json(cls, text: str) -> "Plan":
-        return cls.from_dict(json.loads(text))
+    def from_json(cls, text: str) -> Plan:
+        """The plan in ``text`` (a plan file's contents), read with ``json`` only. Raises
+        :class:`~torchpar.planner.plan_schema.PlanFormatError` if it is not JSON (with the line and column) or
+        not a valid plan (naming the bad field)."""
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise PlanFormatError(f"plan is not valid JSON: {error.msg} at line {error.lineno} column "
+                                  f"{error.colno}") from error
+        except (ValueError, RecursionError) as error:  # e.g. an int of over 4300 digits; arrays nested too deeply
+            raise PlanFormatError(f"plan is not valid JSON: {error or type(error).__name__}") from error
+        return cls.from_dict(data)
 
     def summary(self) -> str:
-        lines = [f"Plan: {self.method}, {len(self.stages)} stage(s), {self.num_micro_batches} micro-batch(es), "
-                 f"schedule {self.schedule}, estimated step {self.estimated_step_s * 1e3:.2f} ms"]
+        lines = [(f"Plan: {self.method}, {len(self.stages)} stage(s), {self.num_micro_batches} micro-batch(es), "
+                  f"schedule {self.schedule}, estimated step {self.estimated_step_s * 1e3:.2f} ms")]
         for index, stage in enumerate(self.stages):
             lines.append(f"  stage {index}: layers {stage.layers}, submesh {stage.submesh_shape}, logical mesh "
                          f"{stage.logical_mesh_shape}, est. {stage.estimated_cost_s * 1e3:.2f} ms "

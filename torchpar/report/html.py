@@ -311,7 +311,7 @@ def _timeline_svg(plan: Plan, view: TimelineView) -> str:
             tip = (f"stage {stage} {op} micro-batch {micro}: {_fmt_tick(start, view.relative)} – "
                    f"{_fmt_tick(end, view.relative)}")
             parts.append(f"<rect class='blk {kind}' data-stage='{stage}' "
-                         f"data-micro-batch='{'' if micro is None else micro}' "
+                         f"data-micro-batch='{_e('' if micro is None else micro)}' "
                          f"x='{x:.2f}' y='{y + 2}' width='{w:.2f}' height='{row_h - 4}' rx='3' fill='{fill}'>"
                          f"<title>{_e(tip)}</title></rect>")
             if w >= 8 * len(label) + 4:

@@ -6,7 +6,8 @@ optimizer spec, run options) and answers
 - ``load_state(HostState)`` / ``export_state() → HostState``: the training state in and out, as host arrays;
 - ``compile_step(key, graph, trainable, leaves, scalars)``: one-stage plans compile one step per batch
   signature ``key`` (pipelines compile their stages in ``warm_up``);
-- ``step(key, leaves, scalars, key_data) → loss``: one optimizer step on a batch (host arrays);
+- ``step(key, leaves, scalars, key_data) → StepResult``: one optimizer step on a batch (host arrays): the
+  loss, and whether the step was finite (with ``RunOptions.check_finite`` a non-finite step is skipped);
 - ``forward(key, graph, leaves) → outputs``: the eval forward;
 - ``hlo_text()``, ``memory_stats()`` (per stage), ``describe_workers()``, ``spmd_mode``, ``last_timeline``;
 - ``close()``: free everything it started (also a context manager).
@@ -20,8 +21,10 @@ driver-side logic of a step — splitting micro-batches, clipping across stages,
 from __future__ import annotations
 
 import logging
+import math
 import time
 import weakref
+from dataclasses import dataclass
 from typing import Any, Hashable, Sequence
 
 import numpy as np
@@ -48,6 +51,19 @@ def close_all() -> int:
     for executor in executors:
         executor.close()
     return len(executors)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one step reports to the driver."""
+
+    loss: float
+    """The mean micro-batch loss (before the update)."""
+    finite: bool = True
+    """The loss and every gradient element were finite. With ``check_finite`` a non-finite step left the
+    parameters, optimizer state (and, one-stage plans, buffers) as they were."""
+    nonfinite_gradients: int = 0
+    """Pipelines: how many gradient elements were inf/nan (one-stage steps do not count them on the host)."""
 
 
 class ExecutorClosedError(RuntimeError):
@@ -133,8 +149,8 @@ class Executor:
 
     # --- running ----------------------------------------------------------------------------------------------
 
-    def step(self, key: Hashable, leaves: list[np.ndarray], scalars: Any, key_data: np.ndarray) -> float:
-        """One optimizer step on the batch ``leaves``; the mean micro-batch loss."""
+    def step(self, key: Hashable, leaves: list[np.ndarray], scalars: Any, key_data: np.ndarray) -> StepResult:
+        """One optimizer step on the batch ``leaves``: the mean micro-batch loss and whether it was finite."""
         self._check_open()
         start = time.time()
         payload: Any = leaves
@@ -142,17 +158,23 @@ class Executor:
             payload = split_micro_batches(leaves, self.spec.plan.num_micro_batches)
         reports: list[StepReport] = self._call("run_step", key, payload, scalars, key_data, start,
                                                what="running the step")
+        losses = [loss for r in reports for loss in r.losses]
+        if not losses:
+            raise AssertionError("no worker reported the loss")
+        loss = float(np.mean(losses))
+        nonfinite = sum(v for r in reports for v in r.nonfinite.values())
+        finite = all(r.finite for r in reports) and nonfinite == 0 and math.isfinite(loss)
         if not all(r.updated for r in reports):
-            norms = [v for r in reports for v in r.squared_norms.values()]
-            scale = gradients.clip_scale(norms, self.spec.options.grad_clip_norm)
+            scale: float | None = None
+            if finite or not self.spec.options.check_finite:
+                norms = [v for r in reports for v in r.squared_norms.values()]
+                clip = self.spec.options.grad_clip_norm
+                scale = gradients.clip_scale(norms, clip) if clip is not None else 1.0
             self._call("apply_update", scale, what="applying the optimizer update")
         blocks = {s: b for r in reports for s, b in r.blocks.items()}
         self._timeline = StepTimeline(blocks=[blocks.get(s, []) for s in range(len(self.spec.plan.stages))],
                                       makespan=time.time() - start)
-        losses = [loss for r in reports for loss in r.losses]
-        if not losses:
-            raise AssertionError("no worker reported the loss")
-        return float(np.mean(losses))
+        return StepResult(loss=loss, finite=finite, nonfinite_gradients=nonfinite)
 
     def forward(self, key: Hashable, graph: Graph, leaves: list[np.ndarray]) -> list[np.ndarray | None]:
         """Eval-mode outputs of ``graph`` (a forward capture) on ``leaves``, as host arrays."""

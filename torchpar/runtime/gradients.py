@@ -64,6 +64,13 @@ def owned_squared_norm(index: int, grads: Mapping[str, Any], shared: Mapping[str
     return local_scalar(squared_norm(owned)) if owned else 0.0
 
 
+def owned_nonfinite_count(index: int, grads: Mapping[str, Any], shared: Mapping[str, Sequence[int]],
+                          nonfinite_count: Callable[[dict], Any]) -> int:
+    """How many elements of the gradients stage ``index`` counts (as :func:`owned_squared_norm`) are inf/nan."""
+    owned = {n: g for n, g in grads.items() if n not in shared or shared[n][0] == index}
+    return int(local_scalar(nonfinite_count(owned))) if owned else 0
+
+
 def clip_scale(squared_norms: Iterable[float], max_norm: float) -> float:
     """The factor every gradient is multiplied by: ``clip_coefficient(√Σ‖g‖², max_norm)``."""
     from jaxbackend.optim import clip_coefficient

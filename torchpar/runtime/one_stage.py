@@ -51,7 +51,7 @@ class OneStageProgram:
     """Compiles steps and forwards of one stage plan on ``devices`` (see the module docstring)."""
 
     def __init__(self, stage: StagePlan, method: str, devices: list[Any], *, optimizer: OptimizerSpec,
-                 grad_clip_norm: float | None, spmd: str, library_fusions: bool):
+                 grad_clip_norm: float | None, spmd: str, library_fusions: bool, check_finite: bool = False):
         self.stage = stage
         self.method = method
         self.devices = devices
@@ -59,6 +59,7 @@ class OneStageProgram:
         self.grad_clip_norm = grad_clip_norm
         self.spmd = spmd
         self.library_fusions = library_fusions
+        self.check_finite = check_finite
         self.placement = Placement.from_stage(stage, None, devices)
         self._options = compiler_options(library_fusions, len(devices))
 
@@ -71,7 +72,7 @@ class OneStageProgram:
         placement = Placement.from_stage(self.stage, graph, self.devices)
         inputs = [jax.ShapeDtypeStruct(shape, dtype, sharding=placement.input(i))
                   for i, (shape, dtype) in enumerate(leaves)]
-        out_shardings = (placement.replicated, {n: placement.param(n) for n in params},
+        out_shardings = (placement.replicated, placement.replicated, {n: placement.param(n) for n in params},
                          {n: {k: placement.state_of(n) for k in entries} for n, entries in opt_state.items()},
                          {n: placement.replicated for n in buffers})
         key_data = np.asarray(jax.random.key_data(jax.random.key(0)))
@@ -99,7 +100,8 @@ class OneStageProgram:
             from jaxbackend.lower import lower
 
             run = lower(graph, value_shardings=placement.values, operand_shardings=placement.operands)
-            step_fn = make_fused_step(run, trainable, self.optimizer, self.grad_clip_norm, placement.grads)
+            step_fn = make_fused_step(run, trainable, self.optimizer, self.grad_clip_norm, placement.grads,
+                                      check_finite=self.check_finite)
             lowered = jit_step(step_fn).lower(*args)
         lowered_at = time.perf_counter()
         compiled = lowered.compile(compiler_options=self._options)
@@ -148,6 +150,6 @@ class OneStageProgram:
         return make_spmd_step(run, layouts, self.stage, mesh=placement.mesh, param_names=list(params),
                               buffer_names=list(buffers), state_keys={n: list(e) for n, e in opt_state.items()},
                               num_inputs=num_inputs, trainable=trainable, spec=self.optimizer,
-                              grad_clip_norm=self.grad_clip_norm,
+                              grad_clip_norm=self.grad_clip_norm, check_finite=self.check_finite,
                               per_device_gradients=self.method in SHARD_MAP_METHODS)
 

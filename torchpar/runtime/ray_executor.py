@@ -171,8 +171,11 @@ class RayExecutor(Executor):
                     self._fail(f"timed out after {timeout_s:.0f}s {what}: Ray could not place the actor(s) of "
                                + ", ".join(self._where(r, placed=False) for r in late)
                                + "; check the nodes' free CPUs/GPUs (`ray status`)")
+                silent = self._unresponsive(late)
+                hung = (f"; {', '.join(self._where(r) for r in silent)} does not answer at all (hung or stopped: "
+                        "the others wait for it)") if silent else ""
                 self._fail(f"timed out after {timeout_s:.0f}s {what}; " + ", ".join(self._where(r) for r in late)
-                           + " did not finish")
+                           + f" did not finish{hung}")
             ref = ready[0]
             rank = rank_of[ref]
             try:
@@ -198,6 +201,13 @@ class RayExecutor(Executor):
             except ray.exceptions.RayActorError as error:
                 self._fail(f"the actor of {self._where(pings[ref])} died while {what} ({type(error).__name__})"
                            + (f"; {consequence}" if consequence else ""))
+
+    def _unresponsive(self, ranks: list[int]) -> list[int]:
+        """Those of ``ranks`` whose actor does not answer a ping within ``LIVENESS_PERIOD_S`` (a busy actor answers:
+        it serves calls on several threads)."""
+        pings = {self.actors[rank].ping.remote(): rank for rank in ranks}
+        ready, _ = ray.wait(list(pings), num_returns=len(pings), timeout=LIVENESS_PERIOD_S)
+        return sorted(rank for ref, rank in pings.items() if ref not in ready)
 
     def _where(self, rank: int, placed: bool = True) -> str:
         host = self.hosts[rank]

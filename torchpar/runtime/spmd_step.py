@@ -29,25 +29,28 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 
 from jaxbackend import sharding as jsh
 from jaxbackend.spmd import LocalProgram, axis_names, require_invariant
 from torchpar.planner.plan import StagePlan
-from torchpar.runtime.train_step import optimizer_tail
+from torchpar.runtime.train_step import all_finite, keep_if, optimizer_tail
 
 
 def make_spmd_step(run: Callable, layouts: Any, stage: StagePlan, *, mesh: Any, param_names: list[str],
                    buffer_names: list[str], state_keys: dict[str, list[str]], num_inputs: int,
                    trainable: tuple[str, ...], spec: Any,
-                   grad_clip_norm: float | None, per_device_gradients: bool) -> Callable:
-    """``step(params, opt_state, buffers, inputs, scalars, key) → (loss, params, opt_state, buffers)`` as
+                   grad_clip_norm: float | None, per_device_gradients: bool, check_finite: bool = False) -> Callable:
+    """``step(params, opt_state, buffers, inputs, scalars, key) → (loss, finite, params, opt_state, buffers)`` as
     a ``shard_map`` over ``mesh``, for ``run`` lowered per device with ``layouts`` (see the module
     docstring). Arguments and results are global arrays; ``params`` come back in their ``G`` layout.
 
     ``per_device_gradients``: every device's loss contribution is distinct (data-parallel and ZeRO plans: the
     batch is split over every mesh axis), so gradients are taken per device and reduced explicitly once
     (ZeRO-2 needs this for its reduce-scatter). Otherwise (tensor-parallel plans, whose devices may compute
-    the same values) JAX's transposes of its implicit broadcasts reduce the gradients where they arise."""
+    the same values) JAX's transposes of its implicit broadcasts reduce the gradients where they arise.
+    ``check_finite`` skips the update of a step whose loss or gradients are not finite (as
+    :func:`.train_step.make_fused_step`), counting non-finite gradient elements across shards."""
     program = LocalProgram(layouts)
     stored = {n: _spec(stage.params.get(n)) for n in param_names}
     at_use = {n: _spec(stage.params_at_use.get(n)) or stored[n] for n in param_names}
@@ -75,11 +78,16 @@ def make_spmd_step(run: Callable, layouts: Any, stage: StagePlan, *, mesh: Any, 
         (loss, new_buffers), grads = jax.value_and_grad(loss_of, has_aux=True)(copies)
         grads = {n: _finish_gradient(g, stored[n], grad[n]) for n, g in grads.items()}
         pieces = {n: _relayout(program, p, stored[n], grad[n]) if n in grads else p for n, p in params.items()}
-        # a sharded gradient's sum of squares is completed across its shards for clipping
-        new_params, new_state = optimizer_tail(
-            spec, pieces, grads, opt_state, scalars, grad_clip_norm=grad_clip_norm,
-            complete_sum=lambda name, s: jax.lax.psum(s, _axes(grad[name])) if _axes(grad[name]) else s)
-        return loss, new_params, new_state, {**buffers, **new_buffers}
+        # a sharded gradient's sum of squares (and non-finite count) is completed across its shards
+        complete_sum = lambda name, s: jax.lax.psum(s, _axes(grad[name])) if _axes(grad[name]) else s  # noqa: E731
+        new_params, new_state = optimizer_tail(spec, pieces, grads, opt_state, scalars, grad_clip_norm=grad_clip_norm,
+                                               complete_sum=complete_sum)
+        new_buffers = {**buffers, **new_buffers}
+        if not check_finite:
+            return loss, jnp.bool_(True), new_params, new_state, new_buffers
+        finite = all_finite(loss, grads, complete_sum)
+        return (loss, finite, keep_if(finite, new_params, pieces), keep_if(finite, new_state, opt_state),
+                keep_if(finite, new_buffers, buffers))
 
     P = jsh.partition_spec
     param_out = {n: P(grad[n] or ()) if n in trainable else P(stored[n] or ()) for n in param_names}
@@ -88,7 +96,7 @@ def make_spmd_step(run: Callable, layouts: Any, stage: StagePlan, *, mesh: Any, 
     whole = jax.sharding.PartitionSpec()
     in_specs = ({n: P(stored[n] or ()) for n in param_names}, state_specs, {n: whole for n in buffer_names},
                 input_specs, whole, whole)
-    out_specs = (whole, param_out, state_specs, {n: whole for n in buffer_names})
+    out_specs = (whole, whole, param_out, state_specs, {n: whole for n in buffer_names})
     return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
 
 

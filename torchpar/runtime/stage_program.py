@@ -26,7 +26,7 @@ from torchpar.ir.optimizer import OptimizerSpec
 from torchpar.planner.slicing import StageGraph
 from torchpar.runtime.arrays import put
 from torchpar.runtime.placement import Placement
-from torchpar.runtime.train_step import optimizer_tail
+from torchpar.runtime.train_step import nonfinite_count, optimizer_tail
 
 LOSS = "__loss__"
 
@@ -107,6 +107,7 @@ class StageProgram:
         self._update_fn = update
         self._update: Any = None  # jitted at the first call, when the optimizer state's keys are known
         self._squared_norm = jax.jit(squared_norm, compiler_options=options)
+        self._nonfinite_count = jax.jit(nonfinite_count, compiler_options=options)
 
     # --- calls ------------------------------------------------------------------------------------
 
@@ -176,6 +177,10 @@ class StageProgram:
     def squared_norm(self, grads: dict) -> Any:
         return self._squared_norm(grads)
 
+    def nonfinite_count(self, grads: dict) -> Any:
+        """How many elements of ``grads`` are inf or nan (an int32 scalar on the stage's devices)."""
+        return self._nonfinite_count(grads)
+
     def update(self, params: dict, grads: dict, state: dict, scalars: Any, clip_scale: float = 1.0) -> tuple[dict, dict]:
         owned = {n: params[n] for n in self.trainable}
         if self._update is None:
@@ -204,6 +209,7 @@ class StageProgram:
         copy = lambda tree: jax.tree.map(jnp.copy, tree)  # noqa: E731
         self.backward_into(vjp, cotangents, copy(grads))
         self.squared_norm(grads)
+        self.nonfinite_count(grads)
         if self.trainable:
             self.update(copy(params), grads, copy(opt_state), scalars, 1.0)
         jax.block_until_ready(grads)

@@ -13,6 +13,12 @@ step is cut and who completes the collectives:
 - ``runtime.stage_program.StageProgram`` — a pipeline stage: forward and backward are separate
   executables per micro-batch, and its update is :func:`optimizer_tail` with the clipping factor the
   runtime computed from every stage's gradients.
+
+Non-finite steps (``compile(on_nonfinite=...)``): with ``check_finite`` a one-stage step also returns
+``finite`` (the loss and every gradient element are finite, :func:`all_finite`) and, when it is false,
+returns the parameters, optimizer state and buffers it was given (:func:`keep_if`): the step is skipped
+inside the executable, as ``torch.amp.GradScaler`` skips ``optimizer.step``. A pipeline's stages report
+their gradients' non-finite counts and the runtime skips the update on the host side.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping
 
 import jax
+import jax.numpy as jnp
 
 from jaxbackend import optim as jax_optim
 from torchpar.ir.optimizer import OptimizerSpec
@@ -41,11 +48,33 @@ def optimizer_tail(spec: OptimizerSpec, params: Mapping[str, Any], grads: Mappin
     return jax_optim.apply_updates(spec, params, grads, opt_state, scalars)
 
 
+def nonfinite_count(grads: Mapping[str, Any], complete_sum: Callable[[str, Any], Any] | None = None) -> jax.Array:
+    """How many gradient elements are inf or nan (int32; ``complete_sum`` completes a sharded gradient's
+    count across its shards inside ``shard_map``)."""
+    total = jnp.int32(0)
+    for name, g in grads.items():
+        count = jnp.sum(~jnp.isfinite(g), dtype=jnp.int32)
+        total = total + (complete_sum(name, count) if complete_sum is not None else count)
+    return total
+
+
+def all_finite(loss: Any, grads: Mapping[str, Any], complete_sum: Callable[[str, Any], Any] | None = None) -> jax.Array:
+    """``True`` iff the loss and every gradient element are finite (a boolean scalar)."""
+    return jnp.isfinite(loss) & (nonfinite_count(grads, complete_sum) == 0)
+
+
+def keep_if(finite: Any, new: Any, old: Any) -> Any:
+    """``new`` where ``finite`` else ``old``, leaf by leaf (same tree structure): a skipped step's state."""
+    return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+
+
 def make_fused_step(run: Callable, trainable: tuple[str, ...], spec: OptimizerSpec,
-                    grad_clip_norm: float | None, grad_shardings: Mapping[str, Any]) -> Callable:
-    """``step(params, opt_state, buffers, inputs, scalars, key) → (loss, params, opt_state, buffers)`` for
-    ``run`` (a lowered graph whose first output is the loss). ``grad_shardings`` constrains gradients
-    whose layout differs from their parameter's (ZeRO)."""
+                    grad_clip_norm: float | None, grad_shardings: Mapping[str, Any],
+                    check_finite: bool = False) -> Callable:
+    """``step(params, opt_state, buffers, inputs, scalars, key) → (loss, finite, params, opt_state, buffers)``
+    for ``run`` (a lowered graph whose first output is the loss). ``grad_shardings`` constrains gradients
+    whose layout differs from their parameter's (ZeRO). ``check_finite``: skip the update (return the
+    state given) unless the loss and gradients are finite; else ``finite`` is always true."""
 
     def step(params, opt_state, buffers, inputs, scalars, key):
         frozen = {n: v for n, v in params.items() if n not in trainable}
@@ -60,6 +89,11 @@ def make_fused_step(run: Callable, trainable: tuple[str, ...], spec: OptimizerSp
 
             grads = {n: constrain(g, grad_shardings.get(n)) for n, g in grads.items()}
         new_params, new_state = optimizer_tail(spec, params, grads, opt_state, scalars, grad_clip_norm=grad_clip_norm)
-        return loss, new_params, new_state, {**buffers, **new_buffers}
+        new_buffers = {**buffers, **new_buffers}
+        if not check_finite:
+            return loss, jnp.bool_(True), new_params, new_state, new_buffers
+        finite = all_finite(loss, grads)
+        return (loss, finite, keep_if(finite, new_params, params), keep_if(finite, new_state, opt_state),
+                keep_if(finite, new_buffers, buffers))
 
     return step

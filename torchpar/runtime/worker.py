@@ -50,6 +50,8 @@ class RunOptions:
     spmd: str = "auto"
     timeout_s: float = 60.0
     """Longest wait for a message from another stage or process."""
+    check_finite: bool = False
+    """Skip the optimizer update of a step whose loss or gradients are not finite, and report it."""
 
 
 @dataclass(kw_only=True)
@@ -81,6 +83,10 @@ class StepReport:
 
     losses: list[float] = field(default_factory=list)
     squared_norms: dict[int, float] = field(default_factory=dict)
+    nonfinite: dict[int, int] = field(default_factory=dict)
+    """Pipelines checking finiteness: each stage's count of non-finite gradient elements (its lead reports)."""
+    finite: bool = True
+    """One-stage steps: the loss and gradients were finite (the update ran); else it was skipped."""
     blocks: dict[int, list[tuple[str, int, float, float]]] = field(default_factory=dict)
     updated: bool = False
     """The optimizer update ran inside the step (no clipping across stages needed)."""
@@ -135,7 +141,8 @@ class OneStageWorker(Worker):
         options = spec.options
         self.program = OneStageProgram(stage, spec.plan.method, spec.devices.jax_devices(stage.devices()),
                                        optimizer=spec.optimizer, grad_clip_norm=options.grad_clip_norm,
-                                       spmd=options.spmd, library_fusions=options.library_fusions)
+                                       spmd=options.spmd, library_fusions=options.library_fusions,
+                                       check_finite=options.check_finite)
         self.lead = min(spec.stage_ranks()[0]) == rank
         self.params: dict[str, Any] = {}
         self.buffers: dict[str, Any] = {}
@@ -184,13 +191,14 @@ class OneStageWorker(Worker):
         placement = self.program.placement
         inputs = [put(leaf, placement.input(i)) for i, leaf in enumerate(leaves)]
         begin = time.time()
-        loss, self.params, self.opt_state, self.buffers = compiled.compiled(
+        loss, finite, self.params, self.opt_state, self.buffers = compiled.compiled(
             self.params, self.opt_state, self.buffers, inputs, scalars, key_data)
         self._last = compiled
         self.steps_run += 1
         report = StepReport(updated=True)
         if self.lead:
             report.losses = [local_scalar(loss)]
+            report.finite = bool(local_scalar(finite))
             report.blocks = {0: [("step", 0, begin - start_time, time.time() - start_time)]}
         return report
 
@@ -333,22 +341,29 @@ class PipelineWorker(Worker):
                 report.blocks[s] = result.blocks
                 if s == last:
                     report.losses = [local_scalar(loss) for loss in result.losses]
-        if self.spec.options.grad_clip_norm is None:
+        options = self.spec.options
+        if options.grad_clip_norm is None and not options.check_finite:
             self.apply_update(1.0)
             report.updated = True
-        else:
-            for s, program in self.programs.items():
-                norm = gradients.owned_squared_norm(s, self.states[s].grads or {}, self.shared, program.squared_norm)
+            return report
+        for s, program in self.programs.items():
+            grads = self.states[s].grads or {}
+            if options.grad_clip_norm is not None:
+                norm = gradients.owned_squared_norm(s, grads, self.shared, program.squared_norm)
                 if self.is_lead(s):
                     report.squared_norms[s] = norm
+            if options.check_finite:
+                count = gradients.owned_nonfinite_count(s, grads, self.shared, program.nonfinite_count)
+                if self.is_lead(s):
+                    report.nonfinite[s] = count
         return report
 
-    def apply_update(self, clip_scale: float) -> None:
+    def apply_update(self, clip_scale: float | None) -> None:
         """Apply the optimizer once on every local stage with its final gradients times ``clip_scale`` (and the
-        optimizer scalars of the step that computed them)."""
+        optimizer scalars of the step that computed them); ``None`` skips the update (a non-finite step)."""
         for s, program in self.programs.items():
             stage = self.states[s]
-            if program.trainable:
+            if program.trainable and clip_scale is not None:
                 stage.params, stage.opt_state = program.update(stage.params, stage.grads or {}, stage.opt_state,
                                                                self._scalars, clip_scale)
             stage.grads = None

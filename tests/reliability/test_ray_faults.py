@@ -1,5 +1,6 @@
-"""Engines on Ray free what they start and fail fast: close / ``with`` / ``torchpar.shutdown``, failed
-compiles, dead or killed host processes, and a cluster that cannot place or hold the actors."""
+"""The Ray part of the fault table: engines free what they start and fail fast — close / ``with`` /
+``torchpar.shutdown``, failed compiles, a killed host process, a hung one (stopped, past the timeout), too few
+CPUs for the actors, GPUs the cluster lacks. (Actors a cluster cannot place: ``tests/runtime/test_ray_cluster.py``.)"""
 
 from __future__ import annotations
 
@@ -117,6 +118,28 @@ def test_killing_one_process_of_a_spanning_mesh_raises_within_the_timeout():
             with pytest.raises(RuntimeError, match="closed"):
                 engine.step(batch[0])
         finally:
+            engine.close()
+        assert wait_until(_all_cpus_free)
+
+
+def test_a_hung_host_process_fails_the_step_past_the_timeout_naming_it():
+    with ray_cluster(num_hosts=2, devices_per_host=1, timeout_s=8):
+        model, batch = _mlp_batch()
+        engine = _compile(model, batch, method=torchpar.DataParallel())
+        stopped = None
+        try:
+            engine.step(batch[0])
+            stopped = engine.describe_workers()[1]["pid"]
+            os.kill(stopped, signal.SIGSTOP)  # alive but never answers: its peer waits in the all-reduce
+            start = time.monotonic()
+            hung = r"(?s)timed out after 8s.*did not finish; host 1 \(node [^)]*\) running stage\(s\) \[0\] does not answer"
+            with pytest.raises(RuntimeError, match=hung):
+                engine.step(batch[0])
+            assert time.monotonic() - start < 30
+            assert engine.closed
+        finally:
+            if stopped is not None and _process_alive(stopped):
+                os.kill(stopped, signal.SIGCONT)
             engine.close()
         assert wait_until(_all_cpus_free)
 
