@@ -15,7 +15,7 @@ import dataclasses
 import logging
 import time
 import weakref
-from typing import Any, Iterator, Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -25,7 +25,7 @@ from torchpar.capture.export import Capture, LossFn, capture_forward, capture_tr
 from torchpar.capture.optim import TorchOptimizerBridge
 from torchpar.cluster import current_cluster
 from torchpar.ir.graph import Graph
-from torchpar.ir.index_inputs import check_index_inputs, index_bounds
+from torchpar.guard import StepGuard, leaf_names, validate_checkpoint
 from torchpar.methods import (DataParallel, MegatronParallel, Method, PipeshardParallel, ShardParallel, Zero2Parallel,
                               Zero3Parallel)
 from torchpar.planner.for_method import plan_for_method, single_device_plan
@@ -37,8 +37,6 @@ SpmdMode = Literal["auto", "gspmd", "shard_map"]
 SPMD_MODES: tuple[str, ...] = ("auto", "gspmd", "shard_map")
 OnNonfinite = Literal["raise", "skip", "ignore"]
 ON_NONFINITE: tuple[str, ...] = ("raise", "skip", "ignore")
-DIVERGENCE_FACTOR = 1e3
-"""A loss this many times the first step's is logged as a diverging run (once per engine)."""
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
@@ -175,11 +173,8 @@ class Engine:
         self._eval: dict[tuple, Capture] = {}
         self._last_signature: tuple | None = None
         self._executor: Any = None
-        self._index_bounds: dict[Any, list[Any]] = {}  # signature → what its integer inputs index
+        self._guard = StepGuard(check_inputs=options.check_inputs, on_nonfinite=options.on_nonfinite)
         self._step_graphs: dict[tuple, Graph] = {}  # signature → the graph its step runs (diagnostic re-runs)
-        self._skipped_steps = 0
-        self._first_loss: float | None = None
-        self._warned_divergence = False
         self._pipelined = isinstance(method, PipeshardParallel) or (isinstance(method, Plan) and method.is_pipeline)
         try:
             with self._translating_failures("compiling the training step"):
@@ -227,7 +222,7 @@ class Engine:
             log.warning("torchpar: spmd=%r is ignored by pipelines (their stages run under GSPMD)", self.options.spmd)
         micro_example = _first_micro_batch(example_batch, method.num_micro_batches)
         capture = self._capture(micro_example)
-        self._index_bounds[self._example_signature] = index_bounds(capture.graph)
+        self._guard.learn(self._example_signature, capture.graph)
         self._step_graphs[self._example_signature] = capture.graph
         trainable = set(self._trainable(capture.graph))
         cluster = current_cluster()
@@ -264,7 +259,7 @@ class Engine:
         elif signature not in self._captures:
             log.info("torchpar: new batch shapes %s, recompiling the training step", _describe(signature))
             self._compile_step(signature, self._capture(batch))
-        leaves = self._checked_leaves(batch, signature)
+        leaves = self._host_leaves(signature, batch)
         scalars = self._bridge.step_scalars()
         _mark_optimizer_stepped(self.optimizer)
         key_data = self._step_key_data(self._steps_taken)
@@ -273,17 +268,14 @@ class Engine:
         step = self._steps_taken
         self._steps_taken += 1
         self._last_signature = signature
-        if not result.finite and self.options.on_nonfinite != "ignore":
-            self._nonfinite_step(step, result, batch, signature, leaves)
-        else:
-            self._watch_divergence(step, result.loss)
+        self._guard.after_step(step, result.loss, result.finite, lambda: self._culprit(batch))
         return result.loss
 
     @property
     def skipped_steps(self) -> int:
         """Steps whose loss or gradients were inf/nan and whose update was skipped (``on_nonfinite="skip"``;
         with ``"raise"`` each such step raised)."""
-        return self._skipped_steps
+        return self._guard.skipped_steps
 
     def locate_nonfinite(self, batch: Any) -> str:
         """Re-run one training step on ``batch`` on this process, eagerly and op by op, with the current state, and
@@ -296,7 +288,7 @@ class Engine:
         graph = self._graph_for_diagnosis(batch, signature)
         state = self._executor.export_state()
         leaves = [_host(leaf) for leaf in pytree.tree_leaves(_call_args(batch))]
-        names = _leaf_names(batch)
+        names = leaf_names(batch)
         key = self._jax.random.wrap_key_data(self._step_key_data(self._steps_taken))
         trainable = self._trainable(graph)
         for micro in (_split_leaves(leaves, self._plan.num_micro_batches) if self._pipelined else [leaves]):
@@ -312,9 +304,8 @@ class Engine:
         if signature not in self._eval:
             self._eval[signature] = capture_forward(self.model, batch)
         capture = self._eval[signature]
-        if ("eval", signature) not in self._index_bounds:
-            self._index_bounds[("eval", signature)] = index_bounds(capture.graph)
-        leaves = self._checked_leaves(batch, ("eval", signature))
+        self._guard.learn(("eval", signature), capture.graph)
+        leaves = self._host_leaves(("eval", signature), batch)
         with self._translating_failures("running the forward"):
             outputs = self._executor.forward(("eval", signature), capture.graph, leaves)
         tensors = [_to_torch(o) if o is not None else None for o in outputs]
@@ -333,11 +324,14 @@ class Engine:
     def state_dict(self) -> dict[str, Any]:
         """A checkpoint of parameters, buffers, optimizer state, step count and PRNG position.
 
-        Arrays are CPU torch tensors holding the exact values; ``load_state_dict`` restores them."""
+        Arrays are CPU torch tensors holding the exact values, parameters and buffers in the model's dtypes (an
+        ``int64`` buffer JAX holds as ``int32`` comes back ``int64``); ``load_state_dict`` restores them. Save it
+        with ``torch.save`` and read it back with ``torch.load(path, weights_only=True)``: tensors, numbers and
+        dicts only, so nothing is unpickled that could run code."""
         state = self._executor.export_state()
         return {
-            "params": {n: _to_torch(v) for n, v in state.params.items()},
-            "buffers": {n: _to_torch(v) for n, v in state.buffers.items()},
+            "params": {n: _to_torch(v).to(self._param_names[n].dtype) for n, v in state.params.items()},
+            "buffers": {n: _to_torch(v).to(self._buffer_names[n].dtype) for n, v in state.buffers.items()},
             "optimizer": {n: {k: _to_torch(v) for k, v in e.items()} for n, e in state.opt_state.items()},
             "optimizer_counters": self._bridge.state_dict(),
             "steps_taken": self._steps_taken,
@@ -348,10 +342,10 @@ class Engine:
         """Restore a checkpoint made by :meth:`state_dict` (same model and optimizer structure)."""
         from torchpar.runtime.state import HostState
 
-        for kind, current in (("params", self._param_names), ("buffers", self._buffer_names)):
-            missing = set(current) ^ set(state[kind])
-            if missing:
-                raise ValueError(f"checkpoint {kind} differ from the model's: {sorted(missing)[:5]}")
+        from torchpar.ir.optimizer import state_keys
+
+        keys = {n: list(state_keys(self._spec, g)) for n, g in zip(self._spec.param_names, self._spec.group_of_param)}
+        validate_checkpoint(state, self._param_names, self._buffer_names, keys)
         self._executor.load_state(HostState(
             params={n: _host(v) for n, v in state["params"].items()},
             buffers={n: _host(v) for n, v in state["buffers"].items()},
@@ -470,7 +464,7 @@ class Engine:
             self._timings.update(self._executor.compile_step(signature, capture.graph, self._trainable(capture.graph),
                                                              leaves, scalars))
         self._captures[signature] = capture
-        self._index_bounds[signature] = index_bounds(capture.graph)
+        self._guard.learn(signature, capture.graph)
         self._step_graphs[signature] = capture.graph
 
     def _trainable(self, graph: Graph) -> tuple[str, ...]:
@@ -500,66 +494,23 @@ class Engine:
     def _step_key_data(self, step: int) -> np.ndarray:
         return np.asarray(self._jax.random.key_data(self._jax.random.fold_in(self._base_key, step)))
 
-    def _checked_leaves(self, batch: Any, key: Any) -> list[np.ndarray]:
-        """The batch's leaves as host arrays in the dtypes JAX holds them in, after the index-range check of the
-        values as the user passed them (before ``int64 → int32`` could wrap a huge id into range)."""
-        raw = [leaf.detach().cpu().numpy() if leaf.dtype != torch.bfloat16 else None
-               for leaf in pytree.tree_leaves(_call_args(batch))]
-        if self.options.check_inputs and self._index_bounds.get(key):
-            check_index_inputs(self._index_bounds[key], raw, _leaf_names(batch))
-        leaves = pytree.tree_leaves(_call_args(batch))
-        return [_host_array(r) if r is not None else _host(leaf) for r, leaf in zip(raw, leaves)]
+    def _host_leaves(self, key: Any, batch: Any) -> list[np.ndarray]:
+        """The batch's leaves as host arrays in the dtypes JAX holds them in, index ranges checked."""
+        return self._guard.host_leaves(key, pytree.tree_leaves(_call_args(batch)), leaf_names(batch), _host_value)
 
-    @contextlib.contextmanager
-    def _translating_failures(self, what: str) -> Iterator[None]:
-        """Re-raise XLA's out-of-memory as a :class:`DeviceMemoryError` naming the stages and what to try."""
-        from torchpar.runtime.resources import as_device_memory_error
+    def _translating_failures(self, what: str) -> contextlib.AbstractContextManager[None]:
+        return self._guard.translating_failures(what, getattr(self, "_plan", None),
+                                                current_cluster().device_memory_bytes)
 
-        try:
-            yield
-        except Exception as error:
-            plan = getattr(self, "_plan", None)
-            translated = None if plan is None else as_device_memory_error(
-                error, plan, what=what, device_memory_bytes=current_cluster().device_memory_bytes)
-            if translated is not None:
-                raise translated from error
-            raise
+    def _culprit(self, batch: Any) -> str:
+        """The diagnostic re-run's answer, when the state is small enough to re-run on the driver."""
+        from torchpar.runtime.nonfinite import AUTO_DIAGNOSIS_BYTES
 
-    def _nonfinite_step(self, step: int, result: Any, batch: Any, signature: tuple, leaves: list[np.ndarray]) -> None:
-        """A step skipped for an inf/nan loss or gradient: count it, or raise naming the first culprit."""
-        from torchpar.runtime.nonfinite import AUTO_DIAGNOSIS_BYTES, NonFiniteError
-
-        what = "loss" if not np.isfinite(result.loss) else "gradients"
-        self._skipped_steps += 1
-        if self.options.on_nonfinite == "skip":
-            log.warning("torchpar: step %d produced a non-finite %s (loss %s); its update was skipped (%d skipped so "
-                        "far)", step, what, result.loss, self._skipped_steps)
-            return
         state_bytes = sum(p.numel() * p.element_size() for p in self._param_names.values())
-        if state_bytes <= AUTO_DIAGNOSIS_BYTES:
-            culprit = self.locate_nonfinite(batch)
-        else:
-            culprit = (f"the state ({state_bytes / 2**30:.1f} GiB) is too large for an automatic re-run on the "
-                       "driver: call engine.locate_nonfinite(batch) to find the first op")
-        history = f"; the first step's loss was {self._first_loss:.4g}" if self._first_loss is not None else ""
-        raise NonFiniteError(
-            f"step {step} produced a non-finite {what} (loss {result.loss}){history}. Its update was skipped: the "
-            f"parameters and optimizer state are those before step {step}.\n"
-            f"  first culprit: {culprit}\n"
-            "Try: a lower learning rate, gradient clipping (torchpar.compile(..., grad_clip_norm=1.0)), checking the "
-            "batch for inf/nan; on_nonfinite='skip' skips such steps and goes on (as torch.amp.GradScaler does), "
-            "'ignore' applies them as PyTorch would.", step=step, loss=result.loss, culprit=culprit)
-
-    def _watch_divergence(self, step: int, loss: float) -> None:
-        """Log once when the loss has grown ``DIVERGENCE_FACTOR``-fold over the first step's."""
-        if self._first_loss is None:
-            self._first_loss = loss
-            return
-        first = abs(self._first_loss)
-        if not self._warned_divergence and first > 0 and abs(loss) > DIVERGENCE_FACTOR * first:
-            self._warned_divergence = True
-            log.warning("torchpar: the loss grew from %.4g (first step) to %.4g at step %d: the run looks divergent "
-                        "(lower the learning rate or clip gradients with grad_clip_norm)", self._first_loss, loss, step)
+        if state_bytes > AUTO_DIAGNOSIS_BYTES:
+            return (f"the state ({state_bytes / 2**30:.1f} GiB) is too large for an automatic re-run on the driver: "
+                    "call engine.locate_nonfinite(batch) to find the first op")
+        return self.locate_nonfinite(batch)
 
     def _graph_for_diagnosis(self, batch: Any, signature: tuple) -> Graph:
         if signature not in self._step_graphs:
@@ -653,14 +604,6 @@ def _call_args(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
     return batch_to_call_args(batch)
 
 
-def _leaf_names(batch: Any) -> list[str]:
-    """How to call each batch leaf in messages: ``batch['input_ids']``, ``batch[1]``, or ``the batch``."""
-    if isinstance(batch, torch.Tensor):
-        return ["the batch"]
-    paths, _ = pytree.tree_flatten_with_path(batch)
-    return [f"batch{pytree.keystr(path)}" for path, _ in paths]
-
-
 def _split_leaves(leaves: list[np.ndarray], parts: int) -> list[list[np.ndarray]]:
     """Each of ``parts`` equal micro-batches of ``leaves`` (split along dim 0)."""
     return [[leaf[m * (leaf.shape[0] // parts):(m + 1) * (leaf.shape[0] // parts)] for leaf in leaves]
@@ -669,6 +612,11 @@ def _split_leaves(leaves: list[np.ndarray], parts: int) -> list[list[np.ndarray]
 
 def _host(tensor: torch.Tensor) -> np.ndarray:
     return _host_array(tensor.detach().cpu().numpy())
+
+
+def _host_value(value: Any) -> np.ndarray:
+    """A torch tensor or a numpy array as the host array JAX reads."""
+    return _host(value) if isinstance(value, torch.Tensor) else _host_array(value)
 
 
 def _host_array(array: Any) -> np.ndarray:

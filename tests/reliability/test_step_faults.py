@@ -295,3 +295,38 @@ def test_an_example_batch_passing_one_tensor_twice_still_reads_each_entry():
     shifted = {"input_ids": ids, "labels": torch.roll(ids, 1, dims=1)}
     expected = reference(**shifted).loss.item()
     assert engine.step(shifted) == pytest.approx(expected, rel=1e-5)
+
+
+def _checkpoint_of(engine):
+    state = engine.state_dict()
+    return {**state, "params": dict(state["params"]), "optimizer": {n: dict(e) for n, e in state["optimizer"].items()}}
+
+
+CHECKPOINT_CASES = [
+    ("not_a_dict", lambda sd: [sd], ("a checkpoint is the dict engine.state_dict() returns", "list")),
+    ("missing_section", lambda sd: {k: v for k, v in sd.items() if k != "optimizer"}, ("lacks ['optimizer']",)),
+    ("another_model", lambda sd: {**sd, "params": {"encoder.weight": torch.zeros(2)}},
+     ("parameters differ from the model's", "missing ['fc.bias'", "not in the model ['encoder.weight']")),
+    ("wrong_shape", lambda sd: {**sd, "params": {**sd["params"], "fc.weight": torch.zeros(3, 4)}},
+     ("checkpoint parameter fc.weight is torch.float32[3, 4], the model's is torch.float32[2, 4]",)),
+    ("wrong_dtype", lambda sd: {**sd, "params": {**sd["params"], "scale": sd["params"]["scale"].double()}},
+     ("checkpoint parameter scale is torch.float64[4]",)),
+    ("another_optimizer", lambda sd: {**sd, "optimizer": {n: {} for n in sd["optimizer"]}},
+     ("optimizer state of", "lacks ['exp_avg', 'exp_avg_sq']", "another optimizer")),
+]
+
+
+@pytest.mark.parametrize("case", CHECKPOINT_CASES, ids=[c[0] for c in CHECKPOINT_CASES])
+def test_wrong_checkpoints_are_refused_before_anything_changes(case):
+    _, corrupt, words = case
+    torch.manual_seed(0)
+    model = Regression()
+    engine = torchpar.compile(model, torch.optim.Adam(model.parameters(), lr=0.01), example_batch=_regression_batch())
+    engine.step(_regression_batch())
+    good = _checkpoint_of(engine)
+    with pytest.raises(ValueError) as info:
+        engine.load_state_dict(corrupt(good))
+    for word in words:
+        assert word in str(info.value), f"{word!r} not in:\n{info.value}"
+    engine.load_state_dict(good)  # the engine is intact and still loads a good one
+    assert np.isfinite(engine.step(_regression_batch()))
