@@ -23,7 +23,7 @@ demo: install
 # one XLA compilation cache; exit status 5 ("nothing collected", e.g. PYTEST_ARGS naming one file) is not a failure.
 test: install
 	@cache=$$(mktemp -d); export JAX_COMPILATION_CACHE_DIR=$$cache; \
-	$(PY) -m pytest -q -n 2 -m "not ray" $(PYTEST_ARGS); first=$$?; \
+	$(PY) -m pytest -q -n 2 --dist worksteal -m "not ray" $(PYTEST_ARGS); first=$$?; \
 	$(PY) -m pytest -q -m ray $(PYTEST_ARGS); second=$$?; \
 	rm -rf $$cache; \
 	for status in $$first $$second; do [ $$status -eq 0 ] || [ $$status -eq 5 ] || exit $$status; done

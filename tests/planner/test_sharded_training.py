@@ -58,12 +58,20 @@ def _mlp_engine(width: int, batch: int, method, **options):
 
 @pytest.mark.parametrize("spmd", ["gspmd", "shard_map"])
 def test_megatron_mlp_moves_exactly_five_all_reduces(spmd):
-    engine = _mlp_engine(256, 32, torchpar.ShardParallel(mesh_shape=(1, 4)), spmd=spmd)
+    engine = _mlp_engine(256, 32, torchpar.ShardParallel(mesh_shape=(1, 4)), spmd=spmd, on_nonfinite="ignore")
     assert engine.spmd_mode == spmd
     found = collectives(engine.hlo_text()[0])
     assert {c.kind for c in found} == {"all-reduce"}, [c.line for c in found]
     assert sum(c.elements for c in found) == 5 * 32 * 256  # three forward, two backward
     assert all(shape == (32, 256) for c in found for _, shape in c.shapes)
+
+
+@pytest.mark.parametrize("spmd", ["gspmd", "shard_map"])
+def test_the_nonfinite_guard_costs_one_scalar_all_reduce(spmd):
+    guarded = collectives(_mlp_engine(256, 32, torchpar.ShardParallel(mesh_shape=(1, 4)), spmd=spmd).hlo_text()[0])
+    tensors = sorted(shape for c in guarded for _, shape in c.shapes if shape)
+    assert tensors == [(32, 256)] * 5
+    assert [shape for c in guarded for _, shape in c.shapes if not shape] == [()]  # every device's inf/nan count
 
 
 def test_data_parallel_mlp_only_all_reduces_gradients():
@@ -96,7 +104,7 @@ def test_zero_gradients_are_reduce_scattered(method):
     scattered = sorted(shape for c in found if c.kind == "reduce-scatter" for _, shape in c.shapes)
     assert scattered == [(16, 64)] * 6  # each 64×64 weight gradient, reduced onto its quarter
     all_reduced = [shape for c in found if c.kind == "all-reduce" for _, shape in c.shapes]
-    assert all_reduced == [()]  # only the scalar loss: no gradient all-reduce
+    assert all_reduced == [(), ()]  # the scalar loss and the non-finite guard's count: no gradient all-reduce
 
 
 def test_data_parallel_all_reduces_each_gradient_once():

@@ -18,6 +18,10 @@ from tests.runtime.ray_helpers import ray_cluster, wait_until
 from torchpar.runtime.executor import open_executors
 
 
+CYCLES = 6
+"""Compile/close cycles of the leak test: three closed by ``close()``, three by ``with``."""
+
+
 def _mlp_batch(width: int = 16, rows: int = 8):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh(), torch.nn.Linear(width, 1))
@@ -53,11 +57,11 @@ def _dead(actor) -> bool:
     return False
 
 
-def test_ten_compile_close_cycles_leave_no_actor_and_no_cpu_reserved():
+def test_repeated_compile_close_cycles_leave_no_actor_and_no_cpu_reserved():
     with ray_cluster(num_hosts=1, devices_per_host=1):
         model, batch = _mlp_batch()
         actors = []
-        for cycle in range(10):
+        for cycle in range(CYCLES):
             if cycle % 2:
                 with _compile(model, batch) as engine:  # the context manager closes the engine
                     engine.step(batch[0])
@@ -69,7 +73,7 @@ def test_ten_compile_close_cycles_leave_no_actor_and_no_cpu_reserved():
                 engine.close()
             assert engine.closed
             assert _all_cpus_free(), f"cycle {cycle}: {ray.available_resources()} of {ray.cluster_resources()}"
-        assert len(actors) == 10 and all(_dead(a) for a in actors)
+        assert len(actors) == CYCLES and all(_dead(a) for a in actors)
         assert not open_executors()
 
 

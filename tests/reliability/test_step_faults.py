@@ -10,7 +10,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import re
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -173,9 +174,12 @@ def test_nonfinite_steps_raise_naming_the_culprit_and_keep_the_state(case, metho
     assert np.isfinite(engine.step(_regression_batch()))  # the run goes on from the intact state
 
 
-def test_a_diverging_run_raises_at_the_first_nonfinite_step_and_names_it():
+@pytest.mark.parametrize("method", [None, "data_parallel"])
+def test_a_diverging_run_raises_at_the_first_nonfinite_step_and_names_it(method):
     model = _gpt2()
-    engine = torchpar.compile(model, torch.optim.SGD(model.parameters(), lr=1e3), example_batch=_batch())
+    parallel = torchpar.DataParallel(mesh_shape=(1, 2)) if method else None
+    engine = torchpar.compile(model, torch.optim.SGD(model.parameters(), lr=1e3), example_batch=_batch(),
+                              method=parallel)
     losses = []
     with pytest.raises(NonFiniteError) as info:
         for _ in range(20):

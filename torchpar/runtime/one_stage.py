@@ -101,7 +101,8 @@ class OneStageProgram:
 
             run = lower(graph, value_shardings=placement.values, operand_shardings=placement.operands)
             step_fn = make_fused_step(run, trainable, self.optimizer, self.grad_clip_norm, placement.grads,
-                                      check_finite=self.check_finite)
+                                      check_finite=self.check_finite,
+                                      count_nonfinite=_one_collective_count(placement) if len(self.devices) > 1 else None)
             lowered = jit_step(step_fn).lower(*args)
         lowered_at = time.perf_counter()
         compiled = lowered.compile(compiler_options=self._options)
@@ -153,3 +154,27 @@ class OneStageProgram:
                               grad_clip_norm=self.grad_clip_norm, check_finite=self.check_finite,
                               per_device_gradients=self.method in SHARD_MAP_METHODS)
 
+
+
+def _one_collective_count(placement: Placement) -> Callable[[dict], Any]:
+    """``grads → inf/nan element count`` over a sharded GSPMD step's gradients with a single scalar all-reduce
+    (XLA's partitioner would all-reduce each gradient's partial count on its own): each device counts its
+    pieces in a ``shard_map`` over the gradients' layouts, then one ``psum``. A replicated piece is counted once
+    per device holding it; the count is only compared with zero."""
+    from jax.sharding import PartitionSpec
+
+    from torchpar.runtime.train_step import nonfinite_count
+
+    mesh = placement.mesh
+    axes = tuple(mesh.axis_names)
+
+    def count(grads: dict) -> Any:
+        specs = {n: (placement.grads.get(n) or placement.param(n)).spec for n in grads}
+
+        def local(pieces: dict) -> Any:
+            return jax.lax.psum(nonfinite_count(pieces), axes)
+
+        return jax.shard_map(local, mesh=mesh, in_specs=(specs,), out_specs=PartitionSpec(),
+                             check_vma=False)(grads)
+
+    return count

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jaxbackend import sharding as jsh
 from jaxbackend.spmd import LocalProgram, axis_names, require_invariant
 from torchpar.planner.plan import StagePlan
-from torchpar.runtime.train_step import all_finite, keep_if, optimizer_tail
+from torchpar.runtime.train_step import keep_if, optimizer_tail
 
 
 def make_spmd_step(run: Callable, layouts: Any, stage: StagePlan, *, mesh: Any, param_names: list[str],
@@ -85,7 +85,7 @@ def make_spmd_step(run: Callable, layouts: Any, stage: StagePlan, *, mesh: Any, 
         new_buffers = {**buffers, **new_buffers}
         if not check_finite:
             return loss, jnp.bool_(True), new_params, new_state, new_buffers
-        finite = all_finite(loss, grads, complete_sum)
+        finite = jnp.isfinite(loss) & (_nonfinite_total(grads, live_axes) == 0)
         return (loss, finite, keep_if(finite, new_params, pieces), keep_if(finite, new_state, opt_state),
                 keep_if(finite, new_buffers, buffers))
 
@@ -98,6 +98,25 @@ def make_spmd_step(run: Callable, layouts: Any, stage: StagePlan, *, mesh: Any, 
                 input_specs, whole, whole)
     out_specs = (whole, whole, param_out, state_specs, {n: whole for n in buffer_names})
     return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+
+
+def _nonfinite_total(grads: dict[str, jax.Array], live_axes: tuple[str, ...]) -> jax.Array:
+    """How many inf/nan elements the gradients hold, over every device, with at most one scalar all-reduce: the
+    local counts are added first (a replicated gradient is counted once per copy: the total is only compared
+    with zero), and reduced only if some gradient is split."""
+    total, varying_total = jnp.int32(0), None
+    for g in grads.values():
+        count = jnp.sum(~jnp.isfinite(g), dtype=jnp.int32)
+        varying = getattr(jax.typeof(count).manual_axis_type, "varying", frozenset())
+        if not varying:
+            total = total + count
+            continue
+        missing = tuple(a for a in live_axes if a not in varying)
+        count = jax.lax.pcast(count, missing, to="varying") if missing else count
+        varying_total = count if varying_total is None else varying_total + count
+    if varying_total is None:
+        return total
+    return total + jax.lax.psum(varying_total, live_axes)
 
 
 def _finish_gradient(g: jax.Array, stored: Any, target: Any) -> jax.Array:

@@ -15,7 +15,7 @@ step is cut and who completes the collectives:
   runtime computed from every stage's gradients.
 
 Non-finite steps (``compile(on_nonfinite=...)``): with ``check_finite`` a one-stage step also returns
-``finite`` (the loss and every gradient element are finite, :func:`all_finite`) and, when it is false,
+``finite`` (the loss and every gradient element are finite: :func:`nonfinite_count` is zero) and, when it is false,
 returns the parameters, optimizer state and buffers it was given (:func:`keep_if`): the step is skipped
 inside the executable, as ``torch.amp.GradScaler`` skips ``optimizer.step``. A pipeline's stages report
 their gradients' non-finite counts and the runtime skips the update on the host side.
@@ -58,11 +58,6 @@ def nonfinite_count(grads: Mapping[str, Any], complete_sum: Callable[[str, Any],
     return total
 
 
-def all_finite(loss: Any, grads: Mapping[str, Any], complete_sum: Callable[[str, Any], Any] | None = None) -> jax.Array:
-    """``True`` iff the loss and every gradient element are finite (a boolean scalar)."""
-    return jnp.isfinite(loss) & (nonfinite_count(grads, complete_sum) == 0)
-
-
 def keep_if(finite: Any, new: Any, old: Any) -> Any:
     """``new`` where ``finite`` else ``old``, leaf by leaf (same tree structure): a skipped step's state."""
     return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
@@ -70,11 +65,13 @@ def keep_if(finite: Any, new: Any, old: Any) -> Any:
 
 def make_fused_step(run: Callable, trainable: tuple[str, ...], spec: OptimizerSpec,
                     grad_clip_norm: float | None, grad_shardings: Mapping[str, Any],
-                    check_finite: bool = False) -> Callable:
+                    check_finite: bool = False, count_nonfinite: Callable[[dict], Any] | None = None) -> Callable:
     """``step(params, opt_state, buffers, inputs, scalars, key) → (loss, finite, params, opt_state, buffers)``
     for ``run`` (a lowered graph whose first output is the loss). ``grad_shardings`` constrains gradients
     whose layout differs from their parameter's (ZeRO). ``check_finite``: skip the update (return the
-    state given) unless the loss and gradients are finite; else ``finite`` is always true."""
+    state given) unless the loss and gradients are finite; else ``finite`` is always true.
+    ``count_nonfinite(grads)`` counts the gradients' inf/nan elements (default :func:`nonfinite_count`; a sharded
+    step passes one that reduces every device's count with one collective)."""
 
     def step(params, opt_state, buffers, inputs, scalars, key):
         frozen = {n: v for n, v in params.items() if n not in trainable}
@@ -92,7 +89,8 @@ def make_fused_step(run: Callable, trainable: tuple[str, ...], spec: OptimizerSp
         new_buffers = {**buffers, **new_buffers}
         if not check_finite:
             return loss, jnp.bool_(True), new_params, new_state, new_buffers
-        finite = all_finite(loss, grads)
+        count = (count_nonfinite or nonfinite_count)(grads)
+        finite = jnp.isfinite(loss) & (count == 0)
         return (loss, finite, keep_if(finite, new_params, params), keep_if(finite, new_state, opt_state),
                 keep_if(finite, new_buffers, buffers))
 
