@@ -48,13 +48,11 @@ def optimizer_tail(spec: OptimizerSpec, params: Mapping[str, Any], grads: Mappin
     return jax_optim.apply_updates(spec, params, grads, opt_state, scalars)
 
 
-def nonfinite_count(grads: Mapping[str, Any], complete_sum: Callable[[str, Any], Any] | None = None) -> jax.Array:
-    """How many gradient elements are inf or nan (int32; ``complete_sum`` completes a sharded gradient's
-    count across its shards inside ``shard_map``)."""
+def nonfinite_count(grads: Mapping[str, Any]) -> jax.Array:
+    """How many gradient elements are inf or nan (int32), over the arrays as this program sees them."""
     total = jnp.int32(0)
-    for name, g in grads.items():
-        count = jnp.sum(~jnp.isfinite(g), dtype=jnp.int32)
-        total = total + (complete_sum(name, count) if complete_sum is not None else count)
+    for g in grads.values():
+        total = total + jnp.sum(~jnp.isfinite(g), dtype=jnp.int32)
     return total
 
 
