@@ -6,7 +6,7 @@ still set the number of (fake CPU) devices before JAX starts, and Ray host actor
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable, Literal
 
 from torchpar.cluster import ClusterSpec, init, shutdown
 from torchpar.methods import (
@@ -21,7 +21,10 @@ from torchpar.methods import (
 )
 
 if TYPE_CHECKING:
+    import torch
+
     from torchpar.api import Engine
+    from torchpar.methods import Method
     from torchpar.planner.plan import Plan
 
 
@@ -50,18 +53,72 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'torchpar' has no attribute {name!r}")
 
 
-def compile(model: Any, optimizer: Any, **kwargs: Any) -> "Engine":
-    """Compile a training step; see :func:`torchpar.api.compile` for the arguments."""
+def compile(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    example_batch: Any,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    method: Method | Plan | None = None,
+    grad_clip_norm: float | None = None,
+    seed: int = 0,
+    xla_library_fusions: bool = True,
+    spmd: Literal["auto", "gspmd", "shard_map"] = "auto",
+    check_inputs: bool = True,
+    on_nonfinite: Literal["raise", "skip", "ignore"] = "raise",
+) -> Engine:
+    """Capture ``model``'s training step on ``example_batch`` and compile it with ``method``; returns the
+    :class:`~torchpar.api.Engine` (``engine.step(batch)``; ``engine.close()``, or use it in a ``with`` block).
+
+    - ``model``: a ``torch.nn.Module`` (HF models included).
+    - ``optimizer``: ``torch.optim.SGD``, ``Adam`` or ``AdamW`` over the model's parameters.
+    - ``example_batch``: a batch as the training loop passes it: a dict → ``model(**batch)``, a tuple/list →
+      ``model(*batch)``, a tensor → ``model(batch)``. Other batch sizes compile again when first stepped.
+    - ``loss_fn``: ``(outputs, batch) -> scalar tensor``; default: a scalar output, else ``outputs.loss`` /
+      ``outputs["loss"]``.
+    - ``method``: ``None`` (one device), ``DataParallel``, ``Zero2Parallel``, ``Zero3Parallel``,
+      ``MegatronParallel``, ``ShardParallel``, ``PipeshardParallel``, or a saved ``Plan`` to run as given.
+    - ``grad_clip_norm``: clip gradients to this global L2 norm before the update (``clip_grad_norm_``);
+      ``None``: off.
+    - ``seed``: seed of the PRNG stream that dropout and other random ops draw from.
+    - ``xla_library_fusions``: on CPU, compile with XLA's YNNPACK/oneDNN library fusions; ``False`` keeps XLA's
+      defaults.
+    - ``spmd``: how a sharded one-stage plan becomes a program: ``"auto"`` (a per-device ``shard_map`` step for
+      DataParallel/Zero2/Zero3 when it can run them, else GSPMD), ``"gspmd"`` (XLA's partitioner inserts the
+      collectives) or ``"shard_map"`` (per-device step for any one-stage plan; an error if it cannot run it).
+    - ``check_inputs``: check before each step and forward that integer batch values used as indices are in
+      the range PyTorch accepts (XLA would clamp them silently).
+    - ``on_nonfinite``: a step with an inf/nan loss or gradient never updates the state; ``"raise"``: then
+      raise ``NonFiniteError`` naming the first culprit, ``"skip"``: log and count it in
+      ``engine.skipped_steps``, ``"ignore"``: apply the update as PyTorch does.
+
+    Bad values raise ``ValueError``/``TypeError`` (each option: :class:`torchpar.api.CompileOptions`).
+    """
     from torchpar import api
 
-    return api.compile(model, optimizer, **kwargs)
+    return api.compile(model, optimizer, example_batch=example_batch, loss_fn=loss_fn, method=method,
+                       grad_clip_norm=grad_clip_norm, seed=seed, xla_library_fusions=xla_library_fusions, spmd=spmd,
+                       check_inputs=check_inputs, on_nonfinite=on_nonfinite)
 
 
-def plan(model: Any, optimizer: Any, **kwargs: Any) -> "Plan":
-    """Capture and plan without compiling or running a step; see :func:`torchpar.api.plan`."""
+def plan(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    example_batch: Any,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    method: Method | None = None,
+    explain: bool = True,
+) -> Plan:
+    """Capture and plan without compiling or running a step (for inspecting and comparing plans).
+
+    ``example_batch``, ``loss_fn`` and ``method`` are :func:`compile`'s. ``explain`` (default): also count each
+    stage's collective bytes by kind and, for one-stage methods, price ShardParallel, DataParallel, Zero2Parallel
+    and MegatronParallel on the same cost model (``plan.solver["method_comparison"]``); a few more solves.
+    """
     from torchpar import api
 
-    return api.plan(model, optimizer, **kwargs)
+    return api.plan(model, optimizer, example_batch=example_batch, loss_fn=loss_fn, method=method, explain=explain)
 
 
 def mark_pipeline_boundary(x: Any) -> Any:
@@ -71,12 +128,6 @@ def mark_pipeline_boundary(x: Any) -> Any:
 
     return mark(x)
 
-
-compile.__doc__ = (
-    "Capture ``model``'s training step on ``example_batch`` and compile it with ``method``.\n\n"
-    "torchpar.compile(model, optimizer, *, example_batch, loss_fn=None, method=None, grad_clip_norm=None, "
-    "seed=0) -> Engine"
-)
 
 __all__ = [
     "AutoLayerOption",

@@ -73,6 +73,8 @@ def _common_arguments(parser: argparse.ArgumentParser, *, method: str, batch_siz
     parser.add_argument("--config", default="{}", help='JSON config overrides of a zoo model, e.g. \'{"n_layer": 12}\'')
     parser.add_argument("--devices", type=int, default=8, help="number of (fake CPU) devices")
     parser.add_argument("--hosts", type=int, default=1, help="simulated hosts; --devices must be a multiple")
+    parser.add_argument("--preset", default=None, help="price the plan with the constants of real hardware: "
+                        "h100-sxm, a100-sxm, v100-p3 (torchpar.hardware; default: the simulated CPU cluster's)")
     parser.add_argument("--method", choices=METHOD_NAMES, default=method, help=f"parallel method (default {method})")
     parser.add_argument("--mesh", default=None, help="logical mesh 'd0xd1' for dp/zero2/zero3/megatron/shard "
                         "(default: all devices; shard tries every factorization)")
@@ -104,9 +106,10 @@ def _init_cluster(args: argparse.Namespace) -> None:
     if args.devices < 1 or args.hosts < 1 or args.devices % args.hosts:
         raise ValueError(f"--devices {args.devices} must be a positive multiple of --hosts {args.hosts}")
     if args.hosts > 1:
-        torchpar.init(cluster="local", num_hosts=args.hosts, devices_per_host=args.devices // args.hosts)
+        torchpar.init(cluster="local", num_hosts=args.hosts, devices_per_host=args.devices // args.hosts,
+                      preset=args.preset)
     else:
-        torchpar.init(cluster="local", num_devices=args.devices)
+        torchpar.init(cluster="local", num_devices=args.devices, preset=args.preset)
     try:
         import transformers
 
@@ -149,6 +152,8 @@ def _build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
         path = Path(args.model)
         if not path.is_file():
             raise FileNotFoundError(f"--model {args.model}: no such file")
+        if _config(args):
+            raise ValueError(f"--config overrides the config of a zoo model; {path}'s build() makes its own model")
         spec = importlib.util.spec_from_file_location(f"_torchpar_model_{path.stem}", path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
@@ -173,6 +178,10 @@ def _config(args: argparse.Namespace) -> dict:
         raise ValueError(f"--config is not valid JSON: {error}") from error
     if not isinstance(config, dict):
         raise ValueError(f"--config must be a JSON object, got {args.config!r}")
+    from torchpar.harness import zoo
+
+    if args.model in zoo.FAMILIES:
+        zoo.check_overrides(args.model, config)  # a misspelled key is an error, not an ignored attribute
     return config
 
 

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 import torch.utils._pytree as pytree
 
+from torchpar.capture.checkpointing import warn_if_gradient_checkpointing
 from torchpar.capture.export import Capture, LossFn, capture_forward, capture_train_step, dtype_name
 from torchpar.capture.optim import TorchOptimizerBridge
 from torchpar.cluster import current_cluster
@@ -110,13 +111,19 @@ def compile(
         raise TypeError(f"method must be None, a torchpar parallel method or a Plan, got {type(method).__name__}")
     options = CompileOptions(grad_clip_norm=grad_clip_norm, seed=seed, xla_library_fusions=xla_library_fusions,
                              spmd=spmd, check_inputs=check_inputs, on_nonfinite=on_nonfinite)
+    warn_if_gradient_checkpointing(model, stacklevel=3)  # the caller of torchpar.compile
     return Engine(model, optimizer, example_batch, loss_fn, options, method)
 
 
 def plan(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, example_batch: Any,
-         loss_fn: LossFn | None = None, method: Method | None = None) -> Plan:
+         loss_fn: LossFn | None = None, method: Method | None = None, explain: bool = True) -> Plan:
     """The plan ``method`` gives the model's training step, without XLA compilation or a step (for inspecting
-    and comparing plans). Capture and planning phases are timed in ``plan.timings``."""
+    and comparing plans). Capture and planning phases are timed in ``plan.timings``.
+
+    ``explain`` (default): also count each stage's collective bytes by kind and, for one-stage methods, price
+    ShardParallel, DataParallel, Zero2Parallel and MegatronParallel on the same cost model
+    (``plan.solver["method_comparison"]``), for the summary and the report; a few more solves."""
+    warn_if_gradient_checkpointing(model, stacklevel=3)  # the caller of torchpar.plan
     start = time.perf_counter()
     pipeshard = isinstance(method, PipeshardParallel)
     batch = _first_micro_batch(example_batch, method.num_micro_batches) if pipeshard else example_batch
@@ -130,11 +137,14 @@ def plan(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, example_ba
     elif pipeshard:
         from torchpar.planner.pipeline_plan import plan_pipeline
 
-        result = plan_pipeline(capture.graph, method, current_cluster(), trainable=trainable,
-                               optimizer_state_copies=_state_copies(spec)).plan
+        planned = plan_pipeline(capture.graph, method, current_cluster(), trainable=trainable,
+                                optimizer_state_copies=_state_copies(spec))
+        if explain:
+            planned.explain()
+        result = planned.plan
     else:
         result = plan_for_method(capture.graph, method, current_cluster(), trainable=trainable,
-                                 optimizer_state_copies=_state_copies(spec))
+                                 optimizer_state_copies=_state_copies(spec), explain=explain)
     result.timings = {"capture": capture_s, **result.timings}
     return result
 
@@ -165,6 +175,7 @@ class Engine:
         self._bridge = TorchOptimizerBridge(optimizer, {id(p): n for n, p in self._param_names.items()})
         self._spec = self._bridge.spec
         self._steps_taken = 0
+        self._last_step_s: float | None = None
         self._base_key = jax.random.key(options.seed)
         self._example_signature = _signature(example_batch)
         self._example_skeleton = pytree.tree_map(  # the example's structure, shapes and dtypes, without its data
@@ -253,9 +264,8 @@ class Engine:
         signature = _signature(batch)
         self._check_compatible(signature, batch)
         if self._pipelined:
-            if signature != self._example_signature:
-                raise ValueError(f"PipeshardParallel runs the batch shapes it was compiled for "
-                                 f"({_describe(self._example_signature)}); got {_describe(signature)}")
+            if signature not in self._step_graphs:
+                self._compile_pipeline_shapes(signature, batch)
         elif signature not in self._captures:
             log.info("torchpar: new batch shapes %s, recompiling the training step", _describe(signature))
             self._compile_step(signature, self._capture(batch))
@@ -264,7 +274,9 @@ class Engine:
         _mark_optimizer_stepped(self.optimizer)
         key_data = self._step_key_data(self._steps_taken)
         with self._translating_failures(f"running step {self._steps_taken}"):
+            start = time.perf_counter()
             result = self._executor.step(signature, leaves, scalars, key_data)
+            self._last_step_s = time.perf_counter() - start
         step = self._steps_taken
         self._steps_taken += 1
         self._last_signature = signature
@@ -388,12 +400,35 @@ class Engine:
         ``plan.save_html(path, timeline=engine.last_timeline)``; ``None`` before the first step."""
         return self._executor.last_timeline
 
-    def memory_stats(self) -> list[dict[str, int]]:
-        """XLA's per-device memory analysis of each compiled stage (bytes of arguments, outputs, temporaries,
-        generated code) for the most recently used step. A pipeline stage has two executables: its fields
-        are prefixed ``forward_`` (parameters and a micro-batch in, activations and residuals out) and
-        ``backward_`` (residuals and cotangents in, gradients out); available after the first step."""
+    def memory_stats(self) -> dict[int, dict[str, int]]:
+        """XLA's per-device memory analysis of each compiled stage, keyed by stage index: ``{stage: {field:
+        bytes}}`` with fields ``argument/output/alias/temp/generated_code_bytes``. A one-stage plan (one device,
+        DataParallel, ZeRO, Megatron, ShardParallel) is stage ``0``: its step executable, for the most recently
+        used batch signature. A pipeline has one entry per stage and two executables per stage: the fields are
+        prefixed ``forward_`` (parameters and a micro-batch in, activations and residuals out) and ``backward_``
+        (residuals and cotangents in, gradients out). Available once the engine is compiled; the same on the
+        local and the Ray runtime (read by each stage's lead process)."""
         return self._executor.memory_stats()
+
+    def measured(self) -> dict[str, Any]:
+        """What this engine measured, in the form the plan report shows beside its estimates:
+        ``{"step_s": wall seconds of the last step (None before one), "memory_bytes": {stage: per-device bytes of
+        the stage's executables by XLA's memory analysis (runtime.resources.executable_peak_bytes)}}``."""
+        from torchpar.runtime.resources import executable_peak_bytes
+
+        memory = {stage: executable_peak_bytes(stats) for stage, stats in self.memory_stats().items()}
+        return {"step_s": self._last_step_s, "memory_bytes": memory}
+
+    def save_report(self, path: str, **options: Any) -> Any:
+        """The plan's HTML report (:meth:`Plan.save_html`) with what the engine measured beside the estimates: the
+        last step's wall time, each stage's memory (:meth:`measured`) and, for pipelines, the last step's
+        timeline. ``options`` go to ``save_html`` (``param_shapes``, ``title``, ...)."""
+        measured = self.measured()
+        if measured["step_s"] is None:
+            del measured["step_s"]
+        shapes = {name: list(p.shape) for name, p in self.model.named_parameters()}
+        return self._plan.save_html(path, timeline=self.last_timeline, measured=measured,
+                                    **{"param_shapes": shapes, **options})
 
     def describe_workers(self, programs: bool = False) -> list[dict[str, Any]]:
         """Each worker process's own account: rank, pid, JAX process index and devices, stages, steps run, the
@@ -415,7 +450,7 @@ class Engine:
     @property
     def compiled_signatures(self) -> int:
         """How many batch signatures have a compiled training step (a new batch shape compiles once)."""
-        return 1 if self._pipelined else len(self._captures)
+        return len(self._step_graphs) if self._pipelined else len(self._captures)
 
     @property
     def plan(self) -> Plan:
@@ -464,6 +499,28 @@ class Engine:
             self._timings.update(self._executor.compile_step(signature, capture.graph, self._trainable(capture.graph),
                                                              leaves, scalars))
         self._captures[signature] = capture
+        self._guard.learn(signature, capture.graph)
+        self._step_graphs[signature] = capture.graph
+
+    def _compile_pipeline_shapes(self, signature: tuple, batch: Any) -> None:
+        """A pipeline on new batch shapes (e.g. an epoch's smaller last batch): capture one micro-batch of them,
+        cut it into the plan's stages (the plan stays as it is) and compile those on the stages' devices."""
+        from torchpar.ir.optimizer import step_scalars
+        from torchpar.planner.pipeline_plan import stage_graphs_on_new_shapes
+
+        micro_batch = _first_micro_batch(batch, self._plan.num_micro_batches)  # a ValueError if it does not split
+        log.info("torchpar: new batch shapes %s, recompiling the pipeline stages", _describe(signature))
+        capture = self._capture(micro_batch)
+        try:
+            stage_graphs = stage_graphs_on_new_shapes(capture.graph, self._step_graphs[self._example_signature],
+                                                      self._plan)
+        except ValueError as error:
+            raise ValueError(f"the pipeline plan cannot cut the model captured on batch shapes {_describe(signature)} "
+                             f"into its stages ({error}); keep the example batch's shapes "
+                             f"{_describe(self._example_signature)}") from None
+        scalars = step_scalars(self._spec, self._bridge.hparams(), [1] * self._spec.num_groups)
+        with self._translating_failures("compiling the pipeline stages for new batch shapes"):
+            self._executor.compile_shapes(signature, stage_graphs, scalars)
         self._guard.learn(signature, capture.graph)
         self._step_graphs[signature] = capture.graph
 
@@ -574,9 +631,16 @@ def _first_micro_batch(batch: Any, num_micro_batches: int) -> Any:
     args, kwargs = batch_to_call_args(batch)
     leaves, spec = pytree.tree_flatten((args, kwargs))
     for index, leaf in enumerate(leaves):
-        if leaf.dim() == 0 or leaf.shape[0] % num_micro_batches:
-            raise ValueError(f"batch leaf {index} of shape {list(leaf.shape)} cannot be split into {num_micro_batches} "
-                             "equal micro-batches along dim 0")
+        if leaf.dim() == 0:
+            raise ValueError(f"batch leaf {index} is a scalar: it cannot be split into {num_micro_batches} equal "
+                             "micro-batches along dim 0 (PipeshardParallel needs a batch dim on every leaf)")
+        if leaf.shape[0] % num_micro_batches:
+            raise ValueError(
+                f"batch leaf {index} of shape {list(leaf.shape)} cannot be split into {num_micro_batches} equal "
+                f"micro-batches along dim 0: its batch size {leaf.shape[0]} is not a multiple of "
+                f"num_micro_batches={num_micro_batches}. Pass batches whose size divides by {num_micro_batches} "
+                "(drop an epoch's smaller last batch with DataLoader(..., drop_last=True)), or compile with a "
+                "num_micro_batches that divides every batch size")
     sliced = [leaf[: leaf.shape[0] // num_micro_batches] for leaf in leaves]
     args, kwargs = pytree.tree_unflatten(sliced, spec)
     return call_args_to_batch(type(batch), args, kwargs)

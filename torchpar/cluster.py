@@ -10,7 +10,8 @@ import logging
 import os
 import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -30,9 +31,16 @@ class ClusterSpec:
     device_memory_bytes: int = 8 << 30
     """Memory budget of one device."""
     alpha: tuple[float, float] = (1e-4, 1e-5)
-    """Collective latency (s) on logical mesh axis 0 and axis 1; axis 1 is the inner, faster one."""
+    """Collective latency (s) inside a host, on logical mesh axis 0 and axis 1; axis 1 is the inner, faster one."""
     beta: tuple[float, float] = (1e-9, 1e-10)
-    """Inverse bandwidth (s/byte) on logical mesh axis 0 and axis 1."""
+    """Inverse bandwidth (s/byte) inside a host, on logical mesh axis 0 and axis 1."""
+    inter_host_alpha: float = 1e-4
+    """Collective latency (s) of a mesh axis whose devices sit on different hosts (priced with the slower of this
+    and the axis's in-host constants: :mod:`torchpar.planner.mesh_links`)."""
+    inter_host_beta: float = 1e-9
+    """Inverse bandwidth (s/byte) of the link between hosts, per device."""
+    preset: str | None = None
+    """The hardware preset the constants came from (:mod:`torchpar.hardware`), or ``None`` if set by hand."""
     runtime: str = "local"
     """Where plans run: ``"local"`` (this process's devices) or ``"ray"`` (one actor per host)."""
     cores_per_host: int | None = None
@@ -53,6 +61,27 @@ class ClusterSpec:
             raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
         if len(self.alpha) != 2 or len(self.beta) != 2 or min(*self.alpha, *self.beta) < 0:
             raise ValueError(f"alpha and beta are two non-negative numbers (axis 0, axis 1), got {self.alpha}, {self.beta}")
+        if min(self.inter_host_alpha, self.inter_host_beta) < 0:
+            raise ValueError(f"inter_host_alpha and inter_host_beta must be ≥ 0, got {self.inter_host_alpha}, "
+                             f"{self.inter_host_beta}")
+        object.__setattr__(self, "alpha", tuple(float(a) for a in self.alpha))  # a plan's JSON gives lists
+        object.__setattr__(self, "beta", tuple(float(b) for b in self.beta))
+
+    @classmethod
+    def from_preset(cls, name: str, **fields: Any) -> ClusterSpec:
+        """A cluster with the cost constants of the hardware preset ``name`` (:data:`torchpar.hardware.PRESETS`:
+        ``"h100-sxm"``, ``"a100-sxm"``, ``"v100-p3"``, ``"cpu-sim"``); ``fields`` set the rest (``num_hosts``,
+        ``devices_per_host``, …) and may override a constant."""
+        from torchpar.hardware import preset
+
+        return cls(**{**preset(name).cluster_constants(), **fields})
+
+    def cost_constants(self) -> dict[str, Any]:
+        """The fields the planner prices with (a plan stores them: ``Plan.cluster``), as JSON values."""
+        return {"num_hosts": self.num_hosts, "devices_per_host": self.devices_per_host,
+                "device_flops": self.device_flops, "device_memory_bytes": self.device_memory_bytes,
+                "alpha": list(self.alpha), "beta": list(self.beta), "inter_host_alpha": self.inter_host_alpha,
+                "inter_host_beta": self.inter_host_beta, "preset": self.preset}
 
     @property
     def num_devices(self) -> int:
@@ -64,7 +93,8 @@ _cluster: ClusterSpec | None = None
 
 def init(cluster: str = "local", num_devices: int | None = None, *, num_hosts: int | None = None,
          devices_per_host: int | None = None, address: str | None = None, accelerator: str = "auto",
-         cores_per_host: int | None = None, timeout_s: float = 60.0) -> ClusterSpec:
+         cores_per_host: int | None = None, timeout_s: float = 60.0, preset: str | None = None,
+         **constants: Any) -> ClusterSpec:
     """Declare the cluster torchpar plans for and runs on; call it before anything imports JAX.
 
     - ``cluster="local", num_devices=N``: one process with N (fake CPU) devices, seen as one host; or
@@ -77,10 +107,39 @@ def init(cluster: str = "local", num_devices: int | None = None, *, num_hosts: i
     - ``accelerator``: ``"auto"``, or force ``"cpu"`` / ``"gpu"`` host devices (Ray runtime).
     - ``cores_per_host``: simulated hosts are pinned to this many cores each (default: an even share).
     - ``timeout_s``: Ray runtime, the longest a step or placing the actors may take before it raises.
+    - ``preset``: price plans with the constants of real hardware (:mod:`torchpar.hardware`: ``"h100-sxm"``,
+      ``"a100-sxm"``, ``"v100-p3"``); ``constants`` set any cost field of :class:`ClusterSpec` by hand
+      (``inter_host_beta=1 / 25e9``, ``device_memory_bytes=...``), over the preset's.
 
     The driver process holds no device of a Ray plan. Returns the :class:`ClusterSpec` in force.
     """
+    _check_constants(preset, constants)
+    spec = _init_devices(cluster, num_devices, num_hosts, devices_per_host, address, accelerator, cores_per_host,
+                         timeout_s)
+    if preset is not None:
+        spec = replace(spec, **ClusterSpec.from_preset(preset).cost_constants() | {
+            "num_hosts": spec.num_hosts, "devices_per_host": spec.devices_per_host})
     global _cluster
+    _cluster = replace(spec, **constants) if constants else spec
+    return _cluster
+
+
+_COST_FIELDS = ("device_flops", "device_memory_bytes", "alpha", "beta", "inter_host_alpha", "inter_host_beta")
+
+
+def _check_constants(preset_name: str | None, constants: dict[str, Any]) -> None:
+    unknown = sorted(set(constants) - set(_COST_FIELDS))
+    if unknown:
+        raise TypeError(f"torchpar.init got unknown option(s) {unknown}; the cost constants it takes are "
+                        f"{', '.join(_COST_FIELDS)}")
+    if preset_name is not None:
+        from torchpar.hardware import preset
+
+        preset(preset_name)  # unknown names fail before any device is set up
+
+
+def _init_devices(cluster: str, num_devices: int | None, num_hosts: int | None, devices_per_host: int | None,
+                  address: str | None, accelerator: str, cores_per_host: int | None, timeout_s: float) -> ClusterSpec:
     if cluster not in ("local", "ray"):
         raise ValueError(f"cluster must be 'local' or 'ray', got {cluster!r}")
     if cores_per_host is not None and cores_per_host < 1:
@@ -112,15 +171,13 @@ def init(cluster: str = "local", num_devices: int | None = None, *, num_hosts: i
     hosts = num_hosts or 1
     per_host = devices_per_host or (num_devices or available)
     accelerator_found = "gpu" if jax.devices()[0].platform == "gpu" else "cpu"
-    _cluster = ClusterSpec(num_hosts=hosts, devices_per_host=per_host, runtime="local", cores_per_host=cores_per_host,
-                           accelerator=accelerator_found, timeout_s=timeout_s)
     log.info("torchpar cluster: local, %d host(s) × %d device(s) of %s", hosts, per_host, jax.devices()[0].platform)
-    return _cluster
+    return ClusterSpec(num_hosts=hosts, devices_per_host=per_host, runtime="local", cores_per_host=cores_per_host,
+                       accelerator=accelerator_found, timeout_s=timeout_s)
 
 
 def _init_ray(address: str | None, num_hosts: int | None, devices_per_host: int | None, accelerator: str,
               cores_per_host: int | None, timeout_s: float) -> ClusterSpec:
-    global _cluster
     from torchpar.runtime import ray_cluster
 
     if address is None and (num_hosts is None or devices_per_host is None):
@@ -129,9 +186,8 @@ def _init_ray(address: str | None, num_hosts: int | None, devices_per_host: int 
     _keep_driver_off_accelerators()
     connected = ray_cluster.connect(address=address, num_hosts=num_hosts, devices_per_host=devices_per_host,
                                     accelerator=accelerator)
-    _cluster = ClusterSpec(num_hosts=len(connected.hosts), devices_per_host=connected.devices_per_host, runtime="ray",
-                           cores_per_host=cores_per_host, accelerator=connected.accelerator, timeout_s=timeout_s)
-    return _cluster
+    return ClusterSpec(num_hosts=len(connected.hosts), devices_per_host=connected.devices_per_host, runtime="ray",
+                       cores_per_host=cores_per_host, accelerator=connected.accelerator, timeout_s=timeout_s)
 
 
 def _keep_driver_off_accelerators() -> None:

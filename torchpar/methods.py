@@ -170,3 +170,10 @@ def method_name(method: Method | None) -> str:
 def _check_mesh_shape(mesh_shape: tuple[int, int] | None) -> None:
     if mesh_shape is not None and (len(mesh_shape) != 2 or any(int(d) < 1 for d in mesh_shape)):
         raise ValueError(f"mesh_shape must be two positive ints, got {mesh_shape}")
+
+
+def method_title(name: str) -> str:
+    """``"shard"`` → ``"ShardParallel (shard)"``: the class a user writes, then the plan's method name;
+    ``"single_device"`` → ``"single device"``."""
+    cls = METHODS.get(name)
+    return f"{cls.__name__} ({name})" if cls is not None else name.replace("_", " ")

@@ -115,6 +115,49 @@ def test_plan_and_hlo_for_one_device():
     assert hlo.startswith("HloModule") and "dot(" in hlo
 
 
+@pytest.mark.parametrize("method", [None, torchpar.Zero3Parallel(), torchpar.MegatronParallel()],
+                         ids=["single_device", "zero3", "megatron"])
+def test_memory_stats_of_a_one_stage_plan_are_stage_0(method):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16))
+    batch = torch.randn(16, 16)
+    with torchpar.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), example_batch=batch,
+                          loss_fn=lambda out, _: out.square().mean(), method=method) as engine:
+        engine.step(batch)
+        stats = engine.memory_stats()
+        assert isinstance(stats, dict) and list(stats) == [0]
+        assert set(stats[0]) == {f"{f}_bytes" for f in ("argument", "output", "alias", "temp", "generated_code")}
+        param_bytes = sum(p.numel() * 4 for p in model.parameters())
+        assert stats[0]["argument_bytes"] >= param_bytes // 8  # the state enters the step (sharded at most 8 ways)
+
+
+def test_the_report_shows_what_the_engine_measured_beside_the_estimates(tmp_path):
+    """``engine.save_report`` puts the last step's wall time and each stage's XLA memory next to the plan's
+    estimates (pipelines: the last step's timeline too)."""
+    import re
+
+    from torchpar.runtime.resources import executable_peak_bytes
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16))
+    batch = torch.randn(16, 16)
+    with torchpar.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), example_batch=batch,
+                          loss_fn=lambda out, _: out.square().mean(), method=torchpar.DataParallel()) as engine:
+        assert engine.measured()["step_s"] is None
+        engine.step(batch)
+        measured = engine.measured()
+        assert 0 < measured["step_s"] < 60
+        stats = engine.memory_stats()[0]
+        assert measured["memory_bytes"] == {0: executable_peak_bytes(stats)}
+        assert measured["memory_bytes"][0] == (stats["argument_bytes"] + stats["output_bytes"] - stats["alias_bytes"]
+                                               + stats["temp_bytes"])
+        page = engine.save_report(tmp_path / "report.html").read_text(encoding="utf-8")
+    shown = re.search(r"data-measured-step-s=['\"]([^'\"]+)", page)
+    assert shown and float(shown.group(1)) == measured["step_s"]
+    memory = re.search(r"data-measured-memory-bytes=['\"]([^'\"]+)", page)
+    assert memory and float(memory.group(1)) == measured["memory_bytes"][0]
+
+
 def test_mark_pipeline_boundary_is_identity_in_both_worlds():
     class Marked(torch.nn.Module):
         def __init__(self) -> None:
@@ -133,6 +176,69 @@ def test_mark_pipeline_boundary_is_identity_in_both_worlds():
     engine = torchpar.compile(model, torch.optim.SGD(model.parameters(), lr=0.0), example_batch=x)
     assert "torchpar.pipeline_boundary" in engine.graph.op_counts()
     assert engine.step(x) == pytest.approx(eager.item(), rel=1e-6)
+
+
+def test_hf_gradient_checkpointing_is_refused_with_a_warning_and_the_step_still_matches():
+    import transformers
+
+    from torchpar.capture.checkpointing import GradientCheckpointingIgnoredWarning, checkpointing_modules
+
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32, resid_pdrop=0.0,
+                                     embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    reference = copy.deepcopy(model)
+    model.gradient_checkpointing_enable()  # torch.utils.checkpoint in train mode: capture must go through it
+    ids = torch.randint(0, 64, (4, 16))
+    batch = {"input_ids": ids, "labels": ids}
+    with pytest.warns(GradientCheckpointingIgnoredWarning) as record:
+        engine = torchpar.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), example_batch=batch)
+    (warning,) = [w for w in record if w.category is GradientCheckpointingIgnoredWarning]
+    message = str(warning.message)
+    for words in ("does not apply HF gradient checkpointing", "keeps every activation", "num_micro_batches",
+                  "Zero3Parallel", "remat) is planned", "gradient_checkpointing_disable()"):
+        assert words in message
+    assert warning.filename == __file__  # points at the user's call
+    with engine:
+        assert engine.step(batch) == pytest.approx(reference(**batch).loss.item(), rel=LOSS_RTOL)
+    model.gradient_checkpointing_disable()
+    assert checkpointing_modules(model) == []
+
+
+def test_gradient_checkpointing_flag_of_any_submodule_is_detected():
+    from torchpar.capture.checkpointing import checkpointing_modules
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Sequential(torch.nn.Linear(2, 2)))
+    assert checkpointing_modules(model) == []
+    model[1].gradient_checkpointing = True
+    assert checkpointing_modules(model) == ["1"]
+
+
+def test_compile_has_an_explicit_documented_signature():
+    import dataclasses
+    import inspect
+    from pathlib import Path
+
+    from torchpar import api
+
+    public = inspect.signature(torchpar.compile).parameters
+    core = inspect.signature(api.compile).parameters
+    assert list(public) == list(core)  # the same options, in the same order, with the same defaults
+    assert {f.name for f in dataclasses.fields(api.CompileOptions)} <= set(public)
+    heading = next(line for line in (Path(__file__).parents[2] / "docs" / "api.md").read_text().splitlines()
+                   if line.startswith("## `torchpar.compile("))
+    for name, parameter in public.items():
+        assert parameter.kind is (inspect.Parameter.POSITIONAL_OR_KEYWORD if name in ("model", "optimizer")
+                                  else inspect.Parameter.KEYWORD_ONLY), name
+        assert parameter.default == core[name].default and parameter.annotation is not inspect.Parameter.empty, name
+        assert f"``{name}``" in torchpar.compile.__doc__, name
+        default = "" if parameter.default is inspect.Parameter.empty else "=" + (
+            f'"{parameter.default}"' if isinstance(parameter.default, str) else str(parameter.default))
+        assert f"{name}{default}" in heading, name
+    model = torch.nn.Linear(2, 1)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'grad_clip'"):
+        torchpar.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), example_batch=torch.randn(4, 2),
+                         grad_clip=1.0)
 
 
 # --- errors ----------------------------------------------------------------------------------------

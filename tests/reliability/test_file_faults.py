@@ -113,7 +113,7 @@ BAD_FILES = [
      "an int ≥ 0"),
     ("timing-not-number", _edit(_top(timings={"ilp": None})), 'timings["ilp"]', "a number"),
     ("cluster-unknown-key", _edit(_top(cluster={"num_hosts": 2, "gpus": 4})), "cluster.gpus",
-     "devices_per_host, num_hosts"),
+     "devices_per_host, inter_host_alpha, inter_host_beta, num_hosts"),
     ("layer-of-node-negative", _edit(_top(layer_of_node={"addmm": -1})), 'layer_of_node["addmm"]', "int ≥ 0"),
     ("strategy-not-string", _edit(_stage(0, strategies={"addmm": 3})), 'stages[0].strategies["addmm"]',
      "a string"),

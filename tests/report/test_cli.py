@@ -26,7 +26,7 @@ def test_plan_command(tmp_path):
     result = _run("plan", "--model", "mlp", "--devices", "8", "--method", "shard", "--out", "p.html",
                   "--json", "p.json", "--png", "p.png", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("Plan: shard, 1 stage(s)")
+    assert result.stdout.startswith("Plan: ShardParallel (shard), 1 stage(s)")
     assert "layers.0.weight" in result.stdout and "HTML report written to p.html" in result.stdout
     html = (tmp_path / "p.html").read_text(encoding="utf-8")
     assert html.startswith("<!DOCTYPE html>") and html.count("class='device'") + html.count("class='device idle'") == 8

@@ -28,7 +28,7 @@ EVIL = "<script>alert('x')</script>&"
 class Element:
     tag: str
     attrs: dict[str, str]
-    ancestors: tuple["Element", ...]
+    ancestors: tuple[Element, ...]
     text: list[str] = field(default_factory=list)
 
     @property
@@ -46,7 +46,7 @@ class Element:
 class Page(HTMLParser):
     """Every element of the page with its attributes, its ancestors and the text inside it."""
 
-    VOID = {"meta", "br", "img", "input", "link", "hr", "source"}
+    VOID = {"meta", "br", "img", "input", "link", "hr", "source", "wbr"}
 
     def __init__(self, text: str):
         super().__init__(convert_charrefs=True)
@@ -85,7 +85,8 @@ def _hand_plan(num_micro_batches: int = 4) -> Plan:
     """Two stages on 2 hosts × 4 devices: (1,4) with a 1×4 mesh, then (1,4) with a 2×2 mesh."""
     stage = dict(estimated_compute_s=2e-3, estimated_communication_s=1e-3, estimated_memory_bytes=3 << 20)
     return Plan.from_dict({
-        "method": "pipeshard", "num_micro_batches": num_micro_batches, "schedule": "1f1b", "estimated_step_s": 0.02,
+        "method": "pipeshard", "num_micro_batches": num_micro_batches, "schedule": "1f1b",
+        "estimated_step_s": 7e-3 + (num_micro_batches - 1) * 4e-3,
         "stages": [
             {**stage, "layers": [0, 1], "submesh_shape": [1, 4], "logical_mesh_shape": [1, 4], "estimated_cost_s": 3e-3,
              "params": {"embed.weight": [None, [1]], "block0.weight": [[1], None], EVIL: [None]}},
@@ -123,7 +124,7 @@ def _screenshot(html, tmp_path):
     shot = tmp_path / "shot.png"
     command = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                "--disable-component-update", "--disable-sync", "--no-first-run",
-               f"--user-data-dir={tmp_path / 'profile'}", f"--screenshot={shot}", "--window-size=1400,2400",
+               f"--user-data-dir={tmp_path / 'profile'}", f"--screenshot={shot}", "--window-size=1280,2400",
                html.resolve().as_uri()]
     subprocess.run(command, check=False, capture_output=True, timeout=120)
     assert shot.exists(), "Chromium wrote no screenshot"
@@ -197,7 +198,7 @@ def test_two_stage_plan_on_two_hosts(two_hosts, tmp_path):
     assert not [s for s in page.find("script") if "alert" in s.content]
     assert any(EVIL in e.content for e in page.find("code"))
     assert "optimizer state: S0" in text
-    assert "runners up" in text
+    assert "Runners-up" in text
 
 
 def test_grid_and_timeline_layout():
@@ -230,7 +231,9 @@ def test_measured_timeline(tmp_path):
     page = Page(render_html(plan, timeline=measured, cluster=ClusterSpec(num_hosts=2, devices_per_host=4)))
     assert len(page.find("rect", "fwd")) == len(page.find("rect", "bwd")) == 4
     heads = [e.content for e in page.find("th") if e.inside("table", "stages")]
-    assert "measured F+B / micro-batch" in heads
+    assert "measured" in heads and "F+B time" in heads
+    rows = page.rows("stages")
+    assert [float(r.attrs["data-measured-time-s"]) for r in rows] == pytest.approx([3e-3, 3e-3])
     with pytest.raises(ValueError, match="stage"):
         timeline_view(plan, measured[:1])
 
@@ -274,6 +277,34 @@ def test_parameter_table_sorts_on_header_click(tmp_path):
     assert result["up"] == sorted(names, key=str.lower) or result["up"] == sorted(names)
     assert result["down"] == result["up"][::-1]
     assert result["rank"] == sorted(result["rank"], key=int)
+
+
+@pytest.mark.skipif(not os.path.exists(CHROMIUM), reason=f"{CHROMIUM} is not installed (apt-get install chromium)")
+def test_tables_fit_a_1280_pixel_window(tmp_path):
+    """No table, the stage table with its measured columns included, scrolls sideways at 1280 px."""
+    plan = _hand_plan(num_micro_batches=2)
+    t0 = 0.0
+    timeline = [[("forward", m, t0 + m, t0 + m + 1e-3) for m in range(2)] + [("backward", m, 3 + m, 3.002 + m)
+                                                                             for m in range(2)]] * 2
+    html = render_html(plan, timeline=timeline, measured={"step_s": 0.021, "memory_bytes": {0: 3.3e6, 1: 3.1e6}},
+                       cluster=ClusterSpec(num_hosts=2, devices_per_host=4),
+                       param_shapes={n: [1024] * len(s) for st in plan.stages for n, s in st.params.items()})
+    probe = """<script>
+      var wide = [];
+      document.querySelectorAll(".tablewrap").forEach(function (w) {
+        if (w.scrollWidth > w.clientWidth + 1) { wide.push(w.querySelector("table").className); } });
+      if (document.documentElement.scrollWidth > window.innerWidth) { wide.push("page"); }
+      document.body.setAttribute("data-probe", JSON.stringify(wide));
+    </script></body>"""
+    page = tmp_path / "probe.html"
+    page.write_text(html.replace("</body>", probe), encoding="utf-8")
+    dom = subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                          "--disable-component-update", "--disable-sync", "--no-first-run", "--window-size=1280,900",
+                          f"--user-data-dir={tmp_path / 'profile'}", "--dump-dom", page.resolve().as_uri()],
+                         check=False, capture_output=True, text=True, timeout=120).stdout
+    body = next(e for e in Page(dom).elements if e.tag == "body")
+    assert json.loads(body.attrs["data-probe"]) == []
+    assert "measured" in [e.content for e in Page(html).find("th") if e.inside("table", "stages")]
 
 
 def test_gpt2_12_layer_pipeshard_report_on_two_hosts(two_hosts, tmp_path):

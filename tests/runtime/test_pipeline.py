@@ -3,6 +3,7 @@ parameters against PyTorch on the full batch, and failures that must surface as 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import threading
 import time
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 import torchpar
-from torchpar.cluster import shutdown
+from torchpar.cluster import current_cluster, shutdown
 from torchpar.harness import zoo
 
 LOSS_RTOL = 1e-4
@@ -158,9 +159,9 @@ def test_memory_stats_are_per_stage_and_executable(runtime):
     try:
         engine.step(batch)
         stats = engine.memory_stats()
-        assert len(stats) == 2
+        assert list(stats) == [0, 1]  # keyed by stage index
         stage_param_bytes = 2 * (32 * 32 + 32) * 4  # two Linear(32, 32) layers per stage
-        for stage in stats:
+        for stage in stats.values():
             assert set(stage) == {f"{e}_{f}_bytes" for e in ("forward", "backward")
                                   for f in ("argument", "output", "alias", "temp", "generated_code")}
             # parameters (sharded at most over the stage's 4 devices) enter the forward; gradients leave the backward
@@ -168,3 +169,76 @@ def test_memory_stats_are_per_stage_and_executable(runtime):
             assert stage["backward_output_bytes"] >= stage_param_bytes // 4
     finally:
         engine.shutdown()
+
+
+class DropoutBoundaryMLP(BoundaryMLP):
+    """BoundaryMLP with dropout after each layer: every stage reads the step's PRNG key."""
+
+    def forward(self, x, y):
+        for index, layer in enumerate(self.layers):
+            x = torch.nn.functional.dropout(torch.relu(layer(x)), p=0.1, training=self.training)
+            if index < len(self.layers) - 1:
+                x = torchpar.mark_pipeline_boundary(x)
+        return torch.nn.functional.mse_loss(x, y)
+
+
+@contextlib.contextmanager
+def _local_cluster(**init_kwargs):
+    """``torchpar.init(cluster="local", ...)`` for the block, then the cluster shape in force before it."""
+    before = current_cluster()
+    shutdown()
+    try:
+        yield torchpar.init(cluster="local", **init_kwargs)
+    finally:
+        shutdown()
+        torchpar.init(cluster="local", num_hosts=before.num_hosts, devices_per_host=before.devices_per_host)
+
+
+def test_memory_stats_and_hlo_of_stages_on_one_device_each():
+    # stage 1 runs on device 1, not on the process's default device, and reads the (uncommitted) step key
+    with _local_cluster(num_hosts=2, devices_per_host=1):
+        torch.manual_seed(0)
+        model = DropoutBoundaryMLP(width=16, depth=2)
+        batch = (torch.randn(8, 16), torch.randn(8, 16))
+        one_device = ((1, 1), (1, 1))
+        stage_option = torchpar.ManualStageOption(forward_stage_layer_ids=((0,), (1,)),
+                                                  submesh_physical_shapes=one_device, submesh_logical_shapes=one_device)
+        method = torchpar.PipeshardParallel(num_micro_batches=2, layer_option="manual", stage_option=stage_option)
+        with torchpar.compile(model, torch.optim.SGD(model.parameters(), lr=0.05), example_batch=batch,
+                              method=method) as engine:
+            assert [stage.device_ids for stage in engine.plan.stages] == [[0], [1]]
+            engine.step(batch)
+            stats = engine.memory_stats()
+            assert isinstance(stats, dict) and list(stats) == [0, 1]
+            for stage in stats.values():  # one Linear(16, 16) per stage enters its forward, unsharded
+                assert stage["forward_argument_bytes"] >= (16 * 16 + 16) * 4
+                assert stage["backward_output_bytes"] >= (16 * 16 + 16) * 4
+            assert [hlo.startswith("HloModule") for hlo in engine.hlo_text()] == [True, True]
+
+
+def test_a_smaller_last_batch_recompiles_the_stages_and_matches_pytorch():
+    with _local_cluster(num_hosts=2, devices_per_host=1):
+        torch.manual_seed(0)
+        model = BoundaryMLP(width=16, depth=2)
+        reference = copy.deepcopy(model)
+        make_opt = lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)  # noqa: E731
+        full, last = (torch.randn(8, 16), torch.randn(8, 16)), (torch.randn(4, 16), torch.randn(4, 16))
+        one_device = ((1, 1), (1, 1))
+        stage_option = torchpar.ManualStageOption(forward_stage_layer_ids=((0,), (1,)),
+                                                  submesh_physical_shapes=one_device, submesh_logical_shapes=one_device)
+        method = torchpar.PipeshardParallel(num_micro_batches=2, layer_option="manual", stage_option=stage_option)
+        ref_opt = make_opt(reference)
+        with torchpar.compile(model, make_opt(model), example_batch=full, method=method) as engine:
+            for batch in (full, last, full):  # an epoch ending in a smaller batch, then the next epoch
+                ref_opt.zero_grad()
+                loss = reference(*batch)
+                loss.backward()
+                ref_opt.step()
+                assert engine.step(batch) == pytest.approx(loss.item(), rel=LOSS_RTOL)
+            assert engine.compiled_signatures == 2
+            with pytest.raises(ValueError, match=r"batch size 5 is not a multiple of num_micro_batches=2(?s:.*)"
+                                                 r"drop_last=True"):
+                engine.step((torch.randn(5, 16), torch.randn(5, 16)))
+            engine.sync_to_torch()
+        for (name, p), q in zip(reference.named_parameters(), model.parameters()):
+            torch.testing.assert_close(q, p, rtol=PARAM_RTOL, atol=PARAM_ATOL, msg=name)

@@ -48,6 +48,41 @@ def test_one_stage_methods_run_on_both_host_actors(two_hosts_of_two, method):
                 assert any(c.kind == gradient_collective and c.elements > 1 for c in crossing), \
                     sorted({c.kind for c in crossing})
         assert engine.spmd_mode == ("gspmd" if method == "shard" else "shard_map")
+        stats = engine.memory_stats()  # read by the lead actor: a one-stage plan is stage 0
+        assert list(stats) == [0] and stats[0]["argument_bytes"] > 0
+
+
+class _DropoutLayers(torch.nn.Module):
+    """Linear+ReLU+dropout layers, a pipeline boundary after each: every stage reads the step's PRNG key."""
+
+    def __init__(self, width: int = 16, depth: int = 4):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(depth))
+
+    def forward(self, x, y):
+        for index, layer in enumerate(self.layers):
+            x = torch.nn.functional.dropout(torch.relu(layer(x)), p=0.1, training=self.training)
+            if index < len(self.layers) - 1:
+                x = torchpar.mark_pipeline_boundary(x)
+        return torch.nn.functional.mse_loss(x, y)
+
+
+def test_memory_stats_and_hlo_of_one_device_stages_on_host_actors(two_hosts_of_two):
+    # stages 1 and 3 run on their actor's second device, not the one the actor's step key is made on
+    torch.manual_seed(0)
+    model = _DropoutLayers()
+    batch = (torch.randn(8, 16), torch.randn(8, 16))
+    one_device = ((1, 1),) * 4
+    option = torchpar.ManualStageOption(forward_stage_layer_ids=((0,), (1,), (2,), (3,)),
+                                        submesh_physical_shapes=one_device, submesh_logical_shapes=one_device)
+    method = torchpar.PipeshardParallel(num_micro_batches=2, layer_option="manual", stage_option=option)
+    with torchpar.compile(model, torch.optim.SGD(model.parameters(), lr=0.05), example_batch=batch,
+                          method=method) as engine:
+        engine.step(batch)
+        stats = engine.memory_stats()
+        assert list(stats) == [0, 1, 2, 3]
+        assert all(stage["forward_argument_bytes"] >= (16 * 16 + 16) * 4 for stage in stats.values())
+        assert len(engine.hlo_text()) == 4
 
 
 @pytest.fixture(scope="module")

@@ -68,7 +68,50 @@ def build(family: str, overrides: dict[str, Any] | None = None, *, batch_size: i
     """
     if family not in _BUILDERS:
         raise ValueError(f"unknown model family {family!r}; choose one of {', '.join(FAMILIES)}")
+    check_overrides(family, overrides or {})
     return _BUILDERS[family](dict(overrides or {}), batch_size, seq_len, dropout)
+
+
+_CONFIG_CLASSES = {"gpt2": "GPT2Config", "llama": "LlamaConfig", "bert": "BertConfig", "vit": "ViTConfig",
+                   "resnet": "ResNetConfig"}
+"""The transformers config class whose fields each HF family's overrides set."""
+
+
+def config_keys(family: str) -> tuple[str, set[str]]:
+    """What ``family``'s overrides configure (a name for messages) and the keys it accepts: for HF families the
+    config class's constructor arguments, attributes and aliases (``attribute_map``, e.g. ``hidden_size`` for
+    GPT-2's ``n_embd``); for ``mlp``/``moe`` the module's constructor arguments."""
+    import inspect
+
+    if family not in _CONFIG_CLASSES:
+        module = {"mlp": MLP, "moe": MoELayer}[family]
+        return module.__name__, set(inspect.signature(module.__init__).parameters) - {"self"}
+    import transformers
+
+    config_class = getattr(transformers, _CONFIG_CLASSES[family])
+    default = config_class()
+    keys = {name for name, parameter in inspect.signature(config_class.__init__).parameters.items()
+            if name != "self" and parameter.kind not in (parameter.VAR_KEYWORD, parameter.VAR_POSITIONAL)}
+    keys |= set(default.to_dict()) | set(getattr(config_class, "attribute_map", {}))
+    keys |= {name for klass in config_class.__mro__ for name, value in vars(klass).items()  # e.g. num_labels
+             if isinstance(value, property) and value.fset is not None and not name.startswith("_")}
+    return f"transformers.{config_class.__name__}", keys
+
+
+def check_overrides(family: str, overrides: dict[str, Any]) -> None:
+    """Raise ``ValueError`` naming every override key that ``family``'s config does not have, with the nearest
+    valid keys (a misspelled key would otherwise be set as an unused attribute and silently ignored)."""
+    import difflib
+
+    source, keys = config_keys(family)
+    unknown = [key for key in overrides if key not in keys]
+    if not unknown:
+        return
+    hints = []
+    for key in unknown:
+        close = difflib.get_close_matches(str(key), sorted(keys), n=3, cutoff=0.6)
+        hints.append(f"{key!r} (nearest valid keys: {', '.join(close)})" if close else f"{key!r} (no similar key)")
+    raise ValueError(f"unknown config key(s) for model family {family} ({source}): {'; '.join(hints)}")
 
 
 def _token_batch(vocab: int, batch_size: int, seq_len: int) -> torch.Tensor:

@@ -7,8 +7,16 @@ from typing import Any
 
 from torchpar.cluster import ClusterSpec
 from torchpar.ir.graph import Graph
-from torchpar.methods import SINGLE_DEVICE, DataParallel, MegatronParallel, ShardParallel, Zero2Parallel, Zero3Parallel
+from torchpar.methods import (
+    SINGLE_DEVICE,
+    DataParallel,
+    MegatronParallel,
+    ShardParallel,
+    Zero2Parallel,
+    Zero3Parallel,
+)
 from torchpar.planner.intra_op import mesh_shapes_for, plan_best_mesh, plan_stage
+from torchpar.planner.mesh_links import submesh_of
 from torchpar.planner.plan import Plan, StagePlan
 
 _ONE_STAGE = (DataParallel, Zero2Parallel, Zero3Parallel, MegatronParallel, ShardParallel)
@@ -23,12 +31,16 @@ def single_device_plan(graph: Graph, cluster: ClusterSpec) -> Plan:
     stage = StagePlan(layers=[0], submesh_shape=(1, 1), logical_mesh_shape=(1, 1), params=params,
                       estimated_cost_s=compute_s, estimated_compute_s=compute_s,
                       estimated_memory_bytes=state_bytes + activation_bytes)
-    return Plan(method=SINGLE_DEVICE, stages=[stage], estimated_step_s=compute_s)
+    return Plan(method=SINGLE_DEVICE, stages=[stage], estimated_step_s=compute_s, cluster=cluster.cost_constants())
 
 
 def plan_for_method(graph: Graph, method: Any, cluster: ClusterSpec, *, trainable: set[str],
-                    optimizer_state_copies: float, kind: str | None = None) -> Plan:
-    """The plan ``method`` (or the hand-plan ``kind``, e.g. ``"megatron"``) gives ``graph`` on ``cluster``."""
+                    optimizer_state_copies: float, kind: str | None = None, explain: bool = False) -> Plan:
+    """The plan ``method`` (or the hand-plan ``kind``, e.g. ``"megatron"``) gives ``graph`` on ``cluster``.
+
+    ``explain``: also price the hand plans :data:`COMPARED_KINDS` (at their default meshes) on the same cost
+    model (``plan.solver["method_comparison"]``) and count the bytes of every collective kind the stage sends
+    (``StagePlan.communication_bytes``); a few more solves, for reports rather than for compiling."""
     kind = kind or (method.name if isinstance(method, _ONE_STAGE) else None)
     if kind is None:
         raise NotImplementedError(f"method {type(method).__name__} is not a one-stage sharding method")
@@ -49,10 +61,46 @@ def plan_for_method(graph: Graph, method: Any, cluster: ClusterSpec, *, trainabl
         result = plan_stage(graph, mesh_shape=(1, cluster.num_devices), **common)
     elapsed = time.perf_counter() - start
     count = result.stage.logical_mesh_shape[0] * result.stage.logical_mesh_shape[1]
-    per_host = cluster.devices_per_host
-    result.stage.submesh_shape = (count // per_host, per_host) if count > per_host and count % per_host == 0 else (1, count)
+    result.stage.submesh_shape = submesh_of(count, cluster.devices_per_host)
     result.stage.device_ids = list(range(count))
     stats = result.solver_stats()
+    stats["estimate"] = {"model": ESTIMATE_MODEL, "step_formula": "one step = the stage's estimate"}
+    if result.mesh_trials:
+        stats["mesh_shapes"] = result.mesh_trials
+    timings = {"ilp": elapsed}
+    if explain:
+        start = time.perf_counter()
+        result.explain()
+        stats["method_comparison"] = _compare_methods(graph, kind, result.stage, cluster, trainable,
+                                                      optimizer_state_copies, budget, time_limit)
+        timings["explain"] = time.perf_counter() - start
     return Plan(method=kind, stages=[result.stage], estimated_step_s=result.stage.estimated_cost_s,
-                solver=stats, timings={"ilp": elapsed},
-                cluster={"num_hosts": cluster.num_hosts, "devices_per_host": cluster.devices_per_host})
+                solver=stats, timings=timings, cluster=cluster.cost_constants())
+
+
+ESTIMATE_MODEL = "sharding ILP (alpha-beta, host-aware links)"
+COMPARED_KINDS: tuple[str, ...] = ("shard", "data_parallel", "zero2", "megatron")
+"""The methods an explained one-stage plan is compared with (each at its default mesh)."""
+
+
+def _compare_methods(graph: Graph, kind: str, stage: StagePlan, cluster: ClusterSpec, trainable: set[str],
+                     optimizer_state_copies: float, budget: float, time_limit: float) -> list[dict[str, Any]]:
+    """Each of :data:`COMPARED_KINDS` priced on the same model; the plan's own row is its stage."""
+    rows = []
+    for other in COMPARED_KINDS:
+        if other == kind:
+            chosen = stage
+        else:
+            shapes = mesh_shapes_for(cluster.num_devices) if other == "shard" else [(1, cluster.num_devices)]
+            try:
+                chosen = plan_best_mesh(graph, kind=other, mesh_shapes=shapes, cluster=cluster, trainable=trainable,
+                                        optimizer_state_copies=optimizer_state_copies, memory_budget=budget,
+                                        time_limit_s=time_limit).stage
+            except ValueError as error:  # does not fit the memory budget, or the batch does not divide
+                rows.append({"method": other, "logical_mesh_shape": list(shapes[0]), "error": str(error)})
+                continue
+        rows.append({"method": other, "logical_mesh_shape": list(chosen.logical_mesh_shape),
+                     "estimated_step_s": chosen.estimated_cost_s, "estimated_compute_s": chosen.estimated_compute_s,
+                     "estimated_communication_s": chosen.estimated_communication_s,
+                     "estimated_memory_bytes": chosen.estimated_memory_bytes})
+    return rows

@@ -20,13 +20,16 @@ import logging
 import math
 import re
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Literal
 
 from torchpar.cluster import ClusterSpec
 from torchpar.ir.graph import Graph
 from torchpar.ir.layout import Spec, is_valid, make_spec, to_json
+from torchpar.planner.mesh_links import axes_crossing_hosts, stage_mesh, submesh_of
 from torchpar.planner.plan import StagePlan
+from torchpar.planner.sharding.comm_bytes import collective_bytes
 from torchpar.planner.sharding.cost_model import LogicalMesh
 from torchpar.planner.sharding.ilp import Solution, evaluate, solve
 from torchpar.planner.sharding.solver_graph import SolverGraph, build_solver_graph
@@ -47,6 +50,23 @@ class IntraOpResult:
     solution: Solution
     communication_s: float
     build_s: float
+    rebuild: Callable[[LogicalMesh], SolverGraph] | None = None
+    """Builds this stage's solver graph again on another mesh of the same shape (for :meth:`explain`)."""
+    mesh_trials: list[dict] = field(default_factory=list)
+    """:func:`plan_best_mesh`: every mesh shape tried, ``{"logical_mesh_shape", "estimated_step_s",
+    "estimated_memory_bytes", "chosen"}`` or ``{"logical_mesh_shape", "error"}``."""
+    extra_collective_bytes: dict[str, float] = field(default_factory=dict)
+    """Collectives added after the solve (ZeRO's gathers), by kind, per-device bytes sent."""
+
+    def explain(self) -> None:
+        """Fill ``stage.communication_bytes``: per-device bytes sent per step by collective kind
+        (:mod:`.sharding.comm_bytes`; a few solver-graph rebuilds, so only where a plan is explained)."""
+        if self.rebuild is None:
+            return
+        sent = collective_bytes(self.rebuild, self.stage.logical_mesh_shape, self.solution.choice)
+        for kind, nbytes in self.extra_collective_bytes.items():
+            sent[kind] += nbytes
+        self.stage.communication_bytes = sent
 
     def solver_stats(self) -> dict:
         stats = dict(self.solution.stats())
@@ -55,8 +75,10 @@ class IntraOpResult:
         return stats
 
 
-def logical_mesh(shape: tuple[int, int], cluster: ClusterSpec) -> LogicalMesh:
-    return LogicalMesh(shape=shape, alpha=cluster.alpha, beta=cluster.beta, device_flops=cluster.device_flops)
+def logical_mesh(shape: tuple[int, int], cluster: ClusterSpec, submesh: tuple[int, int] | None = None) -> LogicalMesh:
+    """The logical mesh ``shape`` on ``submesh`` (default: the cluster's first devices), each axis priced with the
+    links it crosses (:func:`torchpar.planner.mesh_links.stage_mesh`)."""
+    return stage_mesh(shape, cluster, submesh)
 
 
 def mesh_shapes_for(num_devices: int) -> list[tuple[int, int]]:
@@ -66,11 +88,12 @@ def mesh_shapes_for(num_devices: int) -> list[tuple[int, int]]:
 
 def plan_stage(graph: Graph, *, kind: PlanKind, mesh_shape: tuple[int, int], cluster: ClusterSpec,
                trainable: set[str], optimizer_state_copies: float, memory_budget: float | None = None,
-               time_limit_s: float = 30.0) -> IntraOpResult:
-    """Solve one stage of ``kind`` on a logical mesh of ``mesh_shape``."""
+               time_limit_s: float = 30.0, submesh: tuple[int, int] | None = None) -> IntraOpResult:
+    """Solve one stage of ``kind`` on a logical mesh of ``mesh_shape`` placed on the physical ``submesh`` (default:
+    the cluster's first devices; it decides which axes cross hosts)."""
     if kind not in PLAN_KINDS:
         raise ValueError(f"unknown plan kind {kind!r}")
-    mesh = logical_mesh(mesh_shape, cluster)
+    mesh = logical_mesh(mesh_shape, cluster, submesh)
     start = time.perf_counter()
     live_axes = tuple(a for a in (0, 1) if mesh_shape[a] > 1)
     if kind in ("data_parallel", "zero2", "zero3"):
@@ -79,13 +102,20 @@ def plan_stage(graph: Graph, *, kind: PlanKind, mesh_shape: tuple[int, int], clu
         batch_axes = (0,) if mesh_shape[0] > 1 else ()
     else:
         batch_axes = None
-    solver_graph = build_solver_graph(graph, mesh, trainable=trainable, optimizer_state_copies=optimizer_state_copies,
-                                      batch_dim_axes=batch_axes)
+    def rebuild(on: LogicalMesh) -> SolverGraph:
+        return build_solver_graph(graph, on, trainable=trainable, optimizer_state_copies=optimizer_state_copies,
+                                  batch_dim_axes=batch_axes)
+
+    solver_graph = rebuild(mesh)
     build_s = time.perf_counter() - start
     allowed = _restrictions(kind, solver_graph, batch_axes)
     solution = solve(solver_graph, memory_budget=memory_budget, time_limit_s=time_limit_s, allowed=allowed)
-    stage, communication_s = _stage_from_solution(kind, graph, solver_graph, solution, mesh, trainable)
-    return IntraOpResult(stage, solver_graph, solution, communication_s, build_s)
+    stage, communication_s, extra = _stage_from_solution(kind, graph, solver_graph, solution, mesh, trainable,
+                                                         optimizer_state_copies)
+    stage.crosses_hosts = list(axes_crossing_hosts(submesh or submesh_of(mesh.num_devices, cluster.devices_per_host),
+                                                   mesh.shape))
+    return IntraOpResult(stage, solver_graph, solution, communication_s, build_s, rebuild=rebuild,
+                         extra_collective_bytes=extra)
 
 
 def plan_best_mesh(graph: Graph, *, kind: PlanKind, mesh_shapes: list[tuple[int, int]], cluster: ClusterSpec,
@@ -94,6 +124,7 @@ def plan_best_mesh(graph: Graph, *, kind: PlanKind, mesh_shapes: list[tuple[int,
     """Solve on each candidate mesh shape and keep the cheapest plan."""
     best: IntraOpResult | None = None
     errors = []
+    trials: list[dict] = []
     for shape in mesh_shapes:
         try:
             result = plan_stage(graph, kind=kind, mesh_shape=shape, cluster=cluster, trainable=trainable,
@@ -101,13 +132,19 @@ def plan_best_mesh(graph: Graph, *, kind: PlanKind, mesh_shapes: list[tuple[int,
                                 time_limit_s=time_limit_s)
         except ValueError as error:  # e.g. a batch that does not divide this mesh
             errors.append(f"{shape}: {error}")
+            trials.append({"logical_mesh_shape": list(shape), "error": str(error)})
             continue
         log.info("mesh %s: estimated %.3g s (communication %.3g s)", shape, result.stage.estimated_cost_s,
                  result.communication_s)
+        trials.append({"logical_mesh_shape": list(shape), "estimated_step_s": result.stage.estimated_cost_s,
+                       "estimated_memory_bytes": result.stage.estimated_memory_bytes, "chosen": False})
         if best is None or result.stage.estimated_cost_s < best.stage.estimated_cost_s:
             best = result
     if best is None:
         raise ValueError("no logical mesh admits a plan:\n  " + "\n  ".join(errors))
+    for trial in trials:
+        trial["chosen"] = trial["logical_mesh_shape"] == list(best.stage.logical_mesh_shape)
+    best.mesh_trials = trials
     return best
 
 
@@ -168,7 +205,10 @@ def _megatron_restrictions(graph: SolverGraph) -> dict[int, set[int]]:
 # --- solution → stage plan ----------------------------------------------------------------------------
 
 def _stage_from_solution(kind: PlanKind, graph: Graph, solver_graph: SolverGraph, solution: Solution,
-                         mesh: LogicalMesh, trainable: set[str]) -> tuple[StagePlan, float]:
+                         mesh: LogicalMesh, trainable: set[str], state_copies: float
+                         ) -> tuple[StagePlan, float, dict[str, float]]:
+    """The stage plan of ``solution``, its communication seconds, and the per-device bytes of collectives ZeRO
+    adds after the solve (by kind)."""
     choice = solution.choice
     params: dict[str, Spec] = {}
     inputs: dict[str, Spec] = {}
@@ -195,7 +235,8 @@ def _stage_from_solution(kind: PlanKind, graph: Graph, solver_graph: SolverGraph
     grads: dict[str, Spec] = {}
     optimizer_state: dict[str, Spec] = {}
     params_at_use: dict[str, Spec] = {}
-    memory = solution.memory_bytes
+    breakdown = memory_breakdown(solver_graph, choice, trainable, state_copies)
+    extra_bytes: dict[str, float] = {}
     if kind in ("zero2", "zero3"):
         param_metas = {i.target: i.meta for i in graph.inputs if i.kind == "param"}
         live_axes = tuple(a for a in (0, 1) if mesh.shape[a] > 1)
@@ -206,18 +247,23 @@ def _stage_from_solution(kind: PlanKind, graph: Graph, solver_graph: SolverGraph
                 continue
             grads[name] = optimizer_state[name] = sharded
             saved = meta.nbytes * (1 - 1 / mesh.num_devices)
-            memory -= saved * (3 if kind == "zero2" else 4)  # grad + 2 moments (+ the parameter itself)
+            breakdown["gradients"] -= saved
+            breakdown["optimizer_state"] -= saved * state_copies
             if kind == "zero3":
+                breakdown["parameters"] -= saved
                 params_at_use[name] = params[name]
                 params[name] = sharded
                 gather = mesh.all_gather(meta.nbytes, live_axes)
                 communication += gather
                 objective += gather
+                groups = math.prod(mesh.shape[a] for a in live_axes)
+                extra_bytes["all_gather"] = extra_bytes.get("all_gather", 0.0) + meta.nbytes * (groups - 1) / groups
+    breakdown = {part: max(nbytes, 0.0) for part, nbytes in breakdown.items()}
     stage = StagePlan(
         layers=[0], submesh_shape=(1, mesh.num_devices), logical_mesh_shape=mesh.shape,
         params={n: to_json(s) for n, s in params.items()}, estimated_cost_s=objective,
         estimated_compute_s=compute_s, estimated_communication_s=communication,
-        estimated_memory_bytes=int(max(memory, 0)),
+        estimated_memory_bytes=int(sum(breakdown.values())), memory_breakdown=breakdown,
         grads={n: to_json(s) for n, s in grads.items()},
         optimizer_state={n: to_json(s) for n, s in optimizer_state.items()},
         params_at_use={n: to_json(s) for n, s in params_at_use.items()},
@@ -226,7 +272,32 @@ def _stage_from_solution(kind: PlanKind, graph: Graph, solver_graph: SolverGraph
         operands={n: [to_json(s) if s is not None else None for s in specs] for n, specs in operands.items()},
         strategies=strategies,
     )
-    return stage, communication
+    return stage, communication, extra_bytes
+
+
+def memory_breakdown(solver_graph: SolverGraph, choice: list[int], trainable: set[str],
+                     state_copies: float) -> dict[str, float]:
+    """Per-device bytes at the step's peak under ``choice``, by what they hold: ``parameters``, ``gradients``,
+    ``optimizer_state`` (a trainable parameter root holds ``2 + state_copies`` copies of its local shard),
+    ``activations`` (batch inputs, activations from the previous stage, every op output kept for the backward
+    pass) and ``buffers`` (buffers and constants). Sums to the ILP's memory of ``choice``."""
+    parts = dict.fromkeys(("parameters", "gradients", "optimizer_state", "activations", "buffers"), 0.0)
+    for root, k in zip(solver_graph.roots, choice):
+        own = float(root.strategies[k].memory_bytes)
+        followers = float(root.memory[k]) - own  # ops that follow the root keep their outputs
+        parts["activations"] += followers
+        if root.kind == "param":
+            copies = 2.0 + state_copies if root.label in trainable else 1.0
+            local = own / copies
+            parts["parameters"] += local
+            if root.label in trainable:
+                parts["gradients"] += local
+                parts["optimizer_state"] += local * state_copies
+        elif root.kind in ("input", "activation", "anchor"):
+            parts["activations"] += own
+        else:
+            parts["buffers"] += own
+    return parts
 
 
 def _zero_spec(shape: tuple[int, ...], axes: tuple[int, ...], mesh: LogicalMesh) -> Spec | None:

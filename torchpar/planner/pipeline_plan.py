@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torchpar.cluster import ClusterSpec
 from torchpar.ir.graph import Graph
@@ -37,6 +37,13 @@ class PipelinePlan:
     stages: list[StageGraph]
     devices: list[list[int]]
     layering: object
+    stage_results: list = field(default_factory=list)
+    """The solved stages (:class:`~torchpar.planner.intra_op.IntraOpResult`), for :meth:`explain`."""
+
+    def explain(self) -> None:
+        """Add each stage's collective bytes to the plan (a few solver-graph rebuilds per stage)."""
+        for result in self.stage_results:
+            result.explain()
 
 
 def plan_pipeline(graph: Graph, method: PipeshardParallel, cluster: ClusterSpec, *, trainable: set[str],
@@ -80,39 +87,101 @@ def plan_pipeline(graph: Graph, method: PipeshardParallel, cluster: ClusterSpec,
         for candidate in sorted(alternatives, key=lambda p: p.cost_s):
             if str(candidate) not in seen and math.isfinite(candidate.cost_s):
                 seen.add(str(candidate))
-                runners_up.append(candidate.to_dict())
-        runners_up = runners_up[:3]
+                runners_up.append(candidate)
+        runners_up = runners_up[:REFINED_CANDIDATES - 1]
         timings["stage_dp_search"] = result.dp_s
+    timings["stage_dp"] = time.perf_counter() - start
+    start = time.perf_counter()
+    refined = []
+    failures = []
+    for candidate in [partition, *runners_up]:
+        try:
+            refined.append(_refine(graph, layering, candidate, cluster, method.num_micro_batches, trainable,
+                                   optimizer_state_copies))
+        except ValueError as error:  # no sharding fits the memory budget, or a batch that does not divide
+            failures.append((candidate, error))
+            log.info("stage partition %s: the ILP found no plan (%s)", candidate, error)
+    timings["ilp"] = time.perf_counter() - start
+    if not refined:
+        raise failures[0][1]
+    best = min(refined, key=lambda r: r.step_s)
+    solver: dict = {f"stage{index}": stats for index, stats in enumerate(best.solver_stats)}
+    solver["estimate"] = {"model": ESTIMATE_MODEL, "step_formula": f"Σ stage + ({method.num_micro_batches}−1)·max "
+                                                                     f"stage ({method.schedule})"}
+    if option == "auto":
+        solver["stage_partition"] = {**best.partition.to_dict(), "model": SCREENING_MODEL}
+        solver["runners_up"] = [r.summary() for r in sorted(refined, key=lambda r: r.step_s) if r is not best]
+        solver["runners_up"] += [{"screening_step_s": c.cost_s, "model": SCREENING_MODEL, "error": str(e),
+                                  "stages": c.to_dict()["stages"]} for c, e in failures]
+    plan = Plan(method=PipeshardParallel.name, stages=best.stage_plans, num_micro_batches=method.num_micro_batches,
+                schedule=method.schedule, estimated_step_s=best.step_s, solver=solver, timings=timings,
+                layers=_layer_stats(graph, layering), cluster=cluster.cost_constants(),
+                layer_of_node=dict(layering.layer_of))
+    log.info("pipeline plan: %d layers → %d stages %s on %s", num_layers, len(best.stage_plans),
+             [s.layers for s in best.stage_plans], [s.submesh_shape for s in best.stage_plans])
+    return PipelinePlan(plan=plan, stages=best.stage_graphs, devices=best.devices, layering=layering,
+                        stage_results=best.results)
+
+
+REFINED_CANDIDATES = 3
+"""Stage partitions (the DP's best and its runners-up) priced again, stage by stage, by the sharding ILP."""
+ESTIMATE_MODEL = "sharding ILP per stage (alpha-beta, host-aware links)"
+SCREENING_MODEL = "stage DP screening (analytic: 3·FLOPs, data- and tensor-parallel all-reduces)"
+
+
+@dataclass
+class _Refined:
+    """A stage partition priced by the sharding ILP: its stage plans and the pipeline step they give."""
+
+    partition: object
+    stage_graphs: list[StageGraph]
+    devices: list[list[int]]
+    results: list
+    stage_plans: list
+    step_s: float
+    solver_stats: list[dict]
+
+    def summary(self) -> dict:
+        stages = [{"layers": s.layers, "submesh_shape": list(s.submesh_shape),
+                   "logical_mesh_shape": list(s.logical_mesh_shape), "estimated_cost_s": s.estimated_cost_s,
+                   "estimated_memory_bytes": s.estimated_memory_bytes} for s in self.stage_plans]
+        return {"estimated_step_s": self.step_s, "screening_step_s": self.partition.cost_s, "model": ESTIMATE_MODEL,
+                "stages": stages}
+
+
+def _refine(graph: Graph, layering, partition, cluster: ClusterSpec, num_micro_batches: int, trainable: set[str],
+            optimizer_state_copies: float) -> _Refined:
+    from torchpar.planner import stages as stages_mod
+
     stage_layers = [list(ids) for ids in partition.forward_stage_layer_ids]
     submeshes = [tuple(s) for s in partition.submesh_physical_shapes]
     logical = [tuple(s) for s in partition.submesh_logical_shapes]
-    timings["stage_dp"] = time.perf_counter() - start
     stage_graphs = slice_stages(graph, stage_of_nodes(graph, layering.layer_of, stage_layers))
-    devices = [list(d) for d in stages_mod.assign_devices(submeshes, hosts, per_host)]
-    start = time.perf_counter()
-    stage_plans, solver = [], {}
+    devices = [list(d) for d in stages_mod.assign_devices(submeshes, cluster.num_hosts, cluster.devices_per_host)]
+    results = []
     for index, (stage, mesh_shape) in enumerate(zip(stage_graphs, logical)):
         result = plan_stage(stage.graph, kind="shard", mesh_shape=mesh_shape, cluster=cluster,
                             trainable=trainable & set(stage.params), optimizer_state_copies=optimizer_state_copies,
-                            memory_budget=cluster.device_memory_bytes)
+                            memory_budget=cluster.device_memory_bytes, submesh=submeshes[index])
         result.stage.layers = stage_layers[index]
         result.stage.submesh_shape = submeshes[index]
         result.stage.device_ids = devices[index]
-        stage_plans.append(result.stage)
-        solver[f"stage{index}"] = result.solver_stats()
-    timings["ilp"] = time.perf_counter() - start
-    latencies = [s.estimated_cost_s for s in stage_plans]
-    micro = method.num_micro_batches
-    estimated = sum(latencies) + (micro - 1) * max(latencies)
-    solver["stage_partition"] = partition.to_dict()
-    solver["runners_up"] = runners_up
-    plan = Plan(method=PipeshardParallel.name, stages=stage_plans, num_micro_batches=micro, schedule=method.schedule,
-                estimated_step_s=estimated, solver=solver, timings=timings,
-                layers=[{"flops": float(f), "activation_bytes": float(b)}
-                        for f, b in zip(layering.flops, layering.boundary_bytes)],
-                cluster={"num_hosts": hosts, "devices_per_host": per_host}, layer_of_node=dict(layering.layer_of))
-    log.info("pipeline plan: %d layers → %d stages %s on %s", num_layers, len(stage_plans), stage_layers, submeshes)
-    return PipelinePlan(plan=plan, stages=stage_graphs, devices=devices, layering=layering)
+        results.append(result)
+    plans = [r.stage for r in results]
+    return _Refined(partition, stage_graphs, devices, results, plans,
+                    stages_mod.pipeline_latency([p.estimated_cost_s for p in plans], num_micro_batches),
+                    [r.solver_stats() for r in results])
+
+
+def _layer_stats(graph: Graph, layering) -> list[dict]:
+    """Per layer: forward FLOPs, entering activation bytes, and the modules whose ops it holds (block level)."""
+    modules: list[dict[str, None]] = [{} for _ in range(layering.num_layers)]
+    for node in graph.nodes:
+        layer = layering.layer_of.get(node.name)
+        if layer is not None and node.module_path:
+            modules[layer][".".join(node.module_path.split(".")[:3])] = None
+    return [{"flops": float(f), "activation_bytes": float(b), "modules": list(m)}
+            for f, b, m in zip(layering.flops, layering.boundary_bytes, modules)]
 
 
 def stage_graphs_for(graph: Graph, plan: Plan) -> list[StageGraph]:
@@ -133,3 +202,32 @@ def stage_graphs_for(graph: Graph, plan: Plan) -> list[StageGraph]:
     if len(stages) != len(plan.stages):
         raise ValueError(f"the plan has {len(plan.stages)} stages but its layers cut this graph into {len(stages)}")
     return stages
+
+
+def stage_graphs_on_new_shapes(graph: Graph, example: Graph, plan: Plan) -> list[StageGraph]:
+    """The stage graphs of pipeline ``plan`` for ``graph``, the training step captured on one micro-batch of other
+    batch shapes than the ``example`` graph the plan was made for (see :func:`layers_on_new_shapes`). Raises
+    ``ValueError`` if the plan has no node → layer map or its layers do not cut ``graph`` into its stages."""
+    if not plan.layer_of_node:
+        raise ValueError("the plan has no node → layer map (layer_of_node)")
+    layers = layers_on_new_shapes(graph, example, plan.layer_of_node)
+    stages = slice_stages(graph, stage_of_nodes(graph, layers, [list(s.layers) for s in plan.stages]))
+    if len(stages) != len(plan.stages):
+        raise ValueError(f"its layers cut the graph into {len(stages)} stages, not {len(plan.stages)}")
+    return stages
+
+
+def layers_on_new_shapes(graph: Graph, example: Graph, layer_of_node: dict[str, int]) -> dict[str, int]:
+    """The pipeline layer of every node of ``graph``, the training graph captured on other batch shapes than the
+    ``example`` graph the plan was made for: a node the example has (same name, same op) keeps its planned layer;
+    another one (a copy that a size-1 dim makes unnecessary leaves one out, or adds one) takes the layer of the
+    node before it, so every stage stays a contiguous run of the graph."""
+    example_ops = {n.name: n.target for n in example.nodes}
+    layers: dict[str, int | None] = {}
+    previous: int | None = None
+    for node in graph.nodes:
+        known = example_ops.get(node.name) == node.target and node.name in layer_of_node
+        layers[node.name] = layer_of_node[node.name] if known else previous
+        previous = layers[node.name]
+    first = next((layer for layer in layers.values() if layer is not None), 0)
+    return {name: first if layer is None else layer for name, layer in layers.items()}

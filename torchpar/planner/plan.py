@@ -12,7 +12,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torchpar.ir.layout import JsonSpec, describe
-from torchpar.planner.plan_schema import FORMER_METHOD_NAMES, PlanFormatError, validate_plan_dict
+from torchpar.methods import method_title
+from torchpar.planner.plan_schema import (
+    FORMER_METHOD_NAMES,
+    PlanFormatError,
+    validate_plan_dict,
+)
+from torchpar.units import format_bytes, format_seconds
 
 Spec = JsonSpec
 
@@ -45,6 +51,15 @@ class StagePlan:
     device_ids: list[int] = field(default_factory=list)
     """Cluster device indices of the submesh (host ``h`` owns ``[h·D, (h+1)·D)`` for ``D`` devices per host),
     in the logical mesh's row-major order; empty means the first ``d0·d1`` devices."""
+    memory_breakdown: dict[str, float] = field(default_factory=dict)
+    """Per-device bytes of :attr:`estimated_memory_bytes` by part: ``parameters``, ``gradients``,
+    ``optimizer_state``, ``activations``, ``buffers``."""
+    communication_bytes: dict[str, float] = field(default_factory=dict)
+    """Per-device bytes sent per step (pipelines: per micro-batch) by collective kind (``all_reduce``,
+    ``all_gather``, ``reduce_scatter``, ``all_to_all``); filled where the plan is explained (:func:`torchpar.plan`)."""
+    crosses_hosts: list[bool] = field(default_factory=list)
+    """Per logical mesh axis: whether its collectives reach more than one host (priced with the link between
+    hosts, :mod:`torchpar.planner.mesh_links`)."""
 
     def devices(self) -> list[int]:
         """:attr:`device_ids`, or the first ``d0·d1`` device indices when none are stored."""
@@ -111,14 +126,27 @@ class Plan:
         return cls.from_dict(data)
 
     def summary(self) -> str:
-        lines = [(f"Plan: {self.method}, {len(self.stages)} stage(s), {self.num_micro_batches} micro-batch(es), "
-                  f"schedule {self.schedule}, estimated step {self.estimated_step_s * 1e3:.2f} ms")]
+        """The plan as text: the estimate and what priced it, each stage with its costs, memory by part, the
+        collectives it sends, every parameter's layout; the alternatives weighed; solver and compile phases."""
+        estimate = self.solver.get("estimate", {})
+        how = f" [{estimate['model']}; {estimate['step_formula']}]" if estimate else ""
+        lines = [f"Plan: {method_title(self.method)}, {len(self.stages)} stage(s), {self.num_micro_batches} "
+                 f"micro-batch(es), schedule {self.schedule}, estimated step {format_seconds(self.estimated_step_s)}{how}"]
         for index, stage in enumerate(self.stages):
-            lines.append(f"  stage {index}: layers {stage.layers}, submesh {stage.submesh_shape}, logical mesh "
-                         f"{stage.logical_mesh_shape}, est. {stage.estimated_cost_s * 1e3:.2f} ms "
-                         f"(compute {stage.estimated_compute_s * 1e3:.2f} ms, comm "
-                         f"{stage.estimated_communication_s * 1e3:.2f} ms), {len(stage.params)} params")
-            lines.append(f"    est. memory {stage.estimated_memory_bytes / 2**20:.2f} MiB per device")
+            crossing = [str(a) for a, cross in enumerate(stage.crosses_hosts) if cross]
+            hosts = f" (axis {', '.join(crossing)} crosses hosts)" if crossing else ""
+            lines.append(f"  stage {index}: layers {stage.layers}, submesh {tuple(stage.submesh_shape)}, logical mesh "
+                         f"{tuple(stage.logical_mesh_shape)}{hosts}, est. {format_seconds(stage.estimated_cost_s)} "
+                         f"(compute {format_seconds(stage.estimated_compute_s)}, communication "
+                         f"{format_seconds(stage.estimated_communication_s)}), {len(stage.params)} params")
+            parts = ", ".join(f"{part.replace('_', ' ')} {format_bytes(n)}" for part, n in stage.memory_breakdown.items()
+                              if n)
+            lines.append(f"    est. memory {format_bytes(stage.estimated_memory_bytes)} per device"
+                         + (f" ({parts})" if parts else ""))
+            if stage.communication_bytes:
+                sent = ", ".join(f"{kind.replace('_', '-')} {format_bytes(n)}"
+                                 for kind, n in stage.communication_bytes.items() if n) or "none"
+                lines.append(f"    collectives sent per device: {sent}")
             width = max((len(n) for n in stage.params), default=0)
             for name, spec in stage.params.items():
                 extra = ""
@@ -129,15 +157,19 @@ class Plan:
                 lines.append(f"    {name:<{width}}  {describe(spec)}{extra}")
             for leaf, spec in stage.inputs.items():
                 lines.append(f"    batch leaf {leaf}: {describe(spec)}")
-        if self.solver:
-            lines.append("  solver: " + ", ".join(f"{k}={v}" for k, v in self.solver.items()))
+        lines.extend(_alternatives(self.solver))
+        stats = {k: v for k, v in self.solver.items() if k not in _EXPLAINED_SOLVER_KEYS}
+        if stats:
+            lines.append("  solver: " + ", ".join(f"{k}={v}" for k, v in stats.items()))
         if self.timings:
             lines.append("  compile phases: " + ", ".join(f"{k} {v:.2f}s" for k, v in self.timings.items()))
         return "\n".join(lines)
 
-    def save_html(self, path: str, timeline: Any = None, **options: Any) -> None:
-        """Write a self-contained HTML report; see :func:`torchpar.report.html.render_html` for ``timeline``
-        (a measured step) and the ``options`` (``cluster``, ``param_shapes``, ``layer_stats``, ``title``)."""
+    def save_html(self, path: str, timeline: Any = None, **options: Any) -> Any:
+        """Write a self-contained HTML report and return its path; see :func:`torchpar.report.html.render_html`
+        for ``timeline`` (a measured step) and the ``options`` (``cluster``, ``param_shapes``, ``layer_stats``,
+        ``title``, ``measured``: what a run measured, shown beside the estimates — ``engine.save_report`` fills
+        it)."""
         from torchpar.report.html import save_html
 
         if "layer_stats" not in options and self.layers:
@@ -146,7 +178,7 @@ class Plan:
             from torchpar.cluster import ClusterSpec
 
             options["cluster"] = ClusterSpec(**self.cluster)
-        save_html(self, path, timeline=timeline, **options)
+        return save_html(self, path, timeline=timeline, **options)
 
     def save_png(self, path: str, **options: Any) -> None:
         """Write a PNG of the device grid and the pipeline timeline (:func:`torchpar.report.png.save_png`)."""
@@ -154,3 +186,30 @@ class Plan:
 
         save_png(self, path, **options)
 
+
+
+_EXPLAINED_SOLVER_KEYS = ("estimate", "stage_partition", "runners_up", "mesh_shapes", "method_comparison")
+"""``Plan.solver`` entries :meth:`Plan.summary` shows in their own lines."""
+
+
+def _alternatives(solver: dict[str, Any]) -> list[str]:
+    """The alternatives the planner weighed, one line each, priced by the plan's own model unless labelled."""
+    lines = []
+    for row in solver.get("method_comparison", []):
+        shape = tuple(row.get("logical_mesh_shape", ()))
+        lines.append(f"  compared: {method_title(row['method'])} on {shape}: "
+                     + (f"error: {row['error']}" if "error" in row else
+                        f"est. step {format_seconds(row['estimated_step_s'])}, memory "
+                        f"{format_bytes(row['estimated_memory_bytes'])}"))
+    for row in solver.get("mesh_shapes", []):
+        shape = tuple(row["logical_mesh_shape"])
+        lines.append(f"  mesh {shape}: " + (f"not possible: {row['error'].splitlines()[0]}" if "error" in row else
+                                              f"est. step {format_seconds(row['estimated_step_s'])}"
+                                              + (" (chosen)" if row.get("chosen") else "")))
+    for row in solver.get("runners_up", []):
+        stages = " | ".join(f"layers {st['layers']} on {tuple(st['submesh_shape'])} mesh "
+                            f"{tuple(st['logical_mesh_shape'])}" for st in row["stages"])
+        screening = (f"; stage DP screening {format_seconds(row['screening_step_s'])}"
+                     if "screening_step_s" in row else "")
+        lines.append(f"  runner-up: est. step {format_seconds(row['estimated_step_s'])}{screening}: {stages}")
+    return lines

@@ -250,7 +250,8 @@ def _check_json_value(path: str, value: Any, depth: int) -> None:
 
 
 def _check_cluster(path: str, value: Any) -> None:
-    """``num_hosts`` and ``devices_per_host`` (ints ≥ 1) the plan was made for; empty if unknown."""
+    """The cluster the plan was made for (``ClusterSpec.cost_constants``): ``num_hosts`` and ``devices_per_host``
+    (ints ≥ 1) and the cost constants it was priced with; empty if unknown."""
     _check_fields(path, _object(path, value, "an object with num_hosts and devices_per_host"), CLUSTER_FIELDS,
                   what="a cluster")
 
@@ -269,6 +270,30 @@ def _mapping_of(check: Check, what: str) -> Check:
         for key, item in _object(path, value, what).items():
             check(_key(path, key), item)
     return check_mapping
+
+
+def _check_axis_pair(path: str, value: Any) -> None:
+    """Two non-negative numbers, one per logical mesh axis."""
+    if not _is_list(value) or len(value) != 2:
+        _fail(path, "a list of two numbers (mesh axis 0, axis 1)", value)
+    for index, item in enumerate(value):
+        _check_number(f"{path}[{index}]", item)
+
+
+def _check_axis_flags(path: str, value: Any) -> None:
+    """Two booleans, one per logical mesh axis, or empty (unknown)."""
+    if not _is_list(value) or len(value) not in (0, 2) or not all(isinstance(v, bool) for v in value):
+        _fail(path, "a list of two booleans (mesh axis 0, axis 1), or empty", value)
+
+
+def _check_str_list(path: str, value: Any) -> None:
+    for index, item in enumerate(_list(path, value, "a list of strings")):
+        _check_str(f"{path}[{index}]", item)
+
+
+def _check_optional_str(path: str, value: Any) -> None:
+    if value is not None:
+        _check_str(path, value)
 
 
 def _check_str(path: str, value: Any) -> None:
@@ -309,13 +334,21 @@ STAGE_FIELDS: dict[str, tuple[bool, Check]] = {
     "operands": (False, _mapping_of(_check_operand_specs, "an object of node name → operand layouts")),
     "strategies": (False, _mapping_of(_check_str, "an object of node name → strategy description")),
     "device_ids": (False, _check_device_ids),
+    "memory_breakdown": (False, _mapping_of(_check_number, "an object of part (parameters, …) → bytes per device")),
+    "communication_bytes": (False, _mapping_of(_check_number, "an object of collective kind → bytes per device")),
+    "crosses_hosts": (False, _check_axis_flags),
 }
 """The fields of a stage (``StagePlan``'s dataclass fields): name → (required, check)."""
 
-CLUSTER_FIELDS: dict[str, tuple[bool, Check]] = {"num_hosts": (False, _check_positive_int),
-                                                  "devices_per_host": (False, _check_positive_int)}
+CLUSTER_FIELDS: dict[str, tuple[bool, Check]] = {
+    "num_hosts": (False, _check_positive_int), "devices_per_host": (False, _check_positive_int),
+    "device_flops": (False, _check_number), "device_memory_bytes": (False, _check_number),
+    "alpha": (False, _check_axis_pair), "beta": (False, _check_axis_pair),
+    "inter_host_alpha": (False, _check_number), "inter_host_beta": (False, _check_number),
+    "preset": (False, _check_optional_str)}
 LAYER_STAT_FIELDS: dict[str, tuple[bool, Check]] = {"flops": (False, _check_number),
-                                                     "activation_bytes": (False, _check_number)}
+                                                     "activation_bytes": (False, _check_number),
+                                                     "modules": (False, _check_str_list)}
 
 
 # --- small helpers ---------------------------------------------------------------------------------------

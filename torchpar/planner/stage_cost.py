@@ -14,7 +14,7 @@ from torchpar.cluster import ClusterSpec
 from torchpar.ir.graph import Graph
 from torchpar.ir.op_families import VIEWS
 from torchpar.planner.layers import Layering
-from torchpar.planner.sharding.cost_model import LogicalMesh
+from torchpar.planner.mesh_links import stage_mesh
 
 Shape = tuple[int, int]
 
@@ -62,8 +62,8 @@ class AnalyticStageCost:
                                                                          replicated over axis 0)
         activation_bytes = A / (a·b)
 
-    with ``AR_x`` the all-reduce cost on logical axis ``x`` from :class:`LogicalMesh` (the cluster's
-    alpha/beta). ``(n, 1)`` is pure data parallelism and ``(1, n)`` pure tensor parallelism; the DP picks
+    with ``AR_x`` the all-reduce cost on logical axis ``x`` priced with the links that axis crosses on the
+    submesh (:func:`torchpar.planner.mesh_links.stage_mesh`: in-host or between hosts), as the ILP prices it. ``(n, 1)`` is pure data parallelism and ``(1, n)`` pure tensor parallelism; the DP picks
     the cheapest shape that fits memory. Cross-stage transfers are not priced (as in Alpa).
     """
 
@@ -109,8 +109,7 @@ class AnalyticStageCost:
         if data * tensor != devices:
             raise ValueError(f"logical mesh {logical} does not have the {devices} devices of submesh {submesh}")
         flops, params, buffers, activations, entering = self._range(first_layer, last_layer)
-        mesh = LogicalMesh(shape=(data, tensor), alpha=self.cluster.alpha, beta=self.cluster.beta,
-                           device_flops=self.cluster.device_flops)
+        mesh = stage_mesh((data, tensor), self.cluster, submesh)
         compute = 3.0 * flops / (devices * self.cluster.device_flops)
         communication = (mesh.all_reduce(params / tensor, [0]) / self.num_micro_batches
                          + sum(4.0 * mesh.all_reduce(e / data, [1]) for e in entering))

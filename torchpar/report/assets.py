@@ -11,10 +11,10 @@ h2{font-size:18px;margin:36px 0 10px;padding-bottom:6px;border-bottom:1px solid 
 h3{font-size:14px;margin:18px 0 6px;color:var(--muted);font-weight:600}
 .sub{color:var(--muted)}
 .note{background:#fff8c5;border:1px solid #e6cf7a;border-radius:6px;padding:6px 12px;margin:8px 0}
-.cards{display:flex;flex-wrap:wrap;gap:10px;margin:18px 0 6px}
-.card{background:var(--panel);border:1px solid var(--border);border-radius:8px;padding:8px 14px;min-width:118px}
+.cards{display:flex;flex-wrap:wrap;gap:8px;margin:16px 0 6px}
+.card{background:var(--panel);border:1px solid var(--border);border-radius:8px;padding:6px 12px;min-width:96px}
 .card .k{font-size:11px;color:var(--muted);text-transform:uppercase;letter-spacing:.05em}
-.card .v{font-size:18px;font-weight:600;font-variant-numeric:tabular-nums}
+.card .v{font-size:16px;font-weight:600;font-variant-numeric:tabular-nums;white-space:nowrap}
 .tablewrap{overflow-x:auto}
 .tablewrap.scroll{max-height:560px;overflow-y:auto;border:1px solid #eaeef2;border-radius:6px}
 .tablewrap.scroll th{position:sticky;top:0;z-index:1}
@@ -54,6 +54,51 @@ svg text{font-family:inherit}
 .lanelabel{font-size:12px;fill:#1f2328}
 .blklabel{font-size:11px;font-weight:600;pointer-events:none}
 footer{margin-top:40px;font-size:12px;color:var(--muted)}
+nav.toc{display:flex;flex-wrap:wrap;gap:4px 14px;margin:10px 0 0;font-size:12.5px}
+nav.toc a{color:#0969da;text-decoration:none}
+nav.toc a:hover{text-decoration:underline}
+.how{background:#ddf4ff;border:1px solid #b6e3ff;border-radius:6px;padding:6px 12px;margin:8px 0;font-size:13px}
+.how a{color:#0969da}
+.verdict{font-weight:600;margin:8px 0 2px}
+.bad{color:#cf222e}
+.small{font-size:11.5px}
+tr.chosen td{background:#dafbe1}
+tr.batchsplit td:nth-child(4){background:#ddf4ff}
+.chip.batch{box-shadow:0 0 0 2px #fff,0 0 0 3.5px #1f2328}
+.chips{white-space:nowrap}
+.operand{display:inline-block;margin:0 10px 2px 0;white-space:nowrap}
+.badge{display:inline-block;margin-top:2px;padding:0 6px;border-radius:9px;font-size:11px;background:#fff1e5;
+color:#953800;border:1px solid #ffd8b5;white-space:nowrap}
+.minibar{width:110px;height:10px;background:#f0f2f4;border-radius:3px;overflow:hidden}
+.minibar div{height:100%;background:#57606a}
+tr.chosen .minibar div{background:#1a7f37}
+ol.stagelist{margin:0;padding-left:18px;font-size:12.5px}
+ol.stagelist li{white-space:nowrap}
+.track.rel{position:relative;overflow:visible}
+.marker{position:absolute;top:-3px;bottom:-3px;width:0;border-left:2px solid #cf222e}
+.swatch.markerswatch{background:none;border-left:2px solid #cf222e;border-radius:0;width:4px}
+.swatch.dashed{background:none;border-left:2px dashed #cf222e;border-radius:0;width:4px}
+.estline{stroke:#cf222e;stroke-width:1.5;stroke-dasharray:5 3}
+.estlabel{font-size:11px;fill:#cf222e;font-weight:600}
+th.group{text-align:center;border-bottom:1px solid var(--border);font-size:11.5px;text-transform:uppercase;
+letter-spacing:.05em;color:var(--muted)}
+th.measured,th.group.measured{background:#fff8c5}
+table.stages th,table.stages td{white-space:normal;padding:5px 8px}
+table.stages td.num{white-space:nowrap}
+tfoot tr.total td{border-top:2px solid var(--border);border-bottom:none;background:var(--panel)}
+table.strategies td,table.runners td,table.layers td{white-space:normal;vertical-align:top}
+table.strategies{table-layout:fixed}
+table.strategies th:nth-child(1){width:13%}table.strategies th:nth-child(2){width:24%}
+table.strategies th:nth-child(3){width:20%}table.strategies th:nth-child(4){width:13%}
+code.module{overflow-wrap:anywhere}
+.box{display:grid;grid-template-columns:repeat(auto-fill,minmax(320px,1fr));gap:4px 24px;background:var(--panel);
+border:1px solid var(--border);border-radius:8px;padding:10px 14px}
+.kvrow{display:flex;justify-content:space-between;gap:12px;border-bottom:1px dotted var(--border);padding:2px 0}
+.kvrow .k{color:var(--muted)}
+.kvrow .v{font-variant-numeric:tabular-nums;text-align:right}
+details.stageops{margin:10px 0}
+details.stageops summary{cursor:pointer;font-weight:600;margin-bottom:6px}
+.batchnote{font-size:13px;margin:4px 0 8px}
 """
 
 JS = """

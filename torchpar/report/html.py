@@ -2,35 +2,38 @@
 
     plan.save_html("plan.html")                      # timeline estimated from the cost model
     plan.save_html("plan.html", timeline=measured)   # a measured step: per stage [(op, micro_batch, start_s, end_s)]
+    plan.save_html("plan.html", measured={"step_s": 0.041, "memory_bytes": {0: 6.1e9, 1: 5.8e9}})
 
-Sections, top to bottom: a header (method, devices, estimated step, bubble); the cluster as a grid of
-hosts × devices coloured by stage; the stage table (layers, submesh, logical mesh, estimated compute /
-communication / memory per device, measured time when a timeline is given); cost bars per stage (and
-per layer FLOPs and entering activation bytes when ``layer_stats`` is given: a Plan does not carry them);
-a sortable table of every parameter's spec; the pipeline timeline (stage × time, forward and backward
-blocks); solver statistics; compile-phase timings.
+Sections, top to bottom: a header (method, devices, the step estimate and what priced it, memory, bubble;
+measured step and memory beside them when given); the cluster as a grid of hosts × devices coloured by stage;
+the stage table (layers, submesh → logical mesh and the axes that cross hosts, estimated time, compute,
+communication and memory per device, and measured columns when given); why this plan (runners-up or hand
+plans and mesh shapes on the same cost model: :mod:`torchpar.report.alternatives`); cost per stage (time,
+memory by part, collective bytes; layers and their modules for pipelines: :mod:`torchpar.report.costs`); the
+ILP's strategy per anchor op (:mod:`torchpar.report.operators`); a sortable table of every parameter's spec;
+the pipeline timeline; the cost constants; solver statistics; compile-phase timings.
 
-The page uses inline CSS, JS and SVG only (no network, no CDN), and escapes every text it shows.
-The layout it draws (device grid, timeline, colours) is :mod:`torchpar.report.layout`, shared with
-:mod:`torchpar.report.png`; the stylesheet and script are :mod:`torchpar.report.assets`.
+Every number comes from :func:`torchpar.report.estimates.plan_numbers`, shared with the PNG, and is formatted by
+:mod:`torchpar.units`; rows and cards carry the exact values as ``data-*`` attributes. The page uses inline CSS,
+JS and SVG only (no network, no CDN), and escapes every text it shows. The layout it draws (device grid,
+timeline, colours) is :mod:`torchpar.report.layout`; the stylesheet and script are :mod:`torchpar.report.assets`.
 """
 
 from __future__ import annotations
 
 import datetime
-import json
 import math
 from collections.abc import Mapping, Sequence
-from html import escape
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from torchpar.cluster import ClusterSpec
-from torchpar.ir.layout import JsonSpec as Spec
 from torchpar.ir.layout import describe
+from torchpar.report import costs
+from torchpar.report.alternatives import why_html
 from torchpar.report.assets import CSS, JS
+from torchpar.report.estimates import PlanNumbers, mesh_text, plan_numbers
 from torchpar.report.layout import (
-    AXIS_COLORS,
     IDLE_COLOR,
     PALETTE,
     DeviceGrid,
@@ -40,85 +43,139 @@ from torchpar.report.layout import (
     stage_color,
     timeline_view,
 )
+from torchpar.report.markup import (
+    Cell,
+    attrs,
+    coord,
+    e,
+    ranges,
+    ratio,
+    shards,
+    spec_chips,
+    spec_legend,
+    stage_cell,
+    table,
+    text_on,
+    tint,
+)
+from torchpar.report.operators import strategies_html
+from torchpar.units import format_bytes, format_seconds
 
 if TYPE_CHECKING:
     from torchpar.planner.plan import Plan
 
-# --- the page ---------------------------------------------------------------------------------------
+EXPLAINED_SOLVER_KEYS = ("estimate", "stage_partition", "runners_up", "mesh_shapes", "method_comparison")
+"""``Plan.solver`` entries shown in their own sections rather than in the solver statistics."""
 
-def save_html(plan: Plan, path: str | Path, *, timeline: Any = None, cluster: ClusterSpec | None = None,
-              param_shapes: Mapping[str, Sequence[int]] | None = None, layer_stats: Any = None,
-              title: str | None = None) -> Path:
+
+def save_html(plan: Plan, path: str | Path, *, timeline: Any = None, measured: Mapping[str, Any] | None = None,
+              cluster: ClusterSpec | None = None, param_shapes: Mapping[str, Sequence[int]] | None = None,
+              layer_stats: Any = None, title: str | None = None) -> Path:
     """Write :func:`render_html` to ``path`` (UTF-8) and return the path."""
     path = Path(path)
-    path.write_text(render_html(plan, timeline=timeline, cluster=cluster, param_shapes=param_shapes,
-                                layer_stats=layer_stats, title=title), encoding="utf-8")
+    path.write_text(render_html(plan, timeline=timeline, measured=measured, cluster=cluster,
+                                param_shapes=param_shapes, layer_stats=layer_stats, title=title), encoding="utf-8")
     return path
 
 
-def render_html(plan: Plan, *, timeline: Any = None, cluster: ClusterSpec | None = None,
-                param_shapes: Mapping[str, Sequence[int]] | None = None, layer_stats: Any = None,
-                title: str | None = None) -> str:
+def render_html(plan: Plan, *, timeline: Any = None, measured: Mapping[str, Any] | None = None,
+                cluster: ClusterSpec | None = None, param_shapes: Mapping[str, Sequence[int]] | None = None,
+                layer_stats: Any = None, title: str | None = None) -> str:
     """The report page as a string.
 
-    ``timeline``: a measured step (see :func:`timeline_view`); ``cluster``: hosts × devices of the grid
-    (default: ``torchpar.init``'s); ``param_shapes``: ``name → shape`` for the parameter table (e.g. from
+    ``timeline``: a measured step (see :func:`~torchpar.report.layout.timeline_view`); ``measured``: what a
+    run measured, ``{"step_s": seconds, "memory_bytes": {stage_index: peak bytes per device}}`` (either key),
+    shown beside the estimates; ``cluster``: hosts × devices of the grid (default: the plan's, else
+    ``torchpar.init``'s); ``param_shapes``: ``name → shape`` for the parameter table (e.g. from
     ``model.named_parameters()``); ``layer_stats``: per-layer forward FLOPs and entering activation bytes,
-    a ``Layering`` (``.flops``, ``.boundary_bytes``) or a list of ``{"flops", "activation_bytes"}``.
+    a ``Layering`` (``.flops``, ``.boundary_bytes``) or a list of ``{"flops", "activation_bytes", "modules"}``
+    (default: ``plan.layers``).
     """
+    numbers = plan_numbers(plan, measured)
     grid = device_grid(plan, cluster)
     view = timeline_view(plan, timeline)
-    measured = timeline is not None
-    layers = _layer_rows(layer_stats)
+    cluster = cluster or grid_cluster(plan)
+    layers = costs.layer_rows(layer_stats if layer_stats is not None else (plan.layers or None))
     notes = list(grid.notes)
-    if layers is None:
-        notes.append("Per-layer FLOPs and activation bytes are not part of the plan; the bars show per-stage "
-                     "estimates.")
     if view.relative:
         notes.append("The plan has no cost estimates: the timeline gives every stage unit time.")
-    title = title or f"torchpar plan: {plan.method}"
+    if abs(numbers.derived_step_s - numbers.step_s) > 1e-6 * max(abs(numbers.step_s), 1e-30):
+        notes.append(f"The stage estimates give a step of {format_seconds(numbers.derived_step_s)} "
+                     f"({numbers.step_formula}) but the plan's estimate is {format_seconds(numbers.step_s)}.")
+    title = title or f"torchpar plan: {numbers.title}"
+    sections = [
+        ("Devices", "devices", _grid_html(plan, grid, numbers)),
+        ("Stages", "stages", _stage_table(plan, grid, numbers, view if timeline is not None else None)),
+        ("Why this plan", "why", why_html(plan, numbers)),
+        ("Cost per stage", "costs", costs.time_bars(numbers) + costs.memory_html(numbers, cluster.device_memory_bytes)
+         + costs.communication_html(numbers)),
+        ("Layers", "layers", costs.layers_html(plan, layers) if layers else None),
+        ("Operator strategies", "strategies", strategies_html(plan)),
+        ("Parameters", "params", _param_table(plan, param_shapes)),
+        ("Pipeline timeline" if numbers.pipeline else "Step timeline", "timeline", _timeline_svg(plan, view, numbers)),
+        ("Cost constants", "constants", costs.constants_html(plan.cluster or {})),
+        ("Solver", "solver", _solver_html(plan.solver)),
+        ("Compile phases", "timings", _timings_html(plan.timings)),
+    ]
+    sections = [s for s in sections if s[2] is not None]
+    toc = "".join(f"<a href='#{anchor}'>{e(name)}</a>" for name, anchor, _ in sections)
     body = [
-        f"<header><h1>{_e(title)}</h1><div class='sub'>{_e(_subtitle(plan, grid))}</div></header>",
-        _cards(plan, grid, view),
-        "".join(f"<p class='note'>{_e(n)}</p>" for n in notes),
-        _section("Devices", "devices", _grid_html(plan, grid)),
-        _section("Stages", "stages", _stage_table(plan, grid, view if measured else None)),
-        _section("Cost per stage", "costs", _stage_bars(plan, cluster or grid_cluster(plan))
-                 + (_layer_charts(plan, layers) if layers is not None else "")),
-        _section("Parameters", "params", _param_table(plan, param_shapes)),
-        _section("Pipeline timeline", "timeline", _timeline_svg(plan, view)),
-        _section("Solver", "solver", _solver_html(plan.solver)),
-        _section("Compile phases", "timings", _timings_html(plan.timings)),
-        f"<footer>Generated by torchpar on {_e(datetime.datetime.now().strftime('%Y-%m-%d %H:%M'))}.</footer>",
+        (f"<header><h1>{e(title)}</h1><div class='sub'>{e(_subtitle(plan, grid, numbers))}</div>"
+         f"<nav class='toc'>{toc}</nav></header>"),
+        _cards(plan, grid, view, numbers),
+        _estimate_note(numbers),
+        "".join(f"<p class='note'>{e(n)}</p>" for n in notes),
+        *(f"<section id='{anchor}'><h2>{e(name)}</h2>{content}</section>" for name, anchor, content in sections),
+        f"<footer>Generated by torchpar on {e(datetime.datetime.now().strftime('%Y-%m-%d %H:%M'))}.</footer>",
     ]
     return (f"<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"
-            f"<meta name='viewport' content='width=device-width, initial-scale=1'><title>{_e(title)}</title>"
+            f"<meta name='viewport' content='width=device-width, initial-scale=1'><title>{e(title)}</title>"
             f"<style>{CSS}</style></head><body><main>{''.join(body)}</main><script>{JS}</script></body></html>\n")
 
 
-def _subtitle(plan: Plan, grid: DeviceGrid) -> str:
-    return (f"{len(plan.stages)} stage(s) on {grid.num_hosts} host(s) × {grid.devices_per_host} device(s); "
-            f"{plan.num_micro_batches} micro-batch(es), schedule {plan.schedule}")
+# --- header ---------------------------------------------------------------------------------------------
+
+def _subtitle(plan: Plan, grid: DeviceGrid, numbers: PlanNumbers) -> str:
+    return (f"{numbers.title}: {len(plan.stages)} stage(s) on {grid.num_hosts} host(s) × {grid.devices_per_host} "
+            f"device(s); {plan.num_micro_batches} micro-batch(es), schedule {plan.schedule}")
 
 
-def _cards(plan: Plan, grid: DeviceGrid, view: TimelineView) -> str:
+def _cards(plan: Plan, grid: DeviceGrid, view: TimelineView, numbers: PlanNumbers) -> str:
     used = sum(len(d) for d in grid.stage_devices)
     params = len({name for stage in plan.stages for name in stage.params})
-    items = [("method", plan.method), ("stages", str(len(plan.stages))),
-             ("devices used", f"{used} of {grid.num_hosts * grid.devices_per_host}"),
-             ("micro-batches", str(plan.num_micro_batches)), ("parameters", str(params)),
-             ("estimated step", _fmt_s(plan.estimated_step_s)),
-             (f"bubble ({view.source})", f"{100 * view.bubble_fraction:.1f}%")]
+    items = [("method", numbers.title, ""), ("devices used", f"{used} of {grid.num_hosts * grid.devices_per_host}", ""),
+             ("parameters", str(params), ""),
+             ("estimated step", format_seconds(numbers.step_s), attrs(data_step_s=numbers.step_s))]
+    if numbers.measured_step_s is not None:
+        value = f"{format_seconds(numbers.measured_step_s)} ({ratio(numbers.measured_step_s, numbers.step_s)} est.)"
+        items.append(("measured step", value, attrs(data_measured_step_s=numbers.measured_step_s)))
+    items.append(("est. memory / device", format_bytes(numbers.peak_memory_bytes),
+                  attrs(data_memory_bytes=numbers.peak_memory_bytes)))
+    if numbers.measured_peak_memory_bytes is not None:
+        items.append(("measured peak memory", format_bytes(numbers.measured_peak_memory_bytes),
+                      attrs(data_measured_memory_bytes=numbers.measured_peak_memory_bytes)))
+    if numbers.pipeline or view.source != "estimated":
+        items.append((f"bubble ({view.source})", f"{100 * view.bubble_fraction:.1f}%", ""))
     return "<div class='cards'>" + "".join(
-        f"<div class='card'><div class='k'>{_e(k)}</div><div class='v'>{_e(v)}</div></div>" for k, v in items
-    ) + "</div>"
+        f"<div class='card'{extra}><div class='k'>{e(k)}</div><div class='v'>{e(v)}</div></div>"
+        for k, v, extra in items) + "</div>"
 
 
-def _section(title: str, anchor: str, content: str) -> str:
-    return f"<section id='{anchor}'><h2>{_e(title)}</h2>{content}</section>"
+def _estimate_note(numbers: PlanNumbers) -> str:
+    model = numbers.estimate_model or "the analytic cost model"
+    unit = "per micro-batch" if numbers.pipeline else "per step"
+    text = (f"How this was estimated: each stage by {model}, {unit}; {numbers.step_equation}. "
+            "Every time and memory figure on this page is this estimate unless labelled otherwise.")
+    if numbers.screening and isinstance(numbers.screening.get("estimated_step_s"), (int, float)):
+        text += (f" The stage DP screened partitions with a coarser model "
+                 f"({numbers.screening.get('model') or 'analytic'}): "
+                 f"{format_seconds(numbers.screening['estimated_step_s'])} for this one, not comparable.")
+    return f"<p class='how'>{e(text)} <a href='#constants'>Cost constants</a>.</p>"
 
 
-def _grid_html(plan: Plan, grid: DeviceGrid) -> str:
+# --- devices and stages ---------------------------------------------------------------------------------
+
+def _grid_html(plan: Plan, grid: DeviceGrid, numbers: PlanNumbers) -> str:
     rows = []
     for host in range(grid.num_hosts):
         cells = []
@@ -131,105 +188,75 @@ def _grid_html(plan: Plan, grid: DeviceGrid) -> str:
             tip = (f"device {cell.device} (host {cell.host}, #{cell.local}): stage {cell.stage}, logical mesh "
                    f"coordinate {cell.mesh_coord}")
             cells.append(f"<div class='device' data-device='{cell.device}' data-stage='{cell.stage}' "
-                         f"style='background:{color};color:{_text_on(color)}' title='{_e(tip)}'>"
-                         f"<b>d{cell.device}</b><span>S{cell.stage} · {_e(_coord(cell.mesh_coord))}</span></div>")
+                         f"style='background:{color};color:{text_on(color)}' title='{e(tip)}'>"
+                         f"<b>d{cell.device}</b><span>S{cell.stage} · {e(coord(cell.mesh_coord))}</span></div>")
         rows.append(f"<div class='host'><div class='hostlabel'>host {host}</div>{''.join(cells)}</div>")
-    legend = "".join(f"<span><i class='swatch' style='background:{stage_color(i)}'></i>stage {i}: "
-                     f"{_e(_mesh(s.submesh_shape))} submesh, logical mesh {_e(_mesh(s.logical_mesh_shape))}</span>"
-                     for i, s in enumerate(plan.stages))
+    legend = "".join(f"<span><i class='swatch' style='background:{stage_color(s.index)}'></i>stage {s.index}: "
+                     f"{e(mesh_text(s.submesh_shape))} submesh, logical mesh {e(mesh_text(s.logical_mesh_shape))}"
+                     f"{e(_crossing_text(s.crosses_hosts))}</span>" for s in numbers.stages)
     legend += f"<span><i class='swatch' style='background:{IDLE_COLOR}'></i>idle</span>"
     return (f"<div class='grid'>{''.join(rows)}</div><div class='legend'>{legend}</div>"
-            "<p class='sub'>Each cell is one device, labelled with its stage and its (row, column) in the "
-            "stage's logical mesh.</p>")
+            "<p class='sub'>Each cell is one device, labelled with its stage and its (row, column) in the stage's "
+            "logical mesh: a collective over axis 0 runs within a column, over axis 1 within a row.</p>")
 
 
-def _stage_table(plan: Plan, grid: DeviceGrid, view: TimelineView | None) -> str:
-    heads = ["stage", "layers", "submesh", "logical mesh", "devices", "params", "est. compute", "est. comm",
-             "est. total", "est. memory / device"]
-    if view is not None:
-        heads += ["measured F+B / micro-batch", "measured ÷ est."]
-    rows = []
-    for index, stage in enumerate(plan.stages):
-        cells = [
-            (f"<i class='swatch' style='background:{stage_color(index)}'></i>{index}", index),
-            (_e(_ranges(stage.layers)), stage.layers[0] if stage.layers else -1),
-            (_e(_mesh(stage.submesh_shape)), None), (_e(_mesh(stage.logical_mesh_shape)), None),
-            (_e(_ranges(grid.stage_devices[index])), None), (str(len(stage.params)), len(stage.params)),
-            (_fmt_s(stage.estimated_compute_s), stage.estimated_compute_s),
-            (_fmt_s(stage.estimated_communication_s), stage.estimated_communication_s),
-            (_fmt_s(stage.estimated_cost_s), stage.estimated_cost_s),
-            (_fmt_bytes(stage.estimated_memory_bytes), stage.estimated_memory_bytes)]
+def _crossing_text(crossing: Sequence[bool]) -> str:
+    axes = [str(a) for a, c in enumerate(crossing) if c]
+    return f" (axis {' and '.join(axes)} crosses hosts)" if axes else ""
+
+
+def _stage_table(plan: Plan, grid: DeviceGrid, numbers: PlanNumbers, view: TimelineView | None) -> str:
+    """Estimated columns, then measured ones (a timeline's F+B time per micro-batch, peak memory) beside them."""
+    unit = "micro-batch" if numbers.pipeline else "step"
+    memory_measured = any(s.measured_memory_bytes is not None for s in numbers.stages)
+    measured_heads = (["F+B time", "÷ est."] if view is not None else []) + (["peak memory", "÷ est."]
+                                                                           if memory_measured else [])
+    fixed = ["stage", "layers", "submesh → logical mesh", "devices", "params"]
+    estimated = [f"time / {unit}", "compute", "comm", "memory / device"]
+    head = ("<tr>" + "".join(f"<th rowspan='2'{' class=num' if h == 'params' else ''}>{e(h)}</th>" for h in fixed)
+            + f"<th colspan='{len(estimated)}' class='group'>estimated</th>"
+            + (f"<th colspan='{len(measured_heads)}' class='group measured'>measured</th>" if measured_heads else "")
+            + "</tr><tr>" + "".join(f"<th class='num'>{e(h)}</th>" for h in estimated)
+            + "".join(f"<th class='num measured'>{e(h)}</th>" for h in measured_heads) + "</tr>")
+    rows, row_attrs = [], []
+    for s, stage in zip(numbers.stages, plan.stages):
+        crossing = _crossing_text(s.crosses_hosts).strip(" ()")
+        mesh = (f"{e(mesh_text(s.submesh_shape))} → {e(mesh_text(s.logical_mesh_shape))}"
+                + (f"<div class='badge'>{e(crossing)}</div>" if crossing else ""))
+        cells: list[Cell] = [stage_cell(s.index), (e(ranges(s.layers)), s.layers[0] if s.layers else -1), (mesh, None),
+                             (e(ranges(grid.stage_devices[s.index])), None), (str(len(stage.params)), len(stage.params)),
+                             (f"<b>{e(format_seconds(s.cost_s))}</b>", s.cost_s),
+                             (e(format_seconds(s.compute_s)), s.compute_s),
+                             (e(format_seconds(s.communication_s)), s.communication_s),
+                             (e(format_bytes(s.memory_bytes)), s.memory_bytes)]
+        per_micro = None
         if view is not None:
-            blocks = [b for b in view.blocks[index] if b[0] in ("forward", "backward")]
+            blocks = [b for b in view.blocks[s.index] if b[0] in ("forward", "backward")]
             micro = len({b[1] for b in blocks}) or 1
             per_micro = sum(b[3] - b[2] for b in blocks) / micro
-            ratio = per_micro / stage.estimated_cost_s if stage.estimated_cost_s > 0 else float("nan")
-            cells += [(_fmt_s(per_micro), per_micro), (f"{ratio:.2f}×" if ratio == ratio else "–", ratio)]
+            cells += [(e(format_seconds(per_micro)), per_micro), (ratio(per_micro, s.cost_s), None)]
+        if memory_measured:
+            m = s.measured_memory_bytes
+            cells += [(e(format_bytes(m)) if m is not None else "–", m), (ratio(m, s.memory_bytes), None)]
         rows.append(cells)
-    caption = ("<p class='sub'>Estimates come from the analytic cost model, per micro-batch; memory is per device."
-               + (" Measured: forward + backward time per micro-batch in the given timeline." if view else "") + "</p>")
-    return _table(heads, rows, numeric=set(range(5, len(heads))), css="stages") + caption
+        row_attrs.append(attrs(data_stage=s.index, data_cost_s=s.cost_s, data_compute_s=s.compute_s,
+                               data_communication_s=s.communication_s, data_memory_bytes=s.memory_bytes,
+                               data_measured_time_s=per_micro, data_measured_memory_bytes=s.measured_memory_bytes))
+    measured_step = (f" · measured step {e(format_seconds(numbers.measured_step_s))} "
+                     f"({ratio(numbers.measured_step_s, numbers.step_s)} est.)"
+                     if numbers.measured_step_s is not None else "")
+    foot = (f"<tr class='total'{attrs(data_derived_step_s=numbers.derived_step_s)}><td colspan='5'>"
+            f"{e(numbers.step_equation)}</td><td class='num'><b>{e(format_seconds(numbers.derived_step_s))}</b></td>"
+            f"<td colspan='{3 + len(measured_heads)}' class='sub'>plan estimate "
+            f"{e(format_seconds(numbers.step_s))}{measured_step}</td></tr>")
+    numeric = set(range(4, 9 + len(measured_heads)))
+    caption = (f"<p class='sub'>Estimated per {unit}, memory per device; measured figures sit beside the estimates"
+               + (": F+B is forward + backward time per micro-batch in the given timeline" if view is not None else "")
+               + ".</p>")
+    return table([], rows, numeric=numeric, css="stages", row_attrs=row_attrs, head_html=head, foot_html=foot) + caption
 
 
-def _stage_bars(plan: Plan, cluster: ClusterSpec) -> str:
-    longest = max((max(s.estimated_cost_s, s.estimated_compute_s + s.estimated_communication_s)
-                   for s in plan.stages), default=0.0) or 1.0
-    biggest = max((s.estimated_memory_bytes for s in plan.stages), default=0) or 1
-    time_rows, memory_rows = [], []
-    for index, stage in enumerate(plan.stages):
-        color = stage_color(index)
-        compute = 100 * stage.estimated_compute_s / longest
-        comm = 100 * stage.estimated_communication_s / longest
-        time_rows.append(
-            f"<div class='barrow'><span class='barlabel'>stage {index}</span><div class='track'>"
-            f"<div class='seg' style='width:{compute:.2f}%;background:{color}' title='compute "
-            f"{_e(_fmt_s(stage.estimated_compute_s))}'></div><div class='seg comm' style='width:{comm:.2f}%' "
-            f"title='communication {_e(_fmt_s(stage.estimated_communication_s))}'></div></div><span class='barvalue'>"
-            f"{_e(_fmt_s(stage.estimated_compute_s))} + {_e(_fmt_s(stage.estimated_communication_s))}</span></div>")
-        share = stage.estimated_memory_bytes / cluster.device_memory_bytes
-        memory_rows.append(
-            f"<div class='barrow'><span class='barlabel'>stage {index}</span><div class='track'>"
-            f"<div class='seg' style='width:{100 * stage.estimated_memory_bytes / biggest:.2f}%;background:{color}'>"
-            f"</div></div><span class='barvalue'>{_e(_fmt_bytes(stage.estimated_memory_bytes))} "
-            f"({100 * share:.2g}% of {_e(_fmt_bytes(cluster.device_memory_bytes))})</span></div>")
-    legend = ("<div class='legend'><span><i class='swatch' style='background:#888'></i>compute (stage colour)</span>"
-              "<span><i class='swatch comm'></i>communication</span></div>")
-    return (f"<h3>Estimated time per micro-batch</h3>{legend}{''.join(time_rows)}"
-            f"<h3>Estimated memory per device</h3>{''.join(memory_rows)}")
-
-
-def _layer_rows(layer_stats: Any) -> list[tuple[float, float]] | None:
-    if layer_stats is None:
-        return None
-    if hasattr(layer_stats, "flops") and hasattr(layer_stats, "boundary_bytes"):
-        return [(float(f), float(b)) for f, b in zip(layer_stats.flops, layer_stats.boundary_bytes)]
-    return [(float(r.get("flops", 0.0)), float(r.get("activation_bytes", 0.0))) for r in layer_stats]
-
-
-def _layer_charts(plan: Plan, layers: list[tuple[float, float]]) -> str:
-    stage_of = {layer: index for index, stage in enumerate(plan.stages) for layer in stage.layers}
-    colors = [stage_color(stage_of[i]) if i in stage_of else IDLE_COLOR for i in range(len(layers))]
-    return (f"<h3>Forward FLOPs per layer</h3>{_columns([f for f, _ in layers], colors, _fmt_flops)}"
-            f"<h3>Activation bytes entering each layer</h3>{_columns([b for _, b in layers], colors, _fmt_bytes)}")
-
-
-def _columns(values: list[float], colors: list[str], fmt: Any) -> str:
-    """An SVG column chart, one column per layer, coloured by stage."""
-    width, height, left, bottom = 1000, 120, 70, 22
-    top = max(values, default=0.0) or 1.0
-    step = (width - left) / max(len(values), 1)
-    parts = [f"<line x1='{left}' y1='{height - bottom}' x2='{width}' y2='{height - bottom}' class='axis'/>",
-             f"<text x='{left - 6}' y='14' class='tick' text-anchor='end'>{_e(fmt(top))}</text>"]
-    for i, (value, color) in enumerate(zip(values, colors)):
-        h = (height - bottom - 8) * value / top
-        x = left + i * step + step * 0.1
-        parts.append(f"<rect class='layerbar' x='{x:.1f}' y='{height - bottom - h:.1f}' width='{step * 0.8:.1f}' "
-                     f"height='{h:.1f}' fill='{color}'><title>layer {i}: {_e(fmt(value))}</title></rect>")
-        if len(values) <= 48 or i % math.ceil(len(values) / 48) == 0:
-            parts.append(f"<text x='{x + step * 0.4:.1f}' y='{height - 6}' class='tick' "
-                         f"text-anchor='middle'>{i}</text>")
-    return f"<svg viewBox='0 0 {width} {height}' class='chart' role='img'>{''.join(parts)}</svg>"
-
+# --- parameters -----------------------------------------------------------------------------------------
 
 def _param_table(plan: Plan, shapes: Mapping[str, Sequence[int]] | None) -> str:
     """One row per (stage, parameter); shape columns only when ``shapes`` is given (a Plan holds specs only,
@@ -243,60 +270,42 @@ def _param_table(plan: Plan, shapes: Mapping[str, Sequence[int]] | None) -> str:
     for index, stage in enumerate(plan.stages):
         mesh = tuple(int(d) for d in stage.logical_mesh_shape)
         for name, spec in stage.params.items():
-            shards = _shards(spec, mesh)
+            pieces = shards(spec, mesh)
             other = []
             for what, layouts in (("grad", stage.grads), ("optimizer state", stage.optimizer_state),
                                   ("gathered at use", stage.params_at_use)):
                 if name in layouts and layouts[name] != spec:
                     other.append(f"{what}: {describe(layouts[name])}")
-            cells = [(f"<i class='swatch' style='background:{stage_color(index)}'></i>{index}", index),
-                     (f"<code>{_e(name)}</code>", name), (str(len(spec)), len(spec)),
-                     (_spec_chips(spec), describe(spec)), (str(shards), shards),
-                     (_e("; ".join(other)), "; ".join(other))]
+            cells = [stage_cell(index), (f"<code>{e(name)}</code>", name), (str(len(spec)), len(spec)),
+                     (spec_chips(spec), describe(spec)), (str(pieces), pieces),
+                     (e("; ".join(other)), "; ".join(other))]
             if with_shapes:
                 shape = list(shapes[name]) if name in shapes else None
                 numel = math.prod(shape) if shape is not None else -1
-                cells[2:2] = [(_e("×".join(map(str, shape)) if shape is not None else "?"), numel)]
-                cells[-1:-1] = [(f"{math.ceil(numel / shards):,}" if numel >= 0 else "?", numel / shards)]
+                cells[2:2] = [(e("×".join(map(str, shape)) if shape is not None else "?"), numel)]
+                cells[-1:-1] = [(f"{math.ceil(numel / pieces):,}" if numel >= 0 else "?", numel / pieces)]
             rows.append(cells)
     numeric = {i for i, h in enumerate(heads) if h in ("rank", "shards", "elements / device")}
-    legend = (f"<div class='legend'><span><b class='chip'>R</b> replicated dim</span><span><b class='chip' "
-              f"style='background:{AXIS_COLORS[0]}'>S0</b> split over logical mesh axis 0</span><span><b class='chip' "
-              f"style='background:{AXIS_COLORS[1]}'>S1</b> over axis 1</span><span>Click a header to sort.</span>"
-              "</div>")
-    return legend + _table(heads, rows, numeric=numeric, sortable=True, css="params", scroll=len(rows) > 20)
+    return (spec_legend("<span>Click a header to sort.</span>")
+            + table(heads, rows, numeric=numeric, sortable=True, css="params", scroll=len(rows) > 20))
 
 
-def _shards(spec: Spec, mesh: tuple[int, int]) -> int:
-    return math.prod(mesh[a] for entry in spec if entry for a in entry if 0 <= a < len(mesh))
+# --- timeline -------------------------------------------------------------------------------------------
 
-
-def _spec_chips(spec: Spec) -> str:
-    if not spec:
-        return "<span class='sub'>scalar</span>"
-    chips = []
-    for entry in spec:
-        if not entry:
-            chips.append("<b class='chip'>R</b>")
-        else:
-            color = AXIS_COLORS[entry[0]] if len(entry) == 1 and entry[0] in (0, 1) else "#bf3989"
-            chips.append(f"<b class='chip' style='background:{color}'>S{_e(''.join(map(str, entry)))}</b>")
-    return "".join(chips)
-
-
-def _timeline_svg(plan: Plan, view: TimelineView) -> str:
-    left, right, row_h, gap, top = 78, 20, 30, 8, 10
+def _timeline_svg(plan: Plan, view: TimelineView, numbers: PlanNumbers) -> str:
+    left, right, row_h, gap, top = 78, 20, 30, 8, 22
     width = 1100
     inner = width - left - right
     height = top + len(view.blocks) * (row_h + gap) + 30
-    span = view.makespan or 1.0
+    marker = None if view.relative or numbers.step_s <= 0 else numbers.step_s
+    span = max(view.makespan, marker or 0.0) or 1.0
     scale = inner / span
     parts = []
     for tick in _ticks(span):
         x = left + tick * scale
         parts.append(f"<line x1='{x:.1f}' y1='{top}' x2='{x:.1f}' y2='{height - 26}' class='gridline'/>"
                      f"<text x='{x:.1f}' y='{height - 10}' class='tick' text-anchor='middle'>"
-                     f"{_e(_fmt_tick(tick, view.relative))}</text>")
+                     f"{e(_fmt_tick(tick, view.relative))}</text>")
     for stage, blocks in enumerate(view.blocks):
         y = top + stage * (row_h + gap)
         color = stage_color(stage)
@@ -306,156 +315,36 @@ def _timeline_svg(plan: Plan, view: TimelineView) -> str:
         for op, micro, start, end in blocks:
             x, w = left + start * scale, max((end - start) * scale, 1.0)
             kind = {"forward": "fwd", "backward": "bwd"}.get(op, "other")
-            fill = _tint(color, 0.5) if kind == "fwd" else color if kind == "bwd" else "#999"
+            fill = tint(color, 0.5) if kind == "fwd" else color if kind == "bwd" else "#999999"
             label = f"{op[0].upper()}{'' if micro is None else micro}"
             tip = (f"stage {stage} {op} micro-batch {micro}: {_fmt_tick(start, view.relative)} – "
                    f"{_fmt_tick(end, view.relative)}")
             parts.append(f"<rect class='blk {kind}' data-stage='{stage}' "
-                         f"data-micro-batch='{_e('' if micro is None else micro)}' "
+                         f"data-micro-batch='{e('' if micro is None else micro)}' "
                          f"x='{x:.2f}' y='{y + 2}' width='{w:.2f}' height='{row_h - 4}' rx='3' fill='{fill}'>"
-                         f"<title>{_e(tip)}</title></rect>")
+                         f"<title>{e(tip)}</title></rect>")
             if w >= 8 * len(label) + 4:
                 parts.append(f"<text x='{x + w / 2:.2f}' y='{y + row_h / 2 + 4}' class='blklabel' text-anchor='middle' "
-                             f"fill='{_text_on(fill)}'>{_e(label)}</text>")
-    what = {"estimated": f"estimated from the cost model (forward ⅓, backward ⅔ of each stage's cost), schedule "
-                         f"{plan.schedule}", "simulated": "simulated", "measured": "measured"}[view.source]
-    legend = (f"<div class='legend'><span><i class='swatch' style='background:{_tint(PALETTE[0], 0.5)}'></i>forward "
+                             f"fill='{text_on(fill)}'>{e(label)}</text>")
+    if marker is not None:
+        x = left + marker * scale
+        anchor = "end" if x > left + inner * 0.6 else "start"
+        parts.append(f"<line x1='{x:.1f}' y1='{top - 6}' x2='{x:.1f}' y2='{height - 26}' class='estline'/>"
+                     f"<text x='{x + (-4 if anchor == 'end' else 4):.1f}' y='{top - 9}' class='estlabel' "
+                     f"text-anchor='{anchor}'>estimated step {e(format_seconds(marker))}</text>")
+    what = {"estimated": f"simulated from each stage's estimate (forward ⅓, backward ⅔), schedule {plan.schedule}",
+            "simulated": "simulated", "measured": "measured"}[view.source]
+    legend = (f"<div class='legend'><span><i class='swatch' style='background:{tint(PALETTE[0], 0.5)}'></i>forward "
               f"(light)</span><span><i class='swatch' style='background:{PALETTE[0]}'></i>backward (stage colour)"
               "</span>"
               f"<span><i class='swatch' style='background:{IDLE_COLOR}'></i>idle (bubble)</span><span>labels: F/B + "
-              f"micro-batch</span></div>")
-    caption = (f"<p class='sub'>{_e(what)}; makespan {_e(_fmt_tick(view.makespan, view.relative))}, bubble "
-               f"{100 * view.bubble_fraction:.1f}%.</p>")
-    return (f"{legend}<svg viewBox='0 0 {width} {height}' class='chart timeline' role='img'>{''.join(parts)}</svg>"
-            f"{caption}")
-
-
-def _solver_html(solver: Mapping[str, Any]) -> str:
-    if not solver:
-        return "<p class='sub'>No solver statistics (a hand-made or single-device plan).</p>"
-    scalar = lambda v: not isinstance(v, (Mapping, list, tuple))  # noqa: E731
-    flat = {k: v for k, v in solver.items() if scalar(v)}
-    per_stage = {k: v for k, v in solver.items() if isinstance(v, Mapping) and all(map(scalar, v.values()))}
-    other = {k: v for k, v in solver.items() if k not in flat and k not in per_stage}
-    out = []
-    if flat:
-        rows = [[(_e(k), None), (_e(_fmt_stat(k, v)), None)] for k, v in flat.items()]
-        out.append(_table(["statistic", "value"], rows, numeric={1}, css="kv"))
-    if per_stage:
-        keys = list(dict.fromkeys(k for v in per_stage.values() for k in v))
-        rows = [[(_e(key), None)] + [(_e(_fmt_stat(key, v.get(key, ""))), None) for v in per_stage.values()]
-                for key in keys]
-        out.append(_table(["statistic", *per_stage], rows, numeric=set(range(1, len(per_stage) + 1)), css="kv"))
-    for name, value in other.items():
-        items = value if isinstance(value, (list, tuple)) else [value]
-        entries = "".join(f"<li>{_e(_describe(item))}</li>" for item in items) or "<li class='sub'>none</li>"
-        out.append(f"<h3>{_e(name.replace('_', ' '))}</h3><ol class='mono'>{entries}</ol>")
-    return "".join(out)
-
-
-def _timings_html(timings: Mapping[str, float]) -> str:
-    if not timings:
-        return "<p class='sub'>No compile-phase timings recorded.</p>"
-    longest = max(timings.values()) or 1.0
-    rows = [f"<div class='barrow'><span class='barlabel'>{_e(phase)}</span><div class='track'><div class='seg' "
-            f"style='width:{100 * seconds / longest:.2f}%;background:#57606a'></div></div>"
-            f"<span class='barvalue'>{seconds:.3f} s</span></div>" for phase, seconds in timings.items()]
-    return "".join(rows) + f"<p class='sub'>total {sum(timings.values()):.3f} s</p>"
-
-
-# --- small helpers ----------------------------------------------------------------------------------
-
-def _e(value: Any) -> str:
-    return escape(str(value), quote=True)
-
-
-Cell = tuple[str, Any]
-"""A table cell: (inner HTML, sort key or ``None`` to sort by its text)."""
-
-
-def _table(heads: list[str], rows: list[list[Cell]], *, numeric: set[int] = frozenset(), sortable: bool = False,
-           css: str = "", scroll: bool = False) -> str:
-    """A table; columns in ``numeric`` are right-aligned; ``sortable`` ones sort on a header click (inline JS)."""
-    classes = " ".join(c for c in (css, "sortable" if sortable else "") if c)
-    head = "".join(f"<th{' class=num' if i in numeric else ''}>{_e(h)}</th>" for i, h in enumerate(heads))
-    body = []
-    for cells in rows:
-        tds = []
-        for i, (inner, key) in enumerate(cells):
-            attrs = (" class='num'" if i in numeric else "") + ("" if key is None else f" data-sort='{_e(key)}'")
-            tds.append(f"<td{attrs}>{inner}</td>")
-        body.append("<tr>" + "".join(tds) + "</tr>")
-    wrap = "tablewrap scroll" if scroll else "tablewrap"
-    return (f"<div class='{wrap}'><table class='{classes}'><thead><tr>{head}</tr></thead>"
-            f"<tbody>{''.join(body)}</tbody></table></div>")
-
-
-def _ranges(values: Sequence[int]) -> str:
-    """``[0, 1, 2, 5]`` → ``0–2, 5``."""
-    values = sorted(values)
-    parts, start = [], None
-    for i, v in enumerate(values):
-        start = v if start is None else start
-        if i + 1 == len(values) or values[i + 1] != v + 1:
-            parts.append(str(v) if v == start else f"{start}–{v}")
-            start = None
-    return ", ".join(parts) or "–"
-
-
-def _mesh(shape: Sequence[int]) -> str:
-    return "×".join(str(int(d)) for d in shape)
-
-
-def _coord(coord: tuple[int, int] | None) -> str:
-    return "" if coord is None else f"({coord[0]},{coord[1]})"
-
-
-def _fmt_s(seconds: float) -> str:
-    seconds = float(seconds)
-    if seconds == 0:
-        return "0"
-    if abs(seconds) >= 1:
-        return f"{seconds:.3g} s"
-    if abs(seconds) >= 1e-3:
-        return f"{seconds * 1e3:.3g} ms"
-    return f"{seconds * 1e6:.3g} µs"
-
-
-def _fmt_bytes(count: float) -> str:
-    count = float(count)
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(count) >= size:
-            return f"{count / size:.3g} {unit}"
-    return f"{count:.0f} B"
-
-
-def _fmt_flops(count: float) -> str:
-    for unit, size in (("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6), ("kFLOP", 1e3)):
-        if abs(count) >= size:
-            return f"{count / size:.3g} {unit}"
-    return f"{count:.0f} FLOP"
-
-
-def _fmt_stat(key: str, value: Any) -> str:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return str(value)
-    if key.endswith("_s"):
-        return _fmt_s(value)
-    if "bytes" in key:
-        return _fmt_bytes(value)
-    return f"{value:,}" if isinstance(value, int) else f"{value:.4g}"
-
-
-def _describe(item: Any) -> str:
-    """A stage partition (``{"estimated_step_s", "stages": [...]}``) on one line; other items as JSON."""
-    if isinstance(item, Mapping) and isinstance(item.get("stages"), list):
-        parts = [f"layers {_ranges(st.get('layers', []))} on {_mesh(st.get('submesh_shape', []))} (mesh "
-                 f"{_mesh(st.get('logical_mesh_shape', []))}) {_fmt_s(st.get('estimated_cost_s', 0.0))}"
-                 for st in item["stages"]]
-        return f"step {_fmt_s(item.get('estimated_step_s', 0.0))}: " + " | ".join(parts)
-    if isinstance(item, Mapping) and "description" in item:
-        return str(item["description"])
-    return item if isinstance(item, str) else json.dumps(item, default=str)
+              f"micro-batch</span><span><i class='swatch dashed'></i>the plan's step estimate</span></div>")
+    caption = f"{what}; the blocks end at {_fmt_tick(view.makespan, view.relative)}, bubble {100 * view.bubble_fraction:.1f}%"
+    if marker is not None and view.source == "estimated" and abs(view.makespan - marker) > 1e-3 * marker:
+        relation = "bounds this schedule from above" if view.makespan < marker else "is shorter than this schedule"
+        caption += f". The plan's estimate, {format_seconds(marker)} ({numbers.step_equation}), {relation}"
+    return (f"{legend}<svg viewBox='0 0 {width} {height}' class='chart timeline' role='img'"
+            f"{attrs(data_makespan_s=view.makespan)}>{''.join(parts)}</svg><p class='sub'>{e(caption)}.</p>")
 
 
 def _ticks(span: float) -> list[float]:
@@ -466,16 +355,52 @@ def _ticks(span: float) -> list[float]:
 
 
 def _fmt_tick(value: float, relative: bool) -> str:
-    return f"{value:.3g}" if relative else _fmt_s(value)
+    return f"{value:.3g}" if relative else format_seconds(value)
 
 
-def _tint(color: str, amount: float) -> str:
-    """``color`` mixed with white by ``amount`` (0 = unchanged, 1 = white)."""
-    r, g, b = (int(color[i:i + 2], 16) for i in (1, 3, 5))
-    mix = lambda c: round(c + (255 - c) * amount)  # noqa: E731
-    return f"#{mix(r):02x}{mix(g):02x}{mix(b):02x}"
+# --- solver and compile phases --------------------------------------------------------------------------
+
+def _solver_html(solver: Mapping[str, Any]) -> str:
+    solver = {k: v for k, v in (solver or {}).items() if k not in EXPLAINED_SOLVER_KEYS}
+    if not solver:
+        return "<p class='sub'>No solver statistics (a hand-made or single-device plan).</p>"
+    scalar = lambda v: not isinstance(v, (Mapping, list, tuple))
+    flat = {k: v for k, v in solver.items() if scalar(v)}
+    per_stage = {k: v for k, v in solver.items() if isinstance(v, Mapping) and all(map(scalar, v.values()))}
+    other = {k: v for k, v in solver.items() if k not in flat and k not in per_stage}
+    out = []
+    if flat:
+        rows = [[(e(k), None), (e(_fmt_stat(k, v)), None)] for k, v in flat.items()]
+        out.append(table(["statistic", "value"], rows, numeric={1}, css="kv"))
+    if per_stage:
+        keys = list(dict.fromkeys(k for v in per_stage.values() for k in v))
+        rows = [[(e(key), None)] + [(e(_fmt_stat(key, v.get(key, ""))), None) for v in per_stage.values()]
+                for key in keys]
+        out.append(table(["statistic", *per_stage], rows, numeric=set(range(1, len(per_stage) + 1)), css="kv"))
+    for name, value in other.items():
+        items = value if isinstance(value, (list, tuple)) else [value]
+        entries = "".join(f"<li>{e(item)}</li>" for item in items) or "<li class='sub'>none</li>"
+        out.append(f"<h3>{e(name.replace('_', ' '))}</h3><ol class='mono'>{entries}</ol>")
+    return "".join(out)
 
 
-def _text_on(color: str) -> str:
-    r, g, b = (int(color[i:i + 2], 16) / 255 for i in (1, 3, 5))
-    return "#1f2328" if 0.2126 * r + 0.7152 * g + 0.0722 * b > 0.6 else "#ffffff"
+def _fmt_stat(key: str, value: Any) -> str:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return str(value)
+    if key.endswith("_s"):
+        return format_seconds(value)
+    if "bytes" in key:
+        return format_bytes(value)
+    if key == "gap":
+        return f"{100 * value:.2g}%"
+    return f"{value:,}" if isinstance(value, int) else f"{value:.4g}"
+
+
+def _timings_html(timings: Mapping[str, float]) -> str:
+    if not timings:
+        return "<p class='sub'>No compile-phase timings recorded.</p>"
+    longest = max(timings.values()) or 1.0
+    rows = [f"<div class='barrow'><span class='barlabel'>{e(phase)}</span><div class='track'><div class='seg' "
+            f"style='width:{100 * seconds / longest:.2f}%;background:#57606a'></div></div>"
+            f"<span class='barvalue'>{e(format_seconds(seconds))}</span></div>" for phase, seconds in timings.items()]
+    return "".join(rows) + f"<p class='sub'>total {e(format_seconds(sum(timings.values())))}</p>"

@@ -51,7 +51,7 @@ class DeviceGrid:
     notes: tuple[str, ...]
 
 
-def grid_cluster(plan: "Plan") -> ClusterSpec:
+def grid_cluster(plan: Plan) -> ClusterSpec:
     """The cluster a report draws: the one the plan was made for, else the one from ``torchpar.init``."""
     return ClusterSpec(**plan.cluster) if plan.cluster else current_cluster()
 

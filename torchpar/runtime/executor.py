@@ -5,11 +5,12 @@ optimizer spec, run options) and answers
 
 - ``load_state(HostState)`` / ``export_state() → HostState``: the training state in and out, as host arrays;
 - ``compile_step(key, graph, trainable, leaves, scalars)``: one-stage plans compile one step per batch
-  signature ``key`` (pipelines compile their stages in ``warm_up``);
+  signature ``key`` (pipelines compile their stages in ``warm_up``, and again for other batch shapes in
+  ``compile_shapes(key, stage_graphs, scalars)``);
 - ``step(key, leaves, scalars, key_data) → StepResult``: one optimizer step on a batch (host arrays): the
   loss, and whether the step was finite (with ``RunOptions.check_finite`` a non-finite step is skipped);
 - ``forward(key, graph, leaves) → outputs``: the eval forward;
-- ``hlo_text()``, ``memory_stats()`` (per stage), ``describe_workers()``, ``spmd_mode``, ``last_timeline``;
+- ``hlo_text()`` (in stage order), ``memory_stats()`` (by stage index), ``describe_workers()``, ``spmd_mode``, ``last_timeline``;
 - ``close()``: free everything it started (also a context manager).
 
 Implementations differ only in where the workers (:mod:`.worker`) live: :class:`LocalExecutor` holds one
@@ -143,6 +144,14 @@ class Executor:
         self._check_open()
         self._call("warm_up", scalars, what="compiling the stages", timeout_s=self.compile_timeout_s)
 
+    def compile_shapes(self, key: Hashable, stage_graphs: list[Any], scalars: Any) -> None:
+        """Pipelines: compile the plan's stages again for batch signature ``key`` (other batch shapes), from
+        ``stage_graphs`` (the plan's stages of the model captured on one micro-batch of such a batch); steps on
+        ``key`` run them, with the same state."""
+        self._check_open()
+        self._call("compile_shapes", key, stage_graphs, scalars, what="compiling the stages for new batch shapes",
+                   timeout_s=self.compile_timeout_s)
+
     @property
     def compile_timeout_s(self) -> float:
         return 1800.0
@@ -215,8 +224,10 @@ class Executor:
         """Optimized HLO of each stage's (forward) executable, in stage order."""
         return self._per_stage("hlo_text", "reading HLO")
 
-    def memory_stats(self) -> list[dict[str, int]]:
-        return self._per_stage("memory_stats", "reading memory statistics")
+    def memory_stats(self) -> dict[int, dict[str, int]]:
+        """XLA's per-device memory analysis of each stage's executables, keyed by stage index (from each
+        stage's lead process)."""
+        return self._by_stage("memory_stats", "reading memory statistics")
 
     def describe_workers(self, programs: bool = False) -> list[dict[str, Any]]:
         """Each worker's own account of itself (process, devices, stages, steps run; with ``programs`` the HLO
@@ -225,11 +236,15 @@ class Executor:
         return self._call("describe", programs, what="describing the workers")
 
     def _per_stage(self, method: str, what: str) -> list[Any]:
+        return list(self._by_stage(method, what).values())
+
+    def _by_stage(self, method: str, what: str) -> dict[int, Any]:
+        """Every worker's ``{stage: answer}`` merged, in stage order."""
         self._check_open()
         merged: dict[int, Any] = {}
         for result in self._call(method, what=what):
             merged.update(result)
-        return [merged[s] for s in sorted(merged)]
+        return {s: merged[s] for s in sorted(merged)}
 
     @property
     def spmd_mode(self) -> str:

@@ -65,3 +65,13 @@ def _ranges(devices: list[int]) -> str:
     if devices and devices == list(range(devices[0], devices[-1] + 1)) and len(devices) > 2:
         return f"{devices[0]}–{devices[-1]}"
     return ", ".join(str(d) for d in devices)
+
+
+def executable_peak_bytes(stats: dict[str, int]) -> int:
+    """Per-device bytes one stage's executables hold at once by XLA's memory analysis (``engine.memory_stats()``'s
+    entry of a stage): ``arguments + outputs − aliased + temporaries``, the largest over its executables (a pipeline
+    stage's ``forward_`` and ``backward_`` programs). A pipeline stage's other in-flight micro-batches' residuals are
+    not counted."""
+    prefixes = {key[: -len("argument_bytes")] for key in stats if key.endswith("argument_bytes")}
+    return max((stats.get(f"{p}argument_bytes", 0) + stats.get(f"{p}output_bytes", 0) - stats.get(f"{p}alias_bytes", 0)
+                + stats.get(f"{p}temp_bytes", 0) for p in prefixes), default=0)

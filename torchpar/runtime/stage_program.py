@@ -217,5 +217,13 @@ class StageProgram:
 
 
 def _signature_of(args: Any) -> Any:
-    """Shapes, dtypes and shardings of ``args`` (a pytree of arrays), to lower a jitted function again."""
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None)), args)
+    """Shapes, dtypes and shardings of ``args`` (a pytree of arrays), to lower a jitted function again.
+
+    An uncommitted array (the step's PRNG key, made on the process's default device) keeps no sharding: at
+    run time it follows the stage's committed arguments, and pinning it to the default device would make the
+    lowering ask for two device sets whenever the stage does not run on that device."""
+    def struct(a: Any) -> jax.ShapeDtypeStruct:
+        sharding = getattr(a, "sharding", None) if getattr(a, "committed", True) else None
+        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
+
+    return jax.tree.map(struct, args)

@@ -5,7 +5,8 @@ The local runtime has one :class:`Worker`, called directly; the Ray runtime has 
 same :class:`ExecutionSpec` and its process rank, builds the programs of the stages whose devices it
 owns, and answers the same calls:
 
-``load(state)`` / ``export()``; ``warm_up(scalars)``; ``run_step(...) → StepReport``;
+``load(state)`` / ``export()``; ``warm_up(scalars)`` (pipelines: ``compile_shapes(key, stage_graphs, scalars)`` for
+other batch shapes); ``run_step(...) → StepReport``;
 ``apply_update(clip_scale)``; ``hlo_text()`` / ``memory_stats()`` (by stage, from the stage's lead —
 lowest-ranked — process); ``describe()``.
 
@@ -235,22 +236,16 @@ class PipelineWorker(Worker):
 
     def __init__(self, spec: ExecutionSpec, rank: int, deliver: Deliver | None):
         super().__init__(spec, rank)
-        from torchpar.runtime.placement import Placement
         from torchpar.runtime.schedules import make_schedule
-        from torchpar.runtime.stage_program import StageProgram
 
         plan = spec.plan
         self.ranks = spec.stage_ranks()
         trainable = set(spec.trainable)
-        # every stage's layouts (the neighbours' too: a sender lays values out as the receiver reads them)
-        self.placements = {s: Placement.from_stage(stage_plan, graph.graph, spec.devices.jax_devices(stage_plan.devices()))
-                           for s, (graph, stage_plan) in enumerate(zip(spec.stage_graphs, plan.stages))}
-        self.programs: dict[int, StageProgram] = {}
-        for s, graph in enumerate(spec.stage_graphs):
-            if rank in self.ranks[s]:
-                self.programs[s] = StageProgram(graph, placement=self.placements[s], spec=spec.optimizer,
-                                                trainable=trainable, num_micro_batches=plan.num_micro_batches,
-                                                library_fusions=spec.options.library_fusions)
+        # the layouts and programs of the most recent step's batch shapes (at first: the example batch's); those
+        # of other batch shapes by batch signature (compile_shapes)
+        self.placements, self.programs = self._build(spec.stage_graphs)
+        self._primary = (self.placements, self.programs)
+        self._variants: dict[Hashable, tuple[dict[int, Any], dict[int, Any]]] = {}
         from torchpar.runtime.interpreter import StageState
 
         self.states = {s: StageState() for s in self.programs}
@@ -259,6 +254,30 @@ class PipelineWorker(Worker):
                                                    for s, g in enumerate(spec.stage_graphs)})
         self.mailbox = Mailbox()
         self.transport = Transport(rank, self.ranks, self.mailbox, deliver, spec.options.timeout_s)
+
+    def _build(self, stage_graphs: list[StageGraph]) -> tuple[dict[int, Any], dict[int, Any]]:
+        """Every stage's layouts (the neighbours' too: a sender lays values out as the receiver reads them) and
+        the programs of the stages this process takes part in, for ``stage_graphs``."""
+        from torchpar.runtime.placement import Placement
+        from torchpar.runtime.stage_program import StageProgram
+
+        spec, plan = self.spec, self.spec.plan
+        placements = {s: Placement.from_stage(stage_plan, graph.graph, spec.devices.jax_devices(stage_plan.devices()))
+                      for s, (graph, stage_plan) in enumerate(zip(stage_graphs, plan.stages))}
+        programs = {s: StageProgram(graph, placement=placements[s], spec=spec.optimizer, trainable=set(spec.trainable),
+                                    num_micro_batches=plan.num_micro_batches,
+                                    library_fusions=spec.options.library_fusions)
+                    for s, graph in enumerate(stage_graphs) if self.rank in self.ranks[s]}
+        return placements, programs
+
+    def compile_shapes(self, key: Hashable, stage_graphs: list[StageGraph], scalars: Any) -> None:
+        """Build and compile the stages for other batch shapes (batch signature ``key``): ``stage_graphs`` are the
+        plan's stages of the model captured on one micro-batch of that batch. The state stays where it is."""
+        placements, programs = self._build(stage_graphs)
+        for s, program in sorted(programs.items()):
+            stage = self.states[s]
+            program.warm_up(stage.params, stage.buffers, stage.opt_state, scalars)
+        self._variants[key] = (placements, programs)
 
     def stages(self) -> list[int]:
         return sorted(self.programs)
@@ -308,6 +327,7 @@ class PipelineWorker(Worker):
         clipping needs every stage's norm (else the driver calls :meth:`apply_update`)."""
         from torchpar.runtime.interpreter import run_instructions
 
+        self.placements, self.programs = self._variants.get(key, self._primary)
         rng = jax.random.wrap_key_data(key_data)
         self._scalars = scalars
         self.transport.begin_step(self.steps_run)
