@@ -6,14 +6,13 @@ hosts × 4 devices (with runners-up) and a ShardParallel plan on 8 devices (with
 
 from __future__ import annotations
 
-from html.parser import HTMLParser
-
 import matplotlib
 import matplotlib.pyplot as plt
 import pytest
 import torch
 
 import torchpar
+from tests.report.html_page import Page
 from torchpar.harness import zoo
 from torchpar.planner.mesh_links import axes_crossing_hosts as planner_crossing
 from torchpar.planner.plan import Plan
@@ -30,53 +29,6 @@ from torchpar.report.operators import explain_strategy, merge_modules, parse_str
 from torchpar.units import format_bytes, format_seconds
 
 REL = 1e-12
-
-
-class Element:
-    def __init__(self, tag: str, attrs: dict[str, str], ancestors: tuple[Element, ...]):
-        self.tag, self.attrs, self.ancestors, self.text = tag, attrs, ancestors, []
-
-    @property
-    def content(self) -> str:
-        return "".join(self.text).strip()
-
-    def inside(self, tag: str, cls: str | None = None) -> bool:
-        return any(a.tag == tag and (cls is None or cls in a.attrs.get("class", "").split()) for a in self.ancestors)
-
-
-class Page(HTMLParser):
-    """Every element with its attributes, ancestors and text (as tests/report/test_html.py's ``Page``)."""
-
-    VOID = frozenset({"meta", "br", "img", "input", "link", "hr", "source", "wbr"})
-
-    def __init__(self, text: str):
-        super().__init__(convert_charrefs=True)
-        self.elements: list[Element] = []
-        self._open: list[Element] = []
-        self.feed(text)
-        self.close()
-
-    def handle_starttag(self, tag, attrs):
-        element = Element(tag, {k: v or "" for k, v in attrs}, tuple(self._open))
-        self.elements.append(element)
-        if tag not in self.VOID:
-            self._open.append(element)
-
-    def handle_endtag(self, tag):
-        for index in range(len(self._open) - 1, -1, -1):
-            if self._open[index].tag == tag:
-                del self._open[index:]
-                return
-
-    def handle_data(self, data):
-        for element in self._open:
-            element.text.append(data)
-
-    def find(self, tag: str, cls: str | None = None) -> list[Element]:
-        return [e for e in self.elements if e.tag == tag and (cls is None or cls in e.attrs.get("class", "").split())]
-
-    def rows(self, table_class: str) -> list[Element]:
-        return [e for e in self.find("tr") if e.inside("table", table_class) and e.inside("tbody")]
 
 
 @pytest.fixture(scope="module")
