@@ -19,8 +19,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxbackend import dtypes
+from jaxbackend import dtypes, precision
 from jaxbackend.ops import registry
+from jaxbackend.precision import Numerics
 from jaxbackend.sharding import constrain
 from torchpar.ir.graph import DType, Graph, Node, OutMeta, Ref, TensorMeta
 
@@ -59,7 +60,8 @@ def check_supported(graph: Graph) -> None:
 
 def lower(graph: Graph, *, value_shardings: Mapping[str, Any] | None = None,
           operand_shardings: Mapping[str, Sequence[Any]] | None = None, layouts: Any = None,
-          observe: Callable[[Node, Any, dict[str, Any]], None] | None = None) -> StepFn:
+          observe: Callable[[Node, Any, dict[str, Any]], None] | None = None,
+          numerics: Numerics | None = None) -> StepFn:
     """The pure JAX function computing ``graph`` (see the module docstring for its signature).
 
     ``value_shardings`` maps input or node names to a sharding their value is constrained to
@@ -73,6 +75,10 @@ def lower(graph: Graph, *, value_shardings: Mapping[str, Any] | None = None,
 
     ``observe(node, value, env)`` is called after each node with its value and every value computed so far
     (for diagnostics run eagerly, outside ``jit``: e.g. finding the first op that produced a nan).
+
+    ``numerics`` sets the precision of float32 products and convolutions (:mod:`jaxbackend.precision`;
+    default full fp32). It is read while the function is traced, so the backward pass that ``jax.grad``
+    derives from it computes its products the same way.
     """
     check_supported(graph)
     local = None
@@ -91,6 +97,10 @@ def lower(graph: Graph, *, value_shardings: Mapping[str, Any] | None = None,
 
     def run(params: dict[str, jax.Array], buffers: dict[str, jax.Array], inputs: Sequence[jax.Array],
             key: jax.Array, activations: Mapping[str, jax.Array] | None = None) -> tuple[list[Any], dict[str, jax.Array]]:
+        with precision.using(numerics):
+            return trace(params, buffers, inputs, key, activations)
+
+    def trace(params, buffers, inputs, key, activations):
         env: dict[str, Any] = {}
         for inp in graph.inputs:
             if inp.kind == "param":

@@ -66,6 +66,8 @@ def compile(
     spmd: Literal["auto", "gspmd", "shard_map"] = "auto",
     check_inputs: bool = True,
     on_nonfinite: Literal["raise", "skip", "ignore"] = "raise",
+    matmul_precision: Literal["highest", "high", "medium"] | None = None,
+    mixed_precision: Literal["bf16", "fp16"] | None = None,
 ) -> Engine:
     """Capture ``model``'s training step on ``example_batch`` and compile it with ``method``; returns the
     :class:`~torchpar.api.Engine` (``engine.step(batch)``; ``engine.close()``, or use it in a ``with`` block).
@@ -91,6 +93,12 @@ def compile(
     - ``on_nonfinite``: a step with an inf/nan loss or gradient never updates the state; ``"raise"``: then
       raise ``NonFiniteError`` naming the first culprit, ``"skip"``: log and count it in
       ``engine.skipped_steps``, ``"ignore"``: apply the update as PyTorch does.
+    - ``matmul_precision``: float32 products and convolutions on a GPU in ``"highest"`` (fp32), ``"high"`` (TF32)
+      or ``"medium"`` (bf16 passes) precision; ``None`` follows ``torch.get_float32_matmul_precision()`` and
+      ``torch.backends.cudnn.allow_tf32`` at compile time. The CPU computes fp32 products whatever is asked.
+    - ``mixed_precision``: ``"bf16"`` or ``"fp16"`` trains under ``torch.autocast`` semantics with float32
+      master weights and optimizer state; ``"fp16"`` adds dynamic loss scaling as ``torch.amp.GradScaler``
+      (``engine.loss_scale``). ``None``: the model's own dtypes (a bf16/fp16 model trains in its dtype).
 
     Bad values raise ``ValueError``/``TypeError`` (each option: :class:`torchpar.api.CompileOptions`).
     """
@@ -98,7 +106,8 @@ def compile(
 
     return api.compile(model, optimizer, example_batch=example_batch, loss_fn=loss_fn, method=method,
                        grad_clip_norm=grad_clip_norm, seed=seed, xla_library_fusions=xla_library_fusions, spmd=spmd,
-                       check_inputs=check_inputs, on_nonfinite=on_nonfinite)
+                       check_inputs=check_inputs, on_nonfinite=on_nonfinite, matmul_precision=matmul_precision,
+                       mixed_precision=mixed_precision)
 
 
 def plan(
@@ -109,16 +118,19 @@ def plan(
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
     method: Method | None = None,
     explain: bool = True,
+    mixed_precision: Literal["bf16", "fp16"] | None = None,
 ) -> Plan:
     """Capture and plan without compiling or running a step (for inspecting and comparing plans).
 
     ``example_batch``, ``loss_fn`` and ``method`` are :func:`compile`'s. ``explain`` (default): also count each
     stage's collective bytes by kind and, for one-stage methods, price ShardParallel, DataParallel, Zero2Parallel
     and MegatronParallel on the same cost model (``plan.solver["method_comparison"]``); a few more solves.
+    ``mixed_precision`` as in :func:`compile` (the plan then prices the autocast graph's dtypes).
     """
     from torchpar import api
 
-    return api.plan(model, optimizer, example_batch=example_batch, loss_fn=loss_fn, method=method, explain=explain)
+    return api.plan(model, optimizer, example_batch=example_batch, loss_fn=loss_fn, method=method, explain=explain,
+                    mixed_precision=mixed_precision)
 
 
 def mark_pipeline_boundary(x: Any) -> Any:

@@ -24,13 +24,15 @@ import torch.utils._pytree as pytree
 from torchpar.capture.checkpointing import warn_if_gradient_checkpointing
 from torchpar.capture.export import Capture, LossFn, capture_forward, capture_train_step, dtype_name
 from torchpar.capture.optim import TorchOptimizerBridge
-from torchpar.cluster import current_cluster
+from torchpar.capture.precision import autocast_dtype, resolve_precisions
+from torchpar.cluster import current_cluster, default_compile_cache
 from torchpar.ir.graph import Graph
 from torchpar.guard import StepGuard, leaf_names, validate_checkpoint
 from torchpar.methods import (DataParallel, MegatronParallel, Method, PipeshardParallel, ShardParallel, Zero2Parallel,
                               Zero3Parallel)
 from torchpar.planner.for_method import plan_for_method, single_device_plan
 from torchpar.planner.plan import Plan
+from torchpar.progress import CompilePhases
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +40,8 @@ SpmdMode = Literal["auto", "gspmd", "shard_map"]
 SPMD_MODES: tuple[str, ...] = ("auto", "gspmd", "shard_map")
 OnNonfinite = Literal["raise", "skip", "ignore"]
 ON_NONFINITE: tuple[str, ...] = ("raise", "skip", "ignore")
+MatmulPrecision = Literal["highest", "high", "medium"]
+MixedPrecision = Literal["bf16", "fp16"]
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
@@ -68,6 +72,18 @@ class CompileOptions:
     :class:`~torchpar.runtime.nonfinite.NonFiniteError` naming the step and the first op that produced the
     inf/nan (a diagnostic re-run); ``"skip"``: log it, count it in ``engine.skipped_steps`` and go on;
     ``"ignore"``: apply the update whatever it holds (PyTorch's own behaviour; compiles no check)."""
+    matmul_precision: MatmulPrecision | None = None
+    """Precision of float32 matrix products and convolutions on a GPU: ``"highest"`` (fp32), ``"high"`` (TF32),
+    ``"medium"`` (bf16 passes), as ``torch.set_float32_matmul_precision`` names them. ``None`` follows PyTorch's
+    settings at compile time (``torch.get_float32_matmul_precision()``, which ``allow_tf32 = True`` makes
+    ``"high"``; convolutions follow ``torch.backends.cudnn.allow_tf32``). The CPU always computes fp32 products.
+    ``engine.numerics`` and ``plan.numerics`` say what was compiled."""
+    mixed_precision: MixedPrecision | None = None
+    """``"bf16"`` / ``"fp16"``: the step runs under ``torch.autocast`` semantics (PyTorch's casting policy is
+    captured into the graph: matmuls, convolutions and attention in the low dtype, losses and reductions it keeps
+    in float32), with float32 master weights, gradients and optimizer state. ``"fp16"`` adds dynamic loss scaling
+    with ``torch.amp.GradScaler``'s rules (``engine.loss_scale``; a step whose gradients overflow is skipped and
+    the scale backed off). ``None``: the model's own dtypes."""
 
     def __post_init__(self) -> None:
         if self.grad_clip_norm is not None and not self.grad_clip_norm > 0:
@@ -78,6 +94,8 @@ class CompileOptions:
             raise ValueError(f"on_nonfinite must be one of {ON_NONFINITE}, got {self.on_nonfinite!r}")
         if not isinstance(self.check_inputs, bool):
             raise TypeError(f"check_inputs must be True or False, got {self.check_inputs!r}")
+        resolve_precisions(self.matmul_precision)  # raises on a bad name
+        autocast_dtype(self.mixed_precision)
 
 
 def compile(
@@ -93,6 +111,8 @@ def compile(
     spmd: SpmdMode = "auto",
     check_inputs: bool = True,
     on_nonfinite: OnNonfinite = "raise",
+    matmul_precision: MatmulPrecision | None = None,
+    mixed_precision: MixedPrecision | None = None,
 ) -> "Engine":
     """Capture ``model``'s training step on ``example_batch`` and compile it with ``method``.
 
@@ -110,24 +130,28 @@ def compile(
                                                       ShardParallel, PipeshardParallel, Plan)):
         raise TypeError(f"method must be None, a torchpar parallel method or a Plan, got {type(method).__name__}")
     options = CompileOptions(grad_clip_norm=grad_clip_norm, seed=seed, xla_library_fusions=xla_library_fusions,
-                             spmd=spmd, check_inputs=check_inputs, on_nonfinite=on_nonfinite)
+                             spmd=spmd, check_inputs=check_inputs, on_nonfinite=on_nonfinite,
+                             matmul_precision=matmul_precision, mixed_precision=mixed_precision)
     warn_if_gradient_checkpointing(model, stacklevel=3)  # the caller of torchpar.compile
+    default_compile_cache()
     return Engine(model, optimizer, example_batch, loss_fn, options, method)
 
 
 def plan(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, example_batch: Any,
-         loss_fn: LossFn | None = None, method: Method | None = None, explain: bool = True) -> Plan:
+         loss_fn: LossFn | None = None, method: Method | None = None, explain: bool = True,
+         mixed_precision: MixedPrecision | None = None) -> Plan:
     """The plan ``method`` gives the model's training step, without XLA compilation or a step (for inspecting
     and comparing plans). Capture and planning phases are timed in ``plan.timings``.
 
     ``explain`` (default): also count each stage's collective bytes by kind and, for one-stage methods, price
     ShardParallel, DataParallel, Zero2Parallel and MegatronParallel on the same cost model
-    (``plan.solver["method_comparison"]``), for the summary and the report; a few more solves."""
+    (``plan.solver["method_comparison"]``), for the summary and the report; a few more solves.
+    ``mixed_precision`` as in :func:`compile` (the plan prices the autocast graph's dtypes)."""
     warn_if_gradient_checkpointing(model, stacklevel=3)  # the caller of torchpar.plan
     start = time.perf_counter()
     pipeshard = isinstance(method, PipeshardParallel)
     batch = _first_micro_batch(example_batch, method.num_micro_batches) if pipeshard else example_batch
-    capture = capture_train_step(model, batch, loss_fn)
+    capture = capture_train_step(model, batch, loss_fn, autocast=autocast_dtype(mixed_precision))
     capture_s = time.perf_counter() - start
     names = dict(model.named_parameters())
     spec = TorchOptimizerBridge(optimizer, {id(p): n for n, p in names.items()}).spec
@@ -146,6 +170,7 @@ def plan(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, example_ba
         result = plan_for_method(capture.graph, method, current_cluster(), trainable=trainable,
                                  optimizer_state_copies=_state_copies(spec), explain=explain)
     result.timings = {"capture": capture_s, **result.timings}
+    result.numerics = describe_numerics(_numerics(None), mixed_precision)
     return result
 
 
@@ -177,6 +202,11 @@ class Engine:
         self._steps_taken = 0
         self._last_step_s: float | None = None
         self._base_key = jax.random.key(options.seed)
+        self._autocast = autocast_dtype(options.mixed_precision)
+        self._numerics = _numerics(options.matmul_precision)
+        from torchpar.runtime.loss_scale import LossScaler
+
+        self._loss_scaler = LossScaler() if options.mixed_precision == "fp16" else None
         self._example_signature = _signature(example_batch)
         self._example_skeleton = pytree.tree_map(  # the example's structure, shapes and dtypes, without its data
             lambda leaf: leaf.to("meta") if isinstance(leaf, torch.Tensor) else leaf, example_batch)
@@ -204,22 +234,32 @@ class Engine:
 
         return RunOptions(grad_clip_norm=self.options.grad_clip_norm, library_fusions=self.options.xla_library_fusions,
                           spmd=self.options.spmd, timeout_s=current_cluster().timeout_s,
-                          check_finite=self.options.on_nonfinite != "ignore")
+                          check_finite=self.options.on_nonfinite != "ignore" or self._loss_scaler is not None,
+                          numerics=self._numerics, loss_scaling=self._loss_scaler is not None)
 
     def _init_one_stage(self, example_batch: Any, method: Method | Plan | None) -> None:
         from torchpar.runtime import build_executor
         from torchpar.runtime.devices import DeviceMap
         from torchpar.runtime.worker import ExecutionSpec
 
-        capture = self._capture(example_batch)
-        self._plan = self._make_plan(capture.graph, method)
-        cluster = current_cluster()
-        spec = ExecutionSpec(plan=self._plan, optimizer=self._spec, devices=DeviceMap(cluster.devices_per_host),
-                             options=self._run_options())
-        self._executor = build_executor(spec, cluster, label=self._plan.method)
-        self._timings.update(self._executor.timings)
-        self._executor.load_state(self._initial_state())
-        self._compile_step(self._example_signature, capture)
+        phases = CompilePhases(("capture", "plan", "start workers", "XLA compile"), "the training step")
+        try:
+            with phases.phase("capture"):
+                capture = self._capture(example_batch)
+            with phases.phase("plan"):
+                self._plan = self._make_plan(capture.graph, method)
+                self._plan.numerics = self._describe_numerics()
+            with phases.phase("start workers"):
+                cluster = current_cluster()
+                spec = ExecutionSpec(plan=self._plan, optimizer=self._spec,
+                                     devices=DeviceMap(cluster.devices_per_host), options=self._run_options())
+                self._executor = build_executor(spec, cluster, label=self._plan.method)
+                self._timings.update(self._executor.timings)
+                self._executor.load_state(self._initial_state())
+            with phases.phase("XLA compile"):
+                self._compile_step(self._example_signature, capture)
+        finally:
+            phases.close()
 
     def _init_pipeline(self, example_batch: Any, method: PipeshardParallel | Plan) -> None:
         """Plan a pipeline (or take a saved pipeline ``Plan`` as it is), start its executor, compile the stages."""
@@ -231,30 +271,45 @@ class Engine:
 
         if self.options.spmd != "auto":
             log.warning("torchpar: spmd=%r is ignored by pipelines (their stages run under GSPMD)", self.options.spmd)
-        micro_example = _first_micro_batch(example_batch, method.num_micro_batches)
-        capture = self._capture(micro_example)
-        self._guard.learn(self._example_signature, capture.graph)
-        self._step_graphs[self._example_signature] = capture.graph
-        trainable = set(self._trainable(capture.graph))
-        cluster = current_cluster()
-        if isinstance(method, Plan):
-            _check_plan_fits(method, cluster)
-            self._plan, stage_graphs = method, stage_graphs_for(capture.graph, method)
-        else:
-            pipeline = plan_pipeline(capture.graph, method, cluster, trainable=trainable,
-                                     optimizer_state_copies=_state_copies(self._spec))
-            self._plan, stage_graphs = pipeline.plan, pipeline.stages
-        self._plan.timings["capture"] = self._timings["capture"]
-        start = time.perf_counter()
-        spec = ExecutionSpec(plan=self._plan, optimizer=self._spec, devices=DeviceMap(cluster.devices_per_host),
-                             options=self._run_options(), stage_graphs=stage_graphs, trainable=tuple(sorted(trainable)))
-        self._executor = build_executor(spec, cluster, label="pipeshard")
-        self._timings.update(self._executor.timings)
-        self._executor.load_state(self._initial_state())
-        self._timings["lower"] = time.perf_counter() - start - sum(self._executor.timings.values())
-        start = time.perf_counter()
-        self._executor.warm_up(step_scalars(self._spec, self._bridge.hparams(), [1] * self._spec.num_groups))
-        self._timings["xla_compile"] = time.perf_counter() - start
+        if self._loss_scaler is not None:
+            raise NotImplementedError(
+                "mixed_precision='fp16' needs dynamic loss scaling, which PipeshardParallel does not implement yet; "
+                "use mixed_precision='bf16' (no loss scaling needed), or a one-stage method (ShardParallel, "
+                "DataParallel, ZeRO, Megatron) for fp16")
+        phases = CompilePhases(("capture", "plan", "start workers", "XLA compile"), "the pipeline stages")
+        try:
+            with phases.phase("capture"):
+                micro_example = _first_micro_batch(example_batch, method.num_micro_batches)
+                capture = self._capture(micro_example)
+                self._guard.learn(self._example_signature, capture.graph)
+                self._step_graphs[self._example_signature] = capture.graph
+            with phases.phase("plan"):
+                trainable = set(self._trainable(capture.graph))
+                cluster = current_cluster()
+                if isinstance(method, Plan):
+                    _check_plan_fits(method, cluster)
+                    self._plan, stage_graphs = method, stage_graphs_for(capture.graph, method)
+                else:
+                    pipeline = plan_pipeline(capture.graph, method, cluster, trainable=trainable,
+                                             optimizer_state_copies=_state_copies(self._spec))
+                    self._plan, stage_graphs = pipeline.plan, pipeline.stages
+                self._plan.timings["capture"] = self._timings["capture"]
+                self._plan.numerics = self._describe_numerics()
+            with phases.phase("start workers"):
+                start = time.perf_counter()
+                spec = ExecutionSpec(plan=self._plan, optimizer=self._spec, devices=DeviceMap(cluster.devices_per_host),
+                                     options=self._run_options(), stage_graphs=stage_graphs,
+                                     trainable=tuple(sorted(trainable)))
+                self._executor = build_executor(spec, cluster, label="pipeshard")
+                self._timings.update(self._executor.timings)
+                self._executor.load_state(self._initial_state())
+                self._timings["lower"] = time.perf_counter() - start - sum(self._executor.timings.values())
+            with phases.phase("XLA compile"):
+                start = time.perf_counter()
+                self._executor.warm_up(step_scalars(self._spec, self._bridge.hparams(), [1] * self._spec.num_groups))
+                self._timings["xla_compile"] = time.perf_counter() - start
+        finally:
+            phases.close()
         log.info("torchpar plan:\n%s", self._plan.summary())
 
     # --- public API --------------------------------------------------------------------------------
@@ -270,7 +325,7 @@ class Engine:
             log.info("torchpar: new batch shapes %s, recompiling the training step", _describe(signature))
             self._compile_step(signature, self._capture(batch))
         leaves = self._host_leaves(signature, batch)
-        scalars = self._bridge.step_scalars()
+        scalars = self._with_loss_scale(self._bridge.step_scalars())
         _mark_optimizer_stepped(self.optimizer)
         key_data = self._step_key_data(self._steps_taken)
         with self._translating_failures(f"running step {self._steps_taken}"):
@@ -280,8 +335,29 @@ class Engine:
         step = self._steps_taken
         self._steps_taken += 1
         self._last_signature = signature
+        if not result.finite:  # the update was skipped: torch's optimizer.step would not have run
+            self._bridge.rollback_step()
+        if self._loss_scaler is not None:
+            self._loss_scaler.update(result.finite)
+            if not result.finite and np.isfinite(result.loss):  # a gradient overflow: expected under fp16 scaling
+                self._guard.skipped_steps += 1
+                log.info("torchpar: step %d overflowed in fp16; update skipped, loss scale now %g", step,
+                         self._loss_scaler.scale)
+                return result.loss
         self._guard.after_step(step, result.loss, result.finite, lambda: self._culprit(batch))
         return result.loss
+
+    @property
+    def loss_scale(self) -> float | None:
+        """The dynamic loss scale the next step uses (``mixed_precision="fp16"``), else ``None``."""
+        return None if self._loss_scaler is None else self._loss_scaler.scale
+
+    @property
+    def numerics(self) -> dict[str, Any]:
+        """What the step computes with: ``matmul_precision`` / ``conv_precision`` asked (``"highest"``,
+        ``"high"``, ``"medium"``), ``effective`` on this platform (the CPU computes fp32 products whatever is
+        asked), ``mixed_precision`` and ``loss_scaling``."""
+        return dict(self._plan.numerics)
 
     @property
     def skipped_steps(self) -> int:
@@ -314,7 +390,7 @@ class Engine:
         signature = _signature(batch)
         self._check_compatible(signature, batch)
         if signature not in self._eval:
-            self._eval[signature] = capture_forward(self.model, batch)
+            self._eval[signature] = capture_forward(self.model, batch, autocast=self._autocast)
         capture = self._eval[signature]
         self._guard.learn(("eval", signature), capture.graph)
         leaves = self._host_leaves(("eval", signature), batch)
@@ -348,6 +424,7 @@ class Engine:
             "optimizer_counters": self._bridge.state_dict(),
             "steps_taken": self._steps_taken,
             "seed": self.options.seed,
+            **({"loss_scaler": self._loss_scaler.state_dict()} if self._loss_scaler is not None else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -364,6 +441,8 @@ class Engine:
             opt_state={n: {k: _host(v) for k, v in e.items()} for n, e in state["optimizer"].items()}))
         self._bridge.load_state_dict(state["optimizer_counters"])
         self._steps_taken = int(state["steps_taken"])
+        if self._loss_scaler is not None and "loss_scaler" in state:
+            self._loss_scaler.load_state_dict(state["loss_scaler"])
         if int(state["seed"]) != self.options.seed:
             log.warning("checkpoint seed %s differs from this engine's seed %s; using the checkpoint's",
                         state["seed"], self.options.seed)
@@ -473,7 +552,7 @@ class Engine:
         from jaxbackend.lower import check_supported
 
         start = time.perf_counter()
-        capture = capture_train_step(self.model, batch, self._loss_fn)
+        capture = capture_train_step(self.model, batch, self._loss_fn, autocast=self._autocast)
         self._timings["capture"] = time.perf_counter() - start
         check_supported(capture.graph)
         return capture
@@ -490,10 +569,17 @@ class Engine:
         log.info("torchpar plan:\n%s", plan.summary())
         return plan
 
+    def _with_loss_scale(self, scalars: Any) -> Any:
+        """A step's scalars: the optimizer's, with the loss scale under fp16 mixed precision."""
+        return scalars if self._loss_scaler is None else (scalars, self._loss_scaler.step_input())
+
+    def _describe_numerics(self) -> dict[str, Any]:
+        return describe_numerics(self._numerics, self.options.mixed_precision)
+
     def _compile_step(self, signature: tuple, capture: Capture) -> None:
         from torchpar.ir.optimizer import step_scalars
 
-        scalars = step_scalars(self._spec, self._bridge.hparams(), [1] * self._spec.num_groups)
+        scalars = self._with_loss_scale(step_scalars(self._spec, self._bridge.hparams(), [1] * self._spec.num_groups))
         leaves = [(tuple(m.shape), _jax_dtype(m.dtype)) for m in capture.input_metas]
         with self._translating_failures("compiling the training step"):
             self._timings.update(self._executor.compile_step(signature, capture.graph, self._trainable(capture.graph),
@@ -675,7 +761,13 @@ def _split_leaves(leaves: list[np.ndarray], parts: int) -> list[list[np.ndarray]
 
 
 def _host(tensor: torch.Tensor) -> np.ndarray:
-    return _host_array(tensor.detach().cpu().numpy())
+    """A torch tensor's exact values as a host array (bfloat16 by its bits: numpy has no bfloat16 of its own)."""
+    tensor = tensor.detach().cpu()
+    if tensor.dtype == torch.bfloat16:
+        import ml_dtypes
+
+        return tensor.contiguous().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return _host_array(tensor.numpy())
 
 
 def _host_value(value: Any) -> np.ndarray:
@@ -697,7 +789,23 @@ def _jax_dtype(torch_dtype_name: str) -> np.dtype:
 
 
 def _to_torch(array: Any) -> torch.Tensor:
+    """A host or JAX array as a CPU torch tensor holding the same values (bfloat16 by its bits)."""
     value = np.asarray(array)
     if value.dtype.name == "bfloat16":
-        return torch.from_numpy(value.astype(np.float32)).to(torch.bfloat16)
+        return torch.from_numpy(np.array(value.view(np.int16), copy=True)).view(torch.bfloat16)
     return torch.from_numpy(np.array(value, copy=True))
+
+
+def _numerics(matmul_precision: str | None) -> Any:
+    """The lowering's :class:`jaxbackend.precision.Numerics` for a ``compile(matmul_precision=...)`` value."""
+    from jaxbackend.precision import Numerics
+
+    return Numerics(*resolve_precisions(matmul_precision))
+
+
+def describe_numerics(numerics: Any, mixed_precision: str | None) -> dict[str, Any]:
+    """``Plan.numerics``: the precisions asked and what this platform computes with (see ``Engine.numerics``)."""
+    effective = numerics.effective()
+    return {"matmul_precision": numerics.matmul, "conv_precision": numerics.conv,
+            "effective": f"{effective.describe()} on {effective.platform}",
+            "mixed_precision": mixed_precision or "none", "loss_scaling": "dynamic" if mixed_precision == "fp16" else "none"}

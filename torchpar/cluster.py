@@ -94,7 +94,7 @@ _cluster: ClusterSpec | None = None
 def init(cluster: str = "local", num_devices: int | None = None, *, num_hosts: int | None = None,
          devices_per_host: int | None = None, address: str | None = None, accelerator: str = "auto",
          cores_per_host: int | None = None, timeout_s: float = 60.0, preset: str | None = None,
-         **constants: Any) -> ClusterSpec:
+         compile_cache: bool | str = True, **constants: Any) -> ClusterSpec:
     """Declare the cluster torchpar plans for and runs on; call it before anything imports JAX.
 
     - ``cluster="local", num_devices=N``: one process with N (fake CPU) devices, seen as one host; or
@@ -110,12 +110,19 @@ def init(cluster: str = "local", num_devices: int | None = None, *, num_hosts: i
     - ``preset``: price plans with the constants of real hardware (:mod:`torchpar.hardware`: ``"h100-sxm"``,
       ``"a100-sxm"``, ``"v100-p3"``); ``constants`` set any cost field of :class:`ClusterSpec` by hand
       (``inter_host_beta=1 / 25e9``, ``device_memory_bytes=...``), over the preset's.
+    - ``compile_cache``: keep compiled steps on disk so the next process loads them instead of compiling
+      (:mod:`torchpar.compile_cache`): ``True`` in ``$TORCHPAR_CACHE_DIR``, by default ``~/.cache/torchpar/xla``
+      (``TORCHPAR_CACHE_DIR=off`` turns it off), a path for that directory, ``False`` for none. A cache set
+      through JAX (``JAX_COMPILATION_CACHE_DIR``) is kept as it is. Ray host actors use the same directory.
 
     The driver process holds no device of a Ray plan. Returns the :class:`ClusterSpec` in force.
     """
     _check_constants(preset, constants)
+    if not isinstance(compile_cache, bool | str):
+        raise TypeError(f"compile_cache must be True, False or a directory, got {compile_cache!r}")
     spec = _init_devices(cluster, num_devices, num_hosts, devices_per_host, address, accelerator, cores_per_host,
                          timeout_s)
+    _init_compile_cache(compile_cache)
     if preset is not None:
         spec = replace(spec, **ClusterSpec.from_preset(preset).cost_constants() | {
             "num_hosts": spec.num_hosts, "devices_per_host": spec.devices_per_host})
@@ -123,6 +130,27 @@ def init(cluster: str = "local", num_devices: int | None = None, *, num_hosts: i
     _cluster = replace(spec, **constants) if constants else spec
     return _cluster
 
+
+def default_compile_cache() -> None:
+    """Turn the compile cache on as ``init()`` would, for a process that compiles without calling ``init``
+    (:func:`torchpar.compile` calls it); after an ``init`` its ``compile_cache`` setting stands."""
+    if _cluster is None and not _compile_cache_set:
+        _init_compile_cache(True)
+
+
+def _init_compile_cache(setting: bool | str) -> None:
+    """After the devices (JAX reads ``XLA_FLAGS`` when it first creates a backend), before any compilation."""
+    from torchpar import compile_cache
+
+    global _compile_cache_set
+    _compile_cache_set = True
+    if setting is False:
+        compile_cache.disable()
+    else:
+        compile_cache.enable(None if setting is True else setting)
+
+
+_compile_cache_set = False  # init (or default_compile_cache) decided the compile cache in this process
 
 _COST_FIELDS = ("device_flops", "device_memory_bytes", "alpha", "beta", "inter_host_alpha", "inter_host_beta")
 

@@ -1,7 +1,8 @@
 """Matrix products and convolution.
 
-Products run at full fp32 precision (``Precision.HIGHEST``), which on CPU is XLA's only mode and on
-GPU keeps parity with PyTorch's default (TF32 off).
+Each product's ``precision=`` comes from :mod:`jaxbackend.precision` (PyTorch's float32 matmul precision for
+the platform the program is lowered for: full fp32 on CPU and by default, TF32 or bf16 passes on a GPU when
+the user asked for them).
 """
 
 from __future__ import annotations
@@ -10,44 +11,43 @@ import jax
 import jax.numpy as jnp
 
 from jaxbackend.ops.registry import lowers
-
-_PRECISION = jax.lax.Precision.HIGHEST
+from jaxbackend.precision import conv_precision, dot_precision
 
 
 @lowers("aten.mm.default")
 def mm(a, b):
-    return jnp.matmul(a, b, precision=_PRECISION)
+    return jnp.matmul(a, b, precision=dot_precision(a, b))
 
 
 @lowers("aten.bmm.default")
 def bmm(a, b):
-    return jnp.matmul(a, b, precision=_PRECISION)
+    return jnp.matmul(a, b, precision=dot_precision(a, b))
 
 
 @lowers("aten.matmul.default")
 def matmul(a, b):
-    return jnp.matmul(a, b, precision=_PRECISION)
+    return jnp.matmul(a, b, precision=dot_precision(a, b))
 
 
 @lowers("aten.addmm.default")
 def addmm(bias, a, b, beta=1, alpha=1):
-    return _axpby(bias, jnp.matmul(a, b, precision=_PRECISION), beta, alpha)
+    return _axpby(bias, jnp.matmul(a, b, precision=dot_precision(a, b)), beta, alpha)
 
 
 @lowers("aten.baddbmm.default")
 def baddbmm(bias, a, b, beta=1, alpha=1):
-    return _axpby(bias, jnp.matmul(a, b, precision=_PRECISION), beta, alpha)
+    return _axpby(bias, jnp.matmul(a, b, precision=dot_precision(a, b)), beta, alpha)
 
 
 @lowers("aten.addbmm.default")
 def addbmm(bias, a, b, beta=1, alpha=1):
     """``beta·bias + alpha·Σ_b a[b] @ b[b]``."""
-    return _axpby(bias, jnp.einsum("bij,bjk->ik", a, b, precision=_PRECISION), beta, alpha)
+    return _axpby(bias, jnp.einsum("bij,bjk->ik", a, b, precision=dot_precision(a, b)), beta, alpha)
 
 
 @lowers("aten.addmv.default")
 def addmv(bias, mat, vec, beta=1, alpha=1):
-    return _axpby(bias, jnp.matmul(mat, vec, precision=_PRECISION), beta, alpha)
+    return _axpby(bias, jnp.matmul(mat, vec, precision=dot_precision(mat, vec)), beta, alpha)
 
 
 def _axpby(bias, product, beta, alpha):
@@ -73,17 +73,17 @@ def trilinear(i1, i2, i3, expand1, expand2, expand3, sumdim, unroll_dim=1):
 
     out = "".join(letters[d] for d in range(rank) if d not in sumdim)
     return jnp.einsum(f"{spec(expand1)},{spec(expand2)},{spec(expand3)}->{out}", i1, i2, i3,
-                      precision=_PRECISION)
+                      precision=dot_precision(i1, i2, i3))
 
 
 @lowers("aten.dot.default", "aten.vdot.default")
 def dot(a, b):
-    return jnp.dot(a, b, precision=_PRECISION)
+    return jnp.dot(a, b, precision=dot_precision(a, b))
 
 
 @lowers("aten.mv.default")
 def mv(a, b):
-    return jnp.matmul(a, b, precision=_PRECISION)
+    return jnp.matmul(a, b, precision=dot_precision(a, b))
 
 
 @lowers("aten._grouped_mm.default", "transformers.grouped_mm_fallback.default")
@@ -96,9 +96,9 @@ def grouped_mm(x, weight, offs=None, bias=None, out_dtype=None):
     """
     if x.ndim == 2 and weight.ndim == 3 and offs is not None:
         sizes = jnp.diff(offs.astype(jnp.int32), prepend=0)
-        out = jax.lax.ragged_dot(x, weight, sizes, precision=_PRECISION)
+        out = jax.lax.ragged_dot(x, weight, sizes, precision=dot_precision(x, weight))
     elif x.ndim == 3 and weight.ndim == 3 and offs is None:
-        out = jnp.matmul(x, weight, precision=_PRECISION)
+        out = jnp.matmul(x, weight, precision=dot_precision(x, weight))
     else:
         raise NotImplementedError(f"_grouped_mm of a {x.ndim}-d by a {weight.ndim}-d operand"
                                   f"{' with' if offs is not None else ' without'} offsets")
@@ -137,7 +137,7 @@ def convolution(x, weight, bias, stride, padding, dilation, transposed, output_p
     if not transposed:
         out = jax.lax.conv_general_dilated(
             x, weight, window_strides=stride, padding=[(p, p) for p in padding], rhs_dilation=dilation,
-            dimension_numbers=numbers, feature_group_count=groups, precision=_PRECISION)
+            dimension_numbers=numbers, feature_group_count=groups, precision=conv_precision(x, weight))
     else:
         out = _conv_transpose(x, weight, stride, padding, dilation, _expand(output_padding, spatial), groups, numbers)
     if bias is not None:
@@ -158,7 +158,7 @@ def _conv_transpose(x, weight, stride, padding, dilation, output_padding, groups
     pads = [(d * (k - 1) - p, d * (k - 1) - p + op) for k, p, d, op in zip(kernel, padding, dilation, output_padding)]
     return jax.lax.conv_general_dilated(
         x, w, window_strides=(1,) * len(kernel), padding=pads, lhs_dilation=stride, rhs_dilation=dilation,
-        dimension_numbers=numbers, feature_group_count=groups, precision=_PRECISION)
+        dimension_numbers=numbers, feature_group_count=groups, precision=conv_precision(x, w))
 
 
 def _expand(value, n):

@@ -1,17 +1,14 @@
-"""Neural-network ops: softmax, normalization, embedding, attention (pooling is in ``pooling.py``)."""
+"""Neural-network ops: softmax, normalization, embedding (attention is in ``attention.py``, pooling in
+``pooling.py``)."""
 
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 
 from jaxbackend.ops.registry import lowers
-
-_PRECISION = jax.lax.Precision.HIGHEST
-
 
 # Softmax over rows that may be entirely -inf (a fully masked attention row). Such a "dead" row is
 # shifted by the most negative float instead of its max (-inf), so its exponentials are 0, not NaN;
@@ -185,35 +182,3 @@ def embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=
         out = jnp.where(is_pad, jax.lax.stop_gradient(out), out)
     return out
 
-
-# --- attention ---------------------------------------------------------------------------------------
-
-@lowers("aten.scaled_dot_product_attention.default", random=True)
-def scaled_dot_product_attention(query, key_, value, attn_mask=None, dropout_p=0.0, is_causal=False,
-                                 scale=None, enable_gqa=False, *, key):
-    """softmax(Q Kᵀ·scale + mask) V over ``[..., L, E]`` × ``[..., S, E]`` × ``[..., S, Ev]``.
-
-    Rows whose every key is masked give zeros (PyTorch's safe softmax), not NaN.
-    """
-    q_len, k_len = query.shape[-2], key_.shape[-2]
-    if enable_gqa and query.ndim >= 3 and key_.shape[-3] != query.shape[-3]:
-        repeats = query.shape[-3] // key_.shape[-3]
-        key_ = jnp.repeat(key_, repeats, axis=-3)
-        value = jnp.repeat(value, repeats, axis=-3)
-    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
-    scores = jnp.matmul(query, jnp.swapaxes(key_, -1, -2), precision=_PRECISION) * scale
-    allowed = None
-    if is_causal:
-        allowed = jnp.tril(jnp.ones((q_len, k_len), jnp.bool_))
-    if attn_mask is not None:
-        if attn_mask.dtype == jnp.bool_:
-            allowed = attn_mask if allowed is None else (allowed & attn_mask)
-        else:
-            scores = scores + attn_mask
-    if allowed is not None:
-        scores = jnp.where(allowed, scores, -jnp.inf)
-    weights = _masked_softmax(scores, -1)
-    if dropout_p > 0.0:
-        keep = jax.random.bernoulli(key, 1.0 - dropout_p, weights.shape)
-        weights = jnp.where(keep, weights / (1.0 - dropout_p), 0.0)
-    return jnp.matmul(weights.astype(value.dtype), value, precision=_PRECISION)

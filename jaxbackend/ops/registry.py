@@ -12,7 +12,8 @@ node, so a lowering may leave type promotion to JAX where the two agree in value
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 LoweringFn = Callable[..., Any]
 
@@ -60,5 +61,14 @@ def _load_all() -> None:
     if not _loaded:
         _loaded = True
         from jaxbackend.ops import (  # noqa: F401  (registration side effects)
-            elementwise, indexing, linalg, nn, pooling, random_ops, reduction, shape, upsample,
+            attention,
+            elementwise,
+            indexing,
+            linalg,
+            nn,
+            pooling,
+            random_ops,
+            reduction,
+            shape,
+            upsample,
         )

@@ -122,14 +122,21 @@ class _ForwardModule(torch.nn.Module):
         return self.model(*args, **kwargs)
 
 
-def capture_train_step(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None = None) -> Capture:
+def capture_train_step(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None = None, *,
+                       autocast: torch.dtype | None = None) -> Capture:
     """Export ``model`` in train mode on ``batch`` into a graph whose single output is the loss
-    (plus the new values of mutated buffers)."""
-    return _capture(_LossModule(model, type(batch), loss_fn), model, batch, training=True)
+    (plus the new values of mutated buffers).
+
+    ``autocast``: export under ``torch.autocast("cpu", autocast)``, so PyTorch's own casting policy (which ops
+    run in the low dtype, which stay float32) is in the graph as explicit casts; the parameters stay in their
+    dtype (the float32 master weights of mixed precision), and the backward ``jax.grad`` derives casts their
+    gradients back."""
+    return _capture(_LossModule(model, type(batch), loss_fn), model, batch, training=True, autocast=autocast)
 
 
-def capture_forward(model: torch.nn.Module, batch: Any) -> Capture:
+def capture_forward(model: torch.nn.Module, batch: Any, *, autocast: torch.dtype | None = None) -> Capture:
     """Export ``model`` in eval mode on ``batch``; the graph's outputs are the model's outputs.
+    ``autocast`` as in :func:`capture_train_step`.
 
     HuggingFace models are exported with ``config.use_cache = False``: a KV cache object is not a tensor
     output (and training-style evaluation does not need it)."""
@@ -138,13 +145,14 @@ def capture_forward(model: torch.nn.Module, batch: Any) -> Capture:
     if use_cache:
         config.use_cache = False
     try:
-        return _capture(_ForwardModule(model), model, batch, training=False)
+        return _capture(_ForwardModule(model), model, batch, training=False, autocast=autocast)
     finally:
         if use_cache:
             config.use_cache = use_cache
 
 
-def _capture(wrapper: torch.nn.Module, model: torch.nn.Module, batch: Any, *, training: bool) -> Capture:
+def _capture(wrapper: torch.nn.Module, model: torch.nn.Module, batch: Any, *, training: bool,
+             autocast: torch.dtype | None = None) -> Capture:
     args, kwargs = batch_to_call_args(batch)
     leaves, in_spec = pytree.tree_flatten((args, kwargs))
     for path, leaf in zip(_leaf_paths(args, kwargs), leaves):
@@ -154,16 +162,20 @@ def _capture(wrapper: torch.nn.Module, model: torch.nn.Module, batch: Any, *, tr
     was_training = model.training
     model.train(training)
     try:
-        t0 = time.perf_counter()
-        with torch.no_grad() if not training else contextlib.nullcontext():
-            exported = _export(wrapper, args, kwargs, model, batch)
-        t1 = time.perf_counter()
-        table = torch.export.default_decompositions()
-        for op in list(table):
-            if str(op).removeprefix("aten.") in _KEEP_UNDECOMPOSED:
-                del table[op]
-        exported = exported.run_decompositions(table)
-        t2 = time.perf_counter()
+        # autocast must be on for the export and for the decomposition that re-traces it to ATen (where the
+        # dispatcher inserts its casts); the exported program itself does not record an ambient autocast
+        casting = torch.autocast("cpu", autocast) if autocast is not None else contextlib.nullcontext()
+        with casting:
+            t0 = time.perf_counter()
+            with torch.no_grad() if not training else contextlib.nullcontext():
+                exported = _export(wrapper, args, kwargs, model, batch)
+            t1 = time.perf_counter()
+            table = torch.export.default_decompositions()
+            for op in list(table):
+                if str(op).removeprefix("aten.") in _KEEP_UNDECOMPOSED:
+                    del table[op]
+            exported = exported.run_decompositions(table)
+            t2 = time.perf_counter()
     finally:
         model.train(was_training)
     graph = _to_ir(exported, model, user_output_kind="loss" if training else "user")

@@ -160,6 +160,7 @@ class TorchOptimizerBridge:
             maximize=self._flags("maximize"),
         )
         self._steps: list[int] = [0] * self.spec.num_groups
+        self._last_advanced: list[int] = []
 
     # -- structure ---------------------------------------------------------------------------------
 
@@ -221,13 +222,22 @@ class TorchOptimizerBridge:
         self._check_structure_unchanged()
         hparams = self.hparams()
         steps = []
+        self._last_advanced = []
         for g, hp in enumerate(hparams):
             if self.spec.kind == "sgd" and hp["momentum"] == 0.0:
                 steps.append(self._steps[g] + 1)  # ignored by the update; the buffer is left alone
                 continue
             self._steps[g] += 1
+            self._last_advanced.append(g)
             steps.append(self._steps[g])
         return _step_scalars(self.spec, hparams, steps)
+
+    def rollback_step(self) -> None:
+        """Undo the counters the last :meth:`step_scalars` advanced: its update was skipped (a non-finite step),
+        and torch's ``optimizer.step`` would not have run (``GradScaler.step`` skips it)."""
+        for g in self._last_advanced:
+            self._steps[g] -= 1
+        self._last_advanced = []
 
     # -- state -------------------------------------------------------------------------------------
 

@@ -86,6 +86,10 @@ class Plan:
     layer_of_node: dict[str, int] = field(default_factory=dict)
     """Pipeline plans: the layer of every node of the graph captured on one micro-batch (IR node names), so
     the plan alone says how to cut the graph into its stages (with each stage's ``layers``)."""
+    numerics: dict[str, str] = field(default_factory=dict)
+    """What the step was compiled to compute with (filled by the engine): ``matmul_precision`` and
+    ``conv_precision`` (``"highest"``/``"high"``/``"medium"``), ``effective`` (what the platform computes),
+    ``mixed_precision`` (``"bf16"``/``"fp16"``/``"none"``), ``loss_scaling`` (``"dynamic"``/``"none"``)."""
 
     @property
     def is_pipeline(self) -> bool:
@@ -157,6 +161,10 @@ class Plan:
                 lines.append(f"    {name:<{width}}  {describe(spec)}{extra}")
             for leaf, spec in stage.inputs.items():
                 lines.append(f"    batch leaf {leaf}: {describe(spec)}")
+        if self.numerics:
+            lines.append(f"  numerics: {self.numerics.get('effective', '')}; mixed precision "
+                         f"{self.numerics.get('mixed_precision', 'none')}, loss scaling "
+                         f"{self.numerics.get('loss_scaling', 'none')}")
         lines.extend(_alternatives(self.solver))
         stats = {k: v for k, v in self.solver.items() if k not in _EXPLAINED_SOLVER_KEYS}
         if stats:

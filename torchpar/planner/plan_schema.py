@@ -314,6 +314,7 @@ PLAN_FIELDS: dict[str, tuple[bool, Check]] = {
     "layers": (False, _check_layer_stats),
     "cluster": (False, _check_cluster),
     "layer_of_node": (False, _mapping_of(_check_count, "an object of node name → layer id")),
+    "numerics": (False, _mapping_of(_check_str, "an object of setting → string")),
 }
 """The fields of a plan (``Plan``'s dataclass fields): name → (required, check)."""
 

@@ -214,7 +214,7 @@ class Executor:
         from jaxbackend.lower import lower
 
         state = self.export_state()
-        run = lower(graph)
+        run = lower(graph, numerics=self.spec.options.numerics)
         outputs, _ = jax.jit(lambda p, b, i: run(p, b, i, jax.random.key(0)))(state.params, state.buffers, leaves)
         return [None if o is None else np.asarray(o) for o in outputs]
 

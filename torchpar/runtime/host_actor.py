@@ -26,6 +26,8 @@ from typing import Any
 
 import ray
 
+from torchpar import compile_cache
+
 log = logging.getLogger(__name__)
 
 ACTOR_CONCURRENCY = 32
@@ -106,16 +108,12 @@ def _pin(slot: int, slots_on_node: int, cores_per_host: int | None) -> list[int]
 def actor_environment(devices_per_host: int) -> dict[str, str]:
     """Environment variables of a host actor (see the module docstring): the CPU device count only matters
     where JAX runs on CPU; no platform is forced (a GPU actor whose JAX has no GPU falls back to CPU). The
-    driver's JAX compilation-cache settings are passed on, so actors on a shared file system reuse (and
-    share) compiled executables."""
+    driver's JAX compilation cache (:mod:`torchpar.compile_cache`: its directory and thresholds) is passed on,
+    so an actor loads the steps the driver or an earlier actor compiled, and actors on a shared file system
+    share them."""
     flags = os.environ.get("XLA_FLAGS", "")
     flags = " ".join(f for f in flags.split() if not f.startswith("--xla_force_host_platform_device_count"))
     env = {"XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count={devices_per_host}".strip(),
            "XLA_PYTHON_CLIENT_PREALLOCATE": os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE", "false")}
-    env.update({k: v for k, v in os.environ.items() if k in COMPILATION_CACHE_VARIABLES})
+    env.update(compile_cache.environment())
     return env
-
-
-COMPILATION_CACHE_VARIABLES = ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
-                               "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES")
-"""The driver's settings of JAX's persistent compilation cache that host actors inherit."""

@@ -23,6 +23,7 @@ import jax
 import numpy as np
 
 from jaxbackend.compiler import compiler_options
+from jaxbackend.precision import Numerics
 from torchpar.ir.graph import Graph
 from torchpar.ir.optimizer import OptimizerSpec
 from torchpar.planner.plan import StagePlan
@@ -51,7 +52,8 @@ class OneStageProgram:
     """Compiles steps and forwards of one stage plan on ``devices`` (see the module docstring)."""
 
     def __init__(self, stage: StagePlan, method: str, devices: list[Any], *, optimizer: OptimizerSpec,
-                 grad_clip_norm: float | None, spmd: str, library_fusions: bool, check_finite: bool = False):
+                 grad_clip_norm: float | None, spmd: str, library_fusions: bool, check_finite: bool = False,
+                 numerics: Numerics | None = None, loss_scaling: bool = False):
         self.stage = stage
         self.method = method
         self.devices = devices
@@ -60,6 +62,8 @@ class OneStageProgram:
         self.spmd = spmd
         self.library_fusions = library_fusions
         self.check_finite = check_finite
+        self.numerics = numerics
+        self.loss_scaling = loss_scaling
         self.placement = Placement.from_stage(stage, None, devices)
         self._options = compiler_options(library_fusions, len(devices))
 
@@ -99,9 +103,10 @@ class OneStageProgram:
         if lowered is None:
             from jaxbackend.lower import lower
 
-            run = lower(graph, value_shardings=placement.values, operand_shardings=placement.operands)
+            run = lower(graph, value_shardings=placement.values, operand_shardings=placement.operands,
+                        numerics=self.numerics)
             step_fn = make_fused_step(run, trainable, self.optimizer, self.grad_clip_norm, placement.grads,
-                                      check_finite=self.check_finite,
+                                      check_finite=self.check_finite, loss_scaling=self.loss_scaling,
                                       count_nonfinite=_one_collective_count(placement) if len(self.devices) > 1 else None)
             lowered = jit_step(step_fn).lower(*args)
         lowered_at = time.perf_counter()
@@ -120,7 +125,7 @@ class OneStageProgram:
         parameters' layouts."""
         from jaxbackend.lower import lower
 
-        run = lower(graph)
+        run = lower(graph, numerics=self.numerics)
         key = jax.random.key(0)
         return jax.jit(lambda params, buffers, inputs: run(params, buffers, inputs, key)[0],
                        compiler_options=self._options)
@@ -147,11 +152,12 @@ class OneStageProgram:
         from jaxbackend.lower import lower
         from torchpar.runtime.spmd_step import make_spmd_step
 
-        run = lower(graph, layouts=layouts)
+        run = lower(graph, layouts=layouts, numerics=self.numerics)
         return make_spmd_step(run, layouts, self.stage, mesh=placement.mesh, param_names=list(params),
                               buffer_names=list(buffers), state_keys={n: list(e) for n, e in opt_state.items()},
                               num_inputs=num_inputs, trainable=trainable, spec=self.optimizer,
                               grad_clip_norm=self.grad_clip_norm, check_finite=self.check_finite,
+                              loss_scaling=self.loss_scaling,
                               per_device_gradients=self.method in SHARD_MAP_METHODS)
 
 

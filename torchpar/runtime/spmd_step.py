@@ -34,13 +34,14 @@ import jax.numpy as jnp
 from jaxbackend import sharding as jsh
 from jaxbackend.spmd import LocalProgram, axis_names, require_invariant
 from torchpar.planner.plan import StagePlan
-from torchpar.runtime.train_step import keep_if, optimizer_tail
+from torchpar.runtime.train_step import keep_if, optimizer_tail, scale_loss, split_scalars, unscale_grads
 
 
 def make_spmd_step(run: Callable, layouts: Any, stage: StagePlan, *, mesh: Any, param_names: list[str],
                    buffer_names: list[str], state_keys: dict[str, list[str]], num_inputs: int,
                    trainable: tuple[str, ...], spec: Any,
-                   grad_clip_norm: float | None, per_device_gradients: bool, check_finite: bool = False) -> Callable:
+                   grad_clip_norm: float | None, per_device_gradients: bool, check_finite: bool = False,
+                   loss_scaling: bool = False) -> Callable:
     """``step(params, opt_state, buffers, inputs, scalars, key) → (loss, finite, params, opt_state, buffers)`` as
     a ``shard_map`` over ``mesh``, for ``run`` lowered per device with ``layouts`` (see the module
     docstring). Arguments and results are global arrays; ``params`` come back in their ``G`` layout.
@@ -50,7 +51,9 @@ def make_spmd_step(run: Callable, layouts: Any, stage: StagePlan, *, mesh: Any, 
     (ZeRO-2 needs this for its reduce-scatter). Otherwise (tensor-parallel plans, whose devices may compute
     the same values) JAX's transposes of its implicit broadcasts reduce the gradients where they arise.
     ``check_finite`` skips the update of a step whose loss or gradients are not finite (as
-    :func:`.train_step.make_fused_step`), counting non-finite gradient elements across shards."""
+    :func:`.train_step.make_fused_step`), counting non-finite gradient elements across shards; ``loss_scaling`` as
+    there (``scalars`` carry a loss scale; finiteness is then always checked)."""
+    check_finite = check_finite or loss_scaling
     program = LocalProgram(layouts)
     stored = {n: _spec(stage.params.get(n)) for n in param_names}
     at_use = {n: _spec(stage.params_at_use.get(n)) or stored[n] for n in param_names}
@@ -59,6 +62,7 @@ def make_spmd_step(run: Callable, layouts: Any, stage: StagePlan, *, mesh: Any, 
     live_axes = tuple(a for a in jsh.AXIS_NAMES if mesh.shape[a] > 1)
 
     def body(params, opt_state, buffers, inputs, scalars, key):
+        scalars, loss_scale = split_scalars(scalars, loss_scaling)
         read = {n: _relayout(program, p, stored[n], at_use[n]) for n, p in params.items() if n not in trainable}
 
         def loss_of(train_params):
@@ -68,15 +72,16 @@ def make_spmd_step(run: Callable, layouts: Any, stage: StagePlan, *, mesh: Any, 
             outputs, new_buffers = run(used, buffers, inputs, key)
             for name, value in new_buffers.items():
                 require_invariant(value, f"the new value of buffer {name}")
-            return require_invariant(outputs[0], "the loss"), new_buffers
+            loss = require_invariant(outputs[0], "the loss")
+            return scale_loss(loss, loss_scale), (loss, new_buffers)
 
         # data parallel: differentiate with respect to per-device copies, so each gradient is this device's partial
         # sum, reduced once below (the invariant parameter's gradient would be all-reduced at every use by the
         # transposes of JAX's implicit pvary); other plans: let those transposes reduce it
         copies = {n: _varying_copy(params[n], stored[n], at_use[n], live_axes) if per_device_gradients
                   else params[n] for n in trainable}
-        (loss, new_buffers), grads = jax.value_and_grad(loss_of, has_aux=True)(copies)
-        grads = {n: _finish_gradient(g, stored[n], grad[n]) for n, g in grads.items()}
+        (_, (loss, new_buffers)), grads = jax.value_and_grad(loss_of, has_aux=True)(copies)
+        grads = unscale_grads({n: _finish_gradient(g, stored[n], grad[n]) for n, g in grads.items()}, loss_scale)
         pieces = {n: _relayout(program, p, stored[n], grad[n]) if n in grads else p for n, p in params.items()}
         # a sharded gradient's sum of squares (and non-finite count) is completed across its shards
         complete_sum = lambda name, s: jax.lax.psum(s, _axes(grad[name])) if _axes(grad[name]) else s  # noqa: E731

@@ -22,6 +22,7 @@ import numpy as np
 
 from jaxbackend.compiler import compiler_options
 from jaxbackend.lower import lower
+from jaxbackend.precision import Numerics
 from torchpar.ir.optimizer import OptimizerSpec
 from torchpar.planner.slicing import StageGraph
 from torchpar.runtime.arrays import put
@@ -45,7 +46,7 @@ class StageProgram:
     """Jitted forward / backward / accumulate / update of one stage (see the module docstring)."""
 
     def __init__(self, stage: StageGraph, *, placement: Placement, spec: OptimizerSpec, trainable: set[str],
-                 num_micro_batches: int, library_fusions: bool = True):
+                 num_micro_batches: int, library_fusions: bool = True, numerics: Numerics | None = None):
         self.stage = stage
         self.placement = placement
         self.num_micro_batches = num_micro_batches
@@ -54,7 +55,8 @@ class StageProgram:
         metas = {i.name: i.meta for i in stage.graph.inputs}
         self.float_acts = tuple(a for a in stage.activation_inputs if _is_float(metas[a].dtype))
         self.other_acts = tuple(a for a in stage.activation_inputs if a not in self.float_acts)
-        run = lower(stage.graph, value_shardings=placement.values, operand_shardings=placement.operands)
+        run = lower(stage.graph, value_shardings=placement.values, operand_shardings=placement.operands,
+                    numerics=numerics)
         value_outputs = [o for o in stage.graph.outputs if o.kind != "buffer"]
         out_names = [LOSS if o.kind == "loss" else o.target for o in value_outputs]
         node_metas = stage.graph.metas()

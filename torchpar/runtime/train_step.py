@@ -19,6 +19,12 @@ Non-finite steps (``compile(on_nonfinite=...)``): with ``check_finite`` a one-st
 returns the parameters, optimizer state and buffers it was given (:func:`keep_if`): the step is skipped
 inside the executable, as ``torch.amp.GradScaler`` skips ``optimizer.step``. A pipeline's stages report
 their gradients' non-finite counts and the runtime skips the update on the host side.
+
+Dynamic loss scaling (``compile(mixed_precision="fp16")``): the step's ``scalars`` are then
+``(optimizer scalars, loss_scale)`` with ``loss_scale = [S, 1/S]`` (float32, ``1/S`` computed in float64 on the
+host as ``torch.amp.GradScaler`` does). The differentiated value is ``loss·S``; the gradients are multiplied by
+``1/S`` before clipping and the update, and a step whose unscaled gradients hold an inf/nan is skipped (the host
+then backs the scale off: :mod:`torchpar.runtime.loss_scale`). The loss returned is the unscaled one.
 """
 
 from __future__ import annotations
@@ -56,6 +62,23 @@ def nonfinite_count(grads: Mapping[str, Any]) -> jax.Array:
     return total
 
 
+def split_scalars(scalars: Any, loss_scaling: bool) -> tuple[Any, Any]:
+    """``(optimizer scalars, loss_scale or None)`` of a step's ``scalars`` argument (see the module docstring)."""
+    return (scalars[0], scalars[1]) if loss_scaling else (scalars, None)
+
+
+def scale_loss(loss: Any, loss_scale: Any) -> Any:
+    """The value to differentiate: ``loss·S`` in float32 (GradScaler's ``scale(loss)``), or ``loss`` unscaled."""
+    return loss if loss_scale is None else loss.astype(jnp.float32) * loss_scale[0]
+
+
+def unscale_grads(grads: Mapping[str, Any], loss_scale: Any) -> dict[str, Any]:
+    """Gradients of ``loss·S`` times ``1/S`` (GradScaler's ``unscale_``), each in its own dtype."""
+    if loss_scale is None:
+        return dict(grads)
+    return {n: g * loss_scale[1].astype(g.dtype) for n, g in grads.items()}
+
+
 def keep_if(finite: Any, new: Any, old: Any) -> Any:
     """``new`` where ``finite`` else ``old``, leaf by leaf (same tree structure): a skipped step's state."""
     return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
@@ -63,22 +86,27 @@ def keep_if(finite: Any, new: Any, old: Any) -> Any:
 
 def make_fused_step(run: Callable, trainable: tuple[str, ...], spec: OptimizerSpec,
                     grad_clip_norm: float | None, grad_shardings: Mapping[str, Any],
-                    check_finite: bool = False, count_nonfinite: Callable[[dict], Any] | None = None) -> Callable:
+                    check_finite: bool = False, count_nonfinite: Callable[[dict], Any] | None = None,
+                    loss_scaling: bool = False) -> Callable:
     """``step(params, opt_state, buffers, inputs, scalars, key) → (loss, finite, params, opt_state, buffers)``
     for ``run`` (a lowered graph whose first output is the loss). ``grad_shardings`` constrains gradients
     whose layout differs from their parameter's (ZeRO). ``check_finite``: skip the update (return the
     state given) unless the loss and gradients are finite; else ``finite`` is always true.
     ``count_nonfinite(grads)`` counts the gradients' inf/nan elements (default :func:`nonfinite_count`; a sharded
-    step passes one that reduces every device's count with one collective)."""
+    step passes one that reduces every device's count with one collective). ``loss_scaling``: ``scalars`` carry a
+    loss scale (module docstring), and the step checks finiteness whatever ``check_finite`` says."""
+    check_finite = check_finite or loss_scaling
 
     def step(params, opt_state, buffers, inputs, scalars, key):
+        scalars, loss_scale = split_scalars(scalars, loss_scaling)
         frozen = {n: v for n, v in params.items() if n not in trainable}
 
         def loss_of(train_params):
             outputs, new_buffers = run({**frozen, **train_params}, buffers, inputs, key)
-            return outputs[0], new_buffers
+            return scale_loss(outputs[0], loss_scale), (outputs[0], new_buffers)
 
-        (loss, new_buffers), grads = jax.value_and_grad(loss_of, has_aux=True)({n: params[n] for n in trainable})
+        (_, (loss, new_buffers)), grads = jax.value_and_grad(loss_of, has_aux=True)({n: params[n] for n in trainable})
+        grads = unscale_grads(grads, loss_scale)
         if grad_shardings:  # ZeRO: reduce-scatter the gradients instead of all-reducing them
             from jaxbackend.sharding import constrain
 

@@ -29,6 +29,7 @@ from typing import Any, Hashable
 import jax
 import numpy as np
 
+from jaxbackend.precision import FULL_FP32, Numerics
 from torchpar.ir.graph import Graph
 from torchpar.ir.optimizer import OptimizerSpec
 from torchpar.planner.plan import Plan
@@ -53,6 +54,10 @@ class RunOptions:
     """Longest wait for a message from another stage or process."""
     check_finite: bool = False
     """Skip the optimizer update of a step whose loss or gradients are not finite, and report it."""
+    numerics: Numerics = FULL_FP32
+    """Precision of float32 products and convolutions (:mod:`jaxbackend.precision`)."""
+    loss_scaling: bool = False
+    """One-stage steps take a dynamic loss scale with their scalars (:mod:`torchpar.runtime.train_step`)."""
 
 
 @dataclass(kw_only=True)
@@ -143,7 +148,8 @@ class OneStageWorker(Worker):
         self.program = OneStageProgram(stage, spec.plan.method, spec.devices.jax_devices(stage.devices()),
                                        optimizer=spec.optimizer, grad_clip_norm=options.grad_clip_norm,
                                        spmd=options.spmd, library_fusions=options.library_fusions,
-                                       check_finite=options.check_finite)
+                                       check_finite=options.check_finite, numerics=options.numerics,
+                                       loss_scaling=options.loss_scaling)
         self.lead = min(spec.stage_ranks()[0]) == rank
         self.params: dict[str, Any] = {}
         self.buffers: dict[str, Any] = {}
@@ -266,7 +272,7 @@ class PipelineWorker(Worker):
                       for s, (graph, stage_plan) in enumerate(zip(stage_graphs, plan.stages))}
         programs = {s: StageProgram(graph, placement=placements[s], spec=spec.optimizer, trainable=set(spec.trainable),
                                     num_micro_batches=plan.num_micro_batches,
-                                    library_fusions=spec.options.library_fusions)
+                                    library_fusions=spec.options.library_fusions, numerics=spec.options.numerics)
                     for s, graph in enumerate(stage_graphs) if self.rank in self.ranks[s]}
         return placements, programs
 

@@ -1,0 +1,52 @@
+"""The numerics a PyTorch user asked for: float32 matmul precision, TF32 convolutions, autocast dtypes.
+
+Read from torch's global settings at compile time (``torch.get_float32_matmul_precision()``, which
+``torch.backends.cuda.matmul.allow_tf32 = True`` sets to ``"high"``; ``torch.backends.cudnn.allow_tf32``),
+unless ``torchpar.compile(matmul_precision=...)`` names one, which then also governs convolutions.
+"""
+
+from __future__ import annotations
+
+import torch
+
+MATMUL_PRECISIONS: tuple[str, ...] = ("highest", "high", "medium")
+"""PyTorch's names of float32 matmul precisions (``torch.set_float32_matmul_precision``)."""
+
+MIXED_PRECISIONS: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16}
+"""``compile(mixed_precision=...)`` names → the autocast dtype."""
+
+
+def torch_matmul_precision() -> str:
+    """PyTorch's float32 matmul precision now: ``"highest"``, ``"high"`` (TF32) or ``"medium"``."""
+    precision = torch.get_float32_matmul_precision()
+    return precision if precision in MATMUL_PRECISIONS else "highest"
+
+
+def torch_conv_precision() -> str:
+    """``"high"`` when PyTorch lets cuDNN convolutions use TF32 (its default), else ``"highest"``."""
+    conv = getattr(getattr(torch.backends.cudnn, "conv", None), "fp32_precision", None)
+    if conv in ("tf32", "ieee"):
+        return "high" if conv == "tf32" else "highest"
+    return "high" if torch.backends.cudnn.allow_tf32 else "highest"
+
+
+def resolve_precisions(matmul_precision: str | None) -> tuple[str, str]:
+    """``(products, convolutions)`` precision names to compile with: ``matmul_precision`` for both when given,
+    else PyTorch's current settings."""
+    if matmul_precision is not None:
+        if matmul_precision not in MATMUL_PRECISIONS:
+            raise ValueError(f"matmul_precision must be one of {MATMUL_PRECISIONS} or None (follow "
+                             f"torch.get_float32_matmul_precision()), got {matmul_precision!r}")
+        return matmul_precision, matmul_precision
+    return torch_matmul_precision(), torch_conv_precision()
+
+
+def autocast_dtype(mixed_precision: str | None) -> torch.dtype | None:
+    """The autocast dtype of a ``mixed_precision`` option (``None`` = no autocast)."""
+    if mixed_precision is None:
+        return None
+    try:
+        return MIXED_PRECISIONS[mixed_precision]
+    except KeyError:
+        raise ValueError(f"mixed_precision must be one of {tuple(MIXED_PRECISIONS)} or None, "
+                         f"got {mixed_precision!r}") from None
