@@ -36,9 +36,10 @@ float masks → ``bias`` with ``−inf`` replaced by the dtype's lowest value, b
 with no key zeroed, where JAX would average V (boolean mask) or give NaN (all ``−inf`` bias)); the tests
 check it against torch through JAX's XLA implementation (``implementation="xla"``, never chosen here).
 Masks stay off cuDNN until checked on a GPU (its bias path: the mask becomes a bf16 bias whose gradient
-the backward always computes, and its output on fully masked rows). Open: HF models captured by
-``torch.export`` always pass a materialized ``[B, 1, L, S]`` boolean mask (causal for GPT-2 and Llama, all
-True for ViT), so they do not reach cuDNN yet.
+the backward always computes, and its output on fully masked rows). HF models build a materialized
+``[B, 1, L, S]`` boolean mask in ``forward`` (causal for GPT-2 and Llama, all True for ViT and an unpadded
+BERT); the capture folds such constant masks into ``is_causal`` (:mod:`torchpar.capture.attention_masks`), so
+they arrive here without a mask and reach cuDNN; a padding mask from the batch keeps the composition.
 
 Precision. The composition's two products take :func:`jaxbackend.precision.dot_precision`: float32 follows
 ``torch.get_float32_matmul_precision()`` (fp32 / TF32 / bf16 passes on a GPU, fp32 on CPU), bf16/fp16 run

@@ -3,7 +3,9 @@
 The model is wrapped so that the exported program computes exactly what the user's loop computes:
 ``model(**batch)`` / ``model(*batch)`` / ``model(batch)``, then the loss selected as DESIGN.md §2
 states. Export is non-strict, then ``run_decompositions()`` reduces the graph to core ATen, except
-``scaled_dot_product_attention``, which stays one op (a fused lowering, one node for the planner).
+``scaled_dot_product_attention``, which stays one op (a fused lowering, one node for the planner); a
+mask it receives that is the same for every batch (causal or all True) becomes its ``is_causal`` flag
+(:mod:`torchpar.capture.attention_masks`).
 
 Parameters and buffers are keyed by their ``named_parameters()`` / ``named_buffers()`` names. Tied
 parameters (GPT-2 ``lm_head.weight`` is ``transformer.wte.weight``) are two placeholders with one
@@ -25,6 +27,7 @@ import torch.utils._pytree as pytree
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
+from torchpar.capture.attention_masks import fold_static_attention_masks
 from torchpar.capture.boundary import BOUNDARY_TARGET
 from torchpar.capture.errors import dynamic_shape_error, translate_export_error
 from torchpar.ir.costs import op_flops
@@ -178,6 +181,9 @@ def _capture(wrapper: torch.nn.Module, model: torch.nn.Module, batch: Any, *, tr
             t2 = time.perf_counter()
     finally:
         model.train(was_training)
+    folded = fold_static_attention_masks(exported.graph)
+    if folded:
+        log.info("%d attention call(s) take a constant causal / full mask: folded into is_causal", folded)
     graph = _to_ir(exported, model, user_output_kind="loss" if training else "user")
     log.info("captured %s graph: %d ops (export %.2fs, decompose %.2fs)",
              "train" if training else "eval", len(graph.nodes), t1 - t0, t2 - t1)
