@@ -129,3 +129,13 @@ def test_engine_and_plan_say_what_they_compiled_with(torch_precision, monkeypatc
     with pytest.raises(ValueError, match="mixed_precision must be one of"):
         torchpar.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), example_batch=batch,
                          mixed_precision="float16")
+
+
+def test_the_autocast_policy_is_the_model_devices():
+    """``torch.autocast`` only casts ops on its own device type, so the capture takes the model's (a CUDA model
+    gets CUDA's policy); meta tensors have no autocast and take the CPU's."""
+    from torchpar.capture.precision import autocast_device
+
+    assert autocast_device(torch.nn.Linear(2, 2), []) == "cpu"
+    assert autocast_device(torch.nn.Linear(2, 2, device="meta"), []) == "cpu"
+    assert autocast_device(torch.nn.ReLU(), [torch.zeros(1)]) == "cpu"  # no parameters: the batch's device

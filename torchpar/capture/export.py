@@ -30,6 +30,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 from torchpar.capture.attention_masks import fold_static_attention_masks
 from torchpar.capture.boundary import BOUNDARY_TARGET
 from torchpar.capture.errors import dynamic_shape_error, translate_export_error
+from torchpar.capture.precision import autocast_device
 from torchpar.ir.costs import op_flops
 from torchpar.ir.graph import DType, Graph, Input, Node, Output, Ref, TensorMeta
 
@@ -130,7 +131,8 @@ def capture_train_step(model: torch.nn.Module, batch: Any, loss_fn: LossFn | Non
     """Export ``model`` in train mode on ``batch`` into a graph whose single output is the loss
     (plus the new values of mutated buffers).
 
-    ``autocast``: export under ``torch.autocast("cpu", autocast)``, so PyTorch's own casting policy (which ops
+    ``autocast``: export under ``torch.autocast(device, autocast)``, ``device`` the type of the device the model
+    lives on (:func:`torchpar.capture.precision.autocast_device`), so PyTorch's own casting policy (which ops
     run in the low dtype, which stay float32) is in the graph as explicit casts; the parameters stay in their
     dtype (the float32 master weights of mixed precision), and the backward ``jax.grad`` derives casts their
     gradients back."""
@@ -167,7 +169,8 @@ def _capture(wrapper: torch.nn.Module, model: torch.nn.Module, batch: Any, *, tr
     try:
         # autocast must be on for the export and for the decomposition that re-traces it to ATen (where the
         # dispatcher inserts its casts); the exported program itself does not record an ambient autocast
-        casting = torch.autocast("cpu", autocast) if autocast is not None else contextlib.nullcontext()
+        casting = (torch.autocast(autocast_device(model, leaves), autocast) if autocast is not None
+                   else contextlib.nullcontext())
         with casting:
             t0 = time.perf_counter()
             with torch.no_grad() if not training else contextlib.nullcontext():

@@ -50,3 +50,13 @@ def autocast_dtype(mixed_precision: str | None) -> torch.dtype | None:
     except KeyError:
         raise ValueError(f"mixed_precision must be one of {tuple(MIXED_PRECISIONS)} or None, "
                          f"got {mixed_precision!r}") from None
+
+
+def autocast_device(model: torch.nn.Module, batch_leaves: list[torch.Tensor]) -> str:
+    """The device type whose autocast policy a capture uses: where the model's parameters live (else the batch's
+    first tensor), as ``torch.autocast`` only casts ops on its own device type. A CUDA-resident model gets
+    PyTorch's CUDA policy (``layer_norm``, ``softmax`` and the losses in float32), a CPU model the CPU policy;
+    a device type without autocast (``meta``) uses the CPU policy."""
+    tensors = [*model.parameters(), *model.buffers(), *batch_leaves]
+    device_type = tensors[0].device.type if tensors else "cpu"
+    return device_type if device_type != "meta" and torch.amp.is_autocast_available(device_type) else "cpu"
