@@ -10,6 +10,31 @@ import jax.numpy as jnp
 
 from jaxbackend.ops.registry import lowers
 
+_HALF = (jnp.float16, jnp.bfloat16)
+
+
+def _opmath(x):
+    """``x`` in the dtype PyTorch's CPU kernels compute it in: float32 for fp16/bf16 (their ``opmath_type``),
+    else unchanged. ``None`` stays ``None``."""
+    return x.astype(jnp.float32) if x is not None and x.dtype in _HALF else x
+
+
+def _in_opmath(fn):
+    """Run a normalization lowering on float32 copies of fp16/bf16 operands, as PyTorch's kernels do.
+
+    PyTorch computes the statistics, the normalized output and the backward of layer/group/batch norm in float32
+    for half-precision tensors and rounds only the results. Left in fp16, the derivative JAX takes of
+    ``rsqrt(var + eps)`` is ``-rstd / (2 (var + eps)) = -rstd³/2``, which overflows fp16 (max 65504) as soon
+    as ``var + eps < 6.1e-4``: GPT-2's initial residual stream (std 0.02) is below that, and the backward turns
+    the inf into NaN gradients. Results are cast back to the dtype torch reports by the caller (``lower``).
+    """
+
+    @functools.wraps(fn)
+    def wrapper(x, *args, **kwargs):
+        return fn(_opmath(x), *(_opmath(a) if isinstance(a, jax.Array) else a for a in args), **kwargs)
+
+    return wrapper
+
 # Softmax over rows that may be entirely -inf (a fully masked attention row). Such a "dead" row is
 # shifted by the most negative float instead of its max (-inf), so its exponentials are 0, not NaN;
 # clamping its sum to the smallest normal float then gives a zero softmax. The clamps are no-ops on live
@@ -63,13 +88,16 @@ def _log_softmax_jvp(axis, primals, tangents):
 
 @lowers("aten._softmax.default")
 def softmax(x, dim, half_to_float=False):
-    x = x.astype(jnp.float32) if half_to_float else x
+    """PyTorch's kernels compute an fp16/bf16 softmax (and its backward) in float32 and round the result,
+    to float32 with ``half_to_float``, else to the input's dtype (the caller's cast)."""
+    x = _opmath(x)
     return _softmax(x, dim, True) if x.ndim else jnp.ones_like(x)
 
 
 @lowers("aten._log_softmax.default")
 def log_softmax(x, dim, half_to_float=False):
-    x = x.astype(jnp.float32) if half_to_float else x
+    """In float32 for fp16/bf16 inputs, as :func:`softmax`."""
+    x = _opmath(x)
     return _log_softmax(x, dim) if x.ndim else x - x
 
 
@@ -86,6 +114,7 @@ def safe_softmax(x, dim, dtype=None):
 
 
 @lowers("aten.native_layer_norm.default")
+@_in_opmath
 def native_layer_norm(x, normalized_shape, weight, bias, eps):
     axes = tuple(range(x.ndim - len(normalized_shape), x.ndim))
     mean = jnp.mean(x, axis=axes, keepdims=True)
@@ -101,6 +130,7 @@ def native_layer_norm(x, normalized_shape, weight, bias, eps):
 
 
 @lowers("aten.native_group_norm.default")
+@_in_opmath
 def native_group_norm(x, weight, bias, n, c, hw, group, eps):
     grouped = x.reshape(n, group, (c // group) * hw)
     mean = jnp.mean(grouped, axis=-1, keepdims=True)
@@ -139,6 +169,7 @@ def _batch_norm_train(x, weight, bias, eps, across: tuple[str, ...] = ()):
 
 
 @lowers("aten._native_batch_norm_legit_functional.default")
+@_in_opmath
 def batch_norm_functional(x, weight, bias, running_mean, running_var, training, momentum, eps,
                           across: tuple[str, ...] = ()):
     """Returns ``(out, save_mean, save_rstd, new_running_mean, new_running_var)``; running stats
@@ -155,12 +186,14 @@ def batch_norm_functional(x, weight, bias, running_mean, running_var, training, 
 
 
 @lowers("aten._native_batch_norm_legit.no_stats")
+@_in_opmath
 def batch_norm_no_stats(x, weight, bias, training, momentum, eps, across: tuple[str, ...] = ()):
     out, mean, _, rstd = _batch_norm_train(x, weight, bias, eps, across)
     return out, mean, rstd
 
 
 @lowers("aten._native_batch_norm_legit_no_training.default")
+@_in_opmath
 def batch_norm_no_training(x, weight, bias, running_mean, running_var, momentum, eps):
     shape = (1, -1) + (1,) * (x.ndim - 2)
     out = (x - running_mean.reshape(shape)) * jax.lax.rsqrt(running_var.reshape(shape) + eps)

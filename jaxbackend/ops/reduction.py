@@ -17,8 +17,13 @@ def _axes(x, dim):
 
 @lowers("aten.sum.dim_IntList", "aten.sum.default")
 def sum_(x, dim=None, keepdim=False, dtype=None):
+    """An fp16/bf16 sum accumulates in float32 and rounds once, as PyTorch's kernels do (``jnp.sum`` would
+    accumulate in the input's dtype wherever XLA does not widen it itself)."""
     if dtype is None and (x.dtype == jnp.bool_ or jnp.issubdtype(x.dtype, jnp.integer)):
         dtype = jnp.int32
+    result = jnp.dtype(dtype) if dtype is not None else x.dtype
+    if result in (jnp.float16, jnp.bfloat16):
+        return jnp.sum(x.astype(result), axis=_axes(x, dim), keepdims=keepdim, dtype=jnp.float32).astype(result)
     return jnp.sum(x, axis=_axes(x, dim), keepdims=keepdim, dtype=dtype)
 
 
