@@ -13,6 +13,7 @@ promotion rules are enforced) and checked against its static shape.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
@@ -22,6 +23,7 @@ import numpy as np
 from jaxbackend import dtypes, precision
 from jaxbackend.ops import registry
 from jaxbackend.precision import Numerics
+from jaxbackend.remat import Remat, checkpoint
 from jaxbackend.sharding import constrain
 from torchpar.ir.graph import DType, Graph, Node, OutMeta, Ref, TensorMeta
 
@@ -61,7 +63,7 @@ def check_supported(graph: Graph) -> None:
 def lower(graph: Graph, *, value_shardings: Mapping[str, Any] | None = None,
           operand_shardings: Mapping[str, Sequence[Any]] | None = None, layouts: Any = None,
           observe: Callable[[Node, Any, dict[str, Any]], None] | None = None,
-          numerics: Numerics | None = None) -> StepFn:
+          numerics: Numerics | None = None, remat: Remat | None = None) -> StepFn:
     """The pure JAX function computing ``graph`` (see the module docstring for its signature).
 
     ``value_shardings`` maps input or node names to a sharding their value is constrained to
@@ -79,6 +81,9 @@ def lower(graph: Graph, *, value_shardings: Mapping[str, Any] | None = None,
     ``numerics`` sets the precision of float32 products and convolutions (:mod:`jaxbackend.precision`;
     default full fp32). It is read while the function is traced, so the backward pass that ``jax.grad``
     derives from it computes its products the same way.
+
+    ``remat`` computes its groups of nodes under ``jax.checkpoint`` (:mod:`jaxbackend.remat`): the backward
+    recomputes what the policy does not keep. Ignored with ``observe`` (an eager diagnostic keeps nothing).
     """
     check_supported(graph)
     local = None
@@ -100,6 +105,52 @@ def lower(graph: Graph, *, value_shardings: Mapping[str, Any] | None = None,
         with precision.using(numerics):
             return trace(params, buffers, inputs, key, activations)
 
+    segments = _segments(graph, remat if observe is None else None)
+
+    def evaluate(index: int, env: dict[str, Any], key: jax.Array) -> None:
+        """Compute node ``index`` from the values in ``env`` and store its result there."""
+        node, lowering = graph.nodes[index], lowerings[index]
+        scope = env
+        if node.name in operand_shardings:
+            scope = dict(env)
+            for ref, sharding in zip(node.refs(), operand_shardings[node.name]):
+                scope[ref] = constrain(env[ref], sharding)
+        elif local is not None:
+            scope = local.read_operands(node, env)
+        args = _materialize(node.args, scope)
+        kwargs = {k: _materialize(v, scope) for k, v in node.kwargs.items()}
+        if lowering.random:
+            kwargs["key"] = jax.random.fold_in(key, index)
+        fn, finish = lowering.fn, None
+        if local is not None:
+            fn, args, kwargs, finish = local.prepare(node, fn, args, kwargs)
+        try:
+            result = fn(*args, **kwargs)
+        except Exception as error:
+            raise LoweringError(_context(node, graph, f"lowering raised {type(error).__name__}: {error}")) from error
+        if finish is not None:
+            result = finish(result)
+        env[node.name] = _conform(result, node, graph, local)
+        if node.name in value_shardings:
+            env[node.name] = constrain(env[node.name], value_shardings[node.name])
+        if observe is not None:
+            observe(node, env[node.name], env)
+
+    def evaluate_checkpointed(segment: _Segment, env: dict[str, Any], key: jax.Array) -> None:
+        """Nodes ``segment.start:segment.stop`` under ``jax.checkpoint``; only their later-used results enter
+        ``env``."""
+        arrays = [name for name in segment.reads if _is_traced_value(env[name])]
+        fixed = {name: env[name] for name in segment.reads if name not in arrays}
+
+        def body(values: list[Any], key: jax.Array) -> list[Any]:
+            inner = dict(fixed) | dict(zip(arrays, values))
+            for index in range(segment.start, segment.stop):
+                evaluate(index, inner, key)
+            return [inner[name] for name in segment.writes]
+
+        results = checkpoint(body, remat.policy)([env[name] for name in arrays], key)
+        env.update(zip(segment.writes, results))
+
     def trace(params, buffers, inputs, key, activations):
         env: dict[str, Any] = {}
         for inp in graph.inputs:
@@ -115,32 +166,11 @@ def lower(graph: Graph, *, value_shardings: Mapping[str, Any] | None = None,
                 env[inp.name] = inputs[int(inp.target)]
             if inp.name in value_shardings:
                 env[inp.name] = constrain(env[inp.name], value_shardings[inp.name])
-        for index, (node, lowering) in enumerate(zip(graph.nodes, lowerings)):
-            scope = env
-            if node.name in operand_shardings:
-                scope = dict(env)
-                for ref, sharding in zip(node.refs(), operand_shardings[node.name]):
-                    scope[ref] = constrain(env[ref], sharding)
-            elif local is not None:
-                scope = local.read_operands(node, env)
-            args = _materialize(node.args, scope)
-            kwargs = {k: _materialize(v, scope) for k, v in node.kwargs.items()}
-            if lowering.random:
-                kwargs["key"] = jax.random.fold_in(key, index)
-            fn, finish = lowering.fn, None
-            if local is not None:
-                fn, args, kwargs, finish = local.prepare(node, fn, args, kwargs)
-            try:
-                result = fn(*args, **kwargs)
-            except Exception as error:
-                raise LoweringError(_context(node, graph, f"lowering raised {type(error).__name__}: {error}")) from error
-            if finish is not None:
-                result = finish(result)
-            env[node.name] = _conform(result, node, graph, local)
-            if node.name in value_shardings:
-                env[node.name] = constrain(env[node.name], value_shardings[node.name])
-            if observe is not None:
-                observe(node, env[node.name], env)
+        for segment in segments:
+            if segment.checkpointed:
+                evaluate_checkpointed(segment, env, key)
+            else:
+                evaluate(segment.start, env, key)
         outputs = [env[o.value.name] if o.value is not None else None for o in value_outputs]
         new_buffers = {o.target: env[o.value.name] for o in buffer_outputs}
         if local is not None:  # buffers are stored whole on every device
@@ -148,6 +178,66 @@ def lower(graph: Graph, *, value_shardings: Mapping[str, Any] | None = None,
         return outputs, new_buffers
 
     return run
+
+
+@dataclasses.dataclass(frozen=True)
+class _Segment:
+    """Nodes ``start:stop`` of the graph: one node, or a checkpointed group that reads ``reads`` (values made
+    before it) and makes ``writes`` (its values read after it or by the graph's outputs)."""
+
+    start: int
+    stop: int
+    checkpointed: bool = False
+    reads: tuple[str, ...] = ()
+    writes: tuple[str, ...] = ()
+
+
+def _segments(graph: Graph, remat: Remat | None) -> list[_Segment]:
+    """The graph's nodes in order, the runs of consecutive nodes of each ``remat`` group (of at least two nodes)
+    as checkpointed segments, every other node alone."""
+    position = {node.name: index for index, node in enumerate(graph.nodes)}
+    group_of: dict[int, int] = {}
+    for number, group in enumerate(remat.groups if remat is not None else ()):
+        for name in group:
+            if name in position:
+                group_of[position[name]] = number
+    read_after = _last_reads(graph)
+    segments: list[_Segment] = []
+    index = 0
+    while index < len(graph.nodes):
+        stop = index + 1
+        if index in group_of:
+            while stop < len(graph.nodes) and group_of.get(stop) == group_of[index]:
+                stop += 1
+        if stop - index < 2:
+            segments.append(_Segment(index, index + 1))
+        else:
+            inside = {node.name for node in graph.nodes[index:stop]}
+            reads = dict.fromkeys(ref for node in graph.nodes[index:stop] for ref in node.refs() if ref not in inside)
+            writes = [name for name in inside if read_after.get(name, -1) >= stop]
+            writes.sort(key=position.__getitem__)
+            segments.append(_Segment(index, stop, True, tuple(reads), tuple(writes)))
+        index = stop
+    return segments
+
+
+def _last_reads(graph: Graph) -> dict[str, int]:
+    """Each value's last reader: a node index, or ``len(graph.nodes)`` for the graph's outputs."""
+    last: dict[str, int] = {}
+    for index, node in enumerate(graph.nodes):
+        for ref in node.refs():
+            last[ref] = index
+    for output in graph.outputs:
+        if output.value is not None:
+            last[output.value.name] = len(graph.nodes)
+    return last
+
+
+def _is_traced_value(value: Any) -> bool:
+    """Whether a value can be an argument of ``jax.checkpoint``'s function (arrays, tuples of arrays); Python
+    scalars and ``None`` stay static."""
+    leaves = jax.tree_util.tree_leaves(value)
+    return bool(leaves) and all(isinstance(leaf, (jax.Array, np.ndarray)) for leaf in leaves)
 
 
 def _materialize(value: Any, env: dict[str, Any]) -> Any:

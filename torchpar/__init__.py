@@ -68,6 +68,7 @@ def compile(
     on_nonfinite: Literal["raise", "skip", "ignore"] = "raise",
     matmul_precision: Literal["highest", "high", "medium"] | None = None,
     mixed_precision: Literal["bf16", "fp16"] | None = None,
+    remat: Literal["none", "layers", "selective"] | None = None,
 ) -> Engine:
     """Capture ``model``'s training step on ``example_batch`` and compile it with ``method``; returns the
     :class:`~torchpar.api.Engine` (``engine.step(batch)``; ``engine.close()``, or use it in a ``with`` block).
@@ -99,6 +100,9 @@ def compile(
     - ``mixed_precision``: ``"bf16"`` or ``"fp16"`` trains under ``torch.autocast`` semantics with float32
       master weights and optimizer state; ``"fp16"`` adds dynamic loss scaling as ``torch.amp.GradScaler``
       (``engine.loss_scale``). ``None``: the model's own dtypes (a bf16/fp16 model trains in its dtype).
+    - ``remat``: activation checkpointing per layer (a numbered child such as ``model.layers.3``): ``"layers"``
+      recomputes each layer's forward in its backward, keeping its input; ``"selective"`` also keeps its linear
+      layers' outputs; ``"none"`` keeps every activation. ``None``: a given ``Plan``'s, else ``"none"``.
 
     Bad values raise ``ValueError``/``TypeError`` (each option: :class:`torchpar.api.CompileOptions`).
     """
@@ -107,7 +111,7 @@ def compile(
     return api.compile(model, optimizer, example_batch=example_batch, loss_fn=loss_fn, method=method,
                        grad_clip_norm=grad_clip_norm, seed=seed, xla_library_fusions=xla_library_fusions, spmd=spmd,
                        check_inputs=check_inputs, on_nonfinite=on_nonfinite, matmul_precision=matmul_precision,
-                       mixed_precision=mixed_precision)
+                       mixed_precision=mixed_precision, remat=remat)
 
 
 def plan(
@@ -119,18 +123,20 @@ def plan(
     method: Method | None = None,
     explain: bool = True,
     mixed_precision: Literal["bf16", "fp16"] | None = None,
+    remat: Literal["none", "layers", "selective"] = "none",
 ) -> Plan:
     """Capture and plan without compiling or running a step (for inspecting and comparing plans).
 
     ``example_batch``, ``loss_fn`` and ``method`` are :func:`compile`'s. ``explain`` (default): also count each
     stage's collective bytes by kind and, for one-stage methods, price ShardParallel, DataParallel, Zero2Parallel
     and MegatronParallel on the same cost model (``plan.solver["method_comparison"]``); a few more solves.
-    ``mixed_precision`` as in :func:`compile` (the plan then prices the autocast graph's dtypes).
+    ``mixed_precision`` as in :func:`compile` (the plan then prices the autocast graph's dtypes); ``remat`` as
+    in :func:`compile`, recorded in ``plan.remat``.
     """
     from torchpar import api
 
     return api.plan(model, optimizer, example_batch=example_batch, loss_fn=loss_fn, method=method, explain=explain,
-                    mixed_precision=mixed_precision)
+                    mixed_precision=mixed_precision, remat=remat)
 
 
 def mark_pipeline_boundary(x: Any) -> Any:

@@ -32,6 +32,7 @@ from torchpar.methods import (DataParallel, MegatronParallel, Method, PipeshardP
                               Zero3Parallel)
 from torchpar.planner.for_method import plan_for_method, single_device_plan
 from torchpar.planner.plan import Plan
+from torchpar.planner.remat import check_remat
 from torchpar.progress import CompilePhases
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,7 @@ OnNonfinite = Literal["raise", "skip", "ignore"]
 ON_NONFINITE: tuple[str, ...] = ("raise", "skip", "ignore")
 MatmulPrecision = Literal["highest", "high", "medium"]
 MixedPrecision = Literal["bf16", "fp16"]
+Remat = Literal["none", "layers", "selective"]
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
@@ -84,6 +86,12 @@ class CompileOptions:
     in float32), with float32 master weights, gradients and optimizer state. ``"fp16"`` adds dynamic loss scaling
     with ``torch.amp.GradScaler``'s rules (``engine.loss_scale``; a step whose gradients overflow is skipped and
     the scale backed off). ``None``: the model's own dtypes."""
+    remat: Remat | None = None
+    """Activation checkpointing (:mod:`torchpar.planner.remat`): ``"layers"`` keeps only each layer's input for
+    the backward and recomputes the layer's forward there; ``"selective"`` also keeps its linear layers' outputs
+    and recomputes the cheap rest (norms, activations, softmax, attention scores); ``"none"`` keeps everything.
+    A layer is a numbered child of a container (``model.layers.3``). Losses are those without remat.
+    ``None``: a given ``Plan``'s ``remat``, else ``"none"``. The plan (``plan.remat``) says which ran."""
 
     def __post_init__(self) -> None:
         if self.grad_clip_norm is not None and not self.grad_clip_norm > 0:
@@ -96,6 +104,8 @@ class CompileOptions:
             raise TypeError(f"check_inputs must be True or False, got {self.check_inputs!r}")
         resolve_precisions(self.matmul_precision)  # raises on a bad name
         autocast_dtype(self.mixed_precision)
+        if self.remat is not None:
+            check_remat(self.remat)
 
 
 def compile(
@@ -113,6 +123,7 @@ def compile(
     on_nonfinite: OnNonfinite = "raise",
     matmul_precision: MatmulPrecision | None = None,
     mixed_precision: MixedPrecision | None = None,
+    remat: Remat | None = None,
 ) -> "Engine":
     """Capture ``model``'s training step on ``example_batch`` and compile it with ``method``.
 
@@ -131,7 +142,7 @@ def compile(
         raise TypeError(f"method must be None, a torchpar parallel method or a Plan, got {type(method).__name__}")
     options = CompileOptions(grad_clip_norm=grad_clip_norm, seed=seed, xla_library_fusions=xla_library_fusions,
                              spmd=spmd, check_inputs=check_inputs, on_nonfinite=on_nonfinite,
-                             matmul_precision=matmul_precision, mixed_precision=mixed_precision)
+                             matmul_precision=matmul_precision, mixed_precision=mixed_precision, remat=remat)
     warn_if_gradient_checkpointing(model, stacklevel=3)  # the caller of torchpar.compile
     default_compile_cache()
     return Engine(model, optimizer, example_batch, loss_fn, options, method)
@@ -139,14 +150,16 @@ def compile(
 
 def plan(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, example_batch: Any,
          loss_fn: LossFn | None = None, method: Method | None = None, explain: bool = True,
-         mixed_precision: MixedPrecision | None = None) -> Plan:
+         mixed_precision: MixedPrecision | None = None, remat: Remat = "none") -> Plan:
     """The plan ``method`` gives the model's training step, without XLA compilation or a step (for inspecting
     and comparing plans). Capture and planning phases are timed in ``plan.timings``.
 
     ``explain`` (default): also count each stage's collective bytes by kind and, for one-stage methods, price
     ShardParallel, DataParallel, Zero2Parallel and MegatronParallel on the same cost model
     (``plan.solver["method_comparison"]``), for the summary and the report; a few more solves.
-    ``mixed_precision`` as in :func:`compile` (the plan prices the autocast graph's dtypes)."""
+    ``mixed_precision`` as in :func:`compile` (the plan prices the autocast graph's dtypes); ``remat`` as in
+    :func:`compile`, recorded in ``plan.remat`` (the plan's memory estimates do not price it yet)."""
+    check_remat(remat)
     warn_if_gradient_checkpointing(model, stacklevel=3)  # the caller of torchpar.plan
     start = time.perf_counter()
     pipeshard = isinstance(method, PipeshardParallel)
@@ -171,6 +184,7 @@ def plan(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, example_ba
                                  optimizer_state_copies=_state_copies(spec), explain=explain)
     result.timings = {"capture": capture_s, **result.timings}
     result.numerics = describe_numerics(_numerics(None), mixed_precision)
+    result.remat = remat
     return result
 
 
@@ -235,7 +249,8 @@ class Engine:
         return RunOptions(grad_clip_norm=self.options.grad_clip_norm, library_fusions=self.options.xla_library_fusions,
                           spmd=self.options.spmd, timeout_s=current_cluster().timeout_s,
                           check_finite=self.options.on_nonfinite != "ignore" or self._loss_scaler is not None,
-                          numerics=self._numerics, loss_scaling=self._loss_scaler is not None)
+                          numerics=self._numerics, loss_scaling=self._loss_scaler is not None,
+                          remat=self._plan.remat)
 
     def _init_one_stage(self, example_batch: Any, method: Method | Plan | None) -> None:
         from torchpar.runtime import build_executor
@@ -249,6 +264,7 @@ class Engine:
             with phases.phase("plan"):
                 self._plan = self._make_plan(capture.graph, method)
                 self._plan.numerics = self._describe_numerics()
+                self._plan.remat = self._remat(method)
             with phases.phase("start workers"):
                 cluster = current_cluster()
                 spec = ExecutionSpec(plan=self._plan, optimizer=self._spec,
@@ -295,6 +311,7 @@ class Engine:
                     self._plan, stage_graphs = pipeline.plan, pipeline.stages
                 self._plan.timings["capture"] = self._timings["capture"]
                 self._plan.numerics = self._describe_numerics()
+                self._plan.remat = self._remat(method)
             with phases.phase("start workers"):
                 start = time.perf_counter()
                 spec = ExecutionSpec(plan=self._plan, optimizer=self._spec, devices=DeviceMap(cluster.devices_per_host),
@@ -572,6 +589,12 @@ class Engine:
     def _with_loss_scale(self, scalars: Any) -> Any:
         """A step's scalars: the optimizer's, with the loss scale under fp16 mixed precision."""
         return scalars if self._loss_scaler is None else (scalars, self._loss_scaler.step_input())
+
+    def _remat(self, method: Method | Plan | None) -> str:
+        """The remat the step runs with: the option, else a given plan's."""
+        if self.options.remat is not None:
+            return self.options.remat
+        return method.remat if isinstance(method, Plan) else "none"
 
     def _describe_numerics(self) -> dict[str, Any]:
         return describe_numerics(self._numerics, self.options.mixed_precision)

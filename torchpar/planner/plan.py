@@ -90,6 +90,9 @@ class Plan:
     """What the step was compiled to compute with (filled by the engine): ``matmul_precision`` and
     ``conv_precision`` (``"highest"``/``"high"``/``"medium"``), ``effective`` (what the platform computes),
     ``mixed_precision`` (``"bf16"``/``"fp16"``/``"none"``), ``loss_scaling`` (``"dynamic"``/``"none"``)."""
+    remat: str = "none"
+    """Activation checkpointing of each layer (:mod:`torchpar.planner.remat`): ``"none"``, ``"layers"`` or
+    ``"selective"``."""
 
     @property
     def is_pipeline(self) -> bool:
@@ -165,6 +168,8 @@ class Plan:
             lines.append(f"  numerics: {self.numerics.get('effective', '')}; mixed precision "
                          f"{self.numerics.get('mixed_precision', 'none')}, loss scaling "
                          f"{self.numerics.get('loss_scaling', 'none')}")
+        if self.remat != "none":
+            lines.append(f"  remat: {self.remat} ({_REMAT_MEANING[self.remat]})")
         lines.extend(_alternatives(self.solver))
         stats = {k: v for k, v in self.solver.items() if k not in _EXPLAINED_SOLVER_KEYS}
         if stats:
@@ -196,6 +201,8 @@ class Plan:
 
 
 
+_REMAT_MEANING = {"layers": "each layer's forward recomputed in its backward; its input kept",
+                  "selective": "each layer's input and linear-layer outputs kept; the rest recomputed"}
 _EXPLAINED_SOLVER_KEYS = ("estimate", "stage_partition", "runners_up", "mesh_shapes", "method_comparison")
 """``Plan.solver`` entries :meth:`Plan.summary` shows in their own lines."""
 

@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn
 
 from torchpar.methods import METHOD_NAMES, PipeshardParallel
+from torchpar.planner.remat import REMAT_OPTIONS
 
 FORMER_METHOD_NAMES: dict[str, str] = {"auto": "shard"}
 """Method names of plans saved by earlier versions → today's (:data:`torchpar.methods.METHOD_NAMES`)."""
@@ -301,6 +302,11 @@ def _check_str(path: str, value: Any) -> None:
         _fail(path, "a string", value)
 
 
+def _check_remat(path: str, value: Any) -> None:
+    if value not in REMAT_OPTIONS:
+        _fail(path, f"one of {', '.join(REMAT_OPTIONS)}", value)
+
+
 _SPECS = _mapping_of(_check_spec, f"an object of name → {_SPEC}")
 
 PLAN_FIELDS: dict[str, tuple[bool, Check]] = {
@@ -315,6 +321,7 @@ PLAN_FIELDS: dict[str, tuple[bool, Check]] = {
     "cluster": (False, _check_cluster),
     "layer_of_node": (False, _mapping_of(_check_count, "an object of node name → layer id")),
     "numerics": (False, _mapping_of(_check_str, "an object of setting → string")),
+    "remat": (False, _check_remat),
 }
 """The fields of a plan (``Plan``'s dataclass fields): name → (required, check)."""
 

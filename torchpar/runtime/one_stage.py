@@ -28,7 +28,7 @@ from torchpar.ir.graph import Graph
 from torchpar.ir.optimizer import OptimizerSpec
 from torchpar.planner.plan import StagePlan
 from torchpar.runtime.placement import Placement
-from torchpar.runtime.train_step import make_fused_step
+from torchpar.runtime.train_step import make_fused_step, remat_groups
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ class OneStageProgram:
 
     def __init__(self, stage: StagePlan, method: str, devices: list[Any], *, optimizer: OptimizerSpec,
                  grad_clip_norm: float | None, spmd: str, library_fusions: bool, check_finite: bool = False,
-                 numerics: Numerics | None = None, loss_scaling: bool = False):
+                 numerics: Numerics | None = None, loss_scaling: bool = False, remat: str = "none"):
         self.stage = stage
         self.method = method
         self.devices = devices
@@ -63,6 +63,7 @@ class OneStageProgram:
         self.library_fusions = library_fusions
         self.check_finite = check_finite
         self.numerics = numerics
+        self.remat = remat
         self.loss_scaling = loss_scaling
         self.placement = Placement.from_stage(stage, None, devices)
         self._options = compiler_options(library_fusions, len(devices))
@@ -104,7 +105,7 @@ class OneStageProgram:
             from jaxbackend.lower import lower
 
             run = lower(graph, value_shardings=placement.values, operand_shardings=placement.operands,
-                        numerics=self.numerics)
+                        numerics=self.numerics, remat=remat_groups(graph, self.remat))
             step_fn = make_fused_step(run, trainable, self.optimizer, self.grad_clip_norm, placement.grads,
                                       check_finite=self.check_finite, loss_scaling=self.loss_scaling,
                                       count_nonfinite=_one_collective_count(placement) if len(self.devices) > 1 else None)
@@ -152,7 +153,7 @@ class OneStageProgram:
         from jaxbackend.lower import lower
         from torchpar.runtime.spmd_step import make_spmd_step
 
-        run = lower(graph, layouts=layouts, numerics=self.numerics)
+        run = lower(graph, layouts=layouts, numerics=self.numerics, remat=remat_groups(graph, self.remat))
         return make_spmd_step(run, layouts, self.stage, mesh=placement.mesh, param_names=list(params),
                               buffer_names=list(buffers), state_keys={n: list(e) for n, e in opt_state.items()},
                               num_inputs=num_inputs, trainable=trainable, spec=self.optimizer,

@@ -27,7 +27,7 @@ from torchpar.ir.optimizer import OptimizerSpec
 from torchpar.planner.slicing import StageGraph
 from torchpar.runtime.arrays import put
 from torchpar.runtime.placement import Placement
-from torchpar.runtime.train_step import nonfinite_count, optimizer_tail
+from torchpar.runtime.train_step import nonfinite_count, optimizer_tail, remat_groups
 
 LOSS = "__loss__"
 
@@ -46,7 +46,8 @@ class StageProgram:
     """Jitted forward / backward / accumulate / update of one stage (see the module docstring)."""
 
     def __init__(self, stage: StageGraph, *, placement: Placement, spec: OptimizerSpec, trainable: set[str],
-                 num_micro_batches: int, library_fusions: bool = True, numerics: Numerics | None = None):
+                 num_micro_batches: int, library_fusions: bool = True, numerics: Numerics | None = None,
+                 remat: str = "none"):
         self.stage = stage
         self.placement = placement
         self.num_micro_batches = num_micro_batches
@@ -56,7 +57,7 @@ class StageProgram:
         self.float_acts = tuple(a for a in stage.activation_inputs if _is_float(metas[a].dtype))
         self.other_acts = tuple(a for a in stage.activation_inputs if a not in self.float_acts)
         run = lower(stage.graph, value_shardings=placement.values, operand_shardings=placement.operands,
-                    numerics=numerics)
+                    numerics=numerics, remat=remat_groups(stage.graph, remat))
         value_outputs = [o for o in stage.graph.outputs if o.kind != "buffer"]
         out_names = [LOSS if o.kind == "loss" else o.target for o in value_outputs]
         node_metas = stage.graph.metas()

@@ -29,13 +29,19 @@ then backs the scale off: :mod:`torchpar.runtime.loss_scale`). The loss returned
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
 
 from jaxbackend import optim as jax_optim
+from jaxbackend.remat import Remat
+from torchpar.ir.graph import Graph
 from torchpar.ir.optimizer import OptimizerSpec
+from torchpar.planner.remat import check_remat, layer_groups
+
+log = logging.getLogger(__name__)
 
 
 def optimizer_tail(spec: OptimizerSpec, params: Mapping[str, Any], grads: Mapping[str, Any],
@@ -121,3 +127,16 @@ def make_fused_step(run: Callable, trainable: tuple[str, ...], spec: OptimizerSp
                 keep_if(finite, new_buffers, buffers))
 
     return step
+
+
+def remat_groups(graph: Graph, remat: str) -> Remat | None:
+    """The lowering's activation checkpointing for ``remat`` (:mod:`torchpar.planner.remat`): one group per
+    layer of ``graph``; ``None`` for ``"none"``. A graph with no numbered layers checkpoints nothing (logged)."""
+    if check_remat(remat) == "none":
+        return None
+    groups = layer_groups(graph)
+    if not groups:
+        log.warning("torchpar: remat=%r found no layers (numbered submodules, e.g. model.layers.3) in this graph; "
+                    "nothing is recomputed", remat)
+        return None
+    return Remat(remat, groups)

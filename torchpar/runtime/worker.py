@@ -58,6 +58,8 @@ class RunOptions:
     """Precision of float32 products and convolutions (:mod:`jaxbackend.precision`)."""
     loss_scaling: bool = False
     """One-stage steps take a dynamic loss scale with their scalars (:mod:`torchpar.runtime.train_step`)."""
+    remat: str = "none"
+    """Activation checkpointing of each layer (:mod:`torchpar.planner.remat`): ``none``/``layers``/``selective``."""
 
 
 @dataclass(kw_only=True)
@@ -149,6 +151,7 @@ class OneStageWorker(Worker):
                                        optimizer=spec.optimizer, grad_clip_norm=options.grad_clip_norm,
                                        spmd=options.spmd, library_fusions=options.library_fusions,
                                        check_finite=options.check_finite, numerics=options.numerics,
+                                       remat=options.remat,
                                        loss_scaling=options.loss_scaling)
         self.lead = min(spec.stage_ranks()[0]) == rank
         self.params: dict[str, Any] = {}
@@ -272,7 +275,8 @@ class PipelineWorker(Worker):
                       for s, (graph, stage_plan) in enumerate(zip(stage_graphs, plan.stages))}
         programs = {s: StageProgram(graph, placement=placements[s], spec=spec.optimizer, trainable=set(spec.trainable),
                                     num_micro_batches=plan.num_micro_batches,
-                                    library_fusions=spec.options.library_fusions, numerics=spec.options.numerics)
+                                    library_fusions=spec.options.library_fusions, numerics=spec.options.numerics,
+                                    remat=spec.options.remat)
                     for s, graph in enumerate(stage_graphs) if self.rank in self.ranks[s]}
         return placements, programs
 

@@ -1,0 +1,151 @@
+"""Activation checkpointing per layer (``compile(..., remat=...)``; ``jaxbackend/remat.py``,
+``torchpar/planner/remat.py``).
+
+Claims: the losses are those without remat (the same executable arithmetic, recomputed: equal to 1e-6
+relative, in practice bit-equal), dropout included (a recomputed dropout draws the same mask); XLA's temporary
+memory of the compiled step (``engine.memory_stats()``, XLA's own memory analysis) drops by ≥ 40% with
+``"layers"`` and less with ``"selective"`` on a GPT-2 whose activations dominate its temporaries; the option
+reaches sharded one-stage steps and pipeline stages; the plan records it."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+import transformers
+
+import torchpar
+from torchpar.planner.remat import layer_groups, layer_of
+
+LOSS_RTOL = 1e-6
+STEPS = 3
+
+
+def _gpt2(dropout: float = 0.0, layers: int = 4, batch: int = 4, seq: int = 128) -> tuple[torch.nn.Module, dict]:
+    """A GPT-2 whose activations (batch × seq tokens through ``layers`` layers) outweigh its parameters and their
+    optimizer temporaries, so that what remat saves is visible in the step's temporary memory."""
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=layers, n_embd=128, n_head=4, vocab_size=256, n_positions=seq,
+                                     resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout)
+    ids = torch.randint(0, 256, (batch, seq))
+    return transformers.GPT2LMHeadModel(config), {"input_ids": ids, "labels": ids}
+
+
+class Block(torch.nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(width, 4 * width), torch.nn.Linear(4 * width, width)
+        self.drop = torch.nn.Dropout(0.1)
+
+    def forward(self, x):
+        return x + self.drop(self.down(torch.nn.functional.gelu(self.up(x))))
+
+
+class Stack(torch.nn.Module):
+    """Four residual MLP blocks (layers ``blocks.0`` … ``blocks.3``), dropout in each, and an MSE loss: a small
+    graph that plans and compiles quickly under every method."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.Sequential(*[Block(32) for _ in range(4)])
+
+    def forward(self, x, y):
+        return torch.nn.functional.mse_loss(self.blocks(x), y)
+
+
+def _stack() -> tuple[torch.nn.Module, tuple]:
+    torch.manual_seed(0)
+    return Stack(), (torch.randn(16, 32), torch.randn(16, 32))
+
+
+def _train(model: torch.nn.Module, batch, remat: str, method=None, steps: int = STEPS) -> tuple[list, dict]:
+    """Per-step losses and XLA's memory analysis of the step, for a fresh copy of ``model``."""
+    fresh = copy.deepcopy(model)
+    with torchpar.compile(fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-3), example_batch=batch, method=method,
+                          remat=remat) as engine:
+        assert engine.plan.remat == remat
+        losses = [engine.step(batch) for _ in range(steps)]
+        return losses, engine.memory_stats()
+
+
+@pytest.fixture(scope="module")
+def one_device_runs():
+    model, batch = _gpt2()
+    return {remat: _train(model, batch, remat) for remat in ("none", "layers", "selective")}
+
+
+def test_losses_are_those_without_remat(one_device_runs):
+    reference = one_device_runs["none"][0]
+    for remat in ("layers", "selective"):
+        assert one_device_runs[remat][0] == pytest.approx(reference, rel=LOSS_RTOL), remat
+
+
+def test_layers_cut_the_steps_temporary_memory(one_device_runs):
+    """Measured: 4 layers, 4 × 128 tokens: 'layers' keeps ~45% of the temporaries, 'selective' ~55%."""
+    temp = {remat: stats[0]["temp_bytes"] for remat, (_, stats) in one_device_runs.items()}
+    assert temp["layers"] <= 0.6 * temp["none"], temp
+    assert temp["layers"] < temp["selective"] < temp["none"], temp
+
+
+def test_dropout_recomputes_the_same_masks():
+    model, batch = _gpt2(dropout=0.1, layers=2, batch=2, seq=32)
+    without, _ = _train(model, batch, "none")
+    with_remat, _ = _train(model, batch, "layers")
+    assert with_remat == pytest.approx(without, rel=LOSS_RTOL)
+
+
+@pytest.mark.parametrize("method", [
+    pytest.param(torchpar.DataParallel(mesh_shape=(1, 2)), id="dp-shard_map"),
+    pytest.param(torchpar.MegatronParallel(mesh_shape=(1, 2)), id="megatron-gspmd"),
+    pytest.param(torchpar.PipeshardParallel(
+        num_micro_batches=2, layer_option=torchpar.AutoLayerOption(layer_num=4),
+        stage_option=torchpar.ManualStageOption(forward_stage_layer_ids=((0, 1), (2, 3)),
+                                                submesh_physical_shapes=((1, 4), (1, 4)),
+                                                submesh_logical_shapes=((1, 4), (1, 4)))), id="pipeline-2stages"),
+])
+def test_sharded_and_pipelined_steps_take_remat(method):
+    model, batch = _stack()
+    without, _ = _train(model, batch, "none", method=method, steps=2)
+    with_remat, _ = _train(model, batch, "layers", method=method, steps=2)
+    assert with_remat == pytest.approx(without, rel=LOSS_RTOL)
+
+
+def test_the_plan_records_remat():
+    model, batch = _gpt2(layers=2, batch=2, seq=16)
+    plan = torchpar.plan(model, torch.optim.AdamW(model.parameters()), example_batch=batch, remat="selective",
+                         explain=False)
+    assert plan.remat == "selective"
+    assert "remat: selective" in plan.summary()
+    assert torchpar.Plan.from_json(plan.to_json()).remat == "selective"
+    bad = plan.to_dict() | {"remat": "everything"}
+    with pytest.raises(ValueError, match="remat"):
+        torchpar.Plan.from_dict(bad)
+    with pytest.raises(ValueError, match="remat must be one of"):
+        torchpar.compile(model, torch.optim.AdamW(model.parameters()), example_batch=batch, remat="auto")
+
+
+def test_layers_are_the_numbered_children():
+    assert layer_of("transformer.h.0.attn.c_proj") == "transformer.h.0"
+    assert layer_of(".layers.11.mlp") == "layers.11"
+    assert layer_of("3") == "3"
+    assert layer_of("encoder.layer.2") == "encoder.layer.2"
+    assert layer_of("transformer.ln_f") is None
+    assert layer_of("block10x.fc") is None
+    assert layer_of("") is None
+    from torchpar.capture.export import capture_train_step
+
+    model, batch = _gpt2(layers=2, batch=1, seq=8)
+    groups = layer_groups(capture_train_step(model, batch).graph)
+    assert len(groups) == 2 and all(len(group) > 10 for group in groups)
+
+
+def test_a_model_without_layers_says_nothing_is_recomputed(caplog):
+    model = torch.nn.Linear(4, 4)
+    batch = torch.randn(2, 4)
+    with caplog.at_level(logging.WARNING, logger="torchpar"):
+        with torchpar.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), example_batch=batch,
+                              loss_fn=lambda out, _: out.square().mean(), remat="layers") as engine:
+            engine.step(batch)
+    assert "found no layers" in caplog.text
