@@ -287,11 +287,6 @@ class Engine:
 
         if self.options.spmd != "auto":
             log.warning("torchpar: spmd=%r is ignored by pipelines (their stages run under GSPMD)", self.options.spmd)
-        if self._loss_scaler is not None:
-            raise NotImplementedError(
-                "mixed_precision='fp16' needs dynamic loss scaling, which PipeshardParallel does not implement yet; "
-                "use mixed_precision='bf16' (no loss scaling needed), or a one-stage method (ShardParallel, "
-                "DataParallel, ZeRO, Megatron) for fp16")
         phases = CompilePhases(("capture", "plan", "start workers", "XLA compile"), "the pipeline stages")
         try:
             with phases.phase("capture"):
@@ -323,7 +318,8 @@ class Engine:
                 self._timings["lower"] = time.perf_counter() - start - sum(self._executor.timings.values())
             with phases.phase("XLA compile"):
                 start = time.perf_counter()
-                self._executor.warm_up(step_scalars(self._spec, self._bridge.hparams(), [1] * self._spec.num_groups))
+                self._executor.warm_up(self._with_loss_scale(
+                    step_scalars(self._spec, self._bridge.hparams(), [1] * self._spec.num_groups)))
                 self._timings["xla_compile"] = time.perf_counter() - start
         finally:
             phases.close()

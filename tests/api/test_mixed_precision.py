@@ -198,9 +198,56 @@ def test_fp16_loss_scaling_skips_the_steps_gradscaler_skips():
         torch.testing.assert_close(param, dict(ref_model.named_parameters())[name], rtol=1e-3, atol=1e-5)
 
 
-def test_fp16_mixed_precision_is_refused_by_pipelines_with_a_way_out():
+class OverflowingPipeline(torch.nn.Module):
+    """:class:`Overflowing` in two pipeline stages (``mark_pipeline_boundary`` between its two layers)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)
+
+    def forward(self, x, y):
+        hidden = torchpar.mark_pipeline_boundary(self.fc1(x))
+        return torch.nn.functional.mse_loss(self.fc2(hidden).float(), y)
+
+
+def test_fp16_loss_scaling_in_a_pipeline_skips_the_steps_gradscaler_skips():
+    """Two stages × two micro-batches: the last stage seeds its loss with S/M, the update unscales by 1/S, a
+    step with an overflow anywhere is skipped on every stage, and the scale follows GradScaler's on the whole
+    batch (the micro-batches' mean loss and summed gradients are the full batch's)."""
     torch.manual_seed(0)
-    model, batch = hf_configs.gpt2()
-    with pytest.raises(NotImplementedError, match="use mixed_precision='bf16'"):
-        torchpar.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), example_batch=batch,
-                         method=torchpar.PipeshardParallel(num_micro_batches=2), mixed_precision="fp16")
+    base = OverflowingPipeline()
+    x, y = torch.randn(32, 64) * 30, torch.randn(32, 64) * 30
+    ref_model, model = copy.deepcopy(base), copy.deepcopy(base)
+    ref_opt = torch.optim.SGD(ref_model.parameters(), lr=1e-6, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu")
+    ref_scales, ref_losses = [], []
+    for _ in range(8):
+        ref_opt.zero_grad()
+        with torch.autocast("cpu", torch.float16):
+            loss = ref_model(x, y)
+        scaler.scale(loss).backward()
+        scaler.step(ref_opt)
+        scaler.update()
+        ref_scales.append(scaler.get_scale())
+        ref_losses.append(float(loss))
+    skipped = sum(a > b for a, b in zip([65536.0] + ref_scales, ref_scales))
+    assert 0 < skipped < 8, f"the case must overflow at first and then train: scales {ref_scales}"
+
+    torchpar.init(cluster="local", num_devices=2)
+    try:
+        method = torchpar.PipeshardParallel(num_micro_batches=2, layer_option="manual")
+        with torchpar.compile(model, torch.optim.SGD(model.parameters(), lr=1e-6, momentum=0.9),
+                              example_batch=(x, y), method=method, mixed_precision="fp16") as engine:
+            assert len(engine.plan.stages) == 2
+            scales, losses = [], []
+            for _ in range(8):
+                losses.append(engine.step((x, y)))
+                scales.append(engine.loss_scale)
+            assert scales == ref_scales
+            assert engine.skipped_steps == skipped
+            assert_close_per_step(losses, ref_losses, MIXED_RTOL["fp16"], "the overflowing pipeline")
+            engine.sync_to_torch()
+    finally:
+        torchpar.init(cluster="local", num_devices=1)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param, dict(ref_model.named_parameters())[name], rtol=1e-3, atol=1e-5)

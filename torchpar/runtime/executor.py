@@ -176,9 +176,12 @@ class Executor:
         if not all(r.updated for r in reports):
             scale: float | None = None
             if finite or not self.spec.options.check_finite:
-                norms = [v for r in reports for v in r.squared_norms.values()]
+                # under loss scaling the gradients are S times the true ones: unscale them by 1/S in the
+                # update, and clip by the true norm (GradScaler's unscale_ before clip_grad_norm_)
+                unscale = float(scalars[1][1]) if self.spec.options.loss_scaling else 1.0  # scalars: (opt, [S, 1/S])
+                norms = [v * unscale * unscale for r in reports for v in r.squared_norms.values()]
                 clip = self.spec.options.grad_clip_norm
-                scale = gradients.clip_scale(norms, clip) if clip is not None else 1.0
+                scale = (gradients.clip_scale(norms, clip) if clip is not None else 1.0) * unscale
             self._call("apply_update", scale, what="applying the optimizer update")
         blocks = {s: b for r in reports for s, b in r.blocks.items()}
         self._timeline = StepTimeline(blocks=[blocks.get(s, []) for s in range(len(self.spec.plan.stages))],

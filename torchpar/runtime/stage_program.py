@@ -82,8 +82,8 @@ class StageProgram:
             return diff, rest, new_buffers, vjp_fn
 
         def backward(vjp_fn, cotangents):
-            if self.stage.has_loss:
-                cotangents = {**cotangents, LOSS: jnp.asarray(scale, jnp.float32)}
+            if self.stage.has_loss:  # a seed passed in (S/M under loss scaling, set_loss_scale) wins over 1/M
+                cotangents = {LOSS: jnp.asarray(scale, jnp.float32), **cotangents}
             grads, act_cotangents = vjp_fn(cotangents)
             return grads, act_cotangents
 
@@ -111,6 +111,17 @@ class StageProgram:
         self._update: Any = None  # jitted at the first call, when the optimizer state's keys are known
         self._squared_norm = jax.jit(squared_norm, compiler_options=options)
         self._nonfinite_count = jax.jit(nonfinite_count, compiler_options=options)
+        self._loss_seed: Any = None
+
+    def set_loss_scale(self, loss_scale: float) -> None:
+        """Seed the loss cotangent with ``S/M`` instead of ``1/M`` from now on (dynamic loss scaling, fp16 mixed
+        precision: the gradients come out times ``S``; the update is given ``1/S``). A traced argument of the
+        backward, so a new scale compiles nothing."""
+        if self.stage.has_loss:
+            self._loss_seed = self.put(np.float32(np.float64(loss_scale) / self.num_micro_batches))
+
+    def _seeded(self, cotangents: dict) -> dict:
+        return cotangents if self._loss_seed is None else {**cotangents, LOSS: self._loss_seed}
 
     # --- calls ------------------------------------------------------------------------------------
 
@@ -165,6 +176,7 @@ class StageProgram:
 
     def backward(self, residuals: Any, cotangents: dict) -> tuple[dict, dict]:
         """→ (parameter gradients, cotangents of the float activation inputs)."""
+        cotangents = self._seeded(cotangents)
         if self._backward_signature is None:
             self._backward_signature = _signature_of((residuals, cotangents))
         return self._backward(residuals, cotangents)
@@ -175,7 +187,7 @@ class StageProgram:
         → (accumulated gradients, cotangents of the float activation inputs)."""
         if total is None:
             return self.backward(residuals, cotangents)
-        return self._backward_accumulate(residuals, cotangents, total)
+        return self._backward_accumulate(residuals, self._seeded(cotangents), total)
 
     def squared_norm(self, grads: dict) -> Any:
         return self._squared_norm(grads)

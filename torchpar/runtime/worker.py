@@ -38,6 +38,7 @@ from torchpar.runtime import gradients
 from torchpar.runtime.arrays import local_scalar, put
 from torchpar.runtime.devices import DeviceMap
 from torchpar.runtime.state import Exported, HostState, export_arrays
+from torchpar.runtime.train_step import split_scalars
 from torchpar.runtime.transport import Deliver, Mailbox, Transport
 
 log = logging.getLogger(__name__)
@@ -284,10 +285,20 @@ class PipelineWorker(Worker):
         """Build and compile the stages for other batch shapes (batch signature ``key``): ``stage_graphs`` are the
         plan's stages of the model captured on one micro-batch of that batch. The state stays where it is."""
         placements, programs = self._build(stage_graphs)
+        scalars = self._optimizer_scalars(scalars, programs)
         for s, program in sorted(programs.items()):
             stage = self.states[s]
             program.warm_up(stage.params, stage.buffers, stage.opt_state, scalars)
         self._variants[key] = (placements, programs)
+
+    def _optimizer_scalars(self, scalars: Any, programs: dict[int, Any]) -> Any:
+        """The optimizer's part of a step's ``scalars``; under loss scaling (``(optimizer scalars, [S, 1/S])``)
+        the stages' loss seeds are set to the step's scale first."""
+        optimizer_scalars, loss_scale = split_scalars(scalars, self.spec.options.loss_scaling)
+        if loss_scale is not None:
+            for program in programs.values():
+                program.set_loss_scale(float(loss_scale[0]))
+        return optimizer_scalars
 
     def stages(self) -> list[int]:
         return sorted(self.programs)
@@ -327,6 +338,7 @@ class PipelineWorker(Worker):
     def warm_up(self, scalars: Any) -> None:
         """Compile every stage's executables now (by running them on zeros), not inside the first step.
         Stages run one after another in rank order, so processes sharing a stage compile it together."""
+        scalars = self._optimizer_scalars(scalars, self.programs)
         for s, program in sorted(self.programs.items()):
             stage = self.states[s]
             program.warm_up(stage.params, stage.buffers, stage.opt_state, scalars)
@@ -339,7 +351,7 @@ class PipelineWorker(Worker):
 
         self.placements, self.programs = self._variants.get(key, self._primary)
         rng = jax.random.wrap_key_data(key_data)
-        self._scalars = scalars
+        self._scalars = self._optimizer_scalars(scalars, self.programs)
         self.transport.begin_step(self.steps_run)
         runs: dict[int, Any] = {}
         errors: list[BaseException] = []
