@@ -163,25 +163,33 @@ class Overflowing(torch.nn.Module):
         return torch.nn.functional.mse_loss(self.fc(x).float(), y)
 
 
+def gradscaler_reference(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, lr: float,
+                         steps: int = 8) -> tuple[list[float], list[float], int]:
+    """PyTorch's fp16 autocast + GradScaler run of ``model(x, y)`` with SGD (momentum 0.9), in place: per-step
+    losses, the scale after each step and how many steps it skipped (checked to be some, not all)."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu")
+    losses, scales = [], []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        with torch.autocast("cpu", torch.float16):
+            loss = model(x, y)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        scales.append(scaler.get_scale())
+        losses.append(float(loss))
+    skipped = sum(a > b for a, b in zip([65536.0] + scales, scales))
+    assert 0 < skipped < steps, f"the case must overflow at first and then train: scales {scales}"
+    return losses, scales, skipped
+
+
 def test_fp16_loss_scaling_skips_the_steps_gradscaler_skips():
     torch.manual_seed(0)
     base = Overflowing()
     x, y = torch.randn(32, 64) * 30, torch.randn(32, 64) * 30
     ref_model, model = copy.deepcopy(base), copy.deepcopy(base)
-    ref_opt = torch.optim.SGD(ref_model.parameters(), lr=1e-5, momentum=0.9)
-    scaler = torch.amp.GradScaler("cpu")
-    ref_scales, ref_losses = [], []
-    for _ in range(8):
-        ref_opt.zero_grad()
-        with torch.autocast("cpu", torch.float16):
-            loss = ref_model(x, y)
-        scaler.scale(loss).backward()
-        scaler.step(ref_opt)
-        scaler.update()
-        ref_scales.append(scaler.get_scale())
-        ref_losses.append(float(loss))
-    skipped = sum(a > b for a, b in zip([65536.0] + ref_scales, ref_scales))
-    assert 0 < skipped < 8, f"the case must overflow at first and then train: scales {ref_scales}"
+    ref_losses, ref_scales, skipped = gradscaler_reference(ref_model, x, y, lr=1e-5)
 
     with torchpar.compile(model, torch.optim.SGD(model.parameters(), lr=1e-5, momentum=0.9), example_batch=(x, y),
                           mixed_precision="fp16") as engine:
@@ -218,20 +226,7 @@ def test_fp16_loss_scaling_in_a_pipeline_skips_the_steps_gradscaler_skips():
     base = OverflowingPipeline()
     x, y = torch.randn(32, 64) * 30, torch.randn(32, 64) * 30
     ref_model, model = copy.deepcopy(base), copy.deepcopy(base)
-    ref_opt = torch.optim.SGD(ref_model.parameters(), lr=1e-6, momentum=0.9)
-    scaler = torch.amp.GradScaler("cpu")
-    ref_scales, ref_losses = [], []
-    for _ in range(8):
-        ref_opt.zero_grad()
-        with torch.autocast("cpu", torch.float16):
-            loss = ref_model(x, y)
-        scaler.scale(loss).backward()
-        scaler.step(ref_opt)
-        scaler.update()
-        ref_scales.append(scaler.get_scale())
-        ref_losses.append(float(loss))
-    skipped = sum(a > b for a, b in zip([65536.0] + ref_scales, ref_scales))
-    assert 0 < skipped < 8, f"the case must overflow at first and then train: scales {ref_scales}"
+    ref_losses, ref_scales, skipped = gradscaler_reference(ref_model, x, y, lr=1e-6)
 
     torchpar.init(cluster="local", num_devices=2)
     try:
