@@ -11,11 +11,10 @@ and optimizer. ``close()`` (or leaving a ``with`` block) frees the executor's wo
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import time
 import weakref
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import torch
@@ -28,85 +27,17 @@ from torchpar.capture.precision import autocast_dtype, resolve_precisions
 from torchpar.cluster import current_cluster, default_compile_cache
 from torchpar.ir.graph import Graph
 from torchpar.guard import StepGuard, leaf_names, validate_checkpoint
+from torchpar.host_arrays import host_array, host_tensor, host_value, jax_dtype, to_torch
 from torchpar.methods import (DataParallel, MegatronParallel, Method, PipeshardParallel, ShardParallel, Zero2Parallel,
                               Zero3Parallel)
 from torchpar.planner.for_method import plan_for_method, single_device_plan
 from torchpar.planner.plan import Plan
+from torchpar.options import (ON_NONFINITE, SPMD_MODES, CompileOptions, MatmulPrecision,  # noqa: F401 (re-exported)
+                              MixedPrecision, OnNonfinite, Remat, SpmdMode)
 from torchpar.planner.remat import check_remat
 from torchpar.progress import CompilePhases
 
 log = logging.getLogger(__name__)
-
-SpmdMode = Literal["auto", "gspmd", "shard_map"]
-SPMD_MODES: tuple[str, ...] = ("auto", "gspmd", "shard_map")
-OnNonfinite = Literal["raise", "skip", "ignore"]
-ON_NONFINITE: tuple[str, ...] = ("raise", "skip", "ignore")
-MatmulPrecision = Literal["highest", "high", "medium"]
-MixedPrecision = Literal["bf16", "fp16"]
-Remat = Literal["none", "layers", "selective"]
-
-
-@dataclasses.dataclass(kw_only=True, frozen=True)
-class CompileOptions:
-    """Options of :func:`compile` beyond the model, optimizer and method."""
-
-    grad_clip_norm: float | None = None
-    """Clip gradients to this global L2 norm before the update (``clip_grad_norm_``); ``None`` = off."""
-    seed: int = 0
-    """Seed of the PRNG stream that dropout and other random ops draw from; a seed reproduces a run."""
-    xla_library_fusions: bool = True
-    """On CPU, compile with XLA's YNNPACK and oneDNN library fusions (``jaxbackend.compiler``); ``False``
-    keeps XLA's defaults."""
-    spmd: SpmdMode = "auto"
-    """How a sharded one-stage plan becomes a program. ``"gspmd"``: global shapes, XLA's SPMD partitioner
-    inserts the collectives. ``"shard_map"``: a per-device program with explicit collectives
-    (``torchpar.runtime.spmd_step``; gradients are reduce-scattered as such under ZeRO) for any one-stage
-    plan; one it cannot run is an error. ``"auto"``: ``shard_map`` for DataParallel/Zero2/Zero3 plans when it
-    can run them (else GSPMD, with the reason logged), GSPMD for the others. ``engine.spmd_mode`` says which
-    ran."""
-    check_inputs: bool = True
-    """Check, before each step and forward, that integer batch values used as indices (token ids, labels,
-    gathered positions) are in the range PyTorch accepts (:mod:`torchpar.ir.index_inputs`); XLA would clamp them
-    silently. Costs a min/max per checked input on the host."""
-    on_nonfinite: OnNonfinite = "raise"
-    """A step whose loss or gradients are inf/nan never updates the state (the update is skipped inside the
-    executable, as ``torch.amp.GradScaler`` skips ``optimizer.step``). ``"raise"``: then raise
-    :class:`~torchpar.runtime.nonfinite.NonFiniteError` naming the step and the first op that produced the
-    inf/nan (a diagnostic re-run); ``"skip"``: log it, count it in ``engine.skipped_steps`` and go on;
-    ``"ignore"``: apply the update whatever it holds (PyTorch's own behaviour; compiles no check)."""
-    matmul_precision: MatmulPrecision | None = None
-    """Precision of float32 matrix products and convolutions on a GPU: ``"highest"`` (fp32), ``"high"`` (TF32),
-    ``"medium"`` (bf16 passes), as ``torch.set_float32_matmul_precision`` names them. ``None`` follows PyTorch's
-    settings at compile time (``torch.get_float32_matmul_precision()``, which ``allow_tf32 = True`` makes
-    ``"high"``; convolutions follow ``torch.backends.cudnn.allow_tf32``). The CPU always computes fp32 products.
-    ``engine.numerics`` and ``plan.numerics`` say what was compiled."""
-    mixed_precision: MixedPrecision | None = None
-    """``"bf16"`` / ``"fp16"``: the step runs under ``torch.autocast`` semantics (PyTorch's casting policy is
-    captured into the graph: matmuls, convolutions and attention in the low dtype, losses and reductions it keeps
-    in float32), with float32 master weights, gradients and optimizer state. ``"fp16"`` adds dynamic loss scaling
-    with ``torch.amp.GradScaler``'s rules (``engine.loss_scale``; a step whose gradients overflow is skipped and
-    the scale backed off). ``None``: the model's own dtypes."""
-    remat: Remat | None = None
-    """Activation checkpointing (:mod:`torchpar.planner.remat`): ``"layers"`` keeps only each layer's input for
-    the backward and recomputes the layer's forward there; ``"selective"`` also keeps its linear layers' outputs
-    and recomputes the cheap rest (norms, activations, softmax, attention scores); ``"none"`` keeps everything.
-    A layer is a numbered child of a container (``model.layers.3``). Losses are those without remat.
-    ``None``: a given ``Plan``'s ``remat``, else ``"none"``. The plan (``plan.remat``) says which ran."""
-
-    def __post_init__(self) -> None:
-        if self.grad_clip_norm is not None and not self.grad_clip_norm > 0:
-            raise ValueError(f"grad_clip_norm must be positive or None, got {self.grad_clip_norm}")
-        if self.spmd not in SPMD_MODES:
-            raise ValueError(f"spmd must be one of {SPMD_MODES}, got {self.spmd!r}")
-        if self.on_nonfinite not in ON_NONFINITE:
-            raise ValueError(f"on_nonfinite must be one of {ON_NONFINITE}, got {self.on_nonfinite!r}")
-        if not isinstance(self.check_inputs, bool):
-            raise TypeError(f"check_inputs must be True or False, got {self.check_inputs!r}")
-        resolve_precisions(self.matmul_precision)  # raises on a bad name
-        autocast_dtype(self.mixed_precision)
-        if self.remat is not None:
-            check_remat(self.remat)
-
 
 def compile(
     model: torch.nn.Module,
@@ -388,7 +319,7 @@ class Engine:
         self._check_compatible(signature, batch)
         graph = self._graph_for_diagnosis(batch, signature)
         state = self._executor.export_state()
-        leaves = [_host(leaf) for leaf in pytree.tree_leaves(_call_args(batch))]
+        leaves = [host_tensor(leaf) for leaf in pytree.tree_leaves(_call_args(batch))]
         names = leaf_names(batch)
         key = self._jax.random.wrap_key_data(self._step_key_data(self._steps_taken))
         trainable = self._trainable(graph)
@@ -409,7 +340,7 @@ class Engine:
         leaves = self._host_leaves(("eval", signature), batch)
         with self._translating_failures("running the forward"):
             outputs = self._executor.forward(("eval", signature), capture.graph, leaves)
-        tensors = [_to_torch(o) if o is not None else None for o in outputs]
+        tensors = [to_torch(o) if o is not None else None for o in outputs]
         return pytree.tree_unflatten(tensors, capture.out_spec)
 
     def sync_to_torch(self) -> None:
@@ -417,9 +348,9 @@ class Engine:
         state = self._executor.export_state()
         with torch.no_grad():
             for name, param in self._param_names.items():
-                param.copy_(_to_torch(state.params[name]).to(param.dtype))
+                param.copy_(to_torch(state.params[name]).to(param.dtype))
             for name, buffer in self._buffer_names.items():
-                buffer.copy_(_to_torch(state.buffers[name]).to(buffer.dtype))
+                buffer.copy_(to_torch(state.buffers[name]).to(buffer.dtype))
         self._bridge.write_back(state.opt_state)
 
     def state_dict(self) -> dict[str, Any]:
@@ -431,9 +362,9 @@ class Engine:
         dicts only, so nothing is unpickled that could run code."""
         state = self._executor.export_state()
         return {
-            "params": {n: _to_torch(v).to(self._param_names[n].dtype) for n, v in state.params.items()},
-            "buffers": {n: _to_torch(v).to(self._buffer_names[n].dtype) for n, v in state.buffers.items()},
-            "optimizer": {n: {k: _to_torch(v) for k, v in e.items()} for n, e in state.opt_state.items()},
+            "params": {n: to_torch(v).to(self._param_names[n].dtype) for n, v in state.params.items()},
+            "buffers": {n: to_torch(v).to(self._buffer_names[n].dtype) for n, v in state.buffers.items()},
+            "optimizer": {n: {k: to_torch(v) for k, v in e.items()} for n, e in state.opt_state.items()},
             "optimizer_counters": self._bridge.state_dict(),
             "steps_taken": self._steps_taken,
             "seed": self.options.seed,
@@ -449,9 +380,9 @@ class Engine:
         keys = {n: list(state_keys(self._spec, g)) for n, g in zip(self._spec.param_names, self._spec.group_of_param)}
         validate_checkpoint(state, self._param_names, self._buffer_names, keys)
         self._executor.load_state(HostState(
-            params={n: _host(v) for n, v in state["params"].items()},
-            buffers={n: _host(v) for n, v in state["buffers"].items()},
-            opt_state={n: {k: _host(v) for k, v in e.items()} for n, e in state["optimizer"].items()}))
+            params={n: host_tensor(v) for n, v in state["params"].items()},
+            buffers={n: host_tensor(v) for n, v in state["buffers"].items()},
+            opt_state={n: {k: host_tensor(v) for k, v in e.items()} for n, e in state["optimizer"].items()}))
         self._bridge.load_state_dict(state["optimizer_counters"])
         self._steps_taken = int(state["steps_taken"])
         if self._loss_scaler is not None and "loss_scaler" in state:
@@ -599,7 +530,7 @@ class Engine:
         from torchpar.ir.optimizer import step_scalars
 
         scalars = self._with_loss_scale(step_scalars(self._spec, self._bridge.hparams(), [1] * self._spec.num_groups))
-        leaves = [(tuple(m.shape), _jax_dtype(m.dtype)) for m in capture.input_metas]
+        leaves = [(tuple(m.shape), jax_dtype(m.dtype)) for m in capture.input_metas]
         with self._translating_failures("compiling the training step"):
             self._timings.update(self._executor.compile_step(signature, capture.graph, self._trainable(capture.graph),
                                                              leaves, scalars))
@@ -646,9 +577,9 @@ class Engine:
     def _initial_state(self) -> Any:
         from torchpar.runtime.state import HostState
 
-        return HostState(params={n: _host(p) for n, p in self._param_names.items()},
-                         buffers={n: _host(b) for n, b in self._buffer_names.items()},
-                         opt_state={n: {k: _host_array(v) for k, v in e.items()}
+        return HostState(params={n: host_tensor(p) for n, p in self._param_names.items()},
+                         buffers={n: host_tensor(b) for n, b in self._buffer_names.items()},
+                         opt_state={n: {k: host_array(v) for k, v in e.items()}
                                     for n, e in self._bridge.initial_state().items()})
 
     # --- checks and failures ------------------------------------------------------------------------------
@@ -658,7 +589,7 @@ class Engine:
 
     def _host_leaves(self, key: Any, batch: Any) -> list[np.ndarray]:
         """The batch's leaves as host arrays in the dtypes JAX holds them in, index ranges checked."""
-        return self._guard.host_leaves(key, pytree.tree_leaves(_call_args(batch)), leaf_names(batch), _host_value)
+        return self._guard.host_leaves(key, pytree.tree_leaves(_call_args(batch)), leaf_names(batch), host_value)
 
     def _translating_failures(self, what: str) -> contextlib.AbstractContextManager[None]:
         return self._guard.translating_failures(what, getattr(self, "_plan", None),
@@ -777,42 +708,6 @@ def _split_leaves(leaves: list[np.ndarray], parts: int) -> list[list[np.ndarray]
     """Each of ``parts`` equal micro-batches of ``leaves`` (split along dim 0)."""
     return [[leaf[m * (leaf.shape[0] // parts):(m + 1) * (leaf.shape[0] // parts)] for leaf in leaves]
             for m in range(parts)]
-
-
-def _host(tensor: torch.Tensor) -> np.ndarray:
-    """A torch tensor's exact values as a host array (bfloat16 by its bits: numpy has no bfloat16 of its own)."""
-    tensor = tensor.detach().cpu()
-    if tensor.dtype == torch.bfloat16:
-        import ml_dtypes
-
-        return tensor.contiguous().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-    return _host_array(tensor.numpy())
-
-
-def _host_value(value: Any) -> np.ndarray:
-    """A torch tensor or a numpy array as the host array JAX reads."""
-    return _host(value) if isinstance(value, torch.Tensor) else _host_array(value)
-
-
-def _host_array(array: Any) -> np.ndarray:
-    from jaxbackend.lower import to_numpy_input
-
-    return to_numpy_input(np.asarray(array))
-
-
-def _jax_dtype(torch_dtype_name: str) -> np.dtype:
-    """The dtype JAX holds a torch dtype in (``int64`` → ``int32`` with x64 off)."""
-    from jaxbackend.dtypes import to_jax
-
-    return np.dtype(to_jax(torch_dtype_name))
-
-
-def _to_torch(array: Any) -> torch.Tensor:
-    """A host or JAX array as a CPU torch tensor holding the same values (bfloat16 by its bits)."""
-    value = np.asarray(array)
-    if value.dtype.name == "bfloat16":
-        return torch.from_numpy(np.array(value.view(np.int16), copy=True)).view(torch.bfloat16)
-    return torch.from_numpy(np.array(value, copy=True))
 
 
 def _numerics(matmul_precision: str | None) -> Any:

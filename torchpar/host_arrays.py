@@ -1,0 +1,46 @@
+"""Host copies of tensors and arrays exactly as JAX and torch hold them: bfloat16 by its bits (numpy has no
+bfloat16 of its own; ``ml_dtypes`` provides the JAX one), 64-bit integers as JAX keeps them (``int32`` with x64
+off), and the way back to CPU torch tensors."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def host_tensor(tensor: torch.Tensor) -> np.ndarray:
+    """A torch tensor's exact values as a host array (bfloat16 by its bits: numpy has no bfloat16 of its own)."""
+    tensor = tensor.detach().cpu()
+    if tensor.dtype == torch.bfloat16:
+        import ml_dtypes
+
+        return tensor.contiguous().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return host_array(tensor.numpy())
+
+
+def host_value(value: Any) -> np.ndarray:
+    """A torch tensor or a numpy array as the host array JAX reads."""
+    return host_tensor(value) if isinstance(value, torch.Tensor) else host_array(value)
+
+
+def host_array(array: Any) -> np.ndarray:
+    from jaxbackend.lower import to_numpy_input
+
+    return to_numpy_input(np.asarray(array))
+
+
+def jax_dtype(torch_dtype_name: str) -> np.dtype:
+    """The dtype JAX holds a torch dtype in (``int64`` → ``int32`` with x64 off)."""
+    from jaxbackend.dtypes import to_jax
+
+    return np.dtype(to_jax(torch_dtype_name))
+
+
+def to_torch(array: Any) -> torch.Tensor:
+    """A host or JAX array as a CPU torch tensor holding the same values (bfloat16 by its bits)."""
+    value = np.asarray(array)
+    if value.dtype.name == "bfloat16":
+        return torch.from_numpy(np.array(value.view(np.int16), copy=True)).view(torch.bfloat16)
+    return torch.from_numpy(np.array(value, copy=True))

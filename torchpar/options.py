@@ -1,0 +1,79 @@
+"""The options of :func:`torchpar.compile` (:class:`CompileOptions`), validated where they are built."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from torchpar.capture.precision import autocast_dtype, resolve_precisions
+from torchpar.planner.remat import check_remat
+
+SpmdMode = Literal["auto", "gspmd", "shard_map"]
+SPMD_MODES: tuple[str, ...] = ("auto", "gspmd", "shard_map")
+OnNonfinite = Literal["raise", "skip", "ignore"]
+ON_NONFINITE: tuple[str, ...] = ("raise", "skip", "ignore")
+MatmulPrecision = Literal["highest", "high", "medium"]
+MixedPrecision = Literal["bf16", "fp16"]
+Remat = Literal["none", "layers", "selective"]
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class CompileOptions:
+    """Options of :func:`compile` beyond the model, optimizer and method."""
+
+    grad_clip_norm: float | None = None
+    """Clip gradients to this global L2 norm before the update (``clip_grad_norm_``); ``None`` = off."""
+    seed: int = 0
+    """Seed of the PRNG stream that dropout and other random ops draw from; a seed reproduces a run."""
+    xla_library_fusions: bool = True
+    """On CPU, compile with XLA's YNNPACK and oneDNN library fusions (``jaxbackend.compiler``); ``False``
+    keeps XLA's defaults."""
+    spmd: SpmdMode = "auto"
+    """How a sharded one-stage plan becomes a program. ``"gspmd"``: global shapes, XLA's SPMD partitioner
+    inserts the collectives. ``"shard_map"``: a per-device program with explicit collectives
+    (``torchpar.runtime.spmd_step``; gradients are reduce-scattered as such under ZeRO) for any one-stage
+    plan; one it cannot run is an error. ``"auto"``: ``shard_map`` for DataParallel/Zero2/Zero3 plans when it
+    can run them (else GSPMD, with the reason logged), GSPMD for the others. ``engine.spmd_mode`` says which
+    ran."""
+    check_inputs: bool = True
+    """Check, before each step and forward, that integer batch values used as indices (token ids, labels,
+    gathered positions) are in the range PyTorch accepts (:mod:`torchpar.ir.index_inputs`); XLA would clamp them
+    silently. Costs a min/max per checked input on the host."""
+    on_nonfinite: OnNonfinite = "raise"
+    """A step whose loss or gradients are inf/nan never updates the state (the update is skipped inside the
+    executable, as ``torch.amp.GradScaler`` skips ``optimizer.step``). ``"raise"``: then raise
+    :class:`~torchpar.runtime.nonfinite.NonFiniteError` naming the step and the first op that produced the
+    inf/nan (a diagnostic re-run); ``"skip"``: log it, count it in ``engine.skipped_steps`` and go on;
+    ``"ignore"``: apply the update whatever it holds (PyTorch's own behaviour; compiles no check)."""
+    matmul_precision: MatmulPrecision | None = None
+    """Precision of float32 matrix products and convolutions on a GPU: ``"highest"`` (fp32), ``"high"`` (TF32),
+    ``"medium"`` (bf16 passes), as ``torch.set_float32_matmul_precision`` names them. ``None`` follows PyTorch's
+    settings at compile time (``torch.get_float32_matmul_precision()``, which ``allow_tf32 = True`` makes
+    ``"high"``; convolutions follow ``torch.backends.cudnn.allow_tf32``). The CPU always computes fp32 products.
+    ``engine.numerics`` and ``plan.numerics`` say what was compiled."""
+    mixed_precision: MixedPrecision | None = None
+    """``"bf16"`` / ``"fp16"``: the step runs under ``torch.autocast`` semantics (PyTorch's casting policy is
+    captured into the graph: matmuls, convolutions and attention in the low dtype, losses and reductions it keeps
+    in float32), with float32 master weights, gradients and optimizer state. ``"fp16"`` adds dynamic loss scaling
+    with ``torch.amp.GradScaler``'s rules (``engine.loss_scale``; a step whose gradients overflow is skipped and
+    the scale backed off). ``None``: the model's own dtypes."""
+    remat: Remat | None = None
+    """Activation checkpointing (:mod:`torchpar.planner.remat`): ``"layers"`` keeps only each layer's input for
+    the backward and recomputes the layer's forward there; ``"selective"`` also keeps its linear layers' outputs
+    and recomputes the cheap rest (norms, activations, softmax, attention scores); ``"none"`` keeps everything.
+    A layer is a numbered child of a container (``model.layers.3``). Losses are those without remat.
+    ``None``: a given ``Plan``'s ``remat``, else ``"none"``. The plan (``plan.remat``) says which ran."""
+
+    def __post_init__(self) -> None:
+        if self.grad_clip_norm is not None and not self.grad_clip_norm > 0:
+            raise ValueError(f"grad_clip_norm must be positive or None, got {self.grad_clip_norm}")
+        if self.spmd not in SPMD_MODES:
+            raise ValueError(f"spmd must be one of {SPMD_MODES}, got {self.spmd!r}")
+        if self.on_nonfinite not in ON_NONFINITE:
+            raise ValueError(f"on_nonfinite must be one of {ON_NONFINITE}, got {self.on_nonfinite!r}")
+        if not isinstance(self.check_inputs, bool):
+            raise TypeError(f"check_inputs must be True or False, got {self.check_inputs!r}")
+        resolve_precisions(self.matmul_precision)  # raises on a bad name
+        autocast_dtype(self.mixed_precision)
+        if self.remat is not None:
+            check_remat(self.remat)
