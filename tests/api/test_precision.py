@@ -90,22 +90,29 @@ def test_bf16_operands_use_native_products_on_gpu():
 
 @pytest.fixture
 def torch_precision():
-    """Restores PyTorch's float32 matmul precision and cuDNN TF32 flag after the test."""
-    matmul, cudnn = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    """Restores PyTorch's float32 matmul precision (and its TF32 switch) after the test."""
+    matmul = torch.get_float32_matmul_precision()
     yield
     torch.set_float32_matmul_precision(matmul)
-    torch.backends.cudnn.allow_tf32 = cudnn
+
+
+def cudnn_tf32(allowed: bool):
+    """``torch.backends.cudnn.allow_tf32 = allowed`` inside the block. Through ``cudnn.flags``: PyTorch's own test
+    utilities (imported by the op tests) freeze the global cuDNN flags, and assigning them then raises."""
+    cudnn = torch.backends.cudnn
+    return cudnn.flags(enabled=cudnn.enabled, benchmark=cudnn.benchmark, deterministic=cudnn.deterministic,
+                       allow_tf32=allowed)
 
 
 def test_precision_follows_torch_unless_named(torch_precision):
     torch.set_float32_matmul_precision("highest")
-    torch.backends.cudnn.allow_tf32 = False
-    assert resolve_precisions(None) == ("highest", "highest")
+    with cudnn_tf32(False):
+        assert resolve_precisions(None) == ("highest", "highest")
     torch.backends.cuda.matmul.allow_tf32 = True  # PyTorch's TF32 switch makes its precision "high"
     assert resolve_precisions(None)[0] == "high"
     torch.set_float32_matmul_precision("medium")
-    torch.backends.cudnn.allow_tf32 = True
-    assert resolve_precisions(None) == ("medium", "high")
+    with cudnn_tf32(True):
+        assert resolve_precisions(None) == ("medium", "high")
     assert resolve_precisions("highest") == ("highest", "highest")  # an explicit choice wins
     with pytest.raises(ValueError, match="matmul_precision must be one of"):
         resolve_precisions("tf32")
