@@ -6,9 +6,11 @@ in the driver and again in a host actor); JAX's persistent compilation cache, in
 session only, compiles each once. The variables are inherited by the processes the tests start (examples,
 Ray host actors), so they share it.
 
-``make test`` runs the tests without the ``ray`` mark on two pytest-xdist workers and the Ray tests after them,
-one at a time: host actors pinned to cores and timeouts measured in seconds do not share two cores with another
-worker's compilations well.
+``make test`` runs the tests without the ``ray`` mark on two pytest-xdist workers and, beside them, the Ray tests
+one at a time (never two Ray tests at once: host actors are pinned to cores, and several simulated clusters on two
+cores would crowd each other past their timeouts; the Ray tests alone leave much of a core idle, which the other
+tests use). The embedded Ray instance of ``tests/runtime/ray_helpers.ray_cluster`` is kept between tests and stopped
+at the end of the session.
 """
 
 import atexit
@@ -52,3 +54,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if _starts_ray(item):
             item.add_marker(pytest.mark.ray)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Stop the embedded Ray instance that ``tests/runtime/ray_helpers.ray_cluster`` keeps between tests."""
+    torchpar.shutdown()

@@ -18,14 +18,34 @@ PARAM_RTOL, PARAM_ATOL = 1e-4, 1e-6
 
 
 @contextlib.contextmanager
-def ray_cluster(**init_kwargs: Any) -> Iterator[torchpar.ClusterSpec]:
-    """``torchpar.init(cluster="ray", ...)`` for the block; afterwards everything is freed and the test
-    session's local 8-device cluster is back."""
-    torchpar.shutdown()
+def ray_cluster(*, fresh: bool = False, **init_kwargs: Any) -> Iterator[torchpar.ClusterSpec]:
+    """``torchpar.init(cluster="ray", ...)`` for the block; afterwards every engine is closed (its host actors
+    gone, their CPUs free) and the test session's local 8-device cluster is back.
+
+    Starting and stopping the embedded Ray instance costs ~5 s of the 2-core CI machine per block, and what a
+    block starts on it (host actors) is all gone when the block ends, so the instance ``torchpar.init`` started
+    is kept for the next block when it has a CPU for every host actor; otherwise it is stopped and a new one
+    started. ``fresh=True``: a new instance for the block, stopped after it (a test that counts the instance's
+    CPUs). Any ``torchpar.shutdown()`` stops the kept one, and so does the end of the session
+    (``tests/conftest.py``)."""
+    import ray
+
+    from torchpar.runtime.executor import close_all
+
+    hosts = init_kwargs.get("num_hosts") or 1
+    keep = (not fresh and init_kwargs.get("address") is None and ray.is_initialized()
+            and ray.cluster_resources().get("CPU", 0) >= hosts)
+    if keep:
+        close_all()
+    else:
+        torchpar.shutdown()
     try:
         yield torchpar.init(cluster="ray", **init_kwargs)
     finally:
-        torchpar.shutdown()
+        if fresh:
+            torchpar.shutdown()
+        else:
+            close_all()
         torchpar.init(cluster="local", num_devices=8)
 
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import torchpar
+from tests.runtime.ray_helpers import ray_cluster
 from torchpar.cluster import current_cluster, shutdown
 from torchpar.harness import zoo
 
@@ -22,6 +23,10 @@ STEPS = 5
 
 @pytest.fixture(scope="module", params=["local", "ray"])
 def runtime(request):
+    if request.param == "ray":
+        with ray_cluster(num_hosts=2, devices_per_host=4):
+            yield request.param
+        return
     torchpar.init(cluster=request.param, num_hosts=2, devices_per_host=4)
     yield request.param
     shutdown()
@@ -126,8 +131,7 @@ def test_pipeline_matches_pytorch(runtime, case):
 
 
 def test_killing_a_host_actor_mid_step_raises_naming_the_stage():
-    torchpar.init(cluster="ray", num_hosts=2, devices_per_host=4)
-    try:
+    with ray_cluster(num_hosts=2, devices_per_host=4):
         torch.manual_seed(0)
         model = BoundaryMLP(width=512, depth=4)
         batch = (torch.randn(512, 512), torch.randn(512, 512))
@@ -146,9 +150,6 @@ def test_killing_a_host_actor_mid_step_raises_naming_the_stage():
             for _ in range(20):  # the kill lands inside one of these steps
                 engine.step(batch)
         assert time.monotonic() - start < 60
-    finally:
-        shutdown()
-        torchpar.init(cluster="local", num_devices=8)
 
 
 def test_memory_stats_are_per_stage_and_executable(runtime):

@@ -110,11 +110,11 @@ def test_automatic_pipeline_plans_train_whatever_stages_the_dp_picks(two_hosts_o
         assert all(w["steps_run"] == 4 for w in workers)
 
 
-SPANNING = {
-    # 3 hosts × 2: stage 1 is a 2×2 mesh over hosts 1 and 2 (activations go from one process to two)
-    "3x2": (3, 2, ((1, 2), (2, 2)), ((1, 2), (2, 2))),
+SPANNING = {  # 4x1 first: the Ray instance it starts (4 CPUs) is kept for 3x2 (tests/runtime/ray_helpers.py)
     # 4 hosts × 1: both stages span two hosts, and the activations change layout between them
     "4x1": (4, 1, ((2, 1), (2, 1)), ((1, 2), (2, 1))),
+    # 3 hosts × 2: stage 1 is a 2×2 mesh over hosts 1 and 2 (activations go from one process to two)
+    "3x2": (3, 2, ((1, 2), (2, 2)), ((1, 2), (2, 2))),
 }
 
 
