@@ -68,7 +68,7 @@ def compile(
     on_nonfinite: Literal["raise", "skip", "ignore"] = "raise",
     matmul_precision: Literal["highest", "high", "medium"] | None = None,
     mixed_precision: Literal["bf16", "fp16"] | None = None,
-    remat: Literal["none", "layers", "selective"] | None = None,
+    remat: Literal["none", "layers", "selective", "auto"] | None = None,
 ) -> Engine:
     """Capture ``model``'s training step on ``example_batch`` and compile it with ``method``; returns the
     :class:`~torchpar.api.Engine` (``engine.step(batch)``; ``engine.close()``, or use it in a ``with`` block).
@@ -102,7 +102,8 @@ def compile(
       (``engine.loss_scale``). ``None``: the model's own dtypes (a bf16/fp16 model trains in its dtype).
     - ``remat``: activation checkpointing per layer (a numbered child such as ``model.layers.3``): ``"layers"``
       recomputes each layer's forward in its backward, keeping its input; ``"selective"`` also keeps its linear
-      layers' outputs; ``"none"`` keeps every activation. ``None``: a given ``Plan``'s, else ``"none"``.
+      layers' outputs; ``"none"`` keeps every activation; ``"auto"``: the planner picks the one with the fastest
+      estimated step that fits the memory budget. ``None``: a given ``Plan``'s, else ``"none"``.
 
     Bad values raise ``ValueError``/``TypeError`` (each option: :class:`torchpar.api.CompileOptions`).
     """
@@ -123,7 +124,7 @@ def plan(
     method: Method | None = None,
     explain: bool = True,
     mixed_precision: Literal["bf16", "fp16"] | None = None,
-    remat: Literal["none", "layers", "selective"] = "none",
+    remat: Literal["none", "layers", "selective", "auto"] = "none",
 ) -> Plan:
     """Capture and plan without compiling or running a step (for inspecting and comparing plans).
 
@@ -131,7 +132,7 @@ def plan(
     stage's collective bytes by kind and, for one-stage methods, price ShardParallel, DataParallel, Zero2Parallel
     and MegatronParallel on the same cost model (``plan.solver["method_comparison"]``); a few more solves.
     ``mixed_precision`` as in :func:`compile` (the plan then prices the autocast graph's dtypes); ``remat`` as
-    in :func:`compile`, recorded in ``plan.remat``.
+    in :func:`compile` (priced by the plan's memory and step estimates), the choice in ``plan.remat``.
     """
     from torchpar import api
 

@@ -89,33 +89,33 @@ def plan(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, example_ba
     ShardParallel, DataParallel, Zero2Parallel and MegatronParallel on the same cost model
     (``plan.solver["method_comparison"]``), for the summary and the report; a few more solves.
     ``mixed_precision`` as in :func:`compile` (the plan prices the autocast graph's dtypes); ``remat`` as in
-    :func:`compile`, recorded in ``plan.remat`` (the plan's memory estimates do not price it yet)."""
-    check_remat(remat)
+    :func:`compile`: the plan prices it (kept activations in memory, recomputed FLOPs in the step); ``"auto"`` lets the
+    planner pick (``plan.remat``, ``plan.solver["remat"]``)."""
+    check_remat(remat, allow_auto=True)
     warn_if_gradient_checkpointing(model, stacklevel=3)  # the caller of torchpar.plan
     start = time.perf_counter()
     pipeshard = isinstance(method, PipeshardParallel)
-    batch = _first_micro_batch(example_batch, method.num_micro_batches) if pipeshard else example_batch
+    batch = _first_micro_batch(example_batch, getattr(method, "num_micro_batches", 1))
     capture = capture_train_step(model, batch, loss_fn, autocast=autocast_dtype(mixed_precision))
     capture_s = time.perf_counter() - start
     names = dict(model.named_parameters())
     spec = TorchOptimizerBridge(optimizer, {id(p): n for n, p in names.items()}).spec
     trainable = {n for n in spec.param_names if names[n].requires_grad} & _params_reaching_loss(capture.graph)
     if method is None:
-        result = single_device_plan(capture.graph, current_cluster())
+        result = single_device_plan(capture.graph, current_cluster(), remat)
     elif pipeshard:
         from torchpar.planner.pipeline_plan import plan_pipeline
 
         planned = plan_pipeline(capture.graph, method, current_cluster(), trainable=trainable,
-                                optimizer_state_copies=_state_copies(spec))
+                                optimizer_state_copies=_state_copies(spec), remat=remat)
         if explain:
             planned.explain()
         result = planned.plan
     else:
         result = plan_for_method(capture.graph, method, current_cluster(), trainable=trainable,
-                                 optimizer_state_copies=_state_copies(spec), explain=explain)
+                                 optimizer_state_copies=_state_copies(spec), explain=explain, remat=remat)
     result.timings = {"capture": capture_s, **result.timings}
     result.numerics = describe_numerics(_numerics(None), mixed_precision)
-    result.remat = remat
     return result
 
 
@@ -162,6 +162,8 @@ class Engine:
         self._guard = StepGuard(check_inputs=options.check_inputs, on_nonfinite=options.on_nonfinite)
         self._step_graphs: dict[tuple, Graph] = {}  # signature → the graph its step runs (diagnostic re-runs)
         self._pipelined = isinstance(method, PipeshardParallel) or (isinstance(method, Plan) and method.is_pipeline)
+        # micro-batches per step (pipelines, gradient accumulation): each step's graph is captured on one of them
+        self._micro_batches = int(getattr(method, "num_micro_batches", 1))
         try:
             with self._translating_failures("compiling the training step"):
                 if self._pipelined:
@@ -191,11 +193,10 @@ class Engine:
         phases = CompilePhases(("capture", "plan", "start workers", "XLA compile"), "the training step")
         try:
             with phases.phase("capture"):
-                capture = self._capture(example_batch)
+                capture = self._capture(_first_micro_batch(example_batch, self._micro_batches))
             with phases.phase("plan"):
                 self._plan = self._make_plan(capture.graph, method)
                 self._plan.numerics = self._describe_numerics()
-                self._plan.remat = self._remat(method)
             with phases.phase("start workers"):
                 cluster = current_cluster()
                 spec = ExecutionSpec(plan=self._plan, optimizer=self._spec,
@@ -230,14 +231,14 @@ class Engine:
                 cluster = current_cluster()
                 if isinstance(method, Plan):
                     _check_plan_fits(method, cluster)
-                    self._plan, stage_graphs = method, stage_graphs_for(capture.graph, method)
+                    self._plan, stage_graphs = self._given_plan(method), stage_graphs_for(capture.graph, method)
                 else:
                     pipeline = plan_pipeline(capture.graph, method, cluster, trainable=trainable,
-                                             optimizer_state_copies=_state_copies(self._spec))
+                                             optimizer_state_copies=_state_copies(self._spec),
+                                             remat=self.options.remat or "none")
                     self._plan, stage_graphs = pipeline.plan, pipeline.stages
                 self._plan.timings["capture"] = self._timings["capture"]
                 self._plan.numerics = self._describe_numerics()
-                self._plan.remat = self._remat(method)
             with phases.phase("start workers"):
                 start = time.perf_counter()
                 spec = ExecutionSpec(plan=self._plan, optimizer=self._spec, devices=DeviceMap(cluster.devices_per_host),
@@ -267,7 +268,7 @@ class Engine:
                 self._compile_pipeline_shapes(signature, batch)
         elif signature not in self._captures:
             log.info("torchpar: new batch shapes %s, recompiling the training step", _describe(signature))
-            self._compile_step(signature, self._capture(batch))
+            self._compile_step(signature, self._capture(_first_micro_batch(batch, self._micro_batches)))
         leaves = self._host_leaves(signature, batch)
         scalars = self._with_loss_scale(self._bridge.step_scalars())
         _mark_optimizer_stepped(self.optimizer)
@@ -323,7 +324,7 @@ class Engine:
         names = leaf_names(batch)
         key = self._jax.random.wrap_key_data(self._step_key_data(self._steps_taken))
         trainable = self._trainable(graph)
-        for micro in (_split_leaves(leaves, self._plan.num_micro_batches) if self._pipelined else [leaves]):
+        for micro in _split_leaves(leaves, self._micro_batches):
             culprit = locate_nonfinite(graph, trainable, state.params, state.buffers, micro, names, key)
             if culprit is not None:
                 return culprit.text
@@ -503,13 +504,15 @@ class Engine:
 
     def _make_plan(self, graph: Graph, method: Method | Plan | None) -> Plan:
         cluster = current_cluster()
+        remat = self.options.remat or "none"
         if method is None:
-            return single_device_plan(graph, cluster)
+            return single_device_plan(graph, cluster, remat)
         if isinstance(method, Plan):
             _check_plan_fits(method, cluster)
-            return method
+            return self._given_plan(method)
         trainable = set(self._trainable(graph))
-        plan = plan_for_method(graph, method, cluster, trainable=trainable, optimizer_state_copies=_state_copies(self._spec))
+        plan = plan_for_method(graph, method, cluster, trainable=trainable, optimizer_state_copies=_state_copies(self._spec),
+                               remat=remat)
         log.info("torchpar plan:\n%s", plan.summary())
         return plan
 
@@ -517,11 +520,12 @@ class Engine:
         """A step's scalars: the optimizer's, with the loss scale under fp16 mixed precision."""
         return scalars if self._loss_scaler is None else (scalars, self._loss_scaler.step_input())
 
-    def _remat(self, method: Method | Plan | None) -> str:
-        """The remat the step runs with: the option, else a given plan's."""
-        if self.options.remat is not None:
-            return self.options.remat
-        return method.remat if isinstance(method, Plan) else "none"
+    def _given_plan(self, plan: Plan) -> Plan:
+        """A saved plan as this engine runs it: with ``compile(remat=...)``'s option when one is given (``"auto"``
+        keeps the plan's, which its planner chose)."""
+        if self.options.remat not in (None, "auto"):
+            plan.remat = self.options.remat
+        return plan
 
     def _describe_numerics(self) -> dict[str, Any]:
         return describe_numerics(self._numerics, self.options.mixed_precision)
@@ -530,7 +534,8 @@ class Engine:
         from torchpar.ir.optimizer import step_scalars
 
         scalars = self._with_loss_scale(step_scalars(self._spec, self._bridge.hparams(), [1] * self._spec.num_groups))
-        leaves = [(tuple(m.shape), jax_dtype(m.dtype)) for m in capture.input_metas]
+        # the graph is one micro-batch's; the step takes the whole batch (micro-batches along dim 0)
+        leaves = [((m.shape[0] * self._micro_batches, *m.shape[1:]), jax_dtype(m.dtype)) for m in capture.input_metas]
         with self._translating_failures("compiling the training step"):
             self._timings.update(self._executor.compile_step(signature, capture.graph, self._trainable(capture.graph),
                                                              leaves, scalars))
@@ -609,7 +614,7 @@ class Engine:
         if signature not in self._step_graphs:
             if self._pipelined:
                 raise ValueError("a pipeline engine diagnoses the batch shapes it was compiled for only")
-            self._step_graphs[signature] = self._capture(batch).graph
+            self._step_graphs[signature] = self._capture(_first_micro_batch(batch, self._micro_batches)).graph
         return self._step_graphs[signature]
 
     def _check_compatible(self, signature: tuple, batch: Any) -> None:
@@ -661,7 +666,10 @@ def _mark_optimizer_stepped(optimizer: torch.optim.Optimizer) -> None:
 
 
 def _first_micro_batch(batch: Any, num_micro_batches: int) -> Any:
-    """The first of ``num_micro_batches`` equal slices of every batch leaf along dim 0 (for capture)."""
+    """The first of ``num_micro_batches`` equal slices of every batch leaf along dim 0 (for capture): a
+    ``ValueError`` naming the leaf if one does not split; ``batch`` itself for one micro-batch."""
+    if num_micro_batches == 1:
+        return batch
     from torchpar.capture.export import batch_to_call_args, call_args_to_batch
 
     args, kwargs = batch_to_call_args(batch)
@@ -669,7 +677,7 @@ def _first_micro_batch(batch: Any, num_micro_batches: int) -> Any:
     for index, leaf in enumerate(leaves):
         if leaf.dim() == 0:
             raise ValueError(f"batch leaf {index} is a scalar: it cannot be split into {num_micro_batches} equal "
-                             "micro-batches along dim 0 (PipeshardParallel needs a batch dim on every leaf)")
+                             "micro-batches along dim 0 (num_micro_batches > 1 needs a batch dim on every leaf)")
         if leaf.shape[0] % num_micro_batches:
             raise ValueError(
                 f"batch leaf {index} of shape {list(leaf.shape)} cannot be split into {num_micro_batches} equal "

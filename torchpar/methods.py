@@ -23,9 +23,14 @@ class DataParallel:
 
     mesh_shape: tuple[int, int] | None = None
     """Logical mesh ``(d0, d1)`` over the first ``d0·d1`` devices; ``None`` = ``(1, all devices)``."""
+    num_micro_batches: int = 1
+    """Gradient accumulation: the batch is cut into this many micro-batches (row ``i`` goes to micro-batch
+    ``i mod num_micro_batches``) run one after another inside the step's executable; their gradients are summed
+    on each device and synchronized once per step. The batch size must divide evenly."""
 
     def __post_init__(self) -> None:
         _check_mesh_shape(self.mesh_shape)
+        _check_micro_batches(self.num_micro_batches)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -37,9 +42,14 @@ class Zero2Parallel:
 
     mesh_shape: tuple[int, int] | None = None
     """Logical mesh ``(d0, d1)`` over the first ``d0·d1`` devices; ``None`` = ``(1, all devices)``."""
+    num_micro_batches: int = 1
+    """Gradient accumulation: the batch is cut into this many micro-batches (row ``i`` goes to micro-batch
+    ``i mod num_micro_batches``) run one after another inside the step's executable; their gradients are summed
+    on each device and synchronized once per step. The batch size must divide evenly."""
 
     def __post_init__(self) -> None:
         _check_mesh_shape(self.mesh_shape)
+        _check_micro_batches(self.num_micro_batches)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -51,9 +61,14 @@ class Zero3Parallel:
 
     mesh_shape: tuple[int, int] | None = None
     """Logical mesh ``(d0, d1)`` over the first ``d0·d1`` devices; ``None`` = ``(1, all devices)``."""
+    num_micro_batches: int = 1
+    """Gradient accumulation: the batch is cut into this many micro-batches (row ``i`` goes to micro-batch
+    ``i mod num_micro_batches``) run one after another inside the step's executable; their gradients are summed
+    on each device and synchronized once per step. The batch size must divide evenly."""
 
     def __post_init__(self) -> None:
         _check_mesh_shape(self.mesh_shape)
+        _check_micro_batches(self.num_micro_batches)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -66,9 +81,14 @@ class MegatronParallel:
 
     mesh_shape: tuple[int, int] | None = None
     """Logical mesh ``(d0, d1)``; ``None`` = ``(1, all devices)`` (pure tensor parallelism)."""
+    num_micro_batches: int = 1
+    """Gradient accumulation: the batch is cut into this many micro-batches (row ``i`` goes to micro-batch
+    ``i mod num_micro_batches``) run one after another inside the step's executable; their gradients are summed
+    on each device and synchronized once per step. The batch size must divide evenly."""
 
     def __post_init__(self) -> None:
         _check_mesh_shape(self.mesh_shape)
+        _check_micro_batches(self.num_micro_batches)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -85,8 +105,14 @@ class ShardParallel:
     solver_time_limit_s: float = 30.0
     """CP-SAT time limit per solve; the plan reports the optimality gap reached."""
 
+    num_micro_batches: int = 1
+    """Gradient accumulation: the batch is cut into this many micro-batches (row ``i`` goes to micro-batch
+    ``i mod num_micro_batches``) run one after another inside the step's executable; their gradients are summed
+    on each device and synchronized once per step. The batch size must divide evenly."""
+
     def __post_init__(self) -> None:
         _check_mesh_shape(self.mesh_shape)
+        _check_micro_batches(self.num_micro_batches)
         if self.memory_budget is not None and self.memory_budget <= 0:
             raise ValueError(f"memory_budget must be positive bytes, got {self.memory_budget}")
         if self.solver_time_limit_s <= 0:
@@ -144,8 +170,7 @@ class PipeshardParallel:
     """Pipeline schedule."""
 
     def __post_init__(self) -> None:
-        if self.num_micro_batches < 1:
-            raise ValueError(f"num_micro_batches must be ≥ 1, got {self.num_micro_batches}")
+        _check_micro_batches(self.num_micro_batches)
         if self.schedule not in ("1f1b", "gpipe"):
             raise ValueError(f"schedule must be '1f1b' or 'gpipe', got {self.schedule!r}")
         if not isinstance(self.layer_option, AutoLayerOption) and self.layer_option != "manual":
@@ -170,6 +195,11 @@ def method_name(method: Method | None) -> str:
 def _check_mesh_shape(mesh_shape: tuple[int, int] | None) -> None:
     if mesh_shape is not None and (len(mesh_shape) != 2 or any(int(d) < 1 for d in mesh_shape)):
         raise ValueError(f"mesh_shape must be two positive ints, got {mesh_shape}")
+
+
+def _check_micro_batches(num_micro_batches: int) -> None:
+    if isinstance(num_micro_batches, bool) or not isinstance(num_micro_batches, int) or num_micro_batches < 1:
+        raise ValueError(f"num_micro_batches must be an int ≥ 1, got {num_micro_batches!r}")
 
 
 def method_title(name: str) -> str:

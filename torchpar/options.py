@@ -14,7 +14,7 @@ OnNonfinite = Literal["raise", "skip", "ignore"]
 ON_NONFINITE: tuple[str, ...] = ("raise", "skip", "ignore")
 MatmulPrecision = Literal["highest", "high", "medium"]
 MixedPrecision = Literal["bf16", "fp16"]
-Remat = Literal["none", "layers", "selective"]
+Remat = Literal["none", "layers", "selective", "auto"]
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
@@ -61,8 +61,10 @@ class CompileOptions:
     """Activation checkpointing (:mod:`torchpar.planner.remat`): ``"layers"`` keeps only each layer's input for
     the backward and recomputes the layer's forward there; ``"selective"`` also keeps its linear layers' outputs
     and recomputes the cheap rest (norms, activations, softmax, attention scores); ``"none"`` keeps everything.
-    A layer is a numbered child of a container (``model.layers.3``). Losses are those without remat.
-    ``None``: a given ``Plan``'s ``remat``, else ``"none"``. The plan (``plan.remat``) says which ran."""
+    ``"auto"``: the planner picks one, the cheapest estimated step that fits the memory budget
+    (:mod:`torchpar.planner.remat_choice`; ``plan.solver["remat"]`` says why). A layer is a numbered child of a
+    container (``model.layers.3``). Losses are those without remat. ``None``: a given ``Plan``'s ``remat``, else
+    ``"none"``. The plan (``plan.remat``) says which ran."""
 
     def __post_init__(self) -> None:
         if self.grad_clip_norm is not None and not self.grad_clip_norm > 0:
@@ -76,4 +78,4 @@ class CompileOptions:
         resolve_precisions(self.matmul_precision)  # raises on a bad name
         autocast_dtype(self.mixed_precision)
         if self.remat is not None:
-            check_remat(self.remat)
+            check_remat(self.remat, allow_auto=True)

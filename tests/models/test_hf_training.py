@@ -321,7 +321,9 @@ def test_dropout_reproducible_per_seed_and_trains_like_pytorch(family):
 
 # --- 5. eval forward -------------------------------------------------------------------------------
 
-NOT_RETURNED = {"past_key_values"}  # engine.forward exports with use_cache=False: no KV cache in its outputs
+# engine.forward exports with use_cache=False: no KV cache in its outputs (transformers < 5.24 names it
+# past_key_values, 5.24 cache)
+NOT_RETURNED = {"past_key_values", "cache"}
 
 
 def assert_outputs_match(out: Any, ref: Any, what: str) -> None:

@@ -5,7 +5,8 @@ Claims: the losses are those without remat (the same executable arithmetic, reco
 relative, in practice bit-equal), dropout included (a recomputed dropout draws the same mask); XLA's temporary
 memory of the compiled step (``engine.memory_stats()``, XLA's own memory analysis) drops by ≥ 40% with
 ``"layers"`` and less with ``"selective"`` on a GPT-2 whose activations dominate its temporaries; the option
-reaches sharded one-stage steps and pipeline stages; the plan records it."""
+reaches sharded one-stage steps and pipeline stages; the plan records it, prices it (activation memory down,
+compute up) and, with ``remat="auto"``, picks it only when the memory budget needs it."""
 
 from __future__ import annotations
 
@@ -123,7 +124,7 @@ def test_the_plan_records_remat():
     with pytest.raises(ValueError, match="remat"):
         torchpar.Plan.from_dict(bad)
     with pytest.raises(ValueError, match="remat must be one of"):
-        torchpar.compile(model, torch.optim.AdamW(model.parameters()), example_batch=batch, remat="auto")
+        torchpar.compile(model, torch.optim.AdamW(model.parameters()), example_batch=batch, remat="everything")
 
 
 def test_layers_are_the_numbered_children():
@@ -149,3 +150,63 @@ def test_a_model_without_layers_says_nothing_is_recomputed(caplog):
                               loss_fn=lambda out, _: out.square().mean(), remat="layers") as engine:
             engine.step(batch)
     assert "found no layers" in caplog.text
+
+
+def _plans_by_remat(model, batch, method, **options) -> dict[str, torchpar.Plan]:
+    optimizer = torch.optim.AdamW(model.parameters())
+    return {remat: torchpar.plan(model, optimizer, example_batch=batch, method=method, explain=False, remat=remat,
+                                 **options) for remat in ("none", "selective", "layers")}
+
+
+def test_the_plan_prices_what_remat_keeps_and_recomputes():
+    model, batch = _gpt2()
+    plans = _plans_by_remat(model, batch, torchpar.ShardParallel(mesh_shape=(1, 1)))
+    activations = {r: p.stages[0].memory_breakdown["activations"] for r, p in plans.items()}
+    steps = {r: p.estimated_step_s for r, p in plans.items()}
+    assert activations["layers"] < activations["selective"] < 0.6 * activations["none"], activations
+    assert steps["none"] < steps["selective"] < steps["layers"] <= 1.34 * steps["none"], steps  # ≤ one more forward
+    single = _plans_by_remat(model, batch, None)  # the single-device plan reads the same model
+    assert single["layers"].stages[0].estimated_memory_bytes < single["none"].stages[0].estimated_memory_bytes
+
+
+def test_auto_recomputes_only_when_the_memory_budget_needs_it(one_device_runs):
+    """Budgets between the plans' estimates: generous → no remat; only 'selective' and 'layers' fit → the faster,
+    'selective'; only 'layers' fits → 'layers', and it trains with the losses of no remat."""
+    model, batch = _gpt2()
+    need = {r: p.stages[0].estimated_memory_bytes
+            for r, p in _plans_by_remat(model, batch, torchpar.ShardParallel(mesh_shape=(1, 1))).items()}
+    optimizer = torch.optim.AdamW(model.parameters())
+
+    def auto(budget):
+        method = torchpar.ShardParallel(mesh_shape=(1, 1), memory_budget=budget)
+        return torchpar.plan(model, optimizer, example_batch=batch, method=method, explain=False, remat="auto")
+
+    generous = auto(None)
+    assert generous.remat == "none" and generous.solver["remat"]["chosen"] == "none"
+    assert "recomputing would only add compute" in generous.summary()
+    assert auto(int((need["selective"] + need["none"]) / 2)).remat == "selective"
+    tight = int((need["layers"] + need["selective"]) / 2)
+    plan = auto(tight)
+    assert plan.remat == "layers"
+    rows = {row["remat"]: row for row in plan.solver["remat"]["candidates"]}
+    assert not rows["none"]["fits"] and not rows["selective"]["fits"] and rows["layers"]["fits"]
+    assert "remat: auto → layers: without remat nothing fits" in plan.summary()
+    with pytest.raises(ValueError, match=r"no plan fits .* with any activation checkpointing(?s:.*)remat='layers'"):
+        auto(int(need["layers"] / 2))
+    fresh = copy.deepcopy(model)
+    with torchpar.compile(fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-3), example_batch=batch, remat="auto",
+                          method=torchpar.ShardParallel(mesh_shape=(1, 1), memory_budget=tight)) as engine:
+        assert engine.plan.remat == "layers"
+        losses = [engine.step(batch) for _ in range(STEPS)]
+    assert losses == pytest.approx(one_device_runs["none"][0], rel=LOSS_RTOL)
+
+
+def test_auto_in_a_pipeline_plans_each_option_and_keeps_the_fastest_that_fits():
+    model, batch = _stack()
+    method = torchpar.PipeshardParallel(num_micro_batches=2, layer_option=torchpar.AutoLayerOption(layer_num=4))
+    plan = torchpar.plan(model, torch.optim.AdamW(model.parameters()), example_batch=batch, method=method,
+                         explain=False, remat="auto")
+    candidates = plan.solver["remat"]["candidates"]
+    assert [row["remat"] for row in candidates] == ["none", "selective", "layers"] and all(r["fits"] for r in candidates)
+    assert plan.remat == "none"  # everything fits: recomputing only adds compute
+    assert candidates[0]["estimated_step_s"] < candidates[2]["estimated_step_s"]

@@ -18,38 +18,67 @@ from torchpar.methods import (
 from torchpar.planner.intra_op import mesh_shapes_for, plan_best_mesh, plan_stage
 from torchpar.planner.mesh_links import submesh_of
 from torchpar.planner.plan import Plan, StagePlan
+from torchpar.planner.remat import check_remat, remat_memory
+from torchpar.planner.remat_choice import choose_remat
 
 _ONE_STAGE = (DataParallel, Zero2Parallel, Zero3Parallel, MegatronParallel, ShardParallel)
 
 
-def single_device_plan(graph: Graph, cluster: ClusterSpec) -> Plan:
-    """Everything on one device: one stage, every tensor whole."""
-    compute_s = 3.0 * graph.total_flops / cluster.device_flops
+def single_device_plan(graph: Graph, cluster: ClusterSpec, remat: str = "none") -> Plan:
+    """Everything on one device: one stage, every tensor whole. ``remat`` (an option, or ``"auto"``: the cheapest
+    that fits the device's memory, :mod:`.remat_choice`) prices what activation checkpointing keeps and
+    recomputes, as the ILP does: ``compute = (3·F + F_recomputed) / device_flops``, memory = 4 × the parameters
+    (weights, gradients, two optimizer moments) + the kept activations + the largest layer's dropped ones."""
+    if check_remat(remat, allow_auto=True) == "auto":
+        return choose_remat(lambda option: single_device_plan(graph, cluster, option), cluster.device_memory_bytes)
+    kept = remat_memory(graph, remat)
+    recomputed_flops = sum(n.flops for n in graph.nodes if n.name in kept.recomputed)
+    compute_s = (3.0 * graph.total_flops + recomputed_flops) / cluster.device_flops
     params = {i.target: [None] * len(i.meta.shape) for i in graph.inputs if i.kind == "param"}
     state_bytes = sum(i.meta.nbytes for i in graph.inputs if i.kind == "param") * 4
-    activation_bytes = sum(n.out_bytes for n in graph.nodes)
+    activation_bytes = sum(n.out_bytes for n in graph.nodes if n.name in kept.kept) if kept.kept is not None else \
+        sum(n.out_bytes for n in graph.nodes)
+    activation_bytes += sum(n.out_bytes for n in graph.nodes if n.name in kept.peak_layer)
     stage = StagePlan(layers=[0], submesh_shape=(1, 1), logical_mesh_shape=(1, 1), params=params,
                       estimated_cost_s=compute_s, estimated_compute_s=compute_s,
                       estimated_memory_bytes=state_bytes + activation_bytes)
-    return Plan(method=SINGLE_DEVICE, stages=[stage], estimated_step_s=compute_s, cluster=cluster.cost_constants())
+    return Plan(method=SINGLE_DEVICE, stages=[stage], estimated_step_s=compute_s, cluster=cluster.cost_constants(),
+                remat=remat)
 
 
 def plan_for_method(graph: Graph, method: Any, cluster: ClusterSpec, *, trainable: set[str],
-                    optimizer_state_copies: float, kind: str | None = None, explain: bool = False) -> Plan:
+                    optimizer_state_copies: float, kind: str | None = None, explain: bool = False,
+                    remat: str = "none") -> Plan:
     """The plan ``method`` (or the hand-plan ``kind``, e.g. ``"megatron"``) gives ``graph`` on ``cluster``.
 
     ``explain``: also price the hand plans :data:`COMPARED_KINDS` (at their default meshes) on the same cost
     model (``plan.solver["method_comparison"]``) and count the bytes of every collective kind the stage sends
-    (``StagePlan.communication_bytes``); a few more solves, for reports rather than for compiling."""
+    (``StagePlan.communication_bytes``); a few more solves, for reports rather than for compiling. ``remat``: the
+    activation checkpointing the plan prices (``plan.remat``), or ``"auto"``: the planner picks it
+    (:mod:`.remat_choice`; one solve per option)."""
     kind = kind or (method.name if isinstance(method, _ONE_STAGE) else None)
     if kind is None:
         raise NotImplementedError(f"method {type(method).__name__} is not a one-stage sharding method")
     mesh_shape = getattr(method, "mesh_shape", None)
     budget = getattr(method, "memory_budget", None) or cluster.device_memory_bytes
+    if check_remat(remat, allow_auto=True) == "auto":
+        def make(option: str) -> Plan:
+            return plan_for_method(graph, method, cluster, trainable=trainable,
+                                   optimizer_state_copies=optimizer_state_copies, kind=kind, remat=option)
+
+        chosen = choose_remat(make, budget)
+        if not explain:
+            return chosen
+        explained = plan_for_method(graph, method, cluster, trainable=trainable,
+                                    optimizer_state_copies=optimizer_state_copies, kind=kind, explain=True,
+                                    remat=chosen.remat)
+        explained.solver["remat"] = chosen.solver["remat"]
+        return explained
     time_limit = getattr(method, "solver_time_limit_s", 30.0)
+    micro = getattr(method, "num_micro_batches", 1)
     start = time.perf_counter()
     common = dict(kind=kind, cluster=cluster, trainable=trainable, optimizer_state_copies=optimizer_state_copies,
-                  memory_budget=budget, time_limit_s=time_limit)
+                  memory_budget=budget, time_limit_s=time_limit, num_micro_batches=micro, remat=remat)
     if mesh_shape is not None:
         if mesh_shape[0] * mesh_shape[1] > cluster.num_devices:
             raise ValueError(f"mesh_shape {tuple(mesh_shape)} needs {mesh_shape[0] * mesh_shape[1]} devices; the cluster "
@@ -64,7 +93,9 @@ def plan_for_method(graph: Graph, method: Any, cluster: ClusterSpec, *, trainabl
     result.stage.submesh_shape = submesh_of(count, cluster.devices_per_host)
     result.stage.device_ids = list(range(count))
     stats = result.solver_stats()
-    stats["estimate"] = {"model": ESTIMATE_MODEL, "step_formula": "one step = the stage's estimate"}
+    stats["estimate"] = {"model": ESTIMATE_MODEL, "step_formula": "one step = the stage's estimate" + (
+        f" ({micro} micro-batches: compute and activation collectives ×{micro}, weight-gradient sync once)"
+        if micro > 1 else "")}
     if result.mesh_trials:
         stats["mesh_shapes"] = result.mesh_trials
     timings = {"ilp": elapsed}
@@ -72,10 +103,10 @@ def plan_for_method(graph: Graph, method: Any, cluster: ClusterSpec, *, trainabl
         start = time.perf_counter()
         result.explain()
         stats["method_comparison"] = _compare_methods(graph, kind, result.stage, cluster, trainable,
-                                                      optimizer_state_copies, budget, time_limit)
+                                                      optimizer_state_copies, budget, time_limit, micro)
         timings["explain"] = time.perf_counter() - start
     return Plan(method=kind, stages=[result.stage], estimated_step_s=result.stage.estimated_cost_s,
-                solver=stats, timings=timings, cluster=cluster.cost_constants())
+                num_micro_batches=micro, solver=stats, timings=timings, cluster=cluster.cost_constants(), remat=remat)
 
 
 ESTIMATE_MODEL = "sharding ILP (alpha-beta, host-aware links)"
@@ -84,7 +115,8 @@ COMPARED_KINDS: tuple[str, ...] = ("shard", "data_parallel", "zero2", "megatron"
 
 
 def _compare_methods(graph: Graph, kind: str, stage: StagePlan, cluster: ClusterSpec, trainable: set[str],
-                     optimizer_state_copies: float, budget: float, time_limit: float) -> list[dict[str, Any]]:
+                     optimizer_state_copies: float, budget: float, time_limit: float,
+                     num_micro_batches: int = 1) -> list[dict[str, Any]]:
     """Each of :data:`COMPARED_KINDS` priced on the same model; the plan's own row is its stage."""
     rows = []
     for other in COMPARED_KINDS:
@@ -95,7 +127,7 @@ def _compare_methods(graph: Graph, kind: str, stage: StagePlan, cluster: Cluster
             try:
                 chosen = plan_best_mesh(graph, kind=other, mesh_shapes=shapes, cluster=cluster, trainable=trainable,
                                         optimizer_state_copies=optimizer_state_copies, memory_budget=budget,
-                                        time_limit_s=time_limit).stage
+                                        time_limit_s=time_limit, num_micro_batches=num_micro_batches).stage
             except ValueError as error:  # does not fit the memory budget, or the batch does not divide
                 rows.append({"method": other, "logical_mesh_shape": list(shapes[0]), "error": str(error)})
                 continue

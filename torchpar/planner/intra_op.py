@@ -88,9 +88,13 @@ def mesh_shapes_for(num_devices: int) -> list[tuple[int, int]]:
 
 def plan_stage(graph: Graph, *, kind: PlanKind, mesh_shape: tuple[int, int], cluster: ClusterSpec,
                trainable: set[str], optimizer_state_copies: float, memory_budget: float | None = None,
-               time_limit_s: float = 30.0, submesh: tuple[int, int] | None = None) -> IntraOpResult:
+               time_limit_s: float = 30.0, submesh: tuple[int, int] | None = None,
+               num_micro_batches: int = 1, remat: str = "none") -> IntraOpResult:
     """Solve one stage of ``kind`` on a logical mesh of ``mesh_shape`` placed on the physical ``submesh`` (default:
-    the cluster's first devices; it decides which axes cross hosts)."""
+    the cluster's first devices; it decides which axes cross hosts). ``num_micro_batches``: ``graph`` is one
+    micro-batch's step of a one-stage plan that accumulates that many per step (priced per step:
+    :func:`.sharding.solver_graph.build_solver_graph`). ``remat``: the activation checkpointing the step runs with
+    (one of ``planner.remat.REMAT_OPTIONS``), priced in memory and compute."""
     if kind not in PLAN_KINDS:
         raise ValueError(f"unknown plan kind {kind!r}")
     mesh = logical_mesh(mesh_shape, cluster, submesh)
@@ -104,7 +108,9 @@ def plan_stage(graph: Graph, *, kind: PlanKind, mesh_shape: tuple[int, int], clu
         batch_axes = None
     def rebuild(on: LogicalMesh) -> SolverGraph:
         return build_solver_graph(graph, on, trainable=trainable, optimizer_state_copies=optimizer_state_copies,
-                                  batch_dim_axes=batch_axes)
+                                  batch_dim_axes=batch_axes, num_micro_batches=num_micro_batches,
+                                  # ZeRO-3 keeps only its gradient shard: it reduce-scatters every micro-batch
+                                  accumulated_weight_grads=kind != "zero3", remat=remat)
 
     solver_graph = rebuild(mesh)
     build_s = time.perf_counter() - start
@@ -120,7 +126,7 @@ def plan_stage(graph: Graph, *, kind: PlanKind, mesh_shape: tuple[int, int], clu
 
 def plan_best_mesh(graph: Graph, *, kind: PlanKind, mesh_shapes: list[tuple[int, int]], cluster: ClusterSpec,
                    trainable: set[str], optimizer_state_copies: float, memory_budget: float | None = None,
-                   time_limit_s: float = 30.0) -> IntraOpResult:
+                   time_limit_s: float = 30.0, num_micro_batches: int = 1, remat: str = "none") -> IntraOpResult:
     """Solve on each candidate mesh shape and keep the cheapest plan."""
     best: IntraOpResult | None = None
     errors = []
@@ -129,7 +135,7 @@ def plan_best_mesh(graph: Graph, *, kind: PlanKind, mesh_shapes: list[tuple[int,
         try:
             result = plan_stage(graph, kind=kind, mesh_shape=shape, cluster=cluster, trainable=trainable,
                                 optimizer_state_copies=optimizer_state_copies, memory_budget=memory_budget,
-                                time_limit_s=time_limit_s)
+                                time_limit_s=time_limit_s, num_micro_batches=num_micro_batches, remat=remat)
         except ValueError as error:  # e.g. a batch that does not divide this mesh
             errors.append(f"{shape}: {error}")
             trials.append({"logical_mesh_shape": list(shape), "error": str(error)})
@@ -219,7 +225,7 @@ def _stage_from_solution(kind: PlanKind, graph: Graph, solver_graph: SolverGraph
     metas = {i.name: i for i in graph.inputs}
     for root, k in zip(solver_graph.roots, choice):
         strategy = root.strategies[k]
-        compute_s += strategy.compute_s
+        compute_s += strategy.compute_s * (4.0 / 3.0 if root.name in solver_graph.recomputed else 1.0)
         if root.kind == "param":
             params[root.label] = strategy.out_spec
         elif root.kind == "input":
@@ -253,11 +259,13 @@ def _stage_from_solution(kind: PlanKind, graph: Graph, solver_graph: SolverGraph
                 breakdown["parameters"] -= saved
                 params_at_use[name] = params[name]
                 params[name] = sharded
-                gather = mesh.all_gather(meta.nbytes, live_axes)
+                # gathered inside every micro-batch's forward (and its transpose in the backward)
+                gather = solver_graph.num_micro_batches * mesh.all_gather(meta.nbytes, live_axes)
                 communication += gather
                 objective += gather
                 groups = math.prod(mesh.shape[a] for a in live_axes)
-                extra_bytes["all_gather"] = extra_bytes.get("all_gather", 0.0) + meta.nbytes * (groups - 1) / groups
+                extra_bytes["all_gather"] = (extra_bytes.get("all_gather", 0.0)
+                                             + solver_graph.num_micro_batches * meta.nbytes * (groups - 1) / groups)
     breakdown = {part: max(nbytes, 0.0) for part, nbytes in breakdown.items()}
     stage = StagePlan(
         layers=[0], submesh_shape=(1, mesh.num_devices), logical_mesh_shape=mesh.shape,

@@ -24,6 +24,8 @@ from torchpar.methods import ManualStageOption, PipeshardParallel
 from torchpar.planner import layers as layers_mod
 from torchpar.planner.intra_op import plan_stage
 from torchpar.planner.plan import Plan
+from torchpar.planner.remat import check_remat
+from torchpar.planner.remat_choice import choose_remat
 from torchpar.planner.slicing import StageGraph, slice_stages, stage_of_nodes
 
 log = logging.getLogger(__name__)
@@ -47,8 +49,20 @@ class PipelinePlan:
 
 
 def plan_pipeline(graph: Graph, method: PipeshardParallel, cluster: ClusterSpec, *, trainable: set[str],
-                  optimizer_state_copies: float) -> PipelinePlan:
-    """Plan ``graph`` (captured on one micro-batch) with ``method`` on ``cluster``."""
+                  optimizer_state_copies: float, remat: str = "none") -> PipelinePlan:
+    """Plan ``graph`` (captured on one micro-batch) with ``method`` on ``cluster``, every stage running with
+    activation checkpointing ``remat`` (one of ``planner.remat.REMAT_OPTIONS``; the stage DP and each stage's ILP
+    price it), or ``"auto"``: the option of the fastest plan that fits (:mod:`.remat_choice`; one planning per
+    option)."""
+    if check_remat(remat, allow_auto=True) == "auto":
+        planned: dict[str, PipelinePlan] = {}
+
+        def make(option: str) -> Plan:
+            planned[option] = plan_pipeline(graph, method, cluster, trainable=trainable,
+                                            optimizer_state_copies=optimizer_state_copies, remat=option)
+            return planned[option].plan
+
+        return planned[choose_remat(make, cluster.device_memory_bytes).remat]
     timings: dict[str, float] = {}
     start = time.perf_counter()
     if method.layer_option == "manual":
@@ -70,7 +84,8 @@ def plan_pipeline(graph: Graph, method: PipeshardParallel, cluster: ClusterSpec,
     elif option == "uniform":
         partition = stages_mod.uniform_stages(num_layers, None, hosts, per_host)
     else:
-        cost = stages_mod.AnalyticStageCost(layering, graph, cluster, method.num_micro_batches, optimizer_state_copies)
+        cost = stages_mod.AnalyticStageCost(layering, graph, cluster, method.num_micro_batches, optimizer_state_copies,
+                                            remat=remat)
         result = stages_mod.stage_dp(num_layers, hosts, per_host, method.num_micro_batches, cost,
                                      cluster.device_memory_bytes, schedule=method.schedule)
         partition = result.best
@@ -97,7 +112,7 @@ def plan_pipeline(graph: Graph, method: PipeshardParallel, cluster: ClusterSpec,
     for candidate in [partition, *runners_up]:
         try:
             refined.append(_refine(graph, layering, candidate, cluster, method.num_micro_batches, trainable,
-                                   optimizer_state_copies))
+                                   optimizer_state_copies, remat))
         except ValueError as error:  # no sharding fits the memory budget, or a batch that does not divide
             failures.append((candidate, error))
             log.info("stage partition %s: the ILP found no plan (%s)", candidate, error)
@@ -116,7 +131,7 @@ def plan_pipeline(graph: Graph, method: PipeshardParallel, cluster: ClusterSpec,
     plan = Plan(method=PipeshardParallel.name, stages=best.stage_plans, num_micro_batches=method.num_micro_batches,
                 schedule=method.schedule, estimated_step_s=best.step_s, solver=solver, timings=timings,
                 layers=_layer_stats(graph, layering), cluster=cluster.cost_constants(),
-                layer_of_node=dict(layering.layer_of))
+                layer_of_node=dict(layering.layer_of), remat=remat)
     log.info("pipeline plan: %d layers → %d stages %s on %s", num_layers, len(best.stage_plans),
              [s.layers for s in best.stage_plans], [s.submesh_shape for s in best.stage_plans])
     return PipelinePlan(plan=plan, stages=best.stage_graphs, devices=best.devices, layering=layering,
@@ -150,7 +165,7 @@ class _Refined:
 
 
 def _refine(graph: Graph, layering, partition, cluster: ClusterSpec, num_micro_batches: int, trainable: set[str],
-            optimizer_state_copies: float) -> _Refined:
+            optimizer_state_copies: float, remat: str = "none") -> _Refined:
     from torchpar.planner import stages as stages_mod
 
     stage_layers = [list(ids) for ids in partition.forward_stage_layer_ids]
@@ -162,7 +177,7 @@ def _refine(graph: Graph, layering, partition, cluster: ClusterSpec, num_micro_b
     for index, (stage, mesh_shape) in enumerate(zip(stage_graphs, logical)):
         result = plan_stage(stage.graph, kind="shard", mesh_shape=mesh_shape, cluster=cluster,
                             trainable=trainable & set(stage.params), optimizer_state_copies=optimizer_state_copies,
-                            memory_budget=cluster.device_memory_bytes, submesh=submeshes[index])
+                            memory_budget=cluster.device_memory_bytes, submesh=submeshes[index], remat=remat)
         result.stage.layers = stage_layers[index]
         result.stage.submesh_shape = submeshes[index]
         result.stage.device_ids = devices[index]

@@ -168,6 +168,15 @@ class Plan:
             lines.append(f"  numerics: {self.numerics.get('effective', '')}; mixed precision "
                          f"{self.numerics.get('mixed_precision', 'none')}, loss scaling "
                          f"{self.numerics.get('loss_scaling', 'none')}")
+        choice = self.solver.get("remat")
+        if choice:
+            lines.append(f"  remat: auto → {self.remat}: {choice.get('reason', '')}")
+            for row in choice.get("candidates", []):
+                priced = (f"est. step {format_seconds(row['estimated_step_s'])}, "
+                          f"{format_bytes(row['estimated_memory_bytes'])} per device"
+                          if "estimated_step_s" in row else "")
+                verdict = "fits" if row.get("fits") else f"does not fit: {row.get('error', '')}"
+                lines.append(f"    {row['remat']:<10} {priced}{'; ' if priced else ''}{verdict}")
         if self.remat != "none":
             lines.append(f"  remat: {self.remat} ({_REMAT_MEANING[self.remat]})")
         lines.extend(_alternatives(self.solver))
@@ -203,7 +212,7 @@ class Plan:
 
 _REMAT_MEANING = {"layers": "each layer's forward recomputed in its backward; its input kept",
                   "selective": "each layer's input and linear-layer outputs kept; the rest recomputed"}
-_EXPLAINED_SOLVER_KEYS = ("estimate", "stage_partition", "runners_up", "mesh_shapes", "method_comparison")
+_EXPLAINED_SOLVER_KEYS = ("estimate", "stage_partition", "runners_up", "mesh_shapes", "method_comparison", "remat")
 """``Plan.solver`` entries :meth:`Plan.summary` shows in their own lines."""
 
 

@@ -14,23 +14,86 @@ to the stack of layers).
 | ``"none"`` | keep every activation the backward reads (default) |
 | ``"layers"`` | keep each layer's input, recompute the layer's forward in its backward |
 | ``"selective"`` | keep each layer's input and its linear layers' outputs, recompute the rest |
+| ``"auto"`` | the planner picks one of the above (:func:`choose_remat`); ``plan.remat`` says which and why |
+
+What each option keeps is priced by :func:`remat_memory`, the one description the sharding ILP's memory and
+compute (``sharding/solver_graph.py``) and the pipeline stage DP's (``stage_cost.py``) both read:
+
+- kept until the backward, per micro-batch: every output of a node outside the layers, and of a layer's node
+  that is read outside its group (the group's outputs: the next layer's input); under ``"selective"`` also its
+  2-D matmuls' outputs (``mm``/``addmm``: the linear layers; JAX's ``dots_with_no_batch_dims_saveable``);
+- live again while one layer is recomputed (once, not per micro-batch): the other outputs of the group with
+  the most activation bytes;
+- recomputed: the forward FLOPs of the nodes not kept (``"layers"``: every layer's; ``"selective"``: those of
+  the non-matmul nodes, which the cost model counts as ~0: their time is memory traffic, not FLOPs).
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 from torchpar.ir.graph import Graph
 
 REMAT_OPTIONS = ("none", "layers", "selective")
+"""What a compiled step runs with."""
+REMAT_CHOICES = (*REMAT_OPTIONS, "auto")
+"""What ``compile`` / ``plan`` accept: an option, or ``"auto"`` for the planner to pick one."""
+SAVED_BY_SELECTIVE = frozenset({"aten.mm.default", "aten.addmm.default"})
+"""Ops whose outputs ``"selective"`` keeps (matmuls without batch dimensions: the linear layers)."""
 _NUMBERED = re.compile(r"^(.*?(?:^|\.)\d+)(?:\.|$)")
 
 
-def check_remat(remat: str) -> str:
-    """``remat`` if it is one of :data:`REMAT_OPTIONS`, else a ``ValueError`` naming them."""
-    if remat not in REMAT_OPTIONS:
-        raise ValueError(f"remat must be one of {REMAT_OPTIONS}, got {remat!r}")
+def check_remat(remat: str, *, allow_auto: bool = False) -> str:
+    """``remat`` if it is one of :data:`REMAT_OPTIONS` (or ``"auto"`` with ``allow_auto``), else a ``ValueError``
+    naming them."""
+    allowed = REMAT_CHOICES if allow_auto else REMAT_OPTIONS
+    if remat not in allowed:
+        raise ValueError(f"remat must be one of {allowed}, got {remat!r}")
     return remat
+
+
+@dataclass(frozen=True)
+class RematMemory:
+    """What ``remat`` keeps of a graph's activations (module docstring): node names."""
+
+    remat: str
+    kept: frozenset[str] | None
+    """Outputs live from the forward to the backward (per micro-batch); ``None``: every node's (no remat)."""
+    peak_layer: frozenset[str] = frozenset()
+    """Outputs live again while the largest layer is recomputed (once per step, not per micro-batch)."""
+    recomputed: frozenset[str] = frozenset()
+    """Nodes whose forward runs again in the backward."""
+    dropped_groups: tuple[frozenset[str], ...] = ()
+    """Per layer group, the outputs it does not keep (live again while that layer is recomputed)."""
+
+    def keeps(self, name: str) -> bool:
+        """Whether node ``name``'s output counts in the step's peak memory (kept, or in the recomputed peak)."""
+        return self.kept is None or name in self.kept or name in self.peak_layer
+
+
+def remat_memory(graph: Graph, remat: str) -> RematMemory:
+    """What ``remat`` (one of :data:`REMAT_OPTIONS`) keeps and recomputes of ``graph`` (module docstring). A graph
+    without layers keeps everything whatever ``remat`` says, as the lowering does."""
+    check_remat(remat)
+    groups = layer_groups(graph) if remat != "none" else ()
+    if not groups:
+        return RematMemory(remat, None)
+    group_of = {name: index for index, group in enumerate(groups) for name in group}
+    read_outside = {out.value.name for out in graph.outputs if out.value is not None}
+    for node in graph.nodes:
+        for ref in node.refs():
+            if ref in group_of and group_of.get(node.name) != group_of[ref]:
+                read_outside.add(ref)
+    nodes = {node.name: node for node in graph.nodes}
+    kept = {name for name in nodes if name not in group_of or name in read_outside
+            or (remat == "selective" and nodes[name].target in SAVED_BY_SELECTIVE)}
+    dropped = [[name for name in group if name not in kept] for group in groups]
+    largest = max(dropped, key=lambda names: sum(nodes[n].out_bytes for n in names))
+    # the whole group runs again (its outputs too), except what the policy saved
+    recomputed = {name for name in group_of if not (remat == "selective" and nodes[name].target in SAVED_BY_SELECTIVE)}
+    return RematMemory(remat, frozenset(kept), frozenset(largest), frozenset(recomputed),
+                       tuple(frozenset(names) for names in dropped))
 
 
 def layer_of(module_path: str) -> str | None:

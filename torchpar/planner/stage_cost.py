@@ -15,6 +15,7 @@ from torchpar.ir.graph import Graph
 from torchpar.ir.op_families import VIEWS
 from torchpar.planner.layers import Layering
 from torchpar.planner.mesh_links import stage_mesh
+from torchpar.planner.remat import remat_memory
 
 Shape = tuple[int, int]
 
@@ -59,8 +60,14 @@ class AnalyticStageCost:
                                                                          attention/MLP half, fwd and bwd)
         latency_s       = compute_s + data-parallel + tensor-parallel
         memory_bytes    = (P·(2 + optimizer_state_copies) + Q) / b      (weights, grads, optimizer state
-                                                                         replicated over axis 0)
+                          + R / (a·b)                                    replicated over axis 0; one layer
+                                                                         live again while recomputed)
         activation_bytes = A / (a·b)
+
+    Under activation checkpointing (``remat``, priced by :func:`torchpar.planner.remat.remat_memory` as the ILP
+    prices it) ``A`` counts only the outputs kept for the backward, ``R`` is the largest model layer's dropped
+    outputs within the stage (``0`` without remat), and ``compute_s`` adds one forward of the recomputed ops'
+    FLOPs ``F_r``: ``(3·F + F_r) / (a·b · device_flops)``.
 
     with ``AR_x`` the all-reduce cost on logical axis ``x`` priced with the links that axis crosses on the
     submesh (:func:`torchpar.planner.mesh_links.stage_mesh`: in-host or between hosts), as the ILP prices it. ``(n, 1)`` is pure data parallelism and ``(1, n)`` pure tensor parallelism; the DP picks
@@ -68,7 +75,7 @@ class AnalyticStageCost:
     """
 
     def __init__(self, layering: Layering, graph: Graph, cluster: ClusterSpec, num_micro_batches: int,
-                 optimizer_state_copies: float):
+                 optimizer_state_copies: float, remat: str = "none"):
         if num_micro_batches < 1:
             raise ValueError(f"num_micro_batches must be ≥ 1, got {num_micro_batches}")
         if optimizer_state_copies < 0:
@@ -82,22 +89,40 @@ class AnalyticStageCost:
         self._params: list[frozenset[str]] = []
         self._buffers: list[frozenset[str]] = []
         self._activation: list[float] = []
+        self._recomputed_flops: list[float] = []
+        self._dropped: list[dict[int, float]] = []  # per layer: bytes each remat group does not keep
+        kept = remat_memory(graph, remat)
+        group_of = {name: g for g, names in enumerate(kept.dropped_groups) for name in names}
         for start, end in layering.node_ranges:
-            reads = [kinds[r] for node in graph.nodes[start:end] for r in node.refs() if r in kinds]
+            nodes = graph.nodes[start:end]
+            reads = [kinds[r] for node in nodes for r in node.refs() if r in kinds]
             self._params.append(frozenset(target for kind, target, _ in reads if kind == "param"))
             self._buffers.append(frozenset(target for kind, target, _ in reads if kind == "buffer"))
-            self._activation.append(float(sum(n.out_bytes for n in graph.nodes[start:end] if n.target not in VIEWS)))
+            counted = [n for n in nodes if n.target not in VIEWS]
+            self._activation.append(float(sum(n.out_bytes for n in counted if kept.kept is None or n.name in kept.kept)))
+            self._recomputed_flops.append(float(sum(n.flops for n in nodes if n.name in kept.recomputed)))
+            dropped: dict[int, float] = {}
+            for n in counted:
+                if n.name in group_of:
+                    dropped[group_of[n.name]] = dropped.get(group_of[n.name], 0.0) + n.out_bytes
+            self._dropped.append(dropped)
         self._range = lru_cache(maxsize=None)(self._range_totals)
 
-    def _range_totals(self, first: int, last: int) -> tuple[float, float, float, float, tuple[int, ...]]:
+    def _range_totals(self, first: int, last: int) -> tuple[float, float, float, float, tuple[int, ...], float, float]:
         layers = range(first, last + 1)
         params = frozenset().union(*(self._params[l] for l in layers))
         buffers = frozenset().union(*(self._buffers[l] for l in layers)) - params
+        dropped: dict[int, float] = {}
+        for l in layers:
+            for group, nbytes in self._dropped[l].items():
+                dropped[group] = dropped.get(group, 0.0) + nbytes
         return (float(sum(self.layering.flops[l] for l in layers)),
                 float(sum(self._state_bytes[t] for t in params)),
                 float(sum(self._state_bytes[t] for t in buffers)),
                 float(sum(self._activation[l] for l in layers)),
-                tuple(self.layering.boundary_bytes[l] for l in layers))
+                tuple(self.layering.boundary_bytes[l] for l in layers),
+                float(sum(self._recomputed_flops[l] for l in layers)),
+                max(dropped.values(), default=0.0))
 
     def parameter_bytes(self, first_layer: int, last_layer: int) -> float:
         """Bytes of the distinct parameters layers ``first_layer..last_layer`` read."""
@@ -108,14 +133,14 @@ class AnalyticStageCost:
         data, tensor = logical
         if data * tensor != devices:
             raise ValueError(f"logical mesh {logical} does not have the {devices} devices of submesh {submesh}")
-        flops, params, buffers, activations, entering = self._range(first_layer, last_layer)
+        flops, params, buffers, activations, entering, recomputed, recomputed_peak = self._range(first_layer, last_layer)
         mesh = stage_mesh((data, tensor), self.cluster, submesh)
-        compute = 3.0 * flops / (devices * self.cluster.device_flops)
+        compute = (3.0 * flops + recomputed) / (devices * self.cluster.device_flops)
         communication = (mesh.all_reduce(params / tensor, [0]) / self.num_micro_batches
                          + sum(4.0 * mesh.all_reduce(e / data, [1]) for e in entering))
         return StageCost(
             latency_s=compute + communication,
-            memory_bytes=(params * (2.0 + self.optimizer_state_copies) + buffers) / tensor,
+            memory_bytes=(params * (2.0 + self.optimizer_state_copies) + buffers) / tensor + recomputed_peak / devices,
             activation_bytes=activations / devices,
             compute_s=compute,
             communication_s=communication,

@@ -5,6 +5,8 @@ and benchmarks can count communication in what XLA actually compiled. Async pair
 ``*-done``) count once, at the start. ``Collective.groups`` are the participating device groups, as
 logical ids of the executable's device assignment (``replica_groups={{0,1},{2,3}}``, the iota form
 ``replica_groups=[2,2]<=[4]`` / ``[2,2]<=[2,2]T(1,0)``, or a permute's ``source_target_pairs``).
+``Collective.in_loop``: the instruction sits in a ``while`` loop's body (or a computation it calls), so it runs
+once per iteration — e.g. once per micro-batch of a gradient-accumulation loop — not once per step.
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ _INSTRUCTION = re.compile(
 _COMMENT = re.compile(r"/\*.*?\*/")
 _ARRAY = re.compile(r"(?P<dtype>[a-z]+\d*)\[(?P<dims>[\d,]*)\]")
 _LIST_GROUPS = re.compile(r"(?:replica_groups|source_target_pairs)=\{(?P<groups>(?:\{[\d,]*\},?)*)\}")
+_COMPUTATION = re.compile(r"^\s*(?:ENTRY\s+)?%?(?P<name>[\w.\-]+)\s*(?:\(.*\)\s*->.*)?\{\s*$")
+_CALLED = re.compile(r"(?:body|condition|calls|to_apply)=%?(?P<name>[\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{(?P<names>[^}]*)\}")
 _IOTA_GROUPS = re.compile(r"replica_groups=\[(?P<shape>[\d,]+)\]<=\[(?P<dims>[\d,]+)\](?:T\((?P<perm>[\d,]+)\))?")
 
 
@@ -30,6 +35,8 @@ class Collective:
     kind: str
     shapes: tuple[tuple[str, tuple[int, ...]], ...]
     line: str
+    in_loop: bool = False
+    """In a ``while`` body or what it calls (runs once per iteration)."""
 
     @property
     def groups(self) -> list[list[int]]:
@@ -62,8 +69,14 @@ class Collective:
 def collectives(hlo: str) -> list[Collective]:
     """Every collective in ``hlo`` (result shapes; for async starts, the shapes of what is communicated)."""
     found = []
+    looped = _loop_computations(hlo)
+    computation = ""
     for line in hlo.splitlines():
         line = _COMMENT.sub("", line)
+        header = _COMPUTATION.match(line)
+        if header and "=" not in line.split("{", 1)[0].split("(", 1)[0]:
+            computation = header.group("name")
+            continue
         match = _INSTRUCTION.match(line)
         if not match:
             continue
@@ -71,8 +84,36 @@ def collectives(hlo: str) -> list[Collective]:
                        for m in _ARRAY.finditer(match.group("shape")))
         if match.group("start") and match.group("op") in ("all-gather", "collective-permute", "all-to-all") and len(shapes) > 1:
             shapes = shapes[len(shapes) // 2:]  # (operands, results) tuple of an async start: keep the results
-        found.append(Collective(match.group("op"), shapes, line.strip()))
+        found.append(Collective(match.group("op"), shapes, line.strip(), computation in looped))
     return found
+
+
+def _loop_computations(hlo: str) -> set[str]:
+    """Names of the computations that run inside a ``while`` loop: every loop's body and condition, and what
+    they call, transitively."""
+    calls: dict[str, set[str]] = {}
+    roots: set[str] = set()
+    computation = ""
+    for line in hlo.splitlines():
+        line = _COMMENT.sub("", line)
+        header = _COMPUTATION.match(line)
+        if header and "=" not in line.split("{", 1)[0].split("(", 1)[0]:
+            computation = header.group("name")
+            continue
+        called = {m.group("name") for m in _CALLED.finditer(line)}
+        for branches in _BRANCHES.finditer(line):
+            called |= {name.strip().lstrip("%") for name in branches.group("names").split(",") if name.strip()}
+        calls.setdefault(computation, set()).update(called)
+        if re.search(r"\swhile\(", line):
+            roots |= {m.group("name") for m in _CALLED.finditer(line)}
+    looped: set[str] = set()
+    stack = list(roots)
+    while stack:
+        name = stack.pop()
+        if name not in looped:
+            looped.add(name)
+            stack.extend(calls.get(name, ()))
+    return looped
 
 
 def count(hlo: str) -> Counter[str]:

@@ -8,7 +8,8 @@ in and keeps what comes back.
 A training step is compiled once per batch signature (a new capture of the same model). It runs as
 
 - ``"shard_map"``: a per-device program with explicit collectives (:mod:`.spmd_step`), for data-parallel
-  and ZeRO plans by default, or any plan with ``spmd="shard_map"``;
+  and ZeRO plans by default, for every plan that accumulates gradients over micro-batches (it reduces them once
+  per step), or any plan with ``spmd="shard_map"``;
 - ``"gspmd"``: global shapes, XLA's partitioner inserts the collectives (:func:`.train_step.make_fused_step`).
 """
 
@@ -33,7 +34,9 @@ from torchpar.runtime.train_step import make_fused_step, remat_groups
 log = logging.getLogger(__name__)
 
 SHARD_MAP_METHODS = ("data_parallel", "zero2", "zero3")
-"""Plan methods whose step runs per device under ``spmd="auto"``."""
+"""Plan methods whose step runs per device under ``spmd="auto"`` (every method does under gradient accumulation,
+where the plan allows: only a per-device program synchronizes the gradients once per step; XLA's partitioner
+reduces them in every micro-batch)."""
 
 
 @dataclass
@@ -53,7 +56,8 @@ class OneStageProgram:
 
     def __init__(self, stage: StagePlan, method: str, devices: list[Any], *, optimizer: OptimizerSpec,
                  grad_clip_norm: float | None, spmd: str, library_fusions: bool, check_finite: bool = False,
-                 numerics: Numerics | None = None, loss_scaling: bool = False, remat: str = "none"):
+                 numerics: Numerics | None = None, loss_scaling: bool = False, remat: str = "none",
+                 num_micro_batches: int = 1):
         self.stage = stage
         self.method = method
         self.devices = devices
@@ -65,6 +69,7 @@ class OneStageProgram:
         self.numerics = numerics
         self.remat = remat
         self.loss_scaling = loss_scaling
+        self.num_micro_batches = num_micro_batches
         self.placement = Placement.from_stage(stage, None, devices)
         self._options = compiler_options(library_fusions, len(devices))
 
@@ -72,7 +77,8 @@ class OneStageProgram:
                      state: tuple[dict, dict, dict], scalars: Any) -> CompiledStep:
         """Lower and compile the training step of ``graph`` for batch ``leaves`` (shape and dtype of each, in
         flattened order), the given state (arrays on this program's shardings) and optimizer
-        scalars; raises ``ValueError`` if ``spmd="shard_map"`` cannot run it."""
+        scalars; raises ``ValueError`` if ``spmd="shard_map"`` cannot run it. With ``num_micro_batches`` M > 1,
+        ``graph`` is the step of one micro-batch and ``leaves`` the whole batch (M micro-batches along dim 0)."""
         params, opt_state, buffers = state
         placement = Placement.from_stage(self.stage, graph, self.devices)
         inputs = [jax.ShapeDtypeStruct(shape, dtype, sharding=placement.input(i))
@@ -93,14 +99,24 @@ class OneStageProgram:
         if layouts is not None:
             from jaxbackend.spmd import LocalModeError
 
-            try:
-                step_fn = self._spmd_step(graph, layouts, trainable, placement, params, opt_state, buffers, len(inputs))
-                lowered = jit_step(step_fn).lower(*args)
-                spmd = "shard_map"
-            except LocalModeError as error:
-                if self.spmd == "shard_map":
-                    raise ValueError(f"spmd='shard_map' cannot run this plan: {error}\nTry spmd='gspmd'.") from error
-                log.warning("torchpar: the per-device (shard_map) step cannot run this plan, using GSPMD: %s", error)
+            candidates = self._gradient_axes(placement, len(inputs))
+            for attempt, gradient_axes in enumerate(candidates):
+                try:
+                    step_fn = self._spmd_step(graph, layouts, trainable, placement, params, opt_state, buffers,
+                                              len(inputs), gradient_axes)
+                    lowered = jit_step(step_fn).lower(*args)
+                    spmd = "shard_map"
+                    break
+                except LocalModeError as error:
+                    if attempt + 1 < len(candidates):
+                        log.info("torchpar: the per-device step cannot take per-device gradients along %s (%s); "
+                                 "its gradients are reduced where they arise, in every micro-batch",
+                                 list(gradient_axes), error)
+                        continue
+                    if self.spmd == "shard_map":
+                        raise ValueError(f"spmd='shard_map' cannot run this plan: {error}\nTry spmd='gspmd'.") from error
+                    log.warning("torchpar: the per-device (shard_map) step cannot run this plan, using GSPMD%s: %s",
+                                self._accumulation_caveat(), error)
         if lowered is None:
             from jaxbackend.lower import lower
 
@@ -108,7 +124,8 @@ class OneStageProgram:
                         numerics=self.numerics, remat=remat_groups(graph, self.remat))
             step_fn = make_fused_step(run, trainable, self.optimizer, self.grad_clip_norm, placement.grads,
                                       check_finite=self.check_finite, loss_scaling=self.loss_scaling,
-                                      count_nonfinite=_one_collective_count(placement) if len(self.devices) > 1 else None)
+                                      count_nonfinite=_one_collective_count(placement) if len(self.devices) > 1 else None,
+                                      num_micro_batches=self.num_micro_batches)
             lowered = jit_step(step_fn).lower(*args)
         lowered_at = time.perf_counter()
         compiled = lowered.compile(compiler_options=self._options)
@@ -131,9 +148,14 @@ class OneStageProgram:
         return jax.jit(lambda params, buffers, inputs: run(params, buffers, inputs, key)[0],
                        compiler_options=self._options)
 
+    def _accumulation_caveat(self) -> str:
+        return (f" (its gradients are then reduced in each of the {self.num_micro_batches} micro-batches, not once "
+                "per step)" if self.num_micro_batches > 1 else "")
+
     def _shard_map_layouts(self, graph: Graph) -> Any:
         """The value layouts a per-device step runs with, or ``None`` for the GSPMD step (per ``spmd``)."""
-        if self.spmd == "gspmd" or (self.spmd == "auto" and self.method not in SHARD_MAP_METHODS):
+        per_device_by_default = self.method in SHARD_MAP_METHODS or self.num_micro_batches > 1
+        if self.spmd == "gspmd" or (self.spmd == "auto" and not per_device_by_default):
             return None
         from torchpar.planner.sharding.layouts import replay_layouts
 
@@ -144,12 +166,28 @@ class OneStageProgram:
         reasons = "\n  ".join(obstacles[:10] + ([f"… and {len(obstacles) - 10} more"] if len(obstacles) > 10 else []))
         if self.spmd == "shard_map":
             raise ValueError(f"spmd='shard_map' cannot run this plan:\n  {reasons}\nTry spmd='gspmd'.")
-        log.warning("torchpar: %s plan runs under GSPMD; a per-device (shard_map) step cannot run it:\n  %s",
-                    self.method, reasons)
+        log.warning("torchpar: %s plan runs under GSPMD%s; a per-device (shard_map) step cannot run it:\n  %s",
+                    self.method, self._accumulation_caveat(), reasons)
         return None
 
+    def _gradient_axes(self, placement: Placement, num_inputs: int) -> list[tuple[str, ...]]:
+        """The ``gradient_axes`` of :func:`.spmd_step.make_spmd_step` to try, in order. Data-parallel and ZeRO plans
+        split the batch over every axis. Other plans, under gradient accumulation: the axes splitting the batch
+        inputs, so their partial gradients are accumulated and reduced once — unless a parameter meets the batch
+        gathered along them (the plan replicates some op over a batch axis), which makes the loss vary there: then
+        none, and JAX's transposes reduce the gradients where they arise."""
+        from torchpar.runtime.spmd_step import batch_axes
+
+        if self.method in SHARD_MAP_METHODS:
+            return [tuple(placement.mesh.axis_names)]
+        if self.num_micro_batches > 1:
+            axes = batch_axes(self.stage, num_inputs)
+            return [axes, ()] if axes else [()]
+        return [()]
+
     def _spmd_step(self, graph: Graph, layouts: Any, trainable: tuple[str, ...], placement: Placement,
-                   params: dict, opt_state: dict, buffers: dict, num_inputs: int) -> Callable:
+                   params: dict, opt_state: dict, buffers: dict, num_inputs: int,
+                   gradient_axes: tuple[str, ...]) -> Callable:
         from jaxbackend.lower import lower
         from torchpar.runtime.spmd_step import make_spmd_step
 
@@ -158,8 +196,8 @@ class OneStageProgram:
                               buffer_names=list(buffers), state_keys={n: list(e) for n, e in opt_state.items()},
                               num_inputs=num_inputs, trainable=trainable, spec=self.optimizer,
                               grad_clip_norm=self.grad_clip_norm, check_finite=self.check_finite,
-                              loss_scaling=self.loss_scaling,
-                              per_device_gradients=self.method in SHARD_MAP_METHODS)
+                              loss_scaling=self.loss_scaling, num_micro_batches=self.num_micro_batches,
+                              gradient_axes=gradient_axes)
 
 
 

@@ -34,25 +34,37 @@ import jax.numpy as jnp
 from jaxbackend import sharding as jsh
 from jaxbackend.spmd import LocalProgram, axis_names, require_invariant
 from torchpar.planner.plan import StagePlan
-from torchpar.runtime.train_step import keep_if, optimizer_tail, scale_loss, split_scalars, unscale_grads
+from torchpar.runtime.train_step import (
+    accumulate,
+    keep_if,
+    optimizer_tail,
+    scale_loss,
+    share,
+    split_scalars,
+    unscale_grads,
+)
 
 
 def make_spmd_step(run: Callable, layouts: Any, stage: StagePlan, *, mesh: Any, param_names: list[str],
                    buffer_names: list[str], state_keys: dict[str, list[str]], num_inputs: int,
                    trainable: tuple[str, ...], spec: Any,
-                   grad_clip_norm: float | None, per_device_gradients: bool, check_finite: bool = False,
-                   loss_scaling: bool = False) -> Callable:
+                   grad_clip_norm: float | None, gradient_axes: tuple[str, ...], check_finite: bool = False,
+                   loss_scaling: bool = False, num_micro_batches: int = 1) -> Callable:
     """``step(params, opt_state, buffers, inputs, scalars, key) → (loss, finite, params, opt_state, buffers)`` as
     a ``shard_map`` over ``mesh``, for ``run`` lowered per device with ``layouts`` (see the module
     docstring). Arguments and results are global arrays; ``params`` come back in their ``G`` layout.
 
-    ``per_device_gradients``: every device's loss contribution is distinct (data-parallel and ZeRO plans: the
-    batch is split over every mesh axis), so gradients are taken per device and reduced explicitly once
-    (ZeRO-2 needs this for its reduce-scatter). Otherwise (tensor-parallel plans, whose devices may compute
-    the same values) JAX's transposes of its implicit broadcasts reduce the gradients where they arise.
+    ``gradient_axes``: mesh axes along which every device's loss contribution is distinct (the axes that split the
+    batch: all of them in data-parallel and ZeRO plans), so gradients are taken per device along them and reduced
+    explicitly once (ZeRO-2 needs this for its reduce-scatter; gradient accumulation, to synchronize once per
+    step). Along the other axes (tensor parallelism, whose devices may compute the same values) JAX's transposes
+    of its implicit broadcasts reduce the gradients where they arise. A parameter that reaches the loss other
+    than through the batch would make the loss vary along those axes: :class:`jaxbackend.spmd.LocalModeError`.
     ``check_finite`` skips the update of a step whose loss or gradients are not finite (as
     :func:`.train_step.make_fused_step`), counting non-finite gradient elements across shards; ``loss_scaling`` as
-    there (``scalars`` carry a loss scale; finiteness is then always checked)."""
+    there (``scalars`` carry a loss scale; finiteness is then always checked). ``num_micro_batches``: gradient
+    accumulation over that many micro-batches of each device's rows (:func:`.train_step.accumulate`); the partial
+    sums along ``gradient_axes`` are accumulated locally and reduced once, after the last one."""
     check_finite = check_finite or loss_scaling
     program = LocalProgram(layouts)
     stored = {n: _spec(stage.params.get(n)) for n in param_names}
@@ -60,27 +72,32 @@ def make_spmd_step(run: Callable, layouts: Any, stage: StagePlan, *, mesh: Any, 
     grad = {n: _spec(stage.grads.get(n)) or stored[n] for n in param_names}
     state = {n: _spec(stage.optimizer_state.get(n)) or grad[n] for n in param_names}
     live_axes = tuple(a for a in jsh.AXIS_NAMES if mesh.shape[a] > 1)
+    gradient_axes = tuple(a for a in gradient_axes if a in live_axes)
 
     def body(params, opt_state, buffers, inputs, scalars, key):
         scalars, loss_scale = split_scalars(scalars, loss_scaling)
         read = {n: _relayout(program, p, stored[n], at_use[n]) for n, p in params.items() if n not in trainable}
 
-        def loss_of(train_params):
-            used = dict(read)
-            for name, p in train_params.items():
-                used[name] = _relayout(program, p, stored[name], at_use[name], invariant=False)
-            outputs, new_buffers = run(used, buffers, inputs, key)
-            for name, value in new_buffers.items():
-                require_invariant(value, f"the new value of buffer {name}")
-            loss = require_invariant(outputs[0], "the loss")
-            return scale_loss(loss, loss_scale), (loss, new_buffers)
-
         # data parallel: differentiate with respect to per-device copies, so each gradient is this device's partial
         # sum, reduced once below (the invariant parameter's gradient would be all-reduced at every use by the
         # transposes of JAX's implicit pvary); other plans: let those transposes reduce it
-        copies = {n: _varying_copy(params[n], stored[n], at_use[n], live_axes) if per_device_gradients
-                  else params[n] for n in trainable}
-        (_, (loss, new_buffers)), grads = jax.value_and_grad(loss_of, has_aux=True)(copies)
+        copies = {n: _varying_copy(params[n], stored[n], at_use[n], gradient_axes) for n in trainable}
+
+        def grad_of(micro_inputs, micro_buffers, micro_key):
+            def loss_of(train_params):
+                used = dict(read)
+                for name, p in train_params.items():
+                    used[name] = _relayout(program, p, stored[name], at_use[name], invariant=False)
+                outputs, new_buffers = run(used, micro_buffers, micro_inputs, micro_key)
+                for name, value in new_buffers.items():
+                    require_invariant(value, f"the new value of buffer {name}")
+                loss = require_invariant(outputs[0], "the loss")
+                return share(scale_loss(loss, loss_scale), num_micro_batches), (loss, new_buffers)
+
+            (_, (loss, new_buffers)), grads = jax.value_and_grad(loss_of, has_aux=True)(copies)
+            return loss, grads, new_buffers
+
+        loss, grads, new_buffers = accumulate(grad_of, list(inputs), buffers, key, num_micro_batches)
         grads = unscale_grads({n: _finish_gradient(g, stored[n], grad[n]) for n, g in grads.items()}, loss_scale)
         pieces = {n: _relayout(program, p, stored[n], grad[n]) if n in grads else p for n, p in params.items()}
         # a sharded gradient's sum of squares (and non-finite count) is completed across its shards
@@ -138,12 +155,12 @@ def _finish_gradient(g: jax.Array, stored: Any, target: Any) -> jax.Array:
     return jax.lax.psum(g, rest) if rest else g
 
 
-def _varying_copy(p: jax.Array, stored: Any, at_use: Any, live_axes: tuple[str, ...]) -> jax.Array:
-    """``p`` typed as varying along the live mesh axes it is not split over (a ZeRO-3 shard, all-gathered
+def _varying_copy(p: jax.Array, stored: Any, at_use: Any, gradient_axes: tuple[str, ...]) -> jax.Array:
+    """``p`` typed as varying along the ``gradient_axes`` it is not split over (a ZeRO-3 shard, all-gathered
     inside the loss, needs no copy: the all-gather's transpose already reduce-scatters its gradient)."""
     if not _same(stored, at_use):
         return p
-    free = tuple(a for a in live_axes if a not in _axes(stored))
+    free = tuple(a for a in gradient_axes if a not in _axes(stored))
     return jax.lax.pcast(p, free, to="varying") if free else p
 
 
@@ -153,6 +170,19 @@ def _relayout(program: LocalProgram, p: jax.Array, have: Any, wanted: Any, *, in
         return p
     whole = (None,) * p.ndim
     return program.reshard(p, have or whole, wanted or whole, invariant=invariant)
+
+
+def batch_axes(stage: StagePlan, num_inputs: int) -> tuple[str, ...]:
+    """Mesh axes that split dim 0 of every batch input of ``stage`` (the axes along which devices see different
+    rows)."""
+    common: set[int] | None = None
+    for i in range(num_inputs):
+        spec = _spec(stage.inputs.get(str(i)))
+        if not spec:
+            continue
+        axes = set(spec[0] or ())
+        common = axes if common is None else common & axes
+    return axis_names(tuple(sorted(common or ())))
 
 
 def _spec(json_spec: Any) -> tuple | None:

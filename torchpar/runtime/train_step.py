@@ -78,6 +78,11 @@ def scale_loss(loss: Any, loss_scale: Any) -> Any:
     return loss if loss_scale is None else loss.astype(jnp.float32) * loss_scale[0]
 
 
+def share(value: Any, num_micro_batches: int) -> Any:
+    """One micro-batch's share of the value a step differentiates: ``value / M`` (``value`` itself for ``M = 1``)."""
+    return value if num_micro_batches == 1 else value / num_micro_batches
+
+
 def unscale_grads(grads: Mapping[str, Any], loss_scale: Any) -> dict[str, Any]:
     """Gradients of ``loss·S`` times ``1/S`` (GradScaler's ``unscale_``), each in its own dtype."""
     if loss_scale is None:
@@ -90,28 +95,71 @@ def keep_if(finite: Any, new: Any, old: Any) -> Any:
     return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
 
 
+def micro_batches(inputs: list[Any], num_micro_batches: int) -> list[Any]:
+    """Each batch leaf ``[B, ...]`` as ``[M, B/M, ...]``, micro-batch ``m`` holding rows ``m, m+M, m+2M, …``
+    (row ``i`` goes to micro-batch ``i mod M``). With dim 0 split over ``d`` devices (``B/M`` a multiple of ``d``)
+    every device keeps its rows: the reshape ``[B] → [B/M, M]`` splits the minor part of each device's block, so
+    the same rows are chosen in a global (GSPMD) and in a per-device (``shard_map``) program."""
+    return [x.reshape(x.shape[0] // num_micro_batches, num_micro_batches, *x.shape[1:]).swapaxes(0, 1)
+            for x in inputs]
+
+
+def accumulate(grad_of: Callable[[list[Any], dict, Any], tuple[Any, dict, dict]], inputs: list[Any],
+               buffers: dict, key: Any, num_micro_batches: int) -> tuple[Any, dict, dict]:
+    """Gradient accumulation: ``grad_of(micro_inputs, buffers, key) → (loss, grads, new buffer values)`` over the
+    ``num_micro_batches`` micro-batches of ``inputs`` (:func:`micro_batches`) in one loop, each micro-batch seeing
+    the buffers the previous one left (as a PyTorch accumulation loop does) and the key folded with its index.
+    ``grad_of`` differentiates its micro-batch's loss divided by ``M``; the result is ``(mean loss, Σ grads,
+    buffers after the last micro-batch)``. The first micro-batch writes the accumulator, the others add to it
+    (a ``lax.scan`` over ``M − 1``): no zero-filled buffer, and a per-device program's gradients keep their
+    partial-sum type until the caller reduces them once. ``M = 1`` is one call of ``grad_of``."""
+    if num_micro_batches == 1:
+        return grad_of(inputs, buffers, key)
+    stacked = micro_batches(inputs, num_micro_batches)
+    loss, grads, changed = grad_of([x[0] for x in stacked], buffers, jax.random.fold_in(key, 0))
+    names = tuple(changed)
+
+    def one(carry, xs):
+        total, acc, state = carry
+        index, micro = xs
+        micro_loss, micro_grads, micro_changed = grad_of(list(micro), {**buffers, **state}, jax.random.fold_in(key, index))
+        acc = {n: acc[n] + g for n, g in micro_grads.items()}
+        return (total + micro_loss.astype(total.dtype), acc, {n: micro_changed[n] for n in names}), None
+
+    rest = (jnp.arange(1, num_micro_batches), [x[1:] for x in stacked])
+    (total, grads, changed), _ = jax.lax.scan(one, (loss.astype(jnp.float32), grads, changed), rest)
+    return (total / num_micro_batches).astype(loss.dtype), grads, changed
+
+
 def make_fused_step(run: Callable, trainable: tuple[str, ...], spec: OptimizerSpec,
                     grad_clip_norm: float | None, grad_shardings: Mapping[str, Any],
                     check_finite: bool = False, count_nonfinite: Callable[[dict], Any] | None = None,
-                    loss_scaling: bool = False) -> Callable:
+                    loss_scaling: bool = False, num_micro_batches: int = 1) -> Callable:
     """``step(params, opt_state, buffers, inputs, scalars, key) → (loss, finite, params, opt_state, buffers)``
     for ``run`` (a lowered graph whose first output is the loss). ``grad_shardings`` constrains gradients
     whose layout differs from their parameter's (ZeRO). ``check_finite``: skip the update (return the
     state given) unless the loss and gradients are finite; else ``finite`` is always true.
     ``count_nonfinite(grads)`` counts the gradients' inf/nan elements (default :func:`nonfinite_count`; a sharded
     step passes one that reduces every device's count with one collective). ``loss_scaling``: ``scalars`` carry a
-    loss scale (module docstring), and the step checks finiteness whatever ``check_finite`` says."""
+    loss scale (module docstring), and the step checks finiteness whatever ``check_finite`` says.
+    ``num_micro_batches``: the gradients of that many micro-batches of ``inputs`` are accumulated
+    (:func:`accumulate`) before the update; ``run`` is the graph of one micro-batch."""
     check_finite = check_finite or loss_scaling
 
     def step(params, opt_state, buffers, inputs, scalars, key):
         scalars, loss_scale = split_scalars(scalars, loss_scaling)
         frozen = {n: v for n, v in params.items() if n not in trainable}
 
-        def loss_of(train_params):
-            outputs, new_buffers = run({**frozen, **train_params}, buffers, inputs, key)
-            return scale_loss(outputs[0], loss_scale), (outputs[0], new_buffers)
+        def grad_of(micro_inputs, micro_buffers, micro_key):
+            def loss_of(train_params):
+                outputs, new_buffers = run({**frozen, **train_params}, micro_buffers, micro_inputs, micro_key)
+                return share(scale_loss(outputs[0], loss_scale), num_micro_batches), (outputs[0], new_buffers)
 
-        (_, (loss, new_buffers)), grads = jax.value_and_grad(loss_of, has_aux=True)({n: params[n] for n in trainable})
+            (_, (loss, new_buffers)), grads = jax.value_and_grad(loss_of, has_aux=True)(
+                {n: params[n] for n in trainable})
+            return loss, grads, new_buffers
+
+        loss, grads, new_buffers = accumulate(grad_of, list(inputs), buffers, key, num_micro_batches)
         grads = unscale_grads(grads, loss_scale)
         if grad_shardings:  # ZeRO: reduce-scatter the gradients instead of all-reducing them
             from jaxbackend.sharding import constrain

@@ -152,8 +152,8 @@ class OneStageWorker(Worker):
                                        optimizer=spec.optimizer, grad_clip_norm=options.grad_clip_norm,
                                        spmd=options.spmd, library_fusions=options.library_fusions,
                                        check_finite=options.check_finite, numerics=options.numerics,
-                                       remat=options.remat,
-                                       loss_scaling=options.loss_scaling)
+                                       remat=options.remat, loss_scaling=options.loss_scaling,
+                                       num_micro_batches=spec.plan.num_micro_batches)
         self.lead = min(spec.stage_ranks()[0]) == rank
         self.params: dict[str, Any] = {}
         self.buffers: dict[str, Any] = {}

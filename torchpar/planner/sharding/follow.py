@@ -36,13 +36,18 @@ class Follow:
     out: OutSpec
     required: tuple[Spec | None, ...]
     comm_s: float = 0.0
+    """Seconds of collectives per run of the op (per micro-batch)."""
+    weight_grad_comm_s: float = 0.0
+    """Seconds of the all-reduces of weight gradients (operands that do not depend on the batch): once per step
+    under gradient accumulation, not per micro-batch."""
 
 
 
 
 def follow(node: Node, operands: Sequence[Any], main: int, main_spec: Any, mesh: LogicalMesh,
-           needs_grad: Sequence[bool]) -> Follow:
-    """Layout of ``node`` when its ``main``-th tensor operand (metas ``operands``) is laid out as ``main_spec``."""
+           needs_grad: Sequence[bool], weights: Sequence[bool] = ()) -> Follow:
+    """Layout of ``node`` when its ``main``-th tensor operand (metas ``operands``) is laid out as ``main_spec``;
+    ``weights`` flags the operands that do not depend on the batch (see :attr:`Follow.weight_grad_comm_s`)."""
     target = node.target
     out = node.out
     if target == "getitem":
@@ -116,10 +121,10 @@ def follow(node: Node, operands: Sequence[Any], main: int, main_spec: Any, mesh:
             return _replicated(node, operands)
         return Follow(out_spec, tuple(required))
     if _is_elementwise(first_out, operands):
-        result = _broadcast_like(first_out, operands, main, main_spec, mesh, needs_grad)
+        result = _broadcast_like(first_out, operands, main, main_spec, mesh, needs_grad, weights)
         if isinstance(out, tuple):
             return Follow(Multi(result.out if isinstance(m, TensorMeta) and m.shape == first_out.shape else None
-                                for m in out), result.required, result.comm_s)
+                                for m in out), result.required, result.comm_s, result.weight_grad_comm_s)
         return result
     return _replicated(node, operands)
 
@@ -156,7 +161,7 @@ def _is_elementwise(out: TensorMeta, operands: Sequence[Any]) -> bool:
 
 
 def _broadcast_like(out: TensorMeta, operands: Sequence[Any], main: int, main_spec: Spec, mesh: LogicalMesh,
-                    needs_grad: Sequence[bool]) -> Follow:
+                    needs_grad: Sequence[bool], weights: Sequence[bool] = ()) -> Follow:
     """Right-aligned broadcasting: the output takes the main operand's splits; every operand gets the
     output's splits on its non-broadcast dims."""
     rank = len(out.shape)
@@ -170,8 +175,8 @@ def _broadcast_like(out: TensorMeta, operands: Sequence[Any], main: int, main_sp
     if not is_valid(out_spec_t, out.shape, mesh.shape):
         out_spec_t = (None,) * rank
     required = []
-    comm = 0.0
-    for meta, grad in zip(operands, needs_grad):
+    comm = weight_comm = 0.0
+    for position, (meta, grad) in enumerate(zip(operands, needs_grad)):
         if not isinstance(meta, TensorMeta):
             required.append(None)
             continue
@@ -183,8 +188,11 @@ def _broadcast_like(out: TensorMeta, operands: Sequence[Any], main: int, main_sp
                             if d < shift or meta.shape[d - shift] != out.shape[d]]
             if reduced_axes:
                 local = meta.nbytes / math.prod(mesh.shape[a] for e in spec if e for a in e)
-                comm += mesh.all_reduce(local, reduced_axes)
-    return Follow(out_spec_t, tuple(required), comm)
+                if position < len(weights) and weights[position]:
+                    weight_comm += mesh.all_reduce(local, reduced_axes)
+                else:
+                    comm += mesh.all_reduce(local, reduced_axes)
+    return Follow(out_spec_t, tuple(required), comm, weight_comm)
 
 
 def reduced_dims(node: Node, rank: int) -> set[int]:

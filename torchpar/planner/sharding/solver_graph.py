@@ -21,6 +21,7 @@ import numpy as np
 from torchpar.ir.graph import Graph, Node, TensorMeta
 from torchpar.ir.layout import Multi, Spec
 from torchpar.ir.op_families import ASSERTS
+from torchpar.planner.remat import remat_memory
 from torchpar.planner.sharding.cost_model import LogicalMesh
 from torchpar.planner.sharding.follow import follow
 from torchpar.planner.sharding.strategies import Strategy, anchor_einsum, einsum_strategies, layout_root_strategies
@@ -56,6 +57,10 @@ class SolverGraph:
     edges: dict[tuple[int, int], np.ndarray]
     values: dict[str, ValueLayout]
     anchor_operands: dict[str, list[str]]
+    num_micro_batches: int = 1
+    """Micro-batches per step (gradient accumulation): costs are per step."""
+    recomputed: frozenset[str] = frozenset()
+    """Anchor ops whose forward runs again in the backward (remat): their compute is 4/3 of forward + backward."""
 
     @property
     def num_strategies(self) -> int:
@@ -70,20 +75,29 @@ class SolverGraph:
 
 
 def build_solver_graph(graph: Graph, mesh: LogicalMesh, *, trainable: set[str], optimizer_state_copies: float,
-                       batch_dim_axes: tuple[int, ...] | None = None) -> SolverGraph:
+                       batch_dim_axes: tuple[int, ...] | None = None, num_micro_batches: int = 1,
+                       accumulated_weight_grads: bool = True, remat: str = "none") -> SolverGraph:
     """The solver graph of ``graph`` on ``mesh``.
 
     ``trainable``: parameter names that get gradients and optimizer state (``2 + optimizer_state_copies``
     copies in memory). ``batch_dim_axes``: if given, batch inputs must split dim 0 over exactly these axes
-    (data-parallel style plans).
+    (data-parallel style plans). ``num_micro_batches``: ``graph`` is one micro-batch's step and a training step
+    accumulates the gradients of that many (see ``strategies.einsum_strategies``): every cost counts that many
+    times a step except the reduction of a weight's gradient, once (``accumulated_weight_grads``; ``False``: it too
+    is reduced in every micro-batch, as ZeRO-3 does). ``remat``: activation checkpointing
+    (:func:`torchpar.planner.remat.remat_memory`): an op output it does not keep costs no memory (except in the
+    largest layer, recomputed once at a time), and a recomputed matmul costs one more forward (a third of its
+    forward + backward compute).
     """
-    builder = _Builder(graph, mesh, trainable, optimizer_state_copies, batch_dim_axes)
+    builder = _Builder(graph, mesh, trainable, optimizer_state_copies, batch_dim_axes, num_micro_batches,
+                       accumulated_weight_grads, remat)
     return builder.build()
 
 
 class _Builder:
     def __init__(self, graph: Graph, mesh: LogicalMesh, trainable: set[str], state_copies: float,
-                 batch_dim_axes: tuple[int, ...] | None):
+                 batch_dim_axes: tuple[int, ...] | None, num_micro_batches: int = 1,
+                 accumulated_weight_grads: bool = True, remat: str = "none"):
         self.graph = graph
         self.mesh = mesh
         self.trainable = trainable
@@ -95,6 +109,10 @@ class _Builder:
         self.values: dict[str, ValueLayout] = {}
         self.anchor_operands: dict[str, list[str]] = {}
         self.needs_grad = self._needs_grad()
+        self.num_micro_batches = num_micro_batches
+        self.remat = remat_memory(graph, remat)
+        # values whose gradients are reduced once per step; with none, every value counts as batch-dependent
+        self.batch_dependent = self._batch_dependent() if accumulated_weight_grads else None
         self._paths: dict[int, tuple[str, str]] = {}  # root → (module path, what it is), for share classes
 
     def _needs_grad(self) -> set[str]:
@@ -103,6 +121,19 @@ class _Builder:
             if any(r in grad for r in node.refs()):
                 grad.add(node.name)
         return grad
+
+    def _batch_dependent(self) -> set[str]:
+        """Values computed from a batch input (the others — weights and what is derived from them alone — have
+        gradients that accumulate over micro-batches)."""
+        dependent = {i.name for i in self.graph.inputs if i.kind == "input"}
+        for node in self.graph.nodes:
+            if any(r in dependent for r in node.refs()):
+                dependent.add(node.name)
+        return dependent
+
+    def _weights(self, refs: list[str]) -> list[bool]:
+        """Which of ``refs`` are weights, whose gradients accumulate over micro-batches and are reduced once."""
+        return [self.batch_dependent is not None and r not in self.batch_dependent for r in refs]
 
     def build(self) -> SolverGraph:
         for inp in self.graph.inputs:
@@ -116,7 +147,8 @@ class _Builder:
                 meta = self.metas[out.value.name]
                 self._require(out.value.name, lambda k: (None,) * len(meta.shape), meta, None)
         self._assign_share_keys()
-        return SolverGraph(self.mesh, self.roots, self.edges, self.values, self.anchor_operands)
+        return SolverGraph(self.mesh, self.roots, self.edges, self.values, self.anchor_operands, self.num_micro_batches,
+                           self.remat.recomputed)
 
     def _assign_share_keys(self) -> None:
         """Roots in identical repeated blocks (``h.0``, ``h.1``, … with the same ops, at least two anchors
@@ -206,8 +238,15 @@ class _Builder:
     def _add_anchor(self, node: Node, refs: list[str], metas: list[Any], einsum: Any) -> None:
         grads = [r in self.needs_grad for r in refs]
         strategies = einsum_strategies(einsum, [m.shape for m in metas], node.out.shape, node.flops,
-                                       node.out.nbytes, [m.nbytes for m in metas], grads, self.mesh)
+                                       node.out.nbytes, [m.nbytes for m in metas], grads, self.mesh,
+                                       weight_operands=self._weights(refs),
+                                       num_micro_batches=self.num_micro_batches)
         index = self._new_root(node.name, "anchor", f"{node.target} {node.module_path}".strip(), strategies, None)
+        root = self.roots[index]
+        if not self.remat.keeps(node.name):
+            root.memory -= np.array([s.memory_bytes for s in strategies], dtype=np.float64)
+        if node.name in self.remat.recomputed:
+            root.cost += np.array([s.compute_s for s in strategies], dtype=np.float64) / 3.0
         if node.module_path:
             self._paths[index] = (node.module_path, f"{node.target}|{node.out}")
         self.anchor_operands[node.name] = refs
@@ -221,16 +260,17 @@ class _Builder:
         layout = self.values[refs[main]]
         root = self.roots[layout.root]
         grads = [r in self.needs_grad for r in refs]
+        weights = self._weights(refs)
         cache: dict[Any, Any] = {}
         results = []
         for spec in layout.specs:
             cache_key = repr(spec)
             if cache_key not in cache:
-                cache[cache_key] = follow(node, metas, main, spec, self.mesh, grads)
+                cache[cache_key] = follow(node, metas, main, spec, self.mesh, grads, weights)
             results.append(cache[cache_key])
-        out_bytes = node.out_bytes
+        out_bytes = node.out_bytes if self.remat.keeps(node.name) else 0
         for k, result in enumerate(results):
-            root.cost[k] += result.comm_s
+            root.cost[k] += self.num_micro_batches * result.comm_s + result.weight_grad_comm_s
             root.memory[k] += _local_bytes(out_bytes, result.out, self.mesh)
         root.followers.append(node.name)
         self.values[node.name] = ValueLayout(layout.root, [r.out for r in results])
@@ -279,12 +319,14 @@ class _Builder:
         self.edges[pair] = self.edges.get(pair, 0) + matrix
 
     def _reshard(self, nbytes: float, src: Spec, dst: Spec, grad: bool) -> float:
+        """Seconds a step spends resharding a value (and its gradient) from ``src`` to ``dst``: once per
+        micro-batch."""
         if len(src) != len(dst):
             return 0.0
         cost = self.mesh.resharding(nbytes, src, dst)
         if grad:
             cost += self.mesh.resharding(nbytes, dst, src)
-        return cost
+        return self.num_micro_batches * cost
 
 
 def _numel(meta: Any) -> int:

@@ -85,8 +85,14 @@ def _axis_groups(live_axes: list[int]) -> list[tuple[int, ...]]:
 
 def einsum_strategies(einsum: Einsum, operand_shapes: Sequence[Sequence[int]], out_shape: Sequence[int],
                       flops: float, out_bytes: float, operand_bytes: Sequence[float],
-                      needs_grad: Sequence[bool], mesh: LogicalMesh) -> list[Strategy]:
-    """Every assignment of mesh axes to splittable labels that divides the dims evenly."""
+                      needs_grad: Sequence[bool], mesh: LogicalMesh, *, weight_operands: Sequence[bool] = (),
+                      num_micro_batches: int = 1) -> list[Strategy]:
+    """Every assignment of mesh axes to splittable labels that divides the dims evenly.
+
+    Gradient accumulation over ``num_micro_batches`` M: the op runs M times a step, so its compute and
+    collectives count M times, except the backward all-reduce of a *weight* operand (``weight_operands``: one
+    that does not depend on the batch): that gradient is summed over the micro-batches on each device and
+    reduced once per step."""
     sizes = _label_sizes(einsum, operand_shapes, out_shape)
     live_axes = [a for a in (0, 1) if mesh.shape[a] > 1]
     labels = [l for l in dict.fromkeys(einsum.splittable) if l in sizes]
@@ -102,7 +108,7 @@ def einsum_strategies(einsum: Einsum, operand_shapes: Sequence[Sequence[int]], o
         if any(sizes[l] % math.prod(mesh.shape[a] for a in axes) for l, axes in assignment.items()):
             continue
         strategies.append(_einsum_strategy(einsum, assignment, operand_shapes, out_shape, flops, out_bytes,
-                                           operand_bytes, needs_grad, mesh))
+                                           operand_bytes, needs_grad, mesh, weight_operands, num_micro_batches))
     return strategies
 
 
@@ -124,7 +130,8 @@ def _unsplit_broadcast(spec: Spec, shape: Sequence[int]) -> Spec:
 
 
 def _einsum_strategy(einsum: Einsum, assignment: dict[str, tuple[int, ...]], operand_shapes, out_shape, flops,
-                     out_bytes, operand_bytes, needs_grad, mesh: LogicalMesh) -> Strategy:
+                     out_bytes, operand_bytes, needs_grad, mesh: LogicalMesh, weight_operands: Sequence[bool] = (),
+                     num_micro_batches: int = 1) -> Strategy:
     out_spec = _spec_for(einsum.out, assignment)
     in_specs = tuple(_unsplit_broadcast(_spec_for(labels, assignment), shape)
                      for labels, shape in zip(einsum.operands, operand_shapes))
@@ -134,18 +141,20 @@ def _einsum_strategy(einsum: Einsum, assignment: dict[str, tuple[int, ...]], ope
     out_local = out_bytes / math.prod(mesh.shape[a] for label in einsum.out for a in assignment.get(label, ()))
     for label, axes in assignment.items():
         if label not in einsum.out:
-            comm += mesh.all_reduce(out_local, axes)
+            comm += num_micro_batches * mesh.all_reduce(out_local, axes)
             collectives.append(f"fwd all-reduce {out_local:.0f}B over {axes}")
-    for labels, nbytes, grad in zip(einsum.operands, operand_bytes, needs_grad):
+    for position, (labels, nbytes, grad) in enumerate(zip(einsum.operands, operand_bytes, needs_grad)):
         if not grad:
             continue
         local = nbytes / math.prod(mesh.shape[a] for label in labels for a in assignment.get(label, ()))
+        weight = position < len(weight_operands) and weight_operands[position]
+        times = 1 if weight else num_micro_batches  # a weight gradient is accumulated, then reduced once
         for label, axes in assignment.items():
             if label not in labels:
-                comm += mesh.all_reduce(local, axes)
+                comm += times * mesh.all_reduce(local, axes)
                 collectives.append(f"bwd all-reduce {local:.0f}B over {axes}")
     name = ",".join(f"{label}@{''.join(map(str, axes))}" for label, axes in assignment.items()) or "replicated"
-    return Strategy(name=name, out_spec=out_spec, in_specs=in_specs, compute_s=mesh.compute(3.0 * flops, shards),
+    return Strategy(name=name, out_spec=out_spec, in_specs=in_specs, compute_s=num_micro_batches * mesh.compute(3.0 * flops, shards),
                     comm_s=comm, memory_bytes=out_local, collectives=tuple(collectives))
 
 

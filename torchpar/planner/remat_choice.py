@@ -1,0 +1,80 @@
+"""``remat="auto"``: the planner picks the activation checkpointing a plan runs with.
+
+For each option ``r`` in ``("none", "selective", "layers")`` the plan is made as if the user had asked for ``r``
+(the ILP, or the stage DP and each stage's ILP, price ``r``'s kept activations against the memory budget and its
+recomputed FLOPs in the step time: :func:`torchpar.planner.remat.remat_memory`). The chosen plan is
+
+    argmin over the options whose plan fits of  (estimated step seconds, position in that order)
+
+so remat is taken only when it is needed to fit, or when it lets the ILP pick a faster sharding than the one that
+fits without it (e.g. data parallelism instead of sharded activations). ``plan.solver["remat"]`` records every
+candidate (its step and memory estimates, or why it did not fit) and the reason in words; ``plan.remat`` is the
+choice.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+from torchpar.planner.plan import Plan
+from torchpar.planner.remat import REMAT_OPTIONS
+from torchpar.units import format_bytes, format_seconds
+
+log = logging.getLogger(__name__)
+
+ORDER = ("none", "selective", "layers")
+"""Candidates, cheapest in compute first: ties go to the earlier one."""
+assert set(ORDER) == set(REMAT_OPTIONS)
+
+
+def choose_remat(make_plan: Callable[[str], Plan], budget_bytes: float) -> Plan:
+    """The plan of the best option (module docstring). ``make_plan(remat)`` plans with one option and raises
+    ``ValueError`` when nothing fits; a plan whose estimated per-device memory exceeds ``budget_bytes`` (the
+    single-device plan, which has no solver to refuse it) does not fit either. Raises ``ValueError`` listing each
+    option's reason when none fits."""
+    plans: dict[str, Plan] = {}
+    candidates: list[dict] = []
+    for remat in ORDER:
+        try:
+            plan = make_plan(remat)
+        except ValueError as error:
+            candidates.append({"remat": remat, "fits": False, "error": str(error).splitlines()[0]})
+            continue
+        peak = max(stage.estimated_memory_bytes for stage in plan.stages)
+        fits = peak <= budget_bytes
+        row = {"remat": remat, "fits": fits, "estimated_step_s": plan.estimated_step_s,
+               "estimated_memory_bytes": peak}
+        if not fits:
+            row["error"] = f"needs {format_bytes(peak)} per device, over the {format_bytes(budget_bytes)} budget"
+        else:
+            plans[remat] = plan
+        candidates.append(row)
+    if not plans:
+        reasons = "\n  ".join(f"remat={c['remat']!r}: {c['error']}" for c in candidates)
+        raise ValueError(f"no plan fits {format_bytes(budget_bytes)} per device with any activation checkpointing:"
+                         f"\n  {reasons}\nTry more devices, a larger memory budget, smaller (micro-)batches "
+                         "(num_micro_batches) or Zero3Parallel.")
+    chosen = min(plans, key=lambda r: (plans[r].estimated_step_s, ORDER.index(r)))
+    plan = plans[chosen]
+    plan.remat = chosen
+    plan.solver["remat"] = {"option": "auto", "chosen": chosen, "candidates": candidates,
+                            "reason": _reason(chosen, candidates, budget_bytes)}
+    log.info("torchpar: remat='auto' chose %r: %s", chosen, plan.solver["remat"]["reason"])
+    return plan
+
+
+def _reason(chosen: str, candidates: list[dict], budget_bytes: float) -> str:
+    by_name = {c["remat"]: c for c in candidates}
+    none = by_name["none"]
+    step = by_name[chosen]["estimated_step_s"]
+    if chosen == "none":
+        return (f"without remat the step fits ({format_bytes(none['estimated_memory_bytes'])} of "
+                f"{format_bytes(budget_bytes)} per device, est. {format_seconds(step)}); recomputing would only add "
+                "compute")
+    if not none["fits"]:
+        return (f"without remat nothing fits {format_bytes(budget_bytes)} per device ({none['error']}); "
+                f"{chosen!r} fits ({format_bytes(by_name[chosen]['estimated_memory_bytes'])}) at the lowest "
+                f"estimated step among those that fit, {format_seconds(step)}")
+    return (f"{chosen!r} lets the plan fit a faster sharding: est. {format_seconds(step)} against "
+            f"{format_seconds(none['estimated_step_s'])} without remat")
