@@ -3,12 +3,16 @@
     python -m torchpar plan --model gpt2 --config '{"n_layer": 12}' --devices 8 --hosts 2 \\
         --method pipeshard --micro-batches 4 --layers 4 --out plan.html --png plan.png --json plan.json
     python -m torchpar plan --model path/to/model.py --devices 8 --method shard --out plan.html
+    python -m torchpar plan --meta --model gpt2 --config '{"n_layer": 48, "n_embd": 8192, "n_head": 64, \
+        "vocab_size": 51200, "n_positions": 1024}' --batch-size 1024 --seq-len 1024 --devices 64 --hosts 8 \
+        --preset v100-16g --method pipeshard --micro-batches 64 --layers 16 --mixed-precision fp16 --remat auto
     python -m torchpar compare --model llama --optimizer adamw --steps 20 --plot loss.png
 
 ``plan`` captures and plans the training step (no XLA compilation, no step), prints ``Plan.summary()`` and
 writes the HTML report (and a PNG / the plan's JSON). ``--model`` is a model family of
 :mod:`torchpar.harness.zoo` (random weights, tiny default config, ``--config`` overrides) or a Python file whose
-``build()`` returns ``(model, optimizer, batch)``. ``compare`` trains a zoo model with PyTorch and with
+``build()`` returns ``(model, optimizer, batch)``; ``--meta`` builds a zoo model and its batch on the meta device
+(no weights: GPT-3 39B plans on a laptop; ``docs/tuning_guide.md``). ``compare`` trains a zoo model with PyTorch and with
 torchpar side by side (:func:`torchpar.harness.compare.compare_training`) and exits 1 if the losses diverge.
 
 The simulated cluster (``--devices``, ``--hosts``) is set with ``torchpar.init`` before anything imports JAX.
@@ -27,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from torchpar.methods import METHOD_NAMES, METHODS, SINGLE_DEVICE
+from torchpar.planner.remat import REMAT_CHOICES
 
 OPTIMIZERS = ("adamw", "adam", "sgd")
 
@@ -56,6 +61,14 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--out", default="plan.html", help="HTML report path")
     plan.add_argument("--png", default=None, help="also write a PNG of the device grid and the timeline")
     plan.add_argument("--json", default=None, help="also write the plan as JSON (Plan.from_json reads it back)")
+    plan.add_argument("--meta", action="store_true", help="build the zoo model and batch on the meta device: no "
+                      "weights are allocated, so models far larger than this machine's memory can be planned")
+    plan.add_argument("--mixed-precision", choices=("bf16", "fp16"), default=None,
+                      help="plan the step under torch.autocast in this dtype (fp32 master weights)")
+    plan.add_argument("--remat", choices=REMAT_CHOICES, default="none",
+                      help="activation checkpointing to price, or 'auto' for the planner to choose")
+    plan.add_argument("--memory-gib", type=float, default=None,
+                      help="device memory in GiB (overrides the preset's), the budget every stage must fit")
     plan.set_defaults(run=_plan_command)
 
     compare = commands.add_parser("compare", help="train with PyTorch and torchpar, compare losses")
@@ -74,7 +87,7 @@ def _common_arguments(parser: argparse.ArgumentParser, *, method: str, batch_siz
     parser.add_argument("--devices", type=int, default=8, help="number of (fake CPU) devices")
     parser.add_argument("--hosts", type=int, default=1, help="simulated hosts; --devices must be a multiple")
     parser.add_argument("--preset", default=None, help="price the plan with the constants of real hardware: "
-                        "h100-sxm, a100-sxm, v100-p3 (torchpar.hardware; default: the simulated CPU cluster's)")
+                        "h100-nvlink, a100-80g, a100-40g, v100-16g (torchpar.hardware; default: the simulated CPU cluster's)")
     parser.add_argument("--method", choices=METHOD_NAMES, default=method, help=f"parallel method (default {method})")
     parser.add_argument("--mesh", default=None, help="logical mesh 'd0xd1' for dp/zero2/zero3/megatron/shard "
                         "(default: all devices; shard tries every factorization)")
@@ -105,11 +118,16 @@ def _init_cluster(args: argparse.Namespace) -> None:
 
     if args.devices < 1 or args.hosts < 1 or args.devices % args.hosts:
         raise ValueError(f"--devices {args.devices} must be a positive multiple of --hosts {args.hosts}")
+    constants = {}
+    if getattr(args, "memory_gib", None) is not None:
+        if not args.memory_gib > 0:
+            raise ValueError(f"--memory-gib must be positive, got {args.memory_gib}")
+        constants["device_memory_bytes"] = int(args.memory_gib * 2**30)
     if args.hosts > 1:
         torchpar.init(cluster="local", num_hosts=args.hosts, devices_per_host=args.devices // args.hosts,
-                      preset=args.preset)
+                      preset=args.preset, **constants)
     else:
-        torchpar.init(cluster="local", num_devices=args.devices, preset=args.preset)
+        torchpar.init(cluster="local", num_devices=args.devices, preset=args.preset, **constants)
     try:
         import transformers
 
@@ -154,6 +172,9 @@ def _build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
             raise FileNotFoundError(f"--model {args.model}: no such file")
         if _config(args):
             raise ValueError(f"--config overrides the config of a zoo model; {path}'s build() makes its own model")
+        if getattr(args, "meta", False):
+            raise ValueError(f"--meta builds a zoo model on the meta device; {path}'s build() can do it itself "
+                             "(with torch.device('meta'): ...)")
         spec = importlib.util.spec_from_file_location(f"_torchpar_model_{path.stem}", path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
@@ -166,7 +187,11 @@ def _build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     from torchpar.harness import zoo
     from torchpar.harness.compare import make_optimizer
 
-    model, batch = zoo.build(args.model, _config(args), batch_size=args.batch_size, seq_len=args.seq_len)
+    if getattr(args, "meta", False):
+        with torch.device("meta"):  # parameters, buffers and the random batch without storage
+            model, batch = zoo.build(args.model, _config(args), batch_size=args.batch_size, seq_len=args.seq_len)
+    else:
+        model, batch = zoo.build(args.model, _config(args), batch_size=args.batch_size, seq_len=args.seq_len)
     lr = args.lr if args.lr is not None else (0.02 if args.optimizer == "sgd" else 1e-3)
     return model, make_optimizer(args.optimizer, model.parameters(), lr), batch
 
@@ -191,7 +216,8 @@ def _plan_command(args: argparse.Namespace) -> int:
     model, optimizer, batch = _build(args)
     method = _method(args)
     log.info("planning %s with %s", args.model, type(method).__name__ if method else "one device")
-    plan = torchpar.plan(model, optimizer, example_batch=batch, method=method)
+    plan = torchpar.plan(model, optimizer, example_batch=batch, method=method, mixed_precision=args.mixed_precision,
+                         remat=args.remat)
     print(plan.summary())
     shapes = {name: list(p.shape) for name, p in model.named_parameters()}
     plan.save_html(args.out, param_shapes=shapes, title=f"torchpar plan: {Path(args.model).stem} ({args.method})")

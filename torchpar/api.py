@@ -131,6 +131,11 @@ class Engine:
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, example_batch: Any,
                  loss_fn: LossFn | None, options: CompileOptions, method: Method | Plan | None = None):
+        on_meta = next((name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta), None)
+        if on_meta is not None:
+            raise ValueError(f"{on_meta} is on the meta device: the model has no weights to train. torchpar.plan(...) "
+                             "plans such a model (python -m torchpar plan --meta); to train it, materialize the "
+                             "weights first (model.to_empty(device='cpu') and initialize them, or load a checkpoint)")
         import jax
 
         self._jax = jax

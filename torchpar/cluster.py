@@ -70,8 +70,8 @@ class ClusterSpec:
     @classmethod
     def from_preset(cls, name: str, **fields: Any) -> ClusterSpec:
         """A cluster with the cost constants of the hardware preset ``name`` (:data:`torchpar.hardware.PRESETS`:
-        ``"h100-sxm"``, ``"a100-sxm"``, ``"v100-p3"``, ``"cpu-sim"``); ``fields`` set the rest (``num_hosts``,
-        ``devices_per_host``, …) and may override a constant."""
+        ``"h100-nvlink"``, ``"a100-80g"``, ``"a100-40g"``, ``"v100-16g"``, ``"cpu-sim"``); ``fields`` set the rest
+        (``num_hosts``, ``devices_per_host``, …) and may override a constant."""
         from torchpar.hardware import preset
 
         return cls(**{**preset(name).cluster_constants(), **fields})
@@ -107,9 +107,11 @@ def init(cluster: str = "local", num_devices: int | None = None, *, num_hosts: i
     - ``accelerator``: ``"auto"``, or force ``"cpu"`` / ``"gpu"`` host devices (Ray runtime).
     - ``cores_per_host``: simulated hosts are pinned to this many cores each (default: an even share).
     - ``timeout_s``: Ray runtime, the longest a step or placing the actors may take before it raises.
-    - ``preset``: price plans with the constants of real hardware (:mod:`torchpar.hardware`: ``"h100-sxm"``,
-      ``"a100-sxm"``, ``"v100-p3"``); ``constants`` set any cost field of :class:`ClusterSpec` by hand
-      (``inter_host_beta=1 / 25e9``, ``device_memory_bytes=...``), over the preset's.
+    - ``preset``: price plans with the constants of real hardware (:mod:`torchpar.hardware`: ``"h100-nvlink"``,
+      ``"a100-80g"``, ``"a100-40g"``, ``"v100-16g"``); ``None`` on local GPUs takes the preset of the GPUs found
+      (:func:`torchpar.hardware.detect`, logged; a GPU no preset describes keeps the defaults); ``constants`` set
+      any cost field of :class:`ClusterSpec` by hand (``inter_host_beta=1 / 25e9``, ``device_memory_bytes=...``),
+      over the preset's.
     - ``compile_cache``: keep compiled steps on disk so the next process loads them instead of compiling
       (:mod:`torchpar.compile_cache`): ``True`` in ``$TORCHPAR_CACHE_DIR``, by default ``~/.cache/torchpar/xla``
       (``TORCHPAR_CACHE_DIR=off`` turns it off), a path for that directory, ``False`` for none. A cache set
@@ -123,12 +125,30 @@ def init(cluster: str = "local", num_devices: int | None = None, *, num_hosts: i
     spec = _init_devices(cluster, num_devices, num_hosts, devices_per_host, address, accelerator, cores_per_host,
                          timeout_s)
     _init_compile_cache(compile_cache)
+    if preset is None and spec.runtime == "local" and spec.accelerator == "gpu":
+        preset = _detected_preset()
     if preset is not None:
         spec = replace(spec, **ClusterSpec.from_preset(preset).cost_constants() | {
             "num_hosts": spec.num_hosts, "devices_per_host": spec.devices_per_host})
     global _cluster
     _cluster = replace(spec, **constants) if constants else spec
     return _cluster
+
+
+def _detected_preset() -> str | None:
+    """The hardware preset of this process's GPUs (:func:`torchpar.hardware.detect`), logged."""
+    import jax
+
+    from torchpar.hardware import detect
+
+    kind = jax.devices()[0].device_kind
+    found = detect(kind)
+    if found is None:
+        log.warning("torchpar: no hardware preset describes %s; plans are priced with the default constants "
+                    "(pass init(preset=...) or the constants)", kind)
+    else:
+        log.info("torchpar: %s found: plans are priced with the %r preset", kind, found)
+    return found
 
 
 def default_compile_cache() -> None:

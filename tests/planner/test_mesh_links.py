@@ -52,11 +52,13 @@ def test_crossing_axes_take_the_slower_link():
 
 
 def test_presets_and_their_plan_record():
-    h100 = ClusterSpec.from_preset("h100-sxm", num_hosts=2, devices_per_host=8)
-    assert h100.preset == "h100-sxm" and h100.device_flops == PRESETS["h100-sxm"].device_flops
+    h100 = ClusterSpec.from_preset("h100-nvlink", num_hosts=2, devices_per_host=8)
+    assert h100.preset == "h100-nvlink" and h100.device_flops == PRESETS["h100-nvlink"].device_flops
+    assert ClusterSpec.from_preset("h100-sxm").preset == "h100-nvlink"  # a former name
     assert h100.inter_host_beta >= 5 * max(h100.beta), "InfiniBand per GPU is ~9× slower than NVLink 4"
-    assert ClusterSpec.from_preset("v100-p3", num_hosts=8, devices_per_host=8).device_memory_bytes == 16 << 30
-    with pytest.raises(ValueError, match="unknown hardware preset 'h200'.*h100-sxm"):
+    assert ClusterSpec.from_preset("v100-16g", num_hosts=8, devices_per_host=8).device_memory_bytes == 16 << 30
+    assert ClusterSpec.from_preset("a100-40g").device_memory_bytes == 40 << 30
+    with pytest.raises(ValueError, match="unknown hardware preset 'h200'.*h100-nvlink"):
         ClusterSpec.from_preset("h200")
     constants = h100.cost_constants()
     assert ClusterSpec(**constants) == h100, "a plan's cluster record rebuilds the cluster it was priced on"
@@ -132,3 +134,18 @@ def test_shard_parallel_keeps_tensor_parallel_axis_inside_hosts(gpt2_micro_batch
     assert set(tried) == {(1, 8), (2, 4), (4, 2), (8, 1)}
     assert tried[tuple(stage.logical_mesh_shape)]["chosen"]
     assert all(t.get("estimated_step_s", math.inf) >= plan.estimated_step_s for t in tried.values())
+
+
+def test_the_preset_of_a_gpu_is_found_from_its_device_kind():
+    from torchpar.hardware import detect, preset
+
+    assert detect("NVIDIA H100 80GB HBM3") == "h100-nvlink"
+    assert detect("NVIDIA A100-SXM4-40GB") == "a100-40g"
+    assert detect("NVIDIA A100-SXM4-80GB") == "a100-80g"
+    assert detect("Tesla V100-SXM2-16GB") == "v100-16g"
+    assert detect("Tesla V100-SXM2-32GB") is None  # 32 GB: no preset says so
+    assert detect("NVIDIA H100 PCIe") is None and detect("NVIDIA GeForce RTX 4090") is None
+    v100 = preset("v100-16g")
+    assert v100.peak_flops["bf16"] is None and v100.device_flops == v100.peak_flops["fp16"] == 125e12
+    h100 = preset("h100-sxm")  # a former name
+    assert h100.name == "h100-nvlink" and h100.peak_flops["tf32"] == h100.peak_flops["bf16"] / 2

@@ -259,7 +259,7 @@ def _to_ir(exported: ExportedProgram, model: torch.nn.Module, *, user_output_kin
         elif spec.kind == InputKind.BUFFER:
             inputs.append(Input(node.name, "buffer", target, meta))
         elif spec.kind == InputKind.CONSTANT_TENSOR:
-            constants[target] = tensor_to_numpy(exported.constants[spec.target])
+            constants[target] = _constant_value(exported.constants[spec.target])
             inputs.append(Input(node.name, "constant", target, meta))
         elif spec.kind == InputKind.USER_INPUT:
             inputs.append(Input(node.name, "input", str(user_index), meta))
@@ -349,6 +349,14 @@ def tensor_to_numpy(tensor: torch.Tensor) -> np.ndarray:
 
         return tensor.float().numpy().astype(ml_dtypes.bfloat16)
     return tensor.numpy()
+
+
+def _constant_value(tensor: torch.Tensor) -> np.ndarray:
+    """A constant's host value; a constant on the meta device (a model built there, to be planned, never run) has
+    none: a read-only array of its shape and dtype, all zeros, that takes no memory (a broadcast scalar)."""
+    if tensor.device.type == "meta":
+        return np.broadcast_to(tensor_to_numpy(torch.zeros((), dtype=tensor.dtype)), tuple(tensor.shape))
+    return tensor_to_numpy(tensor)
 
 
 def dtype_name(dtype: torch.dtype) -> str:

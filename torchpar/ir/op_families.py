@@ -61,3 +61,23 @@ SIZE_ARGUMENT = {"aten.view.default": 1, "aten._unsafe_view.default": 1, "aten.r
 
 BIAS_ARGUMENT = {"aten.addmm.default": 0, "aten.baddbmm.default": 0, "aten.convolution.default": 2}
 """Matmuls and convolutions with a bias operand, and its position."""
+
+POINTWISE = frozenset({
+    "aten.add.Tensor", "aten.add.Scalar", "aten.sub.Tensor", "aten.sub.Scalar", "aten.rsub.Scalar",
+    "aten.mul.Tensor", "aten.mul.Scalar", "aten.div.Tensor", "aten.div.Scalar", "aten.div.Tensor_mode",
+    "aten.neg.default", "aten.abs.default", "aten.pow.Tensor_Scalar", "aten.pow.Tensor_Tensor",
+    "aten.pow.Scalar", "aten.sqrt.default", "aten.rsqrt.default", "aten.reciprocal.default", "aten.exp.default",
+    "aten.log.default", "aten.log1p.default", "aten.expm1.default", "aten.tanh.default", "aten.sigmoid.default",
+    "aten.gelu.default", "aten.relu.default", "aten.silu.default", "aten.erf.default", "aten.sin.default",
+    "aten.cos.default", "aten.where.self", "aten.clamp.default", "aten.clamp_min.default", "aten.clamp_max.default",
+    "aten.minimum.default", "aten.maximum.default", "aten.eq.Scalar", "aten.eq.Tensor", "aten.ne.Scalar",
+    "aten.ne.Tensor", "aten.ge.Scalar", "aten.ge.Tensor", "aten.gt.Scalar", "aten.gt.Tensor", "aten.le.Scalar",
+    "aten.le.Tensor", "aten.lt.Scalar", "aten.lt.Tensor", "aten.bitwise_and.Tensor", "aten.bitwise_or.Tensor",
+    "aten.bitwise_not.default", "aten.logical_and.default", "aten.logical_or.default", "aten.logical_not.default",
+    "aten._to_copy.default", "aten.clone.default", "aten.masked_fill.Scalar", "aten.masked_fill.Tensor",
+    "aten.sign.default", "aten.floor.default", "aten.ceil.default", "aten.round.default", "aten.trunc.default",
+    "aten.fmod.Scalar", "aten.remainder.Scalar", "aten.hardtanh.default", "aten.leaky_relu.default",
+    "aten.elu.default", "aten.softplus.default", "aten.lerp.Scalar", "aten.addcmul.default", "aten.addcdiv.default",
+})
+"""Elementwise ops a compiler fuses into their consumers: a chain of them materializes only the value that leaves
+the chain (the activation memory model, ``torchpar.planner.remat.remat_memory``)."""

@@ -28,7 +28,8 @@ def single_device_plan(graph: Graph, cluster: ClusterSpec, remat: str = "none") 
     """Everything on one device: one stage, every tensor whole. ``remat`` (an option, or ``"auto"``: the cheapest
     that fits the device's memory, :mod:`.remat_choice`) prices what activation checkpointing keeps and
     recomputes, as the ILP does: ``compute = (3·F + F_recomputed) / device_flops``, memory = 4 × the parameters
-    (weights, gradients, two optimizer moments) + the kept activations + the largest layer's dropped ones."""
+    (weights, gradients, two optimizer moments) + the materialized activations it keeps + the largest layer's
+    dropped ones (:func:`torchpar.planner.remat.remat_memory`)."""
     if check_remat(remat, allow_auto=True) == "auto":
         return choose_remat(lambda option: single_device_plan(graph, cluster, option), cluster.device_memory_bytes)
     kept = remat_memory(graph, remat)
@@ -36,9 +37,7 @@ def single_device_plan(graph: Graph, cluster: ClusterSpec, remat: str = "none") 
     compute_s = (3.0 * graph.total_flops + recomputed_flops) / cluster.device_flops
     params = {i.target: [None] * len(i.meta.shape) for i in graph.inputs if i.kind == "param"}
     state_bytes = sum(i.meta.nbytes for i in graph.inputs if i.kind == "param") * 4
-    activation_bytes = sum(n.out_bytes for n in graph.nodes if n.name in kept.kept) if kept.kept is not None else \
-        sum(n.out_bytes for n in graph.nodes)
-    activation_bytes += sum(n.out_bytes for n in graph.nodes if n.name in kept.peak_layer)
+    activation_bytes = sum(n.out_bytes for n in graph.nodes if kept.keeps(n.name))
     stage = StagePlan(layers=[0], submesh_shape=(1, 1), logical_mesh_shape=(1, 1), params=params,
                       estimated_cost_s=compute_s, estimated_compute_s=compute_s,
                       estimated_memory_bytes=state_bytes + activation_bytes)

@@ -235,5 +235,8 @@ def _alternatives(solver: dict[str, Any]) -> list[str]:
                             f"{tuple(st['logical_mesh_shape'])}" for st in row["stages"])
         screening = (f"; stage DP screening {format_seconds(row['screening_step_s'])}"
                      if "screening_step_s" in row else "")
-        lines.append(f"  runner-up: est. step {format_seconds(row['estimated_step_s'])}{screening}: {stages}")
+        if "estimated_step_s" in row:
+            lines.append(f"  runner-up: est. step {format_seconds(row['estimated_step_s'])}{screening}: {stages}")
+        else:  # the ILP found no sharding of one of its stages
+            lines.append(f"  runner-up: not possible{screening}: {stages}: {row.get('error', '').splitlines()[0]}")
     return lines

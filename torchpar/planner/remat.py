@@ -17,7 +17,9 @@ to the stack of layers).
 | ``"auto"`` | the planner picks one of the above (:func:`choose_remat`); ``plan.remat`` says which and why |
 
 What each option keeps is priced by :func:`remat_memory`, the one description the sharding ILP's memory and
-compute (``sharding/solver_graph.py``) and the pipeline stage DP's (``stage_cost.py``) both read:
+compute (``sharding/solver_graph.py``), the pipeline stage DP's (``stage_cost.py``) and the single-device plan's
+read. It starts from the values a compiled step materializes (:func:`materialized`: not views, not the inside of
+a chain of elementwise ops, which XLA fuses into one kernel), and of those:
 
 - kept until the backward, per micro-batch: every output of a node outside the layers, and of a layer's node
   that is read outside its group (the group's outputs: the next layer's input); under ``"selective"`` also its
@@ -34,6 +36,7 @@ import re
 from dataclasses import dataclass
 
 from torchpar.ir.graph import Graph
+from torchpar.ir.op_families import POINTWISE, VIEWS
 
 REMAT_OPTIONS = ("none", "layers", "selective")
 """What a compiled step runs with."""
@@ -58,8 +61,8 @@ class RematMemory:
     """What ``remat`` keeps of a graph's activations (module docstring): node names."""
 
     remat: str
-    kept: frozenset[str] | None
-    """Outputs live from the forward to the backward (per micro-batch); ``None``: every node's (no remat)."""
+    kept: frozenset[str]
+    """Outputs live from the forward to the backward (per micro-batch)."""
     peak_layer: frozenset[str] = frozenset()
     """Outputs live again while the largest layer is recomputed (once per step, not per micro-batch)."""
     recomputed: frozenset[str] = frozenset()
@@ -69,16 +72,38 @@ class RematMemory:
 
     def keeps(self, name: str) -> bool:
         """Whether node ``name``'s output counts in the step's peak memory (kept, or in the recomputed peak)."""
-        return self.kept is None or name in self.kept or name in self.peak_layer
+        return name in self.kept or name in self.peak_layer
+
+
+def materialized(graph: Graph) -> frozenset[str]:
+    """Nodes whose outputs a compiled step holds in memory (its activations): all but views (they alias an operand)
+    and elementwise ops (:data:`torchpar.ir.op_families.POINTWISE`) whose every reader is elementwise too — the
+    inside of a chain that XLA fuses into one kernel, whose backward recomputes it from the chain's inputs. A
+    chain's last value is materialized, and so is any value the graph returns."""
+    readers: dict[str, list[str]] = {}
+    for node in graph.nodes:
+        for ref in node.refs():
+            readers.setdefault(ref, []).append(node.target)
+    returned = {out.value.name for out in graph.outputs if out.value is not None}
+    live = set()
+    for node in graph.nodes:
+        if node.target in VIEWS:
+            continue
+        if (node.target in POINTWISE and node.name not in returned
+                and all(target in POINTWISE for target in readers.get(node.name, ()))):
+            continue
+        live.add(node.name)
+    return frozenset(live)
 
 
 def remat_memory(graph: Graph, remat: str) -> RematMemory:
     """What ``remat`` (one of :data:`REMAT_OPTIONS`) keeps and recomputes of ``graph`` (module docstring). A graph
-    without layers keeps everything whatever ``remat`` says, as the lowering does."""
+    without layers keeps every materialized value whatever ``remat`` says, as the lowering does."""
     check_remat(remat)
+    live = materialized(graph)
     groups = layer_groups(graph) if remat != "none" else ()
     if not groups:
-        return RematMemory(remat, None)
+        return RematMemory(remat, live)
     group_of = {name: index for index, group in enumerate(groups) for name in group}
     read_outside = {out.value.name for out in graph.outputs if out.value is not None}
     for node in graph.nodes:
@@ -86,9 +111,9 @@ def remat_memory(graph: Graph, remat: str) -> RematMemory:
             if ref in group_of and group_of.get(node.name) != group_of[ref]:
                 read_outside.add(ref)
     nodes = {node.name: node for node in graph.nodes}
-    kept = {name for name in nodes if name not in group_of or name in read_outside
+    kept = {name for name in live if name not in group_of or name in read_outside
             or (remat == "selective" and nodes[name].target in SAVED_BY_SELECTIVE)}
-    dropped = [[name for name in group if name not in kept] for group in groups]
+    dropped = [[name for name in group if name in live and name not in kept] for group in groups]
     largest = max(dropped, key=lambda names: sum(nodes[n].out_bytes for n in names))
     # the whole group runs again (its outputs too), except what the policy saved
     recomputed = {name for name in group_of if not (remat == "selective" and nodes[name].target in SAVED_BY_SELECTIVE)}

@@ -52,7 +52,7 @@ class AnalyticStageCost:
     A logical mesh ``(a, b)`` is read as ``a``-way data parallel (axis 0) × ``b``-way tensor parallel
     (axis 1). For layers ``k..i`` with forward FLOPs ``F``, parameter bytes ``P`` (every parameter the
     stage reads, so a tied weight counts in each stage that uses it), buffer bytes ``Q``, activation bytes
-    ``A`` (outputs of the non-view ops) and entering bytes ``E_l`` per layer (:class:`Layering`):
+    ``A`` (the outputs a compiled step materializes: :func:`torchpar.planner.remat.materialized`) and entering bytes ``E_l`` per layer (:class:`Layering`):
 
         compute_s       = 3·F / (a·b · device_flops)                    (backward ≈ 2× forward)
         data-parallel   = AR_0(P / b) / num_micro_batches               (gradient sync once per step)
@@ -99,7 +99,7 @@ class AnalyticStageCost:
             self._params.append(frozenset(target for kind, target, _ in reads if kind == "param"))
             self._buffers.append(frozenset(target for kind, target, _ in reads if kind == "buffer"))
             counted = [n for n in nodes if n.target not in VIEWS]
-            self._activation.append(float(sum(n.out_bytes for n in counted if kept.kept is None or n.name in kept.kept)))
+            self._activation.append(float(sum(n.out_bytes for n in counted if n.name in kept.kept)))
             self._recomputed_flops.append(float(sum(n.flops for n in nodes if n.name in kept.recomputed)))
             dropped: dict[int, float] = {}
             for n in counted:

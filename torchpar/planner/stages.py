@@ -344,12 +344,14 @@ def _key(partition: StagePartition) -> tuple:
 
 def uniform_stages(num_layers: int, num_stages: int | None, cluster_hosts: int, devices_per_host: int, *,
                    cost: StageCostModel | None = None, num_micro_batches: int = 1,
-                   memory_budget: float = math.inf, schedule: Schedule = "1f1b") -> StagePartition:
+                   memory_budget: float = math.inf, schedule: Schedule = "1f1b",
+                   warn_over_budget: bool = True) -> StagePartition:
     """Equal layer counts (the first ``L mod S`` stages get one more) on equal submeshes.
 
     ``num_stages=None``: the most stages (≤ ``num_layers``) that split the cluster into equal submeshes.
     With ``cost``, each stage's logical mesh is the fastest that fits ``memory_budget`` (else the smallest,
-    with a warning) and latencies are filled in; without it, the logical mesh is the physical shape.
+    with a warning unless ``warn_over_budget`` is false: a reference point the planner only compares with) and
+    latencies are filled in; without it, the logical mesh is the physical shape.
     """
     _check_cluster(cluster_hosts, devices_per_host)
     num_devices = cluster_hosts * devices_per_host
@@ -367,7 +369,7 @@ def uniform_stages(num_layers: int, num_stages: int | None, cluster_hosts: int, 
     counts = [num_layers // num_stages + (1 if s < num_layers % num_stages else 0) for s in range(num_stages)]
     bounds = np.cumsum([0, *counts])
     return _evaluate([(int(bounds[s]), int(bounds[s + 1]) - 1) for s in range(num_stages)], [submesh] * num_stages,
-                     None, cost, num_micro_batches, memory_budget, schedule)
+                     None, cost, num_micro_batches, memory_budget, schedule, warn_over_budget)
 
 
 def manual_stages(forward_stage_layer_ids: Sequence[Sequence[int]], submesh_physical_shapes: Sequence[Shape],
@@ -416,7 +418,7 @@ def _uniform_submesh(devices: int, per_host: int) -> Shape | None:
 
 def _evaluate(ranges: list[tuple[int, int]], submeshes: list[Shape], logical: list[Shape] | None,
               cost: StageCostModel | None, num_micro_batches: int, memory_budget: float,
-              schedule: Schedule) -> StagePartition:
+              schedule: Schedule, warn_over_budget: bool = True) -> StagePartition:
     in_flight = _in_flight(np.arange(len(ranges), 0, -1), num_micro_batches, schedule)
     stages = []
     for position, ((first, last), submesh) in enumerate(zip(ranges, submeshes)):
@@ -431,7 +433,8 @@ def _evaluate(ranges: list[tuple[int, int]], submeshes: list[Shape], logical: li
             stage, mesh = min(fitting, key=lambda cm: cm[0].latency_s)
         else:
             stage, mesh = min(priced, key=lambda cm: cm[0].peak_bytes(int(in_flight[position])))
-            log.warning("stage %d (layers %d-%d on %s) needs %.3f GiB per device, over the %.3f GiB budget",
+            (log.warning if warn_over_budget else log.info)(
+                        "stage %d (layers %d-%d on %s) needs %.3f GiB per device, over the %.3f GiB budget",
                         position, first, last, submesh, stage.peak_bytes(int(in_flight[position])) / 2**30,
                         memory_budget / 2**30)
         stages.append(StageChoice(first, last, submesh, mesh, stage.latency_s,

@@ -80,6 +80,8 @@ def solve(graph: SolverGraph, *, memory_budget: float | None = None, time_limit_
     forced = _forced_choice(graph, allowed)
     if forced is not None:
         return _forced_solution(graph, forced, memory_budget, time.perf_counter() - start)
+    if memory_budget is not None and allowed is None and minimum_memory(graph) > memory_budget:
+        _raise_over_budget(graph, memory_budget)  # infeasible for sure: do not let CP-SAT prove it
     from ortools.sat.python import cp_model
 
     model = cp_model.CpModel()
@@ -104,11 +106,7 @@ def solve(graph: SolverGraph, *, memory_budget: float | None = None, time_limit_
     proto = model.proto
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         if status == cp_model.INFEASIBLE and memory_budget is not None:
-            smallest = minimum_memory(graph)
-            raise MemoryBudgetError(
-                f"no sharding plan fits the memory budget of {memory_budget / 2**20:.1f} MiB per device; the "
-                f"smallest feasible budget is {smallest / 2**20:.1f} MiB. Use more devices, a smaller batch, or "
-                "PipeshardParallel.")
+            _raise_over_budget(graph, memory_budget)
         raise RuntimeError(f"the sharding ILP ended with status {solver.status_name(status)} after {elapsed:.1f}s; "
                            "raise the time limit")
     choice = [next(k for k, var in enumerate(vars_) if solver.value(var)) for vars_ in x]
@@ -119,6 +117,14 @@ def solve(graph: SolverGraph, *, memory_budget: float | None = None, time_limit_
     log.info("sharding ILP: %s, objective %.3g s, gap %.2g, %d vars, %d constraints, %.2fs", solution.status,
              solution.objective_s, solution.gap, solution.num_variables, solution.num_constraints, elapsed)
     return solution
+
+
+def _raise_over_budget(graph: SolverGraph, memory_budget: float) -> None:
+    smallest = minimum_memory(graph)
+    raise MemoryBudgetError(
+        f"no sharding plan fits the memory budget of {memory_budget / 2**20:.1f} MiB per device; the "
+        f"smallest feasible budget is {smallest / 2**20:.1f} MiB. Use more devices, a smaller batch, or "
+        "PipeshardParallel.")
 
 
 def _forced_choice(graph: SolverGraph, allowed: dict[int, set[int]] | None) -> list[int] | None:
@@ -224,5 +230,20 @@ def evaluate(graph: SolverGraph, choice: list[int]) -> float:
 
 
 def minimum_memory(graph: SolverGraph) -> float:
-    """A lower bound on the per-device memory of any plan: each root at its least-memory strategy."""
-    return float(sum(root.memory.min() for root in graph.roots))
+    """The smallest per-device memory of any plan: each root at its least-memory strategy, the roots of one share
+    class (which take one choice together) at the strategy whose memory summed over them is least. Exact: nothing
+    but the share classes couples the roots' memory."""
+    classes: dict[str, list[int]] = defaultdict(list)
+    total = 0.0
+    for v, root in enumerate(graph.roots):
+        if root.share_key is None:
+            total += float(root.memory.min())
+        else:
+            classes[root.share_key].append(v)
+    for members in classes.values():
+        sizes = {len(graph.roots[v].memory) for v in members}
+        if len(sizes) == 1:
+            total += float(np.sum([graph.roots[v].memory for v in members], axis=0).min())
+        else:  # not the same op after all: bound each member alone
+            total += float(sum(graph.roots[v].memory.min() for v in members))
+    return total
