@@ -1,6 +1,7 @@
 """Plan GPT-3 39B on 64 V100s of 16 GB the way Alpa's paper does, from the meta device (no weights are allocated).
 
-    python examples/plan_gpt3_39b.py                       # 48 layers × 8192, 8 hosts × 8 V100, ~30 s here
+    python examples/plan_gpt3_39b.py                       # 48 layers × 8192, 8 hosts × 8 V100 16 GB: no plan fits
+    python examples/plan_gpt3_39b.py --memory-gib 24       # … with 24 GiB devices: a plan
     python examples/plan_gpt3_39b.py --layers 4 --hidden 1024 --heads 16 --batch 64 --micro-batches 8 \\
         --layer-num 4 --hosts 2 --devices-per-host 4     # a small version (what the tests run)
 
@@ -8,7 +9,8 @@ The model is a GPT-2-architecture ``GPT2LMHeadModel`` built inside ``torch.devic
 tensors too. ``torchpar.plan`` captures the training step (AdamW, ``mixed_precision="fp16"``: the V100 has no bf16),
 and ``PipeshardParallel`` clusters it into ``--layer-num`` layers, runs the stage DP over the 8 × 8 cluster priced
 with the ``v100-16g`` preset, and solves each stage's sharding ILP, with activation checkpointing chosen by the
-planner (``remat="auto"``). Every stage must fit 16 GiB. The script prints the plan, the planning time, and the
+planner (``remat="auto"``). Every stage must fit the device memory (16 GiB: the planner finds that nothing does,
+and says why; ``--memory-gib`` sets another). The script prints the plan, the planning time, and the
 estimated throughput in model TFLOP/s per GPU (6·N·T + 12·L·d·s·T FLOPs per step over the estimated step time:
 an estimate from the cost model at the preset's peak rates, not a measurement) next to Alpa's published figure.
 """
@@ -35,14 +37,16 @@ def main() -> None:
     parser.add_argument("--hosts", type=int, default=8)
     parser.add_argument("--devices-per-host", type=int, default=8)
     parser.add_argument("--preset", default="v100-16g")
+    parser.add_argument("--memory-gib", type=float, default=None, help="device memory (default: the preset's)")
     parser.add_argument("--out", default="gpt3_39b_plan.html", help="the HTML report")
     parser.add_argument("--json", default=None, help="also write the plan as JSON")
     args = parser.parse_args()
 
     import torchpar
 
+    memory = {} if args.memory_gib is None else {"device_memory_bytes": int(args.memory_gib * 2**30)}
     cluster = torchpar.init(cluster="local", num_hosts=args.hosts, devices_per_host=args.devices_per_host,
-                            preset=args.preset)
+                            preset=args.preset, **memory)
     import torch
     import transformers
 
@@ -56,8 +60,12 @@ def main() -> None:
     method = torchpar.PipeshardParallel(num_micro_batches=args.micro_batches,
                                         layer_option=torchpar.AutoLayerOption(layer_num=args.layer_num))
     start = time.perf_counter()
-    plan = torchpar.plan(model, torch.optim.AdamW(model.parameters()), example_batch={"input_ids": ids, "labels": ids},
-                         method=method, mixed_precision="fp16", remat="auto", explain=False)
+    try:
+        plan = torchpar.plan(model, torch.optim.AdamW(model.parameters()), example_batch={"input_ids": ids,
+                             "labels": ids}, method=method, mixed_precision="fp16", remat="auto", explain=False)
+    except ValueError as error:  # the planner's answer: no plan fits, and what each option would need
+        print(f"no plan after {time.perf_counter() - start:.1f} s:\n{error}\n(try a larger --memory-gib)")
+        return
     planning_s = time.perf_counter() - start
     print("\n".join(line for line in plan.summary().splitlines() if not line.startswith("    ")))  # no per-tensor lines
     tokens = args.batch * args.seq

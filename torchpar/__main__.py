@@ -3,9 +3,10 @@
     python -m torchpar plan --model gpt2 --config '{"n_layer": 12}' --devices 8 --hosts 2 \\
         --method pipeshard --micro-batches 4 --layers 4 --out plan.html --png plan.png --json plan.json
     python -m torchpar plan --model path/to/model.py --devices 8 --method shard --out plan.html
-    python -m torchpar plan --meta --model gpt2 --config '{"n_layer": 48, "n_embd": 8192, "n_head": 64, \
-        "vocab_size": 51200, "n_positions": 1024}' --batch-size 1024 --seq-len 1024 --devices 64 --hosts 8 \
-        --preset v100-16g --method pipeshard --micro-batches 64 --layers 16 --mixed-precision fp16 --remat auto
+    python -m torchpar plan --meta --model gpt2 --config '{"n_layer": 48, "n_embd": 8192, "n_head": 64, \\
+        "vocab_size": 51200, "n_positions": 1024}' --batch-size 1024 --seq-len 1024 --devices 64 --hosts 8 \\
+        --preset v100-16g --memory-gib 24 --method pipeshard --micro-batches 64 --layers 16 --mixed-precision fp16 \\
+        --remat auto
     python -m torchpar compare --model llama --optimizer adamw --steps 20 --plot loss.png
 
 ``plan`` captures and plans the training step (no XLA compilation, no step), prints ``Plan.summary()`` and

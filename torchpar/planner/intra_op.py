@@ -89,12 +89,13 @@ def mesh_shapes_for(num_devices: int) -> list[tuple[int, int]]:
 def plan_stage(graph: Graph, *, kind: PlanKind, mesh_shape: tuple[int, int], cluster: ClusterSpec,
                trainable: set[str], optimizer_state_copies: float, memory_budget: float | None = None,
                time_limit_s: float = 30.0, submesh: tuple[int, int] | None = None,
-               num_micro_batches: int = 1, remat: str = "none") -> IntraOpResult:
+               num_micro_batches: int = 1, remat: str = "none", in_flight: int = 1) -> IntraOpResult:
     """Solve one stage of ``kind`` on a logical mesh of ``mesh_shape`` placed on the physical ``submesh`` (default:
     the cluster's first devices; it decides which axes cross hosts). ``num_micro_batches``: ``graph`` is one
     micro-batch's step of a one-stage plan that accumulates that many per step (priced per step:
     :func:`.sharding.solver_graph.build_solver_graph`). ``remat``: the activation checkpointing the step runs with
-    (one of ``planner.remat.REMAT_OPTIONS``), priced in memory and compute."""
+    (one of ``planner.remat.REMAT_OPTIONS``), priced in memory and compute. ``in_flight``: a pipeline stage's
+    micro-batches in flight under its schedule (their activations are all held at its peak)."""
     if kind not in PLAN_KINDS:
         raise ValueError(f"unknown plan kind {kind!r}")
     mesh = logical_mesh(mesh_shape, cluster, submesh)
@@ -110,7 +111,7 @@ def plan_stage(graph: Graph, *, kind: PlanKind, mesh_shape: tuple[int, int], clu
         return build_solver_graph(graph, on, trainable=trainable, optimizer_state_copies=optimizer_state_copies,
                                   batch_dim_axes=batch_axes, num_micro_batches=num_micro_batches,
                                   # ZeRO-3 keeps only its gradient shard: it reduce-scatters every micro-batch
-                                  accumulated_weight_grads=kind != "zero3", remat=remat)
+                                  accumulated_weight_grads=kind != "zero3", remat=remat, in_flight=in_flight)
 
     solver_graph = rebuild(mesh)
     build_s = time.perf_counter() - start

@@ -113,7 +113,8 @@ def plan_pipeline(graph: Graph, method: PipeshardParallel, cluster: ClusterSpec,
         try:
             refined.append(_refine(graph, layering, candidate, cluster, method.num_micro_batches, trainable,
                                    optimizer_state_copies, remat,
-                                   STAGE_TIME_LIMIT_S if index == 0 else RUNNER_UP_STAGE_TIME_LIMIT_S))
+                                   STAGE_TIME_LIMIT_S if index == 0 else RUNNER_UP_STAGE_TIME_LIMIT_S,
+                                   method.schedule))
         except ValueError as error:  # no sharding fits the memory budget, or a batch that does not divide
             failures.append((candidate, error))
             log.info("stage partition %s: the ILP found no plan (%s)", candidate, error)
@@ -171,7 +172,8 @@ class _Refined:
 
 
 def _refine(graph: Graph, layering, partition, cluster: ClusterSpec, num_micro_batches: int, trainable: set[str],
-            optimizer_state_copies: float, remat: str = "none", time_limit_s: float = STAGE_TIME_LIMIT_S) -> _Refined:
+            optimizer_state_copies: float, remat: str = "none", time_limit_s: float = STAGE_TIME_LIMIT_S,
+            schedule: str = "1f1b") -> _Refined:
     from torchpar.planner import stages as stages_mod
 
     stage_layers = [list(ids) for ids in partition.forward_stage_layer_ids]
@@ -180,11 +182,13 @@ def _refine(graph: Graph, layering, partition, cluster: ClusterSpec, num_micro_b
     stage_graphs = slice_stages(graph, stage_of_nodes(graph, layering.layer_of, stage_layers))
     devices = [list(d) for d in stages_mod.assign_devices(submeshes, cluster.num_hosts, cluster.devices_per_host)]
     results = []
+    # micro-batches each stage holds at once, as the stage DP counts them (1F1B: the stages from it to the last)
+    in_flight = stages_mod.micro_batches_in_flight(len(stage_graphs), num_micro_batches, schedule)
     for index, (stage, mesh_shape) in enumerate(zip(stage_graphs, logical)):
         result = plan_stage(stage.graph, kind="shard", mesh_shape=mesh_shape, cluster=cluster,
                             trainable=trainable & set(stage.params), optimizer_state_copies=optimizer_state_copies,
                             memory_budget=cluster.device_memory_bytes, submesh=submeshes[index], remat=remat,
-                            time_limit_s=time_limit_s)
+                            time_limit_s=time_limit_s, in_flight=in_flight[index])
         result.stage.layers = stage_layers[index]
         result.stage.submesh_shape = submeshes[index]
         result.stage.device_ids = devices[index]

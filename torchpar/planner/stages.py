@@ -228,6 +228,12 @@ class _Table:
     """[s−1, k, i, σ]: least peak bytes over all logical meshes (to report what would fit)."""
 
 
+def micro_batches_in_flight(num_stages: int, num_micro_batches: int, schedule: Schedule) -> list[int]:
+    """Per stage position, the micro-batches whose activations it holds at its peak: GPipe all ``M``; 1F1B
+    ``min(S − i, M)`` for stage ``i`` of ``S``."""
+    return [int(n) for n in _in_flight(np.arange(num_stages, 0, -1), num_micro_batches, schedule)]
+
+
 def _in_flight(stages_after: np.ndarray, num_micro_batches: int, schedule: Schedule) -> np.ndarray:
     if schedule == "gpipe":
         return np.full_like(stages_after, num_micro_batches)

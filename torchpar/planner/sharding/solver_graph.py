@@ -76,7 +76,7 @@ class SolverGraph:
 
 def build_solver_graph(graph: Graph, mesh: LogicalMesh, *, trainable: set[str], optimizer_state_copies: float,
                        batch_dim_axes: tuple[int, ...] | None = None, num_micro_batches: int = 1,
-                       accumulated_weight_grads: bool = True, remat: str = "none") -> SolverGraph:
+                       accumulated_weight_grads: bool = True, remat: str = "none", in_flight: int = 1) -> SolverGraph:
     """The solver graph of ``graph`` on ``mesh``.
 
     ``trainable``: parameter names that get gradients and optimizer state (``2 + optimizer_state_copies``
@@ -87,17 +87,19 @@ def build_solver_graph(graph: Graph, mesh: LogicalMesh, *, trainable: set[str], 
     is reduced in every micro-batch, as ZeRO-3 does). ``remat``: activation checkpointing
     (:func:`torchpar.planner.remat.remat_memory`): an op output it does not keep costs no memory (except in the
     largest layer, recomputed once at a time), and a recomputed matmul costs one more forward (a third of its
-    forward + backward compute).
+    forward + backward compute). ``in_flight``: micro-batches whose activations a pipeline stage holds at once (its
+    schedule's, as the stage DP counts them): the kept activations and the stage's inputs count that many times,
+    the recomputed layer once.
     """
     builder = _Builder(graph, mesh, trainable, optimizer_state_copies, batch_dim_axes, num_micro_batches,
-                       accumulated_weight_grads, remat)
+                       accumulated_weight_grads, remat, in_flight)
     return builder.build()
 
 
 class _Builder:
     def __init__(self, graph: Graph, mesh: LogicalMesh, trainable: set[str], state_copies: float,
                  batch_dim_axes: tuple[int, ...] | None, num_micro_batches: int = 1,
-                 accumulated_weight_grads: bool = True, remat: str = "none"):
+                 accumulated_weight_grads: bool = True, remat: str = "none", in_flight: int = 1):
         self.graph = graph
         self.mesh = mesh
         self.trainable = trainable
@@ -111,6 +113,7 @@ class _Builder:
         self.needs_grad = self._needs_grad()
         self.num_micro_batches = num_micro_batches
         self.remat = remat_memory(graph, remat)
+        self.in_flight = in_flight
         # values whose gradients are reduced once per step; with none, every value counts as batch-dependent
         self.batch_dependent = self._batch_dependent() if accumulated_weight_grads else None
         self._paths: dict[int, tuple[str, str]] = {}  # root → (module path, what it is), for share classes
@@ -130,6 +133,13 @@ class _Builder:
             if any(r in dependent for r in node.refs()):
                 dependent.add(node.name)
         return dependent
+
+    def _copies(self, name: str) -> int:
+        """Copies of node ``name``'s output in the step's peak memory: one per micro-batch in flight if it is kept
+        for the backward, one if only the recomputed layer holds it, none if it is not materialized."""
+        if name in self.remat.kept:
+            return self.in_flight
+        return 1 if name in self.remat.peak_layer else 0
 
     def _weights(self, refs: list[str]) -> list[bool]:
         """Which of ``refs`` are weights, whose gradients accumulate over micro-batches and are reduced once."""
@@ -192,10 +202,10 @@ class _Builder:
             self._new_root(inp.name, "param", inp.target, strategies, None)
             self._paths[len(self.roots) - 1] = (inp.target.rsplit(".", 1)[0], f"param {inp.target.rsplit('.', 1)[-1]}|{meta}")
         elif inp.kind == "activation":  # from the previous pipeline stage: any layout, priced by its consumers
-            strategies = layout_root_strategies(meta.shape, meta.nbytes, self.mesh, state_copies=1.0)
+            strategies = layout_root_strategies(meta.shape, meta.nbytes, self.mesh, state_copies=float(self.in_flight))
             self._new_root(inp.name, "activation", f"activation {inp.target}", strategies, None)
         elif inp.kind == "input":
-            strategies = layout_root_strategies(meta.shape, meta.nbytes, self.mesh, state_copies=1.0)
+            strategies = layout_root_strategies(meta.shape, meta.nbytes, self.mesh, state_copies=float(self.in_flight))
             if self.batch_dim_axes is not None and meta.shape:
                 wanted = self.batch_dim_axes or None
                 strategies = [s for s in strategies if s.out_spec[0] == wanted and not any(s.out_spec[1:])]
@@ -243,8 +253,7 @@ class _Builder:
                                        num_micro_batches=self.num_micro_batches)
         index = self._new_root(node.name, "anchor", f"{node.target} {node.module_path}".strip(), strategies, None)
         root = self.roots[index]
-        if not self.remat.keeps(node.name):
-            root.memory -= np.array([s.memory_bytes for s in strategies], dtype=np.float64)
+        root.memory *= self._copies(node.name)
         if node.name in self.remat.recomputed:
             root.cost += np.array([s.compute_s for s in strategies], dtype=np.float64) / 3.0
         if node.module_path:
@@ -268,7 +277,7 @@ class _Builder:
             if cache_key not in cache:
                 cache[cache_key] = follow(node, metas, main, spec, self.mesh, grads, weights)
             results.append(cache[cache_key])
-        out_bytes = node.out_bytes if self.remat.keeps(node.name) else 0
+        out_bytes = node.out_bytes * self._copies(node.name)
         for k, result in enumerate(results):
             root.cost[k] += self.num_micro_batches * result.comm_s + result.weight_grad_comm_s
             root.memory[k] += _local_bytes(out_bytes, result.out, self.mesh)
