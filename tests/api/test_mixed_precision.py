@@ -66,6 +66,8 @@ def assert_close_per_step(ours: list[float], ref: list[float], rtol: float, what
 @pytest.fixture(scope="module", autouse=True)
 def one_device():
     torchpar.init(cluster="local", num_devices=1)
+    yield
+    torchpar.init(cluster="local", num_devices=8)  # the session's cluster, for the next module in this worker
 
 
 @pytest.mark.parametrize("family, dtype", [("gpt2", torch.bfloat16), ("llama", torch.bfloat16),

@@ -118,8 +118,14 @@ def test_precision_follows_torch_unless_named(torch_precision):
         resolve_precisions("tf32")
 
 
-def test_engine_and_plan_say_what_they_compiled_with(torch_precision, monkeypatch, capfd):
+@pytest.fixture
+def one_device():
     torchpar.init(cluster="local", num_devices=1)
+    yield
+    torchpar.init(cluster="local", num_devices=8)  # the session's cluster, for the next test in this worker
+
+
+def test_engine_and_plan_say_what_they_compiled_with(torch_precision, monkeypatch, capfd, one_device):
     monkeypatch.setenv("TORCHPAR_PROGRESS", "1")  # the compile phases' progress bar, forced on without a TTY
     torch.set_float32_matmul_precision("high")
     model = ConvNet()

@@ -11,6 +11,12 @@ import torchpar
 from torchpar.__main__ import main
 from torchpar.planner.plan import Plan
 
+@pytest.fixture(scope="module", autouse=True)
+def session_cluster():
+    """The session's local cluster of 8 devices, whatever an earlier module of this worker left."""
+    torchpar.init(cluster="local", num_devices=8)
+
+
 CONFIG = dict(n_layer=4, n_embd=64, n_head=4, vocab_size=512, n_positions=64)
 
 

@@ -13,6 +13,12 @@ import torchpar
 from torchpar.harness import zoo
 from torchpar.report.hlo import collectives
 
+@pytest.fixture(scope="module", autouse=True)
+def session_cluster():
+    """The session's local cluster of 8 devices, whatever an earlier module of this worker left."""
+    torchpar.init(cluster="local", num_devices=8)
+
+
 STEPS = 5
 LOSS_RTOL = 1e-4  # measured ≤ 4e-7: only the order of the float32 sums differs from the whole batch
 PARAM_RTOL, PARAM_ATOL = 1e-4, 1e-6

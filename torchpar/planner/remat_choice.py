@@ -35,11 +35,13 @@ def choose_remat(make_plan: Callable[[str], Plan], budget_bytes: float) -> Plan:
     option's reason when none fits."""
     plans: dict[str, Plan] = {}
     candidates: list[dict] = []
+    errors: list[ValueError] = []
     for remat in ORDER:
         try:
             plan = make_plan(remat)
         except ValueError as error:
             candidates.append({"remat": remat, "fits": False, "error": str(error).splitlines()[0]})
+            errors.append(error)
             continue
         peak = max(stage.estimated_memory_bytes for stage in plan.stages)
         fits = peak <= budget_bytes
@@ -50,6 +52,8 @@ def choose_remat(make_plan: Callable[[str], Plan], budget_bytes: float) -> Plan:
         else:
             plans[remat] = plan
         candidates.append(row)
+    if not plans and len(errors) == len(ORDER) and len({str(e) for e in errors}) == 1:
+        raise errors[0]  # the same error whatever remat does (a mesh larger than the cluster, a batch that does not split)
     if not plans:
         reasons = "\n  ".join(f"remat={c['remat']!r}: {c['error']}" for c in candidates)
         raise ValueError(f"no plan fits {format_bytes(budget_bytes)} per device with any activation checkpointing:"
