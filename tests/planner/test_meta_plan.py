@@ -51,6 +51,30 @@ def test_a_meta_model_plans_as_the_model_with_weights(method):
         assert abs(ours.estimated_memory_bytes - theirs.estimated_memory_bytes) <= 64 * 1024
 
 
+
+@pytest.mark.parametrize("mixed_precision", ["bf16", "fp16"])
+def test_a_meta_model_is_captured_under_the_autocast_policy_of_the_model_with_weights(mixed_precision):
+    """Meta tensors have no autocast dispatch: without the fake-CPU capture a meta model's matmuls stayed fp32 and
+    its plan priced twice the activation bytes of the model it stands for."""
+    from torchpar.api import capture_train_step
+    from torchpar.capture.precision import autocast_dtype
+
+    def op_dtypes(device: str) -> list[tuple[str, str]]:
+        model, batch = _gpt2(device)
+        graph = capture_train_step(model, batch, None, autocast=autocast_dtype(mixed_precision)).graph
+        return [(node.target, str(node.out)) for node in graph.nodes]
+
+    def products(ops: list[tuple[str, str]]) -> list[tuple[str, str]]:
+        return [op for op in ops if op[0] in ("aten.addmm.default", "aten.mm.default", "aten.bmm.default")]
+
+    meta, real = products(op_dtypes("meta")), products(op_dtypes("cpu"))
+    low = {"bf16": "bfloat16", "fp16": "float16"}[mixed_precision]
+    assert meta == real and sum(out.startswith(low) for _, out in meta) >= 4 * CONFIG["n_layer"]
+    meta_plan = _plan("meta", torchpar.ShardParallel(mesh_shape=(2, 4)), mixed_precision=mixed_precision)
+    real_plan = _plan("cpu", torchpar.ShardParallel(mesh_shape=(2, 4)), mixed_precision=mixed_precision)
+    assert abs(meta_plan.stages[0].estimated_memory_bytes - real_plan.stages[0].estimated_memory_bytes) <= 64 * 1024
+
+
 def test_compiling_a_meta_model_says_it_has_no_weights():
     model, batch = _gpt2("meta")
     with pytest.raises(ValueError, match=r"transformer\.wte\.weight is on the meta device.*torchpar\.plan"):

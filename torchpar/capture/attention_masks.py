@@ -30,6 +30,8 @@ from typing import Any
 import torch
 import torch.fx
 
+from torchpar.capture.meta_models import is_without_data
+
 log = logging.getLogger(__name__)
 
 SDPA = torch.ops.aten.scaled_dot_product_attention.default
@@ -71,7 +73,7 @@ def classify_mask(mask: torch.Tensor, q_len: int, k_len: int) -> str | None:
     """``"full"`` if every query attends every key, ``"causal"`` if exactly ``tril(ones(q_len, k_len))``
     attends (for each leading index), ``None`` for any other mask or one that does not broadcast to
     ``[..., q_len, k_len]``, or a mask without data (a model on the meta device: planning only)."""
-    if mask.device.type == "meta":
+    if is_without_data(mask):
         return None
     if mask.ndim < 2 or mask.shape[-2] not in (1, q_len) or mask.shape[-1] not in (1, k_len):
         return None
