@@ -1,7 +1,7 @@
 """Plan GPT-3 39B on 64 V100s of 16 GB the way Alpa's paper does, from the meta device (no weights are allocated).
 
-    python examples/plan_gpt3_39b.py                       # 48 layers × 8192, 8 hosts × 8 V100 16 GB: no plan fits
-    python examples/plan_gpt3_39b.py --memory-gib 24       # … with 24 GiB devices: a plan
+    python examples/plan_gpt3_39b.py                       # 48 layers × 8192, 8 hosts × 8 V100 16 GB: fits with remat
+    python examples/plan_gpt3_39b.py --memory-gib 12       # … 12 GiB devices: nothing fits, and why
     python examples/plan_gpt3_39b.py --layers 4 --hidden 1024 --heads 16 --batch 64 --micro-batches 8 \\
         --layer-num 4 --hosts 2 --devices-per-host 4     # a small version (what the tests run)
 
@@ -9,8 +9,8 @@ The model is a GPT-2-architecture ``GPT2LMHeadModel`` built inside ``torch.devic
 tensors too. ``torchpar.plan`` captures the training step (AdamW, ``mixed_precision="fp16"``: the V100 has no bf16),
 and ``PipeshardParallel`` clusters it into ``--layer-num`` layers, runs the stage DP over the 8 × 8 cluster priced
 with the ``v100-16g`` preset, and solves each stage's sharding ILP, with activation checkpointing chosen by the
-planner (``remat="auto"``). Every stage must fit the device memory (16 GiB: the planner finds that nothing does,
-and says why; ``--memory-gib`` sets another). The script prints the plan, the planning time, and the
+planner (``remat="auto"``). Every stage must fit the device memory (16 GiB: the planner recomputes each layer,
+``remat="layers"``, to fit; ``--memory-gib`` sets another, and where nothing fits it says why). The script prints the plan, the planning time, and the
 estimated throughput in model TFLOP/s per GPU (6·N·T + 12·L·d·s·T FLOPs per step over the estimated step time:
 an estimate from the cost model at the preset's peak rates, not a measurement) next to Alpa's published figure.
 """

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     import torch
 
     from torchpar.api import Engine
+    from torchpar.metrics import StepMetrics
     from torchpar.methods import Method
     from torchpar.planner.plan import Plan
 
@@ -39,6 +40,7 @@ _LAZY = {  # public name → module defining it (imported on first use)
     "MemoryBudgetError": "torchpar.planner.sharding.ilp",
     "UnsupportedOpsError": "jaxbackend.lower",
     "LoweringError": "jaxbackend.lower",
+    "CheckpointError": "torchpar.checkpoint",
 }
 """``torchpar.Plan`` and the errors a user may catch (``docs/debugging.md`` lists every one)."""
 
@@ -59,6 +61,8 @@ def compile(
     *,
     example_batch: Any,
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    step_fn: Callable[[torch.nn.Module, Any], torch.Tensor] | None = None,
+    forward_fn: Callable[[torch.nn.Module, Any], Any] | None = None,
     method: Method | Plan | None = None,
     grad_clip_norm: float | None = None,
     seed: int = 0,
@@ -69,6 +73,8 @@ def compile(
     matmul_precision: Literal["highest", "high", "medium"] | None = None,
     mixed_precision: Literal["bf16", "fp16"] | None = None,
     remat: Literal["none", "layers", "selective", "auto"] | None = None,
+    log_every: int = 0,
+    on_metrics: Callable[[StepMetrics], None] | None = None,
 ) -> Engine:
     """Capture ``model``'s training step on ``example_batch`` and compile it with ``method``; returns the
     :class:`~torchpar.api.Engine` (``engine.step(batch)``; ``engine.close()``, or use it in a ``with`` block).
@@ -79,6 +85,10 @@ def compile(
       ``model(*batch)``, a tensor → ``model(batch)``. Other batch sizes compile again when first stepped.
     - ``loss_fn``: ``(outputs, batch) -> scalar tensor``; default: a scalar output, else ``outputs.loss`` /
       ``outputs["loss"]``.
+    - ``step_fn``: ``(model, batch) -> scalar loss tensor``, calling the model its own way (``x, y = batch;
+      return F.cross_entropy(model(x), y)``) instead of the calling convention; not with ``loss_fn``.
+    - ``forward_fn``: ``(model, batch) -> outputs``, how ``engine.forward`` calls the model (eval mode); default:
+      the calling convention.
     - ``method``: ``None`` (one device), ``DataParallel``, ``Zero2Parallel``, ``Zero3Parallel``,
       ``MegatronParallel``, ``ShardParallel``, ``PipeshardParallel``, or a saved ``Plan`` to run as given.
     - ``grad_clip_norm``: clip gradients to this global L2 norm before the update (``clip_grad_norm_``);
@@ -104,15 +114,20 @@ def compile(
       recomputes each layer's forward in its backward, keeping its input; ``"selective"`` also keeps its linear
       layers' outputs; ``"none"`` keeps every activation; ``"auto"``: the planner picks the one with the fastest
       estimated step that fits the memory budget. ``None``: a given ``Plan``'s, else ``"none"``.
+    - ``log_every``: log the step's metrics (``engine.last_metrics``: step time, samples/s, tokens/s, MFU, memory)
+      every this many steps on the ``torchpar.metrics`` logger (INFO); ``0``: never.
+    - ``on_metrics``: called after every step with its ``torchpar.metrics.StepMetrics`` (stream them to
+      TensorBoard / wandb with ``metrics.scalars()``).
 
     Bad values raise ``ValueError``/``TypeError`` (each option: :class:`torchpar.api.CompileOptions`).
     """
     from torchpar import api
 
-    return api.compile(model, optimizer, example_batch=example_batch, loss_fn=loss_fn, method=method,
-                       grad_clip_norm=grad_clip_norm, seed=seed, xla_library_fusions=xla_library_fusions, spmd=spmd,
-                       check_inputs=check_inputs, on_nonfinite=on_nonfinite, matmul_precision=matmul_precision,
-                       mixed_precision=mixed_precision, remat=remat)
+    return api.compile(model, optimizer, example_batch=example_batch, loss_fn=loss_fn, step_fn=step_fn,
+                       forward_fn=forward_fn, method=method, grad_clip_norm=grad_clip_norm, seed=seed,
+                       xla_library_fusions=xla_library_fusions, spmd=spmd, check_inputs=check_inputs,
+                       on_nonfinite=on_nonfinite, matmul_precision=matmul_precision, mixed_precision=mixed_precision,
+                       remat=remat, log_every=log_every, on_metrics=on_metrics)
 
 
 def plan(
@@ -121,6 +136,7 @@ def plan(
     *,
     example_batch: Any,
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    step_fn: Callable[[torch.nn.Module, Any], torch.Tensor] | None = None,
     method: Method | None = None,
     explain: bool = True,
     mixed_precision: Literal["bf16", "fp16"] | None = None,
@@ -128,16 +144,26 @@ def plan(
 ) -> Plan:
     """Capture and plan without compiling or running a step (for inspecting and comparing plans).
 
-    ``example_batch``, ``loss_fn`` and ``method`` are :func:`compile`'s. ``explain`` (default): also count each
-    stage's collective bytes by kind and, for one-stage methods, price ShardParallel, DataParallel, Zero2Parallel
-    and MegatronParallel on the same cost model (``plan.solver["method_comparison"]``); a few more solves.
+    ``example_batch``, ``loss_fn``, ``step_fn`` and ``method`` are :func:`compile`'s. ``explain`` (default): also
+    count each stage's collective bytes by kind and, for one-stage methods, price ShardParallel, DataParallel,
+    Zero2Parallel and MegatronParallel on the same cost model (``plan.solver["method_comparison"]``); a few more
+    solves.
     ``mixed_precision`` as in :func:`compile` (the plan then prices the autocast graph's dtypes); ``remat`` as
     in :func:`compile` (priced by the plan's memory and step estimates), the choice in ``plan.remat``.
     """
     from torchpar import api
 
-    return api.plan(model, optimizer, example_batch=example_batch, loss_fn=loss_fn, method=method, explain=explain,
+    return api.plan(model, optimizer, example_batch=example_batch, loss_fn=loss_fn, step_fn=step_fn, method=method,
+                    explain=explain,
                     mixed_precision=mixed_precision, remat=remat)
+
+
+def load_checkpoint(path: str) -> dict[str, torch.Tensor]:
+    """The model's state dict stored in a checkpoint that ``engine.save(path)`` wrote, for ``model.load_state_dict``
+    (no engine needed; read whole on this process). See :mod:`torchpar.checkpoint`."""
+    from torchpar.checkpoint import load_checkpoint as load
+
+    return load(path)
 
 
 def mark_pipeline_boundary(x: Any) -> Any:
@@ -161,6 +187,7 @@ __all__ = [
     "Zero3Parallel",
     "compile",
     "init",
+    "load_checkpoint",
     "mark_pipeline_boundary",
     "plan",
     "shutdown",

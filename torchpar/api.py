@@ -14,6 +14,7 @@ import contextlib
 import logging
 import time
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -21,7 +22,8 @@ import torch
 import torch.utils._pytree as pytree
 
 from torchpar.capture.checkpointing import warn_if_gradient_checkpointing
-from torchpar.capture.export import Capture, LossFn, capture_forward, capture_train_step, dtype_name
+from torchpar.capture.export import (Capture, ForwardFn, LossFn, StepFn, capture_forward, capture_train_step,
+                                     check_model_fn, dtype_name)
 from torchpar.capture.optim import TorchOptimizerBridge
 from torchpar.capture.precision import autocast_dtype, resolve_precisions
 from torchpar.cluster import current_cluster, default_compile_cache
@@ -36,6 +38,7 @@ from torchpar.options import (ON_NONFINITE, SPMD_MODES, CompileOptions, MatmulPr
                               MixedPrecision, OnNonfinite, Remat, SpmdMode)
 from torchpar.planner.remat import check_remat
 from torchpar.progress import CompilePhases
+from torchpar import metrics as _metrics
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +48,8 @@ def compile(
     *,
     example_batch: Any,
     loss_fn: LossFn | None = None,
+    step_fn: StepFn | None = None,
+    forward_fn: ForwardFn | None = None,
     method: Method | Plan | None = None,
     grad_clip_norm: float | None = None,
     seed: int = 0,
@@ -55,6 +60,8 @@ def compile(
     matmul_precision: MatmulPrecision | None = None,
     mixed_precision: MixedPrecision | None = None,
     remat: Remat | None = None,
+    log_every: int = 0,
+    on_metrics: Callable[[_metrics.StepMetrics], None] | None = None,
 ) -> "Engine":
     """Capture ``model``'s training step on ``example_batch`` and compile it with ``method``.
 
@@ -71,17 +78,29 @@ def compile(
     if method is not None and not isinstance(method, (DataParallel, Zero2Parallel, Zero3Parallel, MegatronParallel,
                                                       ShardParallel, PipeshardParallel, Plan)):
         raise TypeError(f"method must be None, a torchpar parallel method or a Plan, got {type(method).__name__}")
+    _check_model_fns(loss_fn, step_fn, forward_fn)
     options = CompileOptions(grad_clip_norm=grad_clip_norm, seed=seed, xla_library_fusions=xla_library_fusions,
                              spmd=spmd, check_inputs=check_inputs, on_nonfinite=on_nonfinite,
-                             matmul_precision=matmul_precision, mixed_precision=mixed_precision, remat=remat)
+                             matmul_precision=matmul_precision, mixed_precision=mixed_precision, remat=remat,
+                             log_every=log_every, on_metrics=on_metrics)
     warn_if_gradient_checkpointing(model, stacklevel=3)  # the caller of torchpar.compile
     default_compile_cache()
-    return Engine(model, optimizer, example_batch, loss_fn, options, method)
+    return Engine(model, optimizer, example_batch, loss_fn, options, method, step_fn=step_fn, forward_fn=forward_fn)
+
+
+def _check_model_fns(loss_fn: LossFn | None, step_fn: StepFn | None, forward_fn: ForwardFn | None) -> None:
+    """``step_fn`` / ``forward_fn`` take exactly ``(model, batch)``; ``step_fn`` excludes ``loss_fn``."""
+    if step_fn is not None and loss_fn is not None:
+        raise ValueError("pass step_fn or loss_fn, not both: step_fn(model, batch) calls the model and returns the "
+                         "loss itself (fold the loss_fn into it)")
+    for name, fn in (("step_fn", step_fn), ("forward_fn", forward_fn)):
+        if fn is not None:
+            check_model_fn(fn, name)
 
 
 def plan(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, example_batch: Any,
-         loss_fn: LossFn | None = None, method: Method | None = None, explain: bool = True,
-         mixed_precision: MixedPrecision | None = None, remat: Remat = "none") -> Plan:
+         loss_fn: LossFn | None = None, step_fn: StepFn | None = None, method: Method | None = None,
+         explain: bool = True, mixed_precision: MixedPrecision | None = None, remat: Remat = "none") -> Plan:
     """The plan ``method`` gives the model's training step, without XLA compilation or a step (for inspecting
     and comparing plans). Capture and planning phases are timed in ``plan.timings``.
 
@@ -92,11 +111,12 @@ def plan(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, example_ba
     :func:`compile`: the plan prices it (kept activations in memory, recomputed FLOPs in the step); ``"auto"`` lets the
     planner pick (``plan.remat``, ``plan.solver["remat"]``)."""
     check_remat(remat, allow_auto=True)
+    _check_model_fns(loss_fn, step_fn, None)
     warn_if_gradient_checkpointing(model, stacklevel=3)  # the caller of torchpar.plan
     start = time.perf_counter()
     pipeshard = isinstance(method, PipeshardParallel)
     batch = _first_micro_batch(example_batch, getattr(method, "num_micro_batches", 1))
-    capture = capture_train_step(model, batch, loss_fn, autocast=autocast_dtype(mixed_precision))
+    capture = capture_train_step(model, batch, loss_fn, autocast=autocast_dtype(mixed_precision), step_fn=step_fn)
     capture_s = time.perf_counter() - start
     names = dict(model.named_parameters())
     spec = TorchOptimizerBridge(optimizer, {id(p): n for n, p in names.items()}).spec
@@ -130,7 +150,8 @@ class Engine:
     """A compiled training step bound to a model and optimizer. Create it with :func:`torchpar.compile`."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, example_batch: Any,
-                 loss_fn: LossFn | None, options: CompileOptions, method: Method | Plan | None = None):
+                 loss_fn: LossFn | None, options: CompileOptions, method: Method | Plan | None = None, *,
+                 step_fn: StepFn | None = None, forward_fn: ForwardFn | None = None):
         on_meta = next((name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta), None)
         if on_meta is not None:
             raise ValueError(f"{on_meta} is on the meta device: the model has no weights to train. torchpar.plan(...) "
@@ -144,6 +165,11 @@ class Engine:
         self.options = options
         self.method = method
         self._loss_fn = loss_fn
+        self._step_fn = step_fn
+        self._forward_fn = forward_fn
+        self._step_record: dict[str, Any] | None = None  # the last step's raw facts, for last_metrics
+        self._last_metrics: _metrics.StepMetrics | None = None
+        self._memory_by_signature: dict[tuple, dict[int, int] | None] = {}
         self._timings: dict[str, float] = {}
         self._param_names = dict(model.named_parameters())  # tied tensors keep their first name
         self._buffer_names = dict(model.named_buffers())
@@ -265,9 +291,13 @@ class Engine:
     # --- public API --------------------------------------------------------------------------------
 
     def step(self, batch: Any) -> float:
-        """One optimizer step on ``batch``; returns the loss (before the update) as a float."""
+        """One optimizer step on ``batch``; returns the loss (before the update) as a float. Its measurements are
+        then in :attr:`last_metrics`."""
+        started = time.perf_counter()
         signature = _signature(batch)
         self._check_compatible(signature, batch)
+        recompiled = signature not in (self._step_graphs if self._pipelined else self._captures)
+        loss_scale = self.loss_scale
         if self._pipelined:
             if signature not in self._step_graphs:
                 self._compile_pipeline_shapes(signature, batch)
@@ -293,9 +323,61 @@ class Engine:
                 self._guard.skipped_steps += 1
                 log.info("torchpar: step %d overflowed in fp16; update skipped, loss scale now %g", step,
                          self._loss_scaler.scale)
+                self._record_step(batch, signature, result, started, loss_scale, recompiled)
                 return result.loss
         self._guard.after_step(step, result.loss, result.finite, lambda: self._culprit(batch))
+        self._record_step(batch, signature, result, started, loss_scale, recompiled)
         return result.loss
+
+    def _record_step(self, batch: Any, signature: tuple, result: Any, started: float, loss_scale: float | None,
+                     recompiled: bool) -> None:
+        """Keep the step's raw facts for :attr:`last_metrics`; log them every ``log_every`` steps and hand them to
+        ``on_metrics`` (the metrics are derived only when someone reads them)."""
+        self._step_record = dict(step=self._steps_taken, loss=result.loss, step_time_s=time.perf_counter() - started,
+                                 signature=signature, tokens=_metrics.count_tokens(batch), loss_scale=loss_scale,
+                                 update_skipped=not result.finite, recompiled=recompiled)
+        self._last_metrics = None
+        log_every, callback = self.options.log_every, self.options.on_metrics
+        if log_every and self._steps_taken % log_every == 0:
+            logging.getLogger("torchpar.metrics").info("torchpar: %s", _metrics.format_line(self.last_metrics))
+        if callback is not None:
+            callback(self.last_metrics)
+
+    @property
+    def last_metrics(self) -> _metrics.StepMetrics | None:
+        """The last step's :class:`torchpar.metrics.StepMetrics` (step time, samples/s, tokens/s, model FLOPs, MFU,
+        per-device memory, compile timings, loss, loss scale); ``None`` before the first step. Derived when first
+        read (the memory once per batch signature: a pipeline compiles its stages once more to read it)."""
+        record = self._step_record
+        if self._last_metrics is None and record is not None:
+            signature = record["signature"]
+            precision = _metrics.step_precision(self.options.mixed_precision, self._numerics.effective().matmul,
+                                                [dtype_name(p.dtype) for p in self._param_names.values()])
+            cluster = current_cluster()
+            self._last_metrics = _metrics.step_metrics(
+                step=record["step"], loss=record["loss"], step_time_s=record["step_time_s"],
+                samples=_metrics.count_samples([shape for shape, _ in signature[1]]), tokens=record["tokens"],
+                flops_per_step=_metrics.model_flops_per_step(self._step_graphs[signature], self._micro_batches),
+                precision=precision, peak_per_device=_metrics.peak_flops_per_device(cluster, precision),
+                num_devices=len({d for stage in self._plan.stages for d in stage.devices()}),
+                memory_bytes=self._memory_bytes(signature), compile_timings=self.plan.timings,
+                loss_scale=record["loss_scale"], update_skipped=record["update_skipped"],
+                recompiled=record["recompiled"])
+        return self._last_metrics
+
+    def _memory_bytes(self, signature: tuple) -> dict[int, int] | None:
+        """Per-device bytes of each stage's executables for ``signature`` (read once), ``None`` if unavailable."""
+        from torchpar.runtime.resources import executable_peak_bytes
+
+        if signature not in self._memory_by_signature:
+            try:
+                stats = self.memory_stats()
+            except Exception as error:  # noqa: BLE001 (metrics must not fail a step; the reason is logged)
+                log.warning("torchpar: no memory statistics for the step's metrics: %s", error)
+                stats = None
+            self._memory_by_signature[signature] = (
+                None if stats is None else {stage: executable_peak_bytes(s) for stage, s in stats.items()})
+        return self._memory_by_signature[signature]
 
     @property
     def loss_scale(self) -> float | None:
@@ -340,7 +422,8 @@ class Engine:
         signature = _signature(batch)
         self._check_compatible(signature, batch)
         if signature not in self._eval:
-            self._eval[signature] = capture_forward(self.model, batch, autocast=self._autocast)
+            self._eval[signature] = capture_forward(self.model, batch, autocast=self._autocast,
+                                                    forward_fn=self._forward_fn)
         capture = self._eval[signature]
         self._guard.learn(("eval", signature), capture.graph)
         leaves = self._host_leaves(("eval", signature), batch)
@@ -397,6 +480,36 @@ class Engine:
             log.warning("checkpoint seed %s differs from this engine's seed %s; using the checkpoint's",
                         state["seed"], self.options.seed)
             self._base_key = self._jax.random.key(int(state["seed"]))
+
+    def save(self, path: str, *, scheduler: Any = None) -> Any:
+        """Write a sharded checkpoint at ``path`` (a directory): every process writes the shards it holds (safetensors
+        files) and an ``index.json`` maps each tensor to its pieces; atomic (a save killed midway leaves the previous
+        checkpoint at ``path``). Holds the state, optimizer counters and ``param_groups`` hyper-parameters, step
+        count, PRNG key, loss scale and ``scheduler``'s state. Returns the path. See :mod:`torchpar.checkpoint`."""
+        from torchpar.checkpoint import save
+
+        return save(self, path, scheduler=scheduler)
+
+    def load(self, path: str, *, scheduler: Any = None) -> None:
+        """Restore a checkpoint written by :meth:`save` by an engine of any plan (another method, mesh, pipeline or
+        runtime): each process reads only the slices its devices hold under this engine's plan."""
+        from torchpar.checkpoint import load
+
+        load(self, path, scheduler=scheduler)
+
+    def export_torch_state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's weights as ``model.state_dict()`` keys them (CPU tensors, the model's dtypes), for
+        ``model.load_state_dict``; gathers the whole model (not the optimizer state) to this process."""
+        from torchpar.checkpoint import export_torch_state_dict
+
+        return export_torch_state_dict(self)
+
+    def save_pretrained(self, directory: str, **kwargs: Any) -> None:
+        """A HuggingFace model's ``save_pretrained(directory, **kwargs)`` with the engine's current weights (copied
+        into the torch model first): ``config.json`` + ``model.safetensors``, loadable with ``from_pretrained``."""
+        from torchpar.checkpoint import save_pretrained
+
+        save_pretrained(self, directory, **kwargs)
 
     def close(self) -> None:
         """Free the engine's workers (the Ray actors and what they hold); the engine is unusable afterwards.
@@ -502,7 +615,7 @@ class Engine:
         from jaxbackend.lower import check_supported
 
         start = time.perf_counter()
-        capture = capture_train_step(self.model, batch, self._loss_fn, autocast=self._autocast)
+        capture = capture_train_step(self.model, batch, self._loss_fn, autocast=self._autocast, step_fn=self._step_fn)
         self._timings["capture"] = time.perf_counter() - start
         check_supported(capture.graph)
         return capture

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from collections.abc import Callable
+from typing import Any, Literal
 
 from torchpar.capture.precision import autocast_dtype, resolve_precisions
 from torchpar.planner.remat import check_remat
@@ -66,7 +67,20 @@ class CompileOptions:
     container (``model.layers.3``). Losses are those without remat. ``None``: a given ``Plan``'s ``remat``, else
     ``"none"``. The plan (``plan.remat``) says which ran."""
 
+    log_every: int = 0
+    """Log one line of the step's metrics (:class:`torchpar.metrics.StepMetrics`: loss, step time, samples/s,
+    tokens/s, model FLOPs, MFU, memory) every this many steps, on the ``torchpar.metrics`` logger at level INFO
+    (``logging.basicConfig(level=logging.INFO)`` shows it); ``0`` = never."""
+    on_metrics: Callable[[Any], None] | None = None
+    """Called after every step with its :class:`torchpar.metrics.StepMetrics` (``engine.last_metrics``), e.g. to
+    stream them to TensorBoard or wandb (``metrics.scalars()``); its exceptions propagate from ``step``."""
+
     def __post_init__(self) -> None:
+        if isinstance(self.log_every, bool) or not isinstance(self.log_every, int) or self.log_every < 0:
+            raise ValueError(f"log_every must be an int ≥ 0 (0 = off), got {self.log_every!r}")
+        if self.on_metrics is not None and not callable(self.on_metrics):
+            raise TypeError(f"on_metrics must be a callable taking the step's metrics, got a "
+                            f"{type(self.on_metrics).__name__}")
         if self.grad_clip_norm is not None and not self.grad_clip_norm > 0:
             raise ValueError(f"grad_clip_norm must be positive or None, got {self.grad_clip_norm}")
         if self.spmd not in SPMD_MODES:

@@ -10,6 +10,7 @@ import pytest
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 RUNS = {
+    "classifier_step_fn.py": ["--steps", "2"],
     "compare_loss.py": ["--model", "mlp", "--steps", "3", "--plot", ""],
     "hf_llama_shard.py": ["--steps", "2"],
     "vit_data_parallel.py": ["--steps", "2"],
@@ -18,6 +19,7 @@ RUNS = {
     # 4 layers only give it more candidates to plan and compile (~2x the run time)
     "hf_gpt2_pipeshard.py": ["--steps", "2", "--layers", "2"],
     "ray_data_parallel.py": ["--steps", "2"],
+    "resume_from_checkpoint.py": ["--steps", "2"],
     # the 48-layer model plans in ~30 s; a small one takes the same path
     "plan_gpt3_39b.py": ["--layers", "4", "--hidden", "1024", "--heads", "16", "--batch", "64", "--micro-batches", "8",
                          "--layer-num", "4", "--hosts", "2", "--devices-per-host", "4", "--out", "/dev/null"],

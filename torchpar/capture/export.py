@@ -2,7 +2,8 @@
 
 The model is wrapped so that the exported program computes exactly what the user's loop computes:
 ``model(**batch)`` / ``model(*batch)`` / ``model(batch)``, then the loss selected as DESIGN.md §2
-states. Export is non-strict, then ``run_decompositions()`` reduces the graph to core ATen, except
+states; or, given a ``step_fn(model, batch) -> loss`` (``forward_fn(model, batch) -> outputs`` for the eval
+forward), that function, which calls the model its own way. Export is non-strict, then ``run_decompositions()`` reduces the graph to core ATen, except
 ``scaled_dot_product_attention``, which stays one op (a fused lowering, one node for the planner); a
 mask it receives that is the same for every batch (causal or all True) becomes its ``is_causal`` flag
 (:mod:`torchpar.capture.attention_masks`).
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import logging
 import time
 from collections.abc import Callable
@@ -30,6 +32,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 from torchpar.capture.attention_masks import fold_static_attention_masks
 from torchpar.capture.boundary import BOUNDARY_TARGET
 from torchpar.capture.errors import dynamic_shape_error, translate_export_error
+from torchpar.capture.meta_models import as_fake_cpu, is_without_data, on_meta_device
 from torchpar.capture.precision import autocast_device
 from torchpar.ir.costs import op_flops
 from torchpar.ir.graph import DType, Graph, Input, Node, Output, Ref, TensorMeta
@@ -37,6 +40,10 @@ from torchpar.ir.graph import DType, Graph, Input, Node, Output, Ref, TensorMeta
 log = logging.getLogger(__name__)
 
 LossFn = Callable[[Any, Any], torch.Tensor]
+StepFn = Callable[[torch.nn.Module, Any], torch.Tensor]
+"""``step_fn(model, batch) -> scalar loss``: calls the model as it likes (``compile(step_fn=...)``)."""
+ForwardFn = Callable[[torch.nn.Module, Any], Any]
+"""``forward_fn(model, batch) -> outputs``: the eval forward's call of the model (``compile(forward_fn=...)``)."""
 
 # Ops kept whole instead of decomposed to core ATen (each has a direct lowering).
 _KEEP_UNDECOMPOSED = ("scaled_dot_product_attention.default",)
@@ -74,6 +81,8 @@ def call_args_to_batch(batch_type: type, args: tuple[Any, ...], kwargs: dict[str
     """Inverse of :func:`batch_to_call_args`, for handing the batch to a ``loss_fn``."""
     if issubclass(batch_type, dict):
         return kwargs
+    if issubclass(batch_type, tuple) and hasattr(batch_type, "_fields"):  # a namedtuple
+        return batch_type(*args)
     if issubclass(batch_type, (tuple, list)):
         return batch_type(args)
     return args[0]
@@ -99,6 +108,62 @@ def select_loss(outputs: Any, batch: Any, loss_fn: LossFn | None) -> torch.Tenso
         shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
         raise ValueError(f"the loss must be a scalar tensor, got {shape}; reduce it (e.g. .mean()) in loss_fn")
     return loss
+
+
+def check_model_fn(fn: Any, name: str) -> None:
+    """A ``TypeError`` unless ``fn`` is a callable taking exactly ``(model, batch)`` (checked with
+    :func:`inspect.signature`, before anything is traced); ``name`` is the keyword it was given as."""
+    if not callable(fn):
+        raise TypeError(f"{name} must be a function (model, batch) -> ..., got a {type(fn).__name__}")
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin without a signature: its call will tell
+        return
+    try:
+        signature.bind(object(), object())
+    except TypeError as error:
+        raise TypeError(f"{name} must take exactly two positional arguments (model, batch); "
+                        f"{getattr(fn, '__name__', name)}{signature} cannot be called so ({error}). "
+                        f"Write it as def {name}(model, batch): ...") from None
+
+
+def _scalar_loss(loss: Any, name: str) -> torch.Tensor:
+    """``loss`` if it is a scalar tensor, else an error saying what ``name`` returned instead."""
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(f"{name} must return the loss as a scalar torch.Tensor, got a {type(loss).__name__}")
+    if loss.dim() != 0:
+        raise ValueError(f"{name} must return a scalar loss, got a tensor of shape {list(loss.shape)}; reduce it "
+                         "(e.g. .mean(), or F.cross_entropy's default reduction='mean')")
+    return loss
+
+
+class _StepFnModule(torch.nn.Module):
+    """Calls ``step_fn(model, batch)`` and returns its scalar loss (the exported training step of
+    ``compile(step_fn=...)``). The model is the child ``model``, so its parameters keep their names once the
+    ``model.`` prefix is stripped, as with :class:`_LossModule`."""
+
+    def __init__(self, model: torch.nn.Module, batch_type: type, step_fn: StepFn):
+        super().__init__()
+        self.model = model
+        self._batch_type = batch_type
+        self._step_fn = step_fn
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return _scalar_loss(self._step_fn(self.model, call_args_to_batch(self._batch_type, args, kwargs)), "step_fn")
+
+
+class _ForwardFnModule(torch.nn.Module):
+    """Calls ``forward_fn(model, batch)`` and returns what it returns (the eval forward of
+    ``compile(forward_fn=...)``)."""
+
+    def __init__(self, model: torch.nn.Module, batch_type: type, forward_fn: ForwardFn):
+        super().__init__()
+        self.model = model
+        self._batch_type = batch_type
+        self._forward_fn = forward_fn
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._forward_fn(self.model, call_args_to_batch(self._batch_type, args, kwargs))
 
 
 class _LossModule(torch.nn.Module):
@@ -127,21 +192,29 @@ class _ForwardModule(torch.nn.Module):
 
 
 def capture_train_step(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None = None, *,
-                       autocast: torch.dtype | None = None) -> Capture:
+                       autocast: torch.dtype | None = None, step_fn: StepFn | None = None) -> Capture:
     """Export ``model`` in train mode on ``batch`` into a graph whose single output is the loss
-    (plus the new values of mutated buffers).
+    (plus the new values of mutated buffers). ``step_fn``: the loss is ``step_fn(model, batch)`` instead of the
+    calling convention and ``loss_fn`` (not both).
 
     ``autocast``: export under ``torch.autocast(device, autocast)``, ``device`` the type of the device the model
     lives on (:func:`torchpar.capture.precision.autocast_device`), so PyTorch's own casting policy (which ops
     run in the low dtype, which stay float32) is in the graph as explicit casts; the parameters stay in their
     dtype (the float32 master weights of mixed precision), and the backward ``jax.grad`` derives casts their
     gradients back."""
-    return _capture(_LossModule(model, type(batch), loss_fn), model, batch, training=True, autocast=autocast)
+    if step_fn is not None:
+        if loss_fn is not None:
+            raise ValueError("pass step_fn or loss_fn, not both: step_fn(model, batch) returns the loss itself")
+        wrapper: torch.nn.Module = _StepFnModule(model, type(batch), step_fn)
+    else:
+        wrapper = _LossModule(model, type(batch), loss_fn)
+    return _capture(wrapper, model, batch, training=True, autocast=autocast, own_call=step_fn is not None)
 
 
-def capture_forward(model: torch.nn.Module, batch: Any, *, autocast: torch.dtype | None = None) -> Capture:
-    """Export ``model`` in eval mode on ``batch``; the graph's outputs are the model's outputs.
-    ``autocast`` as in :func:`capture_train_step`.
+def capture_forward(model: torch.nn.Module, batch: Any, *, autocast: torch.dtype | None = None,
+                    forward_fn: ForwardFn | None = None) -> Capture:
+    """Export ``model`` in eval mode on ``batch``; the graph's outputs are the model's outputs (``forward_fn``:
+    ``forward_fn(model, batch)``'s). ``autocast`` as in :func:`capture_train_step`.
 
     HuggingFace models are exported with ``config.use_cache = False``: a KV cache object is not a tensor
     output (and training-style evaluation does not need it)."""
@@ -150,14 +223,15 @@ def capture_forward(model: torch.nn.Module, batch: Any, *, autocast: torch.dtype
     if use_cache:
         config.use_cache = False
     try:
-        return _capture(_ForwardModule(model), model, batch, training=False, autocast=autocast)
+        wrapper = _ForwardModule(model) if forward_fn is None else _ForwardFnModule(model, type(batch), forward_fn)
+        return _capture(wrapper, model, batch, training=False, autocast=autocast, own_call=forward_fn is not None)
     finally:
         if use_cache:
             config.use_cache = use_cache
 
 
 def _capture(wrapper: torch.nn.Module, model: torch.nn.Module, batch: Any, *, training: bool,
-             autocast: torch.dtype | None = None) -> Capture:
+             autocast: torch.dtype | None = None, own_call: bool = False) -> Capture:
     args, kwargs = batch_to_call_args(batch)
     leaves, in_spec = pytree.tree_flatten((args, kwargs))
     for path, leaf in zip(_leaf_paths(args, kwargs), leaves):
@@ -171,10 +245,13 @@ def _capture(wrapper: torch.nn.Module, model: torch.nn.Module, batch: Any, *, tr
         # dispatcher inserts its casts); the exported program itself does not record an ambient autocast
         casting = (torch.autocast(autocast_device(model, leaves), autocast) if autocast is not None
                    else contextlib.nullcontext())
-        with casting:
+        # a meta model has no autocast dispatch: under autocast it is captured as fake CPU tensors (meta_models)
+        fake_cpu = (as_fake_cpu(model, args, kwargs) if autocast is not None and on_meta_device(model)
+                    else contextlib.nullcontext((args, kwargs)))
+        with casting, fake_cpu as (args, kwargs):
             t0 = time.perf_counter()
             with torch.no_grad() if not training else contextlib.nullcontext():
-                exported = _export(wrapper, args, kwargs, model, batch)
+                exported = _export(wrapper, args, kwargs, model, batch, own_call=own_call)
             t1 = time.perf_counter()
             table = torch.export.default_decompositions()
             for op in list(table):
@@ -218,16 +295,22 @@ def _unaliased(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any
 
 
 def _export(wrapper: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], model: torch.nn.Module,
-            batch: Any) -> ExportedProgram:
+            batch: Any, *, own_call: bool = False) -> ExportedProgram:
     """``torch.export.export(wrapper, args, kwargs, strict=False)`` with static shapes.
 
     Export failures the user can act on are raised as :class:`CaptureError` (the torch error is its
     ``__cause__``); other errors propagate unchanged. A program that exported with a data-dependent shape
-    (torchpar compiles static shapes) raises :class:`CaptureError` too.
+    (torchpar compiles static shapes) raises :class:`CaptureError` too. ``own_call``: a ``step_fn`` /
+    ``forward_fn`` calls the model, so a bad call of ``forward`` is that function's, not the calling convention's
+    (the ``TypeError`` says so instead of explaining how torchpar unpacks the batch).
     """
     try:
         exported = torch.export.export(wrapper, args, kwargs, strict=False)
     except Exception as e:
+        forward_name = getattr(getattr(model, "forward", None), "__qualname__", None)
+        if own_call and isinstance(e, TypeError) and forward_name and str(e).startswith(f"{forward_name}()"):
+            raise TypeError(f"{e} (a step_fn / forward_fn calls the model itself: torchpar passes it (model, batch) "
+                            "with the batch as it is, unpacked by nothing)") from e
         translated = translate_export_error(e, model, batch=batch)
         if translated is None:
             raise
@@ -354,7 +437,7 @@ def tensor_to_numpy(tensor: torch.Tensor) -> np.ndarray:
 def _constant_value(tensor: torch.Tensor) -> np.ndarray:
     """A constant's host value; a constant on the meta device (a model built there, to be planned, never run) has
     none: a read-only array of its shape and dtype, all zeros, that takes no memory (a broadcast scalar)."""
-    if tensor.device.type == "meta":
+    if is_without_data(tensor):
         return np.broadcast_to(tensor_to_numpy(torch.zeros((), dtype=tensor.dtype)), tuple(tensor.shape))
     return tensor_to_numpy(tensor)
 

@@ -100,7 +100,9 @@ def plan_pipeline(graph: Graph, method: PipeshardParallel, cluster: ClusterSpec,
                 continue
         seen = {str(partition)}
         for candidate in sorted(alternatives, key=lambda p: p.cost_s):
-            if str(candidate) not in seen and math.isfinite(candidate.cost_s):
+            # a uniform split over the budget by the stage DP's memory model (the ILP's minimum) is not a candidate
+            fits = all(stage.memory_bytes <= cluster.device_memory_bytes for stage in candidate.stages)
+            if str(candidate) not in seen and math.isfinite(candidate.cost_s) and fits:
                 seen.add(str(candidate))
                 runners_up.append(candidate)
         runners_up = runners_up[:REFINED_CANDIDATES - 1]

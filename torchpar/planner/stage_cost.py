@@ -62,7 +62,9 @@ class AnalyticStageCost:
         memory_bytes    = (P·(2 + optimizer_state_copies) + Q) / b      (weights, grads, optimizer state
                           + R / (a·b)                                    replicated over axis 0; one layer
                                                                          live again while recomputed)
-        activation_bytes = A / (a·b)
+        activation_bytes = (A + I) / (a·b)                              (I: the stage's inputs, held per
+                                                                         micro-batch in flight, as the ILP
+                                                                         holds its input roots)
 
     Under activation checkpointing (``remat``, priced by :func:`torchpar.planner.remat.remat_memory` as the ILP
     prices it) ``A`` counts only the outputs kept for the backward, ``R`` is the largest model layer's dropped
@@ -106,9 +108,11 @@ class AnalyticStageCost:
                 if n.name in group_of:
                     dropped[group_of[n.name]] = dropped.get(group_of[n.name], 0.0) + n.out_bytes
             self._dropped.append(dropped)
+        self._entering = _entering_values(graph, layering)
         self._range = lru_cache(maxsize=None)(self._range_totals)
 
-    def _range_totals(self, first: int, last: int) -> tuple[float, float, float, float, tuple[int, ...], float, float]:
+    def _range_totals(self, first: int, last: int
+                      ) -> tuple[float, float, float, float, tuple[int, ...], float, float, float]:
         layers = range(first, last + 1)
         params = frozenset().union(*(self._params[l] for l in layers))
         buffers = frozenset().union(*(self._buffers[l] for l in layers)) - params
@@ -122,7 +126,9 @@ class AnalyticStageCost:
                 float(sum(self._activation[l] for l in layers)),
                 tuple(self.layering.boundary_bytes[l] for l in layers),
                 float(sum(self._recomputed_flops[l] for l in layers)),
-                max(dropped.values(), default=0.0))
+                max(dropped.values(), default=0.0),
+                float(sum(nbytes for defined, readers, nbytes in self._entering
+                          if defined < first and any(first <= r <= last for r in readers))))
 
     def parameter_bytes(self, first_layer: int, last_layer: int) -> float:
         """Bytes of the distinct parameters layers ``first_layer..last_layer`` read."""
@@ -133,7 +139,8 @@ class AnalyticStageCost:
         data, tensor = logical
         if data * tensor != devices:
             raise ValueError(f"logical mesh {logical} does not have the {devices} devices of submesh {submesh}")
-        flops, params, buffers, activations, entering, recomputed, recomputed_peak = self._range(first_layer, last_layer)
+        (flops, params, buffers, activations, entering, recomputed, recomputed_peak,
+         received) = self._range(first_layer, last_layer)
         mesh = stage_mesh((data, tensor), self.cluster, submesh)
         compute = (3.0 * flops + recomputed) / (devices * self.cluster.device_flops)
         communication = (mesh.all_reduce(params / tensor, [0]) / self.num_micro_batches
@@ -141,7 +148,25 @@ class AnalyticStageCost:
         return StageCost(
             latency_s=compute + communication,
             memory_bytes=(params * (2.0 + self.optimizer_state_copies) + buffers) / tensor + recomputed_peak / devices,
-            activation_bytes=activations / devices,
+            activation_bytes=(activations + received) / devices,
             compute_s=compute,
             communication_s=communication,
         )
+
+
+def _entering_values(graph: Graph, layering: Layering) -> list[tuple[int, tuple[int, ...], int]]:
+    """Every activation a layer reads from an earlier layer, and every batch input: ``(layer defining it (−1 for a
+    batch input), layers reading it, bytes)``. A stage of layers ``k..i`` receives those defined before ``k`` and
+    read in ``k..i`` (views count as the value they view, as :func:`torchpar.planner.slicing.slice_stages` sends)."""
+    kinds = {i.name: i.kind for i in graph.inputs}
+    sizes = {i.name: i.meta.nbytes for i in graph.inputs if i.kind == "input"}
+    defined: dict[str, int] = {name: -1 for name in sizes}
+    readers: dict[str, set[int]] = {}
+    for node in graph.nodes:
+        layer = layering.layer_of[node.name]
+        defined[node.name] = layer
+        sizes[node.name] = node.out_bytes
+        for ref in node.refs():
+            if kinds.get(ref, "input") == "input" and ref in defined and defined[ref] < layer:
+                readers.setdefault(ref, set()).add(layer)
+    return [(defined[name], tuple(sorted(layers)), sizes[name]) for name, layers in readers.items()]

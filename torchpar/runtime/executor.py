@@ -4,6 +4,8 @@ An :class:`Executor` is built from an :class:`~.worker.ExecutionSpec` (the plan,
 optimizer spec, run options) and answers
 
 - ``load_state(HostState)`` / ``export_state() → HostState``: the training state in and out, as host arrays;
+- ``save_shards(directory) → manifest`` / ``load_checkpoint(directory, tensors)``: the state to and from a sharded
+  checkpoint on disk, every worker writing and reading its own shards (:mod:`.checkpoint_io`);
 - ``compile_step(key, graph, trainable, leaves, scalars)``: one-stage plans compile one step per batch
   signature ``key`` (pipelines compile their stages in ``warm_up``, and again for other batch shapes in
   ``compile_shapes(key, stage_graphs, scalars)``);
@@ -112,14 +114,52 @@ class Executor:
                                  opt_state={n: e for n, e in state.opt_state.items() if n not in params})
         self._call("load", state, what="loading the training state")
 
-    def export_state(self) -> HostState:
+    def export_state(self, kinds: tuple[str, ...] = ("param", "buffer", "state")) -> HostState:
+        """The state as host arrays on this process (all of it: for checkpoints of large models see
+        :meth:`save_shards`); ``kinds`` picks parameters, buffers and optimizer state (``"state"``)."""
         self._check_open()
-        entries = [entry for part in self._call("export", what="exporting the training state") for entry in part]
+        entries = [entry for part in self._call("export", kinds, what="exporting the training state") for entry in part]
         state = collect_state(entries)
-        state.params = {**self._unheld.params, **state.params}
-        state.buffers = {**self._unheld.buffers, **state.buffers}
-        state.opt_state = {n: state.opt_state.get(n, self._unheld.opt_state.get(n, {})) for n in self._state_names}
+        state.params = {**self._unheld.params, **state.params} if "param" in kinds else {}
+        state.buffers = {**self._unheld.buffers, **state.buffers} if "buffer" in kinds else {}
+        state.opt_state = ({n: state.opt_state.get(n, self._unheld.opt_state.get(n, {})) for n in self._state_names}
+                           if "state" in kinds else {})
         return state
+
+    def save_shards(self, directory: str) -> dict[str, Any]:
+        """Every worker writes the pieces of the state it holds into ``directory`` (in parallel, one file per
+        device), the driver the entries no worker holds; returns the merged manifest (:mod:`.checkpoint_io`)."""
+        from torchpar.runtime.checkpoint_io import merge_manifests, tensor_key, write_shards
+
+        self._check_open()
+        manifests = self._call("save_shards", directory, what="writing the checkpoint's shards",
+                               timeout_s=self.compile_timeout_s)
+        unheld = [*((tensor_key("param", n), v) for n, v in self._unheld.params.items()),
+                  *((tensor_key("buffer", n), v) for n, v in self._unheld.buffers.items()),
+                  *((tensor_key("state", (n, k)), v) for n, e in self._unheld.opt_state.items() for k, v in e.items())]
+        if unheld:
+            manifests.append(write_shards(directory, [(k, np.asarray(v)) for k, v in unheld], writer="driver"))
+        return merge_manifests(manifests)
+
+    def load_checkpoint(self, directory: str, tensors: dict[str, Any]) -> list[dict[str, int]]:
+        """Load the state from a sharded checkpoint: each worker reads the slices its devices hold under this plan
+        (``tensors``: the index's entries, names checked by the caller); entries no worker holds are read here.
+        Returns each worker's ``{"rank", "bytes_read"}``."""
+        from torchpar.runtime.checkpoint_io import CheckpointSource, ShardReader, tensor_key
+
+        self._check_open()
+        with ShardReader(directory, tensors) as reader:
+            source = CheckpointSource(reader)
+            self._state_names = {n: list(keys) for n, keys in source.opt_state.items()}
+            params, buffers = self._held_names()
+            read = lambda kind, name: reader.read(tensor_key(kind, name))  # noqa: E731
+            self._unheld = HostState(
+                params={n: read("param", n) for n in source.params if n not in params},
+                buffers={n: read("buffer", n) for n in source.buffers if n not in buffers},
+                opt_state={n: {k: read("state", (n, k)) for k in keys}
+                           for n, keys in source.opt_state.items() if n not in params})
+        return self._call("load_checkpoint", directory, tensors, what="loading the checkpoint",
+                          timeout_s=self.compile_timeout_s)
 
     def _held_names(self) -> tuple[set[str] | Any, set[str] | Any]:
         """Names of the parameters and buffers some worker holds (one-stage plans: all of them)."""

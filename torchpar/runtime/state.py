@@ -14,7 +14,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from torchpar.runtime.arrays import assemble, to_host
+from torchpar.runtime.arrays import assemble, put, to_host
 
 
 @dataclass
@@ -24,6 +24,15 @@ class HostState:
     params: dict[str, np.ndarray] = field(default_factory=dict)
     buffers: dict[str, np.ndarray] = field(default_factory=dict)
     opt_state: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
+
+    def place(self, kind: str, name: Any, sharding: Any) -> Any:
+        """One array laid out as ``sharding`` (what ``Worker.load`` calls; a checkpoint on disk answers the same
+        call, reading only its devices' slices: :class:`~.checkpoint_io.CheckpointSource`)."""
+        if kind == "param":
+            return put(self.params[name], sharding)
+        if kind == "buffer":
+            return put(self.buffers[name], sharding)
+        return put(self.opt_state[name[0]][name[1]], sharding)
 
 
 @dataclass(frozen=True)
@@ -39,12 +48,15 @@ class Exported:
     payload: Any
 
 
-def export_arrays(stage: int, params: dict, buffers: dict, opt_state: dict) -> list[Exported]:
-    """This process's share of one stage's state (see :class:`Exported`)."""
-    entries = [Exported(stage, "param", n, tuple(v.shape), v.dtype, to_host(v)) for n, v in params.items()]
-    entries += [Exported(stage, "buffer", n, tuple(v.shape), v.dtype, to_host(v)) for n, v in buffers.items()]
+def export_arrays(stage: int, params: dict, buffers: dict, opt_state: dict,
+                  kinds: tuple[str, ...] = ("param", "buffer", "state")) -> list[Exported]:
+    """This process's share of one stage's state (see :class:`Exported`), of the ``kinds`` asked for."""
+    entries = [Exported(stage, "param", n, tuple(v.shape), v.dtype, to_host(v))
+               for n, v in params.items() if "param" in kinds]
+    entries += [Exported(stage, "buffer", n, tuple(v.shape), v.dtype, to_host(v))
+                for n, v in buffers.items() if "buffer" in kinds]
     entries += [Exported(stage, "state", (n, k), tuple(v.shape), v.dtype, to_host(v))
-                for n, keys in opt_state.items() for k, v in keys.items()]
+                for n, keys in opt_state.items() for k, v in keys.items() if "state" in kinds]
     return entries
 
 

@@ -5,7 +5,8 @@ The local runtime has one :class:`Worker`, called directly; the Ray runtime has 
 same :class:`ExecutionSpec` and its process rank, builds the programs of the stages whose devices it
 owns, and answers the same calls:
 
-``load(state)`` / ``export()``; ``warm_up(scalars)`` (pipelines: ``compile_shapes(key, stage_graphs, scalars)`` for
+``load(state)`` / ``export(kinds)``; ``save_shards(directory)`` / ``load_checkpoint(directory, tensors)`` (sharded
+checkpoints: :mod:`.checkpoint_io`); ``warm_up(scalars)`` (pipelines: ``compile_shapes(key, stage_graphs, scalars)`` for
 other batch shapes); ``run_step(...) → StepReport``;
 ``apply_update(clip_scale)``; ``hlo_text()`` / ``memory_stats()`` (by stage, from the stage's lead —
 lowest-ranked — process); ``describe()``.
@@ -36,6 +37,7 @@ from torchpar.planner.plan import Plan
 from torchpar.planner.slicing import StageGraph
 from torchpar.runtime import gradients
 from torchpar.runtime.arrays import local_scalar, put
+from torchpar.runtime.checkpoint_io import KINDS, CheckpointSource, ShardReader, tensor_key, write_shards
 from torchpar.runtime.devices import DeviceMap
 from torchpar.runtime.state import Exported, HostState, export_arrays
 from torchpar.runtime.train_step import split_scalars
@@ -135,6 +137,27 @@ class Worker:
     def programs_info(self) -> dict[int, dict[str, Any]]:
         raise NotImplementedError
 
+    def load(self, state: HostState | CheckpointSource) -> None:
+        """Place the state on this process's devices: ``state`` is a :class:`HostState` or a checkpoint on disk
+        (:class:`~.checkpoint_io.CheckpointSource`); both answer ``place(kind, name, sharding)``."""
+        raise NotImplementedError
+
+    def checkpoint_arrays(self) -> list[tuple[str, Any]]:
+        """``(tensor key, array)`` of every state array this process writes into a checkpoint (a parameter that
+        several stages hold is written by its first stage only)."""
+        raise NotImplementedError
+
+    def save_shards(self, directory: str) -> dict[str, Any]:
+        """Write this process's pieces of the state into ``directory``; returns their manifest."""
+        return write_shards(directory, self.checkpoint_arrays(), writer=f"rank{self.rank}")
+
+    def load_checkpoint(self, directory: str, tensors: dict[str, Any]) -> dict[str, int]:
+        """Load the state from the checkpoint in ``directory`` (``tensors``: its index's entries), each device's
+        shard read from the pieces overlapping it; returns the bytes this process read."""
+        with ShardReader(directory, tensors) as reader:
+            self.load(CheckpointSource(reader))
+            return {"rank": self.rank, "bytes_read": reader.bytes_read}
+
 
 # --- one-stage plans --------------------------------------------------------------------------------------
 
@@ -174,15 +197,20 @@ class OneStageWorker(Worker):
         return {0: {"hlo": self._last.compiled.as_text() if self._last else "",
                     "device_processes": [d.process_index for d in mesh.devices.flat]}}
 
-    def load(self, state: HostState) -> None:
+    def load(self, state: HostState | CheckpointSource) -> None:
         placement = self.program.placement
-        self.params = {n: put(v, placement.param(n)) for n, v in state.params.items()}
-        self.buffers = {n: put(v, placement.replicated) for n, v in state.buffers.items()}
-        self.opt_state = {n: {k: put(v, placement.state_of(n)) for k, v in entries.items()}
+        self.params = {n: state.place("param", n, placement.param(n)) for n in state.params}
+        self.buffers = {n: state.place("buffer", n, placement.replicated) for n in state.buffers}
+        self.opt_state = {n: {k: state.place("state", (n, k), placement.state_of(n)) for k in entries}
                           for n, entries in state.opt_state.items()}
 
-    def export(self) -> list[Exported]:
-        return export_arrays(0, self.params, self.buffers, self.opt_state)
+    def export(self, kinds: tuple[str, ...] = KINDS) -> list[Exported]:
+        return export_arrays(0, self.params, self.buffers, self.opt_state, kinds)
+
+    def checkpoint_arrays(self) -> list[tuple[str, Any]]:
+        return [*((tensor_key("param", n), v) for n, v in self.params.items()),
+                *((tensor_key("buffer", n), v) for n, v in self.buffers.items()),
+                *((tensor_key("state", (n, k)), v) for n, entries in self.opt_state.items() for k, v in entries.items())]
 
     def compile_step(self, key: Hashable, graph: Graph, trainable: tuple[str, ...],
                      leaves: list[tuple[tuple[int, ...], str]], scalars: Any) -> dict[str, Any]:
@@ -320,20 +348,38 @@ class PipelineWorker(Worker):
         """A message from another process (the Ray actor's endpoint)."""
         self.mailbox.put(key, payload)
 
-    def load(self, state: HostState) -> None:
+    def load(self, state: HostState | CheckpointSource) -> None:
         for s, program in self.programs.items():
-            stage = self.states[s]
-            stage.params = {n: program.put_param(n, state.params[n]) for n in program.stage.params}
-            stage.buffers = {i.target: program.put(state.buffers[i.target]) for i in program.stage.graph.inputs
-                             if i.kind == "buffer"}
-            stage.opt_state = {n: {k: program.put_state(n, v) for k, v in state.opt_state[n].items()}
+            stage, placement = self.states[s], program.placement
+            stage.params = {n: state.place("param", n, placement.param(n)) for n in program.stage.params}
+            stage.buffers = {i.target: state.place("buffer", i.target, placement.replicated)
+                             for i in program.stage.graph.inputs if i.kind == "buffer"}
+            stage.opt_state = {n: {k: state.place("state", (n, k), placement.state_of(n)) for k in state.opt_state[n]}
                                for n in program.trainable}
 
-    def export(self) -> list[Exported]:
+    def export(self, kinds: tuple[str, ...] = KINDS) -> list[Exported]:
         entries = []
         for s, stage in self.states.items():
-            entries += export_arrays(s, stage.params, stage.buffers, stage.opt_state)
+            entries += export_arrays(s, stage.params, stage.buffers, stage.opt_state, kinds)
         return entries
+
+    def checkpoint_arrays(self) -> list[tuple[str, Any]]:
+        first = self._first_stage_holding()
+        arrays = []
+        for s, stage in sorted(self.states.items()):
+            arrays += [(tensor_key("param", n), v) for n, v in stage.params.items() if first[n] == s]
+            arrays += [(tensor_key("buffer", n), v) for n, v in stage.buffers.items() if first[n] == s]
+            arrays += [(tensor_key("state", (n, k)), v) for n, entries in stage.opt_state.items()
+                       if first[n] == s for k, v in entries.items()]
+        return arrays
+
+    def _first_stage_holding(self) -> dict[str, int]:
+        """Each parameter's and buffer's first stage (of every process: the stage graphs are the same everywhere)."""
+        first: dict[str, int] = {}
+        for s, graph in enumerate(self.spec.stage_graphs):
+            for name in [*graph.params, *(i.target for i in graph.graph.inputs if i.kind == "buffer")]:
+                first.setdefault(name, s)
+        return first
 
     def warm_up(self, scalars: Any) -> None:
         """Compile every stage's executables now (by running them on zeros), not inside the first step.

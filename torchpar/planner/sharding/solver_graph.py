@@ -277,10 +277,10 @@ class _Builder:
             if cache_key not in cache:
                 cache[cache_key] = follow(node, metas, main, spec, self.mesh, grads, weights)
             results.append(cache[cache_key])
-        out_bytes = node.out_bytes * self._copies(node.name)
+        copies = self._copies(node.name)
         for k, result in enumerate(results):
             root.cost[k] += self.num_micro_batches * result.comm_s + result.weight_grad_comm_s
-            root.memory[k] += _local_bytes(out_bytes, result.out, self.mesh)
+            root.memory[k] += copies * _local_bytes(node.out, result.out, self.mesh)
         root.followers.append(node.name)
         self.values[node.name] = ValueLayout(layout.root, [r.out for r in results])
         for position, ref in enumerate(refs):
@@ -346,9 +346,16 @@ def _numel(meta: Any) -> int:
     return 0
 
 
-def _local_bytes(nbytes: int, spec: Any, mesh: LogicalMesh) -> float:
+def _local_bytes(out: Any, spec: Any, mesh: LogicalMesh) -> float:
+    """Per-device bytes of an op output ``out`` (a ``TensorMeta``, or a tuple of them for a multi-output op)
+    laid out as ``spec`` (a ``Spec``, or a :class:`Multi` of one per output): each tensor's bytes over the
+    number of pieces its own spec cuts it into; an output without a spec counts whole."""
+    if isinstance(out, tuple):
+        specs = spec if isinstance(spec, Multi) and len(spec) == len(out) else (None,) * len(out)
+        return sum(_local_bytes(m, s, mesh) for m, s in zip(out, specs) if m is not None)
+    nbytes = float(getattr(out, "nbytes", 0))
     if not isinstance(spec, tuple) or isinstance(spec, Multi) or not spec:
-        return float(nbytes)
+        return nbytes
     pieces = 1
     for entry in spec:
         for axis in entry or ():

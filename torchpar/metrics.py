@@ -1,0 +1,214 @@
+"""What a training step achieved: throughput, model FLOPs, MFU and memory (``engine.last_metrics``).
+
+The engine times each ``step`` call and hands the raw facts to :func:`step_metrics`, which derives the rest from
+the step's captured graph (IR), the cluster description and the plan:
+
+    step_time_s           wall seconds of the ``engine.step`` call (batch transfer, checks, the step, the loss read
+                          back; a step that compiled new batch shapes includes that compilation: ``recompiled``)
+    samples_per_s         = samples / step_time_s          samples = the batch's dim 0 (its first leaf with a dim)
+    tokens_per_s          = tokens / step_time_s           tokens = numel of the token ids (:func:`count_tokens`)
+    model_flops_per_step  = 3 · F_fwd · M                  (:func:`model_flops_per_step`)
+    mfu                   = model_flops_per_step / step_time_s / (P · D)
+
+``F_fwd`` counts the matrix products of the captured forward graph of one micro-batch (``mm``, ``addmm``, ``bmm``,
+``baddbmm``, ``matmul``, ``convolution`` at 2 FLOPs per multiply-add; ``scaled_dot_product_attention`` as its
+two products ``Q·Kᵀ`` and ``softmax·V``, the full ``L×S`` score matrix even when causal), ``M`` the micro-batches
+of the step; the backward computes two products per forward product (the gradient of each operand), hence 3×.
+Not counted: embedding lookups (a gather multiplies nothing), elementwise ops, norms, softmax, losses, the
+optimizer update and remat's recomputation. That is PaLM's *model FLOPs* (the ``6·N·T + 12·L·d·S·T`` of a
+transformer): what the model needs, not what the hardware executed. Parameters that get no gradient
+(frozen layers) are still counted 3×.
+
+``P`` is one device's dense peak FLOP/s at the step's precision (:func:`step_precision`:
+``mixed_precision``, else the model's low float dtype, else the effective float32 matmul precision), from the
+cluster's hardware preset (:data:`torchpar.hardware.PRESETS`, ``peak_flops``); a precision the device has no
+units for falls back to its fp32 peak; a cluster without a preset (or whose ``device_flops`` was set by hand)
+uses ``ClusterSpec.device_flops``. ``D`` is the number of devices the plan uses. On fake CPU devices ``P`` is a
+nominal 50 GFLOP/s, so MFU there only compares runs with each other.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from torchpar.ir.graph import Graph
+from torchpar.units import format_bytes, format_flops, format_seconds
+
+log = logging.getLogger(__name__)
+
+MATMUL_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "matmul", "convolution", "scaled_dot_product_attention"})
+"""The ops whose FLOPs are model FLOPs (ATen op names without namespace and overload)."""
+
+BACKWARD_FACTOR = 2.0
+"""Backward FLOPs per forward FLOP of a matrix product (the gradient of each of its two operands)."""
+
+_MATMUL_PRECISION_NAMES = {"highest": "fp32", "high": "tf32", "medium": "bf16"}
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class StepMetrics:
+    """One training step's measurements and derived rates (the module docstring has every formula)."""
+
+    step: int
+    """Steps this engine has run, this one included (1 after the first; a restored checkpoint's count goes on)."""
+    loss: float
+    """The loss ``step`` returned."""
+    step_time_s: float
+    """Wall seconds of the ``engine.step`` call."""
+    samples: int | None
+    """Samples in the batch (dim 0 of its first leaf with a dim); ``None`` if every leaf is a scalar."""
+    samples_per_s: float | None
+    tokens: int | None
+    """Token ids in the batch (:func:`count_tokens`); ``None`` when the batch has none (images, features)."""
+    tokens_per_s: float | None
+    model_flops_per_step: float
+    """Forward + backward matrix-product FLOPs of the whole batch (:func:`model_flops_per_step`)."""
+    precision: str
+    """The precision the peak is taken at: ``"fp32"``, ``"tf32"``, ``"bf16"`` or ``"fp16"``."""
+    num_devices: int
+    """Devices the plan runs on."""
+    peak_flops_per_device: float
+    """Dense peak FLOP/s of one device at ``precision``."""
+    mfu: float
+    """Model FLOPs utilization: ``model_flops_per_step / step_time_s / (peak_flops_per_device · num_devices)``."""
+    memory_bytes: dict[int, int] | None
+    """Per-device bytes of each stage's executables by XLA's memory analysis (``{stage: bytes}``,
+    :func:`torchpar.runtime.resources.executable_peak_bytes`); ``None`` if the runtime could not say."""
+    compile_timings: dict[str, float]
+    """Seconds per compile phase (``engine.plan.timings``)."""
+    loss_scale: float | None
+    """The fp16 loss scale this step ran with (``mixed_precision="fp16"``), else ``None``."""
+    update_skipped: bool
+    """The update was skipped (an inf/nan loss or gradient, or an fp16 overflow)."""
+    recompiled: bool
+    """This step compiled new batch shapes first (its ``step_time_s`` includes that)."""
+
+    def as_dict(self) -> dict[str, Any]:
+        """Every field by name (``memory_bytes`` and ``compile_timings`` as dicts)."""
+        return dataclasses.asdict(self)
+
+    def scalars(self) -> dict[str, float]:
+        """The numeric fields as one flat ``{name: float}`` (``None`` left out; ``memory_bytes/<stage>``,
+        ``compile_s/<phase>``), ready for ``SummaryWriter.add_scalar`` or ``wandb.log``."""
+        flat: dict[str, float] = {}
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, bool):
+                flat[field.name] = float(value)
+            elif isinstance(value, (int, float)):
+                flat[field.name] = float(value)
+        flat.update({f"memory_bytes/{stage}": float(b) for stage, b in (self.memory_bytes or {}).items()})
+        flat.update({f"compile_s/{phase}": float(s) for phase, s in self.compile_timings.items()})
+        return flat
+
+
+def forward_matmul_flops(graph: Graph) -> float:
+    """FLOPs of the graph's matrix products (:data:`MATMUL_OPS`), as the IR's nodes carry them."""
+    return float(sum(node.flops for node in graph.nodes if _op_name(node.target) in MATMUL_OPS))
+
+
+def model_flops_per_step(graph: Graph, num_micro_batches: int = 1) -> float:
+    """``(1 + BACKWARD_FACTOR) · forward_matmul_flops(graph) · num_micro_batches``: the model FLOPs of a step whose
+    graph is one micro-batch's."""
+    return (1.0 + BACKWARD_FACTOR) * forward_matmul_flops(graph) * num_micro_batches
+
+
+def count_tokens(batch: Any) -> int | None:
+    """Token ids in ``batch``: the number of elements of ``batch["input_ids"]`` for a dict batch holding it, else
+    of the first 2-D integer tensor among the batch's leaves (in the order they flatten: a tuple's first entry
+    first); ``None`` if there is no such tensor. Padding counts (the rate is of positions computed)."""
+    import torch
+    import torch.utils._pytree as pytree
+
+    def is_ids(value: Any) -> bool:
+        return (isinstance(value, torch.Tensor) and value.dim() == 2 and not value.is_floating_point()
+                and not value.is_complex() and value.dtype != torch.bool)
+
+    if isinstance(batch, Mapping) and is_ids(batch.get("input_ids")):
+        return int(batch["input_ids"].numel())
+    return next((int(leaf.numel()) for leaf in pytree.tree_leaves(batch) if is_ids(leaf)), None)
+
+
+def count_samples(shapes: Sequence[tuple[int, ...]]) -> int | None:
+    """The batch size: dim 0 of the first leaf (by ``shapes``, in flattening order) that has a dim."""
+    return next((int(shape[0]) for shape in shapes if len(shape) > 0), None)
+
+
+def step_precision(mixed_precision: str | None, matmul_precision: str, param_dtypes: Sequence[str] = ()) -> str:
+    """The precision a step's products run at: ``mixed_precision`` if given; else ``"bf16"`` / ``"fp16"`` when every
+    floating parameter has that dtype; else the effective float32 matmul precision (``"highest"`` → ``"fp32"``,
+    ``"high"`` → ``"tf32"``, ``"medium"`` → ``"bf16"``)."""
+    if mixed_precision is not None:
+        return mixed_precision
+    floats = {d for d in param_dtypes if d.startswith(("float", "bfloat"))}
+    if floats == {"bfloat16"}:
+        return "bf16"
+    if floats == {"float16"}:
+        return "fp16"
+    return _MATMUL_PRECISION_NAMES[matmul_precision]
+
+
+def peak_flops_per_device(cluster: Any, precision: str) -> float:
+    """One device's dense peak FLOP/s at ``precision``: the cluster preset's ``peak_flops[precision]`` (its fp32
+    peak where it has no units for ``precision``), or ``cluster.device_flops`` when the cluster has no preset or
+    its ``device_flops`` was set by hand."""
+    from torchpar.hardware import preset
+
+    if cluster.preset is not None:
+        hardware = preset(cluster.preset)
+        if hardware.device_flops == cluster.device_flops:
+            return float(hardware.peak_flops.get(precision) or hardware.peak_flops["fp32"] or cluster.device_flops)
+    return float(cluster.device_flops)
+
+
+def mfu(flops_per_step: float, step_time_s: float, peak_per_device: float, num_devices: int) -> float:
+    """``flops_per_step / step_time_s / (peak_per_device · num_devices)``."""
+    return flops_per_step / step_time_s / (peak_per_device * num_devices)
+
+
+def step_metrics(*, step: int, loss: float, step_time_s: float, samples: int | None, tokens: int | None,
+                 flops_per_step: float, precision: str, peak_per_device: float, num_devices: int,
+                 memory_bytes: dict[int, int] | None, compile_timings: Mapping[str, float],
+                 loss_scale: float | None = None, update_skipped: bool = False,
+                 recompiled: bool = False) -> StepMetrics:
+    """The :class:`StepMetrics` of one step from what the engine measured and knows."""
+    def rate(count: int | None) -> float | None:
+        return None if count is None else count / step_time_s
+
+    return StepMetrics(step=step, loss=float(loss), step_time_s=step_time_s, samples=samples,
+                       samples_per_s=rate(samples), tokens=tokens, tokens_per_s=rate(tokens),
+                       model_flops_per_step=flops_per_step, precision=precision, num_devices=num_devices,
+                       peak_flops_per_device=peak_per_device,
+                       mfu=mfu(flops_per_step, step_time_s, peak_per_device, num_devices),
+                       memory_bytes=None if memory_bytes is None else dict(memory_bytes),
+                       compile_timings=dict(compile_timings), loss_scale=loss_scale, update_skipped=update_skipped,
+                       recompiled=recompiled)
+
+
+def format_line(metrics: StepMetrics) -> str:
+    """One log line: ``step 10 | loss 2.3456 | 12.3 ms | 325 samples/s | 1.04e+04 tokens/s | 1.2 GFLOP | MFU
+    12.3% (bf16 × 8) | memory 32 MiB``."""
+    parts = [f"step {metrics.step}", f"loss {metrics.loss:.6g}", format_seconds(metrics.step_time_s)]
+    if metrics.samples_per_s is not None:
+        parts.append(f"{metrics.samples_per_s:.4g} samples/s")
+    if metrics.tokens_per_s is not None:
+        parts.append(f"{metrics.tokens_per_s:.4g} tokens/s")
+    parts.append(format_flops(metrics.model_flops_per_step))
+    parts.append(f"MFU {metrics.mfu:.2%} ({metrics.precision} × {metrics.num_devices})")
+    if metrics.memory_bytes:
+        parts.append(f"memory {format_bytes(max(metrics.memory_bytes.values()))}/device")
+    if metrics.loss_scale is not None:
+        parts.append(f"loss scale {metrics.loss_scale:g}")
+    if metrics.update_skipped:
+        parts.append("update skipped")
+    if metrics.recompiled:
+        parts.append("recompiled")
+    return " | ".join(parts)
+
+
+def _op_name(target: str) -> str:
+    parts = target.split(".")
+    return parts[1] if target.startswith("aten.") and len(parts) > 1 else target

@@ -1,0 +1,229 @@
+"""Sharded checkpoint files: what each worker process writes, and how it reads back only the slices it needs.
+
+A checkpoint is a directory (:mod:`torchpar.checkpoint` makes it atomic and writes its index). Inside, every
+process that holds a piece of the training state writes the pieces it holds, one safetensors file per device::
+
+    rank0-dev0.safetensors   rank0-dev1.safetensors   rank1-dev2.safetensors ...   index.json (written last)
+
+- **Deduplicated.** Of the copies of one slice (a replicated parameter lives on every device of the mesh), only
+  replica 0 is written (JAX numbers replicas globally, so exactly one process writes each distinct slice); a
+  tied parameter held by several pipeline stages is written by its first stage only.
+- **Addressed by global slices.** A piece is stored under the key ``"{tensor}@{offsets}"`` and described in
+  the manifest by its file, its global ``offsets`` (start per dim) and its ``shape``. A tensor's pieces tile it
+  exactly once.
+- **Read lazily.** :class:`ShardReader` builds a device's shard from the pieces overlapping it, reading each
+  overlap with safetensors' ``safe_open(...).get_slice`` (an mmap'd read of those bytes only), so a process
+  reads what its devices hold under the *loading* plan, whatever plan wrote the checkpoint (resharding).
+
+Tensor keys: ``param/<name>``, ``buffer/<name>``, ``state/<parameter>/<state key>`` (names as in
+``model.named_parameters()``; torch optimizer state keys). Arrays are stored in the dtype JAX holds them in
+(``bfloat16`` through ``ml_dtypes``, safetensors' ``BF16``; an ``int64`` buffer as ``int32`` with x64 off).
+
+Why safetensors: a maintained format (HuggingFace's, a Rust core with Python bindings, the file format of the Hub's
+models) that is a JSON header plus raw little-endian bytes, so a slice of a tensor is read without reading the
+rest (``get_slice`` on an mmap) and nothing is unpickled (no code runs on load, unlike ``torch.save``); it stores
+``bfloat16``; and it needs neither torch nor JAX (``safetensors.numpy``), so host actors write it without
+importing torch. What it lacks — a tensor split across files, global offsets, atomic commits — is the small JSON
+index :mod:`torchpar.checkpoint` writes beside the files. (Orbax/TensorStore's zarr would also give sharded,
+sliced reads, but pulls in a larger dependency and a directory per array.)
+
+Memory: a process copies one device's pieces to the host at a time (just before writing that device's file), so
+writing needs the largest per-device share of the state in host memory, never the whole model. Files are written
+one after another within a process (each process of the Ray runtime writes at the same time as the others).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+from typing import Any, Iterable
+
+import numpy as np
+
+from torchpar.runtime.arrays import Index, intersect, relative
+
+KINDS = ("param", "buffer", "state")
+
+
+def tensor_key(kind: str, name: Any) -> str:
+    """The checkpoint's name of one state array (see the module docstring)."""
+    if kind == "state":
+        return f"state/{name[0]}/{name[1]}"
+    return f"{kind}/{name}"
+
+
+def _piece_key(key: str, offsets: tuple[int, ...]) -> str:
+    return f"{key}@{','.join(map(str, offsets))}"
+
+
+def _write_file(path: str, tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> None:
+    """One safetensors file, flushed to disk (``fsync``) before returning."""
+    from safetensors.numpy import save_file
+
+    save_file(tensors, path, metadata=metadata)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_shards(directory: str, arrays: Iterable[tuple[str, Any]], *, writer: str) -> dict[str, Any]:
+    """Write this process's pieces of ``arrays`` (``(tensor key, jax.Array or host array)``) into ``directory``,
+    one file per device (host arrays: one file ``{writer}-host``), and return the manifest the index is built from:
+    ``{"files": {file: {writer, pid, host, device, bytes}}, "tensors": {key: {shape, dtype, pieces: [...]}}}``.
+    Files are written one after another, each device's pieces copied to the host just before its file is written."""
+    by_file: dict[str, list[tuple[str, Any]]] = {}
+    devices: dict[str, str] = {}
+    tensors: dict[str, dict[str, Any]] = {}
+    for key, array in arrays:
+        entry = tensors.setdefault(key, {"shape": list(array.shape), "dtype": np.dtype(array.dtype).name,
+                                         "pieces": []})
+        for file, device, offsets, data in _pieces(array, writer):
+            devices[file] = device
+            by_file.setdefault(file, []).append((_piece_key(key, offsets), data))
+            entry["pieces"].append({"file": file, "key": _piece_key(key, offsets), "offsets": list(offsets),
+                                    "shape": list(data.shape)})
+    files = {}
+    host, pid = socket.gethostname(), os.getpid()
+    for file, pieces in sorted(by_file.items()):
+        path = os.path.join(directory, file)
+        content = {piece_key: np.ascontiguousarray(np.asarray(data)) for piece_key, data in pieces}
+        _write_file(path, content, {"format": "torchpar-shard", "writer": writer, "device": devices[file]})
+        del content
+        files[file] = {"writer": writer, "pid": pid, "host": host, "device": devices[file],
+                       "bytes": os.path.getsize(path)}
+    return {"files": files, "tensors": {k: v for k, v in tensors.items() if v["pieces"]}}
+
+
+def _pieces(array: Any, writer: str) -> Iterable[tuple[str, str, tuple[int, ...], Any]]:
+    """``(file, device, offsets, data)`` of each piece of ``array`` this process writes: replica 0 of each shard
+    on its devices, its data still on the device (host arrays: the whole array)."""
+    if isinstance(array, np.ndarray):
+        yield f"{writer}-host.safetensors", "host", (0,) * array.ndim, array
+        return
+    for shard in array.addressable_shards:
+        if shard.replica_id != 0:
+            continue
+        offsets = tuple(s.start or 0 for s in shard.index)
+        yield f"{writer}-dev{shard.device.id}.safetensors", str(shard.device), offsets, shard.data
+
+
+def merge_manifests(manifests: Iterable[dict[str, Any]]) -> dict[str, Any]:
+    """The manifests of every writer as one: each tensor's pieces from all processes (they must tile it exactly:
+    an invariant of replica-0 deduplication)."""
+    files: dict[str, Any] = {}
+    tensors: dict[str, dict[str, Any]] = {}
+    for manifest in manifests:
+        files.update(manifest["files"])
+        for key, entry in manifest["tensors"].items():
+            merged = tensors.setdefault(key, {**entry, "pieces": []})
+            assert merged["shape"] == entry["shape"] and merged["dtype"] == entry["dtype"], (key, merged, entry)
+            merged["pieces"].extend(entry["pieces"])
+    for key, entry in tensors.items():
+        covered = sum(math.prod(p["shape"]) for p in entry["pieces"])
+        assert covered == math.prod(entry["shape"]), f"{key}: pieces cover {covered} of {entry['shape']}"
+    return {"files": files, "tensors": tensors}
+
+
+class ShardReader:
+    """Reads slices of a checkpoint's tensors from its shard files (``tensors``: the index's entries).
+
+    A worker builds its arrays with :meth:`place` (each device's shard from the pieces overlapping it), the
+    driver whole tensors with :meth:`read`. Files are opened (mmap'd) on first use and closed by :meth:`close`."""
+
+    def __init__(self, directory: str, tensors: dict[str, dict[str, Any]]):
+        self.directory = directory
+        self.tensors = tensors
+        self._open: dict[str, Any] = {}
+        self.bytes_read = 0
+
+    def __enter__(self) -> "ShardReader":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._open.clear()
+
+    def _file(self, name: str) -> Any:
+        if name not in self._open:
+            from safetensors import safe_open
+
+            self._open[name] = safe_open(os.path.join(self.directory, name), framework="np")
+        return self._open[name]
+
+    def read(self, key: str, index: Index | None = None) -> np.ndarray:
+        """The slice ``index`` (``(start, stop)`` per dim; ``None``: all) of tensor ``key``, read from the pieces
+        overlapping it only."""
+        entry = self.tensors[key]
+        shape = tuple(entry["shape"])
+        index = tuple((0, n) for n in shape) if index is None else index
+        out = np.empty(tuple(hi - lo for lo, hi in index), np.dtype(_numpy_dtype(entry["dtype"])))
+        covered = 0
+        for piece in entry["pieces"]:
+            stored = tuple((o, o + n) for o, n in zip(piece["offsets"], piece["shape"]))
+            overlap = intersect(stored, index) if shape else ()
+            if overlap is None:
+                continue
+            data = self._file(piece["file"]).get_slice(piece["key"])[relative(overlap, stored)] if shape else \
+                self._file(piece["file"]).get_tensor(piece["key"])
+            out[relative(overlap, index)] = data
+            covered += math.prod(hi - lo for lo, hi in overlap)
+            self.bytes_read += data.nbytes
+        if covered != out.size:
+            raise ValueError(f"the checkpoint's pieces of {key} cover {covered} of the {out.size} elements of slice "
+                             f"{list(index)}: its files are damaged or the index does not match them")
+        return out
+
+    def place(self, key: str, sharding: Any) -> Any:
+        """Tensor ``key`` laid out as ``sharding``: each of this process's devices gets its shard, read from the
+        files (a shard that several local devices hold is read once)."""
+        import jax
+
+        from jaxbackend.lower import to_numpy_input
+        from torchpar.runtime.arrays import normalize
+
+        shape = tuple(self.tensors[key]["shape"])
+        cache: dict[Index, np.ndarray] = {}
+
+        def shard(index: tuple[slice, ...]) -> np.ndarray:
+            normalized = normalize(index, shape)
+            if normalized not in cache:
+                cache[normalized] = to_numpy_input(self.read(key, normalized))
+            return cache[normalized]
+
+        return jax.make_array_from_callback(shape, sharding, shard)
+
+
+class CheckpointSource:
+    """A checkpoint as the state a worker loads (the interface of :class:`~.state.HostState` that
+    ``Worker.load`` reads): the names it holds and :meth:`place`, which builds each array from the files."""
+
+    def __init__(self, reader: ShardReader):
+        self.reader = reader
+        self.params: dict[str, None] = {}
+        self.buffers: dict[str, None] = {}
+        self.opt_state: dict[str, dict[str, None]] = {}
+        for key in reader.tensors:
+            kind, _, rest = key.partition("/")
+            if kind == "param":
+                self.params[rest] = None
+            elif kind == "buffer":
+                self.buffers[rest] = None
+            elif kind == "state":
+                name, _, state_key = rest.rpartition("/")
+                self.opt_state.setdefault(name, {})[state_key] = None
+
+    def place(self, kind: str, name: Any, sharding: Any) -> Any:
+        return self.reader.place(tensor_key(kind, name), sharding)
+
+
+def _numpy_dtype(name: str) -> Any:
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return ml_dtypes.bfloat16
+    return np.dtype(name)
