@@ -122,7 +122,8 @@ def plan(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, example_ba
     spec = TorchOptimizerBridge(optimizer, {id(p): n for n, p in names.items()}).spec
     trainable = {n for n in spec.param_names if names[n].requires_grad} & _params_reaching_loss(capture.graph)
     if method is None:
-        result = single_device_plan(capture.graph, current_cluster(), remat)
+        result = single_device_plan(capture.graph, current_cluster(), remat, trainable=trainable,
+                                    optimizer_state_copies=_state_copies(spec))
     elif pipeshard:
         from torchpar.planner.pipeline_plan import plan_pipeline
 
@@ -624,7 +625,8 @@ class Engine:
         cluster = current_cluster()
         remat = self.options.remat or "none"
         if method is None:
-            return single_device_plan(graph, cluster, remat)
+            return single_device_plan(graph, cluster, remat, trainable=set(self._trainable(graph)),
+                                      optimizer_state_copies=_state_copies(self._spec))
         if isinstance(method, Plan):
             _check_plan_fits(method, cluster)
             return self._given_plan(method)

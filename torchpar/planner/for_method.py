@@ -24,23 +24,35 @@ from torchpar.planner.remat_choice import choose_remat
 _ONE_STAGE = (DataParallel, Zero2Parallel, Zero3Parallel, MegatronParallel, ShardParallel)
 
 
-def single_device_plan(graph: Graph, cluster: ClusterSpec, remat: str = "none") -> Plan:
+def single_device_plan(graph: Graph, cluster: ClusterSpec, remat: str = "none", *, trainable: set[str] | None = None,
+                       optimizer_state_copies: float = 2.0) -> Plan:
     """Everything on one device: one stage, every tensor whole. ``remat`` (an option, or ``"auto"``: the cheapest
     that fits the device's memory, :mod:`.remat_choice`) prices what activation checkpointing keeps and
-    recomputes, as the ILP does: ``compute = (3·F + F_recomputed) / device_flops``, memory = 4 × the parameters
-    (weights, gradients, two optimizer moments) + the materialized activations it keeps + the largest layer's
-    dropped ones (:func:`torchpar.planner.remat.remat_memory`)."""
+    recomputes, as the ILP does: ``compute = (3·F + F_recomputed) / device_flops``. Memory is the sharding ILP's
+    memory model on a 1×1 mesh (:func:`.intra_op.memory_breakdown`: each trainable parameter with its gradient and
+    ``optimizer_state_copies`` optimizer tensors, the activations ``remat`` keeps, the largest recomputed layer's,
+    buffers), so one device, the sharded methods and pipeline stages are priced by one function. ``trainable``:
+    the parameters the optimizer updates (default: every parameter)."""
     if check_remat(remat, allow_auto=True) == "auto":
-        return choose_remat(lambda option: single_device_plan(graph, cluster, option), cluster.device_memory_bytes)
+        return choose_remat(lambda option: single_device_plan(graph, cluster, option, trainable=trainable,
+                                                              optimizer_state_copies=optimizer_state_copies),
+                            cluster.device_memory_bytes)
+    from torchpar.planner.intra_op import logical_mesh, memory_breakdown
+    from torchpar.planner.sharding.solver_graph import build_solver_graph
+
+    if trainable is None:
+        trainable = {i.target for i in graph.inputs if i.kind == "param"}
     kept = remat_memory(graph, remat)
     recomputed_flops = sum(n.flops for n in graph.nodes if n.name in kept.recomputed)
     compute_s = (3.0 * graph.total_flops + recomputed_flops) / cluster.device_flops
     params = {i.target: [None] * len(i.meta.shape) for i in graph.inputs if i.kind == "param"}
-    state_bytes = sum(i.meta.nbytes for i in graph.inputs if i.kind == "param") * 4
-    activation_bytes = sum(n.out_bytes for n in graph.nodes if kept.keeps(n.name))
+    solver_graph = build_solver_graph(graph, logical_mesh((1, 1), cluster), trainable=trainable,
+                                      optimizer_state_copies=optimizer_state_copies, remat=remat)
+    choice = [int(root.memory.argmin()) for root in solver_graph.roots]
+    breakdown = memory_breakdown(solver_graph, choice, trainable, optimizer_state_copies)
     stage = StagePlan(layers=[0], submesh_shape=(1, 1), logical_mesh_shape=(1, 1), params=params,
                       estimated_cost_s=compute_s, estimated_compute_s=compute_s,
-                      estimated_memory_bytes=state_bytes + activation_bytes)
+                      estimated_memory_bytes=int(sum(breakdown.values())), memory_breakdown=breakdown)
     return Plan(method=SINGLE_DEVICE, stages=[stage], estimated_step_s=compute_s, cluster=cluster.cost_constants(),
                 remat=remat)
 

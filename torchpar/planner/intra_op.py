@@ -254,10 +254,15 @@ def _stage_from_solution(kind: PlanKind, graph: Graph, solver_graph: SolverGraph
                 continue
             grads[name] = optimizer_state[name] = sharded
             saved = meta.nbytes * (1 - 1 / mesh.num_devices)
-            breakdown["gradients"] -= saved
             breakdown["optimizer_state"] -= saved * state_copies
+            if kind == "zero2":
+                breakdown["gradients"] -= saved
             if kind == "zero3":
+                # stored sharded, but gathered whole for the forward and backward (the gathered copy is live at the
+                # step's peak), and each micro-batch's gradient is whole until it is reduce-scattered: as XLA's
+                # memory analysis of the compiled step counts them (benchmarks/memory_model.py)
                 breakdown["parameters"] -= saved
+                breakdown["gathered_parameters"] = breakdown.get("gathered_parameters", 0.0) + meta.nbytes
                 params_at_use[name] = params[name]
                 params[name] = sharded
                 # gathered inside every micro-batch's forward (and its transpose in the backward)
