@@ -556,10 +556,15 @@ class Engine:
     def measured(self) -> dict[str, Any]:
         """What this engine measured, in the form the plan report shows beside its estimates:
         ``{"step_s": wall seconds of the last step (None before one), "memory_bytes": {stage: per-device bytes of
-        the stage's executables by XLA's memory analysis (runtime.resources.executable_peak_bytes)}}``."""
+        the stage's executables by XLA's memory analysis (runtime.resources.executable_peak_bytes)}}``; each stage's figure
+        is also recorded in ``engine.plan`` (``StagePlan.compiled_memory_bytes``), so ``plan.summary()`` shows it beside
+        the estimate."""
         from torchpar.runtime.resources import executable_peak_bytes
 
         memory = {stage: executable_peak_bytes(stats) for stage, stats in self.memory_stats().items()}
+        for stage, nbytes in memory.items():  # plan.summary() shows them beside the estimates
+            if stage < len(self.plan.stages):
+                self.plan.stages[stage].compiled_memory_bytes = int(nbytes)
         return {"step_s": self._last_step_s, "memory_bytes": memory}
 
     def save_report(self, path: str, **options: Any) -> Any:

@@ -1,6 +1,7 @@
 """Sharded checkpoints (``engine.save`` / ``engine.load``, :mod:`torchpar.checkpoint`): a run killed after saving
 resumes in a new process bit for bit under the same plan and to float rounding under another (one device, a
-2-stage pipeline); a save killed midway leaves the previous checkpoint in place and its own half refused; exports
+2-stage pipeline, and the pipeline's own checkpoint back under ZeRO-3); a save killed midway leaves the previous
+checkpoint in place and its own half refused; exports
 for torch (``export_torch_state_dict``, ``torchpar.load_checkpoint``) and HuggingFace (``save_pretrained``).
 
 The interrupted run (ZeRO-3 on 4 devices, AdamW, a StepLR schedule: :mod:`tests.api.checkpoint_helpers`) runs in a
@@ -128,7 +129,7 @@ def test_the_checkpoint_reshards_into_another_plan(reference, killed_run, name, 
             engine.load(path, scheduler=scheduler)
             losses = run.train(engine, scheduler, range(run.SAVE_AT, run.STEPS))
             # the pipeline writes its own checkpoint: the tied embedding once, though both stages hold it
-            index = read_index(engine.save(tmp_path / "pipeline"))
+            index = read_index(engine.save(tmp_path / "pipeline", scheduler=scheduler))
             assert sum(key == "param/transformer.wte.weight" for key in index["tensors"]) == 1
             stored = torchpar.load_checkpoint(tmp_path / "pipeline")
             exported = engine.export_torch_state_dict()
@@ -136,6 +137,13 @@ def test_the_checkpoint_reshards_into_another_plan(reference, killed_run, name, 
             for key, value in exported.items():
                 assert torch.equal(stored[key], value), key
             run.build()[0].load_state_dict(stored)  # strict: every key of the model's state dict
+            # and back: the pipeline's checkpoint (after step 10) resumes under ZeRO-3 as the pipeline goes on
+            pipeline_next = run.train(engine, scheduler, range(run.STEPS, run.STEPS + 2))
+        zero3, _, zero3_scheduler = run.compile("zero3")
+        with zero3:
+            zero3.load(tmp_path / "pipeline", scheduler=zero3_scheduler)
+            np.testing.assert_allclose(run.train(zero3, zero3_scheduler, range(run.STEPS, run.STEPS + 2)),
+                                       pipeline_next, rtol=1e-5, atol=0)
     np.testing.assert_allclose(losses, reference[run.SAVE_AT:], rtol=1e-5, atol=0)
 
 

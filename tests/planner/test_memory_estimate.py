@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 import torchpar
+from torchpar.units import format_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import memory_model  # noqa: E402
@@ -36,3 +37,21 @@ def test_the_estimate_is_within_a_quarter_of_the_compiled_step(method):
     assert rows and len(rows) == (2 if method == "pipeline" else 1)
     for row in rows:
         assert abs(row["error"]) <= TOLERANCE, row
+
+
+def test_the_summary_shows_the_compiled_memory_beside_the_estimate():
+    import torch
+
+    from torchpar.harness.zoo import build
+
+    model, batch = build("gpt2", {"n_layer": 1, "n_embd": 64, "n_head": 4, "vocab_size": 256}, batch_size=4, seq_len=16)
+    with torchpar.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), example_batch=batch,
+                          method=torchpar.DataParallel()) as engine:
+        assert "compiled" not in engine.plan.summary()
+        engine.step(batch)
+        compiled = engine.measured()["memory_bytes"][0]
+        stage = engine.plan.stages[0]
+        assert stage.compiled_memory_bytes == compiled > 0
+        error = stage.estimated_memory_bytes / compiled - 1
+        assert f"compiled {format_bytes(compiled)} (estimate {error:+.0%})" in engine.plan.summary()
+        assert torchpar.Plan.from_dict(engine.plan.to_dict()).stages[0].compiled_memory_bytes == compiled

@@ -58,6 +58,10 @@ class StagePlan:
     """Per-device bytes sent per step (pipelines: per micro-batch) by collective kind (``all_reduce``,
     ``all_gather``, ``reduce_scatter``, ``all_to_all``); filled where the plan is explained (:func:`torchpar.plan`)."""
     crosses_hosts: list[bool] = field(default_factory=list)
+    compiled_memory_bytes: int | None = None
+    """Per-device bytes of the compiled stage by XLA's memory analysis (arguments + outputs − aliased +
+    temporaries; :func:`torchpar.runtime.resources.executable_peak_bytes`), beside :attr:`estimated_memory_bytes`;
+    recorded by ``engine.measured()`` / ``engine.save_report``, ``None`` in a plan that was not compiled."""
     """Per logical mesh axis: whether its collectives reach more than one host (priced with the link between
     hosts, :mod:`torchpar.planner.mesh_links`)."""
 
@@ -148,8 +152,12 @@ class Plan:
                          f"{format_seconds(stage.estimated_communication_s)}), {len(stage.params)} params")
             parts = ", ".join(f"{part.replace('_', ' ')} {format_bytes(n)}" for part, n in stage.memory_breakdown.items()
                               if n)
+            compiled = ""
+            if stage.compiled_memory_bytes:
+                error = stage.estimated_memory_bytes / stage.compiled_memory_bytes - 1
+                compiled = f"; compiled {format_bytes(stage.compiled_memory_bytes)} (estimate {error:+.0%})"
             lines.append(f"    est. memory {format_bytes(stage.estimated_memory_bytes)} per device"
-                         + (f" ({parts})" if parts else ""))
+                         + (f" ({parts})" if parts else "") + compiled)
             if stage.communication_bytes:
                 sent = ", ".join(f"{kind.replace('_', '-')} {format_bytes(n)}"
                                  for kind, n in stage.communication_bytes.items() if n) or "none"

@@ -345,6 +345,7 @@ STAGE_FIELDS: dict[str, tuple[bool, Check]] = {
     "memory_breakdown": (False, _mapping_of(_check_number, "an object of part (parameters, …) → bytes per device")),
     "communication_bytes": (False, _mapping_of(_check_number, "an object of collective kind → bytes per device")),
     "crosses_hosts": (False, _check_axis_flags),
+    "compiled_memory_bytes": (False, lambda path, value: None if value is None else _check_count(path, value)),
 }
 """The fields of a stage (``StagePlan``'s dataclass fields): name → (required, check)."""
 
