@@ -67,7 +67,8 @@ def main() -> None:
         print(f"no plan after {time.perf_counter() - start:.1f} s:\n{error}\n(try a larger --memory-gib)")
         return
     planning_s = time.perf_counter() - start
-    print("\n".join(line for line in plan.summary().splitlines() if not line.startswith("    ")))  # no per-tensor lines
+    print("\n".join(line for line in plan.summary().splitlines()  # each stage's memory, not its per-tensor lines
+                    if not line.startswith("    ") or line.lstrip().startswith("est. memory")))
     tokens = args.batch * args.seq
     flops = 6 * parameters * tokens + 12 * args.layers * args.hidden * args.seq * tokens
     devices = args.hosts * args.devices_per_host
