@@ -15,11 +15,12 @@ from torchpar.methods import (
     Zero2Parallel,
     Zero3Parallel,
 )
-from torchpar.planner.intra_op import mesh_shapes_for, plan_best_mesh, plan_stage
+from torchpar.planner.intra_op import logical_mesh, memory_breakdown, mesh_shapes_for, plan_best_mesh, plan_stage
 from torchpar.planner.mesh_links import submesh_of
 from torchpar.planner.plan import Plan, StagePlan
 from torchpar.planner.remat import check_remat, remat_memory
 from torchpar.planner.remat_choice import choose_remat
+from torchpar.planner.sharding.solver_graph import build_solver_graph
 
 _ONE_STAGE = (DataParallel, Zero2Parallel, Zero3Parallel, MegatronParallel, ShardParallel)
 
@@ -37,9 +38,6 @@ def single_device_plan(graph: Graph, cluster: ClusterSpec, remat: str = "none", 
         return choose_remat(lambda option: single_device_plan(graph, cluster, option, trainable=trainable,
                                                               optimizer_state_copies=optimizer_state_copies),
                             cluster.device_memory_bytes)
-    from torchpar.planner.intra_op import logical_mesh, memory_breakdown
-    from torchpar.planner.sharding.solver_graph import build_solver_graph
-
     if trainable is None:
         trainable = {i.target for i in graph.inputs if i.kind == "param"}
     kept = remat_memory(graph, remat)
