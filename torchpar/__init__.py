@@ -73,6 +73,7 @@ def compile(
     matmul_precision: Literal["highest", "high", "medium"] | None = None,
     mixed_precision: Literal["bf16", "fp16"] | None = None,
     remat: Literal["none", "layers", "selective", "auto"] | None = None,
+    profile: bool = False,
     log_every: int = 0,
     on_metrics: Callable[[StepMetrics], None] | None = None,
 ) -> Engine:
@@ -114,6 +115,10 @@ def compile(
       recomputes each layer's forward in its backward, keeping its input; ``"selective"`` also keeps its linear
       layers' outputs; ``"none"`` keeps every activation; ``"auto"``: the planner picks the one with the fastest
       estimated step that fits the memory budget. ``None``: a given ``Plan``'s, else ``"none"``.
+    - ``profile``: measured profiling, as Alpa does: all-reduces timed on this process's devices calibrate the
+      cost model's links, and the planner's candidates (a pipeline's stage partitions, or the one stage) are
+      compiled and timed, the fastest measured kept; ``plan.summary()`` shows measured beside estimated times.
+      Cached on disk (``TORCHPAR_PROFILE_DIR``). Local runtime only.
     - ``log_every``: log the step's metrics (``engine.last_metrics``: step time, samples/s, tokens/s, MFU, memory)
       every this many steps on the ``torchpar.metrics`` logger (INFO); ``0``: never.
     - ``on_metrics``: called after every step with its ``torchpar.metrics.StepMetrics`` (stream them to
@@ -127,7 +132,7 @@ def compile(
                        forward_fn=forward_fn, method=method, grad_clip_norm=grad_clip_norm, seed=seed,
                        xla_library_fusions=xla_library_fusions, spmd=spmd, check_inputs=check_inputs,
                        on_nonfinite=on_nonfinite, matmul_precision=matmul_precision, mixed_precision=mixed_precision,
-                       remat=remat, log_every=log_every, on_metrics=on_metrics)
+                       remat=remat, profile=profile, log_every=log_every, on_metrics=on_metrics)
 
 
 def plan(
@@ -141,6 +146,7 @@ def plan(
     explain: bool = True,
     mixed_precision: Literal["bf16", "fp16"] | None = None,
     remat: Literal["none", "layers", "selective", "auto"] = "none",
+    profile: bool = False,
 ) -> Plan:
     """Capture and plan without compiling or running a step (for inspecting and comparing plans).
 
@@ -149,13 +155,13 @@ def plan(
     Zero2Parallel and MegatronParallel on the same cost model (``plan.solver["method_comparison"]``); a few more
     solves.
     ``mixed_precision`` as in :func:`compile` (the plan then prices the autocast graph's dtypes); ``remat`` as
-    in :func:`compile` (priced by the plan's memory and step estimates), the choice in ``plan.remat``.
+    in :func:`compile` (priced by the plan's memory and step estimates), the choice in ``plan.remat``;
+    ``profile`` as in :func:`compile` (compiles and times the candidates on this process's devices).
     """
     from torchpar import api
 
     return api.plan(model, optimizer, example_batch=example_batch, loss_fn=loss_fn, step_fn=step_fn, method=method,
-                    explain=explain,
-                    mixed_precision=mixed_precision, remat=remat)
+                    explain=explain, mixed_precision=mixed_precision, remat=remat, profile=profile)
 
 
 def load_checkpoint(path: str) -> dict[str, torch.Tensor]:

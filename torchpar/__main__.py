@@ -70,6 +70,9 @@ def _parser() -> argparse.ArgumentParser:
                       help="activation checkpointing to price, or 'auto' for the planner to choose")
     plan.add_argument("--memory-gib", type=float, default=None,
                       help="device memory in GiB (overrides the preset's), the budget every stage must fit")
+    plan.add_argument("--profile", action="store_true",
+                      help="measured profiling: time all-reduces and the candidate stages on these devices and keep "
+                           "the fastest measured plan (cached in TORCHPAR_PROFILE_DIR); not with --meta")
     plan.set_defaults(run=_plan_command)
 
     compare = commands.add_parser("compare", help="train with PyTorch and torchpar, compare losses")
@@ -95,7 +98,8 @@ def _common_arguments(parser: argparse.ArgumentParser, *, method: str, batch_siz
     parser.add_argument("--micro-batches", type=int, default=4, help="pipeshard: micro-batches per step")
     parser.add_argument("--layers", type=int, default=4, help="pipeshard: layers formed by operator clustering")
     parser.add_argument("--stages", choices=("auto", "uniform"), default="auto", help="pipeshard: stage option")
-    parser.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b", help="pipeshard: schedule")
+    parser.add_argument("--schedule", choices=("1f1b", "gpipe", "interleaved_1f1b", "zb_h1"), default="1f1b",
+                        help="pipeshard: schedule (interleaved_1f1b: 2 stages per device group; needs --stages uniform)")
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="zoo models: the optimizer")
     parser.add_argument("--lr", type=float, default=None, help="learning rate (default 1e-3, SGD 0.02)")
     parser.add_argument("--batch-size", type=int, default=batch_size)
@@ -217,8 +221,10 @@ def _plan_command(args: argparse.Namespace) -> int:
     model, optimizer, batch = _build(args)
     method = _method(args)
     log.info("planning %s with %s", args.model, type(method).__name__ if method else "one device")
+    if args.profile and args.meta:
+        raise ValueError("--profile times the stages on real weights and devices; it cannot run with --meta")
     plan = torchpar.plan(model, optimizer, example_batch=batch, method=method, mixed_precision=args.mixed_precision,
-                         remat=args.remat)
+                         remat=args.remat, profile=args.profile)
     print(plan.summary())
     shapes = {name: list(p.shape) for name, p in model.named_parameters()}
     plan.save_html(args.out, param_shapes=shapes, title=f"torchpar plan: {Path(args.model).stem} ({args.method})")

@@ -60,6 +60,7 @@ def compile(
     matmul_precision: MatmulPrecision | None = None,
     mixed_precision: MixedPrecision | None = None,
     remat: Remat | None = None,
+    profile: bool = False,
     log_every: int = 0,
     on_metrics: Callable[[_metrics.StepMetrics], None] | None = None,
 ) -> "Engine":
@@ -82,7 +83,7 @@ def compile(
     options = CompileOptions(grad_clip_norm=grad_clip_norm, seed=seed, xla_library_fusions=xla_library_fusions,
                              spmd=spmd, check_inputs=check_inputs, on_nonfinite=on_nonfinite,
                              matmul_precision=matmul_precision, mixed_precision=mixed_precision, remat=remat,
-                             log_every=log_every, on_metrics=on_metrics)
+                             profile=profile, log_every=log_every, on_metrics=on_metrics)
     warn_if_gradient_checkpointing(model, stacklevel=3)  # the caller of torchpar.compile
     default_compile_cache()
     return Engine(model, optimizer, example_batch, loss_fn, options, method, step_fn=step_fn, forward_fn=forward_fn)
@@ -100,7 +101,8 @@ def _check_model_fns(loss_fn: LossFn | None, step_fn: StepFn | None, forward_fn:
 
 def plan(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, example_batch: Any,
          loss_fn: LossFn | None = None, step_fn: StepFn | None = None, method: Method | None = None,
-         explain: bool = True, mixed_precision: MixedPrecision | None = None, remat: Remat = "none") -> Plan:
+         explain: bool = True, mixed_precision: MixedPrecision | None = None, remat: Remat = "none",
+         profile: bool = False) -> Plan:
     """The plan ``method`` gives the model's training step, without XLA compilation or a step (for inspecting
     and comparing plans). Capture and planning phases are timed in ``plan.timings``.
 
@@ -109,7 +111,8 @@ def plan(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, example_ba
     (``plan.solver["method_comparison"]``), for the summary and the report; a few more solves.
     ``mixed_precision`` as in :func:`compile` (the plan prices the autocast graph's dtypes); ``remat`` as in
     :func:`compile`: the plan prices it (kept activations in memory, recomputed FLOPs in the step); ``"auto"`` lets the
-    planner pick (``plan.remat``, ``plan.solver["remat"]``)."""
+    planner pick (``plan.remat``, ``plan.solver["remat"]``). ``profile``: measured profiling as in :func:`compile`
+    (compiles and times the candidates on this process's devices)."""
     check_remat(remat, allow_auto=True)
     _check_model_fns(loss_fn, step_fn, None)
     warn_if_gradient_checkpointing(model, stacklevel=3)  # the caller of torchpar.plan
@@ -121,23 +124,57 @@ def plan(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, example_ba
     names = dict(model.named_parameters())
     spec = TorchOptimizerBridge(optimizer, {id(p): n for n, p in names.items()}).spec
     trainable = {n for n in spec.param_names if names[n].requires_grad} & _params_reaching_loss(capture.graph)
-    if method is None:
-        result = single_device_plan(capture.graph, current_cluster(), remat, trainable=trainable,
-                                    optimizer_state_copies=_state_copies(spec))
-    elif pipeshard:
-        from torchpar.planner.pipeline_plan import plan_pipeline
+    profiling = _start_profiling(profile, spec, trainable, getattr(method, "num_micro_batches", 1) if pipeshard else 1,
+                                 _numerics(None), True)
+    cluster = profiling.cluster if profiling else current_cluster()
+    try:
+        if method is None:
+            result = single_device_plan(capture.graph, cluster, remat, trainable=trainable,
+                                        optimizer_state_copies=_state_copies(spec))
+        elif pipeshard:
+            from torchpar.planner.pipeline_plan import plan_pipeline
 
-        planned = plan_pipeline(capture.graph, method, current_cluster(), trainable=trainable,
-                                optimizer_state_copies=_state_copies(spec), remat=remat)
-        if explain:
-            planned.explain()
-        result = planned.plan
-    else:
-        result = plan_for_method(capture.graph, method, current_cluster(), trainable=trainable,
-                                 optimizer_state_copies=_state_copies(spec), explain=explain, remat=remat)
+            planned = plan_pipeline(capture.graph, method, cluster, trainable=trainable,
+                                    optimizer_state_copies=_state_copies(spec), remat=remat,
+                                    stage_timer=profiling.timer if profiling else None)
+            if explain:
+                planned.explain()
+            result = planned.plan
+        else:
+            result = plan_for_method(capture.graph, method, cluster, trainable=trainable,
+                                     optimizer_state_copies=_state_copies(spec), explain=explain, remat=remat)
+        _finish_profiling(profiling, result, capture.graph, pipeshard)
+    finally:
+        if profiling:
+            profiling.close()
     result.timings = {"capture": capture_s, **result.timings}
     result.numerics = describe_numerics(_numerics(None), mixed_precision)
     return result
+
+
+def _start_profiling(profile: bool, spec: Any, trainable: set[str], num_micro_batches: int, numerics: Any,
+                     library_fusions: bool) -> Any:
+    """``profile=True``: the :class:`torchpar.profiled.Profiling` to plan with (links timed); else ``None``."""
+    if not profile:
+        return None
+    from torchpar.profiled import start_profiling
+
+    return start_profiling(current_cluster(), spec=spec, trainable=trainable, num_micro_batches=num_micro_batches,
+                           numerics=numerics, library_fusions=library_fusions)
+
+
+def _finish_profiling(profiling: Any, plan: Plan, graph: Graph, pipelined: bool) -> None:
+    """Time a one-stage ``plan``'s stage on ``graph`` (a pipeline's candidates were timed while planning) and
+    record the link fits in the plan."""
+    if profiling is None:
+        return
+    if not pipelined:
+        from torchpar.planner.profiling import profile_one_stage
+
+        profile_one_stage(plan, graph, profiling.timer)
+    profiling.record_links(plan)
+    log.info("torchpar: profiled plan:\n%s", "\n".join(line for line in plan.summary().splitlines()
+                                                        if "measured" in line or "profiled" in line))
 
 
 def _state_copies(spec: Any) -> float:
@@ -265,9 +302,16 @@ class Engine:
                     _check_plan_fits(method, cluster)
                     self._plan, stage_graphs = self._given_plan(method), stage_graphs_for(capture.graph, method)
                 else:
-                    pipeline = plan_pipeline(capture.graph, method, cluster, trainable=trainable,
-                                             optimizer_state_copies=_state_copies(self._spec),
-                                             remat=self.options.remat or "none")
+                    profiling = self._start_profiling(trainable, method.num_micro_batches)
+                    try:
+                        pipeline = plan_pipeline(capture.graph, method, profiling.cluster if profiling else cluster,
+                                                 trainable=trainable, optimizer_state_copies=_state_copies(self._spec),
+                                                 remat=self.options.remat or "none",
+                                                 stage_timer=profiling.timer if profiling else None)
+                        _finish_profiling(profiling, pipeline.plan, capture.graph, pipelined=True)
+                    finally:
+                        if profiling:
+                            profiling.close()
                     self._plan, stage_graphs = pipeline.plan, pipeline.stages
                 self._plan.timings["capture"] = self._timings["capture"]
                 self._plan.numerics = self._describe_numerics()
@@ -630,16 +674,34 @@ class Engine:
         cluster = current_cluster()
         remat = self.options.remat or "none"
         if method is None:
-            return single_device_plan(graph, cluster, remat, trainable=set(self._trainable(graph)),
+            trainable = set(self._trainable(graph))
+            plan = single_device_plan(graph, cluster, remat, trainable=trainable,
                                       optimizer_state_copies=_state_copies(self._spec))
+            if self.options.profile:
+                profiling = self._start_profiling(trainable, 1)
+                try:
+                    _finish_profiling(profiling, plan, graph, pipelined=False)
+                finally:
+                    profiling.close()
+            return plan
         if isinstance(method, Plan):
             _check_plan_fits(method, cluster)
             return self._given_plan(method)
         trainable = set(self._trainable(graph))
-        plan = plan_for_method(graph, method, cluster, trainable=trainable, optimizer_state_copies=_state_copies(self._spec),
-                               remat=remat)
+        profiling = self._start_profiling(trainable, 1)
+        try:
+            plan = plan_for_method(graph, method, profiling.cluster if profiling else cluster, trainable=trainable,
+                                   optimizer_state_copies=_state_copies(self._spec), remat=remat)
+            _finish_profiling(profiling, plan, graph, pipelined=False)
+        finally:
+            if profiling:
+                profiling.close()
         log.info("torchpar plan:\n%s", plan.summary())
         return plan
+
+    def _start_profiling(self, trainable: set[str], num_micro_batches: int) -> Any:
+        return _start_profiling(self.options.profile, self._spec, trainable, num_micro_batches, self._numerics,
+                                self.options.xla_library_fusions)
 
     def _with_loss_scale(self, scalars: Any) -> Any:
         """A step's scalars: the optimizer's, with the loss scale under fp16 mixed precision."""

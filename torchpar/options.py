@@ -67,6 +67,13 @@ class CompileOptions:
     container (``model.layers.3``). Losses are those without remat. ``None``: a given ``Plan``'s ``remat``, else
     ``"none"``. The plan (``plan.remat``) says which ran."""
 
+    profile: bool = False
+    """Measured profiling (:mod:`torchpar.profiled`): time all-reduces on this process's devices and plan with the
+    fitted link constants, then compile and time the planner's candidates on the devices (a pipeline's refined
+    stage partitions, or the one stage) and keep the fastest measured; ``plan.summary()`` shows measured next to
+    estimated times. Timings are cached on disk (``TORCHPAR_PROFILE_DIR``, :mod:`torchpar.runtime.profile_cache`).
+    Local runtime only. Ignored when ``method`` is a saved ``Plan``."""
+
     log_every: int = 0
     """Log one line of the step's metrics (:class:`torchpar.metrics.StepMetrics`: loss, step time, samples/s,
     tokens/s, model FLOPs, MFU, memory) every this many steps, on the ``torchpar.metrics`` logger at level INFO

@@ -24,6 +24,7 @@ from torchpar.methods import ManualStageOption, PipeshardParallel
 from torchpar.planner import layers as layers_mod
 from torchpar.planner.intra_op import plan_stage
 from torchpar.planner.plan import Plan
+from torchpar.planner.profiling import StageTimer, rank_candidates, record_profile
 from torchpar.planner.remat import check_remat
 from torchpar.planner.remat_choice import choose_remat
 from torchpar.planner.slicing import StageGraph, slice_stages, stage_of_nodes
@@ -49,17 +50,20 @@ class PipelinePlan:
 
 
 def plan_pipeline(graph: Graph, method: PipeshardParallel, cluster: ClusterSpec, *, trainable: set[str],
-                  optimizer_state_copies: float, remat: str = "none") -> PipelinePlan:
+                  optimizer_state_copies: float, remat: str = "none",
+                  stage_timer: StageTimer | None = None) -> PipelinePlan:
     """Plan ``graph`` (captured on one micro-batch) with ``method`` on ``cluster``, every stage running with
     activation checkpointing ``remat`` (one of ``planner.remat.REMAT_OPTIONS``; the stage DP and each stage's ILP
     price it), or ``"auto"``: the option of the fastest plan that fits (:mod:`.remat_choice`; one planning per
-    option)."""
+    option). With a ``stage_timer`` (measured profiling, :mod:`.profiling`) every ILP-refined candidate's stages
+    are compiled and timed, and the candidate with the least measured step wins (``plan.solver["profile"]``)."""
     if check_remat(remat, allow_auto=True) == "auto":
         planned: dict[str, PipelinePlan] = {}
 
         def make(option: str) -> Plan:
             planned[option] = plan_pipeline(graph, method, cluster, trainable=trainable,
-                                            optimizer_state_copies=optimizer_state_copies, remat=option)
+                                            optimizer_state_copies=optimizer_state_copies, remat=option,
+                                            stage_timer=stage_timer)
             return planned[option].plan
 
         return planned[choose_remat(make, cluster.device_memory_bytes).remat]
@@ -77,12 +81,20 @@ def plan_pipeline(graph: Graph, method: PipeshardParallel, cluster: ClusterSpec,
     from torchpar.planner import stages as stages_mod
 
     hosts, per_host = cluster.num_hosts, cluster.devices_per_host
+    virtual = method.virtual_stages or 1  # interleaved 1F1B: stages per device group
     if isinstance(option, ManualStageOption):
         partition = stages_mod.manual_stages(option.forward_stage_layer_ids, option.submesh_physical_shapes,
                                              option.submesh_logical_shapes, num_layers=num_layers,
-                                             cluster_hosts=hosts, devices_per_host=per_host)
+                                             cluster_hosts=hosts, devices_per_host=per_host,
+                                             num_micro_batches=method.num_micro_batches, schedule=method.schedule,
+                                             virtual_stages=virtual)
     elif option == "uniform":
-        partition = stages_mod.uniform_stages(num_layers, None, hosts, per_host)
+        partition = stages_mod.uniform_stages(num_layers, None, hosts, per_host,
+                                              num_micro_batches=method.num_micro_batches, schedule=method.schedule,
+                                              virtual_stages=virtual)
+    elif virtual > 1:
+        raise ValueError("stage_option='auto' does not plan interleaved 1F1B (the stage DP puts one stage on each "
+                         "submesh): use stage_option='uniform' or a ManualStageOption with v stages per submesh")
     else:
         cost = stages_mod.AnalyticStageCost(layering, graph, cluster, method.num_micro_batches, optimizer_state_copies,
                                             remat=remat)
@@ -116,7 +128,7 @@ def plan_pipeline(graph: Graph, method: PipeshardParallel, cluster: ClusterSpec,
             refined.append(_refine(graph, layering, candidate, cluster, method.num_micro_batches, trainable,
                                    optimizer_state_copies, remat,
                                    STAGE_TIME_LIMIT_S if index == 0 else RUNNER_UP_STAGE_TIME_LIMIT_S,
-                                   method.schedule))
+                                   method.schedule, virtual))
         except ValueError as error:  # no sharding fits the memory budget, or a batch that does not divide
             failures.append((candidate, error))
             log.info("stage partition %s: the ILP found no plan (%s)", candidate, error)
@@ -124,9 +136,21 @@ def plan_pipeline(graph: Graph, method: PipeshardParallel, cluster: ClusterSpec,
     if not refined:
         raise failures[0][1]
     best = min(refined, key=lambda r: r.step_s)
+    profile = None
+    if stage_timer is not None:
+        start = time.perf_counter()
+        ranked = rank_candidates([(r.step_s, list(zip(r.stage_graphs, r.stage_plans))) for r in refined], stage_timer,
+                                 method.num_micro_batches, remat=remat)
+        best = refined[ranked[0].index]
+        profile = record_profile(ranked, ranked[0], best.stage_plans)
+        timings["profile"] = time.perf_counter() - start
+        log.info("profiled %d candidate partition(s): measured step %.4g s (estimate %.4g s)", len(refined),
+                 ranked[0].measured_step_s, best.step_s)
     solver: dict = {f"stage{index}": stats for index, stats in enumerate(best.solver_stats)}
-    solver["estimate"] = {"model": ESTIMATE_MODEL, "step_formula": f"Σ stage + ({method.num_micro_batches}−1)·max "
-                                                                     f"stage ({method.schedule})"}
+    if profile is not None:
+        solver["profile"] = profile
+    solver["estimate"] = {"model": ESTIMATE_MODEL, "step_formula": stages_mod.latency_formula(
+        method.schedule, method.num_micro_batches, virtual)}
     if option == "auto":
         solver["stage_partition"] = {**best.partition.to_dict(), "model": SCREENING_MODEL}
         solver["runners_up"] = [r.summary() for r in sorted(refined, key=lambda r: r.step_s) if r is not best]
@@ -175,21 +199,24 @@ class _Refined:
 
 def _refine(graph: Graph, layering, partition, cluster: ClusterSpec, num_micro_batches: int, trainable: set[str],
             optimizer_state_copies: float, remat: str = "none", time_limit_s: float = STAGE_TIME_LIMIT_S,
-            schedule: str = "1f1b") -> _Refined:
+            schedule: str = "1f1b", virtual_stages: int = 1) -> _Refined:
     from torchpar.planner import stages as stages_mod
 
     stage_layers = [list(ids) for ids in partition.forward_stage_layer_ids]
     submeshes = [tuple(s) for s in partition.submesh_physical_shapes]
     logical = [tuple(s) for s in partition.submesh_logical_shapes]
     stage_graphs = slice_stages(graph, stage_of_nodes(graph, layering.layer_of, stage_layers))
-    devices = [list(d) for d in stages_mod.assign_devices(submeshes, cluster.num_hosts, cluster.devices_per_host)]
+    groups = len(submeshes) // virtual_stages  # interleaved 1F1B: stage s on the devices of group s mod G
+    group_devices = stages_mod.assign_devices(submeshes[:groups], cluster.num_hosts, cluster.devices_per_host)
+    devices = [list(group_devices[s % groups]) for s in range(len(submeshes))]
     results = []
     # micro-batches each stage holds at once, as the stage DP counts them (1F1B: the stages from it to the last)
-    in_flight = stages_mod.micro_batches_in_flight(len(stage_graphs), num_micro_batches, schedule)
+    in_flight = stages_mod.micro_batches_in_flight(len(stage_graphs), num_micro_batches, schedule, virtual_stages)
     for index, (stage, mesh_shape) in enumerate(zip(stage_graphs, logical)):
         result = plan_stage(stage.graph, kind="shard", mesh_shape=mesh_shape, cluster=cluster,
                             trainable=trainable & set(stage.params), optimizer_state_copies=optimizer_state_copies,
-                            memory_budget=cluster.device_memory_bytes, submesh=submeshes[index], remat=remat,
+                            memory_budget=cluster.device_memory_bytes / virtual_stages, submesh=submeshes[index],
+                            remat=remat,
                             time_limit_s=time_limit_s, in_flight=in_flight[index])
         result.stage.layers = stage_layers[index]
         result.stage.submesh_shape = submeshes[index]
@@ -197,7 +224,8 @@ def _refine(graph: Graph, layering, partition, cluster: ClusterSpec, num_micro_b
         results.append(result)
     plans = [r.stage for r in results]
     return _Refined(partition, stage_graphs, devices, results, plans,
-                    stages_mod.pipeline_latency([p.estimated_cost_s for p in plans], num_micro_batches),
+                    stages_mod.pipeline_latency([p.estimated_cost_s for p in plans], num_micro_batches, schedule,
+                                                virtual_stages),
                     [r.solver_stats() for r in results])
 
 

@@ -58,12 +58,16 @@ class StagePlan:
     """Per-device bytes sent per step (pipelines: per micro-batch) by collective kind (``all_reduce``,
     ``all_gather``, ``reduce_scatter``, ``all_to_all``); filled where the plan is explained (:func:`torchpar.plan`)."""
     crosses_hosts: list[bool] = field(default_factory=list)
+    """Per logical mesh axis: whether its collectives reach more than one host (priced with the link between
+    hosts, :mod:`torchpar.planner.mesh_links`)."""
     compiled_memory_bytes: int | None = None
     """Per-device bytes of the compiled stage by XLA's memory analysis (arguments + outputs − aliased +
     temporaries; :func:`torchpar.runtime.resources.executable_peak_bytes`), beside :attr:`estimated_memory_bytes`;
     recorded by ``engine.measured()`` / ``engine.save_report``, ``None`` in a plan that was not compiled."""
-    """Per logical mesh axis: whether its collectives reach more than one host (priced with the link between
-    hosts, :mod:`torchpar.planner.mesh_links`)."""
+    measured_cost_s: float | None = None
+    """Seconds of the compiled stage's forward + backward (per micro-batch in a pipeline), timed on its devices by
+    measured profiling (``profile=True``, :mod:`torchpar.planner.profiling`), beside :attr:`estimated_cost_s`;
+    ``None`` when the plan was not profiled."""
 
     def devices(self) -> list[int]:
         """:attr:`device_ids`, or the first ``d0·d1`` device indices when none are stored."""
@@ -149,7 +153,10 @@ class Plan:
             lines.append(f"  stage {index}: layers {stage.layers}, submesh {tuple(stage.submesh_shape)}, logical mesh "
                          f"{tuple(stage.logical_mesh_shape)}{hosts}, est. {format_seconds(stage.estimated_cost_s)} "
                          f"(compute {format_seconds(stage.estimated_compute_s)}, communication "
-                         f"{format_seconds(stage.estimated_communication_s)}), {len(stage.params)} params")
+                         f"{format_seconds(stage.estimated_communication_s)}), {len(stage.params)} params"
+                         + (f"; measured {format_seconds(stage.measured_cost_s)}"
+                            f" (estimate {stage.estimated_cost_s / stage.measured_cost_s - 1:+.0%})"
+                            if stage.measured_cost_s else ""))
             parts = ", ".join(f"{part.replace('_', ' ')} {format_bytes(n)}" for part, n in stage.memory_breakdown.items()
                               if n)
             compiled = ""
@@ -188,6 +195,7 @@ class Plan:
         if self.remat != "none":
             lines.append(f"  remat: {self.remat} ({_REMAT_MEANING[self.remat]})")
         lines.extend(_alternatives(self.solver))
+        lines.extend(_profile_lines(self.solver.get("profile")))
         stats = {k: v for k, v in self.solver.items() if k not in _EXPLAINED_SOLVER_KEYS}
         if stats:
             lines.append("  solver: " + ", ".join(f"{k}={v}" for k, v in stats.items()))
@@ -220,7 +228,8 @@ class Plan:
 
 _REMAT_MEANING = {"layers": "each layer's forward recomputed in its backward; its input kept",
                   "selective": "each layer's input and linear-layer outputs kept; the rest recomputed"}
-_EXPLAINED_SOLVER_KEYS = ("estimate", "stage_partition", "runners_up", "mesh_shapes", "method_comparison", "remat")
+_EXPLAINED_SOLVER_KEYS = ("estimate", "stage_partition", "runners_up", "mesh_shapes", "method_comparison", "remat",
+                          "profile")
 """``Plan.solver`` entries :meth:`Plan.summary` shows in their own lines."""
 
 
@@ -247,4 +256,24 @@ def _alternatives(solver: dict[str, Any]) -> list[str]:
             lines.append(f"  runner-up: est. step {format_seconds(row['estimated_step_s'])}{screening}: {stages}")
         else:  # the ILP found no sharding of one of its stages
             lines.append(f"  runner-up: not possible{screening}: {stages}: {row.get('error', '').splitlines()[0]}")
+    return lines
+
+
+def _profile_lines(profile: dict[str, Any] | None) -> list[str]:
+    """The summary's lines on measured profiling (``plan.solver["profile"]``, :mod:`.profiling`)."""
+    if not profile:
+        return []
+    lines = [f"  profiled: measured step {format_seconds(profile['measured_step_s'])} (estimate "
+             f"{format_seconds(profile['estimated_step_s'])}); {profile['timed_stages']} stage(s) timed, "
+             f"{profile['cached_stages']} from the profile cache"
+             + ("; the measurement changed the choice" if profile.get("changed_choice") else "")]
+    if len(profile.get("candidates", [])) > 1:
+        for row in profile["candidates"]:
+            mark = "→" if row["candidate"] == profile["chosen"] else " "
+            lines.append(f"   {mark} candidate {row['candidate']}: measured {format_seconds(row['measured_step_s'])}, "
+                         f"estimate {format_seconds(row['estimated_step_s'])}")
+    for link in profile.get("links", []):
+        lines.append(f"    link axis {link['axis']} ({link['devices']} devices): α {link['alpha'] * 1e6:.1f} µs, "
+                     f"β⁻¹ {1 / link['beta'] / 1e9 if link['beta'] else float('inf'):.2f} GB/s (fitted to "
+                     f"{len(link['points'])} timed all-reduces)")
     return lines

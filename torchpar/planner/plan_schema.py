@@ -23,14 +23,13 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn
 
-from torchpar.methods import METHOD_NAMES, PipeshardParallel
+from torchpar.methods import METHOD_NAMES, PIPELINE_SCHEDULES, PipeshardParallel
 from torchpar.planner.remat import REMAT_OPTIONS
 
 FORMER_METHOD_NAMES: dict[str, str] = {"auto": "shard"}
 """Method names of plans saved by earlier versions → today's (:data:`torchpar.methods.METHOD_NAMES`)."""
-SCHEDULE_NAMES: tuple[str, ...] = ("none", "1f1b", "gpipe")
+SCHEDULE_NAMES: tuple[str, ...] = ("none", *PIPELINE_SCHEDULES)
 """``Plan.schedule`` values: ``"none"`` for one-stage plans, a pipeline schedule otherwise."""
-PIPELINE_SCHEDULES: tuple[str, ...] = ("1f1b", "gpipe")
 MESH_AXES: tuple[int, ...] = (0, 1)
 MAX_SOLVER_DEPTH = 16
 """How deeply ``Plan.solver`` (free-form statistics) may nest."""
@@ -346,6 +345,7 @@ STAGE_FIELDS: dict[str, tuple[bool, Check]] = {
     "communication_bytes": (False, _mapping_of(_check_number, "an object of collective kind → bytes per device")),
     "crosses_hosts": (False, _check_axis_flags),
     "compiled_memory_bytes": (False, lambda path, value: None if value is None else _check_count(path, value)),
+    "measured_cost_s": (False, lambda path, value: None if value is None else _check_number(path, value)),
 }
 """The fields of a stage (``StagePlan``'s dataclass fields): name → (required, check)."""
 

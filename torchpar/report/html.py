@@ -64,7 +64,7 @@ from torchpar.units import format_bytes, format_seconds
 if TYPE_CHECKING:
     from torchpar.planner.plan import Plan
 
-EXPLAINED_SOLVER_KEYS = ("estimate", "stage_partition", "runners_up", "mesh_shapes", "method_comparison")
+EXPLAINED_SOLVER_KEYS = ("estimate", "stage_partition", "runners_up", "mesh_shapes", "method_comparison", "profile")
 """``Plan.solver`` entries shown in their own sections rather than in the solver statistics."""
 
 
@@ -209,8 +209,9 @@ def _stage_table(plan: Plan, grid: DeviceGrid, numbers: PlanNumbers, view: Timel
     """Estimated columns, then measured ones (a timeline's F+B time per micro-batch, peak memory) beside them."""
     unit = "micro-batch" if numbers.pipeline else "step"
     memory_measured = any(s.measured_memory_bytes is not None for s in numbers.stages)
-    measured_heads = (["F+B time", "÷ est."] if view is not None else []) + (["peak memory", "÷ est."]
-                                                                           if memory_measured else [])
+    profiled = view is None and any(stage.measured_cost_s is not None for stage in plan.stages)
+    measured_heads = (["F+B time", "÷ est."] if view is not None else []) + (
+        ["profiled F+B", "÷ est."] if profiled else []) + (["peak memory", "÷ est."] if memory_measured else [])
     fixed = ["stage", "layers", "submesh → logical mesh", "devices", "params"]
     estimated = [f"time / {unit}", "compute", "comm", "memory / device"]
     head = ("<tr>" + "".join(f"<th rowspan='2'{' class=num' if h == 'params' else ''}>{e(h)}</th>" for h in fixed)
@@ -230,11 +231,16 @@ def _stage_table(plan: Plan, grid: DeviceGrid, numbers: PlanNumbers, view: Timel
                              (e(format_seconds(s.communication_s)), s.communication_s),
                              (e(format_bytes(s.memory_bytes)), s.memory_bytes)]
         per_micro = None
-        if view is not None:
-            blocks = [b for b in view.blocks[s.index] if b[0] in ("forward", "backward")]
+        if view is not None and len(view.blocks) == len(numbers.stages):  # one row per stage (not interleaved)
+            blocks = [b for b in view.blocks[s.index] if b[0] in ("forward", "backward", "backward_input",
+                                                                   "backward_weight")]
             micro = len({b[1] for b in blocks}) or 1
             per_micro = sum(b[3] - b[2] for b in blocks) / micro
             cells += [(e(format_seconds(per_micro)), per_micro), (ratio(per_micro, s.cost_s), None)]
+        elif profiled:
+            per_micro = stage.measured_cost_s
+            cells += [(e(format_seconds(per_micro)) if per_micro is not None else "–", per_micro),
+                      (ratio(per_micro, s.cost_s), None)]
         if memory_measured:
             m = s.measured_memory_bytes
             cells += [(e(format_bytes(m)) if m is not None else "–", m), (ratio(m, s.memory_bytes), None)]
@@ -252,6 +258,8 @@ def _stage_table(plan: Plan, grid: DeviceGrid, numbers: PlanNumbers, view: Timel
     numeric = set(range(4, 9 + len(measured_heads)))
     caption = (f"<p class='sub'>Estimated per {unit}, memory per device; measured figures sit beside the estimates"
                + (": F+B is forward + backward time per micro-batch in the given timeline" if view is not None else "")
+               + (": profiled F+B is the stage compiled and timed alone by profile=True (median forward + backward "
+                  f"per {unit})" if profiled else "")
                + ".</p>")
     return table([], rows, numeric=numeric, css="stages", row_attrs=row_attrs, head_html=head, foot_html=foot) + caption
 
@@ -314,9 +322,9 @@ def _timeline_svg(plan: Plan, view: TimelineView, numbers: PlanNumbers) -> str:
                      f"text-anchor='end'>stage {stage}</text>")
         for op, micro, start, end in blocks:
             x, w = left + start * scale, max((end - start) * scale, 1.0)
-            kind = {"forward": "fwd", "backward": "bwd"}.get(op, "other")
+            kind = {"forward": "fwd", "backward": "bwd", "backward_input": "bwd", "backward_weight": "bwd"}.get(op, "other")
             fill = tint(color, 0.5) if kind == "fwd" else color if kind == "bwd" else "#999999"
-            label = f"{op[0].upper()}{'' if micro is None else micro}"
+            label = f"{'W' if op == 'backward_weight' else op[0].upper()}{'' if micro is None else micro}"
             tip = (f"stage {stage} {op} micro-batch {micro}: {_fmt_tick(start, view.relative)} – "
                    f"{_fmt_tick(end, view.relative)}")
             parts.append(f"<rect class='blk {kind}' data-stage='{stage}' "
@@ -360,10 +368,30 @@ def _fmt_tick(value: float, relative: bool) -> str:
 
 # --- solver and compile phases --------------------------------------------------------------------------
 
+def _profile_html(profile: Mapping[str, Any] | None) -> str:
+    """Measured profiling (``plan.solver["profile"]``): each candidate measured and estimated, the link fits."""
+    if not profile:
+        return ""
+    rows = [[(("→ " if row["candidate"] == profile["chosen"] else "") + e(str(row["candidate"])), None),
+             (e(format_seconds(row["measured_step_s"])), row["measured_step_s"]),
+             (e(format_seconds(row["estimated_step_s"])), row["estimated_step_s"]),
+             (ratio(row["measured_step_s"], row["estimated_step_s"]), None)]
+            for row in profile.get("candidates", [])]
+    links = "".join(f"<li>axis {e(str(link['axis']))} over {e(str(link['devices']))} devices: α "
+                    f"{e(format_seconds(link['alpha']))}, β {link['beta']:.3g} s/byte</li>"
+                    for link in profile.get("links", []))
+    return ("<h3>measured profiling</h3>"
+            + table(["candidate", "measured step", "estimated step", "measured ÷ est."], rows, numeric={1, 2, 3},
+                    css="kv")
+            + (f"<p class='sub'>Link constants fitted to timed all-reduces:</p><ul class='mono'>{links}</ul>"
+               if links else ""))
+
+
 def _solver_html(solver: Mapping[str, Any]) -> str:
+    profiled = _profile_html((solver or {}).get("profile"))
     solver = {k: v for k, v in (solver or {}).items() if k not in EXPLAINED_SOLVER_KEYS}
     if not solver:
-        return "<p class='sub'>No solver statistics (a hand-made or single-device plan).</p>"
+        return profiled or "<p class='sub'>No solver statistics (a hand-made or single-device plan).</p>"
     scalar = lambda v: not isinstance(v, (Mapping, list, tuple))
     flat = {k: v for k, v in solver.items() if scalar(v)}
     per_stage = {k: v for k, v in solver.items() if isinstance(v, Mapping) and all(map(scalar, v.values()))}
@@ -381,7 +409,7 @@ def _solver_html(solver: Mapping[str, Any]) -> str:
         items = value if isinstance(value, (list, tuple)) else [value]
         entries = "".join(f"<li>{e(item)}</li>" for item in items) or "<li class='sub'>none</li>"
         out.append(f"<h3>{e(name.replace('_', ' '))}</h3><ol class='mono'>{entries}</ol>")
-    return "".join(out)
+    return profiled + "".join(out)
 
 
 def _fmt_stat(key: str, value: Any) -> str:

@@ -1,0 +1,74 @@
+"""``compile(..., profile=True)`` / ``plan(..., profile=True)``: plan with measurements on this process's devices.
+
+Alpa profiles what it plans on the real cluster. Here, before planning, all-reduces are timed on each logical
+mesh axis and the cluster's in-host link constants are replaced by the fitted ones
+(:func:`torchpar.planner.profiling.calibrated_cluster`); after planning, every candidate the planner refined
+(a pipeline's stage partitions; the single stage of a one-stage plan) is compiled and timed, and a pipeline takes
+the candidate with the least measured step. ``plan.summary()`` shows the measured next to the estimated times
+(``StagePlan.measured_cost_s``, ``plan.solver["profile"]``). Timings are kept on disk
+(:mod:`torchpar.runtime.profile_cache`): planning again on the same hardware measures nothing twice.
+
+Only the local runtime is profiled (the driver of the Ray runtime holds no devices).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from torchpar.cluster import ClusterSpec
+from torchpar.ir.optimizer import OptimizerSpec
+from torchpar.planner.plan import Plan
+from torchpar.planner.profiling import LinkFit, StageTimer, calibrated_cluster
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Profiling:
+    """What planning with measurements uses: the cluster with fitted link constants, the stage timer, the fits."""
+
+    cluster: ClusterSpec
+    timer: StageTimer
+    links: list[LinkFit]
+    bar: Any
+
+    def record_links(self, plan: Plan) -> None:
+        """Add the link fits to ``plan.solver["profile"]`` (the planner records the stages)."""
+        if "profile" in plan.solver:
+            plan.solver["profile"]["links"] = [fit.to_dict() for fit in self.links]
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def start_profiling(cluster: ClusterSpec, *, spec: OptimizerSpec, trainable: set[str], num_micro_batches: int,
+                    numerics: Any, library_fusions: bool) -> Profiling:
+    """Time the links of this process's devices (or read them from the profile cache) and make the stage timer.
+    Raises ``ValueError`` on the Ray runtime, whose driver has no devices to measure on."""
+    if cluster.runtime != "local":
+        raise ValueError("profile=True measures on this process's devices, and the Ray runtime's driver holds none: "
+                         "profile with torchpar.init(cluster='local', num_devices=...) on one host of the same "
+                         "hardware, save plan.to_json() and compile with method=torchpar.Plan.from_json(text) on the cluster")
+    import jax
+
+    from torchpar.runtime.profile_cache import ProfileCache, profile_dir
+    from torchpar.runtime.profiler import StageProfiler, time_links
+
+    devices = jax.devices()
+    if len(devices) < cluster.num_devices:
+        raise ValueError(f"profile=True needs the cluster's {cluster.num_devices} devices in this process; JAX has "
+                         f"{len(devices)} (torchpar.init(num_devices=...) before JAX is imported)")
+    cache = ProfileCache(profile_dir())
+    bar = tqdm(desc="torchpar: profiling", unit="stage", leave=False, disable=None)
+    links = time_links(cache, devices[:cluster.devices_per_host])
+    timer = StageProfiler(spec=spec, trainable=trainable, num_micro_batches=num_micro_batches, numerics=numerics,
+                          library_fusions=library_fusions, cache=cache, devices=devices,
+                          on_stage=lambda what: bar.update(1))
+    calibrated = calibrated_cluster(cluster, links) if links else cluster
+    log.info("profiling: link constants alpha %s, beta %s (were %s, %s); profile cache %s", calibrated.alpha,
+             calibrated.beta, cluster.alpha, cluster.beta, cache.directory or "off")
+    return Profiling(cluster=calibrated, timer=timer, links=links, bar=bar)
