@@ -153,6 +153,10 @@ class ManualStageOption:
                              "must be non-empty and of equal length")
 
 
+PIPELINE_SCHEDULES: tuple[str, ...] = ("1f1b", "gpipe", "interleaved_1f1b", "zb_h1")
+"""``PipeshardParallel.schedule`` values (their instruction lists: :mod:`torchpar.runtime.schedules`)."""
+
+
 @dataclass(kw_only=True, frozen=True)
 class PipeshardParallel:
     """Pipeline stages on submeshes (inter-op) with the ILP inside each stage (intra-op)."""
@@ -166,13 +170,30 @@ class PipeshardParallel:
     """How ops are grouped into layers; ``"manual"`` cuts at ``mark_pipeline_boundary``."""
     stage_option: Literal["auto", "uniform"] | ManualStageOption = "auto"
     """How layers are grouped into stages and stages placed on submeshes."""
-    schedule: Literal["1f1b", "gpipe"] = "1f1b"
-    """Pipeline schedule."""
+    schedule: Literal["1f1b", "gpipe", "interleaved_1f1b", "zb_h1"] = "1f1b"
+    """Pipeline schedule (:mod:`torchpar.runtime.schedules`): ``"1f1b"`` or ``"gpipe"``; ``"interleaved_1f1b"``
+    (Megatron-LM's virtual stages: each device group runs ``virtual_stages`` non-adjacent stages; bubble
+    ``(G−1)/(v·M+G−1)`` on G groups); ``"zb_h1"`` (zero bubble: each backward split into its input- and
+    weight-gradient parts, the latter deferred; bubble ``(S−1)/(3M+S−1)`` when the parts cost the same)."""
+    virtual_stages: int | None = None
+    """Stages per device group under ``"interleaved_1f1b"`` (v ≥ 2; default 2): the plan has ``v·G`` stages,
+    stage ``s`` on the devices of group ``s mod G``. Must stay ``None`` (= 1) for the other schedules."""
 
     def __post_init__(self) -> None:
         _check_micro_batches(self.num_micro_batches)
-        if self.schedule not in ("1f1b", "gpipe"):
-            raise ValueError(f"schedule must be '1f1b' or 'gpipe', got {self.schedule!r}")
+        if self.schedule not in PIPELINE_SCHEDULES:
+            names = ", ".join(map(repr, PIPELINE_SCHEDULES))
+            raise ValueError(f"schedule must be one of {names}, got {self.schedule!r}")
+        v = self.virtual_stages
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ValueError(f"virtual_stages must be an int ≥ 1, got {v!r}")
+        if self.schedule == "interleaved_1f1b":
+            if v == 1:
+                raise ValueError("schedule='interleaved_1f1b' with virtual_stages=1 is schedule='1f1b'; give "
+                                 "virtual_stages ≥ 2 (the default, None, means 2)")
+            object.__setattr__(self, "virtual_stages", 2 if v is None else v)
+        elif v not in (None, 1):
+            raise ValueError(f"virtual_stages={v} needs schedule='interleaved_1f1b' (got {self.schedule!r})")
         if not isinstance(self.layer_option, AutoLayerOption) and self.layer_option != "manual":
             raise ValueError(f"layer_option must be AutoLayerOption(...) or 'manual', got {self.layer_option!r}")
         if not isinstance(self.stage_option, ManualStageOption) and self.stage_option not in ("auto", "uniform"):

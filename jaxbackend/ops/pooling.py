@@ -7,6 +7,8 @@ max and count toward an average only with ``count_include_pad``.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -36,46 +38,87 @@ def _tuple(value, n, default=None):
 
 @lowers("aten.max_pool2d_with_indices.default", "aten.max_pool3d_with_indices.default")
 def max_pool_with_indices(x, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
-    """Returns ``(values, indices)``; indices are flat positions within each input plane."""
+    """Returns ``(values, indices)``; indices are flat positions within each input plane. The gradient goes to
+    the first maximum of each window, as in PyTorch (:func:`_routed_max_pool`)."""
     spatial = len(kernel_size) if isinstance(kernel_size, (list, tuple)) and len(kernel_size) > 1 else x.ndim - 2
     kernel = _tuple(kernel_size, spatial)
     stride = _tuple(stride, spatial, kernel)
     padding = _tuple(padding, spatial)
     dilation = _tuple(dilation, spatial)
-    pads = _pool_geometry(x.shape[-spatial:], kernel, stride, padding, dilation, ceil_mode)
-    if any(d != 1 for d in dilation):
-        # JAX has no VJP for a dilated reduce_window max; the window walk is differentiable.
-        out_sizes = [(size + lo + hi - d * (k - 1) - 1) // s + 1
-                     for size, (lo, hi), k, s, d in zip(x.shape[-spatial:], pads, kernel, stride, dilation)]
-        return _window_argmax(x, kernel, stride, dilation, pads, out_sizes)
-    lead = x.ndim - spatial
-    values = jax.lax.reduce_window(x, _lowest(x.dtype), jax.lax.max, (1,) * lead + kernel, (1,) * lead + stride,
-                                   [(0, 0)] * lead + pads)
-    _, indices = _window_argmax(jax.lax.stop_gradient(x), kernel, stride, dilation, pads, values.shape[-spatial:])
-    return values, indices
+    pads = tuple(_pool_geometry(x.shape[-spatial:], kernel, stride, padding, dilation, ceil_mode))
+    return _routed_max_pool(x, kernel, stride, dilation, pads, tuple(x.shape))
 
 
 def _lowest(dtype) -> np.ndarray:
-    """The identity of max as a concrete numpy scalar (so JAX picks its differentiable max-pool)."""
+    """The identity of max as a concrete numpy scalar."""
     if jnp.issubdtype(dtype, jnp.floating):
         return np.array(-np.inf, dtype)
     return np.array(jnp.iinfo(dtype).min, dtype)
 
 
-def _window_argmax(x, kernel, stride, dilation, pads, out_sizes):
-    """``(max, index)`` of each pooling window; the index is the flat in-plane position of the first
-    maximum (PyTorch's ``indices``).
+def _out_sizes(in_sizes, kernel, stride, dilation, pads) -> list[int]:
+    return [(size + lo + hi - d * (k - 1) - 1) // s + 1
+            for size, (lo, hi), k, s, d in zip(in_sizes, pads, kernel, stride, dilation)]
 
-    Walks the kernel offsets with strided slices of the padded input (one ``where`` per offset), so the
-    max is differentiable and routes its gradient to the first maximum, as PyTorch does.
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
+def _routed_max_pool(x, kernel, stride, dilation, pads, shape):
+    """Max pooling whose backward routes each window's gradient to its first maximum, as PyTorch does, from the
+    winning kernel offset saved per output cell (an int8/int32 of the output's size).
+
+    JAX's own max-pool gradient (``select_and_scatter_add``) is expanded by XLA's CPU compiler into a
+    reduce-window over (value, s32 position) pairs of the padded input: four int32 tensors of the padded input's
+    size live at once in the backward, which doubled a ResNet's compiled step memory. This backward is ``k``
+    strided pads and adds of the output-sized gradient, fused by XLA into one pass over the input."""
+    values, indices, _ = _window_argmax(x, kernel, stride, dilation, pads,
+                                        _out_sizes(x.shape[-len(kernel):], kernel, stride, dilation, pads))
+    return values, indices
+
+
+def _routed_max_pool_forward(x, kernel, stride, dilation, pads, shape):
+    values, indices, offsets = _window_argmax(x, kernel, stride, dilation, pads,
+                                              _out_sizes(x.shape[-len(kernel):], kernel, stride, dilation, pads))
+    return (values, indices), offsets
+
+
+def _routed_max_pool_backward(kernel, stride, dilation, pads, shape, offsets, cotangents):
+    grad_values = cotangents[0]
+    spatial = len(kernel)
+    lead = len(shape) - spatial
+    padded_sizes = [size + lo + hi for size, (lo, hi) in zip(shape[-spatial:], pads)]
+    out_sizes = grad_values.shape[-spatial:]
+    grad = jnp.zeros((*shape[:lead], *padded_sizes), grad_values.dtype)
+    zero = jnp.zeros((), grad_values.dtype)
+    for index, offset in enumerate(np.ndindex(*kernel)):
+        routed = jnp.where(offsets == index, grad_values, zero)
+        placement = [(0, 0, 0)] * lead
+        for start, s, n, total in zip((o * d for o, d in zip(offset, dilation)), stride, out_sizes, padded_sizes):
+            placement.append((start, total - start - (n - 1) * s - 1, s - 1))
+        grad = grad + jax.lax.pad(routed, zero, placement)
+    window = tuple(slice(None) for _ in range(lead)) + tuple(slice(lo, lo + size)
+                                                             for (lo, _), size in zip(pads, shape[-spatial:]))
+    return (grad[window],)
+
+
+_routed_max_pool.defvjp(_routed_max_pool_forward, _routed_max_pool_backward)
+
+
+def _window_argmax(x, kernel, stride, dilation, pads, out_sizes):
+    """``(max, index, offset)`` of each pooling window: the index is the flat in-plane position of the first
+    maximum (PyTorch's ``indices``), the offset the number of its kernel offset in ``np.ndindex(*kernel)`` order
+    (int8 when the kernel has ≤ 127 offsets).
+
+    Walks the kernel offsets with strided slices of the padded input (one ``where`` per offset); a NaN wins over
+    any number, the first of several maxima wins.
     """
     spatial = len(kernel)
     in_sizes = x.shape[-spatial:]
     lead = x.ndim - spatial
     low = _lowest(x.dtype)
+    offset_dtype = jnp.int8 if int(np.prod(kernel)) <= 127 else jnp.int32
     padded = jax.lax.pad(x, low, [(0, 0, 0)] * lead + [(lo, hi, 0) for lo, hi in pads])
-    best_val = best_idx = None
-    for offset in np.ndindex(*kernel):
+    best_val = best_idx = best_offset = None
+    for number, offset in enumerate(np.ndindex(*kernel)):
         starts = [o * d for o, d in zip(offset, dilation)]
         window = padded
         coords = []
@@ -90,11 +133,13 @@ def _window_argmax(x, kernel, stride, dilation, pads, out_sizes):
         flat = jnp.asarray(flat, jnp.int32)
         if best_val is None:
             best_val, best_idx = window, jnp.broadcast_to(flat, window.shape)
+            best_offset = jnp.zeros(window.shape, offset_dtype)
         else:
             better = (window > best_val) | (jnp.isnan(window) & ~jnp.isnan(best_val))
             best_val = jnp.where(better, window, best_val)
             best_idx = jnp.where(better, flat, best_idx)
-    return best_val, best_idx
+            best_offset = jnp.where(better, jnp.asarray(number, offset_dtype), best_offset)
+    return best_val, best_idx, best_offset
 
 
 @lowers("aten.avg_pool2d.default", "aten.avg_pool3d.default", "aten.avg_pool1d.default")

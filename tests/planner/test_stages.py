@@ -225,9 +225,13 @@ def test_analytic_cost_formulas(gpt2):
     assert data.compute_s == pytest.approx(one.compute_s / 8)
     assert data.communication_s == pytest.approx(fewer.communication_s / 4)
     assert data.activation_bytes == pytest.approx(one.activation_bytes / 8)
-    # tensor parallel shards the state, data parallel replicates it
+    # tensor parallel shards the state, data parallel replicates it; both shard the backward's working set
+    from torchpar.planner.remat import BACKWARD_WORKING_COPIES, materialized
+
+    live = materialized(graph)
+    working = BACKWARD_WORKING_COPIES * max(n.out_bytes for n in graph.nodes if n.name in live)
     assert cost(0, last, (1, 8), (1, 8)).memory_bytes == pytest.approx(one.memory_bytes / 8)
-    assert data.memory_bytes == pytest.approx(one.memory_bytes)
+    assert data.memory_bytes == pytest.approx(one.memory_bytes - working + working / 8)
     with pytest.raises(ValueError):
         cost(0, last, (1, 8), (2, 2))
 
@@ -241,3 +245,61 @@ def test_stage_dp_on_gpt2_layers(gpt2):
     assigned = assign_devices(result.best.submesh_physical_shapes, 2, 4)
     assert sorted(d for devices in assigned for d in devices) == list(range(8))
     assert result.cost_s == pytest.approx(pipeline_latency([s.latency_s for s in result.stages], 8))
+
+
+# --- the schedules of issue 12: step formulas, in-flight counts and interleaved stage layouts -------------
+
+@pytest.mark.parametrize("schedule,virtual", [("1f1b", 1), ("gpipe", 1), ("zb_h1", 1), ("interleaved_1f1b", 2),
+                                              ("interleaved_1f1b", 3)])
+@pytest.mark.parametrize("groups,micro", [(2, 4), (4, 8), (4, 16)])
+def test_pipeline_latency_is_the_simulated_makespan_on_equal_stages(schedule, virtual, groups, micro):
+    from torchpar.runtime.schedules import make_schedule, simulate
+
+    t = 3.0 / virtual  # each stage: one micro-batch's forward + backward, in thirds F, B, W
+    stages = groups * virtual
+    simulated = simulate(make_schedule(schedule, stages, micro, virtual_stages=virtual), t / 3, 2 * t / 3,
+                         weight_time=t / 3)
+    assert pipeline_latency([t] * stages, micro, schedule, virtual) == pytest.approx(simulated.makespan)
+
+
+def test_micro_batches_in_flight_per_schedule():
+    from torchpar.planner.stages import micro_batches_in_flight
+    from torchpar.runtime.schedules import interleaved_one_f_one_b, stage_in_flight
+
+    assert micro_batches_in_flight(4, 8, "1f1b") == [4, 3, 2, 1]
+    assert micro_batches_in_flight(4, 8, "zb_h1") == [4, 4, 4, 4]
+    assert micro_batches_in_flight(4, 2, "zb_h1") == [2, 2, 2, 2]
+    assert micro_batches_in_flight(8, 8, "interleaved_1f1b", 2) == stage_in_flight(interleaved_one_f_one_b(4, 8, 2))
+    with pytest.raises(ValueError, match="do not split"):
+        micro_batches_in_flight(6, 8, "interleaved_1f1b", 4)
+
+
+def test_uniform_and_manual_interleaved_stages():
+    partition = uniform_stages(8, None, 1, 4, virtual_stages=2, schedule="interleaved_1f1b", num_micro_batches=4)
+    assert len(partition.stages) == 8 and all(s.submesh == (1, 1) for s in partition.stages)
+    assert partition.forward_stage_layer_ids == tuple((s,) for s in range(8))
+    partition = uniform_stages(8, 2, 1, 4, virtual_stages=2, schedule="interleaved_1f1b", num_micro_batches=4)
+    assert [s.submesh for s in partition.stages] == [(1, 2)] * 4
+    with pytest.raises(ValueError, match="device group"):
+        uniform_stages(4, 4, 1, 4, virtual_stages=2)
+    layers = tuple((s,) for s in range(4))
+    ok = manual_stages(layers, ((1, 2),) * 4, None, num_layers=4, cluster_hosts=1, devices_per_host=4,
+                       schedule="interleaved_1f1b", num_micro_batches=2, virtual_stages=2)
+    assert ok.virtual_stages == 2 and ok.schedule == "interleaved_1f1b"
+    with pytest.raises(ValueError, match="repeat with period 2"):
+        manual_stages(layers, ((1, 2), (1, 2), (1, 1), (1, 3)), None, num_layers=4, cluster_hosts=1,
+                      devices_per_host=4, schedule="interleaved_1f1b", num_micro_batches=2, virtual_stages=2)
+
+
+def test_pipeshard_schedule_options():
+    import torchpar
+
+    assert torchpar.PipeshardParallel(schedule="interleaved_1f1b").virtual_stages == 2
+    assert torchpar.PipeshardParallel(schedule="interleaved_1f1b", virtual_stages=3).virtual_stages == 3
+    assert torchpar.PipeshardParallel(schedule="zb_h1").virtual_stages is None
+    with pytest.raises(ValueError, match="needs schedule='interleaved_1f1b'"):
+        torchpar.PipeshardParallel(schedule="1f1b", virtual_stages=2)
+    with pytest.raises(ValueError, match="is schedule='1f1b'"):
+        torchpar.PipeshardParallel(schedule="interleaved_1f1b", virtual_stages=1)
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        torchpar.PipeshardParallel(schedule="zb_h2")

@@ -130,6 +130,81 @@ def test_pipeline_matches_pytorch(runtime, case):
         engine.shutdown()
 
 
+# Issue 12's schedules: (family, device groups, schedule, micro-batches). Interleaved 1F1B runs 2 stages per
+# group (a 4-layer model on 2 groups, an 8-layer one on 4: stage s on the devices of group s mod G); ZB-H1 runs
+# one stage per group with each backward split into its input- and weight-gradient parts.
+SCHEDULE_CASES = [
+    ("mlp", 2, "zb_h1", 4),
+    ("mlp", 4, "zb_h1", 8),
+    ("mlp", 2, "interleaved_1f1b", 4),
+    ("mlp", 4, "interleaved_1f1b", 8),
+    ("gpt2", 2, "zb_h1", 2),
+    ("gpt2", 4, "zb_h1", 4),
+    ("gpt2", 2, "interleaved_1f1b", 2),
+    ("gpt2", 4, "interleaved_1f1b", 4),
+]
+RAY_SCHEDULE_CASES = [SCHEDULE_CASES[2], SCHEDULE_CASES[4]]
+
+
+def _build_for_schedule(family: str, groups: int, schedule: str):
+    """A model with one layer per stage (``groups`` stages, or 2 per group under interleaved 1F1B), the
+    stages on ``groups`` submeshes of ``8 / groups`` devices."""
+    virtual = 2 if schedule == "interleaved_1f1b" else 1
+    num_stages = groups * virtual
+    torch.manual_seed(0)
+    if family == "mlp":
+        model = BoundaryMLP(depth=num_stages)
+        batch = (torch.randn(16, 32), torch.randn(16, 32))
+    else:
+        model, batch = _gpt2_with_boundaries(num_stages)
+    stage_option = torchpar.ManualStageOption(
+        forward_stage_layer_ids=tuple((s,) for s in range(num_stages)),
+        submesh_physical_shapes=((1, 8 // groups),) * num_stages,
+        submesh_logical_shapes=((1, 8 // groups),) * num_stages)
+    return model, batch, stage_option, virtual
+
+
+@pytest.mark.parametrize("runtime,case",
+                         [("local", c) for c in SCHEDULE_CASES] + [("ray", c) for c in RAY_SCHEDULE_CASES],
+                         ids=[f"local-{f}-{g}groups-{sc}-M{m}" for f, g, sc, m in SCHEDULE_CASES]
+                         + [f"ray-{f}-{g}groups-{sc}-M{m}" for f, g, sc, m in RAY_SCHEDULE_CASES],
+                         indirect=["runtime"])
+def test_new_schedules_match_pytorch(runtime, case, tmp_path):
+    family, groups, schedule, micro = case
+    model, batch, stage_option, virtual = _build_for_schedule(family, groups, schedule)
+    reference = copy.deepcopy(model)
+    make_opt = lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)  # noqa: E731
+    method = torchpar.PipeshardParallel(num_micro_batches=micro, layer_option="manual", stage_option=stage_option,
+                                        schedule=schedule)
+    assert method.virtual_stages == (virtual if schedule == "interleaved_1f1b" else None)
+    engine = torchpar.compile(model, make_opt(model), example_batch=batch, method=method)
+    try:
+        stages = engine.plan.stages
+        assert len(stages) == groups * virtual and engine.plan.schedule == schedule
+        assert all(stages[s].device_ids == stages[s % groups].device_ids for s in range(len(stages)))
+        ref_opt = make_opt(reference)
+        for _ in range(STEPS):
+            ref_opt.zero_grad()
+            loss = _loss(reference, batch)
+            loss.backward()
+            ref_opt.step()
+            assert engine.step(batch) == pytest.approx(loss.item(), rel=LOSS_RTOL)
+        timeline = engine.last_timeline
+        assert len(timeline.blocks) == groups  # one row per device group
+        ops = {b[0] for row in timeline.blocks for b in row}
+        assert ops == ({"forward", "backward_input", "backward_weight"} if schedule == "zb_h1"
+                       else {"forward", "backward"})
+        assert all(len([b for b in row if b[0] == "forward"]) == micro * virtual for row in timeline.blocks)
+        assert schedule in engine.plan.solver["estimate"]["step_formula"]
+        for drawn in (None, timeline):  # the report draws the simulated schedule and the measured step, per group
+            engine.plan.save_html(str(tmp_path / "plan.html"), timeline=drawn)
+        engine.sync_to_torch()
+        for (name, p), q in zip(reference.named_parameters(), model.parameters()):
+            torch.testing.assert_close(q, p, rtol=PARAM_RTOL, atol=PARAM_ATOL, msg=name)
+    finally:
+        engine.shutdown()
+
+
 def test_killing_a_host_actor_mid_step_raises_naming_the_stage():
     with ray_cluster(num_hosts=2, devices_per_host=4):
         torch.manual_seed(0)

@@ -1,5 +1,6 @@
 """Pipeline schedules: invariants of the instruction lists, a threaded executor, simulated timing."""
 
+import dataclasses
 import itertools
 import queue
 import threading
@@ -13,8 +14,12 @@ from torchpar.runtime.schedules import (
     make_schedule,
     max_in_flight,
     one_f_one_b,
+    interleaved_one_f_one_b,
+    num_device_groups,
     simulate,
+    stage_lists,
     validate,
+    zb_h1,
 )
 
 BUILDERS = {"gpipe": gpipe, "1f1b": one_f_one_b}
@@ -39,43 +44,53 @@ def channel_traffic(schedule, kinds):
 
 
 def run_threaded(schedule, timeout=10.0):
-    """Execute the lists: one thread per stage, a FIFO queue per (src, dst, kind), blocking recvs.
+    """Execute the lists: one thread per list (device group), a FIFO queue per (src, dst, kind) of stages,
+    blocking recvs.
 
     Activations carry a number: stage 0's forward of m emits m, each later forward adds 1, so the last
-    stage sees m + S - 1; gradients carry it back unchanged. Returns the per-stage log of received
-    values; raises if a stage waits more than ``timeout`` seconds (a deadlock) or gets a wrong value.
+    stage sees m + N - 1; gradients carry it back unchanged. A split backward hands the gradient on at its
+    ``backward_input``; its ``backward_weight`` must come after it and before ``free``. Returns the
+    per-stage log of received values; raises if a list waits more than ``timeout`` seconds (a deadlock)
+    or gets a wrong value.
     """
-    S = len(schedule)
-    channels = {(s, d, k): queue.Queue() for s in range(S) for d in range(S) for k in ("act", "grad")}
-    errors, logs = [], [[] for _ in range(S)]
+    N = len(stage_lists(schedule))
+    channels = {(s, d, k): queue.Queue() for s in range(N) for d in range(N) for k in ("act", "grad")}
+    errors, logs = [], [[] for _ in range(N)]
 
-    def worker(stage):
+    def worker(group):
         try:
-            saved, inbox, grad = {}, {}, {}
-            for ins in schedule[stage]:
-                m = ins.micro_batch
+            saved, inbox, grad, weight_done = {}, {}, {}, set()
+            for ins in schedule[group]:
+                m, stage = ins.micro_batch, ins.stage_in(group)
                 if ins.op in ("recv_act", "recv_grad"):
                     got_m, value = channels[(ins.peer, stage, ins.kind)].get(timeout=timeout)
                     assert got_m == m, f"stage {stage} {ins}: got micro-batch {got_m}"
-                    inbox[(ins.kind, m)] = value
+                    inbox[(stage, ins.kind, m)] = value
                     logs[stage].append((ins.kind, m, value))
                 elif ins.op == "forward":
-                    saved[m] = inbox.pop(("act", m)) + 1 if stage > 0 else m
+                    saved[(stage, m)] = inbox.pop((stage, "act", m)) + 1 if stage > 0 else m
                 elif ins.op == "send_act":
-                    channels[(stage, ins.peer, "act")].put((m, saved[m]))
-                elif ins.op == "backward":
-                    grad[m] = inbox.pop(("grad", m)) if stage < S - 1 else saved[m]  # the "loss"
-                    assert m in saved
+                    channels[(stage, ins.peer, "act")].put((m, saved[(stage, m)]))
+                elif ins.op in ("backward", "backward_input"):
+                    # the last stage's "loss" is its forward value
+                    grad[(stage, m)] = inbox.pop((stage, "grad", m)) if stage < N - 1 else saved[(stage, m)]
+                    assert (stage, m) in saved
+                    if ins.op == "backward":
+                        weight_done.add((stage, m))
+                elif ins.op == "backward_weight":
+                    assert (stage, m) in grad and (stage, m) in saved and (stage, m) not in weight_done
+                    weight_done.add((stage, m))
                 elif ins.op == "send_grad":
-                    channels[(stage, ins.peer, "grad")].put((m, grad[m]))
+                    channels[(stage, ins.peer, "grad")].put((m, grad[(stage, m)]))
                 elif ins.op == "free":
-                    del saved[m]
+                    assert (stage, m) in weight_done, f"stage {stage}: {ins} before the weight gradient"
+                    del saved[(stage, m)]
                 elif ins.op == "update":
-                    assert not saved, f"stage {stage} updates with residuals of {sorted(saved)} alive"
+                    assert not saved, f"list {group} updates with residuals of {sorted(saved)} alive"
         except Exception as e:  # noqa: BLE001 - reported to the main thread
-            errors.append(f"stage {stage}: {type(e).__name__}: {e}")
+            errors.append(f"list {group}: {type(e).__name__}: {e}")
 
-    threads = [threading.Thread(target=worker, args=(s,), daemon=True) for s in range(S)]
+    threads = [threading.Thread(target=worker, args=(g,), daemon=True) for g in range(len(schedule))]
     for t in threads:
         t.start()
     for t in threads:
@@ -284,3 +299,140 @@ def test_validate_finds_a_deadlock_that_local_checks_miss():
               B(1), Instruction("send_grad", 1, 0), Instruction("free", 1), Instruction("update")]
     with pytest.raises(ValueError, match="deadlocks: stage 0 waits at recv_grad"):
         validate([stage0, stage1])
+
+
+# --- interleaved 1F1B and ZB-H1 (issue 12) ------------------------------------------------------------
+
+# (G device groups, v chunks, M micro-batches): M a multiple of G, as interleaved 1F1B requires
+INTERLEAVED = [(G, v, M) for G in (1, 2, 3, 4) for v in (1, 2, 3) for M in (G, 2 * G, 4 * G)]
+ZB = [(S, M) for S in range(1, 6) for M in range(1, 11)]
+
+
+def _dependencies_hold(schedule, split):
+    """Every micro-batch's F → B (→ W) → free on each stage, and across stages F(s-1) → F(s), B(s+1) → B(s),
+    read off the per-stage lists and the simulated start/end times."""
+    stages = stage_lists(schedule)
+    N, M = len(stages), len(compute_order(stages[0], "forward"))
+    backward = "backward_input" if split else "backward"
+    for stage, steps in enumerate(stages):
+        position = {(ins.op, ins.micro_batch): j for j, ins in enumerate(steps)}
+        for m in range(M):
+            chain = ["forward", backward] + (["backward_weight"] if split else []) + ["free"]
+            assert [position[(op, m)] for op in chain] == sorted(position[(op, m)] for op in chain)
+    timeline = simulate(schedule, 1.0, 2.0)
+    when = {(b.stage, b.op, b.micro_batch): b for blocks in timeline.blocks for b in blocks}
+    for stage in range(N):
+        for m in range(M):
+            if stage > 0:
+                assert when[(stage, "forward", m)].start >= when[(stage - 1, "forward", m)].end
+            if stage < N - 1:
+                assert when[(stage, backward, m)].start >= when[(stage + 1, backward, m)].end
+            if split:
+                assert when[(stage, "backward_weight", m)].start >= when[(stage, backward, m)].end
+
+
+@pytest.mark.parametrize("G,v,M", INTERLEAVED, ids=[f"G{G}-v{v}-M{M}" for G, v, M in INTERLEAVED])
+def test_interleaved_is_valid_and_as_fast_as_its_formula(G, v, M):
+    schedule = interleaved_one_f_one_b(G, M, v)
+    validate(schedule)
+    assert len(schedule) == G and len(stage_lists(schedule)) == G * v
+    for group, steps in enumerate(schedule):
+        assert {ins.stage % G for ins in steps if ins.op != "update"} == {group}
+    _dependencies_hold(schedule, split=False)
+    logs = run_threaded(schedule)
+    if G * v > 1:
+        assert [val for kind, m, val in logs[G * v - 1] if kind == "act"] == [m + G * v - 2 for m in range(M)]
+    # v chunks of a stage costing f/v, b/v each: (M + (G-1)/v)(f+b), bubble (G-1)/(vM+G-1)
+    for f, b in [(1.0, 2.0), (1.0, 1.0)]:
+        timeline = simulate(schedule, f / v, b / v)
+        assert timeline.makespan == pytest.approx((M + (G - 1) / v) * (f + b))
+        assert timeline.bubble_fraction == pytest.approx((G - 1) / (v * M + G - 1))
+    assert max_in_flight(schedule) == [min(2 * (G - r - 1) + (v - 1) * G + 1, v * M) if v > 1 else min(G - r, M)
+                                       for r in range(G)]
+    if v == 1:  # one chunk per group is 1F1B, instruction for instruction
+        assert [[dataclasses.replace(i, stage=None) for i in steps] for steps in schedule] == one_f_one_b(G, M)
+
+
+@pytest.mark.parametrize("S,M", ZB, ids=[f"S{S}-M{M}" for S, M in ZB])
+def test_zb_h1_is_valid_and_as_fast_as_its_formula(S, M):
+    schedule = zb_h1(S, M)
+    validate(schedule)
+    for stage, steps in enumerate(schedule):
+        assert "backward" not in {ins.op for ins in steps}
+        # 1F1B's order of forwards and input-gradient backwards, the W's in between
+        fb = [(str(ins)[0], ins.micro_batch) for ins in steps if ins.op in ("forward", "backward_input")]
+        ref = [(str(ins)[0], ins.micro_batch) for ins in one_f_one_b(S, M)[stage] if ins.op in ("forward", "backward")]
+        assert fb == ref
+        assert compute_order(steps, "backward_weight") == list(range(M))
+    _dependencies_hold(schedule, split=True)
+    run_threaded(schedule)
+    assert max_in_flight(schedule) == [min(S, M)] * S  # 1F1B's most (its first stage's)
+    # f = b_in = w = 1 (the fused backward b = 2): 3M + S - 1 for M ≥ S, never slower than 1F1B
+    timeline = simulate(schedule, 1.0, 2.0, weight_time=1.0)
+    ref = simulate(one_f_one_b(S, M), 1.0, 2.0)
+    assert timeline.makespan <= ref.makespan
+    if M >= S:
+        assert timeline.makespan == pytest.approx(3 * M + S - 1)
+        assert timeline.bubble_fraction == pytest.approx((S - 1) / (3 * M + S - 1))
+    if S > 1 and M > 1:
+        assert timeline.bubble_fraction < ref.bubble_fraction
+
+
+def test_four_stages_eight_micro_batches_bubbles():
+    """The acceptance case: on 4 stages × 8 micro-batches both new schedules beat 1F1B's bubble (2/11 = 27.3%)."""
+    one = simulate(one_f_one_b(4, 8), 1.0, 2.0).bubble_fraction
+    inter = simulate(interleaved_one_f_one_b(4, 8, 2), 0.5, 1.0).bubble_fraction
+    zb = simulate(zb_h1(4, 8), 1.0, 2.0).bubble_fraction
+    assert one == pytest.approx(3 / 11) and inter == pytest.approx(3 / 19) and zb == pytest.approx(3 / 27)
+
+
+def test_make_schedule_new_names_and_device_groups():
+    assert make_schedule("zb_h1", 3, 4) == zb_h1(3, 4)
+    assert make_schedule("interleaved_1f1b", 8, 8, virtual_stages=2) == interleaved_one_f_one_b(4, 8, 2)
+    with pytest.raises(ValueError, match="multiple of the number of device groups"):
+        make_schedule("interleaved_1f1b", 8, 6, virtual_stages=2)
+    with pytest.raises(ValueError, match="do not split"):
+        make_schedule("interleaved_1f1b", 6, 8, virtual_stages=4)
+    with pytest.raises(ValueError, match="needs schedule 'interleaved_1f1b'"):
+        make_schedule("1f1b", 4, 8, virtual_stages=2)
+    assert num_device_groups([[0, 1], [2, 3], [0, 1], [2, 3]]) == 2
+    assert num_device_groups([[0], [1], [2]]) == 3
+    with pytest.raises(ValueError, match="disjoint device groups"):
+        num_device_groups([[0, 1], [1, 2], [0, 1], [1, 2]])
+    with pytest.raises(ValueError, match="stage s mod 2"):
+        num_device_groups([[0], [1], [0], [2]])
+    assert str(Instruction("backward_weight", 2, stage=5)) == "W2@5"
+    assert str(Instruction("backward_input", 2)) == "B2"
+    assert format_schedule(interleaved_one_f_one_b(2, 2, 2)).startswith("group 0: F0@0 F1@0 F0@2 F1@2 B0@2")
+
+
+def _remove(steps, text):
+    return [i for i in steps if str(i) != text]
+
+
+SPLIT_MALFORMED = {
+    "W before B": (lambda s: _edit(s, 1, lambda st: _swap(st, _index(st, "B0"), _index(st, "W0"))),
+                   "backward_weight of micro-batch 0 needs exactly one backward_input"),
+    "free before W": (lambda s: _edit(s, 2, lambda st: _swap(st, _index(st, "W1"), _index(st, "free(1)"))),
+                      "freed before its backward"),
+    "W missing": (lambda s: _edit(s, 0, lambda st: _remove(_remove(st, "W3"), "free(3)")),
+                  r"update before the backward of micro-batches \[3\]"),
+    "send_grad before B": (lambda s: _edit(s, 1, lambda st: _swap(st, _index(st, "B2"), _index(st, "send_grad(2→0)"))),
+                           "gradient of micro-batch 2 sent before its backward"),
+}
+
+
+@pytest.mark.parametrize("case", SPLIT_MALFORMED)
+def test_validate_rejects_broken_split_backwards(case):
+    schedule = zb_h1(3, 4)
+    breaker, message = SPLIT_MALFORMED[case]
+    with pytest.raises(ValueError, match=message):
+        validate(breaker(schedule))
+
+
+def test_validate_rejects_a_chunk_on_the_wrong_group():
+    schedule = interleaved_one_f_one_b(2, 2, 2)
+    moved = [list(steps) for steps in schedule]
+    moved[0] = [dataclasses.replace(i, stage=1) if i.stage == 0 and i.op == "forward" else i for i in moved[0]]
+    with pytest.raises(ValueError, match="belongs on list 1"):
+        validate(moved)

@@ -26,6 +26,10 @@ a chain of elementwise ops, which XLA fuses into one kernel), and of those:
   2-D matmuls' outputs (``mm``/``addmm``: the linear layers; JAX's ``dots_with_no_batch_dims_saveable``);
 - live again while one layer is recomputed (once, not per micro-batch): the other outputs of the group with
   the most activation bytes;
+- live in the backward besides what is kept (once, not per micro-batch): :data:`BACKWARD_WORKING_COPIES` copies
+  of the largest materialized output — while the backward passes that op, its output's cotangent and its input's
+  (about as large) are live at once; measured on a ResNet against XLA's memory analysis this working set was a
+  third of the step's peak;
 - recomputed: the forward FLOPs of the nodes not kept (``"layers"``: every layer's; ``"selective"``: those of
   the non-matmul nodes, which the cost model counts as ~0: their time is memory traffic, not FLOPs).
 """
@@ -36,14 +40,20 @@ import re
 from dataclasses import dataclass
 
 from torchpar.ir.graph import Graph
-from torchpar.ir.op_families import POINTWISE, VIEWS
+from torchpar.ir.op_families import POINTWISE, REDUCTIONS, VIEWS
 
+BACKWARD_WORKING_COPIES = 2
+"""Copies of the largest materialized output the backward holds besides the kept activations (its cotangent and
+its input's); the sharding ILP prices them in that output's layout, the stage DP at its fully sharded size."""
 REMAT_OPTIONS = ("none", "layers", "selective")
 """What a compiled step runs with."""
 REMAT_CHOICES = (*REMAT_OPTIONS, "auto")
 """What ``compile`` / ``plan`` accept: an option, or ``"auto"`` for the planner to pick one."""
 SAVED_BY_SELECTIVE = frozenset({"aten.mm.default", "aten.addmm.default"})
 """Ops whose outputs ``"selective"`` keeps (matmuls without batch dimensions: the linear layers)."""
+FUSED_READERS = POINTWISE | REDUCTIONS
+"""Ops XLA fuses an elementwise producer into (loop fusion, and input fusion into a reduction): a value only they
+read is never materialized."""
 _NUMBERED = re.compile(r"^(.*?(?:^|\.)\d+)(?:\.|$)")
 
 
@@ -69,6 +79,9 @@ class RematMemory:
     """Nodes whose forward runs again in the backward."""
     dropped_groups: tuple[frozenset[str], ...] = ()
     """Per layer group, the outputs it does not keep (live again while that layer is recomputed)."""
+    working: frozenset[str] = frozenset()
+    """The largest materialized output, whose size the backward's working set is priced at
+    (:data:`BACKWARD_WORKING_COPIES` copies, once per step)."""
 
     def keeps(self, name: str) -> bool:
         """Whether node ``name``'s output counts in the step's peak memory (kept, or in the recomputed peak)."""
@@ -77,9 +90,10 @@ class RematMemory:
 
 def materialized(graph: Graph) -> frozenset[str]:
     """Nodes whose outputs a compiled step holds in memory (its activations): all but views (they alias an operand)
-    and elementwise ops (:data:`torchpar.ir.op_families.POINTWISE`) whose every reader is elementwise too — the
-    inside of a chain that XLA fuses into one kernel, whose backward recomputes it from the chain's inputs. A
-    chain's last value is materialized, and so is any value the graph returns."""
+    and elementwise ops (:data:`torchpar.ir.op_families.POINTWISE`) whose every reader is elementwise or a reduction
+    (:data:`FUSED_READERS`) — the inside of a chain that XLA fuses into one kernel (a norm's ``pow`` into its
+    ``mean``), whose backward recomputes it from the chain's inputs. A chain's last value is materialized, and so
+    is any value the graph returns."""
     readers: dict[str, list[str]] = {}
     for node in graph.nodes:
         for ref in node.refs():
@@ -90,7 +104,7 @@ def materialized(graph: Graph) -> frozenset[str]:
         if node.target in VIEWS:
             continue
         if (node.target in POINTWISE and node.name not in returned
-                and all(target in POINTWISE for target in readers.get(node.name, ()))):
+                and all(target in FUSED_READERS for target in readers.get(node.name, ()))):
             continue
         live.add(node.name)
     return frozenset(live)
@@ -101,16 +115,17 @@ def remat_memory(graph: Graph, remat: str) -> RematMemory:
     without layers keeps every materialized value whatever ``remat`` says, as the lowering does."""
     check_remat(remat)
     live = materialized(graph)
+    nodes = {node.name: node for node in graph.nodes}
+    working = frozenset([max(live, key=lambda name: (nodes[name].out_bytes, name))] if live else [])
     groups = layer_groups(graph) if remat != "none" else ()
     if not groups:
-        return RematMemory(remat, live)
+        return RematMemory(remat, live, working=working)
     group_of = {name: index for index, group in enumerate(groups) for name in group}
     read_outside = {out.value.name for out in graph.outputs if out.value is not None}
     for node in graph.nodes:
         for ref in node.refs():
             if ref in group_of and group_of.get(node.name) != group_of[ref]:
                 read_outside.add(ref)
-    nodes = {node.name: node for node in graph.nodes}
     kept = {name for name in live if name not in group_of or name in read_outside
             or (remat == "selective" and nodes[name].target in SAVED_BY_SELECTIVE)}
     dropped = [[name for name in group if name in live and name not in kept] for group in groups]
@@ -118,7 +133,7 @@ def remat_memory(graph: Graph, remat: str) -> RematMemory:
     # the whole group runs again (its outputs too), except what the policy saved
     recomputed = {name for name in group_of if not (remat == "selective" and nodes[name].target in SAVED_BY_SELECTIVE)}
     return RematMemory(remat, frozenset(kept), frozenset(largest), frozenset(recomputed),
-                       tuple(frozenset(names) for names in dropped))
+                       tuple(frozenset(names) for names in dropped), working)
 
 
 def layer_of(module_path: str) -> str | None:

@@ -15,7 +15,7 @@ from torchpar.ir.graph import Graph
 from torchpar.ir.op_families import VIEWS
 from torchpar.planner.layers import Layering
 from torchpar.planner.mesh_links import stage_mesh
-from torchpar.planner.remat import remat_memory
+from torchpar.planner.remat import BACKWARD_WORKING_COPIES, materialized, remat_memory
 
 Shape = tuple[int, int]
 
@@ -60,8 +60,10 @@ class AnalyticStageCost:
                                                                          attention/MLP half, fwd and bwd)
         latency_s       = compute_s + data-parallel + tensor-parallel
         memory_bytes    = (P·(2 + optimizer_state_copies) + Q) / b      (weights, grads, optimizer state
-                          + R / (a·b)                                    replicated over axis 0; one layer
-                                                                         live again while recomputed)
+                          + (R + 2·W) / (a·b)                            replicated over axis 0; one layer
+                                                                         live again while recomputed; the
+                                                                         backward's working set: W the
+                                                                         largest materialized output)
         activation_bytes = (A + I) / (a·b)                              (I: the stage's inputs, held per
                                                                          micro-batch in flight, as the ILP
                                                                          holds its input roots)
@@ -93,7 +95,9 @@ class AnalyticStageCost:
         self._activation: list[float] = []
         self._recomputed_flops: list[float] = []
         self._dropped: list[dict[int, float]] = []  # per layer: bytes each remat group does not keep
+        self._largest: list[float] = []  # per layer: its largest materialized output (the backward's working set)
         kept = remat_memory(graph, remat)
+        live = materialized(graph)
         group_of = {name: g for g, names in enumerate(kept.dropped_groups) for name in names}
         for start, end in layering.node_ranges:
             nodes = graph.nodes[start:end]
@@ -108,11 +112,12 @@ class AnalyticStageCost:
                 if n.name in group_of:
                     dropped[group_of[n.name]] = dropped.get(group_of[n.name], 0.0) + n.out_bytes
             self._dropped.append(dropped)
+            self._largest.append(float(max((n.out_bytes for n in nodes if n.name in live), default=0)))
         self._entering = _entering_values(graph, layering)
         self._range = lru_cache(maxsize=None)(self._range_totals)
 
     def _range_totals(self, first: int, last: int
-                      ) -> tuple[float, float, float, float, tuple[int, ...], float, float, float]:
+                      ) -> tuple[float, float, float, float, tuple[int, ...], float, float, float, float]:
         layers = range(first, last + 1)
         params = frozenset().union(*(self._params[l] for l in layers))
         buffers = frozenset().union(*(self._buffers[l] for l in layers)) - params
@@ -128,7 +133,8 @@ class AnalyticStageCost:
                 float(sum(self._recomputed_flops[l] for l in layers)),
                 max(dropped.values(), default=0.0),
                 float(sum(nbytes for defined, readers, nbytes in self._entering
-                          if defined < first and any(first <= r <= last for r in readers))))
+                          if defined < first and any(first <= r <= last for r in readers))),
+                max(self._largest[l] for l in layers))
 
     def parameter_bytes(self, first_layer: int, last_layer: int) -> float:
         """Bytes of the distinct parameters layers ``first_layer..last_layer`` read."""
@@ -140,14 +146,15 @@ class AnalyticStageCost:
         if data * tensor != devices:
             raise ValueError(f"logical mesh {logical} does not have the {devices} devices of submesh {submesh}")
         (flops, params, buffers, activations, entering, recomputed, recomputed_peak,
-         received) = self._range(first_layer, last_layer)
+         received, largest) = self._range(first_layer, last_layer)
         mesh = stage_mesh((data, tensor), self.cluster, submesh)
         compute = (3.0 * flops + recomputed) / (devices * self.cluster.device_flops)
         communication = (mesh.all_reduce(params / tensor, [0]) / self.num_micro_batches
                          + sum(4.0 * mesh.all_reduce(e / data, [1]) for e in entering))
         return StageCost(
             latency_s=compute + communication,
-            memory_bytes=(params * (2.0 + self.optimizer_state_copies) + buffers) / tensor + recomputed_peak / devices,
+            memory_bytes=((params * (2.0 + self.optimizer_state_copies) + buffers) / tensor
+                          + (recomputed_peak + BACKWARD_WORKING_COPIES * largest) / devices),
             activation_bytes=(activations + received) / devices,
             compute_s=compute,
             communication_s=communication,

@@ -7,11 +7,19 @@ Layers ``0..L−1`` (:mod:`.layers`), ``B`` micro-batches, a cluster of ``H`` ho
 with a logical mesh ``c`` (:func:`logical_mesh_shapes`). A :class:`StageCostModel` prices one
 micro-batch's forward + backward of the stage: latency ``t(k,i,σ,c)``, per-device memory
 ``m + f(s)·a`` (static bytes ``m``; activation bytes ``a`` per micro-batch in flight; with ``s`` the
-number of stages from this one to the last, ``f(s) = min(s, B)`` under 1F1B, ``f(s) = B`` under GPipe).
+number of stages from this one to the last, ``f(s) = min(s, B)`` under 1F1B, ``f(s) = B`` under GPipe,
+``f(s) = min(S, B)`` under ZB-H1, bounded by the most stages the DP considers).
 
     minimize   T = Σ_j t_j + (B − 1) · max_j t_j          (1F1B / GPipe pipeline latency)
     over       stages covering layers 0..L−1 in order, submeshes whose sizes sum to N, one c per stage
     subject to m_j + f(s_j)·a_j ≤ memory_budget  for every stage j
+
+Other schedules (:func:`pipeline_latency`; :mod:`torchpar.runtime.schedules` derives and simulates them):
+ZB-H1 with each stage's ``t`` split in equal forward, input- and weight-gradient thirds has
+``T = Σ_j t_j / 3 + (B − 1/3) · max_j t_j`` (bubble ``(S−1)/(3B+S−1)`` on equal stages) — for a fixed ``t_max``
+still increasing in ``Σ t``, so the DP below serves it unchanged. Interleaved 1F1B (``v`` stages per device
+group, G groups) has ``T = Σ_j t_j / v + (vB − 1) · max_j t_j`` (bubble ``(G−1)/(vB+G−1)``); its stages come
+from ``"uniform"`` or a ``ManualStageOption`` (the DP does not place several stages on one submesh).
 
 The DP (:func:`stage_dp`)
 -------------------------
@@ -60,7 +68,7 @@ from torchpar.planner.submeshes import _check_cluster, assign_devices, logical_m
 log = logging.getLogger(__name__)
 
 Shape = tuple[int, int]
-Schedule = Literal["1f1b", "gpipe"]
+Schedule = Literal["1f1b", "gpipe", "interleaved_1f1b", "zb_h1"]
 
 
 # ---------------------------------------------------------------------------------------------- result
@@ -91,14 +99,19 @@ class StageChoice:
 
 @dataclass(frozen=True)
 class StagePartition:
-    """Stages in pipeline order and their estimated step time ``Σ t + (B−1)·max t``."""
+    """Stages in pipeline order and their estimated step time (:func:`pipeline_latency`: ``Σ t + (B−1)·max t``
+    under 1F1B and GPipe)."""
 
     stages: tuple[StageChoice, ...]
     num_micro_batches: int
+    schedule: Schedule = "1f1b"
+    virtual_stages: int = 1
+    """Interleaved 1F1B: stages per device group (stage ``s`` on the submesh of stage ``s mod G``)."""
 
     @property
     def cost_s(self) -> float:
-        return pipeline_latency([s.latency_s for s in self.stages], self.num_micro_batches)
+        return pipeline_latency([s.latency_s for s in self.stages], self.num_micro_batches, self.schedule,
+                                self.virtual_stages)
 
     @property
     def forward_stage_layer_ids(self) -> tuple[tuple[int, ...], ...]:
@@ -158,9 +171,30 @@ class StagePlanResult:
         return "\n".join(lines)
 
 
-def pipeline_latency(latencies: Sequence[float], num_micro_batches: int) -> float:
-    """``Σ t + (B − 1)·max t``: the step time of a 1F1B or GPipe pipeline with stage latencies ``t``."""
-    return float(sum(latencies) + (num_micro_batches - 1) * max(latencies))
+def pipeline_latency(latencies: Sequence[float], num_micro_batches: int, schedule: Schedule = "1f1b",
+                     virtual_stages: int = 1) -> float:
+    """The step time of a pipeline with stage latencies ``t`` (one micro-batch's forward + backward each):
+    ``Σ t + (B − 1)·max t`` under 1F1B and GPipe; ``Σ t / 3 + (B − 1/3)·max t`` under ZB-H1 (``t`` in equal
+    thirds F, B, W); ``Σ t / v + (vB − 1)·max t`` under interleaved 1F1B with ``v`` stages per device group.
+    On equal stages these are ``(B + S − 1)·t``, ``(3B + S − 1)·t/3``, ``(vB + G − 1)·t`` (``G = S/v``)."""
+    total, slowest, B = float(sum(latencies)), float(max(latencies)), num_micro_batches
+    if schedule == "zb_h1":
+        return total / 3 + (B - 1 / 3) * slowest
+    if schedule == "interleaved_1f1b":
+        return total / virtual_stages + (virtual_stages * B - 1) * slowest
+    return total + (B - 1) * slowest
+
+
+def latency_formula(schedule: Schedule, num_micro_batches: int, virtual_stages: int = 1) -> str:
+    """:func:`pipeline_latency`'s formula for ``schedule`` as text (``Plan.solver["estimate"]``, the report)."""
+    B = num_micro_batches
+    if schedule == "zb_h1":
+        return f"Σ stage/3 + ({B}−⅓)·max stage (zb_h1; bubble (S−1)/(3·{B}+S−1) on equal stages)"
+    if schedule == "interleaved_1f1b":
+        v = virtual_stages
+        return (f"Σ stage/{v} + ({v}·{B}−1)·max stage (interleaved_1f1b, {v} stages per device group; bubble "
+                f"(G−1)/({v}·{B}+G−1) on G groups)")
+    return f"Σ stage + ({B}−1)·max stage ({schedule}; bubble (S−1)/({B}+S−1) on equal stages)"
 
 
 # ------------------------------------------------------------------------------------------------- DP
@@ -228,18 +262,33 @@ class _Table:
     """[s−1, k, i, σ]: least peak bytes over all logical meshes (to report what would fit)."""
 
 
-def micro_batches_in_flight(num_stages: int, num_micro_batches: int, schedule: Schedule) -> list[int]:
+def micro_batches_in_flight(num_stages: int, num_micro_batches: int, schedule: Schedule,
+                            virtual_stages: int = 1) -> list[int]:
     """Per stage position, the micro-batches whose activations it holds at its peak: GPipe all ``M``; 1F1B
-    ``min(S − i, M)`` for stage ``i`` of ``S``."""
-    return [int(n) for n in _in_flight(np.arange(num_stages, 0, -1), num_micro_batches, schedule)]
+    ``min(S − i, M)`` for stage ``i`` of ``S``; ZB-H1 ``min(S, M)`` (a W holds its micro-batch's residuals);
+    interleaved 1F1B: each stage's peak in its instruction list."""
+    return [int(n) for n in _in_flight(np.arange(num_stages, 0, -1), num_micro_batches, schedule, virtual_stages)]
 
 
-def _in_flight(stages_after: np.ndarray, num_micro_batches: int, schedule: Schedule) -> np.ndarray:
+def _in_flight(stages_after: np.ndarray, num_micro_batches: int, schedule: Schedule,
+               virtual_stages: int = 1) -> np.ndarray:
     if schedule == "gpipe":
         return np.full_like(stages_after, num_micro_batches)
     if schedule == "1f1b":
         return np.minimum(stages_after, num_micro_batches)
-    raise ValueError(f"schedule must be '1f1b' or 'gpipe', got {schedule!r}")
+    if schedule == "zb_h1":  # S = the stages from the first position (the DP: the most stages it considers)
+        return np.full_like(stages_after, min(int(stages_after.max()), num_micro_batches))
+    if schedule == "interleaved_1f1b":
+        from torchpar.runtime.schedules import interleaved_one_f_one_b, stage_in_flight
+
+        num_stages = int(stages_after.max())
+        if virtual_stages < 2 or num_stages % virtual_stages:
+            raise ValueError(f"interleaved 1F1B prices {virtual_stages} stages per device group; {num_stages} "
+                             "stages do not split so")
+        peaks = stage_in_flight(interleaved_one_f_one_b(num_stages // virtual_stages, num_micro_batches,
+                                                        virtual_stages))
+        return np.array([peaks[num_stages - int(k)] for k in stages_after])
+    raise ValueError(f"schedule must be one of '1f1b', 'gpipe', 'interleaved_1f1b', 'zb_h1', got {schedule!r}")
 
 
 def _stage_table(num_layers: int, submeshes: Sequence[Shape], max_stages: int, num_micro_batches: int,
@@ -339,7 +388,7 @@ def _partition(plan: list[tuple[int, int, int]], table: _Table, submeshes: Seque
         stages.append(StageChoice(first_layer=first, last_layer=last, submesh=submeshes[index],
                                   logical=logical_mesh_shapes(submeshes[index])[int(table.logical[cell])],
                                   latency_s=float(table.latency[cell]), memory_bytes=float(table.memory[cell])))
-    return StagePartition(stages=tuple(stages), num_micro_batches=num_micro_batches)
+    return StagePartition(stages=tuple(stages), num_micro_batches=num_micro_batches, schedule=schedule)
 
 
 def _key(partition: StagePartition) -> tuple:
@@ -351,38 +400,46 @@ def _key(partition: StagePartition) -> tuple:
 def uniform_stages(num_layers: int, num_stages: int | None, cluster_hosts: int, devices_per_host: int, *,
                    cost: StageCostModel | None = None, num_micro_batches: int = 1,
                    memory_budget: float = math.inf, schedule: Schedule = "1f1b",
-                   warn_over_budget: bool = True) -> StagePartition:
+                   warn_over_budget: bool = True, virtual_stages: int = 1) -> StagePartition:
     """Equal layer counts (the first ``L mod S`` stages get one more) on equal submeshes.
 
     ``num_stages=None``: the most stages (≤ ``num_layers``) that split the cluster into equal submeshes.
+    ``virtual_stages=v`` (interleaved 1F1B): ``num_stages`` (or that most, ≤ ``num_layers / v``) device groups
+    with ``v`` stages each, ``v·num_stages`` stages in all, stage ``s`` on the submesh of group ``s mod G``.
     With ``cost``, each stage's logical mesh is the fastest that fits ``memory_budget`` (else the smallest,
     with a warning unless ``warn_over_budget`` is false: a reference point the planner only compares with) and
     latencies are filled in; without it, the logical mesh is the physical shape.
     """
     _check_cluster(cluster_hosts, devices_per_host)
     num_devices = cluster_hosts * devices_per_host
+    v = virtual_stages
     if num_stages is None:
-        num_stages = next(s for s in range(min(num_layers, num_devices), 0, -1)
-                          if num_devices % s == 0 and _uniform_submesh(num_devices // s, devices_per_host))
-    if not 1 <= num_stages <= num_layers:
-        raise ValueError(f"num_stages must be between 1 and the number of layers ({num_layers}), got {num_stages}")
+        num_stages = next((s for s in range(min(num_layers // v, num_devices), 0, -1)
+                           if num_devices % s == 0 and _uniform_submesh(num_devices // s, devices_per_host)), 0)
+    if not 1 <= num_stages * v <= num_layers:
+        raise ValueError(f"{num_stages} device group(s) × {v} stage(s) each must be between 1 and the number of "
+                         f"layers ({num_layers})")
     per_stage = num_devices // num_stages
     submesh = _uniform_submesh(per_stage, devices_per_host) if num_devices % num_stages == 0 else None
     if submesh is None:
         raise ValueError(f"{num_stages} uniform stages cannot split {cluster_hosts}×{devices_per_host} devices into "
                          f"equal submeshes (1, k≤{devices_per_host}) or (n, {devices_per_host}); choose a number of "
                          "stages that divides the devices")
-    counts = [num_layers // num_stages + (1 if s < num_layers % num_stages else 0) for s in range(num_stages)]
+    total = num_stages * v
+    counts = [num_layers // total + (1 if s < num_layers % total else 0) for s in range(total)]
     bounds = np.cumsum([0, *counts])
-    return _evaluate([(int(bounds[s]), int(bounds[s + 1]) - 1) for s in range(num_stages)], [submesh] * num_stages,
-                     None, cost, num_micro_batches, memory_budget, schedule, warn_over_budget)
+    return _evaluate([(int(bounds[s]), int(bounds[s + 1]) - 1) for s in range(total)], [submesh] * total,
+                     None, cost, num_micro_batches, memory_budget, schedule, warn_over_budget, virtual_stages=v)
 
 
 def manual_stages(forward_stage_layer_ids: Sequence[Sequence[int]], submesh_physical_shapes: Sequence[Shape],
                   submesh_logical_shapes: Sequence[Shape] | None, *, num_layers: int, cluster_hosts: int,
                   devices_per_host: int, cost: StageCostModel | None = None, num_micro_batches: int = 1,
-                  memory_budget: float = math.inf, schedule: Schedule = "1f1b") -> StagePartition:
+                  memory_budget: float = math.inf, schedule: Schedule = "1f1b",
+                  virtual_stages: int = 1) -> StagePartition:
     """Validate a hand-written stage layout (``ManualStageOption``) and price it with ``cost`` if given.
+    ``virtual_stages=v`` (interleaved 1F1B): the stages run on ``G = count / v`` device groups, stage ``s`` on
+    the submesh of stage ``s mod G``, so the submeshes must repeat with period G and the first G tile the cluster.
 
     Checks: the layer ids of each stage are consecutive, stages are in order and cover ``0..num_layers−1``
     once; each submesh is ``(1, k≤D)`` or ``(n, D)`` and together they tile the cluster exactly; each
@@ -404,7 +461,13 @@ def manual_stages(forward_stage_layer_ids: Sequence[Sequence[int]], submesh_phys
         raise ValueError(f"forward_stage_layer_ids must cover layers 0..{num_layers - 1} in order, each once; got "
                          f"{[list(ids) for ids in stage_layers]}")
     submeshes = [tuple(int(x) for x in s) for s in submesh_physical_shapes]
-    assign_devices(submeshes, cluster_hosts, devices_per_host)
+    if count % virtual_stages:
+        raise ValueError(f"{count} stages do not split into {virtual_stages} stages per device group")
+    groups = count // virtual_stages
+    if any(submeshes[s] != submeshes[s % groups] for s in range(count)):
+        raise ValueError(f"interleaved stages: stage s runs on the submesh of stage s mod {groups}, so the "
+                         f"submeshes must repeat with period {groups}; got {submeshes}")
+    assign_devices(submeshes[:groups], cluster_hosts, devices_per_host)
     logical = None
     if submesh_logical_shapes is not None:
         logical = [tuple(int(x) for x in s) for s in submesh_logical_shapes]
@@ -413,7 +476,7 @@ def manual_stages(forward_stage_layer_ids: Sequence[Sequence[int]], submesh_phys
                 raise ValueError(f"stage {index}: logical mesh {mesh} must be two positive ints whose product is the "
                                  f"{physical[0] * physical[1]} devices of submesh {physical}")
     return _evaluate([(ids[0], ids[-1]) for ids in stage_layers], submeshes, logical, cost, num_micro_batches,
-                     memory_budget, schedule)
+                     memory_budget, schedule, virtual_stages=virtual_stages)
 
 
 def _uniform_submesh(devices: int, per_host: int) -> Shape | None:
@@ -424,8 +487,9 @@ def _uniform_submesh(devices: int, per_host: int) -> Shape | None:
 
 def _evaluate(ranges: list[tuple[int, int]], submeshes: list[Shape], logical: list[Shape] | None,
               cost: StageCostModel | None, num_micro_batches: int, memory_budget: float,
-              schedule: Schedule, warn_over_budget: bool = True) -> StagePartition:
-    in_flight = _in_flight(np.arange(len(ranges), 0, -1), num_micro_batches, schedule)
+              schedule: Schedule, warn_over_budget: bool = True, virtual_stages: int = 1) -> StagePartition:
+    in_flight = _in_flight(np.arange(len(ranges), 0, -1), num_micro_batches, schedule, virtual_stages)
+    memory_budget = memory_budget / virtual_stages  # a device holds v stages: each gets its share
     stages = []
     for position, ((first, last), submesh) in enumerate(zip(ranges, submeshes)):
         meshes = [logical[position]] if logical is not None else list(logical_mesh_shapes(submesh))
@@ -445,7 +509,8 @@ def _evaluate(ranges: list[tuple[int, int]], submeshes: list[Shape], logical: li
                         memory_budget / 2**30)
         stages.append(StageChoice(first, last, submesh, mesh, stage.latency_s,
                                   stage.peak_bytes(int(in_flight[position]))))
-    return StagePartition(stages=tuple(stages), num_micro_batches=num_micro_batches)
+    return StagePartition(stages=tuple(stages), num_micro_batches=num_micro_batches, schedule=schedule,
+                          virtual_stages=virtual_stages)
 
 
 __all__ = ["AnalyticStageCost", "StageChoice", "StageCost", "StageCostModel", "StagePartition", "StagePlanResult",

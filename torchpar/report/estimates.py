@@ -153,8 +153,12 @@ def plan_numbers(plan: Plan, measured: Mapping[str, Any] | None = None) -> PlanN
     estimate = solver.get("estimate") if isinstance(solver.get("estimate"), Mapping) else {}
     micro = max(int(plan.num_micro_batches), 1)
     if plan.method == PIPELINE and stages:
-        derived = sum(s.cost_s for s in stages) + (micro - 1) * max(s.cost_s for s in stages)
-        formula = f"Σ stage + ({micro}−1)·max stage ({plan.schedule})"
+        from torchpar.planner.stages import latency_formula, pipeline_latency
+        from torchpar.runtime.schedules import device_groups
+
+        virtual = len(plan.stages) // device_groups(plan.schedule, [s.devices() for s in plan.stages])
+        derived = pipeline_latency([s.cost_s for s in stages], micro, plan.schedule, virtual)
+        formula = latency_formula(plan.schedule, micro, virtual)
     else:
         derived = stages[0].cost_s if len(stages) == 1 else sum(s.cost_s for s in stages)
         formula = "one step = the stage's estimate" if len(stages) == 1 else "Σ stage"

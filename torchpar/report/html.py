@@ -322,7 +322,7 @@ def _timeline_svg(plan: Plan, view: TimelineView, numbers: PlanNumbers) -> str:
                      f"text-anchor='end'>stage {stage}</text>")
         for op, micro, start, end in blocks:
             x, w = left + start * scale, max((end - start) * scale, 1.0)
-            kind = {"forward": "fwd", "backward": "bwd", "backward_input": "bwd", "backward_weight": "bwd"}.get(op, "other")
+            kind = "fwd" if op == "forward" else "bwd" if op.startswith("backward") else "other"
             fill = tint(color, 0.5) if kind == "fwd" else color if kind == "bwd" else "#999999"
             label = f"{'W' if op == 'backward_weight' else op[0].upper()}{'' if micro is None else micro}"
             tip = (f"stage {stage} {op} micro-batch {micro}: {_fmt_tick(start, view.relative)} – "

@@ -127,8 +127,9 @@ def timeline_view(plan: Plan, timeline: Any = None) -> TimelineView:
         return _estimated_timeline(plan)
     source = "simulated" if isinstance(timeline, schedules.Timeline) else "measured"
     raw = getattr(timeline, "blocks", timeline)
-    if len(raw) != len(plan.stages):
-        raise ValueError(f"the timeline has {len(raw)} stage(s) but the plan has {len(plan.stages)}")
+    rows = schedules.device_groups(plan.schedule, [s.devices() for s in plan.stages])  # stages, or groups (interleaved)
+    if len(raw) != rows:
+        raise ValueError(f"the timeline has {len(raw)} stage(s) but the plan has {rows} (device groups)")
     stages = [[_as_block(b) for b in stage] for stage in raw]
     stages = [[b for b in stage if b[3] > b[2] or b[0] in schedules.COMPUTE_OPS] for stage in stages]
     origin = min((b[2] for stage in stages for b in stage), default=0.0)
@@ -137,15 +138,17 @@ def timeline_view(plan: Plan, timeline: Any = None) -> TimelineView:
 
 
 def _estimated_timeline(plan: Plan) -> TimelineView:
-    from torchpar.runtime.schedules import COMPUTE_OPS, SCHEDULES, make_schedule, simulate
+    from torchpar.runtime.schedules import COMPUTE_OPS, SCHEDULES, device_groups, make_schedule, simulate
 
     num_stages, micro = len(plan.stages), max(int(plan.num_micro_batches), 1)
     name = plan.schedule if plan.schedule in SCHEDULES else "gpipe"  # one stage: every schedule is F0..B0..
+    virtual = num_stages // device_groups(plan.schedule, [s.devices() for s in plan.stages])
     costs = [max(float(s.estimated_cost_s), 0.0) for s in plan.stages]
     relative = not any(costs)
     if relative:
         costs = [1.0] * num_stages
-    simulated = simulate(make_schedule(name, num_stages, micro), [c / 3 for c in costs], [2 * c / 3 for c in costs])
+    simulated = simulate(make_schedule(name, num_stages, micro, virtual_stages=virtual), [c / 3 for c in costs],
+                         [2 * c / 3 for c in costs])  # a split backward: B and W ⅓ each
     stages = [[(b.op, b.micro_batch, b.start, b.end) for b in stage if b.op in COMPUTE_OPS]
               for stage in simulated.blocks]
     return _view(stages, "estimated", relative)

@@ -87,7 +87,8 @@ def figure(plan: Plan, *, timeline: Any = None, measured: Mapping[str, Any] | No
             bottom.add_patch(Rectangle((start * scale, y + 0.15), (end - start) * scale, 0.7, facecolor=color,
                                        alpha=alpha, edgecolor="white", lw=0.8))
             if (end - start) / max(span, 1e-30) > 0.025:
-                bottom.text((start + end) / 2 * scale, y + 0.5, f"{op[0].upper()}{'' if micro is None else micro}",
+                letter = "W" if op == "backward_weight" else op[0].upper()
+                bottom.text((start + end) / 2 * scale, y + 0.5, f"{letter}{'' if micro is None else micro}",
                             ha="center", va="center", fontsize=7, color="#1f2328" if alpha < 1 else text_on(color))
     if marker is not None:
         bottom.axvline(marker * scale, color="#cf222e", lw=1.2, ls="--")

@@ -224,8 +224,10 @@ class Executor:
                 scale = (gradients.clip_scale(norms, clip) if clip is not None else 1.0) * unscale
             self._call("apply_update", scale, what="applying the optimizer update")
         blocks = {s: b for r in reports for s, b in r.blocks.items()}
-        self._timeline = StepTimeline(blocks=[blocks.get(s, []) for s in range(len(self.spec.plan.stages))],
-                                      makespan=time.time() - start)
+        spans = {s: b for r in reports for s, b in r.spans.items()}
+        stages = range(self._timeline_rows())  # one row per device group (fewer than stages: interleaved 1F1B)
+        self._timeline = StepTimeline(blocks=[blocks.get(s, []) for s in stages], makespan=time.time() - start,
+                                      spans=[spans.get(s, []) for s in stages])
         return StepResult(loss=loss, finite=finite, nonfinite_gradients=nonfinite)
 
     def forward(self, key: Hashable, graph: Graph, leaves: list[np.ndarray]) -> list[np.ndarray | None]:
@@ -294,9 +296,16 @@ class Executor:
         """``"shard_map"`` / ``"gspmd"`` for one-stage plans (of the last compiled step), ``"pipeline"``."""
         return self._spmd
 
+    def _timeline_rows(self) -> int:
+        """The device groups of a pipeline's stages (its stages but under interleaved 1F1B); 1 for one-stage plans."""
+        from torchpar.runtime.schedules import device_groups
+
+        return device_groups(self.spec.plan.schedule, [stage.devices() for stage in self.spec.plan.stages])
+
     @property
     def last_timeline(self) -> StepTimeline | None:
-        """Measured compute blocks of each stage in the last step."""
+        """Measured compute blocks of each stage in the last step, and where the rest of its time went
+        (:meth:`~.timeline.StepTimeline.breakdown`)."""
         return self._timeline
 
     # --- lifecycle ----------------------------------------------------------------------------------------------

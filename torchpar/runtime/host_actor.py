@@ -10,7 +10,8 @@ Life of an actor (driven by :mod:`.ray_executor`):
    (``jax.distributed.initialize``, coordinator on rank 0; CPU collectives over gloo), so a mesh may span
    them; a single actor skips it;
 3. :meth:`HostActor.build` — the worker for the plan; peers are the other actors, reached for stage
-   messages through :meth:`HostActor.deliver` (Ray's object transfer, never via the driver);
+   messages over direct connections (:mod:`.channels`, listening since ``join``), never via the driver
+   (:meth:`HostActor.deliver`, Ray's object transfer, serves a peer without a channel);
 4. :meth:`HostActor.call` — any worker call (load, step, export, …). Calls run on the actor's thread pool,
    so deliveries from peers arrive while a step waits for them.
 
@@ -67,14 +68,23 @@ class HostActor:
             jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=self.rank,
                                        initialization_timeout=int(max(timeout_s, 1)))
         local = jax.local_devices()
-        return {"rank": self.rank, "process_index": jax.process_index(), "platform": local[0].platform,
-                "local_devices": [str(d) for d in local], "global_devices": jax.device_count()}
+        joined = {"rank": self.rank, "process_index": jax.process_index(), "platform": local[0].platform,
+                  "local_devices": [str(d) for d in local], "global_devices": jax.device_count()}
+        if coordinator is not None:  # peers will send stage messages: listen for them
+            from torchpar.runtime.channels import ChannelServer
 
-    def build(self, spec: Any, peers: dict[int, Any]) -> None:
-        """Build this host's worker for ``spec``; ``peers`` maps process ranks to actor handles."""
+            self._channel = ChannelServer(ray.util.get_node_ip_address(), self.deliver)
+            joined["channel"] = self._channel.address
+        return joined
+
+    def build(self, spec: Any, peers: dict[int, Any], channels: dict[int, tuple[str, int]] | None = None) -> None:
+        """Build this host's worker for ``spec``; ``peers`` maps process ranks to actor handles, ``channels`` to
+        the address each listens on (:mod:`.channels`)."""
+        from torchpar.runtime.channels import PeerLinks
         from torchpar.runtime.worker import make_worker
 
         self._peers = peers
+        self._links = PeerLinks({r: tuple(a) for r, a in (channels or {}).items() if r != self.rank})
         self.worker = make_worker(spec, self.rank, self._deliver_to_peer)
 
     def call(self, method: str, *args: Any) -> Any:
@@ -89,7 +99,10 @@ class HostActor:
         return self.rank
 
     def _deliver_to_peer(self, rank: int, key: Any, payload: Any) -> None:
-        self._peers[rank].deliver.remote(key, payload)
+        if rank in self._links:
+            self._links.send(rank, key, payload)
+        else:
+            self._peers[rank].deliver.remote(key, payload)
 
 
 def _pin(slot: int, slots_on_node: int, cores_per_host: int | None) -> list[int]:

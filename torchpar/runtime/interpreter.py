@@ -1,9 +1,11 @@
-"""The pipeline interpreter: one stage's instruction list (:mod:`.schedules`) executed in this process.
+"""The pipeline interpreter: one device group's instruction list (:mod:`.schedules`) executed in this process.
 
-Both runtimes run it, one thread per stage a process holds: the local runtime holds every stage, a Ray
-host actor the stages whose devices it owns (a stage spanning several hosts is run by each of their
-actors, in lockstep, as one SPMD program). The only difference is the :class:`~.transport.Transport`,
-which delivers in-process or to peer actors.
+Both runtimes run it, one thread per device group a process holds: the local runtime holds every group, a
+Ray host actor the groups whose devices it owns (a stage spanning several hosts is run by each of their
+actors, in lockstep, as one SPMD program). A group runs one stage, or under interleaved 1F1B its ``v``
+stages from the one list, in the list's order: each instruction names its stage, whose program and state
+it uses. The only difference between the runtimes is the :class:`~.transport.Transport`, which delivers
+in-process or to peer actors.
 
 Per instruction (micro-batch ``m``):
 
@@ -14,23 +16,28 @@ Per instruction (micro-batch ``m``):
   neighbour reads them;
 - ``backward`` runs the vjp and adds the parameter gradients into the stage's accumulator in the same
   executable; ``free`` drops the residuals;
+- ``backward_input`` / ``backward_weight`` (ZB-H1) run the two parts of that backward
+  (:mod:`.split_backward`): the input cotangents, to send on at once, then later the parameter gradients
+  from what the first part carried, added into the accumulator;
 - ``update`` ends the list: the runtime applies it once every stage's gradients are final (tied
   parameters summed across stages, clipping computed over all stages: :mod:`.gradients`).
 
-Compute blocks are timed (each waits for its result) and returned as the stage's timeline.
+Compute blocks are timed (each waits for its result), and so are the transport calls, input placement and
+dispatch, as the stage's timeline (:class:`~.timeline.StageClock`).
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import numpy as np
 
 from torchpar.runtime.schedules import Instruction
 from torchpar.runtime.stage_program import LOSS, StageProgram
+from torchpar.runtime.timeline import StageClock
 from torchpar.runtime.transport import Transport
 
 MICRO_BATCH_SALT = 65536
@@ -50,61 +57,91 @@ class StageState:
 
 @dataclass
 class StageRun:
-    """One stage's results of a step: per-micro-batch losses (last stage) and its compute blocks
-    ``(op, micro_batch, start_s, end_s)`` in seconds since the step's start."""
+    """One stage's results of a step: per-micro-batch losses (last stage), its compute blocks
+    ``(op, micro_batch, start_s, end_s)`` in seconds since the step's start, and its non-compute spans
+    (:data:`~.timeline.SPAN_KINDS`) alike."""
 
     losses: list[Any]
     blocks: list[tuple[str, int, float, float]]
+    spans: list[tuple[str, int, float, float]] = field(default_factory=list)
 
 
-def run_instructions(index: int, program: StageProgram, state: StageState, instructions: Sequence[Instruction],
-                     transport: Transport, micro_inputs: Sequence[dict[int, np.ndarray]], key: Any,
+def run_instructions(index: int, programs: Mapping[int, StageProgram], states: Mapping[int, StageState],
+                     instructions: Sequence[Instruction], transport: Transport,
+                     micro_inputs: Sequence[dict[int, np.ndarray]], key: Any,
                      send_layout: Callable[[int, str], Any], start_time: float) -> StageRun:
-    """Execute stage ``index``'s ``instructions`` (see the module docstring). ``send_layout(peer, name)`` is
-    the sharding stage ``peer`` holds value ``name`` in; ``start_time`` is the step's ``time.time()``."""
-    received: dict[int, dict] = {}
-    cotangents: dict[int, dict] = {}
-    residuals: dict[int, Any] = {}
-    outputs: dict[int, dict] = {}
+    """Execute device group ``index``'s ``instructions`` (see the module docstring): each instruction on its
+    stage's program and state (``programs``/``states`` by stage; one stage per group but for interleaved
+    schedules). ``send_layout(peer, name)`` is the sharding stage ``peer`` holds value ``name`` in;
+    ``start_time`` is the step's ``time.time()``."""
+    received: dict[tuple[int, int], dict] = {}
+    cotangents: dict[tuple[int, int], dict] = {}
+    residuals: dict[tuple[int, int], Any] = {}
+    carried: dict[tuple[int, int], Any] = {}  # split backward: what backward_input hands to backward_weight
+    outputs: dict[tuple[int, int], dict] = {}
     losses: list[Any] = []
-    blocks: list[tuple[str, int, float, float]] = []
-    activation_layouts = {n: program.placement.value(n) for n in program.stage.activation_inputs}
-    output_layouts = {n: program.placement.value(n) for n in program.stage.activation_outputs}
-    state.grads = None
+    clock = StageClock(start_time)
+    activation_layouts = {s: {n: p.placement.value(n) for n in p.stage.activation_inputs} for s, p in programs.items()}
+    output_layouts = {s: {n: p.placement.value(n) for n in p.stage.activation_outputs} for s, p in programs.items()}
+    for state in states.values():
+        state.grads = None
     for ins in instructions:
-        mb = ins.micro_batch
+        mb, s = ins.micro_batch, ins.stage_in(index)
+        program, state = (programs[s], states[s]) if s is not None else (None, None)
         if ins.op == "recv_act":
-            received[mb] = transport.receive("act", ins.peer, index, mb, activation_layouts)
+            received[s, mb] = transport.receive("act", ins.peer, s, mb, activation_layouts[s], clock=clock)
         elif ins.op == "forward":
-            inputs = {i: program.put_input(i, micro_inputs[mb][i]) for i in program.stage.batch_inputs}
             begin = time.time()
-            diff, rest, new_buffers, vjp = program.forward(state.params, state.buffers, inputs, received.pop(mb, {}),
-                                                           jax.random.fold_in(key, index * MICRO_BATCH_SALT + mb))
+            inputs = {i: program.put_input(i, micro_inputs[mb][i]) for i in program.stage.batch_inputs}
+            started = clock.start()
+            clock.span("input", mb, begin, started[0])
+            diff, rest, new_buffers, vjp = program.forward(state.params, state.buffers, inputs,
+                                                           received.pop((s, mb), {}),
+                                                           jax.random.fold_in(key, s * MICRO_BATCH_SALT + mb))
+            dispatch_s = clock.dispatched(started)
             jax.block_until_ready(diff)
-            blocks.append(("forward", mb, begin - start_time, time.time() - start_time))
+            clock.compute("forward", mb, started, dispatch_s)
             state.buffers = {**state.buffers, **new_buffers}
-            residuals[mb] = vjp
+            residuals[s, mb] = vjp
             if LOSS in diff:
                 losses.append(diff[LOSS])
-            outputs[mb] = {**{n: v for n, v in diff.items() if n != LOSS}, **rest}
+            outputs[s, mb] = {**{n: v for n, v in diff.items() if n != LOSS}, **rest}
         elif ins.op == "send_act":
-            values = outputs.pop(mb)
-            transport.send("act", index, ins.peer, mb, values, {n: send_layout(ins.peer, n) for n in values})
+            values = outputs.pop((s, mb))
+            transport.send("act", s, ins.peer, mb, values, {n: send_layout(ins.peer, n) for n in values},
+                           clock=clock)
         elif ins.op == "recv_grad":
-            cotangents[mb] = transport.receive("grad", ins.peer, index, mb, output_layouts)
+            cotangents[s, mb] = transport.receive("grad", ins.peer, s, mb, output_layouts[s], clock=clock)
         elif ins.op == "backward":
-            begin = time.time()
-            state.grads, act_cotangents = program.backward_into(residuals[mb], cotangents.pop(mb, {}), state.grads)
+            started = clock.start()
+            state.grads, act_cotangents = program.backward_into(residuals[s, mb], cotangents.pop((s, mb), {}),
+                                                                state.grads)
+            dispatch_s = clock.dispatched(started)
             jax.block_until_ready(state.grads)
-            blocks.append(("backward", mb, begin - start_time, time.time() - start_time))
-            outputs[mb] = act_cotangents
+            clock.compute("backward", mb, started, dispatch_s)
+            outputs[s, mb] = act_cotangents
+        elif ins.op == "backward_input":  # the output cotangents stay for backward_weight
+            started = clock.start()
+            act_cotangents, carried[s, mb] = program.backward_input(residuals[s, mb], cotangents.get((s, mb), {}))
+            dispatch_s = clock.dispatched(started)
+            jax.block_until_ready((act_cotangents, carried[s, mb]))
+            clock.compute("backward_input", mb, started, dispatch_s)
+            outputs[s, mb] = act_cotangents
+        elif ins.op == "backward_weight":
+            started = clock.start()
+            state.grads = program.backward_weight_into(residuals[s, mb], cotangents.pop((s, mb), {}),
+                                                       carried.pop((s, mb)), state.grads)
+            dispatch_s = clock.dispatched(started)
+            jax.block_until_ready(state.grads)
+            clock.compute("backward_weight", mb, started, dispatch_s)
         elif ins.op == "send_grad":
-            values = outputs.pop(mb)
-            transport.send("grad", index, ins.peer, mb, values, {n: send_layout(ins.peer, n) for n in values})
+            values = outputs.pop((s, mb))
+            transport.send("grad", s, ins.peer, mb, values, {n: send_layout(ins.peer, n) for n in values},
+                           clock=clock)
         elif ins.op == "free":
-            residuals.pop(mb, None)
+            residuals.pop((s, mb), None)
         elif ins.op == "update":
             pass  # applied by the runtime once every stage's gradients are final
         else:
             raise ValueError(f"unknown instruction {ins}")
-    return StageRun(losses=losses, blocks=blocks)
+    return StageRun(losses=losses, blocks=clock.blocks, spans=clock.spans)

@@ -114,7 +114,8 @@ class RayExecutor(Executor):
         joined_at = time.perf_counter()
         peers = dict(enumerate(self.actors))
         spec_ref = ray.put(self.spec)
-        self._gather({r: a.build.remote(spec_ref, peers) for r, a in enumerate(self.actors)},
+        channels = {r: devices["channel"] for r, devices in enumerate(joined) if "channel" in devices}
+        self._gather({r: a.build.remote(spec_ref, peers, channels) for r, a in enumerate(self.actors)},
                      "building the stage programs", self.compile_timeout_s)
         self.timings = {"start_hosts": placed - start, "join_hosts": joined_at - placed,
                         "build_workers": time.perf_counter() - joined_at}

@@ -47,7 +47,7 @@ class StageProgram:
 
     def __init__(self, stage: StageGraph, *, placement: Placement, spec: OptimizerSpec, trainable: set[str],
                  num_micro_batches: int, library_fusions: bool = True, numerics: Numerics | None = None,
-                 remat: str = "none"):
+                 remat: str = "none", split_backward: bool = False):
         self.stage = stage
         self.placement = placement
         self.num_micro_batches = num_micro_batches
@@ -78,8 +78,16 @@ class StageProgram:
                 return diff, (rest, new_buffers)
 
             diff, vjp_fn, (rest, new_buffers) = jax.vjp(
-                f, {n: params[n] for n in trainable_names}, {a: acts[a] for a in self.float_acts}, has_aux=True)
-            return diff, rest, new_buffers, vjp_fn
+                jax.checkpoint(f, policy=_recompute_transposes), {n: params[n] for n in trainable_names},
+                {a: acts[a] for a in self.float_acts}, has_aux=True)
+            # residuals that are arguments (parameters, buffers, inputs, received activations) are not outputs (the
+            # executable would copy them): forward() puts the caller's arrays back in their places
+            leaves, treedef = jax.tree.flatten(vjp_fn)
+            given = (("params", params), ("buffers", buffers), ("inputs", inputs), ("acts", acts))
+            state = {id(v): (kind, n) for kind, tree in given for n, v in tree.items()}
+            holes = {k: state[id(leaf)] for k, leaf in enumerate(leaves) if id(leaf) in state}
+            self._residual_layout = (treedef, holes)
+            return diff, rest, new_buffers, [None if k in holes else leaf for k, leaf in enumerate(leaves)]
 
         def backward(vjp_fn, cotangents):
             if self.stage.has_loss:  # a seed passed in (S/M under loss scaling, set_loss_scale) wins over 1/M
@@ -102,6 +110,7 @@ class StageProgram:
 
         options = self._options = compiler_options(library_fusions, placement.mesh.devices.size)
         self._forward = jax.jit(forward, compiler_options=options)
+        self._residual_layout: Any = None  # (treedef, {leaf: (kind, name)}) of the forward's residuals, at its trace
         self._forward_signature: Any = None
         self._backward_signature: Any = None
         self._inspected: dict[Any, Any] = {}
@@ -112,6 +121,10 @@ class StageProgram:
         self._squared_norm = jax.jit(squared_norm, compiler_options=options)
         self._nonfinite_count = jax.jit(nonfinite_count, compiler_options=options)
         self._loss_seed: Any = None
+        self._backward_fn = backward
+        self.split_backward = split_backward
+        """ZB-H1: the backward runs as backward_input then backward_weight_into (warm_up compiles those)."""
+        self._splits: dict[Any, tuple[Any, Any, Any]] = {}  # residuals/cotangents tree → (split, jitted B, jitted W)
 
     def set_loss_scale(self, loss_scale: float) -> None:
         """Seed the loss cotangent with ``S/M`` instead of ``1/M`` from now on (dynamic loss scaling, fp16 mixed
@@ -145,7 +158,11 @@ class StageProgram:
         """→ (float outputs incl. the loss, other outputs, new buffers, residuals)."""
         if self._forward_signature is None:
             self._forward_signature = _signature_of((params, buffers, inputs, acts, key))
-        return self._forward(params, buffers, inputs, acts, key)
+        diff, rest, new_buffers, leaves = self._forward(params, buffers, inputs, acts, key)
+        treedef, holes = self._residual_layout
+        given = {"params": params, "buffers": buffers, "inputs": inputs, "acts": acts}
+        leaves = [given[holes[k][0]][holes[k][1]] if k in holes else leaf for k, leaf in enumerate(leaves)]
+        return diff, rest, new_buffers, jax.tree.unflatten(treedef, leaves)
 
     def forward_hlo(self) -> str:
         """Optimized HLO of the stage's forward (available after its first step)."""
@@ -189,6 +206,43 @@ class StageProgram:
             return self.backward(residuals, cotangents)
         return self._backward_accumulate(residuals, self._seeded(cotangents), total)
 
+    def backward_input(self, residuals: Any, cotangents: dict) -> tuple[dict, tuple]:
+        """Split backward, part 1 (ZB-H1's B, :mod:`.split_backward`): → (cotangents of the float activation
+        inputs, the carry that :meth:`backward_weight_into` needs). No parameter gradient is computed."""
+        cotangents = self._seeded(cotangents)
+        return self._split(residuals, cotangents)[1](residuals, cotangents)
+
+    def backward_weight_into(self, residuals: Any, cotangents: dict, carry: tuple, total: dict | None) -> dict:
+        """Split backward, part 2 (ZB-H1's W): the parameter gradients from ``carry`` and the residuals, added into
+        ``total`` (donated) in the same executable. → accumulated gradients."""
+        cotangents = self._seeded(cotangents)
+        _, _, weight, weight_accumulate = self._split(residuals, cotangents)
+        if total is None:
+            return weight(residuals, cotangents, carry)
+        return weight_accumulate(residuals, cotangents, carry, total)
+
+    def split_stats(self) -> dict[str, Any]:
+        """How the backward split (after the first split backward): equations in B and W, carried bytes."""
+        split = next(iter(self._splits.values()))[0]
+        return {"equations": split.equations, "carry_bytes": split.carry_bytes}
+
+    def _split(self, residuals: Any, cotangents: dict) -> tuple[Any, Any, Any, Any]:
+        """The backward split into jitted B, W and W-with-accumulation, traced once per argument structure."""
+        from torchpar.runtime.split_backward import split_backward
+
+        tree = jax.tree.structure((residuals, cotangents))
+        if tree not in self._splits:
+            split = split_backward(self._backward_fn, residuals, cotangents)
+
+            def weight_accumulate(residuals, cotangents, carry, total):
+                return jax.tree.map(jnp.add, total, split.weight_part(residuals, cotangents, carry))
+
+            options = self._options
+            self._splits[tree] = (split, jax.jit(split.input_part, compiler_options=options),
+                                  jax.jit(split.weight_part, compiler_options=options),
+                                  jax.jit(weight_accumulate, donate_argnums=(3,), compiler_options=options))
+        return self._splits[tree]
+
     def squared_norm(self, grads: dict) -> Any:
         return self._squared_norm(grads)
 
@@ -223,12 +277,28 @@ class StageProgram:
         grads, _ = self.backward(vjp, cotangents)
         copy = lambda tree: jax.tree.map(jnp.copy, tree)  # noqa: E731
         self.backward_into(vjp, cotangents, copy(grads))
+        if self.split_backward:
+            _, carry = self.backward_input(vjp, cotangents)
+            self.backward_weight_into(vjp, cotangents, carry, self.backward_weight_into(vjp, cotangents, carry, None))
         self.squared_norm(grads)
         self.nonfinite_count(grads)
         if self.trainable:
             self.update(copy(params), grads, copy(opt_state), scalars, 1.0)
         jax.block_until_ready(grads)
 
+
+
+_RECOMPUTED = frozenset({"transpose", "sharding_constraint", "reduce_precision", "copy"})
+"""Primitives whose results the forward does not save for the backward (:func:`_recompute_transposes`)."""
+
+
+def _recompute_transposes(primitive: Any, *_: Any, **__: Any) -> bool:
+    """The forward's residual policy: save every intermediate but layout changes and rounding (:data:`_RECOMPUTED`).
+    A transposed weight (``x @ w.T``, as a torch ``Linear`` lowers, then laid out and rounded to the matmul's
+    precision) would otherwise be written out whole by every micro-batch's forward and read back by its backward;
+    recomputed there from the weight itself, it costs next to nothing (XLA folds the transpose into the dot), and
+    the weight is no copy (:meth:`StageProgram.forward` passes arguments back as they are). Recomputation is exact."""
+    return primitive.name not in _RECOMPUTED
 
 
 def _signature_of(args: Any) -> Any:

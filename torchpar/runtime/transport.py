@@ -30,6 +30,7 @@ import jax
 import numpy as np
 
 from torchpar.runtime.arrays import Index, extent, intersect, normalize, relative
+from torchpar.runtime.timeline import StageClock
 
 
 class TransportError(RuntimeError):
@@ -119,8 +120,10 @@ class Transport:
         self.mailbox.begin_step(step)
 
     def send(self, kind: str, src: int, dst: int, micro_batch: int, values: Mapping[str, jax.Array],
-             targets: Mapping[str, jax.sharding.Sharding]) -> None:
-        """Send ``values`` (arrays of stage ``src``) to stage ``dst``, which holds each as ``targets[name]``."""
+             targets: Mapping[str, jax.sharding.Sharding], clock: StageClock | None = None) -> None:
+        """Send ``values`` (arrays of stage ``src``) to stage ``dst``, which holds each as ``targets[name]``;
+        ``clock`` records the time it took (``send``)."""
+        begin = time.time()
         for receiver in self.ranks_of_stage[dst]:
             key = MessageKey(self.step, kind, src, dst, micro_batch, self.rank)
             local = receiver == self.rank and all(v.is_fully_addressable for v in values.values()) and all(
@@ -136,10 +139,15 @@ class Transport:
                 if self._deliver is None:
                     raise RuntimeError(f"stage {dst} lives on process {receiver}, but this runtime has no peers")
                 self._deliver(receiver, key, payload)
+        if clock is not None:
+            clock.span("send", micro_batch, begin, time.time())
 
     def receive(self, kind: str, src: int, dst: int, micro_batch: int,
-                targets: Mapping[str, jax.sharding.Sharding]) -> dict[str, jax.Array]:
-        """The values stage ``src`` sent to stage ``dst`` for ``micro_batch``, laid out as ``targets``."""
+                targets: Mapping[str, jax.sharding.Sharding], clock: StageClock | None = None) -> dict[str, jax.Array]:
+        """The values stage ``src`` sent to stage ``dst`` for ``micro_batch``, laid out as ``targets``;
+        ``clock`` records the time spent waiting for the message (``recv_wait``) and building the arrays
+        (``recv_copy``)."""
+        wait = time.time()
         where = f"stage {dst} (process {self.rank})"
         arrays: dict[str, jax.Array] = {}
         pieces: dict[str, list] = {}
@@ -153,8 +161,12 @@ class Transport:
             for name, (shape, dtype, parts) in content.items():
                 meta[name] = (shape, dtype)
                 pieces.setdefault(name, []).extend(parts)
+        copy = time.time()
         for name, (shape, dtype) in meta.items():
             arrays[name] = _assemble_global(shape, dtype, targets[name], pieces[name], name)
+        if clock is not None:
+            clock.span("recv_wait", micro_batch, wait, copy)
+            clock.span("recv_copy", micro_batch, copy, time.time())
         return arrays
 
 
@@ -193,6 +205,10 @@ def _assemble_global(shape: tuple[int, ...], dtype: Any, target: jax.sharding.Sh
     devices_indices = target.addressable_devices_indices_map(shape)
     for device, index in devices_indices.items():
         region = normalize(index, shape)
+        whole = next((data for piece_index, data in pieces if piece_index == region), None)
+        if whole is not None:  # one piece is this device's slice: straight to the device, no staging copy
+            buffers.append(jax.device_put(whole, device))
+            continue
         local = np.empty(extent(region), dtype)
         covered = 0
         for piece_index, data in pieces:

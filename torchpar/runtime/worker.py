@@ -14,8 +14,9 @@ lowest-ranked — process); ``describe()``.
 - :class:`OneStageWorker` — a one-stage plan (one device, DataParallel, ZeRO, ShardParallel, Megatron):
   one fused step per batch signature over the plan's mesh (:mod:`.one_stage`), which may span hosts;
 - :class:`PipelineWorker` — PipeshardParallel: a :class:`~.stage_program.StageProgram` per stage it takes
-  part in, each run on its own thread by the interpreter (:mod:`.interpreter`); tied gradients and
-  global-norm clipping are finished across stages (:mod:`.gradients`).
+  part in, each device group's instruction list (one stage, or v under interleaved 1F1B) run on its own
+  thread by the interpreter (:mod:`.interpreter`); tied gradients and global-norm clipping are finished
+  across stages (:mod:`.gradients`).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from torchpar.runtime import gradients
 from torchpar.runtime.arrays import local_scalar, put
 from torchpar.runtime.checkpoint_io import KINDS, CheckpointSource, ShardReader, tensor_key, write_shards
 from torchpar.runtime.devices import DeviceMap
+from torchpar.runtime.schedules import SPLIT_BACKWARD, device_groups, make_schedule
 from torchpar.runtime.state import Exported, HostState, export_arrays
 from torchpar.runtime.train_step import split_scalars
 from torchpar.runtime.transport import Deliver, Mailbox, Transport
@@ -99,6 +101,8 @@ class StepReport:
     finite: bool = True
     """One-stage steps: the loss and gradients were finite (the update ran); else it was skipped."""
     blocks: dict[int, list[tuple[str, int, float, float]]] = field(default_factory=dict)
+    spans: dict[int, list[tuple[str, int, float, float]]] = field(default_factory=dict)
+    """Pipelines: each stage's non-compute spans (:class:`~.timeline.StepTimeline`), from its lead process."""
     updated: bool = False
     """The optimizer update ran inside the step (no clipping across stages needed)."""
 
@@ -274,8 +278,6 @@ class PipelineWorker(Worker):
 
     def __init__(self, spec: ExecutionSpec, rank: int, deliver: Deliver | None):
         super().__init__(spec, rank)
-        from torchpar.runtime.schedules import make_schedule
-
         plan = spec.plan
         self.ranks = spec.stage_ranks()
         trainable = set(spec.trainable)
@@ -287,7 +289,10 @@ class PipelineWorker(Worker):
         from torchpar.runtime.interpreter import StageState
 
         self.states = {s: StageState() for s in self.programs}
-        self.schedule = make_schedule(plan.schedule, len(plan.stages), plan.num_micro_batches)
+        # one instruction list per device group: stage s runs on group s mod G (G < stages: interleaved 1F1B)
+        self.num_groups = device_groups(plan.schedule, [stage.devices() for stage in plan.stages])
+        self.schedule = make_schedule(plan.schedule, len(plan.stages), plan.num_micro_batches,
+                                      virtual_stages=len(plan.stages) // self.num_groups)
         self.shared = gradients.shared_parameters({s: [n for n in g.params if n in trainable]
                                                    for s, g in enumerate(spec.stage_graphs)})
         self.mailbox = Mailbox()
@@ -305,7 +310,7 @@ class PipelineWorker(Worker):
         programs = {s: StageProgram(graph, placement=placements[s], spec=spec.optimizer, trainable=set(spec.trainable),
                                     num_micro_batches=plan.num_micro_batches,
                                     library_fusions=spec.options.library_fusions, numerics=spec.options.numerics,
-                                    remat=spec.options.remat)
+                                    remat=spec.options.remat, split_backward=plan.schedule in SPLIT_BACKWARD)
                     for s, graph in enumerate(stage_graphs) if self.rank in self.ranks[s]}
         return placements, programs
 
@@ -391,8 +396,9 @@ class PipelineWorker(Worker):
 
     def run_step(self, key: Hashable, micro_inputs: list[dict[int, np.ndarray]], scalars: Any, key_data: np.ndarray,
                  start_time: float) -> StepReport:
-        """Every local stage's instructions on its own thread, then tied gradients; the update too when no
-        clipping needs every stage's norm (else the driver calls :meth:`apply_update`)."""
+        """Every local device group's instructions on its own thread (a group runs one stage, or its v stages
+        under interleaved 1F1B), then tied gradients; the update too when no clipping needs every stage's norm
+        (else the driver calls :meth:`apply_update`)."""
         from torchpar.runtime.interpreter import run_instructions
 
         self.placements, self.programs = self._variants.get(key, self._primary)
@@ -402,32 +408,42 @@ class PipelineWorker(Worker):
         runs: dict[int, Any] = {}
         errors: list[BaseException] = []
 
-        def run(s: int) -> None:
+        groups = sorted({s % self.num_groups for s in self.programs})
+
+        def run(g: int) -> None:
             try:
-                program, stage = self.programs[s], self.states[s]
-                runs[s] = run_instructions(s, program, stage, self.schedule[s], self.transport, micro_inputs, rng,
-                                           self._layout, start_time)
-                stage.grads = gradients.exchange_tied_gradients(s, stage.grads or {}, self.shared, self.transport,
-                                                                self._grad_layout)
+                mine = [s for s in self.programs if s % self.num_groups == g]
+                runs[g] = run_instructions(g, {s: self.programs[s] for s in mine}, {s: self.states[s] for s in mine},
+                                           self.schedule[g], self.transport, micro_inputs, rng, self._layout,
+                                           start_time)
+                if len(mine) == 1:  # else after every group's list: two stages of a group may share a parameter
+                    exchange(mine[0])
             except BaseException as error:  # reported to the driver below; wake the other stages
                 errors.append(error)
                 self.mailbox.abort(error)
 
-        threads = [threading.Thread(target=run, args=(s,), name=f"torchpar-stage-{s}", daemon=True)
-                   for s in self.programs]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
+        def exchange(s: int) -> None:
+            try:
+                stage = self.states[s]
+                stage.grads = gradients.exchange_tied_gradients(s, stage.grads or {}, self.shared, self.transport,
+                                                                self._grad_layout)
+            except BaseException as error:
+                errors.append(error)
+                self.mailbox.abort(error)
+
+        self._run_threads(run, groups, "stage")
+        if len(self.programs) > len(groups) and not errors:
+            self._run_threads(exchange, sorted(self.programs), "tied")
         if errors:
             raise errors[0]
         self.steps_run += 1
         report = StepReport()
         last = len(self.spec.plan.stages) - 1
-        for s, result in runs.items():
+        for s, result in runs.items():  # by device group (group g's first stage is stage g)
             if self.is_lead(s):
                 report.blocks[s] = result.blocks
-                if s == last:
+                report.spans[s] = result.spans
+                if s == last % self.num_groups:
                     report.losses = [local_scalar(loss) for loss in result.losses]
         options = self.spec.options
         if options.grad_clip_norm is None and not options.check_finite:
@@ -445,6 +461,14 @@ class PipelineWorker(Worker):
                 if self.is_lead(s):
                     report.nonfinite[s] = count
         return report
+
+    @staticmethod
+    def _run_threads(target: Any, items: list[int], name: str) -> None:
+        threads = [threading.Thread(target=target, args=(i,), name=f"torchpar-{name}-{i}", daemon=True) for i in items]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
 
     def apply_update(self, clip_scale: float | None) -> None:
         """Apply the optimizer once on every local stage with its final gradients times ``clip_scale`` (and the

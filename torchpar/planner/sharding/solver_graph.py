@@ -21,7 +21,7 @@ import numpy as np
 from torchpar.ir.graph import Graph, Node, TensorMeta
 from torchpar.ir.layout import Multi, Spec
 from torchpar.ir.op_families import ASSERTS
-from torchpar.planner.remat import remat_memory
+from torchpar.planner.remat import BACKWARD_WORKING_COPIES, remat_memory
 from torchpar.planner.sharding.cost_model import LogicalMesh
 from torchpar.planner.sharding.follow import follow
 from torchpar.planner.sharding.strategies import Strategy, anchor_einsum, einsum_strategies, layout_root_strategies
@@ -136,10 +136,12 @@ class _Builder:
 
     def _copies(self, name: str) -> int:
         """Copies of node ``name``'s output in the step's peak memory: one per micro-batch in flight if it is kept
-        for the backward, one if only the recomputed layer holds it, none if it is not materialized."""
+        for the backward, one if only the recomputed layer holds it, none if it is not materialized; the largest
+        materialized output adds the backward's working set (:data:`~torchpar.planner.remat.BACKWARD_WORKING_COPIES`)."""
+        working = BACKWARD_WORKING_COPIES if name in self.remat.working else 0
         if name in self.remat.kept:
-            return self.in_flight
-        return 1 if name in self.remat.peak_layer else 0
+            return self.in_flight + working
+        return (1 if name in self.remat.peak_layer else 0) + working
 
     def _weights(self, refs: list[str]) -> list[bool]:
         """Which of ``refs`` are weights, whose gradients accumulate over micro-batches and are reduced once."""
