@@ -140,7 +140,8 @@ def plan_pipeline(graph: Graph, method: PipeshardParallel, cluster: ClusterSpec,
     if stage_timer is not None:
         start = time.perf_counter()
         ranked = rank_candidates([(r.step_s, list(zip(r.stage_graphs, r.stage_plans))) for r in refined], stage_timer,
-                                 method.num_micro_batches, remat=remat)
+                                 method.num_micro_batches, remat=remat, schedule=method.schedule,
+                                 virtual_stages=virtual)
         best = refined[ranked[0].index]
         profile = record_profile(ranked, ranked[0], best.stage_plans)
         timings["profile"] = time.perf_counter() - start

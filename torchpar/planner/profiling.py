@@ -12,7 +12,7 @@ A candidate pipeline of ``S`` stages on ``M`` micro-batches is estimated to take
 
     T = Σ_i t_i + (M − 1) · max_i t_i                    (:func:`.stages.pipeline_latency`)
 
-with ``t_i`` the per-micro-batch forward + backward time of stage ``i``. :func:`measured_step` puts the measured
+(1F1B and GPipe; interleaved 1F1B and ZB-H1 have their own formulas there, used alike) with ``t_i`` the per-micro-batch forward + backward time of stage ``i``. :func:`measured_step` puts the measured
 ``t̂_i`` (median over repeats of the compiled stage's forward and backward on one micro-batch, compilation
 excluded) in place of the estimate, and :func:`rank_candidates` picks the candidate with the least measured
 ``T̂``. The optimizer update (once per step, the same parameters whatever the partition) and the activation
@@ -40,6 +40,7 @@ from typing import Any, Callable, Protocol, Sequence
 from torchpar.cluster import ClusterSpec
 from torchpar.planner.plan import StagePlan
 from torchpar.planner.slicing import StageGraph, slice_stages
+from torchpar.planner.stages import pipeline_latency
 
 
 @dataclass(frozen=True)
@@ -109,10 +110,11 @@ def calibrated_cluster(cluster: ClusterSpec, fits: Sequence[LinkFit]) -> Cluster
     return replace(cluster, alpha=tuple(alpha), beta=tuple(beta))
 
 
-def measured_step(timings: Sequence[StageTiming], num_micro_batches: int) -> float:
-    """``T̂ = Σ t̂ + (M − 1)·max t̂`` for the stages' measured per-micro-batch times."""
-    steps = [t.step_s for t in timings]
-    return float(sum(steps) + (num_micro_batches - 1) * max(steps))
+def measured_step(timings: Sequence[StageTiming], num_micro_batches: int, schedule: str = "1f1b",
+                  virtual_stages: int = 1) -> float:
+    """The step of ``schedule`` on the stages' measured per-micro-batch times (:func:`.stages.pipeline_latency`:
+    ``T̂ = Σ t̂ + (M − 1)·max t̂`` under 1F1B and GPipe)."""
+    return pipeline_latency([t.step_s for t in timings], num_micro_batches, schedule, virtual_stages)
 
 
 @dataclass
@@ -130,10 +132,10 @@ class RankedCandidate:
 
 
 def rank_candidates(candidates: Sequence[tuple[float, Sequence[tuple[StageGraph, StagePlan]]]], timer: StageTimer,
-                    num_micro_batches: int, *, remat: str = "none",
+                    num_micro_batches: int, *, remat: str = "none", schedule: str = "1f1b", virtual_stages: int = 1,
                     on_stage: Callable[[], None] | None = None) -> list[RankedCandidate]:
     """Time every stage of every candidate (``(estimated step s, [(stage graph, stage plan), …])``) with ``timer``
-    (activation checkpointing ``remat``) and return them fastest measured first (ties: the lower estimate first). A stage met twice (same graph, same
+    (activation checkpointing ``remat``) and return them fastest measured first by ``schedule``'s step formula (ties: the lower estimate first). A stage met twice (same graph, same
     plan: candidates often share stages) is timed once. ``on_stage`` is called after each stage timed (progress)."""
     seen: dict[tuple[int, int], StageTiming] = {}
     ranked = []
@@ -146,7 +148,8 @@ def rank_candidates(candidates: Sequence[tuple[float, Sequence[tuple[StageGraph,
                 if on_stage is not None:
                     on_stage()
             timings.append(seen[key])
-        ranked.append(RankedCandidate(index, float(estimate), timings, measured_step(timings, num_micro_batches)))
+        ranked.append(RankedCandidate(index, float(estimate), timings,
+                                      measured_step(timings, num_micro_batches, schedule, virtual_stages)))
     return sorted(ranked, key=lambda r: (r.measured_step_s, r.estimated_step_s))
 
 
