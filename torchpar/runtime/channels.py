@@ -9,16 +9,21 @@ micro-batch and stage. Here a message is one pickle (protocol 5) whose arrays tr
 
 The sender writes it with ``sendall`` (no copy of the arrays beyond the kernel's); the receiver reads each
 buffer into a fresh ``bytearray`` and unpickles the arrays onto them (no copy either), then hands
-``(key, payload)`` to the mailbox. Every actor listens on one port (:class:`ChannelServer`, started when the
-actors join into one JAX system) and connects to a peer at its first message (:class:`PeerLinks`); each
-connection carries messages in order, and a lock per peer keeps concurrent senders' frames whole. A peer
-that died makes the send raise (the step fails and the executor names the dead host).
+``(key, payload)`` to the mailbox. Every actor listens on one port of its node's address (:class:`ChannelServer`,
+started when the actors join into one JAX system) and connects to a peer at its first message
+(:class:`PeerLinks`); each connection carries messages in order, and a lock per peer keeps concurrent senders'
+frames whole. A peer that died makes the send raise (the step fails and the executor names the dead host).
+
+A connection opens with the listener's random token, which only the engine's actors learn (through the driver,
+over Ray): the listener unpickles nothing from a connection that did not present it.
 """
 
 from __future__ import annotations
 
+import hmac
 import logging
 import pickle
+import secrets
 import socket
 import struct
 import threading
@@ -27,15 +32,18 @@ from typing import Any, Callable
 log = logging.getLogger(__name__)
 
 _HEAD = struct.Struct("<QI")
+TOKEN_BYTES = 32
 
 
 class ChannelServer:
-    """Accepts peers' connections and delivers every message read from them to ``on_message(key, payload)``."""
+    """Accepts peers' connections and delivers every message read from them to ``on_message(key, payload)``.
+    ``address``: ``(host, port, token)``, what a peer needs to connect."""
 
     def __init__(self, host: str, on_message: Callable[[Any, Any], None]):
         self._on_message = on_message
-        self._listener = socket.create_server(("", 0))
-        self.address = (host, self._listener.getsockname()[1])
+        self._token = secrets.token_bytes(TOKEN_BYTES)
+        self._listener = socket.create_server((host, 0))
+        self.address = (host, self._listener.getsockname()[1], self._token.hex())
         threading.Thread(target=self._accept, name="torchpar-channel-accept", daemon=True).start()
 
     def _accept(self) -> None:
@@ -49,6 +57,12 @@ class ChannelServer:
 
     def _read(self, connection: socket.socket) -> None:
         with connection:
+            try:
+                if not hmac.compare_digest(bytes(_read_exactly(connection, TOKEN_BYTES)), self._token):
+                    log.warning("torchpar: a connection to the stage channel without its token was closed")
+                    return
+            except ConnectionError:
+                return
             while True:
                 try:
                     head = _read_exactly(connection, _HEAD.size)
@@ -68,7 +82,7 @@ class ChannelServer:
 class PeerLinks:
     """This actor's outgoing connections, by peer rank (``addresses``: each peer's :attr:`ChannelServer.address`)."""
 
-    def __init__(self, addresses: dict[int, tuple[str, int]]):
+    def __init__(self, addresses: dict[int, tuple[str, int, str]]):
         self.addresses = dict(addresses)
         self._sockets: dict[int, socket.socket] = {}
         self._locks = {rank: threading.Lock() for rank in self.addresses}
@@ -85,8 +99,10 @@ class PeerLinks:
         with self._locks[rank]:
             connection = self._sockets.get(rank)
             if connection is None:
-                connection = socket.create_connection(self.addresses[rank])
+                host, port, token = self.addresses[rank]
+                connection = socket.create_connection((host, port))
                 connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                connection.sendall(bytes.fromhex(token))
                 self._sockets[rank] = connection
             connection.sendall(head + header)
             for view in views:

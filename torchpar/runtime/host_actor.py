@@ -77,7 +77,7 @@ class HostActor:
             joined["channel"] = self._channel.address
         return joined
 
-    def build(self, spec: Any, peers: dict[int, Any], channels: dict[int, tuple[str, int]] | None = None) -> None:
+    def build(self, spec: Any, peers: dict[int, Any], channels: dict[int, tuple[str, int, str]] | None = None) -> None:
         """Build this host's worker for ``spec``; ``peers`` maps process ranks to actor handles, ``channels`` to
         the address each listens on (:mod:`.channels`)."""
         from torchpar.runtime.channels import PeerLinks
