@@ -96,6 +96,16 @@ CASES = [  # (family, layer option, stages, schedule, micro-batches): every axis
 RAY_CASES = [CASES[0], CASES[3], CASES[4]]  # both families, schedules, layer options, 2 and 4 stages
 
 
+def _train_beside(engine, reference, ref_opt, batch) -> None:
+    """STEPS steps of ``engine`` and of the PyTorch ``reference`` on ``batch``, the losses equal within LOSS_RTOL."""
+    for _ in range(STEPS):
+        ref_opt.zero_grad()
+        loss = _loss(reference, batch)
+        loss.backward()
+        ref_opt.step()
+        assert engine.step(batch) == pytest.approx(loss.item(), rel=LOSS_RTOL)
+
+
 def _ids(cases):
     return [f"{f}-{l}-{s}st-{sc}-M{m}" for f, l, s, sc, m in cases]
 
@@ -116,13 +126,7 @@ def test_pipeline_matches_pytorch(runtime, case):
     engine = torchpar.compile(model, make_opt(model), example_batch=batch, method=method)
     try:
         assert len(engine.plan.stages) == stages
-        ref_opt = make_opt(reference)
-        for _ in range(STEPS):
-            ref_opt.zero_grad()
-            loss = _loss(reference, batch)
-            loss.backward()
-            ref_opt.step()
-            assert engine.step(batch) == pytest.approx(loss.item(), rel=LOSS_RTOL)
+        _train_beside(engine, reference, make_opt(reference), batch)
         engine.sync_to_torch()
         for (name, p), q in zip(reference.named_parameters(), model.parameters()):
             torch.testing.assert_close(q, p, rtol=PARAM_RTOL, atol=PARAM_ATOL, msg=name)
@@ -182,13 +186,7 @@ def test_new_schedules_match_pytorch(runtime, case, tmp_path):
         stages = engine.plan.stages
         assert len(stages) == groups * virtual and engine.plan.schedule == schedule
         assert all(stages[s].device_ids == stages[s % groups].device_ids for s in range(len(stages)))
-        ref_opt = make_opt(reference)
-        for _ in range(STEPS):
-            ref_opt.zero_grad()
-            loss = _loss(reference, batch)
-            loss.backward()
-            ref_opt.step()
-            assert engine.step(batch) == pytest.approx(loss.item(), rel=LOSS_RTOL)
+        _train_beside(engine, reference, make_opt(reference), batch)
         timeline = engine.last_timeline
         assert len(timeline.blocks) == groups  # one row per device group
         ops = {b[0] for row in timeline.blocks for b in row}

@@ -153,17 +153,18 @@ def rank_candidates(candidates: Sequence[tuple[float, Sequence[tuple[StageGraph,
     return sorted(ranked, key=lambda r: (r.measured_step_s, r.estimated_step_s))
 
 
-def record_profile(ranked: Sequence[RankedCandidate], chosen: RankedCandidate, stages: Sequence[StagePlan],
-                   links: Sequence[LinkFit] = ()) -> dict[str, Any]:
+def record_profile(ranked: Sequence[RankedCandidate], chosen: RankedCandidate,
+                   stages: Sequence[StagePlan]) -> dict[str, Any]:
     """Write the chosen candidate's per-stage measurements into its ``stages`` (``StagePlan.measured_cost_s``) and
-    return the record the plan keeps in ``plan.solver["profile"]``."""
+    return the record the plan keeps in ``plan.solver["profile"]`` (its ``links`` are filled by whoever timed
+    them: ``torchpar.profiled.Profiling.record_links``)."""
     for stage, timing in zip(stages, chosen.timings):
         stage.measured_cost_s = timing.step_s
     estimate_order = sorted(ranked, key=lambda r: r.estimated_step_s)
     return {"chosen": chosen.index, "measured_step_s": chosen.measured_step_s,
             "estimated_step_s": chosen.estimated_step_s,
             "changed_choice": estimate_order[0].index != chosen.index,
-            "candidates": [r.to_dict() for r in ranked], "links": [f.to_dict() for f in links],
+            "candidates": [r.to_dict() for r in ranked], "links": [],
             "cached_stages": sum(t.cached for r in ranked for t in r.timings),
             "timed_stages": sum(not t.cached for r in ranked for t in r.timings)}
 
@@ -173,10 +174,10 @@ def relative_error(estimate: float, measured: float) -> float:
     return estimate / measured - 1.0 if measured > 0 and math.isfinite(measured) else math.nan
 
 
-def profile_one_stage(plan: Any, graph: Any, timer: StageTimer, links: Sequence[LinkFit] = ()) -> None:
+def profile_one_stage(plan: Any, graph: Any, timer: StageTimer) -> None:
     """Time the single stage of a one-stage ``plan`` (one device, or a sharding method) on ``graph``, the whole
     training graph it was planned for, and record it (``StagePlan.measured_cost_s``, ``plan.solver["profile"]``).
     There is one candidate: the measurement is reported beside the estimate and chooses nothing."""
     (stage,) = slice_stages(graph, {node.name: 0 for node in graph.nodes})
     ranked = rank_candidates([(plan.estimated_step_s, [(stage, plan.stages[0])])], timer, 1, remat=plan.remat)
-    plan.solver["profile"] = record_profile(ranked, ranked[0], plan.stages, links)
+    plan.solver["profile"] = record_profile(ranked, ranked[0], plan.stages)

@@ -21,10 +21,12 @@ import platform
 import tempfile
 from typing import Any
 
+from torchpar import compile_cache
+
 log = logging.getLogger(__name__)
 
 ENV_VAR = "TORCHPAR_PROFILE_DIR"
-OFF_VALUES = ("off", "0", "")
+OFF_VALUES = compile_cache.OFF_VALUES
 VERSION = 1
 """Bumped when the meaning of a stored timing changes; older entries are then never read."""
 
@@ -34,11 +36,10 @@ def profile_dir() -> str | None:
     value = os.environ.get(ENV_VAR)
     if value is not None:
         return None if value.strip().lower() in OFF_VALUES else os.path.expanduser(value.strip())
-    general = os.environ.get("TORCHPAR_CACHE_DIR")
+    general = os.environ.get(compile_cache.ENV_VAR)
     if general is not None and general.strip().lower() in OFF_VALUES:
         return None
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "torchpar", "profiles")
+    return os.path.join(os.path.dirname(compile_cache.default_dir()), "profiles")  # beside the XLA cache's default
 
 
 def hardware_name(devices: list[Any]) -> str:

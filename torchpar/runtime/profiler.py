@@ -14,6 +14,7 @@ Only the local runtime is profiled: the devices must belong to this process.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import statistics
 import time
@@ -44,8 +45,6 @@ COLLECTIVE_BYTES = (1 << 16, 1 << 19, 1 << 22, 1 << 24)
 def graph_key(stage: StageGraph) -> dict[str, Any]:
     """What of a stage graph its timing depends on: every input, op and output (names, targets, operands,
     shapes, dtypes) and the constants' shapes and bytes' digest."""
-    import hashlib
-
     graph = stage.graph
     constants = {name: [list(np.shape(v)), str(np.asarray(v).dtype),
                         hashlib.sha256(np.ascontiguousarray(v).tobytes()).hexdigest()]

@@ -361,8 +361,13 @@ def format_schedule(schedule: Schedule, *, comms: bool = False) -> str:
 def max_in_flight(schedule: Schedule) -> list[int]:
     """Per group, the most (stage, micro-batch) pairs whose forward has run and whose backward (its
     ``backward_weight`` when split) has not."""
+    return _peaks_in_flight(schedule)
+
+
+def _peaks_in_flight(lists: Sequence[Sequence[Instruction]]) -> list[int]:
+    """Per instruction list, the most forwards run whose backward (``backward_weight`` when split) has not."""
     peaks = []
-    for steps in schedule:
+    for steps in lists:
         live = peak = 0
         for ins in steps:
             live += (ins.op == "forward") - (ins.op in ("backward", "backward_weight"))
@@ -374,14 +379,7 @@ def max_in_flight(schedule: Schedule) -> list[int]:
 def stage_in_flight(schedule: Schedule) -> list[int]:
     """Per stage, the most of its micro-batches whose forward has run and whose backward (its
     ``backward_weight`` when split) has not."""
-    peaks = []
-    for steps in stage_lists(schedule):
-        live = peak = 0
-        for ins in steps:
-            live += (ins.op == "forward") - (ins.op in ("backward", "backward_weight"))
-            peak = max(peak, live)
-        peaks.append(peak)
-    return peaks
+    return _peaks_in_flight(stage_lists(schedule))
 
 
 def stage_lists(schedule: Schedule) -> list[list[Instruction]]:
