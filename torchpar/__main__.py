@@ -99,7 +99,7 @@ def _common_arguments(parser: argparse.ArgumentParser, *, method: str, batch_siz
     parser.add_argument("--layers", type=int, default=4, help="pipeshard: layers formed by operator clustering")
     parser.add_argument("--stages", choices=("auto", "uniform"), default="auto", help="pipeshard: stage option")
     parser.add_argument("--schedule", choices=("1f1b", "gpipe", "interleaved_1f1b", "zb_h1"), default="1f1b",
-                        help="pipeshard: schedule (interleaved_1f1b: 2 stages per device group; needs --stages uniform)")
+                        help="pipeshard: schedule (interleaved_1f1b: 2 stages per device group)")
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="zoo models: the optimizer")
     parser.add_argument("--lr", type=float, default=None, help="learning rate (default 1e-3, SGD 0.02)")
     parser.add_argument("--batch-size", type=int, default=batch_size)

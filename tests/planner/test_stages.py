@@ -303,3 +303,73 @@ def test_pipeshard_schedule_options():
         torchpar.PipeshardParallel(schedule="interleaved_1f1b", virtual_stages=1)
     with pytest.raises(ValueError, match="schedule must be one of"):
         torchpar.PipeshardParallel(schedule="zb_h2")
+
+
+# --- the interleaved-1F1B stage DP (torchpar/planner/interleaved_stages.py) --------------------------------
+
+def brute_force_interleaved(num_layers, hosts, per_host, micro_batches, cost, budget, virtual):
+    """Every number of equal device groups G × every cut into v·G contiguous stages × each stage's best logical
+    mesh within budget / v at its schedule position's in-flight count."""
+    from torchpar.planner.stages import _uniform_submesh, micro_batches_in_flight
+
+    devices, best = hosts * per_host, math.inf
+    for groups in range(1, devices + 1):
+        submesh = _uniform_submesh(devices // groups, per_host) if devices % groups == 0 else None
+        count = groups * virtual
+        if submesh is None or count > num_layers or micro_batches % groups:
+            continue
+        in_flight = micro_batches_in_flight(count, micro_batches, "interleaved_1f1b", virtual)
+        for cuts in itertools.combinations(range(1, num_layers), count - 1):
+            bounds = [0, *cuts, num_layers]
+            latencies = []
+            for position, (start, end) in enumerate(zip(bounds, bounds[1:])):
+                fitting = [c.latency_s for c in (cost(start, end - 1, submesh, m) for m in logical_mesh_shapes(submesh))
+                           if c.peak_bytes(in_flight[position]) <= budget / virtual]
+                if not fitting:
+                    break
+                latencies.append(min(fitting))
+            else:
+                best = min(best, pipeline_latency(latencies, micro_batches, "interleaved_1f1b", virtual))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_interleaved_dp_matches_brute_force(seed):
+    """Random instances and budgets that rule out some choices or all: the interleaved DP (per group count,
+    t_max early stop) finds the brute-force optimum, its stages repeat one submesh, and each fits its share."""
+    from torchpar.planner.interleaved_stages import interleaved_stage_dp
+
+    rng = np.random.default_rng(200 + seed)
+    hosts, per_host = [(1, 4), (2, 2), (1, 8)][seed % 3]
+    virtual = 2 + seed % 2
+    num_layers = int(rng.integers(virtual * 2, 9))
+    micro_batches = [4, 8][seed % 2]
+    cost = random_cost(seed, num_layers)
+    for budget in (8e9, 2e10, math.inf):
+        expected = brute_force_interleaved(num_layers, hosts, per_host, micro_batches, cost, budget, virtual)
+        if not math.isfinite(expected):
+            with pytest.raises(ValueError, match="smallest needs"):
+                interleaved_stage_dp(num_layers, hosts, per_host, micro_batches, cost, budget, virtual_stages=virtual)
+            continue
+        result = interleaved_stage_dp(num_layers, hosts, per_host, micro_batches, cost, budget,
+                                      virtual_stages=virtual)
+        assert result.cost_s == pytest.approx(expected, rel=1e-12)
+        best = result.best
+        assert best.schedule == "interleaved_1f1b" and best.virtual_stages == virtual
+        assert len(best.stages) % virtual == 0 and len({s.submesh for s in best.stages}) == 1
+        assert all(s.memory_bytes <= budget / virtual for s in best.stages)
+        assert [l for s in best.stages for l in s.layers] == list(range(num_layers))
+
+
+def test_interleaved_dp_errors_say_what_to_change():
+    from torchpar.planner.interleaved_stages import interleaved_stage_dp
+
+    with pytest.raises(ValueError, match="no number of equal device groups"):
+        interleaved_stage_dp(3, 1, 4, 4, linear_cost([1.0] * 3), None, virtual_stages=4)  # 4·G stages > 3 layers
+    with pytest.raises(ValueError, match="virtual_stages ≥ 2"):
+        interleaved_stage_dp(8, 1, 4, 4, linear_cost([1.0] * 8), None, virtual_stages=1)
+    cost = random_cost(3, 6)
+    with pytest.raises(ValueError, match="smallest needs") as error:
+        interleaved_stage_dp(6, 1, 4, 4, cost, 1e8, virtual_stages=2)
+    need = float(str(error.value).split("(")[1].split(" bytes")[0])
+    interleaved_stage_dp(6, 1, 4, 4, cost, need * (1 + 1e-9), virtual_stages=2)  # fits exactly at the reported need

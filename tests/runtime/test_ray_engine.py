@@ -39,6 +39,7 @@ def test_one_stage_methods_run_on_both_host_actors(two_hosts_of_two, method):
         assert [w["process_index"] for w in workers] == [0, 1]
         assert all(w["process_count"] == 2 and w["steps_run"] == 5 for w in workers)
         assert len({w["pid"] for w in workers}) == 2
+        assert all(w["niceness"] == 0 for w in workers)  # embedded Ray: host actors at the driver's priority
         for w in workers:  # each actor holds its share of the state on its own two devices
             assert len(w["local_devices"]) == 2
             assert w["devices_holding_state"] and set(w["devices_holding_state"]) <= set(w["local_devices"])

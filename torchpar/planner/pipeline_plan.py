@@ -22,6 +22,7 @@ from torchpar.cluster import ClusterSpec
 from torchpar.ir.graph import Graph
 from torchpar.methods import ManualStageOption, PipeshardParallel
 from torchpar.planner import layers as layers_mod
+from torchpar.planner.interleaved_stages import interleaved_stage_dp
 from torchpar.planner.intra_op import plan_stage
 from torchpar.planner.plan import Plan
 from torchpar.planner.profiling import StageTimer, rank_candidates, record_profile
@@ -92,28 +93,32 @@ def plan_pipeline(graph: Graph, method: PipeshardParallel, cluster: ClusterSpec,
         partition = stages_mod.uniform_stages(num_layers, None, hosts, per_host,
                                               num_micro_batches=method.num_micro_batches, schedule=method.schedule,
                                               virtual_stages=virtual)
-    elif virtual > 1:
-        raise ValueError("stage_option='auto' does not plan interleaved 1F1B (the stage DP puts one stage on each "
-                         "submesh): use stage_option='uniform' or a ManualStageOption with v stages per submesh")
     else:
         cost = stages_mod.AnalyticStageCost(layering, graph, cluster, method.num_micro_batches, optimizer_state_copies,
                                             remat=remat)
-        result = stages_mod.stage_dp(num_layers, hosts, per_host, method.num_micro_batches, cost,
-                                     cluster.device_memory_bytes, schedule=method.schedule)
+        if virtual > 1:
+            result = interleaved_stage_dp(num_layers, hosts, per_host, method.num_micro_batches, cost,
+                                          cluster.device_memory_bytes, virtual_stages=virtual)
+        else:
+            result = stages_mod.stage_dp(num_layers, hosts, per_host, method.num_micro_batches, cost,
+                                         cluster.device_memory_bytes, schedule=method.schedule)
         partition = result.best
         alternatives = list(result.runners_up)
-        for count in range(1, min(num_layers, hosts * per_host) + 1):  # uniform splits as reference points
+        for count in range(1, min(num_layers // virtual, hosts * per_host) + 1):  # uniform splits as reference points
+            if method.num_micro_batches % count and virtual > 1:  # interleaving needs B a multiple of the groups
+                continue
             try:
                 alternatives.append(stages_mod.uniform_stages(num_layers, count, hosts, per_host, cost=cost,
                                                               num_micro_batches=method.num_micro_batches,
                                                               memory_budget=cluster.device_memory_bytes,
-                                                              schedule=method.schedule, warn_over_budget=False))
+                                                              schedule=method.schedule, warn_over_budget=False,
+                                                              virtual_stages=virtual))
             except ValueError:
                 continue
         seen = {str(partition)}
         for candidate in sorted(alternatives, key=lambda p: p.cost_s):
             # a uniform split over the budget by the stage DP's memory model (the ILP's minimum) is not a candidate
-            fits = all(stage.memory_bytes <= cluster.device_memory_bytes for stage in candidate.stages)
+            fits = all(stage.memory_bytes <= cluster.device_memory_bytes / virtual for stage in candidate.stages)
             if str(candidate) not in seen and math.isfinite(candidate.cost_s) and fits:
                 seen.add(str(candidate))
                 runners_up.append(candidate)

@@ -19,7 +19,8 @@ ZB-H1 with each stage's ``t`` split in equal forward, input- and weight-gradient
 ``T = Σ_j t_j / 3 + (B − 1/3) · max_j t_j`` (bubble ``(S−1)/(3B+S−1)`` on equal stages) — for a fixed ``t_max``
 still increasing in ``Σ t``, so the DP below serves it unchanged. Interleaved 1F1B (``v`` stages per device
 group, G groups) has ``T = Σ_j t_j / v + (vB − 1) · max_j t_j`` (bubble ``(G−1)/(vB+G−1)``); its stages come
-from ``"uniform"`` or a ``ManualStageOption`` (the DP does not place several stages on one submesh).
+from :mod:`.interleaved_stages` (the DP below puts one stage on each submesh), ``"uniform"`` or a
+``ManualStageOption``.
 
 The DP (:func:`stage_dp`)
 -------------------------

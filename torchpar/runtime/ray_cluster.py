@@ -59,6 +59,9 @@ class RayCluster:
 
 _current: RayCluster | None = None
 
+EMBEDDED_WORKER_NICENESS = 0
+"""Niceness of the Ray workers (host actors) of an embedded Ray instance: the driver's own priority."""
+
 
 def current() -> RayCluster | None:
     """The cluster of the last :func:`connect` (``None`` before, and after :func:`disconnect`)."""
@@ -82,8 +85,11 @@ def connect(*, address: str | None, num_hosts: int | None, devices_per_host: int
             cpus = max(os.cpu_count() or 1, num_hosts)
             # address="local": never attach to another Ray instance found running on this machine (another
             # program's, or a test's), whose resources and lifetime are not ours
+            # simulated hosts are this machine's compute: Ray's default worker niceness (15) would give them only what
+            # every other process leaves, and a pipeline, which needs all its hosts at once, loses most (issue 12)
             ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=True, configure_logging=False,
-                     runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}})
+                     runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}},
+                     _system_config={"worker_niceness": EMBEDDED_WORKER_NICENESS})
             embedded = True
         _current = _simulated(num_hosts, devices_per_host, accelerator, embedded)
     else:

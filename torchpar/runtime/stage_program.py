@@ -274,12 +274,15 @@ class StageProgram:
         acts = {i.name: self.put_activation(i.name, zeros(i.meta)) for i in graph_inputs if i.kind == "activation"}
         diff, _, _, vjp = self.forward(params, buffers, inputs, acts, jax.random.key(0))
         cotangents = {n: jnp.zeros_like(v) for n, v in diff.items() if n != LOSS}
-        grads, _ = self.backward(vjp, cotangents)
         copy = lambda tree: jax.tree.map(jnp.copy, tree)  # noqa: E731
-        self.backward_into(vjp, cotangents, copy(grads))
-        if self.split_backward:
+        if self.split_backward:  # ZB-H1 runs only B and W; the fused backward compiles if asked (memory_stats)
+            self._backward_signature = _signature_of((vjp, self._seeded(cotangents)))
             _, carry = self.backward_input(vjp, cotangents)
-            self.backward_weight_into(vjp, cotangents, carry, self.backward_weight_into(vjp, cotangents, carry, None))
+            grads = self.backward_weight_into(vjp, cotangents, carry, None)
+            self.backward_weight_into(vjp, cotangents, carry, copy(grads))
+        else:
+            grads, _ = self.backward(vjp, cotangents)
+            self.backward_into(vjp, cotangents, copy(grads))
         self.squared_norm(grads)
         self.nonfinite_count(grads)
         if self.trainable:

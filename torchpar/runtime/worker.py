@@ -124,7 +124,7 @@ class Worker:
         info = {"rank": self.rank, "pid": os.getpid(), "process_index": jax.process_index(),
                 "process_count": jax.process_count(), "platform": devices[0].platform,
                 "local_devices": [str(d) for d in devices], "steps_run": self.steps_run,
-                "stages": self.stages(), "cores": sorted(os.sched_getaffinity(0)),
+                "stages": self.stages(), "cores": sorted(os.sched_getaffinity(0)), "niceness": os.nice(0),
                 "devices_holding_state": sorted({str(s.device) for array in self.state_arrays()
                                                  for s in array.addressable_shards})}
         if programs:
