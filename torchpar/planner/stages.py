@@ -161,9 +161,9 @@ class StagePlanResult:
         best = self.best
         latencies = [s.latency_s for s in best.stages]
         lines = [f"Stage DP: {len(best.stages)} stage(s), {best.num_micro_batches} micro-batch(es), est. step "
-                 f"{best.cost_s * 1e3:.3f} ms (Σt {sum(latencies) * 1e3:.3f} + {best.num_micro_batches - 1}×max "
-                 f"{max(latencies) * 1e3:.3f}), DP {self.dp_s:.3f}s, t_max tried {self.num_t_max_tried}/"
-                 f"{self.num_t_max_candidates}"]
+                 f"{best.cost_s * 1e3:.3f} ms = {latency_formula(best.schedule, best.num_micro_batches, best.virtual_stages)}"
+                 f" with Σ stage {sum(latencies) * 1e3:.3f} ms, max stage {max(latencies) * 1e3:.3f} ms; DP "
+                 f"{self.dp_s:.3f}s, t_max tried {self.num_t_max_tried}/{self.num_t_max_candidates}"]
         for index, s in enumerate(best.stages):
             lines.append(f"  stage {index}: layers {s.first_layer}-{s.last_layer}, submesh {s.submesh}, logical "
                          f"{s.logical}, {s.latency_s * 1e3:.3f} ms, {s.memory_bytes / 2**20:.1f} MiB/device")
