@@ -160,8 +160,9 @@ class StagePlanResult:
     def summary(self) -> str:
         best = self.best
         latencies = [s.latency_s for s in best.stages]
+        formula = latency_formula(best.schedule, best.num_micro_batches, best.virtual_stages)
         lines = [f"Stage DP: {len(best.stages)} stage(s), {best.num_micro_batches} micro-batch(es), est. step "
-                 f"{best.cost_s * 1e3:.3f} ms = {latency_formula(best.schedule, best.num_micro_batches, best.virtual_stages)}"
+                 f"{best.cost_s * 1e3:.3f} ms = {formula}"
                  f" with Σ stage {sum(latencies) * 1e3:.3f} ms, max stage {max(latencies) * 1e3:.3f} ms; DP "
                  f"{self.dp_s:.3f}s, t_max tried {self.num_t_max_tried}/{self.num_t_max_candidates}"]
         for index, s in enumerate(best.stages):
