@@ -33,11 +33,9 @@ Cost: per ``G``, ``L²·|c|`` cost-model calls, then ``O(S·L²)`` numpy work pe
 
 from __future__ import annotations
 
-import itertools
 import logging
 import math
 import time
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -48,6 +46,8 @@ from torchpar.planner.stages import (
     StagePlanResult,
     _in_flight,
     _key,
+    _stage_table,
+    _Table,
     _uniform_submesh,
 )
 from torchpar.planner.submeshes import _check_cluster, logical_mesh_shapes
@@ -83,7 +83,7 @@ def interleaved_stage_dp(num_layers: int, cluster_hosts: int, devices_per_host: 
     found: dict[tuple, StagePartition] = {}
     best, tried, candidates_total, need = math.inf, 0, 0, math.inf
     for groups, submesh in layouts:
-        table = _group_table(num_layers, groups * v, submesh, B, v, cost, budget / v)
+        table = _position_table(num_layers, groups * v, submesh, B, v, cost, budget / v)
         need = min(need, v * _minimax_memory(table.min_memory))
         candidates = np.unique(table.latency[np.isfinite(table.latency)])
         candidates_total += len(candidates)
@@ -112,37 +112,15 @@ def interleaved_stage_dp(num_layers: int, cluster_hosts: int, devices_per_host: 
     return result
 
 
-@dataclass
-class _GroupTable:
-    submesh: tuple[int, int]
-    latency: np.ndarray
-    """[p, k, i]: least latency of layers k..i at stage position p among logical meshes within the budget
-    share (∞: none fits, or i < k)."""
-    logical: np.ndarray
-    """[p, k, i]: index of that logical mesh in ``logical_mesh_shapes(submesh)``."""
-    memory: np.ndarray
-    """[p, k, i]: its peak per-device bytes."""
-    min_memory: np.ndarray
-    """[p, k, i]: least peak bytes over all logical meshes (to report what would fit)."""
-
-
-def _group_table(num_layers: int, num_stages: int, submesh: tuple[int, int], num_micro_batches: int,
-                 virtual_stages: int, cost: StageCostModel, stage_budget: float) -> _GroupTable:
-    shape = (num_stages, num_layers, num_layers)
-    latency, memory, min_memory = np.full(shape, np.inf), np.full(shape, np.inf), np.full(shape, np.inf)
-    logical = np.full(shape, -1, dtype=np.int64)
-    in_flight = _in_flight(np.arange(num_stages, 0, -1), num_micro_batches, "interleaved_1f1b", virtual_stages)
-    for first, last in itertools.combinations_with_replacement(range(num_layers), 2):
-        for choice, mesh in enumerate(logical_mesh_shapes(submesh)):
-            stage = cost(first, last, submesh, mesh)
-            peak = stage.memory_bytes + in_flight * stage.activation_bytes  # [p]
-            cell = (slice(None), first, last)
-            min_memory[cell] = np.minimum(min_memory[cell], peak)
-            better = (peak <= stage_budget) & (stage.latency_s < latency[cell])
-            latency[cell] = np.where(better, stage.latency_s, latency[cell])
-            logical[cell] = np.where(better, choice, logical[cell])
-            memory[cell] = np.where(better, peak, memory[cell])
-    return _GroupTable(submesh, latency, logical, memory, min_memory)
+def _position_table(num_layers: int, num_stages: int, submesh: tuple[int, int], num_micro_batches: int,
+                    virtual_stages: int, cost: StageCostModel, stage_budget: float) -> _Table:
+    """:func:`~torchpar.planner.stages._stage_table` on the one submesh, indexed ``[p, k, i]`` by stage position
+    ``p`` (its rows count the stages from a stage to the last: position ``p`` of ``S`` is row ``S − p − 1``)."""
+    table = _stage_table(num_layers, [submesh], num_stages, num_micro_batches, cost, stage_budget, "interleaved_1f1b",
+                         virtual_stages)
+    by_position = lambda a: a[::-1, :, :, 0]  # noqa: E731
+    return _Table(by_position(table.latency), by_position(table.logical), by_position(table.memory),
+                  by_position(table.min_memory))
 
 
 def _exact_dp(weight: np.ndarray, combine=np.add) -> list[tuple[int, int]]:
@@ -174,7 +152,7 @@ def _minimax_memory(min_memory: np.ndarray) -> float:
     return max(float(min_memory[p, k, i]) for p, (k, i) in enumerate(plan)) if plan else math.inf
 
 
-def _partition(plan: list[tuple[int, int]], table: _GroupTable, submesh: tuple[int, int], num_micro_batches: int,
+def _partition(plan: list[tuple[int, int]], table: _Table, submesh: tuple[int, int], num_micro_batches: int,
                virtual_stages: int) -> StagePartition:
     meshes = logical_mesh_shapes(submesh)
     stages = tuple(StageChoice(first_layer=k, last_layer=i, submesh=submesh,

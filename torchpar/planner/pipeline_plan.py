@@ -105,8 +105,6 @@ def plan_pipeline(graph: Graph, method: PipeshardParallel, cluster: ClusterSpec,
         partition = result.best
         alternatives = list(result.runners_up)
         for count in range(1, min(num_layers // virtual, hosts * per_host) + 1):  # uniform splits as reference points
-            if method.num_micro_batches % count and virtual > 1:  # interleaving needs B a multiple of the groups
-                continue
             try:
                 alternatives.append(stages_mod.uniform_stages(num_layers, count, hosts, per_host, cost=cost,
                                                               num_micro_batches=method.num_micro_batches,

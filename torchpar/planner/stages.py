@@ -294,13 +294,13 @@ def _in_flight(stages_after: np.ndarray, num_micro_batches: int, schedule: Sched
 
 
 def _stage_table(num_layers: int, submeshes: Sequence[Shape], max_stages: int, num_micro_batches: int,
-                 cost: StageCostModel, memory_budget: float, schedule: Schedule) -> _Table:
+                 cost: StageCostModel, memory_budget: float, schedule: Schedule, virtual_stages: int = 1) -> _Table:
     shape = (max_stages, num_layers, num_layers, len(submeshes))
     latency = np.full(shape, np.inf)
     logical = np.full(shape, -1, dtype=np.int64)
     memory = np.full(shape, np.inf)
     min_memory = np.full(shape, np.inf)
-    in_flight = _in_flight(np.arange(1, max_stages + 1), num_micro_batches, schedule)
+    in_flight = _in_flight(np.arange(1, max_stages + 1), num_micro_batches, schedule, virtual_stages)
     for first, last in itertools.combinations_with_replacement(range(num_layers), 2):
         for index, submesh in enumerate(submeshes):
             for choice, mesh in enumerate(logical_mesh_shapes(submesh)):
@@ -490,6 +490,10 @@ def _uniform_submesh(devices: int, per_host: int) -> Shape | None:
 def _evaluate(ranges: list[tuple[int, int]], submeshes: list[Shape], logical: list[Shape] | None,
               cost: StageCostModel | None, num_micro_batches: int, memory_budget: float,
               schedule: Schedule, warn_over_budget: bool = True, virtual_stages: int = 1) -> StagePartition:
+    groups = len(ranges) // virtual_stages
+    if virtual_stages > 1 and num_micro_batches % groups:
+        raise ValueError(f"interleaved 1F1B needs num_micro_batches ({num_micro_batches}) to be a multiple of the "
+                         f"number of device groups ({groups})")
     in_flight = _in_flight(np.arange(len(ranges), 0, -1), num_micro_batches, schedule, virtual_stages)
     memory_budget = memory_budget / virtual_stages  # a device holds v stages: each gets its share
     stages = []
