@@ -25,6 +25,7 @@ from jaxbackend.ops import registry
 from jaxbackend.precision import Numerics
 from jaxbackend.remat import Remat, checkpoint
 from jaxbackend.sharding import constrain
+from torchpar.ir.function_regions import FunctionRegion, function_regions
 from torchpar.ir.graph import DType, Graph, Node, OutMeta, Ref, TensorMeta
 
 StepFn = Callable[[dict[str, jax.Array], dict[str, jax.Array], Sequence[jax.Array], jax.Array],
@@ -105,7 +106,11 @@ def lower(graph: Graph, *, value_shardings: Mapping[str, Any] | None = None,
         with precision.using(numerics):
             return trace(params, buffers, inputs, key, activations)
 
-    segments = _segments(graph, remat if observe is None else None)
+    regions = function_regions(graph)
+    segments = _segments(graph, remat if observe is None else None, regions)
+    region_at = {region.start: region for region in regions}
+    backwards = {region.call: lower(graph.custom_backwards[region.call], numerics=numerics) for region in regions}
+    read_after = _last_reads(graph) if regions else {}
 
     def evaluate(index: int, env: dict[str, Any], key: jax.Array) -> None:
         """Compute node ``index`` from the values in ``env`` and store its result there."""
@@ -136,6 +141,29 @@ def lower(graph: Graph, *, value_shardings: Mapping[str, Any] | None = None,
         if observe is not None:
             observe(node, env[node.name], env)
 
+    def evaluate_span(start: int, stop: int, env: dict[str, Any], key: jax.Array) -> None:
+        """Nodes ``start:stop``, each autograd.Function region among them as one unit."""
+        index = start
+        while index < stop:
+            if index in region_at:
+                evaluate_region(region_at[index], env, key)
+                index = region_at[index].stop
+            else:
+                evaluate(index, env, key)
+                index += 1
+
+    def evaluate_region(region: FunctionRegion, env: dict[str, Any], key: jax.Array) -> None:
+        """A custom autograd.Function's forward, as one ``jax.custom_vjp`` function whose backward is the
+        Function's own (:func:`_function_vjp`)."""
+        if local is not None:
+            _check_replicated(region, graph, local)
+
+        def forward(scope: dict[str, Any], key: jax.Array) -> None:
+            for index in region.node_range():
+                evaluate(index, scope, key)
+
+        _function_vjp(region, graph, backwards[region.call], read_after, forward)(env, key)
+
     def evaluate_checkpointed(segment: _Segment, env: dict[str, Any], key: jax.Array) -> None:
         """Nodes ``segment.start:segment.stop`` under ``jax.checkpoint``; only their later-used results enter
         ``env``."""
@@ -144,8 +172,7 @@ def lower(graph: Graph, *, value_shardings: Mapping[str, Any] | None = None,
 
         def body(values: list[Any], key: jax.Array) -> list[Any]:
             inner = dict(fixed) | dict(zip(arrays, values))
-            for index in range(segment.start, segment.stop):
-                evaluate(index, inner, key)
+            evaluate_span(segment.start, segment.stop, inner, key)
             return [inner[name] for name in segment.writes]
 
         results = checkpoint(body, remat.policy)([env[name] for name in arrays], key)
@@ -170,7 +197,7 @@ def lower(graph: Graph, *, value_shardings: Mapping[str, Any] | None = None,
             if segment.checkpointed:
                 evaluate_checkpointed(segment, env, key)
             else:
-                evaluate(segment.start, env, key)
+                evaluate_span(segment.start, segment.stop, env, key)
         outputs = [env[o.value.name] if o.value is not None else None for o in value_outputs]
         new_buffers = {o.target: env[o.value.name] for o in buffer_outputs}
         if local is not None:  # buffers are stored whole on every device
@@ -182,8 +209,9 @@ def lower(graph: Graph, *, value_shardings: Mapping[str, Any] | None = None,
 
 @dataclasses.dataclass(frozen=True)
 class _Segment:
-    """Nodes ``start:stop`` of the graph: one node, or a checkpointed group that reads ``reads`` (values made
-    before it) and makes ``writes`` (its values read after it or by the graph's outputs)."""
+    """Nodes ``start:stop`` of the graph: one node, one autograd.Function region, or a checkpointed group that
+    reads ``reads`` (values made before it) and makes ``writes`` (its values read after it or by the graph's
+    outputs)."""
 
     start: int
     stop: int
@@ -192,15 +220,21 @@ class _Segment:
     writes: tuple[str, ...] = ()
 
 
-def _segments(graph: Graph, remat: Remat | None) -> list[_Segment]:
+def _segments(graph: Graph, remat: Remat | None, regions: Sequence[FunctionRegion] = ()) -> list[_Segment]:
     """The graph's nodes in order, the runs of consecutive nodes of each ``remat`` group (of at least two nodes)
-    as checkpointed segments, every other node alone."""
+    as checkpointed segments, every other node alone. An autograd.Function region is never split: one that a
+    group holds only in part leaves that group (the group's runs before and after it stay checkpointed)."""
     position = {node.name: index for index, node in enumerate(graph.nodes)}
     group_of: dict[int, int] = {}
     for number, group in enumerate(remat.groups if remat is not None else ()):
         for name in group:
             if name in position:
                 group_of[position[name]] = number
+    for region in regions:
+        if len({group_of.get(index) for index in region.node_range()}) > 1:
+            for index in region.node_range():
+                group_of.pop(index, None)
+    region_stop = {region.start: region.stop for region in regions}
     read_after = _last_reads(graph)
     segments: list[_Segment] = []
     index = 0
@@ -210,7 +244,8 @@ def _segments(graph: Graph, remat: Remat | None) -> list[_Segment]:
             while stop < len(graph.nodes) and group_of.get(stop) == group_of[index]:
                 stop += 1
         if stop - index < 2:
-            segments.append(_Segment(index, index + 1))
+            stop = region_stop.get(index, stop)
+            segments.append(_Segment(index, stop))
         else:
             inside = {node.name for node in graph.nodes[index:stop]}
             reads = dict.fromkeys(ref for node in graph.nodes[index:stop] for ref in node.refs() if ref not in inside)
@@ -219,6 +254,115 @@ def _segments(graph: Graph, remat: Remat | None) -> list[_Segment]:
             segments.append(_Segment(index, stop, True, tuple(reads), tuple(writes)))
         index = stop
     return segments
+
+
+def _function_vjp(region: FunctionRegion, graph: Graph, backward: StepFn, read_after: dict[str, int],
+                  forward: Callable[[dict[str, Any], jax.Array], None]) -> Callable[[dict[str, Any], jax.Array], None]:
+    """``run(env, key)``: computes the region's nodes (``forward(scope, key)`` evaluates them into ``scope``)
+    and stores its results in ``env``, as a ``jax.custom_vjp`` function of the arrays it reads whose backward
+    is the Function's backward graph, lowered as ``backward``.
+
+    The primal arguments are every array the region reads from outside; residuals are the tensors the Function
+    saved. The backward graph takes (saved..., one cotangent per tensor result) (a result no longer in the graph,
+    or an integer one, gets zeros, as PyTorch materializes them) and returns one gradient per argument of
+    ``apply``: summed to the argument's shape and cast to its dtype (PyTorch's ``validate_outputs``) and added
+    into the value the argument's input marker reads; ``None`` is zero, and so is the cotangent of every value
+    the forward reads other than through its arguments (PyTorch runs the forward without autograd)."""
+    inside = [graph.nodes[index].name for index in region.node_range()]
+    inside_set = set(inside)
+    reads = list(dict.fromkeys(ref for index in region.node_range() for ref in graph.nodes[index].refs()
+                               if ref not in inside_set))
+    outputs = [name for _, name in region.outputs]
+    leaks = [name for name in inside if read_after.get(name, -1) >= region.stop and name not in outputs]
+    if leaks:
+        node = graph.nodes[region.start]
+        raise LoweringError(f"the forward of a custom autograd.Function (at {node.source or 'an unknown line'}) "
+                            f"makes values used outside it other than its results ({', '.join(leaks[:4])}): their "
+                            "gradient would bypass the Function's backward")
+    metas = graph.metas()
+    backward_inputs = [i.meta for i in graph.custom_backwards[region.call].inputs if i.kind == "input"]
+    cotangent_metas = backward_inputs[len(region.saved):]
+    argument_of: dict[str, list[int]] = {}
+    for position, name in region.inputs:
+        argument_of.setdefault(name, []).append(position)
+
+    def run(env: dict[str, Any], key: jax.Array) -> None:
+        arrays = [name for name in reads if _is_traced_value(env[name])]
+        fixed = {name: env[name] for name in reads if name not in arrays}
+
+        def compute(values: list[Any], key: jax.Array) -> tuple[list[Any], list[Any]]:
+            scope = dict(fixed) | dict(zip(arrays, values))
+            forward(scope, key)
+            return [scope[name] for name in outputs], [scope[name] for name in region.saved]
+
+        @jax.custom_vjp
+        def function(values: list[Any], key: jax.Array) -> list[Any]:
+            return compute(values, key)[0]
+
+        def function_fwd(values: list[Any], key: jax.Array) -> tuple[list[Any], Any]:
+            results, saved = compute(values, key)
+            return results, (saved, key)
+
+        def function_bwd(residuals: Any, cotangents: list[Any]) -> tuple[list[Any], None]:
+            saved, key = residuals
+            grads_out = [jnp.zeros(meta.shape, dtypes.to_jax(meta.dtype)) for meta in cotangent_metas]
+            for (position, _), cotangent in zip(region.outputs, cotangents):
+                meta = cotangent_metas[position]
+                if cotangent.dtype != jax.dtypes.float0:
+                    grads_out[position] = cotangent.astype(dtypes.to_jax(meta.dtype))
+            grads_in, _ = backward({}, {}, [*saved, *grads_out], key)
+            result: list[Any] = []
+            for name in arrays:
+                meta = metas[name]
+                total = None
+                for position in argument_of.get(name, ()):
+                    grad = grads_in[position] if position < len(grads_in) else None
+                    if grad is not None and isinstance(meta, TensorMeta):
+                        grad = _sum_to(grad, meta)
+                        total = grad if total is None else total + grad
+                floating = isinstance(meta, TensorMeta) and jnp.issubdtype(dtypes.to_jax(meta.dtype), jnp.inexact)
+                result.append(total if total is not None and floating else None)
+            return result, None
+
+        function.defvjp(function_fwd, function_bwd)
+        env.update(zip(outputs, function([env[name] for name in arrays], key)))
+
+    return run
+
+
+def _sum_to(grad: jax.Array, meta: TensorMeta) -> jax.Array:
+    """A Function's gradient for an argument of shape ``meta.shape``: summed over the dims it broadcasts the
+    argument along (PyTorch's ``sum_to``), cast to the argument's dtype."""
+    grad = jnp.asarray(grad)
+    extra = grad.ndim - len(meta.shape)
+    if extra < 0:
+        grad = jnp.broadcast_to(grad, meta.shape)
+        extra = 0
+    if extra:
+        grad = grad.sum(axis=tuple(range(extra)))
+    dims = tuple(d for d, (g, m) in enumerate(zip(grad.shape, meta.shape)) if g != m and m == 1)
+    if dims:
+        grad = grad.sum(axis=dims, keepdims=True)
+    return grad.reshape(meta.shape).astype(dtypes.to_jax(meta.dtype))
+
+
+def _check_replicated(region: FunctionRegion, graph: Graph, local: Any) -> None:
+    """A per-device program runs a Function region only where all its values are whole on every device: its
+    backward graph was traced on whole shapes."""
+    from jaxbackend.spmd import LocalModeError
+
+    names = [ref for index in region.node_range() for ref in graph.nodes[index].refs()]
+    names += [graph.nodes[index].name for index in region.node_range()]
+    if any(_is_split(local.spec(name)) for name in names):
+        raise LocalModeError(f"a custom autograd.Function (at {graph.nodes[region.start].source or 'an unknown line'}) "
+                             "reads or makes values split across devices; its backward graph computes whole tensors")
+
+
+def _is_split(spec: Any) -> bool:
+    if spec is None:
+        return False
+    return any(_is_split(entry) if isinstance(entry, tuple) and entry and isinstance(entry[0], tuple) else bool(entry)
+               for entry in spec)
 
 
 def _last_reads(graph: Graph) -> dict[str, int]:

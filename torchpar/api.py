@@ -22,6 +22,8 @@ import torch
 import torch.utils._pytree as pytree
 
 from torchpar.capture.checkpointing import warn_if_gradient_checkpointing
+from torchpar.capture.grad_semantics import STOP_GRADIENT_OP
+from torchpar.capture.training_setup import describe_changes, training_setup
 from torchpar.capture.export import (Capture, ForwardFn, LossFn, StepFn, capture_forward, capture_train_step,
                                      check_model_fn, dtype_name)
 from torchpar.capture.optim import TorchOptimizerBridge
@@ -233,6 +235,7 @@ class Engine:
         self._pipelined = isinstance(method, PipeshardParallel) or (isinstance(method, Plan) and method.is_pipeline)
         # micro-batches per step (pipelines, gradient accumulation): each step's graph is captured on one of them
         self._micro_batches = int(getattr(method, "num_micro_batches", 1))
+        self._setup = training_setup(model, optimizer)  # modes, requires_grad, param groups the step is compiled for
         try:
             with self._translating_failures("compiling the training step"):
                 if self._pipelined:
@@ -341,7 +344,10 @@ class Engine:
         started = time.perf_counter()
         signature = _signature(batch)
         self._check_compatible(signature, batch)
-        recompiled = signature not in (self._step_graphs if self._pipelined else self._captures)
+        changes = describe_changes(self._setup, training_setup(self.model, self.optimizer))
+        if changes:
+            self._recompile_for_changes(batch, changes)
+        recompiled = bool(changes) or signature not in (self._step_graphs if self._pipelined else self._captures)
         loss_scale = self.loss_scale
         if self._pipelined:
             if signature not in self._step_graphs:
@@ -373,6 +379,20 @@ class Engine:
         self._guard.after_step(step, result.loss, result.finite, lambda: self._culprit(batch))
         self._record_step(batch, signature, result, started, loss_scale, recompiled)
         return result.loss
+
+    def _recompile_for_changes(self, batch: Any, changes: list[str]) -> None:
+        """The model or optimizer changed what a step trains since compile (``changes``: modes, ``requires_grad``,
+        param groups): carry the trained state into the torch objects, free the executor and compile again from
+        them on ``batch`` with the same method and options, keeping the step count, PRNG stream, loss scale and
+        skipped-step count. What PyTorch would train now is what the next step trains."""
+        log.warning("torchpar: %s changed since compile; recompiling the training step", "; ".join(changes))
+        self.sync_to_torch()
+        carried = (self._steps_taken, self._base_key, self._loss_scaler, self._guard.skipped_steps)
+        self._finalizer.detach()
+        self._executor.close()
+        Engine.__init__(self, self.model, self.optimizer, batch, self._loss_fn, self.options, self.method,
+                        step_fn=self._step_fn, forward_fn=self._forward_fn)
+        self._steps_taken, self._base_key, self._loss_scaler, self._guard.skipped_steps = carried
 
     def _record_step(self, batch: Any, signature: tuple, result: Any, started: float, loss_scale: float | None,
                      recompiled: bool) -> None:
@@ -485,7 +505,8 @@ class Engine:
                 param.copy_(to_torch(state.params[name]).to(param.dtype))
             for name, buffer in self._buffer_names.items():
                 buffer.copy_(to_torch(state.buffers[name]).to(buffer.dtype))
-        self._bridge.write_back(state.opt_state)
+        graph = self._step_graphs[self._last_signature or self._example_signature]
+        self._bridge.write_back(state.opt_state, trained=set(self._trainable(graph)))
 
     def state_dict(self) -> dict[str, Any]:
         """A checkpoint of parameters, buffers, optimizer state, step count and PRNG position.
@@ -668,6 +689,12 @@ class Engine:
         capture = capture_train_step(self.model, batch, self._loss_fn, autocast=self._autocast, step_fn=self._step_fn)
         self._timings["capture"] = time.perf_counter() - start
         check_supported(capture.graph)
+        if self._micro_batches > 1:  # mark how micro-batch losses make the whole batch's (torchpar.ir.loss_parts)
+            import dataclasses
+
+            from torchpar.ir.loss_parts import with_loss_parts
+
+            capture = dataclasses.replace(capture, graph=with_loss_parts(capture.graph))
         return capture
 
     def _make_plan(self, graph: Graph, method: Method | Plan | None) -> Plan:
@@ -756,6 +783,14 @@ class Engine:
         """Parameters the optimizer updates this step: in the optimizer, requiring grad, and reaching the
         loss (PyTorch leaves the others' ``.grad`` as ``None`` and skips them)."""
         reaching = _params_reaching_loss(graph)
+        if not any(self._param_names[name].requires_grad for name in reaching if name in self._param_names):
+            frozen = sum(not p.requires_grad for p in self._param_names.values())
+            raise ValueError(
+                "the loss has no gradient: no parameter that requires grad reaches it (PyTorch's loss.backward() "
+                "raises 'element 0 of tensors does not require grad'). "
+                + (f"All {frozen} parameters have requires_grad=False; unfreeze some. " if frozen == len(self._param_names)
+                   else "It is computed from detached values or under torch.no_grad() (a loss.detach() in step_fn?). ")
+                + "torchpar trains what PyTorch would, so there is nothing to compile")
         names = []
         for name in self._spec.param_names:
             if not self._param_names[name].requires_grad:
@@ -832,7 +867,8 @@ def _check_plan_fits(plan: Plan, cluster: Any) -> None:
 
 
 def _params_reaching_loss(graph: Graph) -> set[str]:
-    """Targets of parameter inputs with a data path to the loss output."""
+    """Targets of parameter inputs with a gradient path to the loss output: a data path that passes no
+    stop-gradient (``detach``, a ``no_grad`` region's result)."""
     producers = {n.name: n for n in graph.nodes}
     stack = [o.value.name for o in graph.outputs if o.kind == "loss" and o.value is not None]
     seen: set[str] = set()
@@ -841,7 +877,7 @@ def _params_reaching_loss(graph: Graph) -> set[str]:
         if name in seen:
             continue
         seen.add(name)
-        if name in producers:
+        if name in producers and producers[name].target != STOP_GRADIENT_OP:
             stack.extend(producers[name].refs())
     return {i.target for i in graph.inputs if i.kind == "param" and i.name in seen}
 

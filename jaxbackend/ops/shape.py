@@ -208,11 +208,25 @@ def constant_pad_nd(x, pad, value=0):
 
 # --- identity-like -----------------------------------------------------------------------------------
 
-@lowers("aten.clone.default", "aten.alias.default", "aten.detach.default", "aten.lift_fresh_copy.default",
+@lowers("aten.clone.default", "aten.alias.default", "aten.lift_fresh_copy.default",
         "aten.alias_copy.default", "aten.contiguous.default",
         "torchpar.pipeline_boundary")
 def identity(x, memory_format=None):
     return x
+
+
+@lowers("torchpar.autograd_function_input", "torchpar.autograd_function_output")
+def autograd_function_marker(x, *marker_args):
+    """The markers around a custom ``autograd.Function`` (``torchpar.ir.function_regions``): the identity;
+    ``jaxbackend.lower`` gives the region between them the Function's own backward."""
+    return x
+
+
+@lowers("torchpar.stop_gradient", "aten.detach.default")
+def stop_gradient(x):
+    """Where PyTorch's autograd stops the gradient (``detach``, a ``no_grad`` region's results; see
+    ``torchpar.capture.grad_semantics``): the value passes, its cotangent is zero."""
+    return jax.lax.stop_gradient(x)
 
 
 @lowers("aten._to_copy.default")

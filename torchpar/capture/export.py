@@ -30,8 +30,11 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
 from torchpar.capture.attention_masks import fold_static_attention_masks
+from torchpar.capture.autograd_functions import capture_autograd_functions
 from torchpar.capture.boundary import BOUNDARY_TARGET
-from torchpar.capture.errors import dynamic_shape_error, translate_export_error
+from torchpar.capture.errors import CaptureError, dynamic_shape_error, translate_export_error
+from torchpar.capture.grad_semantics import (autograd_capture_guards, check_gradient_hooks, mark_stop_gradients,
+                                             module_modes, restore_module_modes)
 from torchpar.capture.meta_models import as_fake_cpu, is_without_data, on_meta_device
 from torchpar.capture.precision import autocast_device
 from torchpar.ir.costs import op_flops
@@ -238,8 +241,11 @@ def _capture(wrapper: torch.nn.Module, model: torch.nn.Module, batch: Any, *, tr
         if not isinstance(leaf, torch.Tensor):
             raise TypeError(f"batch entry {path} is a {type(leaf).__name__}; every batch leaf must be a tensor")
     args, kwargs = _unaliased(args, kwargs)
-    was_training = model.training
-    model.train(training)
+    if training:
+        check_gradient_hooks(model)
+    modes = module_modes(model)
+    if not training:  # the eval forward; a training step keeps each submodule's mode as the user left it
+        model.eval()
     try:
         # autocast must be on for the export and for the decomposition that re-traces it to ATen (where the
         # dispatcher inserts its casts); the exported program itself does not record an ambient autocast
@@ -250,8 +256,13 @@ def _capture(wrapper: torch.nn.Module, model: torch.nn.Module, batch: Any, *, tr
                     else contextlib.nullcontext((args, kwargs)))
         with casting, fake_cpu as (args, kwargs):
             t0 = time.perf_counter()
-            with torch.no_grad() if not training else contextlib.nullcontext():
-                exported = _export(wrapper, args, kwargs, model, batch, own_call=own_call)
+            with torch.no_grad() if not training else contextlib.nullcontext(), autograd_capture_guards():
+                with capture_autograd_functions(enabled=training) as functions:
+                    exported = _export(wrapper, args, kwargs, model, batch, own_call=own_call)
+            if training:
+                stops = mark_stop_gradients(exported)
+                if stops:
+                    log.info("%d stop-gradient(s) (detach, no_grad regions) kept in the training graph", stops)
             t1 = time.perf_counter()
             table = torch.export.default_decompositions()
             for op in list(table):
@@ -260,11 +271,14 @@ def _capture(wrapper: torch.nn.Module, model: torch.nn.Module, batch: Any, *, tr
             exported = exported.run_decompositions(table)
             t2 = time.perf_counter()
     finally:
-        model.train(was_training)
+        restore_module_modes(model, modes)
     folded = fold_static_attention_masks(exported.graph)
     if folded:
         log.info("%d attention call(s) take a constant causal / full mask: folded into is_causal", folded)
     graph = _to_ir(exported, model, user_output_kind="loss" if training else "user")
+    if functions.calls:  # custom autograd.Function backwards, each its own graph
+        graph = graph.replace(custom_backwards=functions.backward_graphs(model))
+        graph.validate()
     log.info("captured %s graph: %d ops (export %.2fs, decompose %.2fs)",
              "train" if training else "eval", len(graph.nodes), t1 - t0, t2 - t1)
     return Capture(
@@ -306,6 +320,8 @@ def _export(wrapper: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
     """
     try:
         exported = torch.export.export(wrapper, args, kwargs, strict=False)
+    except CaptureError:  # raised by torchpar's own capture code (a custom autograd.Function), already explained
+        raise
     except Exception as e:
         forward_name = getattr(getattr(model, "forward", None), "__qualname__", None)
         if own_call and isinstance(e, TypeError) and forward_name and str(e).startswith(f"{forward_name}()"):
@@ -401,6 +417,8 @@ def _target_name(target: Any) -> str:
     if target is BOUNDARY_TARGET:
         return "torchpar.pipeline_boundary"
     if isinstance(target, torch._ops.OpOverload):
+        if target.namespace == "torchpar":  # torchpar's own markers: torchpar.<name> (one overload each)
+            return f"torchpar.{target._opname}"
         return f"aten.{target._opname}.{target._overloadname}" if target.namespace == "aten" else str(target)
     if getattr(target, "__name__", None) == "getitem":
         return "getitem"

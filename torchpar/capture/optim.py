@@ -21,7 +21,7 @@ its state; the bridge leaves it out of the spec for the same reason.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import numpy as np
@@ -299,15 +299,18 @@ class TorchOptimizerBridge:
                     out[name][k] = _to_numpy(st[k].to(p.dtype))
         return out
 
-    def write_back(self, state: Mapping[str, Mapping[str, Any]]) -> None:
+    def write_back(self, state: Mapping[str, Mapping[str, Any]], trained: Collection[str] | None = None) -> None:
         """Write name-keyed optimizer state into ``optimizer.state[p]`` in torch's own format.
+
+        ``trained``: the parameters the compiled step gives a gradient (default: all of the spec); the others
+        never get one, so torch creates no state for them and none is written.
 
         Adam/AdamW: ``step`` (0-d float tensor, torch's scalar dtype), ``exp_avg``, ``exp_avg_sq``
         and, with amsgrad, ``max_exp_avg_sq``. SGD: ``momentum_buffer`` once the group has one.
         Groups that have not stepped get no state, as in torch. Existing tensors are updated in place.
         """
         for name, p, g in zip(self.spec.param_names, self.params, self.spec.group_of_param):
-            if self._steps[g] == 0:
+            if self._steps[g] == 0 or (trained is not None and name not in trained):
                 continue
             if name not in state:
                 raise ValueError(f"write_back: state has no entry for parameter {name!r}")

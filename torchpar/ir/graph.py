@@ -63,7 +63,7 @@ class TensorMeta:
 
 
 InputKind = Literal["param", "buffer", "constant", "input", "activation"]
-OutputKind = Literal["loss", "user", "buffer", "activation"]
+OutputKind = Literal["loss", "user", "buffer", "activation", "loss_den"]
 OutMeta = TensorMeta | tuple[TensorMeta | None, ...] | None
 
 
@@ -117,8 +117,9 @@ class Node:
 
 @dataclass(frozen=True)
 class Output:
-    """A graph result: the loss, a user output, the new value of buffer ``target``, or (in a pipeline
-    stage) an activation ``target`` that later stages read."""
+    """A graph result: the loss, a user output, the new value of buffer ``target``, (in a pipeline
+    stage) an activation ``target`` that later stages read, or ``loss_den``: how micro-batch losses combine into
+    the whole batch's (the loss's denominator, or ``None`` for a sum: :mod:`torchpar.ir.loss_parts`)."""
 
     kind: OutputKind
     value: Ref | None
@@ -136,6 +137,9 @@ class Graph:
     nodes: list[Node]
     outputs: list[Output]
     constants: dict[str, np.ndarray] = field(default_factory=dict)
+    custom_backwards: dict[int, "Graph"] = field(default_factory=dict)
+    """The backward of each custom ``torch.autograd.Function`` call in this graph, by call id (see
+    :mod:`torchpar.ir.function_regions`); empty for most models."""
 
     def metas(self) -> dict[str, OutMeta]:
         """Static meta of every value by name."""
@@ -164,6 +168,10 @@ class Graph:
             seen.add(node.name)
         for out in self.outputs:
             assert out.value is None or out.value.name in seen
+        for call, backward in self.custom_backwards.items():
+            assert isinstance(call, int), f"Function call id {call!r} is not an int"
+            assert all(i.kind in ("input", "constant") for i in backward.inputs), f"Function call {call}: backward reads state"
+            backward.validate()
 
     def summary(self, top: int = 12) -> str:
         """A few lines: sizes, FLOPs and the most frequent ops."""

@@ -33,7 +33,7 @@ _PASS_THROUGH = frozenset({
     "aten.view.default", "aten._unsafe_view.default", "aten.reshape.default", "aten.expand.default",
     "aten.slice.Tensor", "aten.select.int", "aten.unsqueeze.default", "aten.squeeze.dim", "aten.squeeze.dims",
     "aten.squeeze.default", "aten.permute.default", "aten.transpose.int", "aten.t.default", "aten.clone.default",
-    "aten.alias.default", "aten.lift_fresh_copy.default", "aten._to_copy.default", "aten.constant_pad_nd.default",
+    "aten.alias.default", "torchpar.stop_gradient", "aten.lift_fresh_copy.default", "aten._to_copy.default", "aten.constant_pad_nd.default",
     "aten.repeat.default", "aten.flip.default", "aten.roll.default", "aten.cat.default", "aten.split.Tensor",
     "aten.split_with_sizes.default", "aten.unbind.int", "aten.index.Tensor", "getitem", "aten.narrow.default",
     "aten.view_copy.default", "aten.slice_copy.Tensor", "aten.expand_copy.default", "aten.contiguous.default",

@@ -14,7 +14,8 @@ VIEWS = RESHAPES | frozenset({
     "aten.permute.default", "aten.expand.default", "aten.t.default", "aten.transpose.int", "aten.unsqueeze.default",
     "aten.squeeze.default", "aten.squeeze.dim", "aten.squeeze.dims", "aten.alias.default", "aten.slice.Tensor",
     "aten.select.int", "aten.split.Tensor", "aten.split_with_sizes.default", "aten.detach.default", "getitem",
-    "aten._assert_tensor_metadata.default",
+    "aten._assert_tensor_metadata.default", "torchpar.stop_gradient",
+    "torchpar.autograd_function_input", "torchpar.autograd_function_output",  # torchpar.ir.function_regions
 })
 """Ops whose result aliases an operand (or a tuple element of one): no arithmetic, no new activation memory."""
 

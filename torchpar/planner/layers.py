@@ -47,6 +47,7 @@ from typing import Callable
 
 import numpy as np
 
+from torchpar.ir.function_regions import function_regions
 from torchpar.ir.graph import Graph, Node, OutMeta, TensorMeta
 
 log = logging.getLogger(__name__)
@@ -293,7 +294,28 @@ def _prefix_dp(cost: np.ndarray, num_layers: int, combine: Callable[[np.ndarray,
     return total, [0, *reversed(firsts)]
 
 
+def _outside_functions(graph: Graph, starts: list[int]) -> list[int]:
+    """``starts`` with each layer start that falls inside a custom autograd.Function's region moved to the
+    region's start (a Function's forward and its own backward run as one piece; see
+    :mod:`torchpar.ir.function_regions`); a layer this empties is dropped, with a warning."""
+    regions = function_regions(graph)
+    if not regions:
+        return starts
+    moved = []
+    for start in starts:
+        region = next((r for r in regions if r.start < start < r.stop), None)
+        moved.append(region.start if region is not None else start)
+    kept = sorted(set(moved))
+    if kept != starts:
+        warnings.warn(f"{len([a for a, b in zip(starts, moved) if a != b])} layer cut(s) fell inside a custom "
+                      "torch.autograd.Function and moved to its start" + (
+                          f"; {len(starts) - len(kept)} layer(s) merged" if len(kept) < len(starts) else ""),
+                      stacklevel=3)
+    return kept
+
+
 def _make_layering(graph: Graph, starts: list[int], *, method: str, seconds: float) -> Layering:
+    starts = _outside_functions(graph, starts)
     ends = [*starts[1:], len(graph.nodes)]
     metas = graph.metas()
     layer_of: dict[str, int] = {}

@@ -4,7 +4,9 @@
 and returns one :class:`StageGraph` per stage. A stage graph's inputs are the parameters, buffers,
 constants and batch inputs its ops read, plus *activations*: values computed by an earlier stage
 (IR input kind ``"activation"``, target = the value's name). Its outputs are the activations later
-stages read (output kind ``"activation"``), the loss (last stage), and the buffer mutations it computes.
+stages read (output kind ``"activation"``), the loss and its reduction mark (``"loss_den"``,
+:mod:`torchpar.ir.loss_parts`; both in the last stage, the denominator passed on to it if an earlier stage computes
+it), and the buffer mutations it computes.
 Activations only move between neighbouring stages: a value read two stages later passes through the
 stage in between (an input that is also an output), so its cotangent flows back the same way.
 A parameter read by several stages (tied weights) is an input of each of them.
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from torchpar.ir.function_regions import function_regions
 from torchpar.ir.graph import Graph, Input, Node, Output, Ref
 
 
@@ -69,13 +72,27 @@ def slice_stages(graph: Graph, stage_of: dict[str, int]) -> list[StageGraph]:
         for ref in node.refs():
             if ref in producers and stage_of[ref] > stage:
                 raise ValueError(f"{node.name} (stage {stage}) reads {ref} from a later stage {stage_of[ref]}")
+    regions = function_regions(graph)
+    for region in regions:  # a custom autograd.Function's forward and its own backward stay in one stage
+        stages_of_region = {stage_of[graph.nodes[index].name] for index in region.node_range()}
+        if len(stages_of_region) > 1:
+            node = graph.nodes[region.start]
+            raise ValueError(f"a pipeline stage boundary falls inside a custom torch.autograd.Function (at "
+                             f"{node.source or 'an unknown line'}; nodes {region.start}:{region.stop} are in stages "
+                             f"{sorted(stages_of_region)}): its backward runs as one piece, so the Function must lie "
+                             "within one stage; move mark_pipeline_boundary out of its forward")
     consumers: dict[str, set[int]] = {}
     for node in graph.nodes:
         for ref in node.refs():
             consumers.setdefault(ref, set()).add(stage_of[node.name])
+    # the loss's reduction mark goes with the loss: its denominator is read by the last stage
+    marks = [o for o in graph.outputs if o.kind == "loss_den"]
+    for mark in marks:
+        if mark.value is not None:
+            consumers.setdefault(mark.value.name, set()).add(num_stages - 1)
     outputs_by_value = {}
     for out in graph.outputs:
-        if out.value is not None:
+        if out.value is not None and out.kind != "loss_den":
             outputs_by_value.setdefault(out.value.name, []).append(out)
     loss_value = next((o.value.name for o in graph.outputs if o.kind == "loss" and o.value is not None), None)
     if loss_value is not None and loss_value in producers and stage_of[loss_value] != num_stages - 1:
@@ -99,15 +116,18 @@ def slice_stages(graph: Graph, stage_of: dict[str, int]) -> list[StageGraph]:
         defined = {n.name for n in nodes}
         for name in defined:
             outputs.extend(outputs_by_value.get(name, []))
-        if s == num_stages - 1:  # buffer "mutations" that pass an input through unchanged
+        if s == num_stages - 1:  # buffer "mutations" that pass an input through unchanged; the loss's mark
             for out in graph.outputs:
-                if out.kind == "buffer" and out.value is not None and out.value.name in inputs_by_name:
+                passes_input = out.value is not None and out.value.name in inputs_by_name
+                if (out.kind == "buffer" and passes_input) or out.kind == "loss_den":
                     outputs.append(out)
-                    if out.value.name not in seen:
+                    if passes_input and out.value.name not in seen:
                         seen.add(out.value.name)
                         stage_inputs.append(inputs_by_name[out.value.name])
         constants = {i.target: graph.constants[i.target] for i in stage_inputs if i.kind == "constant"}
-        sub = Graph(inputs=stage_inputs, nodes=nodes, outputs=outputs, constants=constants)
+        backwards = {region.call: graph.custom_backwards[region.call] for region in regions
+                     if stage_of[graph.nodes[region.start].name] == s}
+        sub = Graph(inputs=stage_inputs, nodes=nodes, outputs=outputs, constants=constants, custom_backwards=backwards)
         sub.validate()
         stages.append(StageGraph(
             index=s, graph=sub, activation_inputs=tuple(activations_in), activation_outputs=tuple(activations_out),

@@ -17,7 +17,8 @@ process that holds a piece of the training state writes the pieces it holds, one
 
 Tensor keys: ``param/<name>``, ``buffer/<name>``, ``state/<parameter>/<state key>`` (names as in
 ``model.named_parameters()``; torch optimizer state keys). Arrays are stored in the dtype JAX holds them in
-(``bfloat16`` through ``ml_dtypes``, safetensors' ``BF16``; an ``int64`` buffer as ``int32`` with x64 off).
+(``bfloat16`` through ``ml_dtypes``, safetensors' ``BF16``; an ``int64`` buffer as ``int32`` with x64 off) and their
+exact shapes (a 0-d tensor such as BatchNorm's ``num_batches_tracked`` as shape ``[]``).
 
 Why safetensors: a maintained format (HuggingFace's, a Rust core with Python bindings, the file format of the Hub's
 models) that is a JSON header plus raw little-endian bytes, so a slice of a tensor is read without reading the
@@ -89,12 +90,22 @@ def write_shards(directory: str, arrays: Iterable[tuple[str, Any]], *, writer: s
     host, pid = socket.gethostname(), os.getpid()
     for file, pieces in sorted(by_file.items()):
         path = os.path.join(directory, file)
-        content = {piece_key: np.ascontiguousarray(np.asarray(data)) for piece_key, data in pieces}
+        content = {piece_key: _host_piece(data) for piece_key, data in pieces}
         _write_file(path, content, {"format": "torchpar-shard", "writer": writer, "device": devices[file]})
         del content
         files[file] = {"writer": writer, "pid": pid, "host": host, "device": devices[file],
                        "bytes": os.path.getsize(path)}
     return {"files": files, "tensors": {k: v for k, v in tensors.items() if v["pieces"]}}
+
+
+def _host_piece(data: Any) -> np.ndarray:
+    """A piece as the C-contiguous host array safetensors writes, of exactly its shape and dtype.
+
+    Not ``np.ascontiguousarray``: it returns at least one dimension, so a 0-d tensor (BatchNorm's
+    ``num_batches_tracked``) would be stored as shape ``[1]`` while the index says ``[]``."""
+    host = np.asarray(data, order="C")
+    assert host.shape == tuple(data.shape) and host.flags.c_contiguous, (host.shape, data.shape)
+    return host
 
 
 def _pieces(array: Any, writer: str) -> Iterable[tuple[str, str, tuple[int, ...], Any]]:
@@ -168,8 +179,7 @@ class ShardReader:
             overlap = intersect(stored, index) if shape else ()
             if overlap is None:
                 continue
-            data = self._file(piece["file"]).get_slice(piece["key"])[relative(overlap, stored)] if shape else \
-                self._file(piece["file"]).get_tensor(piece["key"])
+            data = self._read_piece(key, piece, relative(overlap, stored))
             out[relative(overlap, index)] = data
             covered += math.prod(hi - lo for lo, hi in overlap)
             self.bytes_read += data.nbytes
@@ -177,6 +187,21 @@ class ShardReader:
             raise ValueError(f"the checkpoint's pieces of {key} cover {covered} of the {out.size} elements of slice "
                              f"{list(index)}: its files are damaged or the index does not match them")
         return out
+
+    def _read_piece(self, key: str, piece: dict[str, Any], where: tuple[slice, ...]) -> np.ndarray:
+        """The part ``where`` of one stored piece (``where`` is ``()`` for a 0-d tensor). The file's shape of the
+        piece must be the index's; the one exception read as it was meant: a 0-d tensor that an earlier torchpar
+        stored as shape ``[1]``."""
+        stored = self._file(piece["file"]).get_slice(piece["key"])
+        shape = tuple(stored.get_shape())
+        expected = tuple(piece["shape"])
+        if shape == expected:
+            return stored[where] if where else self._file(piece["file"]).get_tensor(piece["key"])
+        if expected == () and shape == (1,):
+            return self._file(piece["file"]).get_tensor(piece["key"]).reshape(())
+        raise ValueError(f"piece {piece['key']!r} of {key} in {piece['file']} has shape {list(shape)}, the "
+                         f"checkpoint's index says {list(expected)}: its files are damaged or the index does not "
+                         "match them")
 
     def place(self, key: str, sharding: Any) -> Any:
         """Tensor ``key`` laid out as ``sharding``: each of this process's devices gets its shard, read from the

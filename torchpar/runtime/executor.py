@@ -34,6 +34,7 @@ import numpy as np
 
 from torchpar.ir.graph import Graph
 from torchpar.runtime import gradients
+from torchpar.runtime.micro_batch_loss import MicroBatchLoss, gradient_factor, whole_batch_loss
 from torchpar.runtime.state import HostState, collect_state
 from torchpar.runtime.timeline import StepTimeline
 from torchpar.runtime.worker import ExecutionSpec, StepReport
@@ -61,7 +62,8 @@ class StepResult:
     """What one step reports to the driver."""
 
     loss: float
-    """The mean micro-batch loss (before the update)."""
+    """The whole batch's loss (before the update): the micro-batch losses combined as the loss's reduction says
+    (:mod:`.micro_batch_loss`)."""
     finite: bool = True
     """The loss and every gradient element were finite. With ``check_finite`` a non-finite step left the
     parameters, optimizer state (and, one-stage plans, buffers) as they were."""
@@ -199,7 +201,9 @@ class Executor:
     # --- running ----------------------------------------------------------------------------------------------
 
     def step(self, key: Hashable, leaves: list[np.ndarray], scalars: Any, key_data: np.ndarray) -> StepResult:
-        """One optimizer step on the batch ``leaves``: the mean micro-batch loss and whether it was finite."""
+        """One optimizer step on the batch ``leaves``: the whole batch's loss and whether it was finite. A pipeline's
+        micro-batch losses are combined here (:func:`.micro_batch_loss.whole_batch_loss`), and a ratio loss's
+        gradients multiplied by ``M·r/D`` in the update (and in the clipping norm)."""
         self._check_open()
         start = time.time()
         payload: Any = leaves
@@ -210,7 +214,14 @@ class Executor:
         losses = [loss for r in reports for loss in r.losses]
         if not losses:
             raise AssertionError("no worker reported the loss")
-        loss = float(np.mean(losses))
+        loss, factor = float(np.mean(losses)), 1.0
+        if self.spec.is_pipeline:
+            kind = MicroBatchLoss.of(self.spec.stage_graphs[-1].graph).kind
+            dens = [d for r in reports for d in r.loss_dens]
+            loss = whole_batch_loss(kind, losses, dens)
+            if kind == "ratio":
+                reference = next(r.loss_reference for r in reports if r.losses)
+                factor = gradient_factor(self.spec.plan.num_micro_batches, reference, dens)
         nonfinite = sum(v for r in reports for v in r.nonfinite.values())
         finite = all(r.finite for r in reports) and nonfinite == 0 and math.isfinite(loss)
         if not all(r.updated for r in reports):
@@ -219,6 +230,7 @@ class Executor:
                 # under loss scaling the gradients are S times the true ones: unscale them by 1/S in the
                 # update, and clip by the true norm (GradScaler's unscale_ before clip_grad_norm_)
                 unscale = float(scalars[1][1]) if self.spec.options.loss_scaling else 1.0  # scalars: (opt, [S, 1/S])
+                unscale *= factor  # a ratio loss: the accumulated gradients times M·r/D are the whole batch's
                 norms = [v * unscale * unscale for r in reports for v in r.squared_norms.values()]
                 clip = self.spec.options.grad_clip_norm
                 scale = (gradients.clip_scale(norms, clip) if clip is not None else 1.0) * unscale

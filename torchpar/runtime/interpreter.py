@@ -11,7 +11,8 @@ Per instruction (micro-batch ``m``):
 
 - ``recv_act`` / ``recv_grad`` take ``m``'s activations / output cotangents from the neighbour;
 - ``forward`` runs the stage on its slice of the batch and the received activations, keeping the
-  residuals of ``jax.vjp``; the last stage also yields the loss;
+  residuals of ``jax.vjp``; the last stage also yields the loss (and a ratio loss's denominator, which sets the
+  seed of that micro-batch's backward: :mod:`.micro_batch_loss`);
 - ``send_act`` / ``send_grad`` hand the outputs / input cotangents to the neighbour, laid out as the
   neighbour reads them;
 - ``backward`` runs the vjp and adds the parameter gradients into the stage's accumulator in the same
@@ -36,7 +37,7 @@ import jax
 import numpy as np
 
 from torchpar.runtime.schedules import Instruction
-from torchpar.runtime.stage_program import LOSS, StageProgram
+from torchpar.runtime.stage_program import DEN, LOSS, StageProgram
 from torchpar.runtime.timeline import StageClock
 from torchpar.runtime.transport import Transport
 
@@ -59,11 +60,14 @@ class StageState:
 class StageRun:
     """One stage's results of a step: per-micro-batch losses (last stage), its compute blocks
     ``(op, micro_batch, start_s, end_s)`` in seconds since the step's start, and its non-compute spans
-    (:data:`~.timeline.SPAN_KINDS`) alike."""
+    (:data:`~.timeline.SPAN_KINDS`) alike. A ratio loss's last stage also gives each micro-batch's denominator and
+    the reference ``r`` its seeds were divided by (:mod:`.micro_batch_loss`)."""
 
     losses: list[Any]
     blocks: list[tuple[str, int, float, float]]
     spans: list[tuple[str, int, float, float]] = field(default_factory=list)
+    dens: list[Any] = field(default_factory=list)
+    reference: Any = None
 
 
 def run_instructions(index: int, programs: Mapping[int, StageProgram], states: Mapping[int, StageState],
@@ -80,6 +84,8 @@ def run_instructions(index: int, programs: Mapping[int, StageProgram], states: M
     carried: dict[tuple[int, int], Any] = {}  # split backward: what backward_input hands to backward_weight
     outputs: dict[tuple[int, int], dict] = {}
     losses: list[Any] = []
+    dens: list[Any] = []
+    reference: Any = None
     clock = StageClock(start_time)
     activation_layouts = {s: {n: p.placement.value(n) for n in p.stage.activation_inputs} for s, p in programs.items()}
     output_layouts = {s: {n: p.placement.value(n) for n in p.stage.activation_outputs} for s, p in programs.items()}
@@ -105,6 +111,11 @@ def run_instructions(index: int, programs: Mapping[int, StageProgram], states: M
             residuals[s, mb] = vjp
             if LOSS in diff:
                 losses.append(diff[LOSS])
+            if DEN in rest:  # a ratio loss: this micro-batch's backward seed weighs it by its denominator
+                den = rest.pop(DEN)
+                reference = program.den_reference(den) if reference is None else reference
+                dens.append(den)
+                cotangents[s, mb] = program.ratio_seed(den, reference)
             outputs[s, mb] = {**{n: v for n, v in diff.items() if n != LOSS}, **rest}
         elif ins.op == "send_act":
             values = outputs.pop((s, mb))
@@ -144,4 +155,4 @@ def run_instructions(index: int, programs: Mapping[int, StageProgram], states: M
             pass  # applied by the runtime once every stage's gradients are final
         else:
             raise ValueError(f"unknown instruction {ins}")
-    return StageRun(losses=losses, blocks=clock.blocks, spans=clock.spans)
+    return StageRun(losses=losses, blocks=clock.blocks, spans=clock.spans, dens=dens, reference=reference)

@@ -11,6 +11,9 @@ in graph order, as ``torch.autograd.detect_anomaly`` does, and names the first c
    mask's ``-inf`` fill, are not culprits: they are meant to);
 4. if the forward is finite: the parameters whose gradients hold inf/nan (the backward overflowed).
 
+A micro-batch of a ratio loss whose denominator is 0 (:mod:`torchpar.ir.loss_parts`: every token ignored) is no
+culprit: its ``0/0`` loss is left out of the step's, as the whole batch's sums leave its tokens out.
+
 The re-run needs the whole state on the driver (it is exported from the workers), so engines run it
 automatically only below ``AUTO_DIAGNOSIS_BYTES``; ``engine.locate_nonfinite(batch)`` runs it on demand.
 """
@@ -24,6 +27,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from torchpar.ir.graph import Graph, Node
+from torchpar.ir.loss_parts import loss_reduction
 
 AUTO_DIAGNOSIS_BYTES = 1 << 30
 """Largest state (parameters + buffers) re-run on the driver automatically after a non-finite step."""
@@ -66,6 +70,9 @@ def locate_nonfinite(graph: Graph, trainable: Sequence[str], params: dict[str, A
             if found:
                 return Culprit("state", f"{kind} {name} already holds {found} (an earlier step went unchecked)")
     values, loss, grads = _rerun(graph, trainable, params, buffers, [np.asarray(leaf) for leaf in leaves], key)
+    reduction = loss_reduction(graph)
+    if reduction.kind == "ratio" and not np.any(np.asarray(values[reduction.den])):
+        return None  # a ratio loss's micro-batch with denominator 0 (every token ignored): its 0/0 adds nothing
     first = _first_culprits(graph, values)
     if first:
         return first.get("nan") or first["inf"]

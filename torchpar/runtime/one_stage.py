@@ -28,6 +28,7 @@ from jaxbackend.precision import Numerics
 from torchpar.ir.graph import Graph
 from torchpar.ir.optimizer import OptimizerSpec
 from torchpar.planner.plan import StagePlan
+from torchpar.runtime.micro_batch_loss import MicroBatchLoss
 from torchpar.runtime.placement import Placement
 from torchpar.runtime.train_step import make_fused_step, remat_groups
 
@@ -125,7 +126,7 @@ class OneStageProgram:
             step_fn = make_fused_step(run, trainable, self.optimizer, self.grad_clip_norm, placement.grads,
                                       check_finite=self.check_finite, loss_scaling=self.loss_scaling,
                                       count_nonfinite=_one_collective_count(placement) if len(self.devices) > 1 else None,
-                                      num_micro_batches=self.num_micro_batches)
+                                      num_micro_batches=self.num_micro_batches, loss=MicroBatchLoss.of(graph))
             lowered = jit_step(step_fn).lower(*args)
         lowered_at = time.perf_counter()
         compiled = lowered.compile(compiler_options=self._options)
@@ -197,7 +198,7 @@ class OneStageProgram:
                               num_inputs=num_inputs, trainable=trainable, spec=self.optimizer,
                               grad_clip_norm=self.grad_clip_norm, check_finite=self.check_finite,
                               loss_scaling=self.loss_scaling, num_micro_batches=self.num_micro_batches,
-                              gradient_axes=gradient_axes)
+                              micro_loss=MicroBatchLoss.of(graph), gradient_axes=gradient_axes)
 
 
 

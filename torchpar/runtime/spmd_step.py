@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from jaxbackend import sharding as jsh
 from jaxbackend.spmd import LocalProgram, axis_names, require_invariant
 from torchpar.planner.plan import StagePlan
+from torchpar.runtime.micro_batch_loss import MicroBatchLoss
 from torchpar.runtime.train_step import (
     accumulate,
     keep_if,
@@ -49,7 +50,8 @@ def make_spmd_step(run: Callable, layouts: Any, stage: StagePlan, *, mesh: Any, 
                    buffer_names: list[str], state_keys: dict[str, list[str]], num_inputs: int,
                    trainable: tuple[str, ...], spec: Any,
                    grad_clip_norm: float | None, gradient_axes: tuple[str, ...], check_finite: bool = False,
-                   loss_scaling: bool = False, num_micro_batches: int = 1) -> Callable:
+                   loss_scaling: bool = False, num_micro_batches: int = 1,
+                   micro_loss: MicroBatchLoss = MicroBatchLoss()) -> Callable:
     """``step(params, opt_state, buffers, inputs, scalars, key) → (loss, finite, params, opt_state, buffers)`` as
     a ``shard_map`` over ``mesh``, for ``run`` lowered per device with ``layouts`` (see the module
     docstring). Arguments and results are global arrays; ``params`` come back in their ``G`` layout.
@@ -64,7 +66,9 @@ def make_spmd_step(run: Callable, layouts: Any, stage: StagePlan, *, mesh: Any, 
     :func:`.train_step.make_fused_step`), counting non-finite gradient elements across shards; ``loss_scaling`` as
     there (``scalars`` carry a loss scale; finiteness is then always checked). ``num_micro_batches``: gradient
     accumulation over that many micro-batches of each device's rows (:func:`.train_step.accumulate`); the partial
-    sums along ``gradient_axes`` are accumulated locally and reduced once, after the last one."""
+    sums along ``gradient_axes`` are accumulated locally and reduced once, after the last one; ``micro_loss`` says
+    how the micro-batch losses make the whole batch's (:mod:`.micro_batch_loss`; a ratio's denominator, like the
+    loss, is the same on every device)."""
     check_finite = check_finite or loss_scaling
     program = LocalProgram(layouts)
     stored = {n: _spec(stage.params.get(n)) for n in param_names}
@@ -92,12 +96,15 @@ def make_spmd_step(run: Callable, layouts: Any, stage: StagePlan, *, mesh: Any, 
                 for name, value in new_buffers.items():
                     require_invariant(value, f"the new value of buffer {name}")
                 loss = require_invariant(outputs[0], "the loss")
-                return share(scale_loss(loss, loss_scale), num_micro_batches), (loss, new_buffers)
+                den = micro_loss.den(outputs)
+                if den is not None:
+                    den = require_invariant(den, "the loss's denominator")
+                return share(scale_loss(loss, loss_scale), num_micro_batches, micro_loss), (loss, den, new_buffers)
 
-            (_, (loss, new_buffers)), grads = jax.value_and_grad(loss_of, has_aux=True)(copies)
-            return loss, grads, new_buffers
+            (_, (loss, den, new_buffers)), grads = jax.value_and_grad(loss_of, has_aux=True)(copies)
+            return loss, den, grads, new_buffers
 
-        loss, grads, new_buffers = accumulate(grad_of, list(inputs), buffers, key, num_micro_batches)
+        loss, grads, new_buffers = accumulate(grad_of, list(inputs), buffers, key, num_micro_batches, micro_loss)
         grads = unscale_grads({n: _finish_gradient(g, stored[n], grad[n]) for n, g in grads.items()}, loss_scale)
         pieces = {n: _relayout(program, p, stored[n], grad[n]) if n in grads else p for n, p in params.items()}
         # a sharded gradient's sum of squares (and non-finite count) is completed across its shards

@@ -2,7 +2,8 @@
 
 For micro-batch ``m`` a stage runs ``forward`` (its sub-graph, saving the residuals of ``jax.vjp`` so
 the backward pass does not recompute the forward), later ``backward`` with the cotangents of the
-activations it sent on (the last stage seeds its loss with ``1/M``), and adds the parameter gradients
+activations it sent on (the last stage seeds its loss with ``1/M`` for a mean, ``1`` for a sum, and ``w_m/M``
+for a ratio loss, whose denominator it also returns: :mod:`.micro_batch_loss`), and adds the parameter gradients
 into an accumulator. After the last micro-batch, ``update`` applies the optimizer once to the stage's
 parameters with the accumulated gradients (optionally scaled by a global clipping factor).
 
@@ -26,10 +27,15 @@ from jaxbackend.precision import Numerics
 from torchpar.ir.optimizer import OptimizerSpec
 from torchpar.planner.slicing import StageGraph
 from torchpar.runtime.arrays import put
+from torchpar.runtime.micro_batch_loss import MicroBatchLoss, reference_of
 from torchpar.runtime.placement import Placement
 from torchpar.runtime.train_step import nonfinite_count, optimizer_tail, remat_groups
 
 LOSS = "__loss__"
+DEN = "__loss_den__"
+"""A ratio loss's denominator among the last stage's forward results (not differentiated)."""
+KEEP = "__keep__"
+"""A ratio loss's seed entry: whether the micro-batch's denominator is nonzero (else its gradients are zeroed)."""
 
 
 def _is_float(dtype_name: str) -> bool:
@@ -59,12 +65,14 @@ class StageProgram:
         run = lower(stage.graph, value_shardings=placement.values, operand_shardings=placement.operands,
                     numerics=numerics, remat=remat_groups(stage.graph, remat))
         value_outputs = [o for o in stage.graph.outputs if o.kind != "buffer"]
-        out_names = [LOSS if o.kind == "loss" else o.target for o in value_outputs]
+        out_names = [{"loss": LOSS, "loss_den": DEN}.get(o.kind, o.target) for o in value_outputs]
         node_metas = stage.graph.metas()
         float_out = {name for name, o in zip(out_names, value_outputs)
-                     if name == LOSS or _is_float(node_metas[o.value.name].dtype)}
+                     if name == LOSS or (name != DEN and _is_float(node_metas[o.value.name].dtype))}
         trainable_names = self.trainable
-        scale = 1.0 / num_micro_batches
+        self.loss = MicroBatchLoss.of(stage.graph)
+        scale = self.loss.seed_share(num_micro_batches)
+        self._scale = scale
 
         def forward(params, buffers, inputs, acts, key):
             frozen = {n: v for n, v in params.items() if n not in trainable_names}
@@ -74,7 +82,7 @@ class StageProgram:
                 outputs, new_buffers = run({**frozen, **train_params}, buffers, inputs, key, {**float_acts, **other})
                 values = dict(zip(out_names, outputs))
                 diff = {n: v for n, v in values.items() if n in float_out}
-                rest = {n: v for n, v in values.items() if n not in float_out}
+                rest = {n: v for n, v in values.items() if n not in float_out and v is not None}
                 return diff, (rest, new_buffers)
 
             diff, vjp_fn, (rest, new_buffers) = jax.vjp(
@@ -90,9 +98,14 @@ class StageProgram:
             return diff, rest, new_buffers, [None if k in holes else leaf for k, leaf in enumerate(leaves)]
 
         def backward(vjp_fn, cotangents):
-            if self.stage.has_loss:  # a seed passed in (S/M under loss scaling, set_loss_scale) wins over 1/M
+            keep = cotangents.get(KEEP)
+            cotangents = {n: v for n, v in cotangents.items() if n != KEEP}
+            if self.stage.has_loss:  # a seed passed in (loss scaling, a ratio's weight) wins over the share
                 cotangents = {LOSS: jnp.asarray(scale, jnp.float32), **cotangents}
             grads, act_cotangents = vjp_fn(cotangents)
+            if keep is not None:  # a ratio's micro-batch with denominator 0 adds nothing (its 0/0 loss is no nan here)
+                zero = lambda g: jnp.where(keep, g, jnp.zeros((), g.dtype))  # noqa: E731
+                grads, act_cotangents = jax.tree.map(zero, grads), jax.tree.map(zero, act_cotangents)
             return grads, act_cotangents
 
         def accumulate(total, grads):
@@ -121,20 +134,35 @@ class StageProgram:
         self._squared_norm = jax.jit(squared_norm, compiler_options=options)
         self._nonfinite_count = jax.jit(nonfinite_count, compiler_options=options)
         self._loss_seed: Any = None
+        self._ratio_seed = jax.jit(_ratio_seed, compiler_options=options)
+        self._reference_of = jax.jit(reference_of, compiler_options=options)
         self._backward_fn = backward
         self.split_backward = split_backward
         """ZB-H1: the backward runs as backward_input then backward_weight_into (warm_up compiles those)."""
         self._splits: dict[Any, tuple[Any, Any, Any]] = {}  # residuals/cotangents tree → (split, jitted B, jitted W)
 
     def set_loss_scale(self, loss_scale: float) -> None:
-        """Seed the loss cotangent with ``S/M`` instead of ``1/M`` from now on (dynamic loss scaling, fp16 mixed
-        precision: the gradients come out times ``S``; the update is given ``1/S``). A traced argument of the
-        backward, so a new scale compiles nothing."""
+        """Seed the loss cotangent with ``S·share`` instead of ``share`` (``1/M``, or 1 for a sum loss) from now on
+        (dynamic loss scaling, fp16 mixed precision: the gradients come out times ``S``; the update is given
+        ``1/S``). A traced argument of the backward, so a new scale compiles nothing."""
         if self.stage.has_loss:
-            self._loss_seed = self.put(np.float32(np.float64(loss_scale) / self.num_micro_batches))
+            self._loss_seed = self.put(np.float32(np.float64(loss_scale) * self._scale))
 
     def _seeded(self, cotangents: dict) -> dict:
-        return cotangents if self._loss_seed is None else {**cotangents, LOSS: self._loss_seed}
+        if self._loss_seed is None or LOSS in cotangents:
+            return cotangents
+        return {**cotangents, LOSS: self._loss_seed}
+
+    def den_reference(self, den: Any) -> Any:
+        """A ratio loss's ``r`` from the first micro-batch's denominator (:mod:`.micro_batch_loss`)."""
+        return self._reference_of(den)
+
+    def ratio_seed(self, den: Any, reference: Any) -> dict:
+        """The last stage's seed entries for a ratio loss's micro-batch with denominator ``den``: the loss cotangent
+        ``share·S·den/r`` and whether ``den`` is nonzero (:data:`KEEP`); to pass as that micro-batch's cotangents."""
+        base = self._loss_seed if self._loss_seed is not None else np.float32(self._scale)
+        seed, keep = self._ratio_seed(den, reference, base)
+        return {LOSS: seed, KEEP: keep}
 
     # --- calls ------------------------------------------------------------------------------------
 
@@ -272,8 +300,10 @@ class StageProgram:
         graph_inputs = self.stage.graph.inputs
         inputs = {int(i.target): self.put_input(int(i.target), zeros(i.meta)) for i in graph_inputs if i.kind == "input"}
         acts = {i.name: self.put_activation(i.name, zeros(i.meta)) for i in graph_inputs if i.kind == "activation"}
-        diff, _, _, vjp = self.forward(params, buffers, inputs, acts, jax.random.key(0))
+        diff, rest, _, vjp = self.forward(params, buffers, inputs, acts, jax.random.key(0))
         cotangents = {n: jnp.zeros_like(v) for n, v in diff.items() if n != LOSS}
+        if DEN in rest:  # the seed entries every step passes (the same argument structure compiles once)
+            cotangents.update(self.ratio_seed(rest[DEN], self.den_reference(rest[DEN])))
         copy = lambda tree: jax.tree.map(jnp.copy, tree)  # noqa: E731
         if self.split_backward:  # ZB-H1 runs only B and W; the fused backward compiles if asked (memory_stats)
             self._backward_signature = _signature_of((vjp, self._seeded(cotangents)))
@@ -289,6 +319,11 @@ class StageProgram:
             self.update(copy(params), grads, copy(opt_state), scalars, 1.0)
         jax.block_until_ready(grads)
 
+
+
+def _ratio_seed(den: Any, reference: Any, base: Any) -> tuple[Any, Any]:
+    den = den.astype(jnp.float32)
+    return base.astype(jnp.float32) * den / reference, den != 0
 
 
 _RECOMPUTED = frozenset({"transpose", "sharding_constraint", "reduce_precision", "copy"})

@@ -40,6 +40,8 @@ from jaxbackend.remat import Remat
 from torchpar.ir.graph import Graph
 from torchpar.ir.optimizer import OptimizerSpec
 from torchpar.planner.remat import check_remat, layer_groups
+from torchpar.runtime import micro_batch_loss
+from torchpar.runtime.micro_batch_loss import MicroBatchLoss
 
 log = logging.getLogger(__name__)
 
@@ -78,9 +80,11 @@ def scale_loss(loss: Any, loss_scale: Any) -> Any:
     return loss if loss_scale is None else loss.astype(jnp.float32) * loss_scale[0]
 
 
-def share(value: Any, num_micro_batches: int) -> Any:
-    """One micro-batch's share of the value a step differentiates: ``value / M`` (``value`` itself for ``M = 1``)."""
-    return value if num_micro_batches == 1 else value / num_micro_batches
+def share(value: Any, num_micro_batches: int, loss: MicroBatchLoss = MicroBatchLoss()) -> Any:
+    """One micro-batch's share of the value a step differentiates: ``value / M`` for a mean or ratio loss, ``value``
+    for a sum and for ``M = 1`` (:mod:`.micro_batch_loss`)."""
+    factor = loss.seed_share(num_micro_batches)
+    return value if factor == 1.0 else value / num_micro_batches
 
 
 def unscale_grads(grads: Mapping[str, Any], loss_scale: Any) -> dict[str, Any]:
@@ -104,37 +108,59 @@ def micro_batches(inputs: list[Any], num_micro_batches: int) -> list[Any]:
             for x in inputs]
 
 
-def accumulate(grad_of: Callable[[list[Any], dict, Any], tuple[Any, dict, dict]], inputs: list[Any],
-               buffers: dict, key: Any, num_micro_batches: int) -> tuple[Any, dict, dict]:
-    """Gradient accumulation: ``grad_of(micro_inputs, buffers, key) → (loss, grads, new buffer values)`` over the
-    ``num_micro_batches`` micro-batches of ``inputs`` (:func:`micro_batches`) in one loop, each micro-batch seeing
-    the buffers the previous one left (as a PyTorch accumulation loop does) and the key folded with its index.
-    ``grad_of`` differentiates its micro-batch's loss divided by ``M``; the result is ``(mean loss, Σ grads,
-    buffers after the last micro-batch)``. The first micro-batch writes the accumulator, the others add to it
-    (a ``lax.scan`` over ``M − 1``): no zero-filled buffer, and a per-device program's gradients keep their
-    partial-sum type until the caller reduces them once. ``M = 1`` is one call of ``grad_of``."""
+def accumulate(grad_of: Callable[[list[Any], dict, Any], tuple[Any, Any, dict, dict]], inputs: list[Any],
+               buffers: dict, key: Any, num_micro_batches: int,
+               loss: MicroBatchLoss = MicroBatchLoss()) -> tuple[Any, dict, dict]:
+    """Gradient accumulation: ``grad_of(micro_inputs, buffers, key) → (loss, den, grads, new buffer values)`` over
+    the ``num_micro_batches`` micro-batches of ``inputs`` (:func:`micro_batches`) in one loop, each micro-batch
+    seeing the buffers the previous one left (as a PyTorch accumulation loop does) and the key folded with its
+    index. ``grad_of`` differentiates its micro-batch's loss times ``loss.seed_share(M)`` (:func:`share`); ``den``
+    is a ratio loss's denominator (else ``None``). The result is ``(L, ∇, buffers after the last micro-batch)`` with
+    ``L`` and ``∇`` the whole batch's loss and (seed-scaled) gradient as ``loss`` combines them
+    (:mod:`.micro_batch_loss`: the mean, the sum, or ``Σ num / Σ den`` of a ratio, whose gradients are weighted by
+    ``den_m / r`` as they are added and multiplied by ``M r / D`` after the last). The first micro-batch writes the
+    accumulator, the others add to it (a ``lax.scan`` over ``M − 1``): no zero-filled buffer, and a per-device
+    program's gradients keep their partial-sum type until the caller reduces them once. ``M = 1`` is one call of
+    ``grad_of``."""
     if num_micro_batches == 1:
-        return grad_of(inputs, buffers, key)
+        micro_loss, _, grads, changed = grad_of(inputs, buffers, key)
+        return micro_loss, grads, changed
+    ratio = loss.is_ratio
     stacked = micro_batches(inputs, num_micro_batches)
-    loss, grads, changed = grad_of([x[0] for x in stacked], buffers, jax.random.fold_in(key, 0))
+    first_loss, den, grads, changed = grad_of([x[0] for x in stacked], buffers, jax.random.fold_in(key, 0))
     names = tuple(changed)
+    reference = micro_batch_loss.reference_of(den) if ratio else None
+
+    def start(micro_loss, micro_den, micro_grads):
+        if not ratio:
+            return micro_loss.astype(jnp.float32), jnp.float32(0), micro_grads
+        return (micro_batch_loss.numerator(micro_loss, micro_den), micro_den.astype(jnp.float32),
+                micro_batch_loss.weigh(micro_grads, micro_den, reference))
 
     def one(carry, xs):
-        total, acc, state = carry
+        total, den_total, acc, state = carry
         index, micro = xs
-        micro_loss, micro_grads, micro_changed = grad_of(list(micro), {**buffers, **state}, jax.random.fold_in(key, index))
-        acc = {n: acc[n] + g for n, g in micro_grads.items()}
-        return (total + micro_loss.astype(total.dtype), acc, {n: micro_changed[n] for n in names}), None
+        micro_loss, micro_den, micro_grads, micro_changed = grad_of(list(micro), {**buffers, **state},
+                                                                    jax.random.fold_in(key, index))
+        part, part_den, part_grads = start(micro_loss, micro_den, micro_grads)
+        acc = {n: acc[n] + g for n, g in part_grads.items()}
+        return (total + part, den_total + part_den, acc, {n: micro_changed[n] for n in names}), None
 
     rest = (jnp.arange(1, num_micro_batches), [x[1:] for x in stacked])
-    (total, grads, changed), _ = jax.lax.scan(one, (loss.astype(jnp.float32), grads, changed), rest)
-    return (total / num_micro_batches).astype(loss.dtype), grads, changed
+    (total, den_total, grads, changed), _ = jax.lax.scan(one, (*start(first_loss, den, grads), changed), rest)
+    if ratio:
+        factor = num_micro_batches * reference / den_total
+        grads = {n: g * factor.astype(g.dtype) for n, g in grads.items()}
+        return (total / den_total).astype(first_loss.dtype), grads, changed
+    whole = total if loss.kind == "sum" else total / num_micro_batches
+    return whole.astype(first_loss.dtype), grads, changed
 
 
 def make_fused_step(run: Callable, trainable: tuple[str, ...], spec: OptimizerSpec,
                     grad_clip_norm: float | None, grad_shardings: Mapping[str, Any],
                     check_finite: bool = False, count_nonfinite: Callable[[dict], Any] | None = None,
-                    loss_scaling: bool = False, num_micro_batches: int = 1) -> Callable:
+                    loss_scaling: bool = False, num_micro_batches: int = 1,
+                    loss: MicroBatchLoss = MicroBatchLoss()) -> Callable:
     """``step(params, opt_state, buffers, inputs, scalars, key) → (loss, finite, params, opt_state, buffers)``
     for ``run`` (a lowered graph whose first output is the loss). ``grad_shardings`` constrains gradients
     whose layout differs from their parameter's (ZeRO). ``check_finite``: skip the update (return the
@@ -143,7 +169,8 @@ def make_fused_step(run: Callable, trainable: tuple[str, ...], spec: OptimizerSp
     step passes one that reduces every device's count with one collective). ``loss_scaling``: ``scalars`` carry a
     loss scale (module docstring), and the step checks finiteness whatever ``check_finite`` says.
     ``num_micro_batches``: the gradients of that many micro-batches of ``inputs`` are accumulated
-    (:func:`accumulate`) before the update; ``run`` is the graph of one micro-batch."""
+    (:func:`accumulate`, combined as ``loss`` says: :mod:`.micro_batch_loss`) before the update; ``run`` is the graph
+    of one micro-batch."""
     check_finite = check_finite or loss_scaling
 
     def step(params, opt_state, buffers, inputs, scalars, key):
@@ -153,13 +180,14 @@ def make_fused_step(run: Callable, trainable: tuple[str, ...], spec: OptimizerSp
         def grad_of(micro_inputs, micro_buffers, micro_key):
             def loss_of(train_params):
                 outputs, new_buffers = run({**frozen, **train_params}, micro_buffers, micro_inputs, micro_key)
-                return share(scale_loss(outputs[0], loss_scale), num_micro_batches), (outputs[0], new_buffers)
+                return (share(scale_loss(outputs[0], loss_scale), num_micro_batches, loss),
+                        (outputs[0], loss.den(outputs), new_buffers))
 
-            (_, (loss, new_buffers)), grads = jax.value_and_grad(loss_of, has_aux=True)(
+            (_, (micro_loss, den, new_buffers)), grads = jax.value_and_grad(loss_of, has_aux=True)(
                 {n: params[n] for n in trainable})
-            return loss, grads, new_buffers
+            return micro_loss, den, grads, new_buffers
 
-        loss, grads, new_buffers = accumulate(grad_of, list(inputs), buffers, key, num_micro_batches)
+        whole_loss, grads, new_buffers = accumulate(grad_of, list(inputs), buffers, key, num_micro_batches, loss)
         grads = unscale_grads(grads, loss_scale)
         if grad_shardings:  # ZeRO: reduce-scatter the gradients instead of all-reducing them
             from jaxbackend.sharding import constrain
@@ -168,10 +196,10 @@ def make_fused_step(run: Callable, trainable: tuple[str, ...], spec: OptimizerSp
         new_params, new_state = optimizer_tail(spec, params, grads, opt_state, scalars, grad_clip_norm=grad_clip_norm)
         new_buffers = {**buffers, **new_buffers}
         if not check_finite:
-            return loss, jnp.bool_(True), new_params, new_state, new_buffers
+            return whole_loss, jnp.bool_(True), new_params, new_state, new_buffers
         count = (count_nonfinite or nonfinite_count)(grads)
-        finite = jnp.isfinite(loss) & (count == 0)
-        return (loss, finite, keep_if(finite, new_params, params), keep_if(finite, new_state, opt_state),
+        finite = jnp.isfinite(whole_loss) & (count == 0)
+        return (whole_loss, finite, keep_if(finite, new_params, params), keep_if(finite, new_state, opt_state),
                 keep_if(finite, new_buffers, buffers))
 
     return step

@@ -40,6 +40,7 @@ from torchpar.runtime import gradients
 from torchpar.runtime.arrays import local_scalar, put
 from torchpar.runtime.checkpoint_io import KINDS, CheckpointSource, ShardReader, tensor_key, write_shards
 from torchpar.runtime.devices import DeviceMap
+from torchpar.runtime.micro_batch_loss import MicroBatchLoss
 from torchpar.runtime.schedules import SPLIT_BACKWARD, device_groups, make_schedule
 from torchpar.runtime.state import Exported, HostState, export_arrays
 from torchpar.runtime.train_step import split_scalars
@@ -95,6 +96,10 @@ class StepReport:
     computing them; squared norms (when clipping) by each stage's lead."""
 
     losses: list[float] = field(default_factory=list)
+    loss_dens: list[float] = field(default_factory=list)
+    """Pipelines with a ratio loss: each micro-batch's denominator, and the reference ``r`` its seed was divided by
+    (:mod:`.micro_batch_loss`), from the last stage's lead process."""
+    loss_reference: float = 1.0
     squared_norms: dict[int, float] = field(default_factory=dict)
     nonfinite: dict[int, int] = field(default_factory=dict)
     """Pipelines checking finiteness: each stage's count of non-finite gradient elements (its lead reports)."""
@@ -445,8 +450,13 @@ class PipelineWorker(Worker):
                 report.spans[s] = result.spans
                 if s == last % self.num_groups:
                     report.losses = [local_scalar(loss) for loss in result.losses]
+                    report.loss_dens = [local_scalar(den) for den in result.dens]
+                    if result.reference is not None:
+                        report.loss_reference = local_scalar(result.reference)
         options = self.spec.options
-        if options.grad_clip_norm is None and not options.check_finite:
+        # a ratio loss's gradients are finished by the driver: M·r/D needs every micro-batch's denominator
+        ratio = MicroBatchLoss.of(self.spec.stage_graphs[-1].graph).is_ratio
+        if options.grad_clip_norm is None and not options.check_finite and not ratio:
             self.apply_update(1.0)
             report.updated = True
             return report

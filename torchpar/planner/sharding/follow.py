@@ -21,6 +21,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from torchpar.ir.function_regions import MARKERS as FUNCTION_MARKERS
 from torchpar.ir.graph import Node, TensorMeta
 from torchpar.ir.layout import Multi, Spec, is_valid
 from torchpar.ir.op_families import ALONG_DIM, BATCH_NORMS, REDUCTIONS, RESHAPES
@@ -53,6 +54,8 @@ def follow(node: Node, operands: Sequence[Any], main: int, main_spec: Any, mesh:
     if target == "getitem":
         assert isinstance(main_spec, Multi), "getitem reads a multi-output value"
         return Follow(main_spec[node.args[1]], (None,) * len(operands))
+    if target in FUNCTION_MARKERS:  # identity on operand 0; an output marker's saved tensors are read as they are
+        return _function_marker(operands, main, main_spec)
     main_meta = operands[main]
     if not isinstance(main_meta, TensorMeta) or main_spec is None:
         return _replicated(node, operands)
@@ -127,6 +130,16 @@ def follow(node: Node, operands: Sequence[Any], main: int, main_spec: Any, mesh:
                                 for m in out), result.required, result.comm_s, result.weight_grad_comm_s)
         return result
     return _replicated(node, operands)
+
+
+def _function_marker(operands: Sequence[Any], main: int, main_spec: Any) -> Follow:
+    """A custom autograd.Function's marker (:mod:`torchpar.ir.function_regions`): its value takes operand 0's
+    layout; when a saved tensor is the operand followed, the value is whole."""
+    rest = (None,) * (len(operands) - 1)
+    if main == 0 and main_spec is not None:
+        return Follow(main_spec, (main_spec,) + rest)
+    whole = (None,) * len(operands[0].shape)
+    return Follow(whole, (whole,) + rest)
 
 
 def _replicated(node: Node, operands: Sequence[Any]) -> Follow:

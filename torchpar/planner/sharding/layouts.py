@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from torchpar.ir.function_regions import MARKERS as FUNCTION_MARKERS
 from torchpar.ir.graph import Graph, Node, TensorMeta
 from torchpar.ir.layout import Multi, Spec, from_json
 from torchpar.ir.op_families import ASSERTS, BATCH_NORMS, PARTIAL_SUM_REDUCTIONS, REDUCTIONS
@@ -115,7 +116,9 @@ def _replay_node(node: Node, metas: dict, stage: StagePlan, mesh: LogicalMesh, l
         current = layouts.values.get(ref)
         if required is None and isinstance(operand_metas[position], TensorMeta) and _is_split(current) \
                 and node.target != "getitem":
-            layouts.add_problem(f"{node.target} has no layout rule for a split operand", node.name)
+            layouts.add_problem("a custom torch.autograd.Function saves values split across devices (its backward "
+                                "graph computes whole tensors)" if node.target in FUNCTION_MARKERS else
+                                f"{node.target} has no layout rule for a split operand", node.name)
     if node.target in REDUCTIONS:
         _replay_reduction(node, operand_metas[main], result.required[main], layouts)
     elif node.target in BATCH_NORMS and node.target != "aten._native_batch_norm_legit_no_training.default":
