@@ -42,6 +42,8 @@ class StopGradientNet(torch.nn.Module):
         h = torch.tanh(self.a(x))
         if self.kind == "detach":
             g = self.b(h.detach()) + h  # a gets its gradient through the second term only
+        elif self.kind == "data":
+            g = self.b(h.data) + h  # .data: the values outside autograd, as detach
         elif self.kind == "detach_":
             t = self.b(h).clone()
             t.detach_()
@@ -117,7 +119,7 @@ def _batch(width: int = 8, rows: int = 8):
 
 
 @pytest.mark.parametrize("method", list(METHODS))
-@pytest.mark.parametrize("kind", ["detach", "detach_", "no_grad", "set_grad_enabled", "inference_mode",
+@pytest.mark.parametrize("kind", ["detach", "data", "detach_", "no_grad", "set_grad_enabled", "inference_mode",
                                   "made_under_no_grad"])
 def test_stop_gradients_train_as_pytorch(kind, method):
     torch.manual_seed(0)
@@ -144,6 +146,7 @@ def test_detached_branch_leaves_its_parameters_untouched():
         engine.step(torch.randn(8, 4))
         engine.sync_to_torch()
     assert torch.equal(model.a.weight, before)
+    assert "data" not in vars(torch.Tensor)  # the capture's reading of x.data as detach() is undone
 
 
 # --- module modes -----------------------------------------------------------------------------------------------

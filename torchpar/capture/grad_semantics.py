@@ -11,7 +11,7 @@
   ``torch.set_grad_enabled(False)``, ``torch._C._set_grad_enabled(False)``; a tensor made there and used
   later is one of its results). Export records ``torch.inference_mode()`` as nothing at all, so
   :func:`autograd_capture_guards` runs it as ``no_grad`` during the export (same gradients: neither
-  records a graph).
+  records a graph), and reads ``x.data`` as ``x.detach()``.
 - Gradient hooks change a gradient inside autograd, where the capture cannot see: a hook registered on a
   tensor inside ``forward`` (``register_hook``, ``register_post_accumulate_grad_hook``) raises
   :class:`UnsupportedAutogradError` while the model is exported, naming the line;
@@ -98,7 +98,8 @@ def mark_stop_gradients(exported: torch.export.ExportedProgram) -> int:
 @contextlib.contextmanager
 def autograd_capture_guards() -> Iterator[None]:
     """For the duration of an export: ``torch.inference_mode()`` acts as ``torch.no_grad()`` (so export records
-    the region), and registering a gradient hook on a tensor raises :class:`UnsupportedAutogradError`."""
+    the region), reading ``x.data`` is ``x.detach()`` (export cannot trace the attribute; both read the values
+    outside autograd), and registering a gradient hook on a tensor raises :class:`UnsupportedAutogradError`."""
     mode_class = torch.autograd.grad_mode.inference_mode
     saved = {name: getattr(mode_class, name) for name in ("__enter__", "__exit__")}
     saved_hooks = {name: getattr(torch.Tensor, name) for name in ("register_hook", "register_post_accumulate_grad_hook")}
@@ -119,9 +120,13 @@ def autograd_capture_guards() -> Iterator[None]:
                 "remove the hook")
         return hook
 
+    base_data = torch._C.TensorBase.data
+    own_data = vars(torch.Tensor).get("data")  # None: inherited from the C base
     mode_class.__enter__, mode_class.__exit__ = enter, exit_
     for name in saved_hooks:
         setattr(torch.Tensor, name, refuse(name))
+    # ``x.data`` reads the tensor outside autograd (a detach); export cannot trace the C-level attribute itself
+    torch.Tensor.data = property(lambda self: self.detach(), lambda self, value: base_data.__set__(self, value))
     try:
         yield
     finally:
@@ -129,6 +134,10 @@ def autograd_capture_guards() -> Iterator[None]:
             setattr(mode_class, name, method)
         for name, method in saved_hooks.items():
             setattr(torch.Tensor, name, method)
+        if own_data is None:
+            del torch.Tensor.data
+        else:
+            torch.Tensor.data = own_data
 
 
 def check_gradient_hooks(model: torch.nn.Module) -> None:
