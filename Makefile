@@ -22,13 +22,13 @@ demo: install
 # The tests that start no Ray processes run on two xdist workers, then the Ray tests one at a time, sharing one XLA
 # compilation cache. (The Ray tests used to run beside the others: under that load a Ray example's subprocess ran
 # past its 300 s guard in CI — 45 s alone.) Exit status 5 ("nothing collected", e.g. PYTEST_ARGS naming one file)
-# is not a failure.
+# is not a failure. Each part reports its ten slowest tests (--durations=10).
 test: install
 	@cache=$$(mktemp -d); export JAX_COMPILATION_CACHE_DIR=$$cache; \
 	trap 'rm -rf $$cache; exit 130' INT TERM; \
-	$(PY) -m pytest -q -n 2 --dist worksteal -m "not ray" $(PYTEST_ARGS); first=$$?; \
+	$(PY) -m pytest -q -n 2 --dist worksteal -m "not ray" --durations=10 $(PYTEST_ARGS); first=$$?; \
 	echo "--- the Ray tests (pytest -m ray) ---"; \
-	$(PY) -m pytest -q -m ray $(PYTEST_ARGS); second=$$?; \
+	$(PY) -m pytest -q -m ray --durations=10 $(PYTEST_ARGS); second=$$?; \
 	rm -rf $$cache; \
 	for status in $$first $$second; do [ $$status -eq 0 ] || [ $$status -eq 5 ] || exit $$status; done
 

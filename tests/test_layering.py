@@ -1,10 +1,13 @@
 """Data flows down: capture → IR → planner → lowering → runtime. Each import is checked in a fresh
-interpreter, through ``sys.modules``, so nothing imported earlier in the test session can hide a violation."""
+interpreter, through ``sys.modules``, so nothing imported earlier in the test session can hide a violation; and no
+module of ``torchpar/`` imports itself back through others, function-local imports included (read with ``ast``)."""
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -38,3 +41,112 @@ def test_importing_a_module_does_not_pull_in_higher_floors(module):
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "", f"importing {module} imported {result.stdout.split()}"
+
+
+# --- no import cycles ---------------------------------------------------------------------------------------------
+
+PACKAGE = Path(__file__).resolve().parents[1] / "torchpar"
+
+ALLOWED_CYCLES: dict[frozenset[str], str] = {
+    # frozenset({"torchpar.a", "torchpar.b"}): "the one-line reason this cycle is necessary",
+}
+"""Import cycles kept on purpose, each with its reason (none today)."""
+
+
+def _module_names() -> dict[str, Path]:
+    """Every module of ``torchpar/`` by dotted name (a package by its own name, for its ``__init__.py``)."""
+    modules = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return modules
+
+
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> dict[str, int]:
+    """The ``torchpar`` modules that module ``name`` imports → the first line importing each: every ``import`` and
+    ``from … import`` anywhere in the file (function-local and ``TYPE_CHECKING`` ones too), relative ones resolved;
+    ``from package import module`` is an import of the module. ``import a.b.c`` counts as an import of ``a.b.c``
+    only: Python also runs ``a/__init__.py`` and ``a/b/__init__.py`` first, but that is how packages load, not a
+    dependency (else every module would be in a cycle with ``torchpar/__init__.py``, which imports its floors)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    targets: dict[str, int] = {}
+
+    def add(target: str, line: int) -> None:
+        while target and target not in modules:  # `import torchpar.x.Name`-like forms: the longest module prefix
+            target = target.rpartition(".")[0]
+        if target and target != name:
+            targets.setdefault(target, line)
+
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                add(alias.name, node.lineno)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                source = ".".join(base + ([node.module] if node.module else []))
+            else:
+                source = node.module or ""
+            for alias in node.names:
+                add(f"{source}.{alias.name}" if f"{source}.{alias.name}" in modules else source, node.lineno)
+    return targets
+
+
+def _cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """The strongly connected components of ``graph`` with more than one module, each sorted."""
+    def reachable(start: str, edges: dict[str, set[str]]) -> set[str]:
+        seen, stack = {start}, [start]
+        while stack:
+            for nxt in edges[stack.pop()]:
+                if nxt not in seen:
+                    seen.add(nxt)
+                    stack.append(nxt)
+        return seen
+
+    forward = {m: set(targets) for m, targets in graph.items()}
+    backward: dict[str, set[str]] = {m: set() for m in graph}
+    for m, targets in forward.items():
+        for t in targets:
+            backward[t].add(m)
+    components, placed = [], set()
+    for m in sorted(graph):
+        if m not in placed:
+            component = reachable(m, forward) & reachable(m, backward)
+            placed |= component
+            if len(component) > 1:
+                components.append(sorted(component))
+    return components
+
+
+def _shortest_cycle(start: str, component: set[str], graph: dict[str, dict[str, int]]) -> list[str]:
+    """A shortest cycle from ``start`` back to itself inside ``component`` (breadth first)."""
+    paths, queue = {start: [start]}, [start]
+    while queue:
+        module = queue.pop(0)
+        for nxt in sorted(graph[module]):
+            if nxt == start:
+                return paths[module] + [start]
+            if nxt in component and nxt not in paths:
+                paths[nxt] = paths[module] + [nxt]
+                queue.append(nxt)
+    raise AssertionError(f"{start} is in a cycle but no path leads back to it")
+
+
+def test_no_import_cycles_among_torchpar_modules():
+    """Data flows down, so no module may reach itself through imports, a function-local import included (it only
+    hides the circle from the interpreter). A package's ``__init__.py`` importing its own submodules is an ordinary
+    edge: fine unless one of them imports from the package's ``__init__`` back."""
+    modules = _module_names()
+    graph = {name: _imports(name, path, modules) for name, path in modules.items()}
+    found = [c for c in _cycles(graph) if frozenset(c) not in ALLOWED_CYCLES]
+    report = []
+    for component in found:
+        path = _shortest_cycle(component[0], set(component), graph)
+        edges = [f"    {a} ({modules[a].relative_to(PACKAGE.parent)}:{graph[a][b]}) → {b}"
+                 for a in component for b in sorted(graph[a]) if b in component]
+        report.append(f"cycle among {len(component)} modules, e.g. {' → '.join(path)}; its imports:\n"
+                      + "\n".join(edges))
+    assert not found, "import cycles in torchpar/ (break them, or allow one in ALLOWED_CYCLES with its reason):\n" + \
+        "\n".join(report)
+    stale = [sorted(c) for c in ALLOWED_CYCLES if sorted(c) not in _cycles(graph)]
+    assert not stale, f"ALLOWED_CYCLES lists cycles that no longer exist; remove them: {stale}"

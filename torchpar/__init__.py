@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, Literal
 
+from torchpar import plan_writers as _plan_writers
 from torchpar.cluster import ClusterSpec, init, shutdown
 from torchpar.methods import (
     AutoLayerOption,
@@ -53,6 +54,25 @@ def __getattr__(name: str) -> Any:
 
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'torchpar' has no attribute {name!r}")
+
+
+def _save_html(plan: Plan, path: str, **options: Any) -> Any:
+    """``Plan.save_html``'s writer (:func:`torchpar.report.html.save_html`), registered below."""
+    from torchpar.report.html import save_html
+
+    return save_html(plan, path, **options)
+
+
+def _save_png(plan: Plan, path: str, **options: Any) -> None:
+    """``Plan.save_png``'s writer (:func:`torchpar.report.png.save_png`), registered below."""
+    from torchpar.report.png import save_png
+
+    save_png(plan, path, **options)
+
+
+# The plan imports none of its reports (data flows down): this floor, above both, hands it their writers.
+_plan_writers.register("html", _save_html)
+_plan_writers.register("png", _save_png)
 
 
 def compile(

@@ -21,26 +21,31 @@ import numpy as np
 import torch
 import torch.utils._pytree as pytree
 
+from torchpar import batches
+from torchpar import checkpoint as _checkpoint
+from torchpar import diagnosis
+from torchpar import metrics as _metrics
 from torchpar.capture.checkpointing import warn_if_gradient_checkpointing
-from torchpar.capture.grad_semantics import STOP_GRADIENT_OP
-from torchpar.capture.training_setup import describe_changes, training_setup
 from torchpar.capture.export import (Capture, ForwardFn, LossFn, StepFn, capture_forward, capture_train_step,
-                                     check_model_fn, dtype_name)
-from torchpar.capture.optim import TorchOptimizerBridge
-from torchpar.capture.precision import autocast_dtype, resolve_precisions
+                                     check_model_fns, dtype_name)
+from torchpar.capture.grad_semantics import params_reaching_loss, trainable_params
+from torchpar.capture.optim import TorchOptimizerBridge, mark_optimizer_stepped
+from torchpar.capture.precision import autocast_dtype
+from torchpar.capture.training_setup import describe_changes, training_setup
 from torchpar.cluster import current_cluster, default_compile_cache
+from torchpar.guard import StepGuard, leaf_names
+from torchpar.host_arrays import host_value, jax_dtype, to_torch
 from torchpar.ir.graph import Graph
-from torchpar.guard import StepGuard, leaf_names, validate_checkpoint
-from torchpar.host_arrays import host_array, host_tensor, host_value, jax_dtype, to_torch
+from torchpar.ir.optimizer import state_copies
 from torchpar.methods import (DataParallel, MegatronParallel, Method, PipeshardParallel, ShardParallel, Zero2Parallel,
                               Zero3Parallel)
-from torchpar.planner.for_method import plan_for_method, single_device_plan
+from torchpar.options import (CompileOptions, MatmulPrecision, MixedPrecision, OnNonfinite, Remat, SpmdMode,
+                              describe_numerics, numerics_for)
+from torchpar.planner.for_method import check_plan_fits, plan_for_method, single_device_plan
 from torchpar.planner.plan import Plan
-from torchpar.options import (ON_NONFINITE, SPMD_MODES, CompileOptions, MatmulPrecision,  # noqa: F401 (re-exported)
-                              MixedPrecision, OnNonfinite, Remat, SpmdMode)
 from torchpar.planner.remat import check_remat
+from torchpar.profiled import finish_profiling, profiling_if
 from torchpar.progress import CompilePhases
-from torchpar import metrics as _metrics
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +86,7 @@ def compile(
     if method is not None and not isinstance(method, (DataParallel, Zero2Parallel, Zero3Parallel, MegatronParallel,
                                                       ShardParallel, PipeshardParallel, Plan)):
         raise TypeError(f"method must be None, a torchpar parallel method or a Plan, got {type(method).__name__}")
-    _check_model_fns(loss_fn, step_fn, forward_fn)
+    check_model_fns(loss_fn, step_fn, forward_fn)
     options = CompileOptions(grad_clip_norm=grad_clip_norm, seed=seed, xla_library_fusions=xla_library_fusions,
                              spmd=spmd, check_inputs=check_inputs, on_nonfinite=on_nonfinite,
                              matmul_precision=matmul_precision, mixed_precision=mixed_precision, remat=remat,
@@ -89,16 +94,6 @@ def compile(
     warn_if_gradient_checkpointing(model, stacklevel=3)  # the caller of torchpar.compile
     default_compile_cache()
     return Engine(model, optimizer, example_batch, loss_fn, options, method, step_fn=step_fn, forward_fn=forward_fn)
-
-
-def _check_model_fns(loss_fn: LossFn | None, step_fn: StepFn | None, forward_fn: ForwardFn | None) -> None:
-    """``step_fn`` / ``forward_fn`` take exactly ``(model, batch)``; ``step_fn`` excludes ``loss_fn``."""
-    if step_fn is not None and loss_fn is not None:
-        raise ValueError("pass step_fn or loss_fn, not both: step_fn(model, batch) calls the model and returns the "
-                         "loss itself (fold the loss_fn into it)")
-    for name, fn in (("step_fn", step_fn), ("forward_fn", forward_fn)):
-        if fn is not None:
-            check_model_fn(fn, name)
 
 
 def plan(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, example_batch: Any,
@@ -116,74 +111,39 @@ def plan(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, example_ba
     planner pick (``plan.remat``, ``plan.solver["remat"]``). ``profile``: measured profiling as in :func:`compile`
     (compiles and times the candidates on this process's devices)."""
     check_remat(remat, allow_auto=True)
-    _check_model_fns(loss_fn, step_fn, None)
+    check_model_fns(loss_fn, step_fn, None)
     warn_if_gradient_checkpointing(model, stacklevel=3)  # the caller of torchpar.plan
     start = time.perf_counter()
     pipeshard = isinstance(method, PipeshardParallel)
-    batch = _first_micro_batch(example_batch, getattr(method, "num_micro_batches", 1))
+    batch = batches.first_micro_batch(example_batch, getattr(method, "num_micro_batches", 1))
     capture = capture_train_step(model, batch, loss_fn, autocast=autocast_dtype(mixed_precision), step_fn=step_fn)
     capture_s = time.perf_counter() - start
     names = dict(model.named_parameters())
     spec = TorchOptimizerBridge(optimizer, {id(p): n for n, p in names.items()}).spec
-    trainable = {n for n in spec.param_names if names[n].requires_grad} & _params_reaching_loss(capture.graph)
-    profiling = _start_profiling(profile, spec, trainable, getattr(method, "num_micro_batches", 1) if pipeshard else 1,
-                                 _numerics(None), True)
-    cluster = profiling.cluster if profiling else current_cluster()
-    try:
+    trainable = {n for n in spec.param_names if names[n].requires_grad} & params_reaching_loss(capture.graph)
+    with profiling_if(profile, current_cluster(), spec=spec, trainable=trainable,
+                      num_micro_batches=getattr(method, "num_micro_batches", 1) if pipeshard else 1,
+                      numerics=numerics_for(None), library_fusions=True) as profiling:
+        cluster = profiling.cluster if profiling else current_cluster()
         if method is None:
             result = single_device_plan(capture.graph, cluster, remat, trainable=trainable,
-                                        optimizer_state_copies=_state_copies(spec))
+                                        optimizer_state_copies=state_copies(spec))
         elif pipeshard:
             from torchpar.planner.pipeline_plan import plan_pipeline
 
             planned = plan_pipeline(capture.graph, method, cluster, trainable=trainable,
-                                    optimizer_state_copies=_state_copies(spec), remat=remat,
+                                    optimizer_state_copies=state_copies(spec), remat=remat,
                                     stage_timer=profiling.timer if profiling else None)
             if explain:
                 planned.explain()
             result = planned.plan
         else:
             result = plan_for_method(capture.graph, method, cluster, trainable=trainable,
-                                     optimizer_state_copies=_state_copies(spec), explain=explain, remat=remat)
-        _finish_profiling(profiling, result, capture.graph, pipeshard)
-    finally:
-        if profiling:
-            profiling.close()
+                                     optimizer_state_copies=state_copies(spec), explain=explain, remat=remat)
+        finish_profiling(profiling, result, capture.graph, pipeshard)
     result.timings = {"capture": capture_s, **result.timings}
-    result.numerics = describe_numerics(_numerics(None), mixed_precision)
+    result.numerics = describe_numerics(numerics_for(None), mixed_precision)
     return result
-
-
-def _start_profiling(profile: bool, spec: Any, trainable: set[str], num_micro_batches: int, numerics: Any,
-                     library_fusions: bool) -> Any:
-    """``profile=True``: the :class:`torchpar.profiled.Profiling` to plan with (links timed); else ``None``."""
-    if not profile:
-        return None
-    from torchpar.profiled import start_profiling
-
-    return start_profiling(current_cluster(), spec=spec, trainable=trainable, num_micro_batches=num_micro_batches,
-                           numerics=numerics, library_fusions=library_fusions)
-
-
-def _finish_profiling(profiling: Any, plan: Plan, graph: Graph, pipelined: bool) -> None:
-    """Time a one-stage ``plan``'s stage on ``graph`` (a pipeline's candidates were timed while planning) and
-    record the link fits in the plan."""
-    if profiling is None:
-        return
-    if not pipelined:
-        from torchpar.planner.profiling import profile_one_stage
-
-        profile_one_stage(plan, graph, profiling.timer)
-    profiling.record_links(plan)
-    log.info("torchpar: profiled plan:\n%s", "\n".join(line for line in plan.summary().splitlines()
-                                                        if "measured" in line or "profiled" in line))
-
-
-def _state_copies(spec: Any) -> float:
-    """Optimizer-state tensors per parameter (2 for Adam, 1 for SGD with momentum), averaged over groups."""
-    from torchpar.ir.optimizer import state_keys
-
-    return sum(len(state_keys(spec, g)) for g in range(spec.num_groups)) / max(spec.num_groups, 1)
 
 
 class Engine:
@@ -207,9 +167,7 @@ class Engine:
         self._loss_fn = loss_fn
         self._step_fn = step_fn
         self._forward_fn = forward_fn
-        self._step_record: dict[str, Any] | None = None  # the last step's raw facts, for last_metrics
-        self._last_metrics: _metrics.StepMetrics | None = None
-        self._memory_by_signature: dict[tuple, dict[int, int] | None] = {}
+        self._recorder = _metrics.StepRecorder(log_every=options.log_every, on_metrics=options.on_metrics)
         self._timings: dict[str, float] = {}
         self._param_names = dict(model.named_parameters())  # tied tensors keep their first name
         self._buffer_names = dict(model.named_buffers())
@@ -219,13 +177,12 @@ class Engine:
         self._last_step_s: float | None = None
         self._base_key = jax.random.key(options.seed)
         self._autocast = autocast_dtype(options.mixed_precision)
-        self._numerics = _numerics(options.matmul_precision)
+        self._numerics = numerics_for(options.matmul_precision)
         from torchpar.runtime.loss_scale import LossScaler
 
         self._loss_scaler = LossScaler() if options.mixed_precision == "fp16" else None
-        self._example_signature = _signature(example_batch)
-        self._example_skeleton = pytree.tree_map(  # the example's structure, shapes and dtypes, without its data
-            lambda leaf: leaf.to("meta") if isinstance(leaf, torch.Tensor) else leaf, example_batch)
+        self._example_signature = batches.signature(example_batch)
+        self._example_skeleton = batches.skeleton(example_batch)
         self._captures: dict[tuple, Capture] = {}
         self._eval: dict[tuple, Capture] = {}
         self._last_signature: tuple | None = None
@@ -265,17 +222,17 @@ class Engine:
         phases = CompilePhases(("capture", "plan", "start workers", "XLA compile"), "the training step")
         try:
             with phases.phase("capture"):
-                capture = self._capture(_first_micro_batch(example_batch, self._micro_batches))
+                capture = self._capture(batches.first_micro_batch(example_batch, self._micro_batches))
             with phases.phase("plan"):
                 self._plan = self._make_plan(capture.graph, method)
-                self._plan.numerics = self._describe_numerics()
+                self._plan.numerics = describe_numerics(self._numerics, self.options.mixed_precision)
             with phases.phase("start workers"):
                 cluster = current_cluster()
                 spec = ExecutionSpec(plan=self._plan, optimizer=self._spec,
                                      devices=DeviceMap(cluster.devices_per_host), options=self._run_options())
                 self._executor = build_executor(spec, cluster, label=self._plan.method)
                 self._timings.update(self._executor.timings)
-                self._executor.load_state(self._initial_state())
+                self._executor.load_state(_checkpoint.torch_state(self._param_names, self._buffer_names, self._bridge))
             with phases.phase("XLA compile"):
                 self._compile_step(self._example_signature, capture)
         finally:
@@ -294,7 +251,7 @@ class Engine:
         phases = CompilePhases(("capture", "plan", "start workers", "XLA compile"), "the pipeline stages")
         try:
             with phases.phase("capture"):
-                micro_example = _first_micro_batch(example_batch, method.num_micro_batches)
+                micro_example = batches.first_micro_batch(example_batch, method.num_micro_batches)
                 capture = self._capture(micro_example)
                 self._guard.learn(self._example_signature, capture.graph)
                 self._step_graphs[self._example_signature] = capture.graph
@@ -302,22 +259,18 @@ class Engine:
                 trainable = set(self._trainable(capture.graph))
                 cluster = current_cluster()
                 if isinstance(method, Plan):
-                    _check_plan_fits(method, cluster)
+                    check_plan_fits(method, cluster)
                     self._plan, stage_graphs = self._given_plan(method), stage_graphs_for(capture.graph, method)
                 else:
-                    profiling = self._start_profiling(trainable, method.num_micro_batches)
-                    try:
+                    with self._profiling(trainable, method.num_micro_batches) as profiling:
                         pipeline = plan_pipeline(capture.graph, method, profiling.cluster if profiling else cluster,
-                                                 trainable=trainable, optimizer_state_copies=_state_copies(self._spec),
+                                                 trainable=trainable, optimizer_state_copies=state_copies(self._spec),
                                                  remat=self.options.remat or "none",
                                                  stage_timer=profiling.timer if profiling else None)
-                        _finish_profiling(profiling, pipeline.plan, capture.graph, pipelined=True)
-                    finally:
-                        if profiling:
-                            profiling.close()
+                        finish_profiling(profiling, pipeline.plan, capture.graph, pipelined=True)
                     self._plan, stage_graphs = pipeline.plan, pipeline.stages
                 self._plan.timings["capture"] = self._timings["capture"]
-                self._plan.numerics = self._describe_numerics()
+                self._plan.numerics = describe_numerics(self._numerics, self.options.mixed_precision)
             with phases.phase("start workers"):
                 start = time.perf_counter()
                 spec = ExecutionSpec(plan=self._plan, optimizer=self._spec, devices=DeviceMap(cluster.devices_per_host),
@@ -325,7 +278,7 @@ class Engine:
                                      trainable=tuple(sorted(trainable)))
                 self._executor = build_executor(spec, cluster, label="pipeshard")
                 self._timings.update(self._executor.timings)
-                self._executor.load_state(self._initial_state())
+                self._executor.load_state(_checkpoint.torch_state(self._param_names, self._buffer_names, self._bridge))
                 self._timings["lower"] = time.perf_counter() - start - sum(self._executor.timings.values())
             with phases.phase("XLA compile"):
                 start = time.perf_counter()
@@ -342,7 +295,7 @@ class Engine:
         """One optimizer step on ``batch``; returns the loss (before the update) as a float. Its measurements are
         then in :attr:`last_metrics`."""
         started = time.perf_counter()
-        signature = _signature(batch)
+        signature = batches.signature(batch)
         self._check_compatible(signature, batch)
         changes = describe_changes(self._setup, training_setup(self.model, self.optimizer))
         if changes:
@@ -353,11 +306,11 @@ class Engine:
             if signature not in self._step_graphs:
                 self._compile_pipeline_shapes(signature, batch)
         elif signature not in self._captures:
-            log.info("torchpar: new batch shapes %s, recompiling the training step", _describe(signature))
-            self._compile_step(signature, self._capture(_first_micro_batch(batch, self._micro_batches)))
+            log.info("torchpar: new batch shapes %s, recompiling the training step", batches.describe(signature))
+            self._compile_step(signature, self._capture(batches.first_micro_batch(batch, self._micro_batches)))
         leaves = self._host_leaves(signature, batch)
         scalars = self._with_loss_scale(self._bridge.step_scalars())
-        _mark_optimizer_stepped(self.optimizer)
+        mark_optimizer_stepped(self.optimizer)
         key_data = self._step_key_data(self._steps_taken)
         with self._translating_failures(f"running step {self._steps_taken}"):
             start = time.perf_counter()
@@ -376,7 +329,8 @@ class Engine:
                          self._loss_scaler.scale)
                 self._record_step(batch, signature, result, started, loss_scale, recompiled)
                 return result.loss
-        self._guard.after_step(step, result.loss, result.finite, lambda: self._culprit(batch))
+        self._guard.after_step(step, result.loss, result.finite,
+                               lambda: diagnosis.culprit(self._param_names, lambda: self.locate_nonfinite(batch)))
         self._record_step(batch, signature, result, started, loss_scale, recompiled)
         return result.loss
 
@@ -396,53 +350,21 @@ class Engine:
 
     def _record_step(self, batch: Any, signature: tuple, result: Any, started: float, loss_scale: float | None,
                      recompiled: bool) -> None:
-        """Keep the step's raw facts for :attr:`last_metrics`; log them every ``log_every`` steps and hand them to
-        ``on_metrics`` (the metrics are derived only when someone reads them)."""
-        self._step_record = dict(step=self._steps_taken, loss=result.loss, step_time_s=time.perf_counter() - started,
-                                 signature=signature, tokens=_metrics.count_tokens(batch), loss_scale=loss_scale,
-                                 update_skipped=not result.finite, recompiled=recompiled)
-        self._last_metrics = None
-        log_every, callback = self.options.log_every, self.options.on_metrics
-        if log_every and self._steps_taken % log_every == 0:
-            logging.getLogger("torchpar.metrics").info("torchpar: %s", _metrics.format_line(self.last_metrics))
-        if callback is not None:
-            callback(self.last_metrics)
+        self._recorder.record(_metrics.StepFacts(
+            step=self._steps_taken, loss=result.loss, step_time_s=time.perf_counter() - started, signature=signature,
+            tokens=_metrics.count_tokens(batch), loss_scale=loss_scale, update_skipped=not result.finite,
+            recompiled=recompiled), lambda: self.last_metrics)
 
     @property
     def last_metrics(self) -> _metrics.StepMetrics | None:
         """The last step's :class:`torchpar.metrics.StepMetrics` (step time, samples/s, tokens/s, model FLOPs, MFU,
         per-device memory, compile timings, loss, loss scale); ``None`` before the first step. Derived when first
         read (the memory once per batch signature: a pipeline compiles its stages once more to read it)."""
-        record = self._step_record
-        if self._last_metrics is None and record is not None:
-            signature = record["signature"]
-            precision = _metrics.step_precision(self.options.mixed_precision, self._numerics.effective().matmul,
-                                                [dtype_name(p.dtype) for p in self._param_names.values()])
-            cluster = current_cluster()
-            self._last_metrics = _metrics.step_metrics(
-                step=record["step"], loss=record["loss"], step_time_s=record["step_time_s"],
-                samples=_metrics.count_samples([shape for shape, _ in signature[1]]), tokens=record["tokens"],
-                flops_per_step=_metrics.model_flops_per_step(self._step_graphs[signature], self._micro_batches),
-                precision=precision, peak_per_device=_metrics.peak_flops_per_device(cluster, precision),
-                num_devices=len({d for stage in self._plan.stages for d in stage.devices()}),
-                memory_bytes=self._memory_bytes(signature), compile_timings=self.plan.timings,
-                loss_scale=record["loss_scale"], update_skipped=record["update_skipped"],
-                recompiled=record["recompiled"])
-        return self._last_metrics
-
-    def _memory_bytes(self, signature: tuple) -> dict[int, int] | None:
-        """Per-device bytes of each stage's executables for ``signature`` (read once), ``None`` if unavailable."""
-        from torchpar.runtime.resources import executable_peak_bytes
-
-        if signature not in self._memory_by_signature:
-            try:
-                stats = self.memory_stats()
-            except Exception as error:  # noqa: BLE001 (metrics must not fail a step; the reason is logged)
-                log.warning("torchpar: no memory statistics for the step's metrics: %s", error)
-                stats = None
-            self._memory_by_signature[signature] = (
-                None if stats is None else {stage: executable_peak_bytes(s) for stage, s in stats.items()})
-        return self._memory_by_signature[signature]
+        return self._recorder.last(lambda: _metrics.MetricsSource(
+            graphs=self._step_graphs, num_micro_batches=self._micro_batches, precision=_metrics.step_precision(
+                self.options.mixed_precision, self._numerics.effective().matmul,
+                [dtype_name(p.dtype) for p in self._param_names.values()]),
+            cluster=current_cluster(), plan=self.plan, memory_stats=self.memory_stats))
 
     @property
     def loss_scale(self) -> float | None:
@@ -466,25 +388,16 @@ class Engine:
         """Re-run one training step on ``batch`` on this process, eagerly and op by op, with the current state, and
         say where the first inf/nan comes from (an input, the state, the first op producing it, or the gradients):
         what ``on_nonfinite="raise"`` reports, on demand. The state is exported from the workers (all of it)."""
-        from torchpar.runtime.nonfinite import locate_nonfinite
-
-        signature = _signature(batch)
+        signature = batches.signature(batch)
         self._check_compatible(signature, batch)
         graph = self._graph_for_diagnosis(batch, signature)
-        state = self._executor.export_state()
-        leaves = [host_tensor(leaf) for leaf in pytree.tree_leaves(_call_args(batch))]
-        names = leaf_names(batch)
-        key = self._jax.random.wrap_key_data(self._step_key_data(self._steps_taken))
-        trainable = self._trainable(graph)
-        for micro in _split_leaves(leaves, self._micro_batches):
-            culprit = locate_nonfinite(graph, trainable, state.params, state.buffers, micro, names, key)
-            if culprit is not None:
-                return culprit.text
-        return "the re-run on this process is finite (the inf/nan did not reproduce)"
+        return diagnosis.locate(graph, state=self._executor.export_state(), batch=batch,
+                                key=self._jax.random.wrap_key_data(self._step_key_data(self._steps_taken)),
+                                trainable=self._trainable(graph), num_micro_batches=self._micro_batches)
 
     def forward(self, batch: Any) -> Any:
         """The model's eval-mode outputs on ``batch``, as torch tensors in the model's output structure."""
-        signature = _signature(batch)
+        signature = batches.signature(batch)
         self._check_compatible(signature, batch)
         if signature not in self._eval:
             self._eval[signature] = capture_forward(self.model, batch, autocast=self._autocast,
@@ -499,14 +412,8 @@ class Engine:
 
     def sync_to_torch(self) -> None:
         """Copy parameters, buffers and optimizer state into the torch model and optimizer."""
-        state = self._executor.export_state()
-        with torch.no_grad():
-            for name, param in self._param_names.items():
-                param.copy_(to_torch(state.params[name]).to(param.dtype))
-            for name, buffer in self._buffer_names.items():
-                buffer.copy_(to_torch(state.buffers[name]).to(buffer.dtype))
         graph = self._step_graphs[self._last_signature or self._example_signature]
-        self._bridge.write_back(state.opt_state, trained=set(self._trainable(graph)))
+        _checkpoint.sync_to_torch(self._training_state(), trained=lambda: set(self._trainable(graph)))
 
     def state_dict(self) -> dict[str, Any]:
         """A checkpoint of parameters, buffers, optimizer state, step count and PRNG position.
@@ -515,67 +422,48 @@ class Engine:
         ``int64`` buffer JAX holds as ``int32`` comes back ``int64``); ``load_state_dict`` restores them. Save it
         with ``torch.save`` and read it back with ``torch.load(path, weights_only=True)``: tensors, numbers and
         dicts only, so nothing is unpickled that could run code."""
-        state = self._executor.export_state()
-        return {
-            "params": {n: to_torch(v).to(self._param_names[n].dtype) for n, v in state.params.items()},
-            "buffers": {n: to_torch(v).to(self._buffer_names[n].dtype) for n, v in state.buffers.items()},
-            "optimizer": {n: {k: to_torch(v) for k, v in e.items()} for n, e in state.opt_state.items()},
-            "optimizer_counters": self._bridge.state_dict(),
-            "steps_taken": self._steps_taken,
-            "seed": self.options.seed,
-            **({"loss_scaler": self._loss_scaler.state_dict()} if self._loss_scaler is not None else {}),
-        }
+        return _checkpoint.state_dict(self._training_state())
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a checkpoint made by :meth:`state_dict` (same model and optimizer structure)."""
-        from torchpar.runtime.state import HostState
-
-        from torchpar.ir.optimizer import state_keys
-
-        keys = {n: list(state_keys(self._spec, g)) for n, g in zip(self._spec.param_names, self._spec.group_of_param)}
-        validate_checkpoint(state, self._param_names, self._buffer_names, keys)
-        self._executor.load_state(HostState(
-            params={n: host_tensor(v) for n, v in state["params"].items()},
-            buffers={n: host_tensor(v) for n, v in state["buffers"].items()},
-            opt_state={n: {k: host_tensor(v) for k, v in e.items()} for n, e in state["optimizer"].items()}))
-        self._bridge.load_state_dict(state["optimizer_counters"])
-        self._steps_taken = int(state["steps_taken"])
-        if self._loss_scaler is not None and "loss_scaler" in state:
-            self._loss_scaler.load_state_dict(state["loss_scaler"])
-        if int(state["seed"]) != self.options.seed:
-            log.warning("checkpoint seed %s differs from this engine's seed %s; using the checkpoint's",
-                        state["seed"], self.options.seed)
-            self._base_key = self._jax.random.key(int(state["seed"]))
+        self._restore(_checkpoint.load_state_dict, state)
 
     def save(self, path: str, *, scheduler: Any = None) -> Any:
         """Write a sharded checkpoint at ``path`` (a directory): every process writes the shards it holds (safetensors
         files) and an ``index.json`` maps each tensor to its pieces; atomic (a save killed midway leaves the previous
         checkpoint at ``path``). Holds the state, optimizer counters and ``param_groups`` hyper-parameters, step
         count, PRNG key, loss scale and ``scheduler``'s state. Returns the path. See :mod:`torchpar.checkpoint`."""
-        from torchpar.checkpoint import save
-
-        return save(self, path, scheduler=scheduler)
+        return _checkpoint.save(self._training_state(), path, scheduler=scheduler)
 
     def load(self, path: str, *, scheduler: Any = None) -> None:
         """Restore a checkpoint written by :meth:`save` by an engine of any plan (another method, mesh, pipeline or
         runtime): each process reads only the slices its devices hold under this engine's plan."""
-        from torchpar.checkpoint import load
-
-        load(self, path, scheduler=scheduler)
+        self._restore(_checkpoint.load, path, scheduler=scheduler)
 
     def export_torch_state_dict(self) -> dict[str, torch.Tensor]:
         """The model's weights as ``model.state_dict()`` keys them (CPU tensors, the model's dtypes), for
         ``model.load_state_dict``; gathers the whole model (not the optimizer state) to this process."""
-        from torchpar.checkpoint import export_torch_state_dict
-
-        return export_torch_state_dict(self)
+        return _checkpoint.export_torch_state_dict(self._training_state())
 
     def save_pretrained(self, directory: str, **kwargs: Any) -> None:
         """A HuggingFace model's ``save_pretrained(directory, **kwargs)`` with the engine's current weights (copied
         into the torch model first): ``config.json`` + ``model.safetensors``, loadable with ``from_pretrained``."""
-        from torchpar.checkpoint import save_pretrained
+        _checkpoint.save_pretrained(self._training_state(), directory, **kwargs)
 
-        save_pretrained(self, directory, **kwargs)
+    def _training_state(self) -> _checkpoint.TrainingState:
+        return _checkpoint.TrainingState(
+            executor=self._executor, model=self.model, optimizer=self.optimizer, params=self._param_names,
+            buffers=self._buffer_names, bridge=self._bridge, plan=self._plan, seed=self.options.seed,
+            loss_scaler=self._loss_scaler, steps_taken=self._steps_taken, base_key=self._base_key,
+            translating_failures=self._translating_failures)
+
+    def _restore(self, restore: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        """``restore(training_state, *args, **kwargs)``, then take back the step count and PRNG key it restored."""
+        training = self._training_state()
+        try:
+            restore(training, *args, **kwargs)
+        finally:
+            self._steps_taken, self._base_key = training.steps_taken, training.base_key
 
     def close(self) -> None:
         """Free the engine's workers (the Ray actors and what they hold); the engine is unusable afterwards.
@@ -703,32 +591,25 @@ class Engine:
         if method is None:
             trainable = set(self._trainable(graph))
             plan = single_device_plan(graph, cluster, remat, trainable=trainable,
-                                      optimizer_state_copies=_state_copies(self._spec))
-            if self.options.profile:
-                profiling = self._start_profiling(trainable, 1)
-                try:
-                    _finish_profiling(profiling, plan, graph, pipelined=False)
-                finally:
-                    profiling.close()
+                                      optimizer_state_copies=state_copies(self._spec))
+            with self._profiling(trainable, 1) as profiling:  # a no-op without profile=True
+                finish_profiling(profiling, plan, graph, pipelined=False)
             return plan
         if isinstance(method, Plan):
-            _check_plan_fits(method, cluster)
+            check_plan_fits(method, cluster)
             return self._given_plan(method)
         trainable = set(self._trainable(graph))
-        profiling = self._start_profiling(trainable, 1)
-        try:
+        with self._profiling(trainable, 1) as profiling:
             plan = plan_for_method(graph, method, profiling.cluster if profiling else cluster, trainable=trainable,
-                                   optimizer_state_copies=_state_copies(self._spec), remat=remat)
-            _finish_profiling(profiling, plan, graph, pipelined=False)
-        finally:
-            if profiling:
-                profiling.close()
+                                   optimizer_state_copies=state_copies(self._spec), remat=remat)
+            finish_profiling(profiling, plan, graph, pipelined=False)
         log.info("torchpar plan:\n%s", plan.summary())
         return plan
 
-    def _start_profiling(self, trainable: set[str], num_micro_batches: int) -> Any:
-        return _start_profiling(self.options.profile, self._spec, trainable, num_micro_batches, self._numerics,
-                                self.options.xla_library_fusions)
+    def _profiling(self, trainable: set[str], num_micro_batches: int) -> contextlib.AbstractContextManager[Any]:
+        return profiling_if(self.options.profile, current_cluster(), spec=self._spec, trainable=trainable,
+                            num_micro_batches=num_micro_batches, numerics=self._numerics,
+                            library_fusions=self.options.xla_library_fusions)
 
     def _with_loss_scale(self, scalars: Any) -> Any:
         """A step's scalars: the optimizer's, with the loss scale under fp16 mixed precision."""
@@ -740,9 +621,6 @@ class Engine:
         if self.options.remat not in (None, "auto"):
             plan.remat = self.options.remat
         return plan
-
-    def _describe_numerics(self) -> dict[str, Any]:
-        return describe_numerics(self._numerics, self.options.mixed_precision)
 
     def _compile_step(self, signature: tuple, capture: Capture) -> None:
         from torchpar.ir.optimizer import step_scalars
@@ -763,16 +641,16 @@ class Engine:
         from torchpar.ir.optimizer import step_scalars
         from torchpar.planner.pipeline_plan import stage_graphs_on_new_shapes
 
-        micro_batch = _first_micro_batch(batch, self._plan.num_micro_batches)  # a ValueError if it does not split
-        log.info("torchpar: new batch shapes %s, recompiling the pipeline stages", _describe(signature))
+        micro_batch = batches.first_micro_batch(batch, self._plan.num_micro_batches)  # a ValueError if it does not split
+        log.info("torchpar: new batch shapes %s, recompiling the pipeline stages", batches.describe(signature))
         capture = self._capture(micro_batch)
         try:
             stage_graphs = stage_graphs_on_new_shapes(capture.graph, self._step_graphs[self._example_signature],
                                                       self._plan)
         except ValueError as error:
-            raise ValueError(f"the pipeline plan cannot cut the model captured on batch shapes {_describe(signature)} "
-                             f"into its stages ({error}); keep the example batch's shapes "
-                             f"{_describe(self._example_signature)}") from None
+            raise ValueError(f"the pipeline plan cannot cut the model captured on batch shapes "
+                             f"{batches.describe(signature)} into its stages ({error}); keep the example batch's shapes "
+                             f"{batches.describe(self._example_signature)}") from None
         scalars = step_scalars(self._spec, self._bridge.hparams(), [1] * self._spec.num_groups)
         with self._translating_failures("compiling the pipeline stages for new batch shapes"):
             self._executor.compile_shapes(signature, stage_graphs, scalars)
@@ -782,32 +660,7 @@ class Engine:
     def _trainable(self, graph: Graph) -> tuple[str, ...]:
         """Parameters the optimizer updates this step: in the optimizer, requiring grad, and reaching the
         loss (PyTorch leaves the others' ``.grad`` as ``None`` and skips them)."""
-        reaching = _params_reaching_loss(graph)
-        if not any(self._param_names[name].requires_grad for name in reaching if name in self._param_names):
-            frozen = sum(not p.requires_grad for p in self._param_names.values())
-            raise ValueError(
-                "the loss has no gradient: no parameter that requires grad reaches it (PyTorch's loss.backward() "
-                "raises 'element 0 of tensors does not require grad'). "
-                + (f"All {frozen} parameters have requires_grad=False; unfreeze some. " if frozen == len(self._param_names)
-                   else "It is computed from detached values or under torch.no_grad() (a loss.detach() in step_fn?). ")
-                + "torchpar trains what PyTorch would, so there is nothing to compile")
-        names = []
-        for name in self._spec.param_names:
-            if not self._param_names[name].requires_grad:
-                continue
-            if name not in reaching:
-                log.info("torchpar: parameter %s does not affect the loss; it is not updated (as in PyTorch)", name)
-                continue
-            names.append(name)
-        return tuple(names)
-
-    def _initial_state(self) -> Any:
-        from torchpar.runtime.state import HostState
-
-        return HostState(params={n: host_tensor(p) for n, p in self._param_names.items()},
-                         buffers={n: host_tensor(b) for n, b in self._buffer_names.items()},
-                         opt_state={n: {k: host_array(v) for k, v in e.items()}
-                                    for n, e in self._bridge.initial_state().items()})
+        return trainable_params(graph, self._param_names, self._spec.param_names)
 
     # --- checks and failures ------------------------------------------------------------------------------
 
@@ -816,141 +669,18 @@ class Engine:
 
     def _host_leaves(self, key: Any, batch: Any) -> list[np.ndarray]:
         """The batch's leaves as host arrays in the dtypes JAX holds them in, index ranges checked."""
-        return self._guard.host_leaves(key, pytree.tree_leaves(_call_args(batch)), leaf_names(batch), host_value)
+        return self._guard.host_leaves(key, batches.call_leaves(batch), leaf_names(batch), host_value)
 
     def _translating_failures(self, what: str) -> contextlib.AbstractContextManager[None]:
         return self._guard.translating_failures(what, getattr(self, "_plan", None),
                                                 current_cluster().device_memory_bytes)
 
-    def _culprit(self, batch: Any) -> str:
-        """The diagnostic re-run's answer, when the state is small enough to re-run on the driver."""
-        from torchpar.runtime.nonfinite import AUTO_DIAGNOSIS_BYTES
-
-        state_bytes = sum(p.numel() * p.element_size() for p in self._param_names.values())
-        if state_bytes > AUTO_DIAGNOSIS_BYTES:
-            return (f"the state ({state_bytes / 2**30:.1f} GiB) is too large for an automatic re-run on the driver: "
-                    "call engine.locate_nonfinite(batch) to find the first op")
-        return self.locate_nonfinite(batch)
-
     def _graph_for_diagnosis(self, batch: Any, signature: tuple) -> Graph:
         if signature not in self._step_graphs:
             if self._pipelined:
                 raise ValueError("a pipeline engine diagnoses the batch shapes it was compiled for only")
-            self._step_graphs[signature] = self._capture(_first_micro_batch(batch, self._micro_batches)).graph
+            self._step_graphs[signature] = self._capture(batches.first_micro_batch(batch, self._micro_batches)).graph
         return self._step_graphs[signature]
 
     def _check_compatible(self, signature: tuple, batch: Any) -> None:
-        from torchpar.capture.errors import describe_batch_mismatch
-
-        spec, leaves = signature
-        example_spec, example_leaves = self._example_signature
-        if spec != example_spec:
-            raise ValueError(f"the batch's structure differs from the example batch's: "
-                             f"{describe_batch_mismatch(self._example_skeleton, batch)}")
-        for index, ((shape, dtype), (example_shape, example_dtype)) in enumerate(zip(leaves, example_leaves)):
-            if dtype != example_dtype or len(shape) != len(example_shape):
-                raise ValueError(
-                    f"batch leaf {index} is {dtype}{list(shape)} but the example batch has "
-                    f"{example_dtype}{list(example_shape)}: dtype and rank must match the example "
-                    "(sizes may change; each new shape compiles once)")
-
-
-def _check_plan_fits(plan: Plan, cluster: Any) -> None:
-    """A saved plan names cluster devices: they must exist in the cluster this process runs on (and a pipeline's
-    submeshes are whole hosts or parts of one: the hosts must have the plan's size)."""
-    per_host = plan.cluster.get("devices_per_host", cluster.devices_per_host)
-    used = [d for stage in plan.stages for d in stage.devices()]
-    if (plan.is_pipeline and per_host != cluster.devices_per_host) or max(used, default=0) >= cluster.num_devices:
-        raise ValueError(f"the plan was made for {plan.cluster.get('num_hosts', '?')} host(s) × {per_host} device(s) "
-                         f"and uses devices up to {max(used, default=0)}; this cluster is {cluster.num_hosts} × "
-                         f"{cluster.devices_per_host}: call torchpar.init with the plan's cluster")
-
-
-def _params_reaching_loss(graph: Graph) -> set[str]:
-    """Targets of parameter inputs with a gradient path to the loss output: a data path that passes no
-    stop-gradient (``detach``, a ``no_grad`` region's result)."""
-    producers = {n.name: n for n in graph.nodes}
-    stack = [o.value.name for o in graph.outputs if o.kind == "loss" and o.value is not None]
-    seen: set[str] = set()
-    while stack:
-        name = stack.pop()
-        if name in seen:
-            continue
-        seen.add(name)
-        if name in producers and producers[name].target != STOP_GRADIENT_OP:
-            stack.extend(producers[name].refs())
-    return {i.target for i in graph.inputs if i.kind == "param" and i.name in seen}
-
-
-def _mark_optimizer_stepped(optimizer: torch.optim.Optimizer) -> None:
-    """Tell torch LR schedulers the optimizer has stepped (the flag ``optimizer.step`` itself sets), so
-    ``scheduler.step()`` after ``engine.step`` is not mistaken for a call before the first optimizer step."""
-    optimizer._opt_called = True  # type: ignore[attr-defined]
-
-
-def _first_micro_batch(batch: Any, num_micro_batches: int) -> Any:
-    """The first of ``num_micro_batches`` equal slices of every batch leaf along dim 0 (for capture): a
-    ``ValueError`` naming the leaf if one does not split; ``batch`` itself for one micro-batch."""
-    if num_micro_batches == 1:
-        return batch
-    from torchpar.capture.export import batch_to_call_args, call_args_to_batch
-
-    args, kwargs = batch_to_call_args(batch)
-    leaves, spec = pytree.tree_flatten((args, kwargs))
-    for index, leaf in enumerate(leaves):
-        if leaf.dim() == 0:
-            raise ValueError(f"batch leaf {index} is a scalar: it cannot be split into {num_micro_batches} equal "
-                             "micro-batches along dim 0 (num_micro_batches > 1 needs a batch dim on every leaf)")
-        if leaf.shape[0] % num_micro_batches:
-            raise ValueError(
-                f"batch leaf {index} of shape {list(leaf.shape)} cannot be split into {num_micro_batches} equal "
-                f"micro-batches along dim 0: its batch size {leaf.shape[0]} is not a multiple of "
-                f"num_micro_batches={num_micro_batches}. Pass batches whose size divides by {num_micro_batches} "
-                "(drop an epoch's smaller last batch with DataLoader(..., drop_last=True)), or compile with a "
-                "num_micro_batches that divides every batch size")
-    sliced = [leaf[: leaf.shape[0] // num_micro_batches] for leaf in leaves]
-    args, kwargs = pytree.tree_unflatten(sliced, spec)
-    return call_args_to_batch(type(batch), args, kwargs)
-
-
-def _signature(batch: Any) -> tuple:
-    from torchpar.capture.export import batch_to_call_args
-
-    leaves, spec = pytree.tree_flatten(batch_to_call_args(batch))
-    if not all(isinstance(leaf, torch.Tensor) for leaf in leaves):
-        paths, _ = pytree.tree_flatten_with_path(batch)
-        path, leaf = next((p, v) for p, v in paths if not isinstance(v, torch.Tensor))
-        raise TypeError(f"batch{pytree.keystr(path)} is a {type(leaf).__name__}; every batch leaf must be a "
-                        "torch.Tensor (make lists and numbers tensors with torch.tensor(...))")
-    return str(spec), tuple((tuple(leaf.shape), dtype_name(leaf.dtype)) for leaf in leaves)
-
-
-def _describe(signature: tuple) -> str:
-    return ", ".join(f"{dtype}{list(shape)}" for shape, dtype in signature[1])
-
-
-def _call_args(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    from torchpar.capture.export import batch_to_call_args
-
-    return batch_to_call_args(batch)
-
-
-def _split_leaves(leaves: list[np.ndarray], parts: int) -> list[list[np.ndarray]]:
-    """Each of ``parts`` equal micro-batches of ``leaves`` (split along dim 0)."""
-    return [[leaf[m * (leaf.shape[0] // parts):(m + 1) * (leaf.shape[0] // parts)] for leaf in leaves]
-            for m in range(parts)]
-
-
-def _numerics(matmul_precision: str | None) -> Any:
-    """The lowering's :class:`jaxbackend.precision.Numerics` for a ``compile(matmul_precision=...)`` value."""
-    from jaxbackend.precision import Numerics
-
-    return Numerics(*resolve_precisions(matmul_precision))
-
-
-def describe_numerics(numerics: Any, mixed_precision: str | None) -> dict[str, Any]:
-    """``Plan.numerics``: the precisions asked and what this platform computes with (see ``Engine.numerics``)."""
-    effective = numerics.effective()
-    return {"matmul_precision": numerics.matmul, "conv_precision": numerics.conv,
-            "effective": f"{effective.describe()} on {effective.platform}",
-            "mixed_precision": mixed_precision or "none", "loss_scaling": "dynamic" if mixed_precision == "fp16" else "none"}
+        batches.check_compatible(signature, batch, self._example_signature, self._example_skeleton)

@@ -1,5 +1,8 @@
 """Sharded checkpoints on disk: ``engine.save(path)``, ``engine.load(path)``, ``torchpar.load_checkpoint(path)``,
-and model exports for PyTorch (``engine.export_torch_state_dict()``) and HuggingFace (``engine.save_pretrained``).
+and model exports for PyTorch (``engine.export_torch_state_dict()``) and HuggingFace (``engine.save_pretrained``);
+also the in-memory ``engine.state_dict()`` / ``load_state_dict`` and the copies between the torch objects and the
+executor (the initial state, ``engine.sync_to_torch()``). Each function takes a :class:`TrainingState`, what the
+engine holds that a checkpoint reads or restores, rather than the engine.
 
 **What a checkpoint holds.** Parameters, buffers and every optimizer state tensor (as shards, see below); in the
 index: the optimizer's step counters and ``param_groups`` hyper-parameters (``lr``, ``betas``, ``initial_lr``, …),
@@ -39,7 +42,9 @@ devices hold (except replicated arrays, which every holder reads whole).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import dataclasses
 import json
 import logging
 import os
@@ -47,13 +52,14 @@ import shutil
 import socket
 import time
 import uuid
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from torchpar.host_arrays import to_torch
+from torchpar.host_arrays import host_array, host_tensor, to_torch
 
 log = logging.getLogger(__name__)
 
@@ -66,11 +72,113 @@ class CheckpointError(ValueError):
     """A path that is not a complete torchpar checkpoint, or one that does not fit the engine loading it."""
 
 
+# --- what is saved -------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(kw_only=True)
+class TrainingState:
+    """What a checkpoint writes and restores, by reference: the executor holding the arrays, the torch model and
+    optimizer they belong to, and the run's position. The engine builds one per call; restoring replaces
+    ``steps_taken`` and ``base_key`` here, and the engine takes them back."""
+
+    executor: Any
+    """The :class:`~torchpar.runtime.executor.Executor` holding parameters, buffers and optimizer state."""
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    params: Mapping[str, torch.Tensor]
+    """The model's parameters by name (a tied tensor under its first name)."""
+    buffers: Mapping[str, torch.Tensor]
+    bridge: Any
+    """The :class:`~torchpar.capture.optim.TorchOptimizerBridge`: the optimizer's spec and step counters."""
+    plan: Any
+    seed: int
+    """``compile(seed=...)``."""
+    loss_scaler: Any
+    """The fp16 :class:`~torchpar.runtime.loss_scale.LossScaler`, else ``None``."""
+    steps_taken: int
+    base_key: Any
+    """The PRNG key each step's key is folded from."""
+    translating_failures: Callable[[str], contextlib.AbstractContextManager[None]]
+    """Turns a worker's failure while doing ``what`` into the engine's error."""
+
+
+# --- between the torch objects and the executor --------------------------------------------------------------
+
+
+def torch_state(params: Mapping[str, torch.Tensor], buffers: Mapping[str, torch.Tensor], bridge: Any) -> Any:
+    """The torch model's parameters and buffers and the optimizer's state (``bridge``: its
+    :class:`~torchpar.capture.optim.TorchOptimizerBridge`) as a :class:`~torchpar.runtime.state.HostState`, for the
+    executor to start from."""
+    from torchpar.runtime.state import HostState
+
+    return HostState(params={n: host_tensor(p) for n, p in params.items()},
+                     buffers={n: host_tensor(b) for n, b in buffers.items()},
+                     opt_state={n: {k: host_array(v) for k, v in e.items()} for n, e in bridge.initial_state().items()})
+
+
+def sync_to_torch(training: TrainingState, trained: Callable[[], set[str]]) -> None:
+    """``engine.sync_to_torch()``: copy the executor's parameters, buffers and optimizer state into the torch model
+    and optimizer (the state of the parameters ``trained()`` names)."""
+    state = training.executor.export_state()
+    with torch.no_grad():
+        for name, param in training.params.items():
+            param.copy_(to_torch(state.params[name]).to(param.dtype))
+        for name, buffer in training.buffers.items():
+            buffer.copy_(to_torch(state.buffers[name]).to(buffer.dtype))
+    training.bridge.write_back(state.opt_state, trained=trained())
+
+
+# --- in memory (engine.state_dict / engine.load_state_dict) ----------------------------------------------------
+
+
+def state_dict(training: TrainingState) -> dict[str, Any]:
+    """``engine.state_dict()``: the executor's state gathered to this process as CPU torch tensors (parameters and
+    buffers in the model's dtypes), the optimizer's counters, the step count, the seed and the fp16 loss scaler's
+    state (when there is one)."""
+    state = training.executor.export_state()
+    return {
+        "params": {n: to_torch(v).to(training.params[n].dtype) for n, v in state.params.items()},
+        "buffers": {n: to_torch(v).to(training.buffers[n].dtype) for n, v in state.buffers.items()},
+        "optimizer": {n: {k: to_torch(v) for k, v in e.items()} for n, e in state.opt_state.items()},
+        "optimizer_counters": training.bridge.state_dict(),
+        "steps_taken": training.steps_taken,
+        "seed": training.seed,
+        **({"loss_scaler": training.loss_scaler.state_dict()} if training.loss_scaler is not None else {}),
+    }
+
+
+def load_state_dict(training: TrainingState, state: dict[str, Any]) -> None:
+    """``engine.load_state_dict(state)``: check ``state`` against the model and optimizer, load its arrays into the
+    executor, its counters into the optimizer bridge and the loss scaler, and its step count and seed (a PRNG key
+    made from it, if it differs from this engine's) into ``training``."""
+    import jax
+
+    from torchpar.guard import validate_checkpoint
+    from torchpar.ir.optimizer import state_keys
+    from torchpar.runtime.state import HostState
+
+    spec = training.bridge.spec
+    keys = {n: list(state_keys(spec, g)) for n, g in zip(spec.param_names, spec.group_of_param)}
+    validate_checkpoint(state, training.params, training.buffers, keys)
+    training.executor.load_state(HostState(
+        params={n: host_tensor(v) for n, v in state["params"].items()},
+        buffers={n: host_tensor(v) for n, v in state["buffers"].items()},
+        opt_state={n: {k: host_tensor(v) for k, v in e.items()} for n, e in state["optimizer"].items()}))
+    training.bridge.load_state_dict(state["optimizer_counters"])
+    training.steps_taken = int(state["steps_taken"])
+    if training.loss_scaler is not None and "loss_scaler" in state:
+        training.loss_scaler.load_state_dict(state["loss_scaler"])
+    if int(state["seed"]) != training.seed:
+        log.warning("checkpoint seed %s differs from this engine's seed %s; using the checkpoint's",
+                    state["seed"], training.seed)
+        training.base_key = jax.random.key(int(state["seed"]))
+
+
 # --- save -------------------------------------------------------------------------------------------------------
 
 
-def save(engine: Any, path: str | os.PathLike, *, scheduler: Any = None) -> Path:
-    """Write ``engine``'s training state as a sharded checkpoint at ``path`` (see the module docstring); returns the
+def save(training: TrainingState, path: str | os.PathLike, *, scheduler: Any = None) -> Path:
+    """Write the engine's training state as a sharded checkpoint at ``path`` (see the module docstring); returns the
     path. ``scheduler``: a torch LR scheduler whose state is saved too."""
     target = Path(path).absolute()
     _check_replaceable(target)
@@ -80,9 +188,9 @@ def save(engine: Any, path: str | os.PathLike, *, scheduler: Any = None) -> Path
     temporary.mkdir()
     start = time.perf_counter()
     try:
-        with engine._translating_failures("saving a checkpoint"):
-            manifest = engine._executor.save_shards(str(temporary))
-        index = {"format": FORMAT, "version": VERSION, **_host_state(engine, scheduler), **manifest,
+        with training.translating_failures("saving a checkpoint"):
+            manifest = training.executor.save_shards(str(temporary))
+        index = {"format": FORMAT, "version": VERSION, **_host_state(training, scheduler), **manifest,
                  "write_s": time.perf_counter() - start, "complete": True}
         _check_files(temporary, index["files"])
         _write_json_durably(temporary / INDEX, index)
@@ -96,28 +204,30 @@ def save(engine: Any, path: str | os.PathLike, *, scheduler: Any = None) -> Path
     return target
 
 
-def _host_state(engine: Any, scheduler: Any) -> dict[str, Any]:
+def _host_state(training: TrainingState, scheduler: Any) -> dict[str, Any]:
     """What the index holds beside the shards: counters, hyper-parameters, PRNG, loss scale, scheduler, and the
     model's names and torch dtypes (for loading into torch without an engine)."""
-    jax = engine._jax
-    by_id = {id(t): ("param", n) for n, t in engine._param_names.items()}
-    by_id.update({id(t): ("buffer", n) for n, t in engine._buffer_names.items()})
+    import jax
+
+    model, plan = training.model, training.plan
+    by_id = {id(t): ("param", n) for n, t in training.params.items()}
+    by_id.update({id(t): ("buffer", n) for n, t in training.buffers.items()})
     return {
-        "steps_taken": engine._steps_taken,
-        "prng": {"seed": engine.options.seed, "impl": str(jax.random.key_impl(engine._base_key)),
-                 "base_key_data": [int(x) for x in jax.random.key_data(engine._base_key)]},
-        "optimizer": {"counters": engine._bridge.state_dict(),
+        "steps_taken": training.steps_taken,
+        "prng": {"seed": training.seed, "impl": str(jax.random.key_impl(training.base_key)),
+                 "base_key_data": [int(x) for x in jax.random.key_data(training.base_key)]},
+        "optimizer": {"counters": training.bridge.state_dict(),
                       "param_groups": [{k: _plain(v) for k, v in group.items() if k != "params"}
-                                       for group in engine.optimizer.param_groups]},
-        "loss_scaler": engine._loss_scaler.state_dict() if engine._loss_scaler is not None else None,
+                                       for group in training.optimizer.param_groups]},
+        "loss_scaler": training.loss_scaler.state_dict() if training.loss_scaler is not None else None,
         "scheduler": _plain(scheduler.state_dict()) if scheduler is not None else None,
-        "model": {"class": f"{type(engine.model).__module__}.{type(engine.model).__qualname__}",
-                  "torch_dtypes": {**{f"param/{n}": str(p.dtype) for n, p in engine._param_names.items()},
-                                   **{f"buffer/{n}": str(b.dtype) for n, b in engine._buffer_names.items()}},
+        "model": {"class": f"{type(model).__module__}.{type(model).__qualname__}",
+                  "torch_dtypes": {**{f"param/{n}": str(p.dtype) for n, p in training.params.items()},
+                                   **{f"buffer/{n}": str(b.dtype) for n, b in training.buffers.items()}},
                   "state_dict_keys": {key: "/".join(by_id[id(t)])
-                                      for key, t in engine.model.state_dict(keep_vars=True).items() if id(t) in by_id}},
-        "plan": {"method": engine._plan.method, "stages": len(engine._plan.stages),
-                 "devices": sorted({d for s in engine._plan.stages for d in s.devices()})},
+                                      for key, t in model.state_dict(keep_vars=True).items() if id(t) in by_id}},
+        "plan": {"method": plan.method, "stages": len(plan.stages),
+                 "devices": sorted({d for s in plan.stages for d in s.devices()})},
     }
 
 
@@ -259,42 +369,44 @@ def read_index(path: str | os.PathLike) -> dict[str, Any]:
     return index
 
 
-def load(engine: Any, path: str | os.PathLike, *, scheduler: Any = None) -> dict[str, Any]:
-    """Restore ``engine``'s training state from the checkpoint at ``path``, resharded to the engine's plan (see the
-    module docstring); ``scheduler``: a torch LR scheduler to restore too. Returns the checkpoint's index, with
-    ``"bytes_read"``: the shard bytes each worker read, in rank order (each its own devices' slices)."""
+def load(training: TrainingState, path: str | os.PathLike, *, scheduler: Any = None) -> dict[str, Any]:
+    """Restore the engine's training state from the checkpoint at ``path``, resharded to the engine's plan (see the
+    module docstring); ``scheduler``: a torch LR scheduler to restore too. The step count and PRNG key go into
+    ``training``. Returns the checkpoint's index, with ``"bytes_read"``: the shard bytes each worker read, in rank
+    order (each its own devices' slices)."""
+    import jax
+
     index = read_index(path)
-    _check_fits(engine, index)
+    _check_fits(training, index)
     if index["scheduler"] is not None and scheduler is None:
         log.warning("torchpar: the checkpoint %s holds an LR scheduler's state; pass scheduler= to engine.load to "
                     "restore it", path)
     if scheduler is not None and index["scheduler"] is None:
         raise CheckpointError(f"{path} holds no LR scheduler state (it was saved without scheduler=)")
-    with engine._translating_failures("loading a checkpoint"):
-        reads = engine._executor.load_checkpoint(str(Path(path).absolute()), index["tensors"])
-    engine._bridge.load_state_dict(index["optimizer"]["counters"])
-    _restore_param_groups(engine.optimizer, index["optimizer"]["param_groups"])
-    engine._steps_taken = int(index["steps_taken"])
+    with training.translating_failures("loading a checkpoint"):
+        reads = training.executor.load_checkpoint(str(Path(path).absolute()), index["tensors"])
+    training.bridge.load_state_dict(index["optimizer"]["counters"])
+    _restore_param_groups(training.optimizer, index["optimizer"]["param_groups"])
+    training.steps_taken = int(index["steps_taken"])
     prng = index["prng"]
-    engine._base_key = engine._jax.random.wrap_key_data(
-        np.asarray(prng["base_key_data"], dtype=np.uint32), impl=prng["impl"])
-    if prng["seed"] != engine.options.seed:
+    training.base_key = jax.random.wrap_key_data(np.asarray(prng["base_key_data"], dtype=np.uint32), impl=prng["impl"])
+    if prng["seed"] != training.seed:
         log.info("torchpar: checkpoint seed %s differs from this engine's seed %s; its PRNG stream continues",
-                 prng["seed"], engine.options.seed)
-    if engine._loss_scaler is not None and index["loss_scaler"] is not None:
-        engine._loss_scaler.load_state_dict(index["loss_scaler"])
+                 prng["seed"], training.seed)
+    if training.loss_scaler is not None and index["loss_scaler"] is not None:
+        training.loss_scaler.load_state_dict(index["loss_scaler"])
     if scheduler is not None:
         scheduler.load_state_dict(index["scheduler"])
     return {**index, "bytes_read": [r["bytes_read"] for r in reads]}
 
 
-def _check_fits(engine: Any, index: dict[str, Any]) -> None:
+def _check_fits(training: TrainingState, index: dict[str, Any]) -> None:
     """The checkpoint has exactly this model's parameters and buffers (shapes, torch dtypes) and the optimizer state
     this optimizer keeps; raises :class:`CheckpointError` naming the first difference."""
     from torchpar.ir.optimizer import state_keys
 
     tensors, dtypes = index["tensors"], index["model"]["torch_dtypes"]
-    for kind, current in (("param", engine._param_names), ("buffer", engine._buffer_names)):
+    for kind, current in (("param", training.params), ("buffer", training.buffers)):
         saved = {k.partition("/")[2] for k in tensors if k.startswith(kind + "/")}
         absent, extra = sorted(set(current) - saved), sorted(saved - set(current))
         if absent or extra:
@@ -305,7 +417,7 @@ def _check_fits(engine: Any, index: dict[str, Any]) -> None:
             if tuple(entry["shape"]) != tuple(tensor.shape) or dtypes[f"{kind}/{name}"] != str(tensor.dtype):
                 raise CheckpointError(f"checkpoint {kind} {name} is {dtypes[f'{kind}/{name}']}{entry['shape']}, the "
                                       f"model's is {tensor.dtype}{list(tensor.shape)}")
-    spec = engine._spec
+    spec = training.bridge.spec
     counters = index["optimizer"]["counters"]
     if counters["kind"] != spec.kind:
         raise CheckpointError(f"the checkpoint was saved with a {counters['kind']!r} optimizer, this engine's is "
@@ -313,13 +425,13 @@ def _check_fits(engine: Any, index: dict[str, Any]) -> None:
     for name, group in zip(spec.param_names, spec.group_of_param):
         for key in state_keys(spec, group):
             entry = tensors.get(f"state/{name}/{key}")
-            if entry is None or tuple(entry["shape"]) != tuple(engine._param_names[name].shape):
+            if entry is None or tuple(entry["shape"]) != tuple(training.params[name].shape):
                 raise CheckpointError(f"the checkpoint's optimizer state of {name} lacks {key!r} (saved with another "
                                       "optimizer, or other param groups?)")
     groups = index["optimizer"]["param_groups"]
-    if len(groups) != len(engine.optimizer.param_groups):
+    if len(groups) != len(training.optimizer.param_groups):
         raise CheckpointError(f"the checkpoint's optimizer has {len(groups)} param groups, this one "
-                              f"{len(engine.optimizer.param_groups)}")
+                              f"{len(training.optimizer.param_groups)}")
 
 
 def _restore_param_groups(optimizer: torch.optim.Optimizer, saved: list[dict[str, Any]]) -> None:
@@ -362,17 +474,17 @@ def _torch_dtype(name: str) -> torch.dtype:
     return getattr(torch, name.removeprefix("torch."))
 
 
-def export_torch_state_dict(engine: Any) -> dict[str, torch.Tensor]:
+def export_torch_state_dict(training: TrainingState) -> dict[str, torch.Tensor]:
     """The model's parameters and buffers as ``model.state_dict()`` keys them (tied weights under each name, one
     tensor), CPU tensors in the model's dtypes. Gathers the whole model (not the optimizer state) to this process."""
-    state = engine._executor.export_state(("param", "buffer"))
+    state = training.executor.export_state(("param", "buffer"))
     values = {("param", n): v for n, v in state.params.items()}
     values.update({("buffer", n): v for n, v in state.buffers.items()})
-    by_id = {id(t): ("param", n) for n, t in engine._param_names.items()}
-    by_id.update({id(t): ("buffer", n) for n, t in engine._buffer_names.items()})
+    by_id = {id(t): ("param", n) for n, t in training.params.items()}
+    by_id.update({id(t): ("buffer", n) for n, t in training.buffers.items()})
     converted: dict[tuple[str, str], torch.Tensor] = {}
     out: dict[str, torch.Tensor] = {}
-    for key, tensor in engine.model.state_dict(keep_vars=True).items():
+    for key, tensor in training.model.state_dict(keep_vars=True).items():
         which = by_id.get(id(tensor))
         if which is None:  # not a parameter or buffer torchpar holds (e.g. extra state): as the model has it
             out[key] = tensor.detach().clone() if isinstance(tensor, torch.Tensor) else tensor
@@ -383,16 +495,16 @@ def export_torch_state_dict(engine: Any) -> dict[str, torch.Tensor]:
     return out
 
 
-def save_pretrained(engine: Any, directory: str | os.PathLike, **kwargs: Any) -> None:
+def save_pretrained(training: TrainingState, directory: str | os.PathLike, **kwargs: Any) -> None:
     """``model.save_pretrained(directory, **kwargs)`` with the engine's current weights: the parameters and buffers
     are copied into the torch model first (as :meth:`Engine.sync_to_torch` does, without the optimizer state), then
     HuggingFace writes ``config.json`` and ``model.safetensors``. The driver holds the torch model anyway; this adds
     one transient copy of the weights while they are gathered."""
-    model = engine.model
+    model = training.model
     if not callable(getattr(model, "save_pretrained", None)):
         raise TypeError(f"{type(model).__name__} has no save_pretrained (not a HuggingFace PreTrainedModel): use "
                         "engine.export_torch_state_dict() and torch.save or safetensors.torch.save_file")
-    state = export_torch_state_dict(engine)
+    state = export_torch_state_dict(training)
     with torch.no_grad():
         model.load_state_dict(state)
     model.save_pretrained(directory, **kwargs)

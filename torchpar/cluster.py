@@ -11,7 +11,7 @@ import os
 import re
 import sys
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Callable
 
 log = logging.getLogger(__name__)
 
@@ -254,21 +254,25 @@ def _keep_driver_off_accelerators() -> None:
     jax.config.update("jax_platforms", "cpu")
 
 
+_shutdown_hooks: list[Callable[[], None]] = []
+
+
+def on_shutdown(hook: Callable[[], None]) -> None:
+    """Have :func:`shutdown` call ``hook`` (once, however often it is registered). The floors above the cluster
+    register what they must close — :mod:`torchpar.runtime` its open engines and its Ray connection — so this
+    module imports none of them (data flows down)."""
+    if hook not in _shutdown_hooks:
+        _shutdown_hooks.append(hook)
+
+
 def shutdown() -> None:
     """Close every open engine of this process (freeing their Ray actors), disconnect from Ray (stopping the
-    embedded instance if torchpar started one) and forget the cluster."""
+    embedded instance if torchpar started one) and forget the cluster: the :func:`on_shutdown` hooks, in the order
+    they were registered, then the cluster."""
     global _cluster
-    if "torchpar.runtime.executor" in sys.modules:
-        from torchpar.runtime.executor import close_all
-
-        closed = close_all()
-        if closed:
-            log.info("torchpar.shutdown: closed %d open engine(s)", closed)
+    for hook in list(_shutdown_hooks):
+        hook()
     _cluster = None
-    if "ray" in sys.modules:
-        from torchpar.runtime import ray_cluster
-
-        ray_cluster.disconnect()
 
 
 def current_cluster() -> ClusterSpec:

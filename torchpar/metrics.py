@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from torchpar.ir.graph import Graph
@@ -212,3 +212,93 @@ def format_line(metrics: StepMetrics) -> str:
 def _op_name(target: str) -> str:
     parts = target.split(".")
     return parts[1] if target.startswith("aten.") and len(parts) > 1 else target
+
+
+# --- the engine's record ----------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class StepFacts:
+    """What the engine measured of one step; :class:`StepRecorder` derives the :class:`StepMetrics` from them."""
+
+    step: int
+    loss: float
+    step_time_s: float
+    signature: tuple
+    """The batch signature (``torchpar.batches.signature``): its structure and each leaf's shape and dtype."""
+    tokens: int | None
+    loss_scale: float | None
+    update_skipped: bool
+    recompiled: bool
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class MetricsSource:
+    """What deriving a step's metrics reads beside its :class:`StepFacts`."""
+
+    graphs: Mapping[tuple, Graph]
+    """Each batch signature's captured step graph (one micro-batch's)."""
+    num_micro_batches: int
+    precision: str
+    """:func:`step_precision`."""
+    cluster: Any
+    plan: Any
+    """The engine's :class:`~torchpar.planner.plan.Plan` (its stages' devices, its compile timings)."""
+    memory_stats: Callable[[], dict[int, dict[str, int]]]
+    """``engine.memory_stats``: XLA's memory analysis of each stage."""
+
+
+class StepRecorder:
+    """``engine.last_metrics``: the last step's facts, kept by :meth:`record`; the :class:`StepMetrics` derived from
+    them by :meth:`last` when first read (the memory once per batch signature: a pipeline compiles its stages once
+    more to read it). Logs them every ``log_every`` steps and hands them to ``on_metrics``."""
+
+    def __init__(self, *, log_every: int, on_metrics: Callable[[StepMetrics], None] | None):
+        self._log_every = log_every
+        self._on_metrics = on_metrics
+        self._facts: StepFacts | None = None
+        self._metrics: StepMetrics | None = None
+        self._memory_by_signature: dict[tuple, dict[int, int] | None] = {}
+
+    def record(self, facts: StepFacts, read: Callable[[], StepMetrics | None]) -> None:
+        """Keep ``facts``; log them every ``log_every`` steps and hand them to ``on_metrics`` (``read``: the engine's
+        ``last_metrics``; the metrics are derived only when someone reads them)."""
+        self._facts = facts
+        self._metrics = None
+        if self._log_every and facts.step % self._log_every == 0:
+            logging.getLogger("torchpar.metrics").info("torchpar: %s", format_line(read()))
+        if self._on_metrics is not None:
+            self._on_metrics(read())
+
+    def last(self, source: Callable[[], MetricsSource]) -> StepMetrics | None:
+        """The last recorded step's metrics (``source()`` is read once, when they are first derived); ``None``
+        before a step."""
+        facts = self._facts
+        if self._metrics is None and facts is not None:
+            given = source()
+            signature = facts.signature
+            self._metrics = step_metrics(
+                step=facts.step, loss=facts.loss, step_time_s=facts.step_time_s,
+                samples=count_samples([shape for shape, _ in signature[1]]), tokens=facts.tokens,
+                flops_per_step=model_flops_per_step(given.graphs[signature], given.num_micro_batches),
+                precision=given.precision, peak_per_device=peak_flops_per_device(given.cluster, given.precision),
+                num_devices=len({d for stage in given.plan.stages for d in stage.devices()}),
+                memory_bytes=self._memory_bytes(signature, given.memory_stats),
+                compile_timings=given.plan.timings, loss_scale=facts.loss_scale,
+                update_skipped=facts.update_skipped, recompiled=facts.recompiled)
+        return self._metrics
+
+    def _memory_bytes(self, signature: tuple, memory_stats: Callable[[], dict[int, dict[str, int]]]
+                      ) -> dict[int, int] | None:
+        """Per-device bytes of each stage's executables for ``signature`` (read once), ``None`` if unavailable."""
+        from torchpar.runtime.resources import executable_peak_bytes
+
+        if signature not in self._memory_by_signature:
+            try:
+                stats = memory_stats()
+            except Exception as error:  # noqa: BLE001 (metrics must not fail a step; the reason is logged)
+                log.warning("torchpar: no memory statistics for the step's metrics: %s", error)
+                stats = None
+            self._memory_by_signature[signature] = (
+                None if stats is None else {stage: executable_peak_bytes(s) for stage, s in stats.items()})
+        return self._memory_by_signature[signature]

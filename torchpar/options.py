@@ -100,3 +100,18 @@ class CompileOptions:
         autocast_dtype(self.mixed_precision)
         if self.remat is not None:
             check_remat(self.remat, allow_auto=True)
+
+
+def numerics_for(matmul_precision: str | None) -> Any:
+    """The lowering's :class:`jaxbackend.precision.Numerics` for a ``compile(matmul_precision=...)`` value."""
+    from jaxbackend.precision import Numerics
+
+    return Numerics(*resolve_precisions(matmul_precision))
+
+
+def describe_numerics(numerics: Any, mixed_precision: str | None) -> dict[str, Any]:
+    """``Plan.numerics``: the precisions asked and what this platform computes with (see ``Engine.numerics``)."""
+    effective = numerics.effective()
+    return {"matmul_precision": numerics.matmul, "conv_precision": numerics.conv,
+            "effective": f"{effective.describe()} on {effective.platform}",
+            "mixed_precision": mixed_precision or "none", "loss_scaling": "dynamic" if mixed_precision == "fp16" else "none"}

@@ -13,16 +13,19 @@ Only the local runtime is profiled (the driver of the Ray runtime holds no devic
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from tqdm.auto import tqdm
 
 from torchpar.cluster import ClusterSpec
+from torchpar.ir.graph import Graph
 from torchpar.ir.optimizer import OptimizerSpec
 from torchpar.planner.plan import Plan
-from torchpar.planner.profiling import LinkFit, StageTimer, calibrated_cluster
+from torchpar.planner.profiling import LinkFit, StageTimer, calibrated_cluster, profile_one_stage
 
 log = logging.getLogger(__name__)
 
@@ -72,3 +75,31 @@ def start_profiling(cluster: ClusterSpec, *, spec: OptimizerSpec, trainable: set
     log.info("profiling: link constants alpha %s, beta %s (were %s, %s); profile cache %s", calibrated.alpha,
              calibrated.beta, cluster.alpha, cluster.beta, cache.directory or "off")
     return Profiling(cluster=calibrated, timer=timer, links=links, bar=bar)
+
+
+@contextlib.contextmanager
+def profiling_if(profile: bool, cluster: ClusterSpec, *, spec: OptimizerSpec, trainable: set[str],
+                 num_micro_batches: int, numerics: Any, library_fusions: bool) -> Iterator[Profiling | None]:
+    """``profile=True``: the :class:`Profiling` to plan with inside the ``with`` block (links timed on entering,
+    :func:`start_profiling`; its progress bar closed on leaving); else ``None``."""
+    if not profile:
+        yield None
+        return
+    profiling = start_profiling(cluster, spec=spec, trainable=trainable, num_micro_batches=num_micro_batches,
+                                numerics=numerics, library_fusions=library_fusions)
+    try:
+        yield profiling
+    finally:
+        profiling.close()
+
+
+def finish_profiling(profiling: Profiling | None, plan: Plan, graph: Graph, pipelined: bool) -> None:
+    """Time a one-stage ``plan``'s stage on ``graph`` (a pipeline's candidates were timed while planning) and
+    record the link fits in the plan; nothing without ``profiling``."""
+    if profiling is None:
+        return
+    if not pipelined:
+        profile_one_stage(plan, graph, profiling.timer)
+    profiling.record_links(plan)
+    log.info("torchpar: profiled plan:\n%s", "\n".join(line for line in plan.summary().splitlines()
+                                                        if "measured" in line or "profiled" in line))

@@ -21,7 +21,7 @@ def test_host_actors_write_their_own_shards_and_the_checkpoint_moves_between_run
             run.train(engine, scheduler, range(3))
             engine.save(path, scheduler=scheduler)
             # loaded back, each actor reads its own devices' slices: half of the (all sharded) state
-            loaded = load(engine, path, scheduler=scheduler)
+            loaded = load(engine._training_state(), path, scheduler=scheduler)
             total = sum(info["bytes"] for info in loaded["files"].values())
             assert len(loaded["bytes_read"]) == 2 and all(b < 0.55 * total for b in loaded["bytes_read"]), loaded["bytes_read"]
             expected = run.train(engine, scheduler, range(3, 5))

@@ -48,6 +48,7 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from torchpar.capture.errors import CaptureError
+from torchpar.capture.to_ir import decompose, to_ir
 
 # --- the marker ops --------------------------------------------------------------------------------------------
 
@@ -453,7 +454,6 @@ class _Backward(torch.nn.Module):
 
 def _trace_backward(call: FunctionCall, model_tensors: dict[int, str]) -> Any:
     """The IR graph of ``call``'s backward (layout in :mod:`torchpar.ir.function_regions`)."""
-    from torchpar.capture.export import _KEEP_UNDECOMPOSED, _to_ir  # export imports this module
     from torchpar.ir.graph import Output
 
     module = _Backward(call)
@@ -464,11 +464,7 @@ def _trace_backward(call: FunctionCall, model_tensors: dict[int, str]) -> Any:
     try:
         with torch.no_grad():
             exported = torch.export.export(module, tuple(values), strict=False)
-        table = torch.export.default_decompositions()
-        for op in list(table):
-            if str(op).removeprefix("aten.") in _KEEP_UNDECOMPOSED:
-                del table[op]
-        exported = exported.run_decompositions(table)
+        exported = decompose(exported)
     except CaptureError:
         raise
     except Exception as error:
@@ -477,7 +473,7 @@ def _trace_backward(call: FunctionCall, model_tensors: dict[int, str]) -> Any:
             f"{_first_line(error)}). torchpar runs a Function's own backward: write it with torch operations "
             "(no NumPy, .item() or data-dependent Python), or drop the custom backward") from error
     _refuse_read_parameters(call, exported, model_tensors)
-    graph = _to_ir(exported, torch.nn.Module(), user_output_kind="user")
+    graph = to_ir(exported, torch.nn.Module(), user_output_kind="user")
     slots = pytree.tree_unflatten(list(range(len(graph.outputs))), exported.call_spec.out_spec)
     outputs = [graph.outputs[slot] if slot is not None else Output("user", None) for slot in slots]
     graph = graph.replace(outputs=outputs)

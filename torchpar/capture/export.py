@@ -23,22 +23,19 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import torch
 import torch.utils._pytree as pytree
 from torch.export import ExportedProgram
-from torch.export.graph_signature import InputKind, OutputKind
 
 from torchpar.capture.attention_masks import fold_static_attention_masks
 from torchpar.capture.autograd_functions import capture_autograd_functions
-from torchpar.capture.boundary import BOUNDARY_TARGET
 from torchpar.capture.errors import CaptureError, dynamic_shape_error, translate_export_error
 from torchpar.capture.grad_semantics import (autograd_capture_guards, check_gradient_hooks, mark_stop_gradients,
                                              module_modes, restore_module_modes)
-from torchpar.capture.meta_models import as_fake_cpu, is_without_data, on_meta_device
+from torchpar.capture.meta_models import as_fake_cpu, on_meta_device
 from torchpar.capture.precision import autocast_device
-from torchpar.ir.costs import op_flops
-from torchpar.ir.graph import DType, Graph, Input, Node, Output, Ref, TensorMeta
+from torchpar.capture.to_ir import decompose, dtype_name, tensor_meta, to_ir  # dtype_name: also imported from here
+from torchpar.ir.graph import Graph, TensorMeta
 
 log = logging.getLogger(__name__)
 
@@ -47,10 +44,6 @@ StepFn = Callable[[torch.nn.Module, Any], torch.Tensor]
 """``step_fn(model, batch) -> scalar loss``: calls the model as it likes (``compile(step_fn=...)``)."""
 ForwardFn = Callable[[torch.nn.Module, Any], Any]
 """``forward_fn(model, batch) -> outputs``: the eval forward's call of the model (``compile(forward_fn=...)``)."""
-
-# Ops kept whole instead of decomposed to core ATen (each has a direct lowering).
-_KEEP_UNDECOMPOSED = ("scaled_dot_product_attention.default",)
-
 
 @dataclasses.dataclass
 class Capture:
@@ -111,6 +104,16 @@ def select_loss(outputs: Any, batch: Any, loss_fn: LossFn | None) -> torch.Tenso
         shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
         raise ValueError(f"the loss must be a scalar tensor, got {shape}; reduce it (e.g. .mean()) in loss_fn")
     return loss
+
+
+def check_model_fns(loss_fn: LossFn | None, step_fn: StepFn | None, forward_fn: ForwardFn | None) -> None:
+    """``step_fn`` / ``forward_fn`` take exactly ``(model, batch)``; ``step_fn`` excludes ``loss_fn``."""
+    if step_fn is not None and loss_fn is not None:
+        raise ValueError("pass step_fn or loss_fn, not both: step_fn(model, batch) calls the model and returns the "
+                         "loss itself (fold the loss_fn into it)")
+    for name, fn in (("step_fn", step_fn), ("forward_fn", forward_fn)):
+        if fn is not None:
+            check_model_fn(fn, name)
 
 
 def check_model_fn(fn: Any, name: str) -> None:
@@ -264,18 +267,14 @@ def _capture(wrapper: torch.nn.Module, model: torch.nn.Module, batch: Any, *, tr
                 if stops:
                     log.info("%d stop-gradient(s) (detach, no_grad regions) kept in the training graph", stops)
             t1 = time.perf_counter()
-            table = torch.export.default_decompositions()
-            for op in list(table):
-                if str(op).removeprefix("aten.") in _KEEP_UNDECOMPOSED:
-                    del table[op]
-            exported = exported.run_decompositions(table)
+            exported = decompose(exported)
             t2 = time.perf_counter()
     finally:
         restore_module_modes(model, modes)
     folded = fold_static_attention_masks(exported.graph)
     if folded:
         log.info("%d attention call(s) take a constant causal / full mask: folded into is_causal", folded)
-    graph = _to_ir(exported, model, user_output_kind="loss" if training else "user")
+    graph = to_ir(exported, model, user_output_kind="loss" if training else "user")
     if functions.calls:  # custom autograd.Function backwards, each its own graph
         graph = graph.replace(custom_backwards=functions.backward_graphs(model))
         graph.validate()
@@ -284,7 +283,7 @@ def _capture(wrapper: torch.nn.Module, model: torch.nn.Module, batch: Any, *, tr
     return Capture(
         graph=graph,
         in_spec=in_spec,
-        input_metas=[_tensor_meta(leaf) for leaf in leaves],
+        input_metas=[tensor_meta(leaf) for leaf in leaves],
         out_spec=None if training else exported.call_spec.out_spec,
         export_s=t1 - t0,
         decompose_s=t2 - t1,
@@ -340,158 +339,3 @@ def _export(wrapper: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
 def _leaf_paths(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[str]:
     paths, _ = pytree.tree_flatten_with_path((args, kwargs))
     return [pytree.keystr(path[1:]) for path, _ in paths]
-
-
-def _to_ir(exported: ExportedProgram, model: torch.nn.Module, *, user_output_kind: str) -> Graph:
-    """Translate the exported program's graph and signature into the IR."""
-    signature = exported.graph_signature
-    canonical = _canonical_param_names(model)
-    inputs: list[Input] = []
-    constants: dict[str, np.ndarray] = {}
-    user_index = 0
-    placeholders = [n for n in exported.graph.nodes if n.op == "placeholder"]
-    for node, spec in zip(placeholders, signature.input_specs, strict=True):
-        meta = _meta_of(node.meta.get("val"))
-        target = _strip_wrapper(spec.target) if spec.target is not None else ""
-        if spec.kind == InputKind.PARAMETER:
-            inputs.append(Input(node.name, "param", canonical.get(target, target), meta))
-        elif spec.kind == InputKind.BUFFER:
-            inputs.append(Input(node.name, "buffer", target, meta))
-        elif spec.kind == InputKind.CONSTANT_TENSOR:
-            constants[target] = _constant_value(exported.constants[spec.target])
-            inputs.append(Input(node.name, "constant", target, meta))
-        elif spec.kind == InputKind.USER_INPUT:
-            inputs.append(Input(node.name, "input", str(user_index), meta))
-            user_index += 1
-        else:
-            raise NotImplementedError(f"torch.export input kind {spec.kind.name} ({spec.target}) is not supported")
-    metas = {i.name: i.meta for i in inputs}
-    nodes: list[Node] = []
-    for fx_node in exported.graph.nodes:
-        if fx_node.op != "call_function":
-            continue
-        target = _target_name(fx_node.target)
-        node = Node(
-            name=fx_node.name,
-            target=target,
-            args=_convert(fx_node.args),
-            kwargs={k: _convert(v) for k, v in fx_node.kwargs.items()},
-            out=_meta_of(fx_node.meta.get("val")),
-            source=_source_line(fx_node.meta.get("stack_trace")),
-            module_path=_module_path(fx_node.meta.get("nn_module_stack")),
-        )
-        node = dataclasses.replace(node, flops=op_flops(target, [metas.get(r) for r in node.refs()], node.out))
-        metas[node.name] = node.out
-        nodes.append(node)
-    output_node = next(n for n in exported.graph.nodes if n.op == "output")
-    results = output_node.args[0]
-    outputs: list[Output] = []
-    for value, spec in zip(results, signature.output_specs, strict=True):
-        ref = Ref(value.name) if isinstance(value, torch.fx.Node) else None
-        if spec.kind == OutputKind.BUFFER_MUTATION:
-            outputs.append(Output("buffer", ref, _strip_wrapper(spec.target)))
-        elif spec.kind == OutputKind.USER_OUTPUT:
-            outputs.append(Output(user_output_kind, ref))
-        else:
-            raise NotImplementedError(
-                f"torch.export output kind {spec.kind.name} ({spec.target}) is not supported: the model "
-                "mutates one of its inputs in place; clone the input before mutating it")
-    graph = Graph(inputs=inputs, nodes=nodes, outputs=outputs, constants=constants)
-    graph.validate()
-    return graph
-
-
-def _canonical_param_names(model: torch.nn.Module) -> dict[str, str]:
-    """Every name a parameter is reachable under → its first ``named_parameters()`` name."""
-    first: dict[int, str] = {}
-    for name, param in model.named_parameters():
-        first.setdefault(id(param), name)
-    return {name: first[id(p)] for name, p in model.named_parameters(remove_duplicate=False)}
-
-
-def _strip_wrapper(target: str) -> str:
-    return target.removeprefix("model.")
-
-
-def _target_name(target: Any) -> str:
-    if target is BOUNDARY_TARGET:
-        return "torchpar.pipeline_boundary"
-    if isinstance(target, torch._ops.OpOverload):
-        if target.namespace == "torchpar":  # torchpar's own markers: torchpar.<name> (one overload each)
-            return f"torchpar.{target._opname}"
-        return f"aten.{target._opname}.{target._overloadname}" if target.namespace == "aten" else str(target)
-    if getattr(target, "__name__", None) == "getitem":
-        return "getitem"
-    return str(target)
-
-
-def _convert(value: Any) -> Any:
-    """fx argument → IR argument (see :mod:`torchpar.ir.graph`)."""
-    if isinstance(value, torch.fx.Node):
-        return Ref(value.name)
-    if isinstance(value, torch.dtype):
-        return DType(dtype_name(value))
-    if isinstance(value, (torch.device, torch.layout, torch.memory_format)):
-        return str(value)
-    if isinstance(value, (list, tuple)):
-        return type(value)(_convert(v) for v in value) if isinstance(value, list) else tuple(_convert(v) for v in value)
-    if isinstance(value, (int, float, bool, str)) or value is None:
-        return value
-    if isinstance(value, torch.SymInt | torch.SymFloat | torch.SymBool):
-        raise NotImplementedError(f"symbolic value {value} in the exported graph: torchpar compiles static shapes")
-    raise NotImplementedError(f"unsupported argument of type {type(value).__name__} in the exported graph: {value!r}")
-
-
-def tensor_to_numpy(tensor: torch.Tensor) -> np.ndarray:
-    """A host copy of ``tensor``; bfloat16 becomes ``ml_dtypes.bfloat16`` (numpy has no bf16 of its own)."""
-    tensor = tensor.detach().cpu()
-    if tensor.dtype == torch.bfloat16:
-        import ml_dtypes
-
-        return tensor.float().numpy().astype(ml_dtypes.bfloat16)
-    return tensor.numpy()
-
-
-def _constant_value(tensor: torch.Tensor) -> np.ndarray:
-    """A constant's host value; a constant on the meta device (a model built there, to be planned, never run) has
-    none: a read-only array of its shape and dtype, all zeros, that takes no memory (a broadcast scalar)."""
-    if is_without_data(tensor):
-        return np.broadcast_to(tensor_to_numpy(torch.zeros((), dtype=tensor.dtype)), tuple(tensor.shape))
-    return tensor_to_numpy(tensor)
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _tensor_meta(tensor: torch.Tensor) -> TensorMeta:
-    return TensorMeta(tuple(int(s) for s in tensor.shape), dtype_name(tensor.dtype))
-
-
-def _meta_of(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return _tensor_meta(value)
-    if isinstance(value, (list, tuple)):
-        return tuple(_tensor_meta(v) if isinstance(v, torch.Tensor) else None for v in value)
-    return None
-
-
-def _source_line(stack_trace: str | None) -> str:
-    """The innermost frame of the user's (or the model library's) code, not torch's own."""
-    if not stack_trace:
-        return ""
-    lines = stack_trace.strip().splitlines()
-    frames = [(lines[i].strip(), lines[i + 1].strip() if i + 1 < len(lines) else "")
-              for i in range(len(lines)) if lines[i].lstrip().startswith("File ")]
-    user_frames = [f for f in frames if "/torch/" not in f[0] and "torchpar/capture" not in f[0]
-                   and "torchpar/__init__.py" not in f[0]]
-    frame, code = (user_frames or frames or [("", "")])[-1]
-    location = frame.removeprefix("File ").replace('", line ', ":").replace('"', "")
-    return f"{location}: {code}" if code else location
-
-
-def _module_path(stack: dict[str, tuple[str, Any]] | None) -> str:
-    if not stack:
-        return ""
-    path = list(stack.values())[-1][0]
-    return path.removeprefix("model.").removeprefix("model")

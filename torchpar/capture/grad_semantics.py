@@ -12,6 +12,8 @@
   later is one of its results). Export records ``torch.inference_mode()`` as nothing at all, so
   :func:`autograd_capture_guards` runs it as ``no_grad`` during the export (same gradients: neither
   records a graph), and reads ``x.data`` as ``x.detach()``.
+- :func:`params_reaching_loss` reads the invariant below off a captured graph; :func:`trainable_params` is
+  what a step trains (what PyTorch's ``optimizer.step`` updates after ``loss.backward()``).
 - Gradient hooks change a gradient inside autograd, where the capture cannot see: a hook registered on a
   tensor inside ``forward`` (``register_hook``, ``register_post_accumulate_grad_hook``) raises
   :class:`UnsupportedAutogradError` while the model is exported, naming the line;
@@ -26,12 +28,18 @@ to the loss iff PyTorch's autograd would propagate a gradient along it.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import traceback
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from torchpar.ir.graph import Graph
+
+log = logging.getLogger(__name__)
 
 STOP_GRADIENT_OP = "torchpar.stop_gradient"
 """The IR target of a stop-gradient (``torch.ops.torchpar.stop_gradient.default``)."""
@@ -188,3 +196,43 @@ def restore_module_modes(model: torch.nn.Module, modes: dict[str, bool]) -> None
     for name, module in model.named_modules(remove_duplicate=False):
         if name in modes:
             module.training = modes[name]
+
+
+def params_reaching_loss(graph: Graph) -> set[str]:
+    """Targets of parameter inputs with a gradient path to the loss output: a data path that passes no
+    stop-gradient (``detach``, a ``no_grad`` region's result)."""
+    producers = {n.name: n for n in graph.nodes}
+    stack = [o.value.name for o in graph.outputs if o.kind == "loss" and o.value is not None]
+    seen: set[str] = set()
+    while stack:
+        name = stack.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        if name in producers and producers[name].target != STOP_GRADIENT_OP:
+            stack.extend(producers[name].refs())
+    return {i.target for i in graph.inputs if i.kind == "param" and i.name in seen}
+
+
+def trainable_params(graph: Graph, params: Mapping[str, torch.Tensor], optimized: Sequence[str]) -> tuple[str, ...]:
+    """Parameters the optimizer updates this step: in the optimizer (``optimized``, in its order), requiring grad,
+    and reaching the loss (PyTorch leaves the others' ``.grad`` as ``None`` and skips them). A ``ValueError`` when
+    no parameter that requires grad reaches the loss (PyTorch's ``loss.backward()`` raises then)."""
+    reaching = params_reaching_loss(graph)
+    if not any(params[name].requires_grad for name in reaching if name in params):
+        frozen = sum(not p.requires_grad for p in params.values())
+        raise ValueError(
+            "the loss has no gradient: no parameter that requires grad reaches it (PyTorch's loss.backward() "
+            "raises 'element 0 of tensors does not require grad'). "
+            + (f"All {frozen} parameters have requires_grad=False; unfreeze some. " if frozen == len(params)
+               else "It is computed from detached values or under torch.no_grad() (a loss.detach() in step_fn?). ")
+            + "torchpar trains what PyTorch would, so there is nothing to compile")
+    names = []
+    for name in optimized:
+        if not params[name].requires_grad:
+            continue
+        if name not in reaching:
+            log.info("torchpar: parameter %s does not affect the loss; it is not updated (as in PyTorch)", name)
+            continue
+        names.append(name)
+    return tuple(names)

@@ -349,3 +349,9 @@ class TorchOptimizerBridge:
         if len(steps) != self.spec.num_groups or any(s < 0 for s in steps):
             raise ValueError(f"optimizer checkpoint group_steps {steps} do not fit {self.spec.num_groups} param groups")
         self._steps = steps
+
+
+def mark_optimizer_stepped(optimizer: torch.optim.Optimizer) -> None:
+    """Tell torch LR schedulers the optimizer has stepped (the flag ``optimizer.step`` itself sets), so
+    ``scheduler.step()`` after ``engine.step`` is not mistaken for a call before the first optimizer step."""
+    optimizer._opt_called = True  # type: ignore[attr-defined]

@@ -97,6 +97,11 @@ def state_keys(spec: OptimizerSpec, group: int) -> tuple[str, ...]:
     return ("exp_avg", "exp_avg_sq")
 
 
+def state_copies(spec: OptimizerSpec) -> float:
+    """Optimizer-state tensors per parameter (2 for Adam, 1 for SGD with momentum), averaged over groups."""
+    return sum(len(state_keys(spec, g)) for g in range(spec.num_groups)) / max(spec.num_groups, 1)
+
+
 def _f32(x: float) -> np.ndarray:
     return np.asarray(x, dtype=np.float32)
 

@@ -145,3 +145,14 @@ def _compare_methods(graph: Graph, kind: str, stage: StagePlan, cluster: Cluster
                      "estimated_communication_s": chosen.estimated_communication_s,
                      "estimated_memory_bytes": chosen.estimated_memory_bytes})
     return rows
+
+
+def check_plan_fits(plan: Plan, cluster: ClusterSpec) -> None:
+    """A saved plan names cluster devices: they must exist in the cluster this process runs on (and a pipeline's
+    submeshes are whole hosts or parts of one: the hosts must have the plan's size)."""
+    per_host = plan.cluster.get("devices_per_host", cluster.devices_per_host)
+    used = [d for stage in plan.stages for d in stage.devices()]
+    if (plan.is_pipeline and per_host != cluster.devices_per_host) or max(used, default=0) >= cluster.num_devices:
+        raise ValueError(f"the plan was made for {plan.cluster.get('num_hosts', '?')} host(s) × {per_host} device(s) "
+                         f"and uses devices up to {max(used, default=0)}; this cluster is {cluster.num_hosts} × "
+                         f"{cluster.devices_per_host}: call torchpar.init with the plan's cluster")

@@ -11,6 +11,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from torchpar import plan_writers
+from torchpar.cluster import ClusterSpec
 from torchpar.ir.layout import JsonSpec, describe
 from torchpar.methods import method_title
 from torchpar.planner.plan_schema import (
@@ -208,21 +210,15 @@ class Plan:
         for ``timeline`` (a measured step) and the ``options`` (``cluster``, ``param_shapes``, ``layer_stats``,
         ``title``, ``measured``: what a run measured, shown beside the estimates — ``engine.save_report`` fills
         it)."""
-        from torchpar.report.html import save_html
-
         if "layer_stats" not in options and self.layers:
             options["layer_stats"] = self.layers
         if "cluster" not in options and self.cluster:
-            from torchpar.cluster import ClusterSpec
-
             options["cluster"] = ClusterSpec(**self.cluster)
-        return save_html(self, path, timeline=timeline, **options)
+        return plan_writers.writer("html")(self, path, timeline=timeline, **options)
 
     def save_png(self, path: str, **options: Any) -> None:
         """Write a PNG of the device grid and the pipeline timeline (:func:`torchpar.report.png.save_png`)."""
-        from torchpar.report.png import save_png
-
-        save_png(self, path, **options)
+        plan_writers.writer("png")(self, path, **options)
 
 
 

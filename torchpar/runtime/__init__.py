@@ -3,12 +3,18 @@ workers — this process (``local``) or one Ray actor per host (``ray``) — bui
 
 from __future__ import annotations
 
+import logging
+import sys
 from typing import TYPE_CHECKING
+
+from torchpar.cluster import on_shutdown
 
 if TYPE_CHECKING:
     from torchpar.cluster import ClusterSpec
     from torchpar.runtime.executor import Executor
     from torchpar.runtime.worker import ExecutionSpec
+
+log = logging.getLogger(__name__)
 
 
 def build_executor(spec: "ExecutionSpec", cluster: "ClusterSpec", label: str = "") -> "Executor":
@@ -29,3 +35,21 @@ def build_executor(spec: "ExecutionSpec", cluster: "ClusterSpec", label: str = "
 
     spec.devices = DeviceMap(cluster.devices_per_host, None)
     return LocalExecutor(spec, label)
+
+
+def _shutdown() -> None:
+    """:func:`torchpar.shutdown`'s part in the runtime: close every open engine's executor, then disconnect from
+    Ray (both only if this process got that far)."""
+    if "torchpar.runtime.executor" in sys.modules:
+        from torchpar.runtime.executor import close_all
+
+        closed = close_all()
+        if closed:
+            log.info("torchpar.shutdown: closed %d open engine(s)", closed)
+    if "ray" in sys.modules:
+        from torchpar.runtime import ray_cluster
+
+        ray_cluster.disconnect()
+
+
+on_shutdown(_shutdown)  # registered the first time anything of the runtime is imported, before any engine exists

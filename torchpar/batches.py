@@ -1,0 +1,85 @@
+"""Batches as the engine sees them: a batch's *signature* (its structure, every leaf's shape and dtype: one
+compiled step per signature), the check that a batch fits the example batch's, and micro-batch slicing."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+import torch.utils._pytree as pytree
+
+from torchpar.capture.errors import describe_batch_mismatch
+from torchpar.capture.export import batch_to_call_args, call_args_to_batch, dtype_name
+
+
+def signature(batch: Any) -> tuple:
+    """``(structure, ((shape, dtype), ...))`` of ``batch``'s leaves; a ``TypeError`` naming a leaf that is not a
+    tensor."""
+    leaves, spec = pytree.tree_flatten(batch_to_call_args(batch))
+    if not all(isinstance(leaf, torch.Tensor) for leaf in leaves):
+        paths, _ = pytree.tree_flatten_with_path(batch)
+        path, leaf = next((p, v) for p, v in paths if not isinstance(v, torch.Tensor))
+        raise TypeError(f"batch{pytree.keystr(path)} is a {type(leaf).__name__}; every batch leaf must be a "
+                        "torch.Tensor (make lists and numbers tensors with torch.tensor(...))")
+    return str(spec), tuple((tuple(leaf.shape), dtype_name(leaf.dtype)) for leaf in leaves)
+
+
+def describe(signature: tuple) -> str:
+    """A signature's leaves as ``float32[8, 16], int64[8]``."""
+    return ", ".join(f"{dtype}{list(shape)}" for shape, dtype in signature[1])
+
+
+def skeleton(batch: Any) -> Any:
+    """``batch``'s structure, shapes and dtypes, without its data (tensors on the meta device)."""
+    return pytree.tree_map(lambda leaf: leaf.to("meta") if isinstance(leaf, torch.Tensor) else leaf, batch)
+
+
+def check_compatible(signature: tuple, batch: Any, example_signature: tuple, example_skeleton: Any) -> None:
+    """A ``ValueError`` unless ``batch`` has the example batch's structure and each leaf its dtype and rank (sizes
+    may change)."""
+    spec, leaves = signature
+    example_spec, example_leaves = example_signature
+    if spec != example_spec:
+        raise ValueError(f"the batch's structure differs from the example batch's: "
+                         f"{describe_batch_mismatch(example_skeleton, batch)}")
+    for index, ((shape, dtype), (example_shape, example_dtype)) in enumerate(zip(leaves, example_leaves)):
+        if dtype != example_dtype or len(shape) != len(example_shape):
+            raise ValueError(
+                f"batch leaf {index} is {dtype}{list(shape)} but the example batch has "
+                f"{example_dtype}{list(example_shape)}: dtype and rank must match the example "
+                "(sizes may change; each new shape compiles once)")
+
+
+def call_leaves(batch: Any) -> list[Any]:
+    """The batch's leaves in the order the step takes them (its call arguments, flattened)."""
+    return pytree.tree_leaves(batch_to_call_args(batch))
+
+
+def first_micro_batch(batch: Any, num_micro_batches: int) -> Any:
+    """The first of ``num_micro_batches`` equal slices of every batch leaf along dim 0 (for capture): a
+    ``ValueError`` naming the leaf if one does not split; ``batch`` itself for one micro-batch."""
+    if num_micro_batches == 1:
+        return batch
+    args, kwargs = batch_to_call_args(batch)
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    for index, leaf in enumerate(leaves):
+        if leaf.dim() == 0:
+            raise ValueError(f"batch leaf {index} is a scalar: it cannot be split into {num_micro_batches} equal "
+                             "micro-batches along dim 0 (num_micro_batches > 1 needs a batch dim on every leaf)")
+        if leaf.shape[0] % num_micro_batches:
+            raise ValueError(
+                f"batch leaf {index} of shape {list(leaf.shape)} cannot be split into {num_micro_batches} equal "
+                f"micro-batches along dim 0: its batch size {leaf.shape[0]} is not a multiple of "
+                f"num_micro_batches={num_micro_batches}. Pass batches whose size divides by {num_micro_batches} "
+                "(drop an epoch's smaller last batch with DataLoader(..., drop_last=True)), or compile with a "
+                "num_micro_batches that divides every batch size")
+    sliced = [leaf[: leaf.shape[0] // num_micro_batches] for leaf in leaves]
+    args, kwargs = pytree.tree_unflatten(sliced, spec)
+    return call_args_to_batch(type(batch), args, kwargs)
+
+
+def split_leaves(leaves: list[np.ndarray], parts: int) -> list[list[np.ndarray]]:
+    """Each of ``parts`` equal micro-batches of ``leaves`` (split along dim 0)."""
+    return [[leaf[m * (leaf.shape[0] // parts):(m + 1) * (leaf.shape[0] // parts)] for leaf in leaves]
+            for m in range(parts)]
