@@ -1,12 +1,13 @@
 # Two commands on a fresh machine with Python ≥ 3.11:
 #   make demo   — create .venv, install, train GPT-2 with PyTorch and torchpar side by side
 #   make test   — create .venv, install with test extras, run the test suite
+#   make test-fast — the same venv, a 4-minute subset for iterating (no Ray)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: demo test install benchmark clean
+.PHONY: demo test test-fast install benchmark clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +32,17 @@ test: install
 	$(PY) -m pytest -q -m ray --durations=10 $(PYTEST_ARGS); second=$$?; \
 	rm -rf $$cache; \
 	for status in $$first $$second; do [ $$status -eq 0 ] || [ $$status -eq 5 ] || exit $$status; done
+
+# A subset for iterating (about 4 minutes on 2 cores, no Ray): capture and autograd semantics, the engine, every op
+# against PyTorch's OpInfo samples, optimizers, the planner's solvers, every one-stage method trained beside PyTorch,
+# accumulation and micro-batch losses, schedules, per-device programs, layering. `make test` is what CI runs.
+FAST_TESTS = tests/capture tests/api/test_engine.py tests/jaxbackend/test_optim.py tests/jaxbackend/test_ops_opinfo.py \
+	tests/jaxbackend/test_spmd.py tests/planner/test_ilp.py tests/planner/test_layers.py tests/planner/test_stages.py \
+	tests/planner/test_sharded_training.py tests/runtime/test_schedules.py tests/runtime/test_grad_accumulation.py \
+	tests/runtime/test_loss_reduction.py tests/test_layering.py
+
+test-fast: install
+	$(PY) -m pytest -q -n 2 --dist worksteal -m "not ray" --durations=10 $(FAST_TESTS) $(PYTEST_ARGS)
 
 benchmark: install
 	$(PY) benchmarks/single_device.py
