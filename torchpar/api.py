@@ -83,9 +83,13 @@ def compile(
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    if method is not None and not isinstance(method, (DataParallel, Zero2Parallel, Zero3Parallel, MegatronParallel,
-                                                      ShardParallel, PipeshardParallel, Plan)):
-        raise TypeError(f"method must be None, a torchpar parallel method or a Plan, got {type(method).__name__}")
+    methods = (DataParallel, Zero2Parallel, Zero3Parallel, MegatronParallel, ShardParallel, PipeshardParallel)
+    if isinstance(method, type) and issubclass(method, methods):
+        raise TypeError(f"method=torchpar.{method.__name__} is the class; pass an instance: "
+                        f"method=torchpar.{method.__name__}() (its options, if any, inside the parentheses)")
+    if method is not None and not isinstance(method, (*methods, Plan)):
+        raise TypeError(f"method must be None, a torchpar parallel method (e.g. torchpar.DataParallel()) or a Plan, "
+                        f"got {method!r} of type {type(method).__name__}")
     check_model_fns(loss_fn, step_fn, forward_fn)
     options = CompileOptions(grad_clip_norm=grad_clip_norm, seed=seed, xla_library_fusions=xla_library_fusions,
                              spmd=spmd, check_inputs=check_inputs, on_nonfinite=on_nonfinite,

@@ -6,6 +6,8 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any, Literal
 
+import numpy as np
+
 from torchpar.capture.precision import autocast_dtype, resolve_precisions
 from torchpar.planner.remat import check_remat
 
@@ -83,6 +85,11 @@ class CompileOptions:
     stream them to TensorBoard or wandb (``metrics.scalars()``); its exceptions propagate from ``step``."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)):
+            raise TypeError(f"seed must be an int (the PRNG stream's seed, like torch.manual_seed's), got {self.seed!r} "
+                            f"of type {type(self.seed).__name__}")
+        if not -(2**63) <= self.seed < 2**64:
+            raise ValueError(f"seed must fit in 64 bits, got {self.seed}")
         if isinstance(self.log_every, bool) or not isinstance(self.log_every, int) or self.log_every < 0:
             raise ValueError(f"log_every must be an int ≥ 0 (0 = off), got {self.log_every!r}")
         if self.on_metrics is not None and not callable(self.on_metrics):

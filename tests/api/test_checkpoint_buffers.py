@@ -220,3 +220,24 @@ def test_the_reader_takes_an_earlier_torchpars_0d_pieces_and_refuses_pieces_of_a
         assert value.shape == () and value.dtype == np.int32 and int(value) == 3
         with pytest.raises(ValueError, match=r"buffer/v@0.* has shape \[3\], the checkpoint's index says \[4\]"):
             reader.read("buffer/v")
+
+
+def test_shard_files_are_readable_as_the_umask_allows():
+    """safetensors writes 0600; a checkpoint on a shared file system must be readable by the others the umask lets
+    read it (0644 under the usual 022)."""
+    import os
+    import stat
+
+    model = nn.Linear(4, 4)
+    engine = torchpar.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), example_batch=torch.randn(2, 4),
+                              step_fn=lambda m, b: m(b).sum())
+    mask = os.umask(0o022)
+    try:
+        with engine, tempfile.TemporaryDirectory() as directory:
+            path = Path(engine.save(os.path.join(directory, "checkpoint")))
+            shards = list(path.glob("*.safetensors"))
+            assert shards
+            for shard in shards:
+                assert stat.S_IMODE(shard.stat().st_mode) == 0o644, shard.name
+    finally:
+        os.umask(mask)

@@ -313,3 +313,25 @@ def test_option_validation():
     with pytest.raises(ValueError, match="grad_clip_norm"):
         torchpar.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), example_batch=torch.randn(4, 2),
                          loss_fn=lambda out, batch: out.sum(), grad_clip_norm=-1.0)
+
+
+def test_first_day_mistakes_are_named():
+    """A method class instead of an instance, a seed that is not an int and a nan learning rate each raise an error
+    that says what is wrong and what to write (issue 32)."""
+    model = torch.nn.Linear(4, 4)
+    batch = torch.randn(2, 4)
+    step_fn = lambda m, b: m(b).sum()  # noqa: E731
+    with pytest.raises(TypeError, match=r"pass an instance: method=torchpar.DataParallel\(\)"):
+        torchpar.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), example_batch=batch, step_fn=step_fn,
+                         method=torchpar.DataParallel)
+    with pytest.raises(TypeError, match="seed must be an int"):
+        torchpar.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), example_batch=batch, step_fn=step_fn,
+                         seed=1.5)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = model.weight.detach().clone()
+    with torchpar.compile(model, optimizer, example_batch=batch, step_fn=step_fn) as engine:
+        optimizer.param_groups[0]["lr"] = float("nan")
+        with pytest.raises(ValueError, match=r"param_groups\[0\]\['lr'\] is nan"):
+            engine.step(batch)
+        engine.sync_to_torch()
+    assert torch.equal(model.weight, before)

@@ -200,9 +200,10 @@ class TorchOptimizerBridge:
     # -- per step ----------------------------------------------------------------------------------
 
     def hparams(self) -> list[dict[str, float]]:
-        """The current per-group hyper-parameters as plain floats (tensor lr/betas are converted)."""
+        """The current per-group hyper-parameters as plain floats (tensor lr/betas are converted); a ``ValueError``
+        naming the group and the key if one is inf or nan (it would turn every parameter of the group nan)."""
         out = []
-        for group in self.optimizer.param_groups:
+        for gi, group in enumerate(self.optimizer.param_groups):
             hp = {"lr": float(group["lr"]), "weight_decay": float(group["weight_decay"])}
             if self.spec.kind == "sgd":
                 hp["momentum"] = float(group["momentum"])
@@ -210,6 +211,11 @@ class TorchOptimizerBridge:
             else:
                 hp["betas"] = (float(group["betas"][0]), float(group["betas"][1]))
                 hp["eps"] = float(group["eps"])
+            for key, value in hp.items():
+                if not np.all(np.isfinite(value)):
+                    raise ValueError(f"optimizer.param_groups[{gi}][{key!r}] is {value}: the step would make every "
+                                     f"parameter of the group inf/nan; set a finite {key} (a scheduler or a "
+                                     "division by zero may have written it)")
             out.append(hp)
         return out
 

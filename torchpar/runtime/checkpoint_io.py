@@ -59,15 +59,25 @@ def _piece_key(key: str, offsets: tuple[int, ...]) -> str:
 
 
 def _write_file(path: str, tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> None:
-    """One safetensors file, flushed to disk (``fsync``) before returning."""
+    """One safetensors file, flushed to disk (``fsync``) before returning, readable as any file this process
+    creates (``0666`` less the umask: safetensors itself writes ``0600``, which other users of a shared file system
+    could not read)."""
     from safetensors.numpy import save_file
 
     save_file(tensors, path, metadata=metadata)
+    os.chmod(path, 0o666 & ~_umask())
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _umask() -> int:
+    """This process's file-creation mask (read by setting it and putting it back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def write_shards(directory: str, arrays: Iterable[tuple[str, Any]], *, writer: str) -> dict[str, Any]:
