@@ -88,7 +88,7 @@ def compile(
         raise TypeError(f"method=torchpar.{method.__name__} is the class; pass an instance: "
                         f"method=torchpar.{method.__name__}() (its options, if any, inside the parentheses)")
     if method is not None and not isinstance(method, (*methods, Plan)):
-        raise TypeError(f"method must be None, a torchpar parallel method (e.g. torchpar.DataParallel()) or a Plan, "
+        raise TypeError(f"method must be None, a torchpar parallel method or a Plan (e.g. torchpar.DataParallel()), "
                         f"got {method!r} of type {type(method).__name__}")
     check_model_fns(loss_fn, step_fn, forward_fn)
     options = CompileOptions(grad_clip_norm=grad_clip_norm, seed=seed, xla_library_fusions=xla_library_fusions,

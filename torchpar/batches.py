@@ -11,6 +11,7 @@ import torch.utils._pytree as pytree
 
 from torchpar.capture.errors import describe_batch_mismatch
 from torchpar.capture.export import batch_to_call_args, call_args_to_batch, dtype_name
+from torchpar.guard import leaf_names
 
 
 def signature(batch: Any) -> tuple:
@@ -46,9 +47,12 @@ def check_compatible(signature: tuple, batch: Any, example_signature: tuple, exa
     for index, ((shape, dtype), (example_shape, example_dtype)) in enumerate(zip(leaves, example_leaves)):
         if dtype != example_dtype or len(shape) != len(example_shape):
             raise ValueError(
-                f"batch leaf {index} is {dtype}{list(shape)} but the example batch has "
+                f"{leaf_names(batch)[index]} is {dtype}{list(shape)} but the example batch has "
                 f"{example_dtype}{list(example_shape)}: dtype and rank must match the example "
                 "(sizes may change; each new shape compiles once)")
+        if shape and shape[0] == 0:
+            raise ValueError(f"{leaf_names(batch)[index]} has no rows (shape {list(shape)}): an empty batch has "
+                             "nothing to train on; skip it (an empty shard of a dataset, a filter that kept nothing?)")
 
 
 def call_leaves(batch: Any) -> list[Any]:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -266,7 +267,7 @@ class StepRecorder:
         self._facts = facts
         self._metrics = None
         if self._log_every and facts.step % self._log_every == 0:
-            logging.getLogger("torchpar.metrics").info("torchpar: %s", format_line(read()))
+            _announce(f"torchpar: {format_line(read())}")
         if self._on_metrics is not None:
             self._on_metrics(read())
 
@@ -302,3 +303,13 @@ class StepRecorder:
             self._memory_by_signature[signature] = (
                 None if stats is None else {stage: executable_peak_bytes(s) for stage, s in stats.items()})
         return self._memory_by_signature[signature]
+
+
+def _announce(line: str) -> None:
+    """``log_every``'s line: to the ``torchpar.metrics`` logger at INFO once the user has configured logging (a
+    handler on it or an ancestor); else straight to stderr, so a bare script sees it without setting logging up."""
+    logger = logging.getLogger("torchpar.metrics")
+    if logger.hasHandlers():
+        logger.info("%s", line)
+    else:
+        print(line, file=sys.stderr, flush=True)

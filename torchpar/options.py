@@ -78,8 +78,9 @@ class CompileOptions:
 
     log_every: int = 0
     """Log one line of the step's metrics (:class:`torchpar.metrics.StepMetrics`: loss, step time, samples/s,
-    tokens/s, model FLOPs, MFU, memory) every this many steps, on the ``torchpar.metrics`` logger at level INFO
-    (``logging.basicConfig(level=logging.INFO)`` shows it); ``0`` = never."""
+    tokens/s, model FLOPs, MFU, memory) every this many steps: to stderr while logging is not configured, else on
+    the ``torchpar.metrics`` logger at level INFO (``logging.basicConfig(level=logging.INFO)`` shows it); ``0`` =
+    never."""
     on_metrics: Callable[[Any], None] | None = None
     """Called after every step with its :class:`torchpar.metrics.StepMetrics` (``engine.last_metrics``), e.g. to
     stream them to TensorBoard or wandb (``metrics.scalars()``); its exceptions propagate from ``step``."""

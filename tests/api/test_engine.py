@@ -335,3 +335,15 @@ def test_first_day_mistakes_are_named():
             engine.step(batch)
         engine.sync_to_torch()
     assert torch.equal(model.weight, before)
+
+
+def test_batch_leaves_are_named_by_their_keys_and_an_empty_batch_is_refused():
+    model = torch.nn.Linear(4, 4)
+    batch = {"x": torch.randn(2, 4), "labels": torch.randn(2, 4)}
+    step_fn = lambda m, b: (m(b["x"]) - b["labels"]).pow(2).mean()  # noqa: E731
+    with torchpar.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), example_batch=batch,
+                          step_fn=step_fn) as engine:
+        with pytest.raises(ValueError, match=r"batch\['labels'\] is int64\[2, 4\]"):
+            engine.step({"x": torch.randn(2, 4), "labels": torch.zeros(2, 4, dtype=torch.int64)})
+        with pytest.raises(ValueError, match=r"batch\['x'\] has no rows"):
+            engine.step({"x": torch.randn(0, 4), "labels": torch.randn(0, 4)})
