@@ -150,15 +150,24 @@ def test_custom_backward_trains_like_pytorch(kind, method):
     cluster = _two_one_device_hosts() if method == "pipeline" else contextlib.nullcontext()
     with cluster, torchpar.compile(model, make_opt(model), example_batch=batch, method=_method(method)) as engine:
         assert len(engine.plan.stages) == (2 if method == "pipeline" else 1)
-        for _ in range(STEPS):
-            ref_opt.zero_grad()
-            loss = reference(*batch)
-            loss.backward()
-            ref_opt.step()
-            assert abs(engine.step(batch) - loss.item()) <= TOL
-        engine.sync_to_torch()
+        _train_beside(engine, reference, ref_opt, batch)
+    _assert_same_parameters(model, reference, f"{kind}/{method}")
+
+
+def _train_beside(engine, reference, ref_opt, batch) -> None:
+    """STEPS steps of ``engine`` and of the PyTorch ``reference`` on ``batch``; the losses within TOL."""
+    for _ in range(STEPS):
+        ref_opt.zero_grad()
+        loss = reference(*batch)
+        loss.backward()
+        ref_opt.step()
+        assert abs(engine.step(batch) - loss.item()) <= TOL
+    engine.sync_to_torch()
+
+
+def _assert_same_parameters(model, reference, label: str) -> None:
     for (name, expected), got in zip(reference.named_parameters(), model.parameters()):
-        torch.testing.assert_close(got, expected, rtol=0, atol=TOL, msg=f"{kind}/{method}: {name}")
+        torch.testing.assert_close(got, expected, rtol=0, atol=TOL, msg=f"{label}: {name}")
 
 
 def test_the_gradient_is_the_functions_not_the_forwards_derivative():
@@ -241,15 +250,8 @@ def test_functions_inside_remat_layers_train_like_pytorch(remat):
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     with torchpar.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), example_batch=batch,
                           remat=remat) as engine:
-        for _ in range(STEPS):
-            ref_opt.zero_grad()
-            loss = reference(*batch)
-            loss.backward()
-            ref_opt.step()
-            assert abs(engine.step(batch) - loss.item()) <= TOL
-        engine.sync_to_torch()
-    for (name, expected), got in zip(reference.named_parameters(), model.parameters()):
-        torch.testing.assert_close(got, expected, rtol=0, atol=TOL, msg=f"remat={remat}: {name}")
+        _train_beside(engine, reference, ref_opt, batch)
+    _assert_same_parameters(model, reference, f"remat={remat}")
 
 
 def test_a_stage_cut_inside_a_function_is_refused():

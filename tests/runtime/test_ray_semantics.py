@@ -13,19 +13,10 @@ import torch
 import torch.nn.functional as F
 
 import torchpar
+from tests.capture.test_autograd_functions import GradReverse
 from tests.runtime.ray_helpers import ray_cluster
 
 TOL = 1e-6
-
-
-class GradientReversal(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return -grad
 
 
 class TokenNet(torch.nn.Module):
@@ -37,7 +28,7 @@ class TokenNet(torch.nn.Module):
 
     def forward(self, ids, labels):
         h = torch.tanh(self.a(self.embed(ids)))
-        h = h + GradientReversal.apply(self.b(h.detach()))  # b learns reversed; a gets nothing through b
+        h = h + GradReverse.apply(self.b(h.detach()))  # b learns reversed; a gets nothing through b
         h = torchpar.mark_pipeline_boundary(h)
         logits = self.head(h)
         return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
