@@ -39,7 +39,7 @@ test: install
 FAST_TESTS = tests/capture tests/api/test_engine.py tests/jaxbackend/test_optim.py tests/jaxbackend/test_ops_opinfo.py \
 	tests/jaxbackend/test_spmd.py tests/planner/test_ilp.py tests/planner/test_layers.py tests/planner/test_stages.py \
 	tests/planner/test_sharded_training.py tests/runtime/test_schedules.py tests/runtime/test_grad_accumulation.py \
-	tests/runtime/test_loss_reduction.py tests/test_layering.py
+	tests/runtime/test_loss_reduction.py tests/runtime/test_last_batch.py tests/planner/test_training_plan.py tests/test_layering.py
 
 test-fast: install
 	$(PY) -m pytest -q -n 2 --dist worksteal -m "not ray" --durations=10 $(FAST_TESTS) $(PYTEST_ARGS)

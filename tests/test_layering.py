@@ -150,3 +150,22 @@ def test_no_import_cycles_among_torchpar_modules():
         "\n".join(report)
     stale = [sorted(c) for c in ALLOWED_CYCLES if sorted(c) not in _cycles(graph)]
     assert not stale, f"ALLOWED_CYCLES lists cycles that no longer exist; remove them: {stale}"
+
+
+# --- one road ------------------------------------------------------------------------------------------------------
+
+
+def test_the_engine_is_a_thin_face_that_never_asks_which_method_it_runs():
+    """``api.py`` holds ``compile``, ``plan`` and ``Engine`` only; the Engine (≤ 300 lines) names no method class and
+    no pipeline flag: every method takes one road (capture → ``plan_training`` → one executor ``compile``)."""
+    source = (PACKAGE / "api.py").read_text()
+    tree = ast.parse(source)
+    top = [node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.ClassDef))]
+    assert top == ["compile", "plan", "Engine"]
+    (engine,) = [node for node in tree.body if isinstance(node, ast.ClassDef)]
+    assert engine.end_lineno - engine.lineno + 1 <= 300
+    names = {node.id for node in ast.walk(engine) if isinstance(node, ast.Name)}
+    attributes = {node.attr for node in ast.walk(engine) if isinstance(node, ast.Attribute)}
+    branching = {"PipeshardParallel", "_pipelined", "is_pipeline", "DataParallel", "ShardParallel"}
+    assert not (names | attributes) & branching
+    assert "PipeshardParallel" not in source and "_pipelined" not in source

@@ -22,9 +22,9 @@ transformer): what the model needs, not what the hardware executed. Parameters t
 ``P`` is one device's dense peak FLOP/s at the step's precision (:func:`step_precision`:
 ``mixed_precision``, else the model's low float dtype, else the effective float32 matmul precision), from the
 cluster's hardware preset (:data:`torchpar.hardware.PRESETS`, ``peak_flops``); a precision the device has no
-units for falls back to its fp32 peak; a cluster without a preset (or whose ``device_flops`` was set by hand)
-uses ``ClusterSpec.device_flops``. ``D`` is the number of devices the plan uses. On fake CPU devices ``P`` is a
-nominal 50 GFLOP/s, so MFU there only compares runs with each other.
+units for falls back to its fp32 peak; a ``device_flops`` set by hand is taken as the peak. ``D`` is the number
+of devices the plan uses. Without a preset or a hand-set peak (fake CPU devices: ``device_flops`` is a nominal
+figure for pricing plans) there is no real ``P``: ``mfu`` is ``None`` and the log line says "MFU n/a".
 """
 
 from __future__ import annotations
@@ -71,10 +71,12 @@ class StepMetrics:
     """The precision the peak is taken at: ``"fp32"``, ``"tf32"``, ``"bf16"`` or ``"fp16"``."""
     num_devices: int
     """Devices the plan runs on."""
-    peak_flops_per_device: float
-    """Dense peak FLOP/s of one device at ``precision``."""
-    mfu: float
-    """Model FLOPs utilization: ``model_flops_per_step / step_time_s / (peak_flops_per_device · num_devices)``."""
+    peak_flops_per_device: float | None
+    """Dense peak FLOP/s of one device at ``precision``; ``None`` when the cluster has no real peak (no hardware
+    preset, none detected, and ``device_flops`` left at its nominal default)."""
+    mfu: float | None
+    """Model FLOPs utilization: ``model_flops_per_step / step_time_s / (peak_flops_per_device · num_devices)``;
+    ``None`` (shown "n/a") without a real peak: a ratio to a nominal figure would read as a measurement."""
     memory_bytes: dict[int, int] | None
     """Per-device bytes of each stage's executables by XLA's memory analysis (``{stage: bytes}``,
     :func:`torchpar.runtime.resources.executable_peak_bytes`); ``None`` if the runtime could not say."""
@@ -152,12 +154,15 @@ def step_precision(mixed_precision: str | None, matmul_precision: str, param_dty
     return _MATMUL_PRECISION_NAMES[matmul_precision]
 
 
-def peak_flops_per_device(cluster: Any, precision: str) -> float:
+def peak_flops_per_device(cluster: Any, precision: str) -> float | None:
     """One device's dense peak FLOP/s at ``precision``: the cluster preset's ``peak_flops[precision]`` (its fp32
-    peak where it has no units for ``precision``), or ``cluster.device_flops`` when the cluster has no preset or
-    its ``device_flops`` was set by hand."""
+    peak where it has no units for ``precision``), or ``cluster.device_flops`` when it was set by hand (with or
+    without a preset); ``None`` when neither says: no preset and the nominal default ``device_flops``."""
+    from torchpar.cluster import ClusterSpec
     from torchpar.hardware import preset
 
+    if cluster.preset is None and cluster.device_flops == ClusterSpec.device_flops:
+        return None
     if cluster.preset is not None:
         hardware = preset(cluster.preset)
         if hardware.device_flops == cluster.device_flops:
@@ -165,13 +170,15 @@ def peak_flops_per_device(cluster: Any, precision: str) -> float:
     return float(cluster.device_flops)
 
 
-def mfu(flops_per_step: float, step_time_s: float, peak_per_device: float, num_devices: int) -> float:
-    """``flops_per_step / step_time_s / (peak_per_device · num_devices)``."""
+def mfu(flops_per_step: float, step_time_s: float, peak_per_device: float | None, num_devices: int) -> float | None:
+    """``flops_per_step / step_time_s / (peak_per_device · num_devices)``; ``None`` without a peak."""
+    if peak_per_device is None:
+        return None
     return flops_per_step / step_time_s / (peak_per_device * num_devices)
 
 
 def step_metrics(*, step: int, loss: float, step_time_s: float, samples: int | None, tokens: int | None,
-                 flops_per_step: float, precision: str, peak_per_device: float, num_devices: int,
+                 flops_per_step: float, precision: str, peak_per_device: float | None, num_devices: int,
                  memory_bytes: dict[int, int] | None, compile_timings: Mapping[str, float],
                  loss_scale: float | None = None, update_skipped: bool = False,
                  recompiled: bool = False) -> StepMetrics:
@@ -189,6 +196,20 @@ def step_metrics(*, step: int, loss: float, step_time_s: float, samples: int | N
                        recompiled=recompiled)
 
 
+def measured_figures(plan: Any, memory_stats: Mapping[int, Mapping[str, int]], last_step_s: float | None) -> dict:
+    """What an engine measured, in the form the plan report shows beside its estimates: ``{"step_s": wall seconds
+    of the last step (None before one), "memory_bytes": {stage: per-device bytes of the stage's executables by
+    XLA's memory analysis}}``. Each stage's figure is also recorded in ``plan`` (``StagePlan.compiled_memory_bytes``),
+    so ``plan.summary()`` shows it beside the estimate."""
+    from torchpar.runtime.resources import executable_peak_bytes
+
+    memory = {stage: executable_peak_bytes(stats) for stage, stats in memory_stats.items()}
+    for stage, nbytes in memory.items():
+        if stage < len(plan.stages):
+            plan.stages[stage].compiled_memory_bytes = int(nbytes)
+    return {"step_s": last_step_s, "memory_bytes": memory}
+
+
 def format_line(metrics: StepMetrics) -> str:
     """One log line: ``step 10 | loss 2.3456 | 12.3 ms | 325 samples/s | 1.04e+04 tokens/s | 1.2 GFLOP | MFU
     12.3% (bf16 × 8) | memory 32 MiB``."""
@@ -198,7 +219,8 @@ def format_line(metrics: StepMetrics) -> str:
     if metrics.tokens_per_s is not None:
         parts.append(f"{metrics.tokens_per_s:.4g} tokens/s")
     parts.append(format_flops(metrics.model_flops_per_step))
-    parts.append(f"MFU {metrics.mfu:.2%} ({metrics.precision} × {metrics.num_devices})")
+    shown = "n/a" if metrics.mfu is None else f"{metrics.mfu:.2%}"
+    parts.append(f"MFU {shown} ({metrics.precision} × {metrics.num_devices})")
     if metrics.memory_bytes:
         parts.append(f"memory {format_bytes(max(metrics.memory_bytes.values()))}/device")
     if metrics.loss_scale is not None:

@@ -23,9 +23,11 @@ from tqdm.auto import tqdm
 
 from torchpar.cluster import ClusterSpec
 from torchpar.ir.graph import Graph
-from torchpar.ir.optimizer import OptimizerSpec
+from torchpar.ir.optimizer import OptimizerSpec, state_copies
+from torchpar.methods import PipeshardParallel
 from torchpar.planner.plan import Plan
-from torchpar.planner.profiling import LinkFit, StageTimer, calibrated_cluster, profile_one_stage
+from torchpar.planner.profiling import LinkFit, StageTimer, calibrated_cluster
+from torchpar.planner.training_plan import TrainingPlan, plan_training
 
 log = logging.getLogger(__name__)
 
@@ -93,13 +95,28 @@ def profiling_if(profile: bool, cluster: ClusterSpec, *, spec: OptimizerSpec, tr
         profiling.close()
 
 
-def finish_profiling(profiling: Profiling | None, plan: Plan, graph: Graph, pipelined: bool) -> None:
-    """Time a one-stage ``plan``'s stage on ``graph`` (a pipeline's candidates were timed while planning) and
-    record the link fits in the plan; nothing without ``profiling``."""
+def finish_profiling(profiling: Profiling | None, plan: Plan) -> None:
+    """Record the link fits in ``plan`` (its candidates were timed while planning) and log the measured figures;
+    nothing without ``profiling``."""
     if profiling is None:
         return
-    if not pipelined:
-        profile_one_stage(plan, graph, profiling.timer)
     profiling.record_links(plan)
     log.info("torchpar: profiled plan:\n%s", "\n".join(line for line in plan.summary().splitlines()
                                                         if "measured" in line or "profiled" in line))
+
+
+def plan_training_profiled(graph: Graph, method: Any, cluster: ClusterSpec, *, profile: bool, spec: OptimizerSpec,
+                           trainable: set[str], remat: str | None, explain: bool = False, numerics: Any,
+                           library_fusions: bool) -> TrainingPlan:
+    """:func:`torchpar.planner.training_plan.plan_training` of ``graph``, with measured profiling when ``profile``
+    (links timed first, the candidates compiled and timed while planning; a saved :class:`Plan` is taken as it is
+    and measures nothing). ``spec``: the optimizer's, for its state copies and the timed steps' update."""
+    measure = profile and not isinstance(method, Plan)
+    micro = int(getattr(method, "num_micro_batches", 1)) if isinstance(method, PipeshardParallel) else 1
+    with profiling_if(measure, cluster, spec=spec, trainable=trainable, num_micro_batches=micro, numerics=numerics,
+                      library_fusions=library_fusions) as profiling:
+        planned = plan_training(graph, method, profiling.cluster if profiling else cluster, trainable=trainable,
+                                optimizer_state_copies=state_copies(spec), remat=remat, explain=explain,
+                                stage_timer=profiling.timer if profiling else None)
+        finish_profiling(profiling, planned.plan)
+    return planned

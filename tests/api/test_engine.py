@@ -196,13 +196,29 @@ def test_hf_gradient_checkpointing_is_refused_with_a_warning_and_the_step_still_
     (warning,) = [w for w in record if w.category is GradientCheckpointingIgnoredWarning]
     message = str(warning.message)
     for words in ("does not apply HF gradient checkpointing", "keeps every activation", "num_micro_batches",
-                  "Zero3Parallel", "remat) is planned", "gradient_checkpointing_disable()"):
+                  "Zero3Parallel", "remat='layers'", "gradient_checkpointing_disable()"):
         assert words in message
+    assert not [w for w in record if "is_gradient_checkpointing" in str(w.message)]  # transformers' FutureWarning
     assert warning.filename == __file__  # points at the user's call
     with engine:
         assert engine.step(batch) == pytest.approx(reference(**batch).loss.item(), rel=LOSS_RTOL)
     model.gradient_checkpointing_disable()
     assert checkpointing_modules(model) == []
+
+
+def test_reading_an_hf_models_checkpointing_flag_raises_no_future_warning():
+    import warnings
+
+    import transformers
+
+    from torchpar.capture.checkpointing import checkpointing_modules
+
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32,
+                                                                 n_positions=16))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        assert checkpointing_modules(model) == []
+    assert [str(w.message) for w in record] == []
 
 
 def test_gradient_checkpointing_flag_of_any_submodule_is_detected():

@@ -92,8 +92,11 @@ def test_mfu_is_model_flops_over_time_and_peak(gpt2):
     engine.step(batch)
     m = engine.last_metrics
     assert m.precision == "fp32" and m.num_devices == 1
-    assert m.peak_flops_per_device == current_cluster().device_flops  # no preset: the cluster's constant
-    assert m.mfu == m.model_flops_per_step / m.step_time_s / (m.peak_flops_per_device * m.num_devices)
+    # no preset and the nominal device_flops: no real peak, so no MFU (a ratio to a made-up figure would mislead)
+    assert current_cluster().preset is None and m.peak_flops_per_device is None and m.mfu is None
+    assert "MFU n/a" in metrics.format_line(m)
+    peak = 1e12  # a peak given by hand (or a preset's) is taken as real
+    assert metrics.mfu(m.model_flops_per_step, m.step_time_s, peak, 1) == m.model_flops_per_step / m.step_time_s / peak
 
 
 def test_data_parallel_fp16_metrics_count_the_devices_and_the_loss_scale():
@@ -120,6 +123,7 @@ def test_peak_flops_follow_the_preset_and_precision():
     by_hand = ClusterSpec.from_preset("h100-nvlink", device_flops=5e14)
     assert metrics.peak_flops_per_device(by_hand, "bf16") == 5e14
     assert metrics.peak_flops_per_device(ClusterSpec(device_flops=1e12), "bf16") == 1e12
+    assert metrics.peak_flops_per_device(ClusterSpec(), "bf16") is None  # the nominal default is no peak
 
 
 def test_step_precision_rule():

@@ -143,6 +143,7 @@ def test_plan_summary_reports_specs_solver_and_phases():
     engine = _mlp_engine(256, 32, torchpar.ShardParallel(mesh_shape=(1, 4)))
     summary = engine.plan.summary()
     assert "layers.0.weight" in summary and "S1 R" in summary
-    assert "solver:" in summary and "variables=" in summary and "gap=" in summary
+    assert "R = whole (replicated), S0 / S1 / S01 = split over logical mesh axis 0 / 1 / both" in summary  # the legend
+    assert "solver:" in summary and "variables " in summary and "gap " in summary
     for phase in ("capture", "ilp", "lower", "xla_compile"):
         assert phase in engine.plan.timings

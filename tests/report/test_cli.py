@@ -74,3 +74,22 @@ def test_user_errors(tmp_path, capsys):
     assert "no such file" in capsys.readouterr().err
     assert main(["plan", "--model", "mlp", "--config", "[1]", "--out", str(tmp_path / "x.html")]) == 2
     assert "JSON object" in capsys.readouterr().err
+
+
+def test_the_docs_synopsis_names_every_flag_of_each_command():
+    """docs/api.md's "Command line" synopsis of ``plan`` and ``compare`` lists every flag their ``--help`` shows."""
+    import argparse
+    import re
+
+    from torchpar.__main__ import _parser
+
+    docs = (ROOT / "docs" / "api.md").read_text()
+    section = docs[docs.index("## Command line"):]
+    commands = next(a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+    for name, parser in commands.items():
+        start = section.index(f"`python -m torchpar {name} ")
+        synopsis = section[start:section.index("`", start + 1)]
+        flags = {option for action in parser._actions for option in action.option_strings
+                 if option.startswith("--") and option != "--help"}
+        missing = sorted(flag for flag in flags if not re.search(re.escape(flag) + r"(?![\w-])", synopsis))
+        assert not missing, f"docs/api.md's `{name}` synopsis lacks {missing}"

@@ -1,10 +1,11 @@
-"""HuggingFace gradient checkpointing, which torchpar does not apply: detected at compile time and refused
-with a warning.
+"""HuggingFace gradient checkpointing, which torchpar does not apply as such: detected at compile time and
+refused with a warning that names torchpar's own option.
 
 ``model.gradient_checkpointing_enable()`` makes HF blocks call ``torch.utils.checkpoint`` in train mode.
 ``torch.export`` traces through it (the captured step computes the same loss and gradients), but the
 recompute-in-backward it asks for does not survive capture: XLA keeps every activation the backward reads,
-so the option would be silently ignored. torchpar has no activation checkpointing (remat) option yet.
+so the option would be silently ignored. ``compile(remat="layers"|"selective"|"auto")`` is what recomputes
+(:mod:`torchpar.planner.remat`).
 """
 
 from __future__ import annotations
@@ -21,10 +22,14 @@ class GradientCheckpointingIgnoredWarning(UserWarning):
 def checkpointing_modules(model: torch.nn.Module) -> list[str]:
     """Names of the submodules of ``model`` with HF gradient checkpointing enabled (``gradient_checkpointing
     = True``, what ``gradient_checkpointing_enable()`` sets); ``[""]`` when only the model itself says so
-    (``model.is_gradient_checkpointing``)."""
+    (``model.is_activation_checkpointing``; transformers before 5: ``is_gradient_checkpointing``, which 5.x still
+    answers with a ``FutureWarning``, so it is read only where the new name is missing)."""
     names = [name for name, module in model.named_modules() if getattr(module, "gradient_checkpointing", False) is True]
-    if not names and getattr(model, "is_gradient_checkpointing", False) is True:
-        names = [""]
+    if not names:
+        asked = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") else \
+            "is_gradient_checkpointing"
+        if getattr(model, asked, False) is True:
+            names = [""]
     return names
 
 
@@ -39,8 +44,8 @@ def warn_if_gradient_checkpointing(model: torch.nn.Module, *, stacklevel: int = 
     warnings.warn(
         f"torchpar does not apply HF gradient checkpointing (enabled on {shown}, e.g. by "
         "model.gradient_checkpointing_enable()): the compiled step keeps every activation for the backward "
-        "pass, as if it were off. To use less activation memory, use a smaller (micro-)batch: PipeshardParallel "
-        "with more num_micro_batches; to free the memory of parameters, gradients and optimizer state, "
-        "Zero3Parallel. Activation checkpointing (remat) is planned. Call model.gradient_checkpointing_disable() "
-        "to silence this warning.", GradientCheckpointingIgnoredWarning, stacklevel=stacklevel + 1)
+        "pass, as if it were off. torchpar's own activation checkpointing is compile(remat='layers') (or "
+        "'selective', or 'auto' to let the planner choose); a smaller micro-batch (num_micro_batches) and "
+        "Zero3Parallel also free memory. Call model.gradient_checkpointing_disable() to silence this warning.",
+        GradientCheckpointingIgnoredWarning, stacklevel=stacklevel + 1)
     return True

@@ -149,6 +149,8 @@ class Plan:
         how = f" [{estimate['model']}; {estimate['step_formula']}]" if estimate else ""
         lines = [f"Plan: {method_title(self.method)}, {len(self.stages)} stage(s), {self.num_micro_batches} "
                  f"micro-batch(es), schedule {self.schedule}, estimated step {format_seconds(self.estimated_step_s)}{how}"]
+        if any(stage.params or stage.inputs for stage in self.stages):
+            lines.append(f"  {LAYOUT_LEGEND}")
         for index, stage in enumerate(self.stages):
             crossing = [str(a) for a, cross in enumerate(stage.crosses_hosts) if cross]
             hosts = f" (axis {', '.join(crossing)} crosses hosts)" if crossing else ""
@@ -200,7 +202,7 @@ class Plan:
         lines.extend(_profile_lines(self.solver.get("profile")))
         stats = {k: v for k, v in self.solver.items() if k not in _EXPLAINED_SOLVER_KEYS}
         if stats:
-            lines.append("  solver: " + ", ".join(f"{k}={v}" for k, v in stats.items()))
+            lines.append("  solver: " + ", ".join(f"{k.replace('_', ' ')} {_solver_value(v)}" for k, v in stats.items()))
         if self.timings:
             lines.append("  compile phases: " + ", ".join(f"{k} {v:.2f}s" for k, v in self.timings.items()))
         return "\n".join(lines)
@@ -273,3 +275,17 @@ def _profile_lines(profile: dict[str, Any] | None) -> list[str]:
                      f"β⁻¹ {1 / link['beta'] / 1e9 if link['beta'] else float('inf'):.2f} GB/s (fitted to "
                      f"{len(link['points'])} timed all-reduces)")
     return lines
+
+
+LAYOUT_LEGEND = ("layouts, one word per tensor dim: R = whole (replicated), S0 / S1 / S01 = split over logical mesh "
+                 "axis 0 / 1 / both (`S1 R`: rows split over axis 1, columns whole)")
+"""The legend ``summary()`` prints above the layouts (:func:`torchpar.ir.layout.describe` is their one text form)."""
+
+
+def _solver_value(value: Any) -> str:
+    """A solver statistic for the summary: floats to 4 significant digits, lists and dicts by their size."""
+    if isinstance(value, bool) or not isinstance(value, (float, list, dict)):
+        return str(value)
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return f"[{len(value)} entries]" if isinstance(value, list) else f"{{{len(value)} keys}}"

@@ -26,6 +26,33 @@ Index = tuple[tuple[int, int], ...]
 Piece = tuple[Index, np.ndarray]
 
 
+def fitting(sharding: jax.sharding.Sharding, shape: Sequence[int]) -> jax.sharding.Sharding:
+    """``sharding`` if it tiles ``shape`` evenly, else the same sharding with each dimension it cannot split evenly
+    left whole (e.g. a last batch of 6 rows on a 4-way data axis: replicated along the rows). JAX places arrays
+    only in even tiles; inside a compiled step XLA pads uneven ones, so a plan's layouts still hold there."""
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+        return sharding
+    try:
+        sharding.shard_shape(tuple(shape))
+        return sharding
+    except ValueError:
+        pass
+    sizes = dict(sharding.mesh.shape)
+    spec = [*sharding.spec, *([None] * (len(shape) - len(sharding.spec)))]
+    for dim, entry in enumerate(spec):
+        axes = () if entry is None else entry if isinstance(entry, tuple) else (entry,)
+        if shape[dim] % math.prod(sizes[a] for a in axes):
+            spec[dim] = None
+    return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec))
+
+
+def put_batch(value: Any, sharding: jax.sharding.Sharding) -> jax.Array:
+    """A batch leaf or an activation (:func:`put`) laid out as ``sharding``, or as :func:`fitting` makes it where
+    ``sharding`` does not split its shape evenly (an epoch's last batch). The state is never fitted: a plan
+    whose parameter layout does not split it is an error at load."""
+    return put(value, fitting(sharding, np.shape(value)))
+
+
 def put(value: Any, sharding: jax.sharding.Sharding) -> jax.Array:
     """``value`` (a host array, the same in every process that calls this) laid out as ``sharding``."""
     if sharding.is_fully_addressable:

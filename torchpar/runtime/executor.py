@@ -6,9 +6,8 @@ optimizer spec, run options) and answers
 - ``load_state(HostState)`` / ``export_state() → HostState``: the training state in and out, as host arrays;
 - ``save_shards(directory) → manifest`` / ``load_checkpoint(directory, tensors)``: the state to and from a sharded
   checkpoint on disk, every worker writing and reading its own shards (:mod:`.checkpoint_io`);
-- ``compile_step(key, graph, trainable, leaves, scalars)``: one-stage plans compile one step per batch
-  signature ``key`` (pipelines compile their stages in ``warm_up``, and again for other batch shapes in
-  ``compile_shapes(key, stage_graphs, scalars)``);
+- ``compile(key, graph, trainable, leaves, scalars, stage_graphs)``: the step of batch signature ``key``, for
+  every kind of plan (a one-stage plan's one fused step; a pipeline's stages, cut again for other batch shapes);
 - ``step(key, leaves, scalars, key_data) → StepResult``: one optimizer step on a batch (host arrays): the
   loss, and whether the step was finite (with ``RunOptions.check_finite`` a non-finite step is skipped);
 - ``forward(key, graph, leaves) → outputs``: the eval forward;
@@ -90,6 +89,7 @@ class Executor:
         self._unheld = HostState()
         self._spmd = "pipeline" if spec.is_pipeline else "gspmd"
         self._timeline: StepTimeline | None = None
+        self._warned_spmd = False
         self.timings: dict[str, float] = {}
         """Seconds of the executor's own set-up phases (e.g. starting and joining Ray host actors)."""
         _open_executors.add(self)
@@ -173,26 +173,22 @@ class Executor:
 
     # --- compilation ----------------------------------------------------------------------------------------
 
-    def compile_step(self, key: Hashable, graph: Graph, trainable: tuple[str, ...],
-                     leaves: list[tuple[tuple[int, ...], str]], scalars: Any) -> dict[str, float]:
-        """Compile a one-stage plan's step for batch signature ``key``; returns phase seconds."""
+    def compile(self, key: Hashable, graph: Graph, trainable: tuple[str, ...],
+                leaves: list[tuple[tuple[int, ...], Any]], scalars: Any,
+                stage_graphs: list[Any] | None = None) -> dict[str, float]:
+        """Compile the step for batch signature ``key`` on every worker (:meth:`.worker.Worker.compile`: ``graph``
+        captured on one micro-batch, ``leaves`` the whole batch's ``(shape, dtype)``, ``stage_graphs`` a pipeline's
+        stages for other batch shapes or ``None``); later :meth:`step` calls on ``key`` run it. Returns phase
+        seconds (``lower``, ``xla_compile``)."""
         self._check_open()
-        result = self._call("compile_step", key, graph, trainable, leaves, scalars, what="compiling the step",
-                            timeout_s=self.compile_timeout_s)[0]
-        self._spmd = result["spmd"]
+        if self.spec.is_pipeline and self.spec.options.spmd != "auto" and not self._warned_spmd:
+            log.warning("torchpar: spmd=%r is ignored by pipelines (their stages run under GSPMD)",
+                        self.spec.options.spmd)
+            self._warned_spmd = True
+        result = self._call("compile", key, graph, trainable, leaves, scalars, stage_graphs,
+                            what="compiling the step", timeout_s=self.compile_timeout_s)[0]
+        self._spmd = result.get("spmd", self._spmd)
         return {"lower": result["lower"], "xla_compile": result["xla_compile"]}
-
-    def warm_up(self, scalars: Any) -> None:
-        self._check_open()
-        self._call("warm_up", scalars, what="compiling the stages", timeout_s=self.compile_timeout_s)
-
-    def compile_shapes(self, key: Hashable, stage_graphs: list[Any], scalars: Any) -> None:
-        """Pipelines: compile the plan's stages again for batch signature ``key`` (other batch shapes), from
-        ``stage_graphs`` (the plan's stages of the model captured on one micro-batch of such a batch); steps on
-        ``key`` run them, with the same state."""
-        self._check_open()
-        self._call("compile_shapes", key, stage_graphs, scalars, what="compiling the stages for new batch shapes",
-                   timeout_s=self.compile_timeout_s)
 
     @property
     def compile_timeout_s(self) -> float:
@@ -305,7 +301,8 @@ class Executor:
 
     @property
     def spmd_mode(self) -> str:
-        """``"shard_map"`` / ``"gspmd"`` for one-stage plans (of the last compiled step), ``"pipeline"``."""
+        """``"shard_map"`` / ``"gspmd"`` / ``"single_device"`` for one-stage plans (of the last compiled step),
+        ``"pipeline"``."""
         return self._spmd
 
     def _timeline_rows(self) -> int:

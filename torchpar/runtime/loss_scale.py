@@ -16,9 +16,12 @@ and the executable reports whether the step was finite.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
 import numpy as np
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -72,3 +75,12 @@ class LossScaler:
         self.backoff_factor = float(state["backoff_factor"])
         self.growth_interval = int(state["growth_interval"])
         self.growth_tracker = int(state["_growth_tracker"])
+
+    def after_step(self, step: int, finite: bool, loss: float) -> bool:
+        """:meth:`update` after step ``step``; whether it overflowed: its gradients were not finite but its loss was
+        (expected now and then under fp16 scaling: the update was skipped, the scale backs off, training goes on)."""
+        self.update(finite)
+        overflowed = not finite and bool(np.isfinite(loss))
+        if overflowed:
+            log.info("torchpar: step %d overflowed in fp16; update skipped, loss scale now %g", step, self.scale)
+        return overflowed

@@ -28,6 +28,7 @@ from jaxbackend.precision import Numerics
 from torchpar.ir.graph import Graph
 from torchpar.ir.optimizer import OptimizerSpec
 from torchpar.planner.plan import StagePlan
+from torchpar.runtime.arrays import fitting
 from torchpar.runtime.micro_batch_loss import MicroBatchLoss
 from torchpar.runtime.placement import Placement
 from torchpar.runtime.train_step import make_fused_step, remat_groups
@@ -46,10 +47,12 @@ class CompiledStep:
 
     compiled: Any
     spmd: str
-    """``"shard_map"`` or ``"gspmd"``."""
+    """``"shard_map"`` or ``"gspmd"``; ``"single_device"`` on a one-device mesh (nothing is partitioned)."""
     num_inputs: int
     lower_s: float
     compile_s: float
+    input_shardings: list[Any]
+    """Each batch leaf's sharding on entry: the plan's, or :func:`.arrays.fitting`'s where it does not split evenly."""
 
 
 class OneStageProgram:
@@ -82,8 +85,10 @@ class OneStageProgram:
         ``graph`` is the step of one micro-batch and ``leaves`` the whole batch (M micro-batches along dim 0)."""
         params, opt_state, buffers = state
         placement = Placement.from_stage(self.stage, graph, self.devices)
-        inputs = [jax.ShapeDtypeStruct(shape, dtype, sharding=placement.input(i))
-                  for i, (shape, dtype) in enumerate(leaves)]
+        input_shardings = [fitting(placement.input(i), shape) for i, (shape, _) in enumerate(leaves)]
+        uneven = [i for i, sharding in enumerate(input_shardings) if sharding != placement.input(i)]
+        inputs = [jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+                  for (shape, dtype), sharding in zip(leaves, input_shardings)]
         out_shardings = (placement.replicated, placement.replicated, {n: placement.param(n) for n in params},
                          {n: {k: placement.state_of(n) for k in entries} for n, entries in opt_state.items()},
                          {n: placement.replicated for n in buffers})
@@ -96,7 +101,12 @@ class OneStageProgram:
 
         start = time.perf_counter()
         lowered, spmd = None, "gspmd"
-        layouts = self._shard_map_layouts(graph)
+        if uneven:  # e.g. an epoch's last batch: a per-device program needs even shards, XLA's partitioner does not
+            log.info("torchpar: batch leaves %s (shapes %s) do not split evenly over the plan's mesh %s; this batch "
+                     "signature's step runs under GSPMD with those leaves whole on entry (the same training: XLA pads "
+                     "the uneven shards inside the step)%s", uneven, [leaves[i][0] for i in uneven],
+                     tuple(self.stage.logical_mesh_shape), self._accumulation_caveat())
+        layouts = None if uneven else self._shard_map_layouts(graph)
         if layouts is not None:
             from jaxbackend.spmd import LocalModeError
 
@@ -128,13 +138,15 @@ class OneStageProgram:
                                       count_nonfinite=_one_collective_count(placement) if len(self.devices) > 1 else None,
                                       num_micro_batches=self.num_micro_batches, loss=MicroBatchLoss.of(graph))
             lowered = jit_step(step_fn).lower(*args)
+        if len(self.devices) == 1:
+            spmd = "single_device"
         lowered_at = time.perf_counter()
         compiled = lowered.compile(compiler_options=self._options)
         done = time.perf_counter()
         log.info("torchpar: compiled training step (%d ops, %s) in %.2fs: lower %.2fs, XLA %.2fs",
                  len(graph.nodes), spmd, done - start, lowered_at - start, done - lowered_at)
         return CompiledStep(compiled=compiled, spmd=spmd, num_inputs=len(inputs), lower_s=lowered_at - start,
-                            compile_s=done - lowered_at)
+                            compile_s=done - lowered_at, input_shardings=input_shardings)
 
     def input_sharding(self, index: int) -> Any:
         return self.placement.input(index)

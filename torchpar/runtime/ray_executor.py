@@ -193,15 +193,20 @@ class RayExecutor(Executor):
 
     def _check_alive(self, what: str, wait_s: float = LIVENESS_PERIOD_S, consequence: str = "") -> None:
         """Raise naming the first actor Ray reports dead within ``wait_s`` (the others may be waiting for it,
-        or have failed because of it: ``consequence``)."""
+        or have failed because of it: ``consequence``). With a ``consequence`` (another rank failed, perhaps because
+        of a dead peer), an actor that does not even answer a ping within ``wait_s`` is named too: Ray may not have
+        noticed a killed process yet, but a live actor answers at once (pings are served beside its calls)."""
         pings = {actor.ping.remote(): rank for rank, actor in enumerate(self.actors)}
-        ready, _ = ray.wait(list(pings), num_returns=len(pings), timeout=wait_s)
+        ready, silent = ray.wait(list(pings), num_returns=len(pings), timeout=wait_s)
         for ref in sorted(ready, key=lambda r: pings[r]):
             try:
                 ray.get(ref)
             except ray.exceptions.RayActorError as error:
                 self._fail(f"the actor of {self._where(pings[ref])} died while {what} ({type(error).__name__})"
                            + (f"; {consequence}" if consequence else ""))
+        if consequence and silent:
+            named = ", ".join(self._where(pings[ref]) for ref in sorted(silent, key=lambda r: pings[r]))
+            self._fail(f"{named} does not answer (its process died or hangs) while {what}; {consequence}")
 
     def _unresponsive(self, ranks: list[int]) -> list[int]:
         """Those of ``ranks`` whose actor does not answer a ping within ``LIVENESS_PERIOD_S`` (a busy actor answers:

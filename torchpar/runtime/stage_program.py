@@ -26,7 +26,7 @@ from jaxbackend.lower import lower
 from jaxbackend.precision import Numerics
 from torchpar.ir.optimizer import OptimizerSpec
 from torchpar.planner.slicing import StageGraph
-from torchpar.runtime.arrays import put
+from torchpar.runtime.arrays import put, put_batch
 from torchpar.runtime.micro_batch_loss import MicroBatchLoss, reference_of
 from torchpar.runtime.placement import Placement
 from torchpar.runtime.train_step import nonfinite_count, optimizer_tail, remat_groups
@@ -177,10 +177,10 @@ class StageProgram:
         return put(value, self.placement.state_of(name))
 
     def put_input(self, index: int, value: Any) -> Any:
-        return put(value, self.placement.input(index))
+        return put_batch(value, self.placement.input(index))
 
     def put_activation(self, name: str, value: Any) -> Any:
-        return put(value, self.placement.value(name))
+        return put_batch(value, self.placement.value(name))
 
     def forward(self, params: dict, buffers: dict, inputs: dict, acts: dict, key: Any) -> tuple[dict, dict, dict, Any]:
         """→ (float outputs incl. the loss, other outputs, new buffers, residuals)."""

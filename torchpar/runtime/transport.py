@@ -29,7 +29,7 @@ from typing import Any, Callable, Mapping
 import jax
 import numpy as np
 
-from torchpar.runtime.arrays import Index, extent, intersect, normalize, relative
+from torchpar.runtime.arrays import Index, extent, fitting, intersect, normalize, relative
 from torchpar.runtime.timeline import StageClock
 
 
@@ -124,6 +124,7 @@ class Transport:
         """Send ``values`` (arrays of stage ``src``) to stage ``dst``, which holds each as ``targets[name]``;
         ``clock`` records the time it took (``send``)."""
         begin = time.time()
+        targets = {n: fitting(targets[n], v.shape) for n, v in values.items()}  # uneven splits: left whole
         for receiver in self.ranks_of_stage[dst]:
             key = MessageKey(self.step, kind, src, dst, micro_batch, self.rank)
             local = receiver == self.rank and all(v.is_fully_addressable for v in values.values()) and all(
@@ -163,7 +164,7 @@ class Transport:
                 pieces.setdefault(name, []).extend(parts)
         copy = time.time()
         for name, (shape, dtype) in meta.items():
-            arrays[name] = _assemble_global(shape, dtype, targets[name], pieces[name], name)
+            arrays[name] = _assemble_global(shape, dtype, fitting(targets[name], shape), pieces[name], name)
         if clock is not None:
             clock.span("recv_wait", micro_batch, wait, copy)
             clock.span("recv_copy", micro_batch, copy, time.time())

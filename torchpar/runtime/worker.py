@@ -6,8 +6,8 @@ same :class:`ExecutionSpec` and its process rank, builds the programs of the sta
 owns, and answers the same calls:
 
 ``load(state)`` / ``export(kinds)``; ``save_shards(directory)`` / ``load_checkpoint(directory, tensors)`` (sharded
-checkpoints: :mod:`.checkpoint_io`); ``warm_up(scalars)`` (pipelines: ``compile_shapes(key, stage_graphs, scalars)`` for
-other batch shapes); ``run_step(...) → StepReport``;
+checkpoints: :mod:`.checkpoint_io`); ``compile(key, graph, trainable, leaves, scalars, stage_graphs)`` (the step
+of one batch signature ``key``, for every kind of plan); ``run_step(...) → StepReport``;
 ``apply_update(clip_scale)``; ``hlo_text()`` / ``memory_stats()`` (by stage, from the stage's lead —
 lowest-ranked — process); ``describe()``.
 
@@ -37,7 +37,7 @@ from torchpar.ir.optimizer import OptimizerSpec
 from torchpar.planner.plan import Plan
 from torchpar.planner.slicing import StageGraph
 from torchpar.runtime import gradients
-from torchpar.runtime.arrays import local_scalar, put
+from torchpar.runtime.arrays import local_scalar, put, put_batch
 from torchpar.runtime.checkpoint_io import KINDS, CheckpointSource, ShardReader, tensor_key, write_shards
 from torchpar.runtime.devices import DeviceMap
 from torchpar.runtime.micro_batch_loss import MicroBatchLoss
@@ -156,6 +156,16 @@ class Worker:
         several stages hold is written by its first stage only)."""
         raise NotImplementedError
 
+    def compile(self, key: Hashable, graph: Graph, trainable: tuple[str, ...],
+                leaves: list[tuple[tuple[int, ...], Any]], scalars: Any,
+                stage_graphs: list[StageGraph] | None = None) -> dict[str, Any]:
+        """Compile the training step for batch signature ``key`` now (not inside its first step): ``graph`` is the
+        training graph captured on one micro-batch of such a batch, ``leaves`` the whole batch's ``(shape, dtype)``
+        per input, ``scalars`` a step's scalars (their shapes are what matter); ``stage_graphs``: the plan's stages
+        cut out of ``graph`` when it is not the graph the plan was made for (pipelines; ``None``: the plan's own).
+        Returns phase seconds (``lower``, ``xla_compile``) and, one-stage plans, how the step runs (``spmd``)."""
+        raise NotImplementedError
+
     def save_shards(self, directory: str) -> dict[str, Any]:
         """Write this process's pieces of the state into ``directory``; returns their manifest."""
         return write_shards(directory, self.checkpoint_arrays(), writer=f"rank{self.rank}")
@@ -221,23 +231,19 @@ class OneStageWorker(Worker):
                 *((tensor_key("buffer", n), v) for n, v in self.buffers.items()),
                 *((tensor_key("state", (n, k)), v) for n, entries in self.opt_state.items() for k, v in entries.items())]
 
-    def compile_step(self, key: Hashable, graph: Graph, trainable: tuple[str, ...],
-                     leaves: list[tuple[tuple[int, ...], str]], scalars: Any) -> dict[str, Any]:
-        """Compile the training step of ``graph`` for batch signature ``key``; returns how it runs."""
+    def compile(self, key: Hashable, graph: Graph, trainable: tuple[str, ...],
+                leaves: list[tuple[tuple[int, ...], Any]], scalars: Any,
+                stage_graphs: list[StageGraph] | None = None) -> dict[str, Any]:
         compiled = self.program.compile_step(graph, trainable, leaves, (self.params, self.opt_state, self.buffers),
                                              scalars)
         self._steps[key] = compiled
         self._last = compiled
         return {"spmd": compiled.spmd, "lower": compiled.lower_s, "xla_compile": compiled.compile_s}
 
-    def warm_up(self, scalars: Any) -> None:
-        """Steps compile in :meth:`compile_step`; nothing else to compile."""
-
     def run_step(self, key: Hashable, leaves: list[np.ndarray], scalars: Any, key_data: np.ndarray,
                  start_time: float) -> StepReport:
         compiled = self._steps[key]
-        placement = self.program.placement
-        inputs = [put(leaf, placement.input(i)) for i, leaf in enumerate(leaves)]
+        inputs = [put(leaf, sharding) for leaf, sharding in zip(leaves, compiled.input_shardings)]  # fitted at compile
         begin = time.time()
         loss, finite, self.params, self.opt_state, self.buffers = compiled.compiled(
             self.params, self.opt_state, self.buffers, inputs, scalars, key_data)
@@ -259,7 +265,7 @@ class OneStageWorker(Worker):
 
         if key not in self._forwards:
             self._forwards[key] = self.program.compile_forward(graph)
-        inputs = [put(leaf, self.program.placement.input(i)) for i, leaf in enumerate(leaves)]
+        inputs = [put_batch(leaf, self.program.placement.input(i)) for i, leaf in enumerate(leaves)]
         outputs = self._forwards[key](self.params, self.buffers, inputs)
         return [None if o is None else (tuple(o.shape), o.dtype, to_host(o)) for o in outputs]
 
@@ -287,8 +293,10 @@ class PipelineWorker(Worker):
         self.ranks = spec.stage_ranks()
         trainable = set(spec.trainable)
         # the layouts and programs of the most recent step's batch shapes (at first: the example batch's); those
-        # of other batch shapes by batch signature (compile_shapes)
+        # of every compiled batch signature by signature (compile)
+        start = time.perf_counter()
         self.placements, self.programs = self._build(spec.stage_graphs)
+        self._build_s = time.perf_counter() - start
         self._primary = (self.placements, self.programs)
         self._variants: dict[Hashable, tuple[dict[int, Any], dict[int, Any]]] = {}
         from torchpar.runtime.interpreter import StageState
@@ -319,15 +327,27 @@ class PipelineWorker(Worker):
                     for s, graph in enumerate(stage_graphs) if self.rank in self.ranks[s]}
         return placements, programs
 
-    def compile_shapes(self, key: Hashable, stage_graphs: list[StageGraph], scalars: Any) -> None:
-        """Build and compile the stages for other batch shapes (batch signature ``key``): ``stage_graphs`` are the
-        plan's stages of the model captured on one micro-batch of that batch. The state stays where it is."""
-        placements, programs = self._build(stage_graphs)
+    def compile(self, key: Hashable, graph: Graph, trainable: tuple[str, ...],
+                leaves: list[tuple[tuple[int, ...], Any]], scalars: Any,
+                stage_graphs: list[StageGraph] | None = None) -> dict[str, Any]:
+        """Compile every stage's executables this process takes part in (by running them on zeros), stages one
+        after another in rank order so processes sharing a stage compile it together. ``stage_graphs=None``: the
+        plan's own stages (built with the worker); else the stages are built again for other batch shapes and
+        kept for ``key``; the state stays where it is."""
+        start = time.perf_counter()
+        if stage_graphs is None:
+            placements, programs = self._primary
+            lower_s = self._build_s
+        else:
+            placements, programs = self._build(stage_graphs)
+            lower_s = time.perf_counter() - start
+        start = time.perf_counter()
         scalars = self._optimizer_scalars(scalars, programs)
         for s, program in sorted(programs.items()):
             stage = self.states[s]
             program.warm_up(stage.params, stage.buffers, stage.opt_state, scalars)
         self._variants[key] = (placements, programs)
+        return {"lower": lower_s, "xla_compile": time.perf_counter() - start}
 
     def _optimizer_scalars(self, scalars: Any, programs: dict[int, Any]) -> Any:
         """The optimizer's part of a step's ``scalars``; under loss scaling (``(optimizer scalars, [S, 1/S])``)
@@ -390,14 +410,6 @@ class PipelineWorker(Worker):
             for name in [*graph.params, *(i.target for i in graph.graph.inputs if i.kind == "buffer")]:
                 first.setdefault(name, s)
         return first
-
-    def warm_up(self, scalars: Any) -> None:
-        """Compile every stage's executables now (by running them on zeros), not inside the first step.
-        Stages run one after another in rank order, so processes sharing a stage compile it together."""
-        scalars = self._optimizer_scalars(scalars, self.programs)
-        for s, program in sorted(self.programs.items()):
-            stage = self.states[s]
-            program.warm_up(stage.params, stage.buffers, stage.opt_state, scalars)
 
     def run_step(self, key: Hashable, micro_inputs: list[dict[int, np.ndarray]], scalars: Any, key_data: np.ndarray,
                  start_time: float) -> StepReport:

@@ -1,0 +1,197 @@
+"""The road from a model to a running step, on three floors: capture (:mod:`torchpar.capture`) → plan
+(:func:`torchpar.planner.training_plan.plan_training`) → executor (:mod:`torchpar.runtime`).
+
+:class:`CompiledTraining` walks it once when built (capture the example batch's first micro-batch, plan, start
+the executor's workers with the state, compile the step) and again per new batch signature (capture, cut the
+plan's stages out of the new graph, compile); the plan is made once. Every method takes the same road: a
+one-stage plan is a pipeline of one stage, and what differs lives under the planner's and the executor's doors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any
+
+import torch
+
+from torchpar import batches
+from torchpar import checkpoint as _checkpoint
+from torchpar.capture.export import Capture, ForwardFn, LossFn, StepFn, capture_forward, capture_train_step
+from torchpar.capture.grad_semantics import trainable_params
+from torchpar.capture.optim import TorchOptimizerBridge
+from torchpar.cluster import current_cluster
+from torchpar.guard import StepGuard
+from torchpar.host_arrays import jax_dtype
+from torchpar.ir.graph import Graph
+from torchpar.ir.loss_parts import with_loss_parts
+from torchpar.ir.optimizer import step_scalars
+from torchpar.options import CompileOptions, describe_numerics
+from torchpar.planner.plan import Plan
+from torchpar.planner.training_plan import TrainingPlan
+from torchpar.profiled import plan_training_profiled
+from torchpar.progress import CompilePhases
+
+log = logging.getLogger(__name__)
+
+
+class CompiledTraining:
+    """A model's training step planned once and compiled per batch signature, and the executor running it.
+
+    ``signature`` keys are :func:`torchpar.batches.signature` of a whole batch; every graph held is captured on
+    one micro-batch of it (``num_micro_batches`` per step: pipelines, gradient accumulation). ``timings`` gathers
+    each phase's seconds for ``plan.timings``. On failure while building, the workers already started are freed."""
+
+    def __init__(self, model: torch.nn.Module, bridge: TorchOptimizerBridge, options: CompileOptions,
+                 method: Any, example_batch: Any, *, loss_fn: LossFn | None, step_fn: StepFn | None,
+                 forward_fn: ForwardFn | None, guard: StepGuard, loss_scaler: Any, numerics: Any, autocast: Any):
+        self.model, self.bridge, self.options, self.guard = model, bridge, options, guard
+        self._loss_fn, self._step_fn, self._forward_fn = loss_fn, step_fn, forward_fn
+        self._loss_scaler, self._numerics, self._autocast = loss_scaler, numerics, autocast
+        self.num_micro_batches = int(getattr(method, "num_micro_batches", 1))
+        self.example_signature = batches.signature(example_batch)
+        self._params = dict(model.named_parameters())  # tied tensors keep their first name
+        self.timings: dict[str, float] = {}
+        self.step_graphs: dict[tuple, Graph] = {}
+        """Batch signature → the training graph its compiled step runs."""
+        self._captures: dict[tuple, Capture] = {}
+        self._eval: dict[tuple, Capture] = {}
+        self._diagnosed: dict[tuple, Graph] = {}
+        self.planned: TrainingPlan | None = None
+        self.executor: Any = None
+        try:
+            self._build(method, example_batch)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, method: Any, example_batch: Any) -> None:
+        from torchpar.runtime import build_executor
+        from torchpar.runtime.devices import DeviceMap
+        from torchpar.runtime.worker import ExecutionSpec
+
+        phases = CompilePhases(("capture", "plan", "start workers", "XLA compile"), "the training step")
+        try:
+            with self.translating_failures("compiling the training step"):
+                with phases.phase("capture"):
+                    capture = self.capture(batches.first_micro_batch(example_batch, self.num_micro_batches))
+                with phases.phase("plan"):
+                    cluster = current_cluster()
+                    self.planned = plan_training_profiled(
+                        capture.graph, method, cluster, profile=self.options.profile, spec=self.bridge.spec,
+                        trainable=set(self.trainable(capture.graph)), remat=self.options.remat,
+                        numerics=self._numerics, library_fusions=self.options.xla_library_fusions)
+                    self.plan.numerics = describe_numerics(self._numerics, self.options.mixed_precision)
+                    log.info("torchpar plan:\n%s", self.plan.summary())
+                with phases.phase("start workers"):
+                    start = time.perf_counter()
+                    spec = ExecutionSpec(plan=self.plan, optimizer=self.bridge.spec,
+                                         devices=DeviceMap(cluster.devices_per_host), options=self._run_options(),
+                                         stage_graphs=self.planned.stage_graphs,
+                                         trainable=tuple(sorted(self.planned.trainable)))
+                    self.executor = build_executor(spec, cluster, label=self.plan.method)
+                    self.timings.update(self.executor.timings)
+                    self.executor.load_state(_checkpoint.torch_state(self._params, dict(self.model.named_buffers()),
+                                                                     self.bridge))
+                    self.timings["start_workers"] = time.perf_counter() - start
+                with phases.phase("XLA compile"):
+                    self._compile(self.example_signature, capture)
+        finally:
+            phases.close()
+
+    def _run_options(self) -> Any:
+        from torchpar.runtime.worker import RunOptions
+
+        return RunOptions(grad_clip_norm=self.options.grad_clip_norm, library_fusions=self.options.xla_library_fusions,
+                          spmd=self.options.spmd, timeout_s=current_cluster().timeout_s,
+                          check_finite=self.options.on_nonfinite != "ignore" or self._loss_scaler is not None,
+                          numerics=self._numerics, loss_scaling=self._loss_scaler is not None, remat=self.plan.remat)
+
+    @property
+    def plan(self) -> Plan:
+        assert self.planned is not None, "the plan is made while building"
+        return self.planned.plan
+
+    # --- per batch signature -----------------------------------------------------------------------------------
+
+    def ensure_compiled(self, signature: tuple, batch: Any) -> bool:
+        """Compile the step for ``batch``'s signature if it has none yet (the plan stays as it is); whether it did."""
+        if signature in self.step_graphs:
+            return False
+        log.info("torchpar: new batch shapes %s, recompiling the training step", batches.describe(signature))
+        self._compile(signature, self.capture(batches.first_micro_batch(batch, self.num_micro_batches)))
+        return True
+
+    def _compile(self, signature: tuple, capture: Capture) -> None:
+        assert self.planned is not None and self.executor is not None
+        try:
+            stage_graphs = self.planned.stage_graphs_for(capture.graph)
+        except ValueError as error:
+            raise ValueError(f"batch shapes {batches.describe(signature)}: {error} "
+                             f"{batches.describe(self.example_signature)}") from None
+        # the graph is one micro-batch's; the step takes the whole batch (micro-batches along dim 0)
+        leaves = [((m.shape[0] * self.num_micro_batches, *m.shape[1:]), jax_dtype(m.dtype)) for m in capture.input_metas]
+        with self.translating_failures("compiling the training step"):
+            self.timings.update(self.executor.compile(signature, capture.graph, self.trainable(capture.graph), leaves,
+                                                      self.with_loss_scale(self.first_step_scalars()), stage_graphs))
+        self._captures[signature] = capture
+        self.guard.learn(signature, capture.graph)
+        self.step_graphs[signature] = capture.graph
+
+    def capture(self, batch: Any) -> Capture:
+        """The training graph on ``batch`` (one micro-batch); every op must have a lowering (checked here, before
+        any worker starts, so the error lists them all at once)."""
+        from jaxbackend.lower import check_supported
+
+        start = time.perf_counter()
+        capture = capture_train_step(self.model, batch, self._loss_fn, autocast=self._autocast, step_fn=self._step_fn)
+        self.timings["capture"] = time.perf_counter() - start
+        check_supported(capture.graph)
+        if self.num_micro_batches > 1:  # mark how micro-batch losses make the whole batch's (torchpar.ir.loss_parts)
+            capture = dataclasses.replace(capture, graph=with_loss_parts(capture.graph))
+        return capture
+
+    def forward_capture(self, signature: tuple, batch: Any) -> Capture:
+        """The eval-mode forward graph on ``batch`` (captured once per signature)."""
+        if signature not in self._eval:
+            self._eval[signature] = capture_forward(self.model, batch, autocast=self._autocast,
+                                                    forward_fn=self._forward_fn)
+        return self._eval[signature]
+
+    def graph(self, signature: tuple) -> Graph:
+        """The training graph compiled for ``signature``."""
+        return self.step_graphs[signature]
+
+    def diagnosis_graph(self, signature: tuple, batch: Any) -> Graph:
+        """The training graph for ``batch``: the compiled one of its signature, else captured (not compiled)."""
+        if signature in self.step_graphs:
+            return self.step_graphs[signature]
+        if signature not in self._diagnosed:
+            self._diagnosed[signature] = self.capture(batches.first_micro_batch(batch, self.num_micro_batches)).graph
+        return self._diagnosed[signature]
+
+    def trainable(self, graph: Graph) -> tuple[str, ...]:
+        """Parameters the optimizer updates this step: in the optimizer, requiring grad, and reaching the
+        loss (PyTorch leaves the others' ``.grad`` as ``None`` and skips them)."""
+        return trainable_params(graph, self._params, self.bridge.spec.param_names)
+
+    # --- scalars and failures ----------------------------------------------------------------------------------
+
+    def first_step_scalars(self) -> Any:
+        """Scalars of a step with the optimizer's current hyper-parameters, counters at 1 (for compiling)."""
+        spec = self.bridge.spec
+        return step_scalars(spec, self.bridge.hparams(), [1] * spec.num_groups)
+
+    def with_loss_scale(self, scalars: Any) -> Any:
+        """A step's scalars: the optimizer's, with the loss scale under fp16 mixed precision."""
+        return scalars if self._loss_scaler is None else (scalars, self._loss_scaler.step_input())
+
+    def translating_failures(self, what: str) -> Any:
+        """A context manager: failures inside become errors that name ``what`` and the plan (:class:`StepGuard`)."""
+        return self.guard.translating_failures(what, self.planned.plan if self.planned else None,
+                                               current_cluster().device_memory_bytes)
+
+    def close(self) -> None:
+        if self.executor is not None:
+            self.executor.close()
