@@ -1,4 +1,5 @@
-r"""SGD, Adam and AdamW in pure JAX, with torch.optim's exact update formulas.
+r"""SGD, Adam, AdamW, Adagrad, RMSprop, Adamax, NAdam, RAdam and Adadelta in pure JAX, with torch.optim's exact
+update formulas.
 
 The update is a pure function of (params, grads, state, scalars) so it can be jitted once per
 `OptimizerSpec` (a static argument holding only structural, compile-time facts) and reused for every
@@ -36,6 +37,22 @@ AdamW (torch/optim/adamw.py = Adam with decoupled_weight_decay=True): as Adam, e
 weight decay multiplies the parameter before anything else and never touches g::
 
     θ ← θ·(1 - γλ)
+
+Every other optimizer starts with ``g ← -g`` if maximize, then ``g ← g + λ·θ`` (coupled weight decay; NAdam and
+RAdam with decoupled_weight_decay instead do ``θ ← θ·(1 - γλ)`` and leave g alone), and follows the
+``_single_tensor_*`` function of its torch/optim module, operation by operation (addcmul ``a + (c·x)·y``,
+addcdiv ``a + (c·x)/y``, lerp as above)::
+
+    Adagrad:  s ← s + g·g;  θ ← θ + (-γ/(1 + (t-1)·lr_decay))·g / (√s + ε)
+    RMSprop:  v ← α·v + (1-α)·g·g;  ḡ ← lerp(ḡ, g, 1-α) and d ← √(v - ḡ·ḡ) + ε if centered, else d ← √v + ε
+              μ > 0: b ← μ·b + g/d, θ ← θ - γ·b;   else θ ← θ + (-γ·g)/d
+    Adamax:   m ← lerp(m, g, 1-β₁);  u ← max(β₂·u, |g| + ε);  θ ← θ + (-γ/(1-β₁ᵗ))·m / u
+    NAdam:    μₜ = β₁(1 - ½·0.96^(tψ)), Π ← Π·μₜ (float32 host counter "mu_product");
+              m ← lerp(m, g, 1-β₁);  v ← β₂·v + (1-β₂)·g·g;  d ← √(v / (1-β₂ᵗ)) + ε
+              θ ← θ + (-γ(1-μₜ)/(1-Π))·g / d;  θ ← θ + (-γμₜ₊₁/(1-Πμₜ₊₁))·m / d
+    RAdam:    m, v as NAdam;  m̂ ← m / (1-β₁ᵗ);  ρ∞ = 2/(1-β₂) - 1,  ρₜ = ρ∞ - 2tβ₂ᵗ/(1-β₂ᵗ)
+              ρₜ > 5: θ ← θ - ((m̂·γ)·(√(1-β₂ᵗ)·(1/(√v + ε))))·r  (r the rectification term);  else θ ← θ - m̂·γ
+    Adadelta: v ← ρ·v + (1-ρ)·g·g;  δ ← (√(a + ε) / √(v + ε))·g;  a ← ρ·a + (1-ρ)·δ·δ;  θ ← θ + (-γ)·δ
 
 Gradient clipping (torch.nn.utils.clip_grad_norm_, norm_type=2)::
 
@@ -78,7 +95,8 @@ def init_state(spec: OptimizerSpec, params: Mapping[str, Array]) -> State:
     """Zero state for every parameter in `spec.param_names`; same shape and dtype as the parameter.
 
     Step counts are per group and live on the host (they enter through `step_scalars`), so the
-    state holds tensors only.
+    state holds tensors only. Adagrad's ``sum`` starts at ``initial_accumulator_value``, which the spec does not
+    hold: zeros here are right only for the default 0 (`TorchOptimizerBridge.initial_state` fills it).
     """
     missing = [n for n in spec.param_names if n not in params]
     if missing:
@@ -102,7 +120,7 @@ def apply_updates(
     step, like a torch parameter whose ``.grad`` is None), are returned unchanged with their state.
     """
     assert len(scalars) == spec.num_groups, (len(scalars), spec.num_groups)
-    update = _sgd_update if spec.kind == "sgd" else _adam_update
+    update = _UPDATES[spec.kind]
     new_params = dict(params)
     new_state: State = {}
     for name, group in zip(spec.param_names, spec.group_of_param):
@@ -171,20 +189,141 @@ def _adam_update(spec, group, p, g, state, s):
     return new_p.astype(p_dtype), new_state
 
 
+def _coupled_grad(spec, group, p, g, s, dt):
+    """maximize, then torch's ``grad.add(param, alpha=weight_decay)``."""
+    if spec.maximize[group]:
+        g = -g
+    return g + s["weight_decay"].astype(dt) * p
+
+
+def _adagrad_update(spec, group, p, g, state, s):
+    p_dtype = p.dtype
+    p, dt = _opmath(p)
+    g = _coupled_grad(spec, group, p, g.astype(dt), s, dt)
+    acc = state["sum"].astype(dt)
+    acc = acc + g * g  # state_sum.addcmul_(grad, grad, value=1)
+    std = jnp.sqrt(acc) + s["eps"].astype(dt)
+    new_p = p + (s["neg_clr"].astype(dt) * g) / std
+    return new_p.astype(p_dtype), {"sum": acc.astype(state["sum"].dtype)}
+
+
+def _rmsprop_update(spec, group, p, g, state, s):
+    p_dtype = p.dtype
+    p, dt = _opmath(p)
+    g = _coupled_grad(spec, group, p, g.astype(dt), s, dt)
+    sq = state["square_avg"].astype(dt)
+    sq = (s["one_minus_alpha"].astype(dt) * g) * g + sq * s["alpha"].astype(dt)  # order: see _sgd_update
+    new_state = {"square_avg": sq.astype(state["square_avg"].dtype)}
+    if spec.centered[group]:
+        grad_avg = _lerp(state["grad_avg"].astype(dt), g, s["one_minus_alpha"].astype(dt))
+        new_state["grad_avg"] = grad_avg.astype(state["grad_avg"].dtype)
+        avg = jnp.sqrt(sq + (-grad_avg) * grad_avg)  # square_avg.addcmul(grad_avg, grad_avg, value=-1).sqrt_()
+    else:
+        avg = jnp.sqrt(sq)
+    avg = avg + s["eps"].astype(dt)
+    lr = s["lr"].astype(dt)
+    if spec.has_momentum[group]:
+        buf = g / avg + state["momentum_buffer"].astype(dt) * s["momentum"].astype(dt)  # buf.mul_(μ).addcdiv_(g, avg)
+        new_state["momentum_buffer"] = buf.astype(state["momentum_buffer"].dtype)
+        new_p = p + (-lr) * buf
+    else:
+        new_p = p + ((-lr) * g) / avg
+    return new_p.astype(p_dtype), {k: new_state[k] for k in state_keys(spec, group)}
+
+
+def _adamax_update(spec, group, p, g, state, s):
+    p_dtype = p.dtype
+    p, dt = _opmath(p)
+    g = _coupled_grad(spec, group, p, g.astype(dt), s, dt)
+    m = _lerp(state["exp_avg"].astype(dt), g, s["beta1_weight"].astype(dt))
+    u = jnp.maximum(state["exp_inf"].astype(dt) * s["beta2"].astype(dt), jnp.abs(g) + s["eps"].astype(dt))
+    new_p = p + (s["neg_clr"].astype(dt) * m) / u
+    return new_p.astype(p_dtype), {"exp_avg": m.astype(state["exp_avg"].dtype),
+                                   "exp_inf": u.astype(state["exp_inf"].dtype)}
+
+
+def _adam_moments(p, g, state, s, dt):
+    """NAdam/RAdam: decoupled decay (param_scale is 1 without it), then the two moments as Adam updates them."""
+    p = p * s["param_scale"].astype(dt)
+    m = _lerp(state["exp_avg"].astype(dt), g, s["beta1_weight"].astype(dt))
+    v = (s["one_minus_beta2"].astype(dt) * g) * g + state["exp_avg_sq"].astype(dt) * s["beta2"].astype(dt)
+    return p, m, v
+
+
+def _nadam_update(spec, group, p, g, state, s):
+    p_dtype = p.dtype
+    p, dt = _opmath(p)
+    g = _coupled_grad(spec, group, p, g.astype(dt), s, dt)  # weight_decay is 0 when decoupled
+    p, m, v = _adam_moments(p, g, state, s, dt)
+    denom = jnp.sqrt(v / s["bias_correction2"].astype(dt)) + s["eps"].astype(dt)
+    new_p = p + (s["grad_coef"].astype(dt) * g) / denom
+    new_p = new_p + (s["exp_avg_coef"].astype(dt) * m) / denom
+    return new_p.astype(p_dtype), {"exp_avg": m.astype(state["exp_avg"].dtype),
+                                   "exp_avg_sq": v.astype(state["exp_avg_sq"].dtype)}
+
+
+def _radam_update(spec, group, p, g, state, s):
+    p_dtype = p.dtype
+    p, dt = _opmath(p)
+    g = _coupled_grad(spec, group, p, g.astype(dt), s, dt)
+    p, m, v = _adam_moments(p, g, state, s, dt)
+    corrected = (m / s["bias_correction1"].astype(dt)) * s["lr"].astype(dt)
+    adaptive = s["bias_correction2_sqrt"].astype(dt) * (1 / (jnp.sqrt(v) + s["eps"].astype(dt)))  # x.reciprocal() * c
+    rectified = (corrected * adaptive) * s["rect"].astype(dt)
+    new_p = p - jnp.where(s["rectify"], rectified, corrected)
+    return new_p.astype(p_dtype), {"exp_avg": m.astype(state["exp_avg"].dtype),
+                                   "exp_avg_sq": v.astype(state["exp_avg_sq"].dtype)}
+
+
+def _adadelta_update(spec, group, p, g, state, s):
+    p_dtype = p.dtype
+    p, dt = _opmath(p)
+    g = _coupled_grad(spec, group, p, g.astype(dt), s, dt)
+    rho, one_minus_rho, eps = (s[k].astype(dt) for k in ("rho", "one_minus_rho", "eps"))
+    sq = (one_minus_rho * g) * g + state["square_avg"].astype(dt) * rho
+    std = jnp.sqrt(sq + eps)
+    acc = state["acc_delta"].astype(dt)
+    delta = (jnp.sqrt(acc + eps) / std) * g
+    acc = (one_minus_rho * delta) * delta + acc * rho
+    new_p = p + (-s["lr"].astype(dt)) * delta
+    return new_p.astype(p_dtype), {"square_avg": sq.astype(state["square_avg"].dtype),
+                                   "acc_delta": acc.astype(state["acc_delta"].dtype)}
+
+
+_UPDATES = {
+    "sgd": _sgd_update,
+    "adam": _adam_update,
+    "adamw": _adam_update,
+    "adagrad": _adagrad_update,
+    "rmsprop": _rmsprop_update,
+    "adamax": _adamax_update,
+    "nadam": _nadam_update,
+    "radam": _radam_update,
+    "adadelta": _adadelta_update,
+}
+
+
+def global_norm(grads: Mapping[str, Array], complete_sum: Callable[[str, Array], Array] | None = None) -> Array:
+    """The L2 norm of all ``grads`` together, in float32, as ``torch.nn.utils.clip_grad_norm_`` computes it (the norm
+    of the per-tensor norms); ``0`` for no gradients. ``complete_sum(name, s)``, inside ``shard_map``: the whole
+    tensor's sum of squares from this device's ``s`` (a ``psum`` over the axes sharding that gradient)."""
+    if not grads:
+        return jnp.zeros((), jnp.float32)
+    complete_sum = complete_sum or (lambda name, s: s)
+    norms = [jnp.sqrt(complete_sum(k, jnp.sum(jnp.square(_opmath(g)[0])))) for k, g in grads.items()]
+    return jnp.sqrt(jnp.sum(jnp.square(jnp.stack([n.astype(jnp.float32) for n in norms]))))
+
+
 def clip_grads_by_global_norm(grads: Mapping[str, Array], max_norm: float | Array,
                               complete_sum: Callable[[str, Array], Array] | None = None) -> tuple[dict[str, Array], Array]:
     """torch.nn.utils.clip_grad_norm_(…, max_norm, norm_type=2): returns (clipped grads, total norm).
 
     Like torch, always multiplies by the clamped coefficient (1 when the norm is below max_norm),
-    so there is no data-dependent branch. The total norm is float32 (the norm of per-tensor norms).
-    ``complete_sum(name, s)``, inside ``shard_map``: the whole tensor's sum of squares from this device's
-    ``s`` (a ``psum`` over the axes sharding that gradient).
+    so there is no data-dependent branch. The total norm is :func:`global_norm` (``complete_sum`` as there).
     """
     if not grads:
         return dict(grads), jnp.zeros((), jnp.float32)
-    complete_sum = complete_sum or (lambda name, s: s)
-    norms = [jnp.sqrt(complete_sum(k, jnp.sum(jnp.square(_opmath(g)[0])))) for k, g in grads.items()]
-    total_norm = jnp.sqrt(jnp.sum(jnp.square(jnp.stack([n.astype(jnp.float32) for n in norms]))))
+    total_norm = global_norm(grads, complete_sum)
     clip_coef = clip_coefficient(total_norm, max_norm)
     clipped = {k: (g * clip_coef.astype(g.dtype)).astype(g.dtype) for k, g in grads.items()}
     return clipped, total_norm

@@ -198,7 +198,7 @@ class Engine:
         self._recorder.record(_metrics.StepFacts(
             step=self._steps_taken, loss=result.loss, step_time_s=time.perf_counter() - started, signature=signature,
             tokens=_metrics.count_tokens(batch), loss_scale=loss_scale, update_skipped=not result.finite,
-            recompiled=recompiled), lambda: self.last_metrics)
+            recompiled=recompiled, grad_norm=result.grad_norm), lambda: self.last_metrics)
         return result.loss
 
     def _recompile_for_changes(self, batch: Any, changes: list[str]) -> None:

@@ -18,6 +18,7 @@ import torch
 
 from torchpar import batches
 from torchpar import checkpoint as _checkpoint
+from torchpar import compile_cache
 from torchpar.capture.export import Capture, ForwardFn, LossFn, StepFn, capture_forward, capture_train_step
 from torchpar.capture.grad_semantics import trainable_params
 from torchpar.capture.optim import TorchOptimizerBridge
@@ -132,9 +133,16 @@ class CompiledTraining:
                              f"{batches.describe(self.example_signature)}") from None
         # the graph is one micro-batch's; the step takes the whole batch (micro-batches along dim 0)
         leaves = [((m.shape[0] * self.num_micro_batches, *m.shape[1:]), jax_dtype(m.dtype)) for m in capture.input_metas]
+        hits = compile_cache.hits()
         with self.translating_failures("compiling the training step"):
-            self.timings.update(self.executor.compile(signature, capture.graph, self.trainable(capture.graph), leaves,
-                                                      self.with_loss_scale(self.first_step_scalars()), stage_graphs))
+            timings = self.executor.compile(signature, capture.graph, self.trainable(capture.graph), leaves,
+                                            self.with_loss_scale(self.first_step_scalars()), stage_graphs)
+        self.timings.update(timings)
+        loaded = compile_cache.hits() - hits  # this process's executables only (Ray host actors count their own)
+        if loaded:
+            log.info("torchpar: %d executable(s) of the step for batch shapes %s loaded from the compile cache %s "
+                     "(XLA compile %.2fs)", loaded, batches.describe(signature), compile_cache.cache_dir(),
+                     timings.get("xla_compile", 0.0))
         self._captures[signature] = capture
         self.guard.learn(signature, capture.graph)
         self.step_graphs[signature] = capture.graph

@@ -82,6 +82,9 @@ class StepMetrics:
     :func:`torchpar.runtime.resources.executable_peak_bytes`); ``None`` if the runtime could not say."""
     compile_timings: dict[str, float]
     """Seconds per compile phase (``engine.plan.timings``)."""
+    grad_norm: float | None = None
+    """The global L2 norm of the step's gradients before clipping (what ``torch.nn.utils.clip_grad_norm_`` returns;
+    the true gradients under fp16 loss scaling); inf/nan on a step whose update was skipped for them."""
     loss_scale: float | None
     """The fp16 loss scale this step ran with (``mixed_precision="fp16"``), else ``None``."""
     update_skipped: bool
@@ -181,7 +184,7 @@ def step_metrics(*, step: int, loss: float, step_time_s: float, samples: int | N
                  flops_per_step: float, precision: str, peak_per_device: float | None, num_devices: int,
                  memory_bytes: dict[int, int] | None, compile_timings: Mapping[str, float],
                  loss_scale: float | None = None, update_skipped: bool = False,
-                 recompiled: bool = False) -> StepMetrics:
+                 recompiled: bool = False, grad_norm: float | None = None) -> StepMetrics:
     """The :class:`StepMetrics` of one step from what the engine measured and knows."""
     def rate(count: int | None) -> float | None:
         return None if count is None else count / step_time_s
@@ -193,7 +196,7 @@ def step_metrics(*, step: int, loss: float, step_time_s: float, samples: int | N
                        mfu=mfu(flops_per_step, step_time_s, peak_per_device, num_devices),
                        memory_bytes=None if memory_bytes is None else dict(memory_bytes),
                        compile_timings=dict(compile_timings), loss_scale=loss_scale, update_skipped=update_skipped,
-                       recompiled=recompiled)
+                       recompiled=recompiled, grad_norm=grad_norm)
 
 
 def measured_figures(plan: Any, memory_stats: Mapping[int, Mapping[str, int]], last_step_s: float | None) -> dict:
@@ -211,9 +214,11 @@ def measured_figures(plan: Any, memory_stats: Mapping[int, Mapping[str, int]], l
 
 
 def format_line(metrics: StepMetrics) -> str:
-    """One log line: ``step 10 | loss 2.3456 | 12.3 ms | 325 samples/s | 1.04e+04 tokens/s | 1.2 GFLOP | MFU
+    """One log line: ``step 10 | loss 2.3456 | grad norm 0.8123 | 12.3 ms | 325 samples/s | 1.04e+04 tokens/s | 1.2 GFLOP | MFU
     12.3% (bf16 × 8) | memory 32 MiB``."""
     parts = [f"step {metrics.step}", f"loss {metrics.loss:.6g}", format_seconds(metrics.step_time_s)]
+    if metrics.grad_norm is not None:
+        parts.insert(2, f"grad norm {metrics.grad_norm:.4g}")
     if metrics.samples_per_s is not None:
         parts.append(f"{metrics.samples_per_s:.4g} samples/s")
     if metrics.tokens_per_s is not None:
@@ -253,6 +258,7 @@ class StepFacts:
     loss_scale: float | None
     update_skipped: bool
     recompiled: bool
+    grad_norm: float | None = None
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
@@ -308,7 +314,7 @@ class StepRecorder:
                 num_devices=len({d for stage in given.plan.stages for d in stage.devices()}),
                 memory_bytes=self._memory_bytes(signature, given.memory_stats),
                 compile_timings=given.plan.timings, loss_scale=facts.loss_scale,
-                update_skipped=facts.update_skipped, recompiled=facts.recompiled)
+                update_skipped=facts.update_skipped, recompiled=facts.recompiled, grad_norm=facts.grad_norm)
         return self._metrics
 
     def _memory_bytes(self, signature: tuple, memory_stats: Callable[[], dict[int, dict[str, int]]]

@@ -184,6 +184,11 @@ def test_a_save_replaces_the_previous_one_atomically_and_damage_is_refused(one_d
     next(missing.glob("*.safetensors")).unlink()
     with pytest.raises(CheckpointError, match="damaged: shard file .* is missing"):
         engine.load(missing)
+    garbled = Path(shutil.copytree(path, tmp_path / "garbled"))
+    shard = next(garbled.glob("*.safetensors"))
+    shard.write_bytes(b"\xff" * 8 + shard.read_bytes()[8:])  # a header length past the file's end
+    with pytest.raises(ValueError, match=f"shard file {shard} cannot be read .*damaged or truncated"):
+        engine.load(garbled)
     reshaped = Path(shutil.copytree(path, tmp_path / "reshaped"))
     index = json.loads((reshaped / "index.json").read_text())
     index["tensors"]["param/transformer.wpe.weight"]["shape"] = [16, 64]

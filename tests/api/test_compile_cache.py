@@ -17,9 +17,12 @@ from torchpar import compile_cache
 REPO = Path(__file__).resolve().parents[2]
 
 CHILD = """
-import json, sys
+import json, logging, sys
 import torch, torchpar
 from torchpar import compile_cache
+
+logging.basicConfig(level=logging.WARNING)
+logging.getLogger("torchpar.compiled").setLevel(logging.INFO)  # says when the step came from the cache
 
 init_options = json.loads(sys.argv[1])
 if init_options is not None:  # None: the README quickstart, which never calls init
@@ -41,7 +44,7 @@ def _run(env_changes: dict[str, str], init_options: dict | None = {}) -> dict:  
     result = subprocess.run([sys.executable, "-c", CHILD, json.dumps(init_options)], env=env, cwd=REPO,
                             capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return {**json.loads(result.stdout.strip().splitlines()[-1]), "stderr": result.stderr}
 
 
 def _entries(directory: Path) -> list[str]:
@@ -56,8 +59,10 @@ def test_a_second_process_loads_the_step_the_first_compiled(tmp_path):
     written = _entries(cache)
     assert any(name.startswith("jit_stage") for name in written), written  # the training step itself
 
+    assert "loaded from the compile cache" not in first["stderr"]
     second = _run({compile_cache.ENV_VAR: str(cache)})
     assert second["counts"]["hits"] >= 1, second
+    assert f"loaded from the compile cache {cache}" in second["stderr"]  # a cache hit is said
     assert second["loss"] == first["loss"]  # the loaded executable computes what the compiled one did
 
 

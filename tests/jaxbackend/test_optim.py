@@ -249,8 +249,10 @@ def test_bridge_state_dict_round_trips():
 
 def test_unsupported_optimizers_are_refused():
     params = make_params()
-    with pytest.raises(NotImplementedError, match=r"RMSprop.*SGD.*Adam.*AdamW"):
-        TorchOptimizerBridge(torch.optim.RMSprop(list(params.values())), names_by_id(params))
+    for unsupported in (torch.optim.ASGD, torch.optim.Rprop, torch.optim.LBFGS):
+        with pytest.raises(NotImplementedError, match=rf"{unsupported.__name__}.*SGD.*Adam.*AdamW.*Adagrad.*RMSprop"
+                                                      r".*Adamax.*NAdam.*RAdam.*Adadelta"):
+            TorchOptimizerBridge(unsupported(list(params.values())), names_by_id(params))
     with pytest.raises(NotImplementedError, match="capturable"):
         TorchOptimizerBridge(torch.optim.Adam(list(params.values()), capturable=True), names_by_id(params))
 
@@ -263,7 +265,9 @@ def test_unsupported_optimizers_are_refused():
     stranger = torch.nn.Parameter(torch.zeros(7, 3))
     with pytest.raises(ValueError, match=r"not a parameter of the model.*\(7, 3\)|\(7, 3\).*not a parameter"):
         TorchOptimizerBridge(torch.optim.SGD([*params.values(), stranger], lr=0.1), names_by_id(params))
-    assert set(SUPPORTED_OPTIMIZERS) == {torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW}
+    assert set(SUPPORTED_OPTIMIZERS) == {torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
+                                         torch.optim.RMSprop, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
+                                         torch.optim.Adadelta}
 
 
 def test_structural_change_after_compile_is_refused():
@@ -289,7 +293,8 @@ def test_spec_is_hashable_and_validated():
 
     bad = dict(kind="adam", param_names=("a",), group_of_param=(0,), nesterov=(False,), amsgrad=(False,),
                maximize=(False,))
-    for change in [dict(kind="rmsprop"), dict(group_of_param=(1,)), dict(param_names=("a", "a"), group_of_param=(0, 0)),
+    for change in [dict(kind="rprop"), dict(centered=(True,)), dict(decoupled_weight_decay=(True, True)),
+                   dict(group_of_param=(1,)), dict(param_names=("a", "a"), group_of_param=(0, 0)),
                    dict(nesterov=(True,)), dict(amsgrad=(False, False)), dict(group_of_param=())]:
         with pytest.raises(ValueError):
             OptimizerSpec(**{**bad, **change})

@@ -107,6 +107,8 @@ def test_sharded_gpt2_report(gpt2, tmp_path):
     assert len(page.find("rect", "fwd")) == len(page.find("rect", "bwd")) == 1  # one stage, one micro-batch
     assert "sortable" in page.find("table", "params")[0].classes
     assert "OPTIMAL" in text and "capture" in text
+    measured = render_html(plan, timeline=[[("step", 0, 100.0, 100.01)]], param_shapes=shapes)
+    assert "bubble (" not in text and "bubble (" not in measured  # one stage: no bubble card, estimated or measured
 
 
 def test_two_stage_plan_on_two_hosts(two_hosts, tmp_path):

@@ -154,7 +154,7 @@ def _cards(plan: Plan, grid: DeviceGrid, view: TimelineView, numbers: PlanNumber
     if numbers.measured_peak_memory_bytes is not None:
         items.append(("measured peak memory", format_bytes(numbers.measured_peak_memory_bytes),
                       attrs(data_measured_memory_bytes=numbers.measured_peak_memory_bytes)))
-    if numbers.pipeline or view.source != "estimated":
+    if numbers.pipeline:  # one stage has no pipeline bubble, estimated or measured
         items.append((f"bubble ({view.source})", f"{100 * view.bubble_fraction:.1f}%", ""))
     return "<div class='cards'>" + "".join(
         f"<div class='card'{extra}><div class='k'>{e(k)}</div><div class='v'>{e(v)}</div></div>"

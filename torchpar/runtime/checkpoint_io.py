@@ -173,7 +173,12 @@ class ShardReader:
         if name not in self._open:
             from safetensors import safe_open
 
-            self._open[name] = safe_open(os.path.join(self.directory, name), framework="np")
+            path = os.path.join(self.directory, name)
+            try:
+                self._open[name] = safe_open(path, framework="np")
+            except Exception as error:  # safetensors raises its own SafetensorError (or OSError) naming no file
+                raise ValueError(f"checkpoint shard file {path} cannot be read ({type(error).__name__}: {error}): it is "
+                                 "damaged or truncated; restore it from a copy or load an earlier checkpoint") from error
         return self._open[name]
 
     def read(self, key: str, index: Index | None = None) -> np.ndarray:

@@ -68,6 +68,8 @@ class StepResult:
     parameters, optimizer state (and, one-stage plans, buffers) as they were."""
     nonfinite_gradients: int = 0
     """Pipelines: how many gradient elements were inf/nan (one-stage steps do not count them on the host)."""
+    grad_norm: float | None = None
+    """The global L2 norm of the whole batch's gradients before clipping (``clip_grad_norm_``'s return value)."""
 
 
 class ExecutorClosedError(RuntimeError):
@@ -220,23 +222,26 @@ class Executor:
                 factor = gradient_factor(self.spec.plan.num_micro_batches, reference, dens)
         nonfinite = sum(v for r in reports for v in r.nonfinite.values())
         finite = all(r.finite for r in reports) and nonfinite == 0 and math.isfinite(loss)
+        # under loss scaling the gradients are S times the true ones (scalars: (optimizer scalars, [S, 1/S])); a ratio
+        # loss's accumulated gradients times M·r/D are the whole batch's: the true gradients are computed × unscale
+        unscale = float(scalars[1][1]) if self.spec.options.loss_scaling else 1.0
+        unscale *= factor
+        squares = [v * unscale * unscale for r in reports for v in r.squared_norms.values()]
+        norms = [r.grad_norm for r in reports if r.grad_norm is not None]
+        grad_norm = norms[0] if norms else (math.sqrt(max(sum(squares), 0.0)) if squares else None)
         if not all(r.updated for r in reports):
             scale: float | None = None
             if finite or not self.spec.options.check_finite:
-                # under loss scaling the gradients are S times the true ones: unscale them by 1/S in the
-                # update, and clip by the true norm (GradScaler's unscale_ before clip_grad_norm_)
-                unscale = float(scalars[1][1]) if self.spec.options.loss_scaling else 1.0  # scalars: (opt, [S, 1/S])
-                unscale *= factor  # a ratio loss: the accumulated gradients times M·r/D are the whole batch's
-                norms = [v * unscale * unscale for r in reports for v in r.squared_norms.values()]
+                # clip by the true norm (GradScaler's unscale_ before clip_grad_norm_)
                 clip = self.spec.options.grad_clip_norm
-                scale = (gradients.clip_scale(norms, clip) if clip is not None else 1.0) * unscale
+                scale = (gradients.clip_scale(squares, clip) if clip is not None else 1.0) * unscale
             self._call("apply_update", scale, what="applying the optimizer update")
         blocks = {s: b for r in reports for s, b in r.blocks.items()}
         spans = {s: b for r in reports for s, b in r.spans.items()}
         stages = range(self._timeline_rows())  # one row per device group (fewer than stages: interleaved 1F1B)
         self._timeline = StepTimeline(blocks=[blocks.get(s, []) for s in stages], makespan=time.time() - start,
                                       spans=[spans.get(s, []) for s in stages])
-        return StepResult(loss=loss, finite=finite, nonfinite_gradients=nonfinite)
+        return StepResult(loss=loss, finite=finite, nonfinite_gradients=nonfinite, grad_norm=grad_norm)
 
     def forward(self, key: Hashable, graph: Graph, leaves: list[np.ndarray]) -> list[np.ndarray | None]:
         """Eval-mode outputs of ``graph`` (a forward capture) on ``leaves``, as host arrays."""

@@ -89,7 +89,8 @@ class OneStageProgram:
         uneven = [i for i, sharding in enumerate(input_shardings) if sharding != placement.input(i)]
         inputs = [jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
                   for (shape, dtype), sharding in zip(leaves, input_shardings)]
-        out_shardings = (placement.replicated, placement.replicated, {n: placement.param(n) for n in params},
+        out_shardings = (placement.replicated, placement.replicated, placement.replicated,
+                         {n: placement.param(n) for n in params},
                          {n: {k: placement.state_of(n) for k in entries} for n, entries in opt_state.items()},
                          {n: placement.replicated for n in buffers})
         key_data = np.asarray(jax.random.key_data(jax.random.key(0)))

@@ -52,7 +52,8 @@ def make_spmd_step(run: Callable, layouts: Any, stage: StagePlan, *, mesh: Any, 
                    grad_clip_norm: float | None, gradient_axes: tuple[str, ...], check_finite: bool = False,
                    loss_scaling: bool = False, num_micro_batches: int = 1,
                    micro_loss: MicroBatchLoss = MicroBatchLoss()) -> Callable:
-    """``step(params, opt_state, buffers, inputs, scalars, key) → (loss, finite, params, opt_state, buffers)`` as
+    """``step(params, opt_state, buffers, inputs, scalars, key) → (loss, finite, grad_norm, params, opt_state,
+    buffers)`` as
     a ``shard_map`` over ``mesh``, for ``run`` lowered per device with ``layouts`` (see the module
     docstring). Arguments and results are global arrays; ``params`` come back in their ``G`` layout.
 
@@ -109,13 +110,14 @@ def make_spmd_step(run: Callable, layouts: Any, stage: StagePlan, *, mesh: Any, 
         pieces = {n: _relayout(program, p, stored[n], grad[n]) if n in grads else p for n, p in params.items()}
         # a sharded gradient's sum of squares (and non-finite count) is completed across its shards
         complete_sum = lambda name, s: jax.lax.psum(s, _axes(grad[name])) if _axes(grad[name]) else s  # noqa: E731
-        new_params, new_state = optimizer_tail(spec, pieces, grads, opt_state, scalars, grad_clip_norm=grad_clip_norm,
-                                               complete_sum=complete_sum)
+        new_params, new_state, norm = optimizer_tail(spec, pieces, grads, opt_state, scalars,
+                                                     grad_clip_norm=grad_clip_norm, complete_sum=complete_sum,
+                                                     norm_of=lambda g: _global_norm(g, grad))
         new_buffers = {**buffers, **new_buffers}
         if not check_finite:
-            return loss, jnp.bool_(True), new_params, new_state, new_buffers
+            return loss, jnp.bool_(True), norm, new_params, new_state, new_buffers
         finite = jnp.isfinite(loss) & (_nonfinite_total(grads, live_axes) == 0)
-        return (loss, finite, keep_if(finite, new_params, pieces), keep_if(finite, new_state, opt_state),
+        return (loss, finite, norm, keep_if(finite, new_params, pieces), keep_if(finite, new_state, opt_state),
                 keep_if(finite, new_buffers, buffers))
 
     P = jsh.partition_spec
@@ -125,7 +127,7 @@ def make_spmd_step(run: Callable, layouts: Any, stage: StagePlan, *, mesh: Any, 
     whole = jax.sharding.PartitionSpec()
     in_specs = ({n: P(stored[n] or ()) for n in param_names}, state_specs, {n: whole for n in buffer_names},
                 input_specs, whole, whole)
-    out_specs = (whole, whole, param_out, state_specs, {n: whole for n in buffer_names})
+    out_specs = (whole, whole, whole, param_out, state_specs, {n: whole for n in buffer_names})
     return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
 
 
@@ -197,6 +199,18 @@ def _spec(json_spec: Any) -> tuple | None:
     if json_spec is None:
         return None
     return tuple(tuple(entry) if entry else None for entry in json_spec)
+
+
+def _global_norm(grads: dict[str, jax.Array], layouts: dict[str, Any]) -> jax.Array:
+    """The gradients' global L2 norm (float32) with one scalar ``psum`` per distinct set of mesh axes sharding them
+    (usually one, often none): each device's sums of squares are added first, then completed across the shards.
+    ``layouts``: each gradient's spec (:func:`_axes` gives the axes splitting it)."""
+    partial: dict[tuple[str, ...], jax.Array] = {}
+    for name, g in grads.items():
+        axes = _axes(layouts[name])
+        partial[axes] = partial.get(axes, jnp.float32(0)) + jnp.sum(jnp.square(g.astype(jnp.float32)))
+    total = sum((jax.lax.psum(s, axes) if axes else s for axes, s in partial.items()), jnp.float32(0))
+    return jnp.sqrt(total)
 
 
 def _axes(spec: Any) -> tuple[str, ...]:

@@ -116,7 +116,7 @@ class StageProgram:
             return accumulate(total, grads), act_cotangents
 
         def update(params, grads, state, scalars, clip_scale):
-            return optimizer_tail(self.spec, params, grads, state, scalars, clip_scale=clip_scale)
+            return optimizer_tail(self.spec, params, grads, state, scalars, clip_scale=clip_scale)[:2]
 
         def squared_norm(grads):
             return sum((jnp.sum(jnp.square(g.astype(jnp.float32))) for g in grads.values()), jnp.float32(0))

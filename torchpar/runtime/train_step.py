@@ -49,17 +49,24 @@ log = logging.getLogger(__name__)
 def optimizer_tail(spec: OptimizerSpec, params: Mapping[str, Any], grads: Mapping[str, Any],
                    opt_state: Mapping[str, Any], scalars: Any, *, grad_clip_norm: float | None = None,
                    complete_sum: Callable[[str, Any], Any] | None = None,
-                   clip_scale: Any = None) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Clip and apply the optimizer: ``→ (new params, new optimizer state)``.
+                   clip_scale: Any = None,
+                   norm_of: Callable[[Mapping[str, Any]], Any] | None = None) -> tuple[dict[str, Any], dict[str, Any], Any]:
+    """Clip and apply the optimizer: ``→ (new params, new optimizer state, the gradients' global norm before
+    clipping)`` (the norm is ``None`` with ``clip_scale``: the pipeline computed it from every stage).
 
     Clipping is either computed here from ``grads`` (``grad_clip_norm``; ``complete_sum`` completes a
     sharded gradient's sum of squares inside ``shard_map``) or given as ``clip_scale``, the factor a
-    pipeline computed from every stage (:func:`jaxbackend.optim.clip_coefficient`)."""
+    pipeline computed from every stage (:func:`jaxbackend.optim.clip_coefficient`). Without clipping the norm is
+    ``norm_of(grads)`` (default :func:`jaxbackend.optim.global_norm` with ``complete_sum``): only reported, so a
+    per-device step may compute it with fewer collectives."""
+    norm = None
     if grad_clip_norm is not None:
-        grads, _ = jax_optim.clip_grads_by_global_norm(grads, grad_clip_norm, complete_sum)
+        grads, norm = jax_optim.clip_grads_by_global_norm(grads, grad_clip_norm, complete_sum)
     elif clip_scale is not None:
         grads = {n: g * clip_scale.astype(g.dtype) for n, g in grads.items()}
-    return jax_optim.apply_updates(spec, params, grads, opt_state, scalars)
+    else:
+        norm = norm_of(grads) if norm_of is not None else jax_optim.global_norm(grads, complete_sum)
+    return (*jax_optim.apply_updates(spec, params, grads, opt_state, scalars), norm)
 
 
 def nonfinite_count(grads: Mapping[str, Any]) -> jax.Array:
@@ -161,8 +168,8 @@ def make_fused_step(run: Callable, trainable: tuple[str, ...], spec: OptimizerSp
                     check_finite: bool = False, count_nonfinite: Callable[[dict], Any] | None = None,
                     loss_scaling: bool = False, num_micro_batches: int = 1,
                     loss: MicroBatchLoss = MicroBatchLoss()) -> Callable:
-    """``step(params, opt_state, buffers, inputs, scalars, key) → (loss, finite, params, opt_state, buffers)``
-    for ``run`` (a lowered graph whose first output is the loss). ``grad_shardings`` constrains gradients
+    """``step(params, opt_state, buffers, inputs, scalars, key) → (loss, finite, grad_norm, params, opt_state,
+    buffers)`` for ``run`` (a lowered graph whose first output is the loss). ``grad_shardings`` constrains gradients
     whose layout differs from their parameter's (ZeRO). ``check_finite``: skip the update (return the
     state given) unless the loss and gradients are finite; else ``finite`` is always true.
     ``count_nonfinite(grads)`` counts the gradients' inf/nan elements (default :func:`nonfinite_count`; a sharded
@@ -193,13 +200,14 @@ def make_fused_step(run: Callable, trainable: tuple[str, ...], spec: OptimizerSp
             from jaxbackend.sharding import constrain
 
             grads = {n: constrain(g, grad_shardings.get(n)) for n, g in grads.items()}
-        new_params, new_state = optimizer_tail(spec, params, grads, opt_state, scalars, grad_clip_norm=grad_clip_norm)
+        new_params, new_state, norm = optimizer_tail(spec, params, grads, opt_state, scalars,
+                                                     grad_clip_norm=grad_clip_norm)
         new_buffers = {**buffers, **new_buffers}
         if not check_finite:
-            return whole_loss, jnp.bool_(True), new_params, new_state, new_buffers
+            return whole_loss, jnp.bool_(True), norm, new_params, new_state, new_buffers
         count = (count_nonfinite or nonfinite_count)(grads)
         finite = jnp.isfinite(whole_loss) & (count == 0)
-        return (whole_loss, finite, keep_if(finite, new_params, params), keep_if(finite, new_state, opt_state),
+        return (whole_loss, finite, norm, keep_if(finite, new_params, params), keep_if(finite, new_state, opt_state),
                 keep_if(finite, new_buffers, buffers))
 
     return step

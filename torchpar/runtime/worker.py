@@ -101,6 +101,10 @@ class StepReport:
     (:mod:`.micro_batch_loss`), from the last stage's lead process."""
     loss_reference: float = 1.0
     squared_norms: dict[int, float] = field(default_factory=dict)
+    """Pipelines: each stage's sum of squares of the gradients it owns (:func:`.gradients.owned_squared_norm`),
+    from its lead process, as computed (before the driver's unscaling and clipping)."""
+    grad_norm: float | None = None
+    """One-stage steps: the gradients' global norm before clipping (lead process)."""
     nonfinite: dict[int, int] = field(default_factory=dict)
     """Pipelines checking finiteness: each stage's count of non-finite gradient elements (its lead reports)."""
     finite: bool = True
@@ -245,7 +249,7 @@ class OneStageWorker(Worker):
         compiled = self._steps[key]
         inputs = [put(leaf, sharding) for leaf, sharding in zip(leaves, compiled.input_shardings)]  # fitted at compile
         begin = time.time()
-        loss, finite, self.params, self.opt_state, self.buffers = compiled.compiled(
+        loss, finite, norm, self.params, self.opt_state, self.buffers = compiled.compiled(
             self.params, self.opt_state, self.buffers, inputs, scalars, key_data)
         self._last = compiled
         self.steps_run += 1
@@ -253,6 +257,7 @@ class OneStageWorker(Worker):
         if self.lead:
             report.losses = [local_scalar(loss)]
             report.finite = bool(local_scalar(finite))
+            report.grad_norm = local_scalar(norm)
             report.blocks = {0: [("step", 0, begin - start_time, time.time() - start_time)]}
         return report
 
@@ -468,18 +473,18 @@ class PipelineWorker(Worker):
         options = self.spec.options
         # a ratio loss's gradients are finished by the driver: M·r/D needs every micro-batch's denominator
         ratio = MicroBatchLoss.of(self.spec.stage_graphs[-1].graph).is_ratio
+        for s, program in self.programs.items():  # the pre-clip norm, reported every step (and clipped by)
+            norm = gradients.owned_squared_norm(s, self.states[s].grads or {}, self.shared, program.squared_norm)
+            if self.is_lead(s):
+                report.squared_norms[s] = norm
         if options.grad_clip_norm is None and not options.check_finite and not ratio:
             self.apply_update(1.0)
             report.updated = True
             return report
-        for s, program in self.programs.items():
-            grads = self.states[s].grads or {}
-            if options.grad_clip_norm is not None:
-                norm = gradients.owned_squared_norm(s, grads, self.shared, program.squared_norm)
-                if self.is_lead(s):
-                    report.squared_norms[s] = norm
-            if options.check_finite:
-                count = gradients.owned_nonfinite_count(s, grads, self.shared, program.nonfinite_count)
+        if options.check_finite:
+            for s, program in self.programs.items():
+                count = gradients.owned_nonfinite_count(s, self.states[s].grads or {}, self.shared,
+                                                        program.nonfinite_count)
                 if self.is_lead(s):
                     report.nonfinite[s] = count
         return report
