@@ -44,8 +44,10 @@ METHODS = {
     "zero2": lambda: torchpar.Zero2Parallel(mesh_shape=(1, 4)),
     "shard": lambda: torchpar.ShardParallel(mesh_shape=(1, 4)),
     "pipeshard": _pipeline,
+    "dp-accumulating": lambda: torchpar.DataParallel(mesh_shape=(1, 4), num_micro_batches=2),
 }
 CASES = [(method, samples, 16) for method in METHODS for samples in (100, 98)] + [("dp", 100, 24)]
+"""Under gradient accumulation the last 4 rows split over the devices but their 2-row micro-batches do not."""
 
 
 def _loader(samples: int, batch_size: int) -> DataLoader:
@@ -65,7 +67,7 @@ def test_every_batch_of_two_epochs_trains_as_pytorch(method, samples, batch_size
     engine = torchpar.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-2), example_batch=next(iter(loader)),
                               method=METHODS[method]())
     losses, expected = [], []
-    if method in ("dp", "zero2"):  # the uneven last batch meets a batch-sharded plan
+    if method in ("dp", "zero2", "dp-accumulating"):  # the uneven last batch meets a batch-sharded plan
         assert all(spec[0] == [1] for spec in engine.plan.stages[0].inputs.values())
     with engine:
         for _ in range(EPOCHS):
@@ -100,3 +102,12 @@ def test_a_sharding_that_does_not_split_a_shape_leaves_those_dims_whole():
     np.testing.assert_array_equal(np.asarray(put_batch(value, sharding)), value)
     with pytest.raises(ValueError):  # the state is placed as the plan says, or not at all
         put(value, sharding)
+
+
+def test_micro_batches_that_cannot_split_over_the_devices_are_named():
+    model = Net()
+    batch = (torch.randn(8, WIDTH), torch.randn(8, 4))
+    with pytest.raises(ValueError, match=r"num_micro_batches=4 micro-batches: the batch's 8 rows must be a multiple of "
+                                         r"4 micro-batches × 4 devices = 16"):
+        torchpar.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), example_batch=batch,
+                         method=torchpar.DataParallel(mesh_shape=(1, 4), num_micro_batches=4))

@@ -86,7 +86,10 @@ class OneStageProgram:
         params, opt_state, buffers = state
         placement = Placement.from_stage(self.stage, graph, self.devices)
         input_shardings = [fitting(placement.input(i), shape) for i, (shape, _) in enumerate(leaves)]
-        uneven = [i for i, sharding in enumerate(input_shardings) if sharding != placement.input(i)]
+        # a per-device program splits each device's rows into the micro-batches: they must divide by shards × M
+        micro = self.num_micro_batches
+        uneven = [i for i, (shape, _) in enumerate(leaves)
+                  if fitting(placement.input(i), (shape[0] // micro, *shape[1:]) if shape else shape) != placement.input(i)]
         inputs = [jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
                   for (shape, dtype), sharding in zip(leaves, input_shardings)]
         out_shardings = (placement.replicated, placement.replicated, placement.replicated,

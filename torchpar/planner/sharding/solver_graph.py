@@ -11,6 +11,8 @@ gradient — the reverse resharding of that gradient in the backward pass.
 
 from __future__ import annotations
 
+import math
+
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -212,8 +214,14 @@ class _Builder:
                 wanted = self.batch_dim_axes or None
                 strategies = [s for s in strategies if s.out_spec[0] == wanted and not any(s.out_spec[1:])]
                 if not strategies:
+                    micro = self.num_micro_batches
+                    shards = math.prod(self.mesh.shape[a] for a in self.batch_dim_axes)
+                    per_step = (f" (one of num_micro_batches={micro} micro-batches: the batch's {meta.shape[0] * micro} "
+                                f"rows must be a multiple of {micro} micro-batches × {shards} devices = {micro * shards};"
+                                f" use fewer micro-batches or a batch size that divides)" if micro > 1 else "")
                     raise ValueError(f"batch input {inp.target} of shape {list(meta.shape)} cannot be split over mesh "
-                                     f"axes {self.batch_dim_axes} of {self.mesh.shape}: the batch size must divide evenly")
+                                     f"axes {self.batch_dim_axes} of {self.mesh.shape}: the batch size must divide "
+                                     f"evenly{per_step}")
             self._new_root(inp.name, "input", f"input {inp.target}", strategies, None)
         else:  # buffers and constants stay replicated
             spec = (None,) * len(meta.shape)
