@@ -16,6 +16,7 @@ at the end of the session.
 import atexit
 import inspect
 import os
+import re
 import shutil
 import tempfile
 
@@ -37,17 +38,28 @@ transformers.logging.set_verbosity_error()
 
 
 _RAY_WORDS = ('cluster="ray"', "ray_cluster(", "ray.init(")
+_RAY_IN_ID = re.compile(r"(?<![a-z])ray")  # test_ray_faults.py, [ray], [ray_data_parallel.py]; not "array"
 
 
-def _starts_ray(item: pytest.Item) -> bool:
-    """A test starts Ray if its id says so, a fixture it uses is a Ray set-up, or its own code starts Ray."""
-    if "ray" in item.nodeid.lower() or any("host" in name for name in getattr(item, "fixturenames", ())):
-        return True
+def _source_starts_ray(function: object) -> bool:
     try:
-        source = inspect.getsource(item.function)
+        source = inspect.getsource(function)
     except (AttributeError, OSError, TypeError):
         return False
     return any(word in source for word in _RAY_WORDS)
+
+
+def _starts_ray(item: pytest.Item) -> bool:
+    """A test starts Ray if its id says so, a host fixture it uses is a Ray set-up (``two_hosts_of_two``; not a
+    local cluster of two hosts), or its own code starts Ray."""
+    if _RAY_IN_ID.search(item.nodeid.lower()):
+        return True
+    info = getattr(item, "_fixtureinfo", None)
+    for name in getattr(item, "fixturenames", ()):
+        if "host" in name and any(_source_starts_ray(definition.func)
+                                  for definition in (info.name2fixturedefs.get(name, ()) if info else ())):
+            return True
+    return _source_starts_ray(getattr(item, "function", None))
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -158,9 +158,15 @@ def _plans_by_remat(model, batch, method, **options) -> dict[str, torchpar.Plan]
                                  **options) for remat in ("none", "selective", "layers")}
 
 
-def test_the_plan_prices_what_remat_keeps_and_recomputes():
+@pytest.fixture(scope="module")
+def one_device_shard_plans() -> dict[str, torchpar.Plan]:
+    """The plans of :func:`_gpt2` under ShardParallel on one device for each remat option (read, never changed)."""
+    return _plans_by_remat(*_gpt2(), torchpar.ShardParallel(mesh_shape=(1, 1)))
+
+
+def test_the_plan_prices_what_remat_keeps_and_recomputes(one_device_shard_plans):
     model, batch = _gpt2()
-    plans = _plans_by_remat(model, batch, torchpar.ShardParallel(mesh_shape=(1, 1)))
+    plans = one_device_shard_plans
     activations = {r: p.stages[0].memory_breakdown["activations"] for r, p in plans.items()}
     steps = {r: p.estimated_step_s for r, p in plans.items()}
     # measured: selective ×0.66, layers ×0.35 of none (XLA's temporaries of the same steps: ×0.52 and ×0.45)
@@ -171,12 +177,11 @@ def test_the_plan_prices_what_remat_keeps_and_recomputes():
     assert single["layers"].stages[0].estimated_memory_bytes < single["none"].stages[0].estimated_memory_bytes
 
 
-def test_auto_recomputes_only_when_the_memory_budget_needs_it(one_device_runs):
+def test_auto_recomputes_only_when_the_memory_budget_needs_it(one_device_runs, one_device_shard_plans):
     """Budgets between the plans' estimates: generous → no remat; only 'selective' and 'layers' fit → the faster,
     'selective'; only 'layers' fits → 'layers', and it trains with the losses of no remat."""
     model, batch = _gpt2()
-    need = {r: p.stages[0].estimated_memory_bytes
-            for r, p in _plans_by_remat(model, batch, torchpar.ShardParallel(mesh_shape=(1, 1))).items()}
+    need = {r: p.stages[0].estimated_memory_bytes for r, p in one_device_shard_plans.items()}
     optimizer = torch.optim.AdamW(model.parameters())
 
     def auto(budget):
