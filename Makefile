@@ -39,10 +39,11 @@ test: install
 	rm -rf $$cache; \
 	for status in $$first $$second; do [ $$status -eq 0 ] || [ $$status -eq 5 ] || exit $$status; done
 
-# A subset for iterating (about 4 minutes on 2 cores, no Ray): capture and autograd semantics, the engine, every op
-# against PyTorch's OpInfo samples, optimizers, the planner's solvers, every one-stage method trained beside PyTorch,
-# accumulation and micro-batch losses, schedules, per-device programs, layering. `make test` is what CI runs.
-FAST_TESTS = tests/capture tests/api/test_engine.py tests/jaxbackend/test_optim.py tests/jaxbackend/test_ops_opinfo.py \
+# A subset for iterating (about 4 minutes on 2 cores, no Ray): capture and autograd semantics (not PyTorch's module_db
+# sweep or the attention masks), the engine, every op against PyTorch's OpInfo samples, optimizers, the planner's
+# solvers, every one-stage method trained beside PyTorch, accumulation and micro-batch losses, schedules, per-device
+# programs, layering. `make test` is what CI runs.
+FAST_TESTS = tests/capture/test_grad_semantics.py tests/capture/test_autograd_functions.py tests/api/test_engine.py tests/jaxbackend/test_optim.py tests/jaxbackend/test_ops_opinfo.py \
 	tests/jaxbackend/test_spmd.py tests/planner/test_ilp.py tests/planner/test_layers.py tests/planner/test_stages.py \
 	tests/planner/test_sharded_training.py tests/runtime/test_schedules.py tests/runtime/test_grad_accumulation.py \
 	tests/runtime/test_loss_reduction.py tests/runtime/test_last_batch.py tests/runtime/test_grad_norm.py tests/planner/test_training_plan.py tests/test_layering.py

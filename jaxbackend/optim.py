@@ -1,5 +1,5 @@
-r"""SGD, Adam, AdamW, Adagrad, RMSprop, Adamax, NAdam, RAdam and Adadelta in pure JAX, with torch.optim's exact
-update formulas.
+r"""SGD, Adam, AdamW, Adagrad, RMSprop, Adamax, NAdam, RAdam, Adadelta, ASGD, Rprop, Adafactor and Muon in pure JAX,
+with torch.optim's exact update formulas.
 
 The update is a pure function of (params, grads, state, scalars) so it can be jitted once per
 `OptimizerSpec` (a static argument holding only structural, compile-time facts) and reused for every
@@ -53,6 +53,38 @@ addcdiv ``a + (c·x)/y``, lerp as above)::
     RAdam:    m, v as NAdam;  m̂ ← m / (1-β₁ᵗ);  ρ∞ = 2/(1-β₂) - 1,  ρₜ = ρ∞ - 2tβ₂ᵗ/(1-β₂ᵗ)
               ρₜ > 5: θ ← θ - ((m̂·γ)·(√(1-β₂ᵗ)·(1/(√v + ε))))·r  (r the rectification term);  else θ ← θ - m̂·γ
     Adadelta: v ← ρ·v + (1-ρ)·g·g;  δ ← (√(a + ε) / √(v + ε))·g;  a ← ρ·a + (1-ρ)·δ·δ;  θ ← θ + (-γ)·δ
+    ASGD:     θ ← θ·(1 - λ_d·η);  θ ← θ + (-η)·g;  ax ← ax + μ·(θ - ax) if μ ≠ 1, else ax ← θ
+              (η, μ: the group's float32 host counters, set after step t to γ/(1 + λ_d·γ·t)^α and 1/max(1, t - t₀);
+              λ_d is ``lambd``, η starts at γ, μ at 1)
+
+Rprop (no weight decay; the step sizes s start at γ on the first step, γ is not read after it)::
+
+    f ← sign(g·g_prev);  f ← η₊ where f > 0, then η₋ where f < 0, then 1 where f = 0   (in the parameter's dtype)
+    s ← clamp(s·f, s_min, s_max);  g ← 0 where f = η₋;  θ ← θ - sign(g)·s;  g_prev ← g
+
+Adafactor (torch/optim/_adafactor.py; no coupled weight decay, maximize as above; RMS(x) = ‖x‖₂/√numel)::
+
+    β̂₂ = 1 - t^δ (δ = beta2_decay: new statistics weigh t^δ),  ρ = min(γ, 1/√t),  α ← max(ε₂, RMS(θ))·ρ
+    θ ← θ·(1 - γλ)
+    ≥ 2 dims (factored over the last two, R of shape (…, n, 1), C of shape (…, 1, m)):
+        R ← lerp(R, mean_last(g²), t^δ);  C ← lerp(C, mean_second_last(g²), t^δ)   (means as ‖·‖²/size)
+        V ← (R·C) / max(mean_second_last(R), ε₁)
+    otherwise:  V ← lerp(V, g², t^δ)
+    u ← g / √max(V, ε₁²);  θ ← θ + (-α / max(1, RMS(u)/d))·u
+    (ε₁ = None is torch.finfo(dtype).eps of the group's first parameter, resolved on the host)
+
+Muon (torch/optim/_muon.py; 2-d parameters, no maximize)::
+
+    m ← lerp(m, g, 1 - μ);  u ← lerp(g, m, μ) if nesterov else m      (m: "momentum_buffer")
+    X ← bfloat16(u), transposed if it has more rows than columns;  X ← X / max(‖X‖_F, ε)
+    k times:  A ← X·Xᵀ;  B ← b·A + c·A·A;  X ← a·X + B·X     ((a, b, c) = ns_coefficients, k = ns_steps; each
+              product accumulated in float32, each line rounded once to bfloat16, as torch's CPU addmm)
+    θ ← θ·(1 - γλ);  θ ← θ + (-γ·r)·X   with r = √max(1, rows/cols) ("original") or 0.2·√max(rows, cols)
+    ("match_rms_adamw")
+
+ASGD, Rprop, and every optimizer above, update each element from the same element of the gradient and the state;
+Adafactor and Muon read whole tensors (`torchpar.ir.optimizer.NOT_ELEMENTWISE`): their update of a shard is not the
+shard of their update, so the runtime runs them only on whole parameters (or under GSPMD, on global arrays).
 
 Gradient clipping (torch.nn.utils.clip_grad_norm_, norm_type=2)::
 
@@ -67,13 +99,14 @@ cast back to the parameter's dtype, so bf16 parameters are updated in float32 an
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from torchpar.ir.optimizer import OPTIMIZER_KINDS, OptimizerSpec, Scalars, state_keys, step_scalars
+from torchpar.ir.optimizer import OPTIMIZER_KINDS, OptimizerSpec, Scalars, state_keys, state_shape, step_scalars
 
 __all__ = [
     "OPTIMIZER_KINDS",
@@ -102,7 +135,8 @@ def init_state(spec: OptimizerSpec, params: Mapping[str, Array]) -> State:
     if missing:
         raise ValueError(f"init_state: params lack optimizer parameters {missing}")
     return {
-        name: {key: jnp.zeros_like(params[name]) for key in state_keys(spec, group)}
+        name: {key: jnp.zeros(state_shape(spec, key, params[name].shape), params[name].dtype)
+               for key in state_keys(spec, group, params[name].ndim)}
         for name, group in zip(spec.param_names, spec.group_of_param)
     }
 
@@ -290,6 +324,110 @@ def _adadelta_update(spec, group, p, g, state, s):
                                    "acc_delta": acc.astype(state["acc_delta"].dtype)}
 
 
+def _asgd_update(spec, group, p, g, state, s):
+    p_dtype = p.dtype
+    p, dt = _opmath(p)
+    g = _coupled_grad(spec, group, p, g.astype(dt), s, dt)
+    p = s["neg_eta"].astype(dt) * g + p * s["param_scale"].astype(dt)  # order: see _sgd_update
+    ax = state["ax"].astype(dt)
+    ax = jnp.where(s["average"], ax + (p - ax) * s["mu"].astype(dt), p)  # ax.add_(param.sub(ax).mul_(mu))
+    return p.astype(p_dtype), {"ax": ax.astype(state["ax"].dtype)}
+
+
+def _rprop_update(spec, group, p, g, state, s):
+    p_dtype, size_dtype = p.dtype, state["step_size"].dtype
+    p, dt = _opmath(p)
+    g = g.astype(dt)
+    if spec.maximize[group]:
+        g = -g
+    # torch works in the parameter's dtype here: its factors are η₋, η₊ and 1 rounded to that dtype
+    etaminus, etaplus = (s[k].astype(size_dtype).astype(dt) for k in ("etaminus", "etaplus"))
+    step_size = jnp.where(s["step_size_init"], s["lr"].astype(size_dtype), state["step_size"]).astype(dt)
+    factor = jnp.sign(g * state["prev"].astype(dt))
+    factor = jnp.where(factor > 0, etaplus, factor)  # torch assigns the three in this order
+    factor = jnp.where(factor < 0, etaminus, factor)
+    factor = jnp.where(factor == 0, jnp.ones((), dt), factor)
+    step_size = jnp.clip((step_size * factor).astype(size_dtype).astype(dt), s["step_size_min"].astype(dt),
+                         s["step_size_max"].astype(dt))
+    g = jnp.where(factor == etaminus, jnp.zeros((), dt), g)  # no step where the gradient changed sign
+    new_p = p + -jnp.sign(g) * step_size
+    return new_p.astype(p_dtype), {"prev": g.astype(state["prev"].dtype), "step_size": step_size.astype(size_dtype)}
+
+
+def _rms(x: Array) -> Array:
+    """‖x‖₂ / √numel (``x.norm(2) / x.numel() ** 0.5``)."""
+    return jnp.sqrt(jnp.sum(x * x)) / jnp.sqrt(jnp.asarray(x.size, x.dtype))
+
+
+def _adafactor_update(spec, group, p, g, state, s):
+    p_dtype = p.dtype
+    p, dt = _opmath(p)
+    g = g.astype(dt)
+    if spec.maximize[group]:
+        g = -g
+    one_minus_beta2, eps1 = s["one_minus_beta2"].astype(dt), s["eps1"].astype(dt)
+    alpha = jnp.maximum(s["eps2"].astype(dt), _rms(p)) * s["rho"].astype(dt)  # from θ before the decay
+    if p.ndim >= 2:
+        row_mean = jnp.square(jnp.sqrt(jnp.sum(g * g, axis=-1, keepdims=True))) / g.shape[-1]
+        col_mean = jnp.square(jnp.sqrt(jnp.sum(g * g, axis=-2, keepdims=True))) / g.shape[-2]
+        row_var = _lerp(state["row_var"].astype(dt), row_mean, one_minus_beta2)
+        col_var = _lerp(state["col_var"].astype(dt), col_mean, one_minus_beta2)
+        new_state = {"row_var": row_var.astype(state["row_var"].dtype),
+                     "col_var": col_var.astype(state["col_var"].dtype)}
+        var_estimate = (row_var * col_var) / jnp.maximum(jnp.mean(row_var, axis=-2, keepdims=True), eps1)
+    else:
+        var_estimate = _lerp(state["variance"].astype(dt), g * g, one_minus_beta2)
+        new_state = {"variance": var_estimate.astype(state["variance"].dtype)}
+    update = (1 / jnp.sqrt(jnp.maximum(var_estimate, s["eps1_sq"].astype(dt)))) * g  # rsqrt_() is 1 / sqrt
+    denom = jnp.maximum(1, _rms(update) / s["d"].astype(dt))  # max(1, ‖u‖ / (√numel·d))
+    new_p = (-alpha / denom) * update + p * s["param_scale"].astype(dt)  # order: see _sgd_update
+    return new_p.astype(p_dtype), new_state
+
+
+def _muon_lr_ratio(adjust_lr_fn: str, shape: tuple[int, ...]) -> float:
+    """torch.optim._muon._adjust_lr's factor for a matrix of ``shape``."""
+    rows, cols = shape[:2]
+    if adjust_lr_fn == "match_rms_adamw":
+        return 0.2 * math.sqrt(max(rows, cols))
+    return math.sqrt(max(1, rows / cols))
+
+
+def _bf16_matmul(x: Array, y: Array) -> Array:
+    """A bfloat16 matrix product accumulated in float32 (as torch's CPU kernels do), before rounding."""
+    return jnp.matmul(x, y, preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST)
+
+
+def _newton_schulz(update: Array, s: Mapping[str, Array], ns_steps: int) -> Array:
+    """torch.optim._muon._zeropower_via_newtonschulz: in bfloat16, each product accumulated in float32 and each
+    ``addmm`` (β·C + α·A·B) rounded once to bfloat16. Returns a bfloat16 matrix."""
+    bf16, f32 = jnp.bfloat16, jnp.float32
+    a, b, c = (s[k].astype(f32) for k in ("ns_a", "ns_b", "ns_c"))
+    x = update.astype(bf16)
+    tall = x.shape[0] > x.shape[1]
+    if tall:
+        x = x.T
+    norm = jnp.sqrt(jnp.sum(jnp.square(x.astype(f32)))).astype(bf16)
+    norm = jnp.maximum(norm.astype(f32), s["eps"].astype(f32)).astype(bf16)  # .clamp(min=eps)
+    x = (x.astype(f32) / norm.astype(f32)).astype(bf16)
+    for _ in range(ns_steps):
+        gram = _bf16_matmul(x, x.T).astype(bf16)
+        gram_update = (b * gram.astype(f32) + c * _bf16_matmul(gram, gram)).astype(bf16)
+        x = (a * x.astype(f32) + _bf16_matmul(gram_update, x)).astype(bf16)
+    return x.T if tall else x
+
+
+def _muon_update(spec, group, p, g, state, s):
+    p_dtype = p.dtype
+    p, dt = _opmath(p)
+    g = g.astype(dt)
+    buf = _lerp(state["momentum_buffer"].astype(dt), g, s["one_minus_momentum"].astype(dt))
+    update = _lerp(g, buf, s["momentum"].astype(dt)) if spec.nesterov[group] else buf
+    update = _newton_schulz(update, s, spec.ns_steps[group]).astype(dt)
+    adjusted_lr = s["lr"].astype(dt) * _muon_lr_ratio(spec.adjust_lr_fn[group], p.shape)
+    new_p = (-adjusted_lr) * update + p * s["param_scale"].astype(dt)  # order: see _sgd_update
+    return new_p.astype(p_dtype), {"momentum_buffer": buf.astype(state["momentum_buffer"].dtype)}
+
+
 _UPDATES = {
     "sgd": _sgd_update,
     "adam": _adam_update,
@@ -300,6 +438,10 @@ _UPDATES = {
     "nadam": _nadam_update,
     "radam": _radam_update,
     "adadelta": _adadelta_update,
+    "asgd": _asgd_update,
+    "rprop": _rprop_update,
+    "adafactor": _adafactor_update,
+    "muon": _muon_update,
 }
 
 

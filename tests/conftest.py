@@ -1,15 +1,17 @@
 """Test session set-up: 8 fake CPU devices for JAX (before anything imports it), quiet transformers, one
-XLA compilation cache for the session, and the ``ray`` mark on every test that starts Ray processes.
+XLA compilation cache for the session, XLA:CPU's backend at optimization level 0 (compiling is most of the
+suite's time), the nominal cost constants (not measured ones: the same plans on every machine), and the ``ray``
+mark on every test that starts Ray processes.
 
 Many tests compile the same small programs (the same tiny model under several options, a stage compiled
 in the driver and again in a host actor); JAX's persistent compilation cache, in a directory of this
 session only, compiles each once. The variables are inherited by the processes the tests start (examples,
 Ray host actors), so they share it.
 
-``make test`` runs the tests without the ``ray`` mark on two pytest-xdist workers and, beside them, the Ray tests
-one at a time (never two Ray tests at once: host actors are pinned to cores, and several simulated clusters on two
-cores would crowd each other past their timeouts; the Ray tests alone leave much of a core idle, which the other
-tests use). The embedded Ray instance of ``tests/runtime/ray_helpers.ray_cluster`` is kept between tests and stopped
+``make test`` runs the tests without the ``ray`` mark on two pytest-xdist workers, then the Ray tests one at a
+time (never two Ray tests at once: host actors are pinned to cores, and several simulated clusters on two cores
+would crowd each other past their timeouts). The embedded Ray instance of
+``tests/runtime/ray_helpers.ray_cluster`` is kept between tests and stopped
 at the end of the session.
 """
 
@@ -27,6 +29,17 @@ atexit.register(shutil.rmtree, _xla_cache, ignore_errors=True)
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _xla_cache)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+# plans priced with the nominal cost constants, not this machine's measured ones: the plans tests assert do not
+# depend on the machine or its load (tests/planner/test_machine_constants.py switches measuring on)
+os.environ.setdefault("TORCHPAR_COST_CONSTANTS", "nominal")
+# XLA:CPU's LLVM backend at optimization level 0: the suite compiles hundreds of tiny programs and runs each a few
+# times, so compilation is most of its time (a fifth less wall time). HLO passes — the partitioner, collectives,
+# fusion — run as in production; the same HLO arithmetic (no fast-math), last bits aside (LLVM's instruction choice),
+# within every test's tolerance.
+# TORCHPAR_TEST_XLA_OPT=default compiles as users do.
+if os.environ.get("TORCHPAR_TEST_XLA_OPT", "0") != "default" and "xla_backend_optimization_level" not in \
+        os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
 
 import torchpar  # noqa: E402
 

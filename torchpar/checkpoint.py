@@ -158,7 +158,8 @@ def load_state_dict(training: TrainingState, state: dict[str, Any]) -> None:
     from torchpar.runtime.state import HostState
 
     spec = training.bridge.spec
-    keys = {n: list(state_keys(spec, g)) for n, g in zip(spec.param_names, spec.group_of_param)}
+    keys = {n: list(state_keys(spec, g, training.params[n].ndim))
+            for n, g in zip(spec.param_names, spec.group_of_param)}
     validate_checkpoint(state, training.params, training.buffers, keys)
     training.executor.load_state(HostState(
         params={n: host_tensor(v) for n, v in state["params"].items()},
@@ -403,7 +404,7 @@ def load(training: TrainingState, path: str | os.PathLike, *, scheduler: Any = N
 def _check_fits(training: TrainingState, index: dict[str, Any]) -> None:
     """The checkpoint has exactly this model's parameters and buffers (shapes, torch dtypes) and the optimizer state
     this optimizer keeps; raises :class:`CheckpointError` naming the first difference."""
-    from torchpar.ir.optimizer import state_keys
+    from torchpar.ir.optimizer import state_keys, state_shape
 
     tensors, dtypes = index["tensors"], index["model"]["torch_dtypes"]
     for kind, current in (("param", training.params), ("buffer", training.buffers)):
@@ -423,9 +424,10 @@ def _check_fits(training: TrainingState, index: dict[str, Any]) -> None:
         raise CheckpointError(f"the checkpoint was saved with a {counters['kind']!r} optimizer, this engine's is "
                               f"{spec.kind!r}: build the engine with the optimizer the checkpoint was made with")
     for name, group in zip(spec.param_names, spec.group_of_param):
-        for key in state_keys(spec, group):
+        param = training.params[name]
+        for key in state_keys(spec, group, param.ndim):
             entry = tensors.get(f"state/{name}/{key}")
-            if entry is None or tuple(entry["shape"]) != tuple(training.params[name].shape):
+            if entry is None or tuple(entry["shape"]) != state_shape(spec, key, param.shape):
                 raise CheckpointError(f"the checkpoint's optimizer state of {name} lacks {key!r} (saved with another "
                                       "optimizer, or other param groups?)")
     groups = index["optimizer"]["param_groups"]

@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 from torchpar.cluster import ClusterSpec
 from torchpar.ir.graph import Graph
 from torchpar.ir.optimizer import OptimizerSpec, state_copies
+from torchpar.machine_constants import priced_cluster
 from torchpar.methods import PipeshardParallel
 from torchpar.planner.plan import Plan
 from torchpar.planner.profiling import LinkFit, StageTimer, calibrated_cluster
@@ -110,13 +111,17 @@ def plan_training_profiled(graph: Graph, method: Any, cluster: ClusterSpec, *, p
                            library_fusions: bool) -> TrainingPlan:
     """:func:`torchpar.planner.training_plan.plan_training` of ``graph``, with measured profiling when ``profile``
     (links timed first, the candidates compiled and timed while planning; a saved :class:`Plan` is taken as it is
-    and measures nothing). ``spec``: the optimizer's, for its state copies and the timed steps' update."""
+    and measures nothing). ``spec``: the optimizer's, for its state copies and the timed steps' update. A cluster
+    with the nominal cost constants is priced with this machine's measured ones (:mod:`torchpar.machine_constants`)."""
     measure = profile and not isinstance(method, Plan)
     micro = int(getattr(method, "num_micro_batches", 1)) if isinstance(method, PipeshardParallel) else 1
+    cluster, constants = priced_cluster(cluster, method, graph)
     with profiling_if(measure, cluster, spec=spec, trainable=trainable, num_micro_batches=micro, numerics=numerics,
                       library_fusions=library_fusions) as profiling:
         planned = plan_training(graph, method, profiling.cluster if profiling else cluster, trainable=trainable,
                                 optimizer_state_copies=state_copies(spec), remat=remat, explain=explain,
                                 stage_timer=profiling.timer if profiling else None)
         finish_profiling(profiling, planned.plan)
+    if not isinstance(method, Plan):  # a saved plan keeps the record of what priced it
+        planned.plan.solver["cost_constants"] = constants
     return planned

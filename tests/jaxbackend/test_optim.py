@@ -10,6 +10,7 @@ import torch
 
 from jaxbackend.optim import OptimizerSpec, apply_updates, clip_grads_by_global_norm, init_state, step_scalars
 from torchpar.capture.optim import SUPPORTED_OPTIMIZERS, TorchOptimizerBridge
+from torchpar.ir.optimizer import state_copies, state_keys, state_shape
 
 SHAPES = {"w1": (8, 5), "b1": (5,), "w2": (3, 4, 2), "s": ()}
 STEPS = 20
@@ -249,9 +250,10 @@ def test_bridge_state_dict_round_trips():
 
 def test_unsupported_optimizers_are_refused():
     params = make_params()
-    for unsupported in (torch.optim.ASGD, torch.optim.Rprop, torch.optim.LBFGS):
+    for unsupported in (torch.optim.LBFGS, torch.optim.SparseAdam):
         with pytest.raises(NotImplementedError, match=rf"{unsupported.__name__}.*SGD.*Adam.*AdamW.*Adagrad.*RMSprop"
-                                                      r".*Adamax.*NAdam.*RAdam.*Adadelta"):
+                                                      r".*Adamax.*NAdam.*RAdam.*Adadelta.*ASGD.*Rprop"
+                                                      r".*Adafactor.*Muon"):
             TorchOptimizerBridge(unsupported(list(params.values())), names_by_id(params))
     with pytest.raises(NotImplementedError, match="capturable"):
         TorchOptimizerBridge(torch.optim.Adam(list(params.values()), capturable=True), names_by_id(params))
@@ -267,7 +269,8 @@ def test_unsupported_optimizers_are_refused():
         TorchOptimizerBridge(torch.optim.SGD([*params.values(), stranger], lr=0.1), names_by_id(params))
     assert set(SUPPORTED_OPTIMIZERS) == {torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
                                          torch.optim.RMSprop, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
-                                         torch.optim.Adadelta}
+                                         torch.optim.Adadelta, torch.optim.ASGD, torch.optim.Rprop,
+                                         torch.optim.Adafactor, torch.optim.Muon}
 
 
 def test_structural_change_after_compile_is_refused():
@@ -293,8 +296,28 @@ def test_spec_is_hashable_and_validated():
 
     bad = dict(kind="adam", param_names=("a",), group_of_param=(0,), nesterov=(False,), amsgrad=(False,),
                maximize=(False,))
-    for change in [dict(kind="rprop"), dict(centered=(True,)), dict(decoupled_weight_decay=(True, True)),
+    for change in [dict(kind="lbfgs"), dict(centered=(True,)), dict(ns_steps=(5,)), dict(adjust_lr_fn=("original",)),
+                   dict(decoupled_weight_decay=(True, True)),
                    dict(group_of_param=(1,)), dict(param_names=("a", "a"), group_of_param=(0, 0)),
                    dict(nesterov=(True,)), dict(amsgrad=(False, False)), dict(group_of_param=())]:
         with pytest.raises(ValueError):
             OptimizerSpec(**{**bad, **change})
+
+
+def test_muon_spec_fields_and_adafactor_state_shapes():
+    muon = dict(kind="muon", param_names=("w",), group_of_param=(0,), nesterov=(True,), amsgrad=(False,),
+                maximize=(False,))
+    spec = OptimizerSpec(**muon, ns_steps=(5,))
+    assert spec.adjust_lr_fn == ("original",) and state_copies(spec) == 1
+    for change in [dict(ns_steps=(100,)), dict(ns_steps=(5, 5)), dict(adjust_lr_fn=("sqrt",))]:
+        with pytest.raises(ValueError):
+            OptimizerSpec(**{**muon, "ns_steps": (5,), **change})
+
+    spec = OptimizerSpec(kind="adafactor", param_names=("w", "b"), group_of_param=(0, 0), nesterov=(False,),
+                         amsgrad=(False,), maximize=(False,))
+    with pytest.raises(ValueError, match="ndim"):
+        state_keys(spec, 0)
+    state = init_state(spec, {"w": jnp.ones((3, 4, 2)), "b": jnp.ones((2,))})
+    assert {k: v.shape for k, v in state["w"].items()} == {"row_var": (3, 4, 1), "col_var": (3, 1, 2)}
+    assert {k: v.shape for k, v in state["b"].items()} == {"variance": (2,)}
+    assert state_shape(spec, "col_var", (4, 2)) == (1, 2) and state_copies(spec) == 1

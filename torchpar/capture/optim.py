@@ -3,9 +3,10 @@
 `TorchOptimizerBridge` is the only object that touches the user's optimizer:
 
 - at compile time it reads the structure (kind, param → group, the per-group flags nesterov, amsgrad,
-  maximize, centered, momentum > 0 for RMSprop, decoupled_weight_decay) into an `OptimizerSpec`, rejecting
-  what jaxbackend does not port (other classes, subclasses overriding the update, ``differentiable=True``,
-  ``capturable=True``) with an error naming the optimizer and the option;
+  maximize, centered, momentum > 0 for RMSprop, decoupled_weight_decay, Muon's ns_steps and adjust_lr_fn) into an
+  `OptimizerSpec`, rejecting what jaxbackend does not port (other classes, subclasses overriding the update,
+  ``differentiable=True``, ``capturable=True``, a Muon parameter that is not a matrix) with an error naming the
+  optimizer and the option;
 - every step, `step_scalars()` re-reads `optimizer.param_groups` (so torch LR schedulers, or a user
   editing ``group["lr"]``, take effect without recompiling) and advances per-group step counters;
 - `initial_state()` / `write_back()` convert the optimizer state between torch's own format
@@ -13,11 +14,12 @@
   both directions and keep matching.
 
 Step counters are per param group (torch keeps one per parameter; all parameters of a group step
-together here). For every optimizer but SGD a counter is torch's ``state["step"]``; NAdam's per-parameter
-``mu_product`` (the product of its momentum coefficients, a float32 0-d tensor in torch) is a per-group host
-counter too. For SGD it counts the steps
+together here). For every optimizer but SGD and Muon a counter is torch's ``state["step"]``; the other 0-d
+tensors torch keeps per parameter are per-group host counters too: NAdam's ``mu_product`` (the product of its
+momentum coefficients) and ASGD's ``eta`` and ``mu`` (its step size and averaging weight, recomputed from the
+step after each one), float32 as in torch. For SGD it counts the steps
 that used the momentum buffer: 0 means "no buffer yet" and the next momentum step sets it to the
-gradient. Torch's SGD state has no step count, so resuming from an existing buffer sets it to 1.
+gradient. Torch's SGD and Muon states have no step count, so resuming from an existing buffer sets it to 1.
 
 A parameter with ``requires_grad=False`` never gets a gradient, so torch never updates it or creates
 its state; the bridge leaves it out of the spec for the same reason.
@@ -31,7 +33,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from torchpar.ir.optimizer import OptimizerSpec, nadam_mu_product, state_keys
+from torchpar.ir.optimizer import (
+    MUON_ADJUST_LR_FNS,
+    STEP_COUNTED_KINDS,
+    OptimizerSpec,
+    asgd_eta_mu,
+    nadam_mu_product,
+    state_keys,
+    state_shape,
+)
 from torchpar.ir.optimizer import step_scalars as _step_scalars
 
 __all__ = ["SUPPORTED_OPTIMIZERS", "TorchOptimizerBridge"]
@@ -47,6 +57,10 @@ _KINDS: tuple[tuple[type[torch.optim.Optimizer], str], ...] = (
     (torch.optim.NAdam, "nadam"),
     (torch.optim.RAdam, "radam"),
     (torch.optim.Adadelta, "adadelta"),
+    (torch.optim.ASGD, "asgd"),
+    (torch.optim.Rprop, "rprop"),
+    (torch.optim.Adafactor, "adafactor"),
+    (torch.optim.Muon, "muon"),
 )
 
 SUPPORTED_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = tuple(cls for cls, _ in _KINDS)
@@ -58,11 +72,15 @@ _SUPPORTED_TEXT = (
     "torch.optim.RMSprop (alpha, eps, weight_decay, momentum, centered, maximize), "
     "torch.optim.Adamax (betas, eps, weight_decay, maximize), "
     "torch.optim.NAdam (betas, eps, weight_decay, momentum_decay, decoupled_weight_decay, maximize), "
-    "torch.optim.RAdam (betas, eps, weight_decay, decoupled_weight_decay, maximize) and "
-    "torch.optim.Adadelta (lr, rho, eps, weight_decay, maximize)"
+    "torch.optim.RAdam (betas, eps, weight_decay, decoupled_weight_decay, maximize), "
+    "torch.optim.Adadelta (lr, rho, eps, weight_decay, maximize), "
+    "torch.optim.ASGD (lambd, alpha, t0, weight_decay, maximize), "
+    "torch.optim.Rprop (etas, step_sizes, maximize), "
+    "torch.optim.Adafactor (beta2_decay, eps, d, weight_decay, maximize) and "
+    "torch.optim.Muon (2-d parameters; weight_decay, momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn)"
 )
 
-# Hyper-parameters read from param_groups every step (besides lr and weight_decay), per kind.
+# Hyper-parameters read from param_groups every step (besides lr, and weight_decay where the class has it), per kind.
 _HPARAM_KEYS: dict[str, tuple[str, ...]] = {
     "sgd": ("momentum", "dampening"),
     "adam": ("betas", "eps"),
@@ -73,7 +91,18 @@ _HPARAM_KEYS: dict[str, tuple[str, ...]] = {
     "nadam": ("betas", "eps", "momentum_decay"),
     "radam": ("betas", "eps"),
     "adadelta": ("rho", "eps"),
+    "asgd": ("lambd", "alpha", "t0"),
+    "rprop": ("etas", "step_sizes"),
+    "adafactor": ("beta2_decay", "eps", "d"),
+    "muon": ("momentum", "ns_coefficients", "eps"),
 }
+
+_COUNTER_KEYS: dict[str, tuple[str, ...]] = {"nadam": ("mu_product",), "asgd": ("eta", "mu")}
+"""The 0-d tensors torch keeps per parameter besides ``step``: per-group host counters here."""
+
+_STRUCTURAL = ("nesterov", "amsgrad", "maximize", "centered", "has_momentum", "decoupled_weight_decay", "ns_steps",
+               "adjust_lr_fn")
+"""`OptimizerSpec` fields read from the param groups at compile time; changing one later needs a new compile."""
 
 
 def _base_class(optimizer: torch.optim.Optimizer) -> type[torch.optim.Optimizer]:
@@ -121,10 +150,12 @@ def _to_numpy(t: torch.Tensor) -> np.ndarray:
     return t.numpy().copy()
 
 
-def _to_torch(a: Any, like: torch.Tensor) -> torch.Tensor:
+def _to_torch(a: Any, like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """``a`` as a tensor of ``like``'s dtype and device; it must have ``shape``."""
     a = np.asarray(a)
-    if a.shape != tuple(like.shape):
-        raise ValueError(f"state array of shape {a.shape} for a parameter of shape {tuple(like.shape)}")
+    if a.shape != shape:
+        raise ValueError(f"state array of shape {a.shape}, expected {shape} for a parameter of shape "
+                         f"{tuple(like.shape)}")
     if like.dtype == torch.bfloat16:
         import ml_dtypes
 
@@ -165,6 +196,12 @@ class TorchOptimizerBridge:
                     )
                 if not p.is_floating_point():
                     raise ValueError(f"parameter {name!r} has dtype {p.dtype}; optimizers need floating point")
+                if kind == "muon" and p.ndim != 2:
+                    raise ValueError(
+                        f"parameter {name!r} of shape {tuple(p.shape)} is in a torch.optim.Muon param group (group "
+                        f"{gi}); Muon updates 2-d matrices only (torch raises at its step): optimize the other "
+                        "parameters with a second optimizer such as AdamW"
+                    )
                 if not p.requires_grad:
                     continue  # never has a grad, so torch never updates it
                 names.append(name)
@@ -186,13 +223,11 @@ class TorchOptimizerBridge:
             kind=kind,
             param_names=tuple(names),
             group_of_param=tuple(groups),
-            maximize=self._flags("maximize"),
-            **{key: self._structural(key, kind) for key in ("nesterov", "amsgrad", "centered", "has_momentum",
-                                                           "decoupled_weight_decay")},
+            **{key: self._structural(key, kind) for key in _STRUCTURAL},
         )
         self._steps: list[int] = [0] * self.spec.num_groups
-        self._mu_products: list[float] = [1.0] * self.spec.num_groups  # NAdam only
-        self._last_advanced: list[tuple[int, float]] = []
+        self._counters: list[dict[str, float]] = [self._fresh_counters(g) for g in range(self.spec.num_groups)]
+        self._last_advanced: list[tuple[int, dict[str, float]]] = []
 
     # -- structure ---------------------------------------------------------------------------------
 
@@ -212,18 +247,38 @@ class TorchOptimizerBridge:
             )
         if kind == "sgd" and group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
             raise ValueError(f"param group {gi}: Nesterov momentum requires a momentum and zero dampening")
+        if kind == "muon":
+            steps = group["ns_steps"]
+            if not isinstance(steps, (int, np.integer)) or isinstance(steps, bool) or not 0 <= steps < 100:
+                raise ValueError(f"param group {gi}: Muon ns_steps={steps!r}; it must be a whole number of "
+                                 "Newton–Schulz iterations in [0, 100) (torch's limit)")
+            if len(tuple(group["ns_coefficients"])) != 3:
+                raise ValueError(f"param group {gi}: Muon ns_coefficients={group['ns_coefficients']!r}; it must be "
+                                 "the three coefficients (a, b, c) of the Newton–Schulz polynomial")
+            if group["adjust_lr_fn"] not in (None, *MUON_ADJUST_LR_FNS):
+                raise ValueError(f"param group {gi}: Muon adjust_lr_fn={group['adjust_lr_fn']!r} is not one of "
+                                 f"None, {', '.join(repr(f) for f in MUON_ADJUST_LR_FNS)}")
 
     def _flags(self, key: str) -> tuple[bool, ...]:
         return tuple(bool(g.get(key, False)) for g in self.optimizer.param_groups)
 
-    def _structural(self, key: str, kind: str) -> tuple[bool, ...]:
-        """The per-group flag `key` of `OptimizerSpec` for an optimizer of `kind` (False where it does not apply)."""
-        applies = {"nesterov": ("sgd",), "amsgrad": ("adam", "adamw"), "centered": ("rmsprop",),
-                   "has_momentum": ("rmsprop",), "decoupled_weight_decay": ("nadam", "radam")}[key]
+    def _structural(self, key: str, kind: str) -> tuple[Any, ...]:
+        """The per-group field `key` of `OptimizerSpec` (`_STRUCTURAL`) for an optimizer of `kind` (False, 0 or ""
+        where it does not apply)."""
+        groups = self.optimizer.param_groups
+        if key == "maximize":
+            return self._flags(key)
+        applies = {"nesterov": ("sgd", "muon"), "amsgrad": ("adam", "adamw"), "centered": ("rmsprop",),
+                   "has_momentum": ("rmsprop",), "decoupled_weight_decay": ("nadam", "radam"),
+                   "ns_steps": ("muon",), "adjust_lr_fn": ("muon",)}[key]
         if kind not in applies:
-            return (False,) * len(self.optimizer.param_groups)
+            return ({"ns_steps": 0, "adjust_lr_fn": ""}.get(key, False),) * len(groups)
         if key == "has_momentum":  # RMSprop keeps a momentum_buffer when momentum > 0 at its first step
-            return tuple(float(g["momentum"]) > 0 for g in self.optimizer.param_groups)
+            return tuple(float(g["momentum"]) > 0 for g in groups)
+        if key == "ns_steps":
+            return tuple(int(g["ns_steps"]) for g in groups)
+        if key == "adjust_lr_fn":
+            return tuple(g["adjust_lr_fn"] or "original" for g in groups)
         return self._flags(key)
 
     def _check_structure_unchanged(self) -> None:
@@ -233,8 +288,11 @@ class TorchOptimizerBridge:
                 f"the optimizer now has {len(groups)} param groups, it was compiled with "
                 f"{self.spec.num_groups}; param groups cannot be added after torchpar.compile"
             )
-        for key in ("nesterov", "amsgrad", "maximize", "centered", "has_momentum", "decoupled_weight_decay"):
-            now = self._structural(key, self.spec.kind) if key != "maximize" else self._flags(key)
+        if self.spec.kind == "muon":  # its options torch checks at every step
+            for gi, group in enumerate(groups):
+                self._check_group(self.spec.kind, gi, group)
+        for key in _STRUCTURAL:
+            now = self._structural(key, self.spec.kind)
             if now != getattr(self.spec, key):
                 shown = "momentum > 0" if key == "has_momentum" else key
                 raise ValueError(
@@ -244,17 +302,22 @@ class TorchOptimizerBridge:
 
     # -- per step ----------------------------------------------------------------------------------
 
-    def hparams(self) -> list[dict[str, float]]:
-        """The current per-group hyper-parameters as plain floats (tensor lr/betas are converted); a ``ValueError``
-        naming the group and the key if one is inf or nan (it would turn every parameter of the group nan)."""
+    def hparams(self) -> list[dict[str, Any]]:
+        """The current per-group hyper-parameters as plain floats, pairs and triples (betas, etas, step_sizes, eps,
+        ns_coefficients) as tuples of them (tensors are converted; Adafactor's ``eps1=None`` becomes the machine
+        epsilon of the group's first parameter's dtype, as torch resolves it); a ``ValueError`` naming the group and
+        the key if one is inf or nan (it would turn every parameter of the group nan)."""
         out = []
         for gi, group in enumerate(self.optimizer.param_groups):
-            hp = {"lr": float(group["lr"]), "weight_decay": float(group["weight_decay"])}
+            hp: dict[str, Any] = {"lr": float(group["lr"])}
+            if "weight_decay" in group:  # Rprop has none
+                hp["weight_decay"] = float(group["weight_decay"])
             for key in _HPARAM_KEYS[self.spec.kind]:
-                if key == "betas":
-                    hp["betas"] = (float(group["betas"][0]), float(group["betas"][1]))
+                value = group[key]
+                if isinstance(value, (tuple, list)):
+                    hp[key] = tuple(self._eps1(gi) if v is None else float(v) for v in value)
                 else:
-                    hp[key] = float(group[key])
+                    hp[key] = float(value)
             for key, value in hp.items():
                 if not np.all(np.isfinite(value)):
                     raise ValueError(f"optimizer.param_groups[{gi}][{key!r}] is {value}: the step would make every "
@@ -262,6 +325,19 @@ class TorchOptimizerBridge:
                                      "division by zero may have written it)")
             out.append(hp)
         return out
+
+    def _eps1(self, g: int) -> float:
+        """torch's Adafactor ``eps1=None``: ``torch.finfo(dtype).eps`` of the group's first parameter it steps."""
+        members = self._params_of_group(g)
+        return float(torch.finfo(members[0][1].dtype if members else torch.get_default_dtype()).eps)
+
+    def _fresh_counters(self, g: int) -> dict[str, float]:
+        """A group's host counters before its first step (ASGD's are set from lr at that step)."""
+        return {"mu_product": 1.0} if self.spec.kind == "nadam" else {}
+
+    def _scalar(self, g: int, value: float) -> float:
+        """``value`` rounded as torch's 0-d state tensors of group ``g`` hold it (float32 by default)."""
+        return float(np.asarray(value, dtype=_numpy_dtype(_scalar_dtype_for_step(self.optimizer.param_groups[g]))))
 
     def step_scalars(self):
         """Scalars for `jaxbackend.optim.apply_updates` for the step about to run; advances the counters.
@@ -277,22 +353,31 @@ class TorchOptimizerBridge:
             if self.spec.kind == "sgd" and hp["momentum"] == 0.0:
                 steps.append(self._steps[g] + 1)  # ignored by the update; the buffer is left alone
                 continue
+            self._last_advanced.append((g, dict(self._counters[g])))
+            if self.spec.kind == "asgd" and self._steps[g] == 0:  # torch creates eta = lr, mu = 1 at the first step
+                self._counters[g] = {"eta": self._scalar(g, hp["lr"]), "mu": 1.0}
             self._steps[g] += 1
-            self._last_advanced.append((g, self._mu_products[g]))
             steps.append(self._steps[g])
-        scalars = _step_scalars(self.spec, hparams, steps, mu_products=self._mu_products)
-        if self.spec.kind == "nadam":
-            for g, _ in self._last_advanced:
-                self._mu_products[g] = float(nadam_mu_product(self._mu_products[g], hparams[g]["betas"][0],
-                                                              hparams[g]["momentum_decay"], steps[g]))
+        scalars = _step_scalars(self.spec, hparams, steps, counters=self._counters)
+        for g, _ in self._last_advanced:
+            self._counters[g] = self._advanced_counters(g, hparams[g], steps[g])
         return scalars
+
+    def _advanced_counters(self, g: int, hp: Mapping[str, Any], step: int) -> dict[str, float]:
+        """Group ``g``'s host counters after its step ``step`` ran with hyper-parameters ``hp``."""
+        if self.spec.kind == "nadam":
+            return {"mu_product": float(nadam_mu_product(self._counters[g]["mu_product"], hp["betas"][0],
+                                                         hp["momentum_decay"], step))}
+        if self.spec.kind == "asgd":
+            return {key: self._scalar(g, value) for key, value in zip(("eta", "mu"), asgd_eta_mu(hp, step))}
+        return self._counters[g]
 
     def rollback_step(self) -> None:
         """Undo the counters the last :meth:`step_scalars` advanced: its update was skipped (a non-finite step),
         and torch's ``optimizer.step`` would not have run (``GradScaler.step`` skips it)."""
-        for g, mu_product in self._last_advanced:
+        for g, counters in self._last_advanced:
             self._steps[g] -= 1
-            self._mu_products[g] = mu_product
+            self._counters[g] = counters
         self._last_advanced = []
 
     # -- state -------------------------------------------------------------------------------------
@@ -307,10 +392,9 @@ class TorchOptimizerBridge:
         """
         out: dict[str, dict[str, np.ndarray]] = {}
         for g in range(self.spec.num_groups):
-            keys = state_keys(self.spec, g)
             members = self._params_of_group(g)
             torch_states = [self.optimizer.state[p] if p in self.optimizer.state else {} for _, p in members]
-            self._mu_products[g] = 1.0
+            self._counters[g] = self._fresh_counters(g)
             if self.spec.kind == "sgd":
                 has = [st.get("momentum_buffer") is not None for st in torch_states]
             else:  # Adagrad creates its state (step 0, sum = initial_accumulator_value) in its constructor
@@ -326,11 +410,12 @@ class TorchOptimizerBridge:
                 self._steps[g] = 0
                 fill = float(self.optimizer.param_groups[g].get("initial_accumulator_value", 0.0))
                 for name, p in members:
-                    out[name] = {k: np.full(tuple(p.shape), fill if k == "sum" else 0.0, dtype=_numpy_dtype(p.dtype))
-                                 for k in keys}
+                    out[name] = {k: np.full(state_shape(self.spec, k, p.shape), fill if k == "sum" else 0.0,
+                                            dtype=_numpy_dtype(p.dtype))
+                                 for k in state_keys(self.spec, g, p.ndim)}
                 continue
 
-            if self.spec.kind == "sgd":
+            if self.spec.kind not in STEP_COUNTED_KINDS:
                 self._steps[g] = 1
             else:
                 steps = {float(st["step"]) for st in torch_states}
@@ -343,15 +428,16 @@ class TorchOptimizerBridge:
                 if step != int(step) or step < 0:
                     raise ValueError(f"param group {g}: {self.spec.kind} state step {step} is not a whole number")
                 self._steps[g] = int(step)
-                if self.spec.kind == "nadam":
-                    products = {float(st["mu_product"]) for st in torch_states}
-                    if len(products) != 1:
+                for key in _COUNTER_KEYS.get(self.spec.kind, ()):
+                    values = {float(st[key]) for st in torch_states}
+                    if len(values) != 1:
                         raise NotImplementedError(
-                            f"param group {g}: parameters have different NAdam mu_product values {sorted(products)}; "
-                            "torchpar keeps one per param group"
+                            f"param group {g}: parameters have different {self.spec.kind} {key} values "
+                            f"{sorted(values)}; torchpar keeps one per param group"
                         )
-                    self._mu_products[g] = products.pop()
+                    self._counters[g][key] = values.pop()
             for (name, p), st in zip(members, torch_states):
+                keys = state_keys(self.spec, g, p.ndim)
                 missing = [k for k in keys if k not in st]
                 if missing:
                     raise ValueError(
@@ -360,9 +446,10 @@ class TorchOptimizerBridge:
                     )
                 out[name] = {}
                 for k in keys:
-                    if tuple(st[k].shape) != tuple(p.shape):
+                    expected = state_shape(self.spec, k, p.shape)
+                    if tuple(st[k].shape) != expected:
                         raise ValueError(f"optimizer state {k!r} of {name!r} has shape {tuple(st[k].shape)}, "
-                                         f"the parameter {tuple(p.shape)}")
+                                         f"expected {expected} for the parameter's {tuple(p.shape)}")
                     out[name][k] = _to_numpy(st[k].to(p.dtype))
         return out
 
@@ -372,11 +459,13 @@ class TorchOptimizerBridge:
         ``trained``: the parameters the compiled step gives a gradient (default: all of the spec); the others
         never get one, so torch creates no state for them and none is written.
 
-        All but SGD: ``step`` (0-d float tensor, torch's scalar dtype), NAdam's ``mu_product`` (the same), then the
-        tensors of `state_keys` (Adam/AdamW ``exp_avg``, ``exp_avg_sq`` and, with amsgrad, ``max_exp_avg_sq``;
-        Adagrad ``sum``; RMSprop ``square_avg`` [``momentum_buffer``] [``grad_avg``]; Adamax ``exp_avg``,
-        ``exp_inf``; NAdam/RAdam ``exp_avg``, ``exp_avg_sq``; Adadelta ``square_avg``, ``acc_delta``).
-        SGD: ``momentum_buffer`` once the group has one.
+        All but SGD and Muon: ``step`` (0-d float tensor, torch's scalar dtype), NAdam's ``mu_product`` and ASGD's
+        ``eta``, ``mu`` (the same), then the tensors of `state_keys` (Adam/AdamW ``exp_avg``, ``exp_avg_sq`` and,
+        with amsgrad, ``max_exp_avg_sq``; Adagrad ``sum``; RMSprop ``square_avg`` [``momentum_buffer``]
+        [``grad_avg``]; Adamax ``exp_avg``, ``exp_inf``; NAdam/RAdam ``exp_avg``, ``exp_avg_sq``; Adadelta
+        ``square_avg``, ``acc_delta``; ASGD ``ax``; Rprop ``prev``, ``step_size``; Adafactor ``row_var``, ``col_var``
+        for a parameter of ≥ 2 dims, else ``variance``).
+        SGD and Muon: ``momentum_buffer`` once the group has one.
         Groups that have not stepped get no state, as in torch. Existing tensors are updated in place.
         """
         for name, p, g in zip(self.spec.param_names, self.params, self.spec.group_of_param):
@@ -385,16 +474,18 @@ class TorchOptimizerBridge:
             if name not in state:
                 raise ValueError(f"write_back: state has no entry for parameter {name!r}")
             torch_state = self.optimizer.state[p]
-            if self.spec.kind != "sgd":
+            if self.spec.kind in STEP_COUNTED_KINDS:
                 group = self.optimizer.param_groups[g]
-                step = torch.tensor(float(self._steps[g]), dtype=_scalar_dtype_for_step(group),
-                                    device=p.device if group.get("fused") else "cpu")
-                self._assign(torch_state, "step", step)
-                if self.spec.kind == "nadam":
-                    self._assign(torch_state, "mu_product",
-                                 torch.tensor(self._mu_products[g], dtype=_scalar_dtype_for_step(group)))
-            for key in state_keys(self.spec, g):
-                self._assign(torch_state, key, _to_torch(state[name][key], like=p))
+                # where torch creates it: ASGD on the parameter's device, fused Adam and capturable Rprop too
+                on_device = self.spec.kind == "asgd" or group.get("fused") or (self.spec.kind == "rprop"
+                                                                               and group.get("capturable"))
+                scalar = dict(dtype=_scalar_dtype_for_step(group), device=p.device if on_device else "cpu")
+                self._assign(torch_state, "step", torch.tensor(float(self._steps[g]), **scalar))
+                for key in _COUNTER_KEYS.get(self.spec.kind, ()):
+                    self._assign(torch_state, key, torch.tensor(self._counters[g][key], **scalar))
+            for key in state_keys(self.spec, g, p.ndim):
+                self._assign(torch_state, key, _to_torch(state[name][key], like=p,
+                                                         shape=state_shape(self.spec, key, p.shape)))
 
     @staticmethod
     def _assign(torch_state: dict, key: str, value: torch.Tensor) -> None:
@@ -409,10 +500,12 @@ class TorchOptimizerBridge:
     # -- checkpoint --------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """The host counters (the arrays are checkpointed by whoever holds them)."""
+        """The host counters (the arrays are checkpointed by whoever holds them): ``group_steps`` and, per counter
+        of `_COUNTER_KEYS`, ``group_<key>s`` (NAdam ``group_mu_products``; ASGD ``group_etas``, ``group_mus``, None
+        for a group that has not stepped)."""
         out = {"kind": self.spec.kind, "param_names": list(self.spec.param_names), "group_steps": list(self._steps)}
-        if self.spec.kind == "nadam":
-            out["group_mu_products"] = list(self._mu_products)
+        for key in _COUNTER_KEYS.get(self.spec.kind, ()):
+            out[f"group_{key}s"] = [counters.get(key) for counters in self._counters]
         return out
 
     def load_state_dict(self, d: Mapping[str, Any]) -> None:
@@ -424,12 +517,16 @@ class TorchOptimizerBridge:
         steps = [int(s) for s in d["group_steps"]]
         if len(steps) != self.spec.num_groups or any(s < 0 for s in steps):
             raise ValueError(f"optimizer checkpoint group_steps {steps} do not fit {self.spec.num_groups} param groups")
-        if self.spec.kind == "nadam":
-            products = [float(m) for m in d.get("group_mu_products", ())]
-            if len(products) != len(steps):
-                raise ValueError(f"NAdam optimizer checkpoint group_mu_products {products} do not fit "
+        counters: list[dict[str, float]] = [{} for _ in steps]
+        for key in _COUNTER_KEYS.get(self.spec.kind, ()):
+            values = list(d.get(f"group_{key}s", ()))
+            if len(values) != len(steps):
+                raise ValueError(f"{self.spec.kind} optimizer checkpoint group_{key}s {values} do not fit "
                                  f"{self.spec.num_groups} param groups")
-            self._mu_products = products
+            for group_counters, value in zip(counters, values):
+                if value is not None:
+                    group_counters[key] = float(value)
+        self._counters = counters
         self._steps = steps
 
 

@@ -20,6 +20,16 @@ change between steps and jit never retraces:
     radam:  lr, weight_decay, param_scale, beta1_weight, beta2, one_minus_beta2, eps, bias_correction1,
             bias_correction2_sqrt, rect (the rectification factor), rectify (bool: ρₜ > 5)
     adadelta: lr, weight_decay, rho, one_minus_rho, eps
+    asgd:   weight_decay, param_scale (1 - λη), neg_eta (-η), mu, average (bool: μ ≠ 1, else ax ← θ), with η and μ the
+            group's host counters before the step (torch's 0-d state "eta", "mu"; :func:`asgd_eta_mu` advances them)
+    rprop:  lr, step_size_init (bool: first step, step_size ← lr), etaminus, etaplus, step_size_min, step_size_max
+    adafactor: param_scale (1 - γλ), one_minus_beta2 (t^beta2_decay), rho (min(γ, 1/√t)), eps1, eps1_sq (ε₁²), eps2, d
+    muon:   lr, param_scale (1 - γλ), momentum, one_minus_momentum, eps, ns_a, ns_b, ns_c (Newton–Schulz coefficients)
+
+Structure that cannot change without recompiling lives in `OptimizerSpec` instead: per group the flags below, Muon's
+``ns_steps`` (a loop count) and ``adjust_lr_fn``. The tensors of the state are named by `state_keys`; they have the
+parameter's shape except Adafactor's row and column factors (`state_shape`). Adafactor and Muon are the kinds whose
+update is not elementwise (`NOT_ELEMENTWISE`): a program that updates a shard of a parameter must not run them.
 """
 
 from __future__ import annotations
@@ -30,7 +40,20 @@ from typing import Any
 
 import numpy as np
 
-OPTIMIZER_KINDS = ("sgd", "adam", "adamw", "adagrad", "rmsprop", "adamax", "nadam", "radam", "adadelta")
+OPTIMIZER_KINDS = ("sgd", "adam", "adamw", "adagrad", "rmsprop", "adamax", "nadam", "radam", "adadelta", "asgd",
+                   "rprop", "adafactor", "muon")
+
+NOT_ELEMENTWISE: dict[str, str] = {
+    "adafactor": "Adafactor's update is not elementwise (it reduces over whole rows, columns and tensors: its factored "
+                 "second moment, the parameter's RMS, the update's RMS)",
+    "muon": "Muon's update is not elementwise (it orthogonalizes the whole matrix with Newton–Schulz iterations of "
+            "matrix products)",
+}
+"""Kinds whose update of a parameter reads more than the matching elements of its gradient and state → why; the
+update of a shard computed from that shard alone would be wrong."""
+
+MUON_ADJUST_LR_FNS = ("original", "match_rms_adamw")
+"""Muon's ``adjust_lr_fn`` values (torch's ``None`` is ``"original"``)."""
 
 Scalars = tuple[dict[str, Any], ...]
 
@@ -57,6 +80,11 @@ class OptimizerSpec:
     """Per group: RMSprop momentum > 0 (state "momentum_buffer"); () means all False."""
     decoupled_weight_decay: tuple[bool, ...] = ()
     """Per group: NAdam/RAdam decoupled (AdamW-style) weight decay; () means all False."""
+    ns_steps: tuple[int, ...] = ()
+    """Per group: Muon's number of Newton–Schulz iterations, 0 ≤ k < 100 (0 for the other kinds); () means all 0."""
+    adjust_lr_fn: tuple[str, ...] = ()
+    """Per group: Muon's learning-rate adjustment to the matrix shape, one of `MUON_ADJUST_LR_FNS` ("" for the other
+    kinds); () means "original" for Muon, "" otherwise."""
 
     def __post_init__(self) -> None:
         for field in ("param_names", "group_of_param", "nesterov", "amsgrad", "maximize", *_OPTIONAL_FLAGS):
@@ -101,6 +129,30 @@ class OptimizerSpec:
         for field, kinds in _FLAG_KINDS.items():
             if self.kind not in kinds and any(getattr(self, field)):
                 raise ValueError(f"{field} is a flag of {'/'.join(kinds)}; {self.kind} groups must have {field}=False")
+        self._check_muon_fields(num_groups)
+
+    def _check_muon_fields(self, num_groups: int) -> None:
+        muon = self.kind == "muon"
+        for field, default in (("ns_steps", 0), ("adjust_lr_fn", "original" if muon else "")):
+            value = getattr(self, field)
+            if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+                raise TypeError(f"OptimizerSpec.{field} must be a tuple, got {type(value).__name__}")
+            value = tuple(value) or (default,) * num_groups
+            if len(value) != num_groups:
+                raise ValueError(f"OptimizerSpec.{field} needs one entry per param group ({num_groups}), got "
+                                 f"{len(value)}")
+            object.__setattr__(self, field, value)
+        if not all(isinstance(k, (int, np.integer)) and not isinstance(k, bool) for k in self.ns_steps):
+            raise TypeError(f"OptimizerSpec.ns_steps must hold ints, got {self.ns_steps}")
+        object.__setattr__(self, "ns_steps", tuple(int(k) for k in self.ns_steps))
+        if muon:
+            if not all(0 <= k < 100 for k in self.ns_steps):
+                raise ValueError(f"OptimizerSpec.ns_steps must be in [0, 100) (torch's limit), got {self.ns_steps}")
+            if not all(fn in MUON_ADJUST_LR_FNS for fn in self.adjust_lr_fn):
+                raise ValueError(f"OptimizerSpec.adjust_lr_fn must hold {MUON_ADJUST_LR_FNS}, got {self.adjust_lr_fn}")
+        elif any(self.ns_steps) or any(self.adjust_lr_fn):
+            raise ValueError(f"ns_steps and adjust_lr_fn are Muon's; {self.kind} groups must have 0 and \"\", got "
+                             f"{self.ns_steps} and {self.adjust_lr_fn}")
 
     @property
     def num_groups(self) -> int:
@@ -110,25 +162,36 @@ class OptimizerSpec:
 _OPTIONAL_FLAGS = ("centered", "has_momentum", "decoupled_weight_decay")
 
 _FLAG_KINDS = {
-    "nesterov": ("sgd",),
+    "nesterov": ("sgd", "muon"),
     "amsgrad": ("adam", "adamw"),
     "centered": ("rmsprop",),
     "has_momentum": ("rmsprop",),
     "decoupled_weight_decay": ("nadam", "radam"),
 }
 
-STEP_COUNTED_KINDS = tuple(k for k in OPTIMIZER_KINDS if k != "sgd")
+STEP_COUNTED_KINDS = tuple(k for k in OPTIMIZER_KINDS if k not in ("sgd", "muon"))
 """Kinds whose torch state holds a per-parameter ``step`` (a 0-d float tensor) next to the tensors of `state_keys`."""
 
 
-def state_keys(spec: OptimizerSpec, group: int) -> tuple[str, ...]:
+def state_keys(spec: OptimizerSpec, group: int, ndim: int | None = None) -> tuple[str, ...]:
     """Names of the per-parameter state tensors of a param group (torch's names, in torch's order).
 
-    Each has the parameter's shape. Scalars torch also keeps per parameter (``step``; NAdam's ``mu_product``) are
-    per-group host counters here, not state tensors."""
+    Each has the parameter's shape but Adafactor's factors (`state_shape`). Scalars torch also keeps per parameter
+    (``step``; NAdam's ``mu_product``; ASGD's ``eta`` and ``mu``) are per-group host counters here, not state tensors.
+    ``ndim``: the parameter's; Adafactor's keys depend on it (a parameter of ≥ 2 dims keeps ``row_var`` and
+    ``col_var``, the others ``variance``), the other kinds' do not."""
     kind = spec.kind
-    if kind == "sgd":
+    if kind in ("sgd", "muon"):
         return ("momentum_buffer",)
+    if kind == "adafactor":
+        if ndim is None:
+            raise ValueError("Adafactor's state keys depend on the parameter's ndim (row_var/col_var for ≥ 2 dims, "
+                             "variance otherwise): pass state_keys(spec, group, ndim)")
+        return ("row_var", "col_var") if ndim >= 2 else ("variance",)
+    if kind == "asgd":
+        return ("ax",)
+    if kind == "rprop":
+        return ("prev", "step_size")
     if kind in ("adam", "adamw"):
         if spec.amsgrad[group]:
             return ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
@@ -147,10 +210,25 @@ def state_keys(spec: OptimizerSpec, group: int) -> tuple[str, ...]:
     raise AssertionError(kind)
 
 
+def state_shape(spec: OptimizerSpec, key: str, param_shape: Sequence[int]) -> tuple[int, ...]:
+    """The shape of state tensor ``key`` of a parameter of ``param_shape``: the parameter's, but Adafactor's
+    ``row_var`` (the last dim 1) and ``col_var`` (the next-to-last dim 1), as torch keeps them."""
+    shape = tuple(param_shape)
+    if spec.kind == "adafactor" and key == "row_var":
+        return (*shape[:-1], 1)
+    if spec.kind == "adafactor" and key == "col_var":
+        return (*shape[:-2], 1, shape[-1])
+    return shape
+
+
 def state_copies(spec: OptimizerSpec) -> float:
-    """Optimizer-state tensors per parameter, averaged over groups: 1 for SGD with momentum and Adagrad, 2 for
-    Adam/AdamW/Adamax/NAdam/RAdam/Adadelta (3 with amsgrad), 1-3 for RMSprop (square_avg, + momentum_buffer with
-    momentum, + grad_avg when centered). Per-parameter 0-d scalars (step, mu_product) are not counted."""
+    """Optimizer-state tensors of the parameter's size per parameter, averaged over groups: 1 for SGD with momentum,
+    Adagrad, ASGD and Muon, 2 for Adam/AdamW/Adamax/NAdam/RAdam/Adadelta/Rprop (3 with amsgrad), 1-3 for RMSprop
+    (square_avg, + momentum_buffer with momentum, + grad_avg when centered), 1 for Adafactor (an upper bound: a
+    vector keeps one, a matrix only its row and column factors). Per-parameter 0-d scalars (step, mu_product, eta,
+    mu) are not counted."""
+    if spec.kind == "adafactor":
+        return 1.0
     return sum(len(state_keys(spec, g)) for g in range(spec.num_groups)) / max(spec.num_groups, 1)
 
 
@@ -175,21 +253,33 @@ def _betas(hp: Mapping[str, Any]) -> tuple[float, float]:
     return float(hp["beta1"]), float(hp["beta2"])
 
 
+def asgd_eta_mu(hp: Mapping[str, Any], step: int) -> tuple[float, float]:
+    """The η and μ torch's ASGD stores at the end of step ``step`` for the next one, in float64:
+    η = γ / (1 + λγt)^α and μ = 1 / max(1, t - t₀) (``hp``: the group's ``lr, lambd, alpha, t0``). Before the first
+    step η = γ and μ = 1."""
+    lr = float(hp["lr"])
+    return lr / ((1 + float(hp["lambd"]) * lr * step) ** float(hp["alpha"])), 1 / max(1.0, step - float(hp["t0"]))
+
+
 def step_scalars(
     spec: OptimizerSpec, group_hparams: Sequence[Mapping[str, Any]], group_steps: Sequence[int],
-    mu_products: Sequence[float] | None = None,
+    counters: Sequence[Mapping[str, float]] | None = None,
 ) -> Scalars:
     """Runtime scalars for the coming step, from plain-Python per-group hyper-parameters.
 
     group_hparams[i] uses torch's param_group keys: SGD ``lr, momentum, dampening, weight_decay``;
     Adam/AdamW/Adamax/RAdam ``lr, betas=(β₁, β₂), eps, weight_decay`` (``beta1``/``beta2`` are accepted too);
     NAdam as Adam plus ``momentum_decay``; Adagrad ``lr, lr_decay, eps, weight_decay``; RMSprop ``lr, alpha, eps,
-    weight_decay, momentum``; Adadelta ``lr, rho, eps, weight_decay``.
+    weight_decay, momentum``; Adadelta ``lr, rho, eps, weight_decay``; ASGD ``lr, lambd, alpha, t0, weight_decay``;
+    Rprop ``lr, etas=(η₋, η₊), step_sizes=(min, max)``; Adafactor ``lr, beta2_decay, eps=(ε₁, ε₂), d,
+    weight_decay`` (ε₁ resolved: torch's ``None`` is the machine epsilon of the group's first parameter's dtype);
+    Muon ``lr, weight_decay, momentum, ns_coefficients=(a, b, c), eps``.
     group_steps[i] is the 1-based step about to run. For all but SGD it is torch's state["step"] after
     the increment (it sets the bias corrections). For SGD it counts momentum steps of the group's
     buffer: 1 means "no buffer yet, initialize it from the gradient" (it is ignored when μ = 0).
-    mu_products (NAdam only): each group's ``mu_product`` before this step (torch's float32 state; default: the
-    product of μ₁…μₜ₋₁ for the current β₁ and momentum_decay).
+    counters: each group's host counters before this step, torch's 0-d float32 state: NAdam ``mu_product``, ASGD
+    ``eta`` and ``mu``. Default: the values the current hyper-parameters would have produced (NAdam the product of
+    μ₁…μₜ₋₁; ASGD :func:`asgd_eta_mu` of step t - 1).
     """
     if len(group_hparams) != spec.num_groups or len(group_steps) != spec.num_groups:
         raise ValueError(
@@ -201,8 +291,11 @@ def step_scalars(
         step = int(step)
         if step < 1:
             raise ValueError(f"step_scalars: steps are 1-based, got {step}")
-        lr, wd = float(hp["lr"]), float(hp["weight_decay"])
         kind = spec.kind
+        if kind in _SCALARS:
+            out.append(_SCALARS[kind](hp, step, counters[g] if counters is not None else None))
+            continue
+        lr, wd = float(hp["lr"]), float(hp["weight_decay"])
         if kind == "sgd":
             momentum = float(hp["momentum"])
             out.append({
@@ -266,12 +359,12 @@ def step_scalars(
             scalars["param_scale"] = _f32(1.0 - lr * wd if decoupled else 1.0)
         if kind == "nadam":
             momentum_decay = float(hp["momentum_decay"])
-            if mu_products is None:
+            if counters is None:
                 previous = np.float32(1.0)
                 for t in range(1, step):
                     previous = nadam_mu_product(previous, beta1, momentum_decay, t)
             else:
-                previous = np.float32(mu_products[g])
+                previous = np.float32(counters[g]["mu_product"])
             mu = nadam_mu(beta1, momentum_decay, step)
             mu_next = nadam_mu(beta1, momentum_decay, step + 1)
             mu_product = float(nadam_mu_product(previous, beta1, momentum_decay, step))  # torch's .item()
@@ -310,3 +403,66 @@ def step_scalars(
             scalars["weight_decay"] = _f32(wd)
         out.append(scalars)
     return tuple(out)
+
+
+def _asgd_scalars(hp: Mapping[str, Any], step: int, counters: Mapping[str, float] | None) -> dict[str, Any]:
+    if counters is None:
+        eta, mu = (float(np.float32(x)) for x in (asgd_eta_mu(hp, step - 1) if step > 1 else (hp["lr"], 1.0)))
+    else:
+        eta, mu = float(counters["eta"]), float(counters["mu"])
+    return {
+        "weight_decay": _f32(float(hp["weight_decay"])),
+        "param_scale": _f32(1.0 - float(hp["lambd"]) * eta),
+        "neg_eta": _f32(-eta),
+        "mu": _f32(mu),
+        "average": np.asarray(mu != 1.0),  # torch: ax ← θ while μ is 1 (before t₀), else ax ← ax + μ(θ - ax)
+    }
+
+
+def _rprop_scalars(hp: Mapping[str, Any], step: int, counters: Any) -> dict[str, Any]:
+    etaminus, etaplus = (float(e) for e in hp["etas"])
+    step_size_min, step_size_max = (float(e) for e in hp["step_sizes"])
+    return {
+        "lr": _f32(float(hp["lr"])),
+        "step_size_init": np.asarray(step == 1),  # torch fills step_size with lr when it creates the state
+        "etaminus": _f32(etaminus),
+        "etaplus": _f32(etaplus),
+        "step_size_min": _f32(step_size_min),
+        "step_size_max": _f32(step_size_max),
+    }
+
+
+def _adafactor_scalars(hp: Mapping[str, Any], step: int, counters: Any) -> dict[str, Any]:
+    lr, wd = float(hp["lr"]), float(hp["weight_decay"])
+    eps1, eps2 = hp["eps"]
+    if eps1 is None:
+        raise ValueError("step_scalars: Adafactor's eps1 must be resolved (torch's None is the machine epsilon of the "
+                         "group's first parameter's dtype)")
+    t = float(step)
+    return {
+        "param_scale": _f32(1.0 - lr * wd),
+        "one_minus_beta2": _f32(t ** float(hp["beta2_decay"])),
+        "rho": _f32(min(lr, 1 / (t**0.5))),
+        "eps1": _f32(float(eps1)),
+        "eps1_sq": _f32(float(eps1) * float(eps1)),
+        "eps2": _f32(float(eps2)),
+        "d": _f32(float(hp["d"])),
+    }
+
+
+def _muon_scalars(hp: Mapping[str, Any], step: int, counters: Any) -> dict[str, Any]:
+    lr, wd, momentum = float(hp["lr"]), float(hp["weight_decay"]), float(hp["momentum"])
+    a, b, c = (float(x) for x in hp["ns_coefficients"])
+    return {
+        "lr": _f32(lr),
+        "param_scale": _f32(1.0 - lr * wd),
+        "momentum": _f32(momentum),
+        "one_minus_momentum": _f32(1.0 - momentum),
+        "eps": _f32(float(hp["eps"])),
+        "ns_a": _f32(a),
+        "ns_b": _f32(b),
+        "ns_c": _f32(c),
+    }
+
+
+_SCALARS = {"asgd": _asgd_scalars, "rprop": _rprop_scalars, "adafactor": _adafactor_scalars, "muon": _muon_scalars}

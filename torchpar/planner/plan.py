@@ -20,7 +20,7 @@ from torchpar.planner.plan_schema import (
     PlanFormatError,
     validate_plan_dict,
 )
-from torchpar.units import format_bytes, format_seconds
+from torchpar.units import format_bytes, format_flops, format_seconds
 
 Spec = JsonSpec
 
@@ -198,6 +198,9 @@ class Plan:
                 lines.append(f"    {row['remat']:<10} {priced}{'; ' if priced else ''}{verdict}")
         if self.remat != "none":
             lines.append(f"  remat: {self.remat} ({_REMAT_MEANING[self.remat]})")
+        constants = self.solver.get("cost_constants")
+        if constants:
+            lines.append(f"  cost constants: {_constants_line(constants)}")
         lines.extend(_alternatives(self.solver))
         lines.extend(_profile_lines(self.solver.get("profile")))
         stats = {k: v for k, v in self.solver.items() if k not in _EXPLAINED_SOLVER_KEYS}
@@ -280,6 +283,15 @@ def _profile_lines(profile: dict[str, Any] | None) -> list[str]:
 LAYOUT_LEGEND = ("layouts, one word per tensor dim: R = whole (replicated), S0 / S1 / S01 = split over logical mesh "
                  "axis 0 / 1 / both (`S1 R`: rows split over axis 1, columns whole)")
 """The legend ``summary()`` prints above the layouts (:func:`torchpar.ir.layout.describe` is their one text form)."""
+
+
+def _constants_line(record: dict[str, Any]) -> str:
+    """Where the plan's cost constants came from (``plan.solver["cost_constants"]``, :mod:`torchpar.machine_constants`)."""
+    if record.get("source") != "measured":
+        return str(record.get("source"))
+    return (f"measured on this machine ({record['busy_devices']} busy device(s){', from the profile cache' if record.get('cached') else ''}): "
+            f"{format_flops(record['flops'])}/s per device and {format_seconds(record['op_s'])} per op → "
+            f"{format_flops(record['device_flops'])}/s for this graph's {record['graph_ops']} ops")
 
 
 def _solver_value(value: Any) -> str:

@@ -11,11 +11,22 @@ A training step is compiled once per batch signature (a new capture of the same 
   and ZeRO plans by default, for every plan that accumulates gradients over micro-batches (it reduces them once
   per step), or any plan with ``spmd="shard_map"``;
 - ``"gspmd"``: global shapes, XLA's partitioner inserts the collectives (:func:`.train_step.make_fused_step`).
+
+The per-device step updates each device's piece of a parameter from its pieces of the gradient and the optimizer
+state. That is the whole update only for an elementwise optimizer: Adafactor (row/column means, RMS norms) and Muon
+(matrix products) read the whole tensor (:data:`torchpar.ir.optimizer.NOT_ELEMENTWISE`), so a plan that splits
+such a parameter, its gradient or its state runs under GSPMD, which computes the update on global shapes
+(:meth:`OneStageProgram._shard_map_layouts` names the parameters as the obstacle; a replicated parameter, as in
+data parallelism, is updated whole on every device and keeps the per-device step). Adafactor's row and column
+factors of a matrix (torch's ``row_var`` of shape (…, n, 1), ``col_var`` of shape (…, 1, m)) are kept whole along
+those last two dims, where the plan's layout of the parameter would split a dim of size 1
+(:meth:`.placement.Placement.from_stage`).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -26,7 +37,8 @@ import numpy as np
 from jaxbackend.compiler import compiler_options
 from jaxbackend.precision import Numerics
 from torchpar.ir.graph import Graph
-from torchpar.ir.optimizer import OptimizerSpec
+from torchpar.ir.layout import from_json
+from torchpar.ir.optimizer import NOT_ELEMENTWISE, OptimizerSpec
 from torchpar.planner.plan import StagePlan
 from torchpar.runtime.arrays import fitting
 from torchpar.runtime.micro_batch_loss import MicroBatchLoss
@@ -74,7 +86,7 @@ class OneStageProgram:
         self.remat = remat
         self.loss_scaling = loss_scaling
         self.num_micro_batches = num_micro_batches
-        self.placement = Placement.from_stage(stage, None, devices)
+        self.placement = Placement.from_stage(stage, None, devices, optimizer)
         self._options = compiler_options(library_fusions, len(devices))
 
     def compile_step(self, graph: Graph, trainable: tuple[str, ...], leaves: list[tuple[tuple[int, ...], Any]],
@@ -84,7 +96,7 @@ class OneStageProgram:
         scalars; raises ``ValueError`` if ``spmd="shard_map"`` cannot run it. With ``num_micro_batches`` M > 1,
         ``graph`` is the step of one micro-batch and ``leaves`` the whole batch (M micro-batches along dim 0)."""
         params, opt_state, buffers = state
-        placement = Placement.from_stage(self.stage, graph, self.devices)
+        placement = Placement.from_stage(self.stage, graph, self.devices, self.optimizer)
         input_shardings = [fitting(placement.input(i), shape) for i, (shape, _) in enumerate(leaves)]
         # a per-device program splits each device's rows into the micro-batches: they must divide by shards × M
         micro = self.num_micro_batches
@@ -177,6 +189,9 @@ class OneStageProgram:
         from torchpar.planner.sharding.layouts import replay_layouts
 
         layouts = replay_layouts(graph, self.stage)
+        for name in self._split_for_optimizer():
+            layouts.add_problem(f"optimizer {NOT_ELEMENTWISE[self.optimizer.kind]} and these parameters (or their "
+                                "gradients or optimizer state) are sharded", name)
         obstacles = layouts.obstacles()
         if not obstacles:
             return layouts
@@ -186,6 +201,22 @@ class OneStageProgram:
         log.warning("torchpar: %s plan runs under GSPMD%s; a per-device (shard_map) step cannot run it:\n  %s",
                     self.method, self._accumulation_caveat(), reasons)
         return None
+
+    def _split_for_optimizer(self) -> list[str]:
+        """Parameters the per-device step would update from pieces while the optimizer needs them whole: for an
+        optimizer of `NOT_ELEMENTWISE`, those whose gradient or optimizer-state layout (the pieces the update reads,
+        as :func:`.spmd_step.make_spmd_step` lays them out) splits a dim over more than one device."""
+        if self.optimizer.kind not in NOT_ELEMENTWISE:
+            return []
+        mesh_shape = tuple(self.stage.logical_mesh_shape)
+        out = []
+        for name in self.optimizer.param_names:
+            stored = self.stage.params.get(name)
+            grad = self.stage.grads.get(name, stored)
+            state = self.stage.optimizer_state.get(name, grad)
+            if any(_splits(spec, mesh_shape) for spec in (grad, state)):
+                out.append(name)
+        return out
 
     def _gradient_axes(self, placement: Placement, num_inputs: int) -> list[tuple[str, ...]]:
         """The ``gradient_axes`` of :func:`.spmd_step.make_spmd_step` to try, in order. Data-parallel and ZeRO plans
@@ -216,6 +247,12 @@ class OneStageProgram:
                               loss_scaling=self.loss_scaling, num_micro_batches=self.num_micro_batches,
                               micro_loss=MicroBatchLoss.of(graph), gradient_axes=gradient_axes)
 
+
+
+def _splits(json_spec: Any, mesh_shape: tuple[int, ...]) -> bool:
+    """Whether a plan's JSON spec cuts some dim into more than one piece on a mesh of ``mesh_shape``."""
+    return json_spec is not None and any(
+        entry and math.prod(mesh_shape[a] for a in entry) > 1 for entry in from_json(json_spec))
 
 
 def _one_collective_count(placement: Placement) -> Callable[[dict], Any]:

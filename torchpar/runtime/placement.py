@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from torchpar.ir.graph import Graph
+from torchpar.ir.optimizer import OptimizerSpec
 from torchpar.planner.plan import StagePlan
 
 
@@ -29,17 +30,20 @@ class Placement:
     replicated: Any
 
     @classmethod
-    def from_stage(cls, stage: StagePlan, graph: Graph | None, devices: list[Any] | None = None) -> "Placement":
+    def from_stage(cls, stage: StagePlan, graph: Graph | None, devices: list[Any] | None = None,
+                   optimizer: OptimizerSpec | None = None) -> "Placement":
         """Shardings of ``stage`` on a mesh of ``devices`` (default: the first devices JAX has). Without a
         ``graph`` only the stored tensors are placed (parameters, optimizer state, batch leaves), not the
-        values inside the step."""
+        values inside the step. With an Adafactor ``optimizer``, the state of a parameter of ≥ 2 dims (its row and
+        column factors, of size 1 along the last dim and the next-to-last one) keeps those two dims whole."""
         from jaxbackend import sharding as jsh
 
         mesh = jsh.make_mesh(tuple(stage.logical_mesh_shape), devices)
         named = lambda spec: jsh.named_sharding(mesh, spec)  # noqa: E731
         params = {n: named(s) for n, s in stage.params.items()}
         grads = {n: named(s) for n, s in stage.grads.items()}
-        state = {n: named(stage.optimizer_state.get(n, s)) for n, s in stage.params.items()}
+        state = {n: named(_state_spec(stage.optimizer_state.get(n, s), n, optimizer))
+                 for n, s in stage.params.items()}
         inputs = {int(i): named(s) for i, s in stage.inputs.items()}
         values: dict[str, Any] = {}
         if graph is None:
@@ -72,3 +76,10 @@ class Placement:
     def value(self, name: str) -> Any:
         """The sharding of an IR value (e.g. an activation entering the stage), replicated if unpinned."""
         return self.values.get(name, self.replicated)
+
+
+def _state_spec(spec: Any, name: str, optimizer: OptimizerSpec | None) -> Any:
+    """The layout of parameter ``name``'s optimizer state: the plan's, but whole along Adafactor's factored dims."""
+    if optimizer is None or optimizer.kind != "adafactor" or name not in optimizer.param_names or len(spec) < 2:
+        return spec
+    return [*spec[:-2], None, None]

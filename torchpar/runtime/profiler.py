@@ -103,7 +103,7 @@ class StageProfiler:
         if max(ids) >= len(self.devices):
             raise ValueError(f"profiling a stage on devices {ids}, but this process has {len(self.devices)}: "
                              "profile=True measures on the local runtime's devices (torchpar.init(num_devices=...))")
-        placement = Placement.from_stage(plan, stage.graph, [self.devices[i] for i in ids])
+        placement = Placement.from_stage(plan, stage.graph, [self.devices[i] for i in ids], self.spec)
         program = StageProgram(stage, placement=placement, spec=self.spec, trainable=self.trainable,
                                num_micro_batches=self.num_micro_batches, library_fusions=self.library_fusions,
                                numerics=self.numerics, remat=remat)

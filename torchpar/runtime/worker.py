@@ -323,7 +323,8 @@ class PipelineWorker(Worker):
         from torchpar.runtime.stage_program import StageProgram
 
         spec, plan = self.spec, self.spec.plan
-        placements = {s: Placement.from_stage(stage_plan, graph.graph, spec.devices.jax_devices(stage_plan.devices()))
+        placements = {s: Placement.from_stage(stage_plan, graph.graph, spec.devices.jax_devices(stage_plan.devices()),
+                                              spec.optimizer)
                       for s, (graph, stage_plan) in enumerate(zip(stage_graphs, plan.stages))}
         programs = {s: StageProgram(graph, placement=placements[s], spec=spec.optimizer, trainable=set(spec.trainable),
                                     num_micro_batches=plan.num_micro_batches,
