@@ -5,7 +5,8 @@ a hardware preset (``preset=`` or a detected GPU), fields set by hand (``init(..
 nominal defaults, which describe no machine. In the last case, on the local runtime, the planner prices the plan
 with constants measured here instead (:mod:`torchpar.runtime.calibration`): the effective training FLOP/s of one
 device while the devices the plan keeps busy all run (one for ``method=None``, every device of the cluster
-otherwise), and the all-reduce links between them. The measurement takes a few seconds the first time and is kept
+otherwise), the time each op and each updated parameter adds, and the all-reduce links between them. The
+measurement takes a few seconds the first time and is kept
 in the profile cache (``~/.cache/torchpar/profiles``, ``TORCHPAR_PROFILE_DIR``).
 
 The engine's cluster itself is not changed (MFU still has no peak to divide by: a measured rate is not a peak);
@@ -60,9 +61,11 @@ def busy_devices(method: Any, cluster: ClusterSpec) -> int:
     return 1 if method is None else cluster.num_devices
 
 
-def priced_cluster(cluster: ClusterSpec, method: Any, graph: Graph) -> tuple[ClusterSpec, dict[str, Any]]:
+def priced_cluster(cluster: ClusterSpec, method: Any, graph: Graph, *, trainable: set[str] | None = None,
+                   optimizer_state_copies: float = 2.0) -> tuple[ClusterSpec, dict[str, Any]]:
     """``(the cluster to plan ``graph`` with, the record of its constants)`` by the module docstring's rules; the
-    record goes to ``plan.solver["cost_constants"]``. A saved :class:`Plan` is not planned again: nothing is
+    record goes to ``plan.solver["cost_constants"]``. ``trainable`` (default: every parameter) and
+    ``optimizer_state_copies`` price the optimizer update. A saved :class:`Plan` is not planned again: nothing is
     measured."""
     origin = constants_origin(cluster)
     if isinstance(method, Plan):
@@ -87,6 +90,8 @@ def priced_cluster(cluster: ClusterSpec, method: Any, graph: Graph) -> tuple[Clu
     devices = jax.devices()[:busy]
     measured = measure_machine(ProfileCache(profile_dir()), devices)
     ops = sum(1 for node in graph.nodes if node.target not in FREE)
-    device_flops = measured.effective_flops(graph.total_flops, ops)
+    params = float(sum(i.meta.numel for i in graph.inputs
+                       if i.kind == "param" and (trainable is None or i.target in trainable)))
+    device_flops = measured.effective_flops(graph.total_flops, ops, params, optimizer_state_copies)
     priced = replace(calibrated_cluster(cluster, measured.links), device_flops=device_flops)
-    return priced, {**measured.to_dict(), "device_flops": device_flops, "graph_ops": ops}
+    return priced, {**measured.to_dict(), "device_flops": device_flops, "graph_ops": ops, "graph_params": params}

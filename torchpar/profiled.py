@@ -115,7 +115,8 @@ def plan_training_profiled(graph: Graph, method: Any, cluster: ClusterSpec, *, p
     with the nominal cost constants is priced with this machine's measured ones (:mod:`torchpar.machine_constants`)."""
     measure = profile and not isinstance(method, Plan)
     micro = int(getattr(method, "num_micro_batches", 1)) if isinstance(method, PipeshardParallel) else 1
-    cluster, constants = priced_cluster(cluster, method, graph)
+    cluster, constants = priced_cluster(cluster, method, graph, trainable=trainable,
+                                         optimizer_state_copies=state_copies(spec))
     with profiling_if(measure, cluster, spec=spec, trainable=trainable, num_micro_batches=micro, numerics=numerics,
                       library_fusions=library_fusions) as profiling:
         planned = plan_training(graph, method, profiling.cluster if profiling else cluster, trainable=trainable,

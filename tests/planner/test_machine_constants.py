@@ -21,7 +21,7 @@ from torchpar import machine_constants
 from torchpar.cluster import ClusterSpec, current_cluster
 from torchpar.runtime import calibration
 
-FAKE_FLOPS, FAKE_OP_S = 2e10, 3e-5
+FAKE_FLOPS, FAKE_OP_S, FAKE_UPDATE_S = 2e10, 3e-5, 2e-9
 
 
 def fake_step_seconds(devices, workload):
@@ -52,6 +52,7 @@ def measuring(tmp_path, monkeypatch):
     monkeypatch.setenv(machine_constants.ENV_VAR, "measured")
     monkeypatch.setenv("TORCHPAR_PROFILE_DIR", str(tmp_path / "profiles"))
     monkeypatch.setattr(calibration, "_step_seconds", fake_step_seconds)
+    monkeypatch.setattr(calibration, "_adam_update_seconds", lambda devices, elements: elements * FAKE_UPDATE_S)
     monkeypatch.setattr(calibration, "time_links", lambda cache, devices: [])
     return tmp_path / "profiles"
 
@@ -62,15 +63,18 @@ def test_the_fake_machines_timings_give_back_its_rate_and_per_op_cost(measuring)
     measured = calibration.measure_machine(ProfileCache(str(measuring)), __import__("jax").devices()[:4])
     assert measured.flops == pytest.approx(FAKE_FLOPS, rel=0.05)  # the op cost of one-block steps is in the rates
     assert measured.op_s == pytest.approx(FAKE_OP_S, rel=0.1)
+    assert measured.update_s == pytest.approx(FAKE_UPDATE_S)
     assert measured.busy_devices == 4 and not measured.cached
 
 
-def test_effective_flops_prices_the_graphs_flops_and_ops():
-    measured = calibration.MachineConstants(flops=1e10, op_s=1e-4, busy_devices=2, rates=(1e10,), links=(),
-                                            hardware="x", cached=False)
-    forward, ops = 2e9, 100
-    step = 3 * forward / 2 / 1e10 + ops * 1e-4  # each device's half of the FLOPs, every op
-    assert measured.effective_flops(forward, ops) == pytest.approx(3 * forward / 2 / step)
+def test_effective_flops_prices_the_graphs_flops_ops_and_update():
+    measured = calibration.MachineConstants(flops=1e10, op_s=1e-4, update_s=1e-9, busy_devices=2, rates=(1e10,),
+                                            links=(), hardware="x", cached=False)
+    forward, ops, params = 2e9, 100, 1e6
+    step = 3 * forward / 2 / 1e10 + ops * 1e-4 + params * 1e-9  # each device's half of the FLOPs, every op, Adam
+    assert measured.effective_flops(forward, ops, params) == pytest.approx(3 * forward / 2 / step)
+    sgd = 3 * forward / 2 / 1e10 + ops * 1e-4 + params * 1e-9 * 3 / 7  # no state: 3 arrays of traffic, not 7
+    assert measured.effective_flops(forward, ops, params, state_copies=0) == pytest.approx(3 * forward / 2 / sgd)
     assert measured.effective_flops(1e15, 10) == pytest.approx(1e10, rel=1e-6)  # FLOPs dominate: the rate
 
 
@@ -80,6 +84,7 @@ def test_a_plan_on_nominal_constants_is_priced_with_the_measured_ones_and_says_s
     assert record["source"] == "measured" and record["busy_devices"] == current_cluster().num_devices
     assert plan.cluster["device_flops"] == pytest.approx(record["device_flops"])
     assert plan.cluster["device_flops"] < FAKE_FLOPS  # the per-op cost of a small graph lowers the effective rate
+    assert record["graph_params"] == sum(p.numel() for p in Mlp().parameters())
     assert current_cluster().device_flops == ClusterSpec.device_flops  # the engine's cluster is unchanged
     assert "measured on this machine" in plan.summary()
 

@@ -249,8 +249,8 @@ OPTION_CASES = [
         torch.zeros(1))], lr=0.1), example_batch=torch.zeros(1)), TypeError, ("torch.nn.Module",)),
     Case("method_of_wrong_type", lambda: _compile_tiny(method="data_parallel"), TypeError,
          ("method must be None, a torchpar parallel method or a Plan", "str")),
-    Case("unsupported_optimizer", lambda: _compile_tiny(optimizer=torch.optim.ASGD(Regression().parameters())),
-         NotImplementedError, ("ASGD", "SGD", "RMSprop")),
+    Case("unsupported_optimizer", lambda: _compile_tiny(optimizer=torch.optim.SparseAdam(Regression().parameters())),
+         NotImplementedError, ("SparseAdam", "SGD", "RMSprop")),
     Case("micro_batches_do_not_divide_the_batch", lambda: _compile_tiny(
         method=torchpar.PipeshardParallel(num_micro_batches=3)), ValueError, ("cannot be split into 3",)),
     Case("infeasible_memory_budget", lambda: _compile_tiny(method=torchpar.ShardParallel(memory_budget=64)),

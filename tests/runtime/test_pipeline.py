@@ -93,7 +93,7 @@ CASES = [  # (family, layer option, stages, schedule, micro-batches): every axis
     ("gpt2", "manual", 2, "1f1b", 2),
     ("gpt2", "auto", 2, "gpipe", 1),
 ]
-RAY_CASES = [CASES[0], CASES[3], CASES[4]]  # both families, schedules, layer options, 2 and 4 stages
+RAY_CASES = [CASES[3], CASES[4]]  # each axis once: both families, schedules, layer options, 2 and 4 stages
 
 
 def _train_beside(engine, reference, ref_opt, batch) -> None:
@@ -145,9 +145,9 @@ SCHEDULE_CASES = [
     ("gpt2", 2, "zb_h1", 2),
     ("gpt2", 2, "interleaved_1f1b", 2),
 ]  # the MLP takes every schedule × group count; GPT-2 (a tied embedding across stages) both schedules on 2 groups
-# The Ray runtime runs the same workers, transport aside: each axis once — both schedules, 2 and 4 device groups
-# (interleaved stages wrapping around the hosts), both families
-RAY_SCHEDULE_CASES = [("mlp", 4, "zb_h1", 8), ("mlp", 4, "interleaved_1f1b", 8), ("gpt2", 2, "interleaved_1f1b", 2)]
+# The Ray runtime runs the same workers, transport aside: each axis once — both schedules, 2 and 4 device groups,
+# both families (interleaved stages wrapping around the hosts with GPT-2's tied embedding)
+RAY_SCHEDULE_CASES = [("mlp", 4, "zb_h1", 8), ("gpt2", 2, "interleaved_1f1b", 2)]
 
 
 def _build_for_schedule(family: str, groups: int, schedule: str):

@@ -290,8 +290,10 @@ def _constants_line(record: dict[str, Any]) -> str:
     if record.get("source") != "measured":
         return str(record.get("source"))
     return (f"measured on this machine ({record['busy_devices']} busy device(s){', from the profile cache' if record.get('cached') else ''}): "
-            f"{format_flops(record['flops'])}/s per device and {format_seconds(record['op_s'])} per op → "
-            f"{format_flops(record['device_flops'])}/s for this graph's {record['graph_ops']} ops")
+            f"{format_flops(record['flops'])}/s per device, {format_seconds(record['op_s'])} per op, "
+            f"{format_seconds(record['update_s'] * 1e6)} per million parameters updated → "
+            f"{format_flops(record['device_flops'])}/s for this graph's {record['graph_ops']} ops and "
+            f"{record['graph_params'] / 1e6:.3g} M trained parameters")
 
 
 def _solver_value(value: Any) -> str:

@@ -13,12 +13,17 @@ nothing exchanged; fake devices divide the host's cores, so one device alone run
   cross-entropy: 64 ops as the IR counts a PyTorch module's, few FLOPs) is timed; what its FLOPs do not explain,
   divided by its ops, is the time each forward op of the IR adds to a step (kernel launches, small tensors, the
   norms', softmaxes' and gathers' passes over memory);
+- ``update_s``: an Adam update (the moments and the parameter: 7 arrays read or written per element) of 4 Mi
+  float32 parameters is timed; per parameter element it is the update's cost, scaled for another optimizer by its
+  memory traffic, ``3 + 2·c`` arrays for ``c`` state copies (SGD without momentum: 3);
 - the in-host links: all-reduces timed over the ``k`` devices and fitted per mesh axis
   (:func:`torchpar.runtime.profiler.time_links`, ``profile=True``'s measurement).
 
-A graph of ``F`` forward FLOPs and ``n`` ops is then priced at the effective rate
-``(3F/k) / (3F/(k·flops) + n·op_s)`` (:meth:`MachineConstants.effective_flops`): one ``device_flops`` per plan, so
-the cost model keeps its single compute constant. Results are kept in the profile cache (:mod:`.profile_cache`) by
+A graph of ``F`` forward FLOPs, ``n`` ops and ``P`` trainable parameter elements is then priced at the effective
+rate ``(3F/k) / (3F/(k·flops) + n·op_s + P·update_s)`` (:meth:`MachineConstants.effective_flops`): one
+``device_flops`` per plan, so the cost model keeps its single compute constant. The update is priced whole on every
+device, as one device and data parallelism run it; a plan that shards the optimizer state (ZeRO, tensor
+parallelism) updates less per device, and is estimated a little slow. Results are kept in the profile cache (:mod:`.profile_cache`) by
 hardware, ``k``, jax version and :data:`WORKLOAD_VERSION`: a machine is measured once (a few seconds), later plans
 read the file.
 """
@@ -41,7 +46,7 @@ from torchpar.runtime.profiler import time_links
 
 log = logging.getLogger(__name__)
 
-WORKLOAD_VERSION = 4
+WORKLOAD_VERSION = 5
 """Bumped when the timed workloads change; older cache entries are then never read."""
 REPEATS = 5
 """Timed runs of each step after the compiling one; the median is kept."""
@@ -84,6 +89,10 @@ RATE_WORKLOADS = (Workload("mlp", 1, 512, 128, 512, 1), Workload("mlp", 1, 256, 
                   Workload("mlp", 1, 512, 384, 1536, 1), Workload("mlp", 1, 512, 512, 2048, 1))
 """The MLP steps the FLOP rate is the geometric mean of: widths from 128 to 512, where the models trained on fake
 devices sit (narrow matmuls run below the rate of wide ones)."""
+UPDATE_ELEMENTS = 1 << 22
+"""Parameter elements of the timed Adam update (16 MiB of float32: past the caches, as a model's parameters are)."""
+ADAM_TRAFFIC = 7.0
+"""Arrays an Adam update reads or writes per element: parameter, gradient, two moments read; three written."""
 OVERHEAD_WORKLOAD = Workload("transformer", 4, 64, 32, 128, 6, heads=2, vocab=256)
 """The step whose time is mostly per-op cost: 6 narrow transformer blocks, 64 ops and few FLOPs."""
 
@@ -92,24 +101,30 @@ OVERHEAD_WORKLOAD = Workload("transformer", 4, 64, 32, 128, 6, heads=2, vocab=25
 class MachineConstants:
     """What this machine measured with ``busy_devices`` devices running at once: ``flops`` (training FLOP/s of one
     device on matmul-sized work, the geometric mean of ``rates``), ``op_s`` (seconds each forward op of the IR adds
-    to a step, forward, backward and update together), the in-host link fits (empty for one device)."""
+    to a step, forward and backward together), ``update_s`` (seconds of an Adam update per parameter element), the
+    in-host link fits (empty for one device)."""
 
     flops: float
     op_s: float
+    update_s: float
     busy_devices: int
     rates: tuple[float, ...]
     links: tuple[LinkFit, ...]
     hardware: str
     cached: bool
 
-    def effective_flops(self, forward_flops: float, ops: int) -> float:
-        """The FLOP/s one device runs a step of ``forward_flops`` and ``ops`` forward ops at, its share split over
-        the busy devices: ``3F/k / (3F/(k·flops) + ops·op_s)`` — the constant the planner prices every FLOP with."""
+    def effective_flops(self, forward_flops: float, ops: int, params: float = 0.0, state_copies: float = 2.0) -> float:
+        """The FLOP/s one device runs a step of ``forward_flops``, ``ops`` forward ops and ``params`` trainable
+        elements updated by an optimizer of ``state_copies`` state tensors per parameter at, the FLOPs split over the
+        busy devices: ``3F/k / (3F/(k·flops) + ops·op_s + P·update_s·(3 + 2c)/7)`` — the constant the planner prices
+        every FLOP with."""
         work = 3.0 * max(forward_flops, 1.0) / self.busy_devices
-        return work / (work / self.flops + ops * self.op_s)
+        update = params * self.update_s * (3.0 + 2.0 * state_copies) / ADAM_TRAFFIC
+        return work / (work / self.flops + ops * self.op_s + update)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"source": "measured", "flops": self.flops, "op_s": self.op_s, "busy_devices": self.busy_devices,
+        return {"source": "measured", "flops": self.flops, "op_s": self.op_s, "update_s": self.update_s,
+                "busy_devices": self.busy_devices,
                 "rates": list(self.rates), "links": [fit.to_dict() for fit in self.links], "hardware": self.hardware,
                 "cached": self.cached}
 
@@ -126,12 +141,14 @@ def measure_machine(cache: ProfileCache, devices: list[Any]) -> MachineConstants
         flops = float(statistics.geometric_mean(rates))
         overhead = OVERHEAD_WORKLOAD
         spent = _step_seconds(devices, overhead) - 3.0 * overhead.forward_flops / flops
-        stored = {"rates": rates, "flops": flops, "op_s": max(spent, 0.0) / overhead.ops}
+        stored = {"rates": rates, "flops": flops, "op_s": max(spent, 0.0) / overhead.ops,
+                  "update_s": _adam_update_seconds(devices, UPDATE_ELEMENTS) / UPDATE_ELEMENTS}
         cache.put(key, stored)
     links = tuple(time_links(cache, devices))
     log.info("torchpar: measured cost constants (%d busy device(s) of %s%s): %.3g FLOP/s per device, %.3g s per op",
              len(devices), hardware, ", from the profile cache" if cached else "", stored["flops"], stored["op_s"])
-    return MachineConstants(flops=float(stored["flops"]), op_s=float(stored["op_s"]), busy_devices=len(devices),
+    return MachineConstants(flops=float(stored["flops"]), op_s=float(stored["op_s"]),
+                            update_s=float(stored["update_s"]), busy_devices=len(devices),
                             rates=tuple(float(r) for r in stored["rates"]), links=links, hardware=hardware,
                             cached=cached)
 
@@ -196,5 +213,30 @@ def _step_seconds(devices: list[Any], workload: Workload) -> float:
     for _ in range(REPEATS):
         begin = time.perf_counter()
         jax.block_until_ready(every_device(weights, x, y))
+        times.append(time.perf_counter() - begin)
+    return statistics.median(times)
+
+
+def _adam_update_seconds(devices: list[Any], elements: int) -> float:
+    """Median seconds of an Adam update of ``elements`` float32 parameters, on every device of ``devices`` at once."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    split = NamedSharding(Mesh(np.array(devices), ("busy",)), PartitionSpec("busy"))
+
+    def update(p: jax.Array, g: jax.Array, m: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        m = 0.9 * m + 0.1 * g
+        v = 0.999 * v + 0.001 * g * g
+        return p - 1e-3 * (m / (jnp.sqrt(v) + 1e-8) + 0.01 * p), m, v
+
+    every_device = jax.jit(update, in_shardings=split, out_shardings=split, donate_argnums=(0, 2, 3))
+    arrays = [jax.device_put(np.full((len(devices) * elements,), 0.5, np.float32), split) for _ in range(4)]
+    p, g, m, v = arrays
+    p, m, v = every_device(p, g, m, v)
+    jax.block_until_ready(p)
+    times = []
+    for _ in range(REPEATS):
+        begin = time.perf_counter()
+        p, m, v = every_device(p, g, m, v)
+        jax.block_until_ready(p)
         times.append(time.perf_counter() - begin)
     return statistics.median(times)
