@@ -8,9 +8,10 @@ in the driver and again in a host actor); JAX's persistent compilation cache, in
 session only, compiles each once. The variables are inherited by the processes the tests start (examples,
 Ray host actors), so they share it.
 
-``make test`` runs the tests without the ``ray`` mark on two pytest-xdist workers, then the Ray tests one at a
-time (never two Ray tests at once: host actors are pinned to cores, and several simulated clusters on two cores
-would crowd each other past their timeouts). The embedded Ray instance of
+``make test`` runs the tests without the ``ray`` mark on two pytest-xdist workers at nice 10 and, beside them at
+normal priority, the Ray tests one at a time (never two Ray tests at once: host actors are pinned to cores, and
+several simulated clusters on two cores would crowd each other past their timeouts; the niced tests only take
+the CPU the Ray tests leave). The embedded Ray instance of
 ``tests/runtime/ray_helpers.ray_cluster`` is kept between tests and stopped
 at the end of the session.
 """
