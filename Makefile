@@ -44,7 +44,7 @@ test: install
 	rm -rf $$cache $$ray_log; \
 	for status in $$first $$second; do [ $$status -eq 0 ] || [ $$status -eq 5 ] || exit $$status; done
 
-# A subset for iterating (about 4 minutes on 2 cores, no Ray): capture and autograd semantics (not PyTorch's module_db
+# A subset for iterating (about 3 minutes on 2 cores, no Ray): capture and autograd semantics (not PyTorch's module_db
 # sweep or the attention masks), the engine, every op against PyTorch's OpInfo samples, optimizers, the planner's
 # solvers, every one-stage method trained beside PyTorch, accumulation and micro-batch losses, schedules, per-device
 # programs, layering. `make test` is what CI runs.
