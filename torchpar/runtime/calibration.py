@@ -34,7 +34,7 @@ import logging
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -208,13 +208,7 @@ def _step_seconds(devices: list[Any], workload: Workload) -> float:
         weights.append(draw(d, w.vocab))
         x = draw(w.batch, w.seq, d)
         y = jax.device_put(rng.integers(0, w.vocab, (count, w.batch, w.seq), dtype=np.int32), split)
-    jax.block_until_ready(every_device(weights, x, y))
-    times = []
-    for _ in range(REPEATS):
-        begin = time.perf_counter()
-        jax.block_until_ready(every_device(weights, x, y))
-        times.append(time.perf_counter() - begin)
-    return statistics.median(times)
+    return _median_seconds(lambda: every_device(weights, x, y))
 
 
 def _adam_update_seconds(devices: list[Any], elements: int) -> float:
@@ -229,14 +223,23 @@ def _adam_update_seconds(devices: list[Any], elements: int) -> float:
         return p - 1e-3 * (m / (jnp.sqrt(v) + 1e-8) + 0.01 * p), m, v
 
     every_device = jax.jit(update, in_shardings=split, out_shardings=split, donate_argnums=(0, 2, 3))
-    arrays = [jax.device_put(np.full((len(devices) * elements,), 0.5, np.float32), split) for _ in range(4)]
-    p, g, m, v = arrays
-    p, m, v = every_device(p, g, m, v)
-    jax.block_until_ready(p)
+    p, g, m, v = (jax.device_put(np.full((len(devices) * elements,), 0.5, np.float32), split) for _ in range(4))
+    state = [p, m, v]  # donated each call: the next call takes the outputs
+
+    def step() -> Any:
+        state[:] = every_device(state[0], g, state[1], state[2])
+        return state
+
+    return _median_seconds(step)
+
+
+def _median_seconds(run: Callable[[], Any]) -> float:
+    """Median wall seconds of ``run()`` until its outputs are ready, over :data:`REPEATS` calls after a first
+    (compiling) one."""
+    jax.block_until_ready(run())
     times = []
     for _ in range(REPEATS):
         begin = time.perf_counter()
-        p, m, v = every_device(p, g, m, v)
-        jax.block_until_ready(p)
+        jax.block_until_ready(run())
         times.append(time.perf_counter() - begin)
     return statistics.median(times)
