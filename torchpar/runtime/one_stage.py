@@ -26,7 +26,6 @@ those last two dims, where the plan's layout of the parameter would split a dim 
 from __future__ import annotations
 
 import logging
-import math
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -37,7 +36,7 @@ import numpy as np
 from jaxbackend.compiler import compiler_options
 from jaxbackend.precision import Numerics
 from torchpar.ir.graph import Graph
-from torchpar.ir.layout import from_json
+from torchpar.ir.layout import from_json, num_shards
 from torchpar.ir.optimizer import NOT_ELEMENTWISE, OptimizerSpec
 from torchpar.planner.plan import StagePlan
 from torchpar.runtime.arrays import fitting
@@ -250,9 +249,8 @@ class OneStageProgram:
 
 
 def _splits(json_spec: Any, mesh_shape: tuple[int, ...]) -> bool:
-    """Whether a plan's JSON spec cuts some dim into more than one piece on a mesh of ``mesh_shape``."""
-    return json_spec is not None and any(
-        entry and math.prod(mesh_shape[a] for a in entry) > 1 for entry in from_json(json_spec))
+    """Whether a plan's JSON spec cuts the tensor into more than one piece on a mesh of ``mesh_shape``."""
+    return json_spec is not None and num_shards(from_json(json_spec), mesh_shape) > 1
 
 
 def _one_collective_count(placement: Placement) -> Callable[[dict], Any]:
