@@ -27,7 +27,7 @@ CASES = {
     "torchpar.runtime.host_actor": ("torch", "torchpar.capture", "torchpar.report", "torchpar.api"),
     "torchpar.runtime.checkpoint_io": ("torch", "torchpar.capture", "torchpar.api"),  # host actors write shards
     "torchpar": ("torch", "jax", "torchpar.planner", "torchpar.runtime"),
-    "torchpar.api": ("torchpar.harness", "torchpar.report"),
+    "torchpar.api": ("torchpar.harness", "torchpar.report", "torchpar.integrations", "transformers"),
     "torchpar.report.html": ("torchpar.planner", "torchpar.runtime", "torch", "jax"),  # the Plan is read as data
 }
 

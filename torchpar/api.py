@@ -226,6 +226,11 @@ class Engine:
             cluster=current_cluster(), plan=self.plan, memory_stats=self.memory_stats))
 
     @property
+    def last_grad_norm(self) -> float | None:
+        """The last step's gradient norm before clipping (``last_metrics.grad_norm``, derived alone); ``None`` before."""
+        return None if self._recorder.facts is None else self._recorder.facts.grad_norm
+
+    @property
     def loss_scale(self) -> float | None:
         """The dynamic loss scale the next step uses (``mixed_precision="fp16"``), else ``None``."""
         return None if self._loss_scaler is None else self._loss_scaler.scale
@@ -388,9 +393,8 @@ class Engine:
 
     @property
     def spmd_mode(self) -> str:
-        """How the most recently compiled step runs: ``"shard_map"`` (a per-device program with explicit
-        collectives) or ``"gspmd"`` (XLA partitions it); ``"single_device"`` on one device (nothing to partition);
-        ``"pipeline"`` for a pipeline plan."""
+        """How the most recently compiled step runs: ``"shard_map"`` (a per-device program with explicit collectives)
+        or ``"gspmd"`` (XLA partitions it); ``"single_device"`` (one device); ``"pipeline"`` for a pipeline plan."""
         return self._executor.spmd_mode
 
     @property

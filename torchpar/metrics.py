@@ -289,6 +289,11 @@ class StepRecorder:
         self._metrics: StepMetrics | None = None
         self._memory_by_signature: dict[tuple, dict[int, int] | None] = {}
 
+    @property
+    def facts(self) -> StepFacts | None:
+        """The last recorded step's facts (``None`` before a step)."""
+        return self._facts
+
     def record(self, facts: StepFacts, read: Callable[[], StepMetrics | None]) -> None:
         """Keep ``facts``; log them every ``log_every`` steps and hand them to ``on_metrics`` (``read``: the engine's
         ``last_metrics``; the metrics are derived only when someone reads them)."""

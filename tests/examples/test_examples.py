@@ -13,6 +13,7 @@ RUNS = {
     "classifier_step_fn.py": ["--steps", "2"],
     "compare_loss.py": ["--model", "mlp", "--steps", "3", "--plot", ""],
     "hf_llama_shard.py": ["--steps", "2"],
+    "hf_trainer.py": ["--steps", "4"],
     "vit_data_parallel.py": ["--steps", "2"],
     "mlp_manual_stages.py": ["--steps", "2"],
     # --layers 2: the stage DP still picks a 2-stage pipeline over the 2 hosts (every step of the example runs);

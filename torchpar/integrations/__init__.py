@@ -1,0 +1,3 @@
+"""Integrations with training frameworks users already run (each one's dependencies stay optional):
+:mod:`torchpar.integrations.transformers` — ``TorchparTrainer``, a Hugging Face ``Trainer`` whose step is a
+torchpar engine."""
