@@ -26,6 +26,8 @@ CASES = {
     "torchpar.runtime.worker": ("torch", "torchpar.capture", "torchpar.report", "torchpar.api"),
     "torchpar.runtime.host_actor": ("torch", "torchpar.capture", "torchpar.report", "torchpar.api"),
     "torchpar.runtime.checkpoint_io": ("torch", "torchpar.capture", "torchpar.api"),  # host actors write shards
+    "torchpar.runtime.batch_parts": ("torch", "jax", "torchpar.capture", "torchpar.api"),  # the driver imports it
+    "torchpar.runtime.host_loading": ("torch", "torchpar.capture", "torchpar.api", "torchpar.feeding"),
     "torchpar": ("torch", "jax", "torchpar.planner", "torchpar.runtime"),
     "torchpar.api": ("torchpar.harness", "torchpar.report", "torchpar.integrations", "transformers"),
     "torchpar.report.html": ("torchpar.planner", "torchpar.runtime", "torch", "jax"),  # the Plan is read as data

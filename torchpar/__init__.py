@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     import torch
 
     from torchpar.api import Engine
+    from torchpar.feeding import HostData
     from torchpar.metrics import StepMetrics
     from torchpar.methods import Method
     from torchpar.planner.plan import Plan
@@ -42,6 +43,8 @@ _LAZY = {  # public name → module defining it (imported on first use)
     "UnsupportedOpsError": "jaxbackend.lower",
     "LoweringError": "jaxbackend.lower",
     "CheckpointError": "torchpar.checkpoint",
+    "HostData": "torchpar.feeding",
+    "HostDataError": "torchpar.runtime.host_loading",
 }
 """``torchpar.Plan`` and the errors a user may catch (``docs/debugging.md`` lists every one)."""
 
@@ -79,7 +82,8 @@ def compile(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     *,
-    example_batch: Any,
+    example_batch: Any = None,
+    data: HostData | None = None,
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
     step_fn: Callable[[torch.nn.Module, Any], torch.Tensor] | None = None,
     forward_fn: Callable[[torch.nn.Module, Any], Any] | None = None,
@@ -104,6 +108,9 @@ def compile(
     - ``optimizer``: ``torch.optim.SGD``, ``Adam`` or ``AdamW`` over the model's parameters.
     - ``example_batch``: a batch as the training loop passes it: a dict → ``model(**batch)``, a tuple/list →
       ``model(*batch)``, a tensor → ``model(batch)``. Other batch sizes compile again when first stepped.
+    - ``data``: a ``torchpar.HostData(dataset, batch_size=..., shuffle=..., seed=...)``: host-loaded training —
+      every process (each Ray host actor) loads its own rows, the driver sends no batch bytes; ``engine.step()``
+      / ``for loss in engine.run(steps)``; its first batch is the example when ``example_batch`` is not given.
     - ``loss_fn``: ``(outputs, batch) -> scalar tensor``; default: a scalar output, else ``outputs.loss`` /
       ``outputs["loss"]``.
     - ``step_fn``: ``(model, batch) -> scalar loss tensor``, calling the model its own way (``x, y = batch;
@@ -148,7 +155,7 @@ def compile(
     """
     from torchpar import api
 
-    return api.compile(model, optimizer, example_batch=example_batch, loss_fn=loss_fn, step_fn=step_fn,
+    return api.compile(model, optimizer, example_batch=example_batch, data=data, loss_fn=loss_fn, step_fn=step_fn,
                        forward_fn=forward_fn, method=method, grad_clip_norm=grad_clip_norm, seed=seed,
                        xla_library_fusions=xla_library_fusions, spmd=spmd, check_inputs=check_inputs,
                        on_nonfinite=on_nonfinite, matmul_precision=matmul_precision, mixed_precision=mixed_precision,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -22,7 +22,7 @@ import torch.utils._pytree as pytree
 
 from torchpar import batches
 from torchpar import checkpoint as _checkpoint
-from torchpar import diagnosis
+from torchpar import diagnosis, feeding
 from torchpar import metrics as _metrics
 from torchpar.capture.checkpointing import warn_if_gradient_checkpointing
 from torchpar.capture.export import ForwardFn, LossFn, StepFn, capture_train_step, check_model_fns, dtype_name
@@ -32,6 +32,7 @@ from torchpar.capture.precision import autocast_dtype
 from torchpar.capture.training_setup import describe_changes, training_setup
 from torchpar.cluster import current_cluster, default_compile_cache
 from torchpar.compiled import CompiledTraining
+from torchpar.feeding import PREFETCH_DEPTH, HostData, HostFeed
 from torchpar.guard import StepGuard, leaf_names
 from torchpar.host_arrays import host_value, to_torch
 from torchpar.ir.graph import Graph
@@ -41,6 +42,7 @@ from torchpar.options import (CompileOptions, MatmulPrecision, MixedPrecision, O
 from torchpar.planner.plan import Plan
 from torchpar.planner.remat import check_remat
 from torchpar.profiled import plan_training_profiled
+from torchpar.runtime.batch_parts import HostBatch
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +50,8 @@ def compile(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     *,
-    example_batch: Any,
+    example_batch: Any = None,
+    data: HostData | None = None,
     loss_fn: LossFn | None = None,
     step_fn: StepFn | None = None,
     forward_fn: ForwardFn | None = None,
@@ -72,7 +75,8 @@ def compile(
     without solving. See DESIGN.md §2 for the calling convention and the loss rule. With
     ``torchpar.init(cluster="ray", ...)`` every method runs on the Ray host actors. The engine holds workers
     until ``engine.close()``; ``with torchpar.compile(...) as engine:`` closes it on exit. The keyword options
-    are the fields of :class:`CompileOptions` (each documented there).
+    are the fields of :class:`CompileOptions` (each documented there). ``data``: host-loaded training
+    (:class:`torchpar.HostData`: every process loads its own rows; ``engine.step()`` / ``engine.run(steps)``).
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -85,13 +89,22 @@ def compile(
         raise TypeError(f"method must be None, a torchpar parallel method or a Plan (e.g. torchpar.DataParallel()), "
                         f"got {method!r} of type {type(method).__name__}")
     check_model_fns(loss_fn, step_fn, forward_fn)
+    if data is not None and not isinstance(data, HostData):
+        raise TypeError(f"data must be a torchpar.HostData, got {type(data).__name__}")
+    feed = HostFeed(data, depth=PREFETCH_DEPTH) if data is not None else None
+    if example_batch is None:
+        if feed is None:
+            raise TypeError("compile needs example_batch= (a batch as the training loop passes it) or data="
+                            "torchpar.HostData(...) (its first batch is the example)")
+        example_batch = feed.example
     options = CompileOptions(grad_clip_norm=grad_clip_norm, seed=seed, xla_library_fusions=xla_library_fusions,
                              spmd=spmd, check_inputs=check_inputs, on_nonfinite=on_nonfinite,
                              matmul_precision=matmul_precision, mixed_precision=mixed_precision, remat=remat,
                              profile=profile, log_every=log_every, on_metrics=on_metrics)
     warn_if_gradient_checkpointing(model, stacklevel=3)  # the caller of torchpar.compile
     default_compile_cache()
-    return Engine(model, optimizer, example_batch, loss_fn, options, method, step_fn=step_fn, forward_fn=forward_fn)
+    return Engine(model, optimizer, example_batch, loss_fn, options, method, step_fn=step_fn, forward_fn=forward_fn,
+                  feed=feed)
 
 
 def plan(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, example_batch: Any,
@@ -131,7 +144,7 @@ class Engine:
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, example_batch: Any,
                  loss_fn: LossFn | None, options: CompileOptions, method: Method | Plan | None = None, *,
-                 step_fn: StepFn | None = None, forward_fn: ForwardFn | None = None):
+                 step_fn: StepFn | None = None, forward_fn: ForwardFn | None = None, feed: HostFeed | None = None):
         on_meta = next((name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta), None)
         if on_meta is not None:
             raise ValueError(f"{on_meta} is on the meta device: the model has no weights to train. torchpar.plan(...) "
@@ -144,6 +157,7 @@ class Engine:
         self._jax = jax
         self.model, self.optimizer, self.options, self.method = model, optimizer, options, method
         self._fns = dict(loss_fn=loss_fn, step_fn=step_fn, forward_fn=forward_fn)
+        self._feed = feed
         self._recorder = _metrics.StepRecorder(log_every=options.log_every, on_metrics=options.on_metrics)
         self._param_names = dict(model.named_parameters())  # tied tensors keep their first name
         self._buffer_names = dict(model.named_buffers())
@@ -163,21 +177,25 @@ class Engine:
                                           autocast=autocast_dtype(options.mixed_precision))
         self._executor = self._compiled.executor
         self._finalizer = weakref.finalize(self, self._executor.close)
+        self._inputs = feeding.StepInputs(feed, self._host_leaves, self._guard.bounds)
 
     # --- public API --------------------------------------------------------------------------------
 
-    def step(self, batch: Any) -> float:
-        """One optimizer step on ``batch``; returns the loss (before the update) as a float. Its measurements are
-        then in :attr:`last_metrics`."""
+    def step(self, batch: Any = None) -> float:
+        """One optimizer step on ``batch`` (a batch, one from :meth:`prefetch`, or ``None``: the next batch of
+        ``compile(data=...)``'s host-loaded data); returns the loss (before the update) as a float. Its measurements
+        are then in :attr:`last_metrics`."""
         started = time.perf_counter()
+        batch, fed, waited = self._inputs.take(batch, self._executor)
         signature = batches.signature(batch)
         self._check_compatible(signature, batch)
         changes = describe_changes(self._setup, training_setup(self.model, self.optimizer))
         if changes:
             self._recompile_for_changes(batch, changes)
+            fed = fed if isinstance(fed, HostBatch) else None  # prefetched for the executor just replaced
         recompiled = self._compiled.ensure_compiled(signature, batch) or bool(changes)
         loss_scale = self.loss_scale
-        leaves = self._host_leaves(signature, batch)
+        leaves, converting_s = self._inputs.leaves(signature, batch, fed, self._executor)
         scalars = self._compiled.with_loss_scale(self._bridge.step_scalars())
         mark_optimizer_stepped(self.optimizer)
         key_data = self._step_key_data(self._steps_taken)
@@ -198,8 +216,19 @@ class Engine:
         self._recorder.record(_metrics.StepFacts(
             step=self._steps_taken, loss=result.loss, step_time_s=time.perf_counter() - started, signature=signature,
             tokens=_metrics.count_tokens(batch), loss_scale=loss_scale, update_skipped=not result.finite,
-            recompiled=recompiled, grad_norm=result.grad_norm), lambda: self.last_metrics)
+            recompiled=recompiled, grad_norm=result.grad_norm,
+            data_wait_s=waited + converting_s + self._executor.last_data_wait_s), lambda: self.last_metrics)
         return result.loss
+
+    def run(self, steps: int | None = None, *, epochs: int | None = None) -> Iterator[float]:
+        """Host-loaded training (``compile(data=...)``): ``for loss in engine.run(steps)`` (or ``epochs=``: to the end
+        of that many epochs from the current position) runs :meth:`step` on each next batch, yielding its loss."""
+        return self._inputs.run(self.step, steps, epochs)
+
+    def prefetch(self, loader: Iterable[Any], depth: int = PREFETCH_DEPTH) -> Iterator[Any]:
+        """``for batch in engine.prefetch(loader): engine.step(batch)``: ``loader``'s next batches pulled, converted
+        and placed on a background thread while the step runs (at most ``depth`` ahead; :mod:`torchpar.feeding`)."""
+        return self._inputs.prefetch(loader, lambda: self._executor, self._compiled.step_graphs, depth)
 
     def _recompile_for_changes(self, batch: Any, changes: list[str]) -> None:
         """The model or optimizer changed what a step trains since compile (``changes``: modes, ``requires_grad``,
@@ -211,7 +240,8 @@ class Engine:
         carried = (self._steps_taken, self._base_key, self._loss_scaler, self._guard.skipped_steps)
         self._finalizer.detach()
         self._executor.close()
-        Engine.__init__(self, self.model, self.optimizer, batch, options=self.options, method=self.method, **self._fns)
+        Engine.__init__(self, self.model, self.optimizer, batch, options=self.options, method=self.method, **self._fns,
+                        feed=self._feed)
         self._steps_taken, self._base_key, self._loss_scaler, self._guard.skipped_steps = carried
 
     @property
@@ -237,21 +267,18 @@ class Engine:
 
     @property
     def numerics(self) -> dict[str, Any]:
-        """What the step computes with: ``matmul_precision`` / ``conv_precision`` asked (``"highest"``,
-        ``"high"``, ``"medium"``), ``effective`` on this platform (the CPU computes fp32 products whatever is
-        asked), ``mixed_precision`` and ``loss_scaling``."""
+        """What the step computes with: ``matmul_precision`` / ``conv_precision`` asked, ``effective`` on this
+        platform (the CPU computes fp32 products whatever is asked), ``mixed_precision`` and ``loss_scaling``."""
         return dict(self.plan.numerics)
 
     @property
     def skipped_steps(self) -> int:
-        """Steps whose loss or gradients were inf/nan and whose update was skipped (``on_nonfinite="skip"``;
-        with ``"raise"`` each such step raised)."""
+        """Steps skipped for an inf/nan loss or gradient (``on_nonfinite="skip"``; ``"raise"`` raises instead)."""
         return self._guard.skipped_steps
 
     def locate_nonfinite(self, batch: Any) -> str:
-        """Re-run one training step on ``batch`` on this process, eagerly and op by op, with the current state, and
-        say where the first inf/nan comes from (an input, the state, the first op producing it, or the gradients):
-        what ``on_nonfinite="raise"`` reports, on demand. The state is exported from the workers (all of it)."""
+        """Re-run one step on ``batch`` eagerly on this process (the whole state exported) and say where the first
+        inf/nan comes from: what ``on_nonfinite="raise"`` reports, on demand."""
         signature = batches.signature(batch)
         self._check_compatible(signature, batch)
         graph = self._compiled.diagnosis_graph(signature, batch)
@@ -328,9 +355,8 @@ class Engine:
             self._steps_taken, self._base_key = training.steps_taken, training.base_key
 
     def close(self) -> None:
-        """Free the engine's workers (the Ray actors and what they hold); the engine is unusable afterwards.
-        Idempotent; also called on leaving ``with torchpar.compile(...) as engine:``, by
-        ``torchpar.shutdown()``, and when the engine is garbage-collected."""
+        """Free the engine's workers (Ray actors and what they hold); idempotent; also on leaving a ``with`` block, by
+        ``torchpar.shutdown()`` and when the engine is garbage-collected. The engine is unusable afterwards."""
         if self._executor is not None:
             self._executor.close()
 
@@ -353,37 +379,25 @@ class Engine:
 
     @property
     def last_timeline(self) -> Any:
-        """Measured compute blocks of each pipeline stage in the last step, for
-        ``plan.save_html(path, timeline=engine.last_timeline)``; ``None`` before the first step."""
+        """Measured compute blocks of each pipeline stage in the last step (``None`` before one)."""
         return self._executor.last_timeline
 
     def memory_stats(self) -> dict[int, dict[str, int]]:
-        """XLA's per-device memory analysis of each compiled stage: ``{stage: {field: bytes}}``, fields
-        ``argument/output/alias/temp/generated_code_bytes``. A one-stage plan is stage ``0`` (the most recently used
-        batch signature's step); a pipeline's fields are prefixed ``forward_`` and ``backward_`` (its two
-        executables per stage). The same on the local and the Ray runtime (each stage's lead process reads it)."""
+        """XLA's per-device memory analysis of each compiled stage, ``{stage: {field: bytes}}`` (``docs/api.md``: a
+        one-stage plan is stage 0; a pipeline's fields are prefixed ``forward_`` / ``backward_``)."""
         return self._executor.memory_stats()
 
     def measured(self) -> dict[str, Any]:
-        """What this engine measured (:func:`torchpar.metrics.measured_figures`): the last step's wall seconds and
-        each stage's per-device memory, also recorded in ``engine.plan`` for ``plan.summary()``."""
+        """The last step's wall seconds and each stage's per-device memory (:func:`metrics.measured_figures`)."""
         return _metrics.measured_figures(self.plan, self.memory_stats(), self._last_step_s)
 
     def save_report(self, path: str, **options: Any) -> Any:
-        """The plan's HTML report (:meth:`Plan.save_html`) with what the engine measured beside the estimates: the
-        last step's wall time, each stage's memory (:meth:`measured`) and, for pipelines, the last step's
-        timeline. ``options`` go to ``save_html`` (``param_shapes``, ``title``, ...)."""
-        measured = self.measured()
-        if measured["step_s"] is None:
-            del measured["step_s"]
-        shapes = {name: list(p.shape) for name, p in self.model.named_parameters()}
-        return self.plan.save_html(path, timeline=self.last_timeline, measured=measured,
-                                    **{"param_shapes": shapes, **options})
+        """The plan's HTML report with the engine's measurements beside the estimates (:func:`metrics.save_report`)."""
+        return _metrics.save_report(self.plan, path, self.measured(), self.last_timeline, self.model, **options)
 
     def describe_workers(self, programs: bool = False) -> list[dict[str, Any]]:
-        """Each worker process's own account: rank, pid, JAX process index and devices, stages, steps run, the
-        devices holding its share of the state; with ``programs=True`` also the HLO it runs per stage and
-        that program's device assignment (as process indices)."""
+        """Each worker process's own account (rank, pid, devices, stages, steps run, devices holding state; with
+        ``programs=True`` the HLO it runs per stage and its device assignment)."""
         return self._executor.describe_workers(programs)
 
     @property
@@ -411,8 +425,7 @@ class Engine:
 
     @property
     def graph(self) -> Graph:
-        """The captured training graph (IR) of the most recent batch signature, on one micro-batch (a pipeline's
-        stages are cut out of it: ``engine.executor.spec.stage_graphs``)."""
+        """The captured training graph (IR) of the most recent batch signature, on one micro-batch."""
         return self._compiled.graph(self._last_signature or self._example_signature)
 
     # --- checks and failures ------------------------------------------------------------------------------

@@ -87,3 +87,8 @@ def split_leaves(leaves: list[np.ndarray], parts: int) -> list[list[np.ndarray]]
     """Each of ``parts`` equal micro-batches of ``leaves`` (split along dim 0)."""
     return [[leaf[m * (leaf.shape[0] // parts):(m + 1) * (leaf.shape[0] // parts)] for leaf in leaves]
             for m in range(parts)]
+
+
+def take_rows(batch: Any, rows: int) -> Any:
+    """``batch`` with every tensor leaf cut to its first ``rows`` rows (dim 0)."""
+    return pytree.tree_map(lambda leaf: leaf[:rows] if isinstance(leaf, torch.Tensor) and leaf.dim() else leaf, batch)

@@ -45,6 +45,10 @@ class StepGuard:
         if key not in self._bounds:
             self._bounds[key] = index_bounds(graph)
 
+    def bounds(self, key: Any) -> list[IndexBound]:
+        """The index-range checks of signature ``key``'s batch leaves (empty if none, or before it compiled)."""
+        return list(self._bounds.get(key) or []) if self.check_inputs else []
+
     def knows(self, key: Any) -> bool:
         return key in self._bounds
 

@@ -91,6 +91,10 @@ class StepMetrics:
     """The update was skipped (an inf/nan loss or gradient, or an fp16 overflow)."""
     recompiled: bool
     """This step compiled new batch shapes first (its ``step_time_s`` includes that)."""
+    data_wait_s: float = 0.0
+    """Seconds the step waited for its data: converting a batch passed to ``step`` (host arrays, placement), waiting
+    for ``engine.prefetch``'s next batch, or the slowest process waiting for its host-loaded rows. Near 0 when the
+    input pipeline keeps up; near ``step_time_s`` when the step is input-bound."""
 
     def as_dict(self) -> dict[str, Any]:
         """Every field by name (``memory_bytes`` and ``compile_timings`` as dicts)."""
@@ -184,7 +188,7 @@ def step_metrics(*, step: int, loss: float, step_time_s: float, samples: int | N
                  flops_per_step: float, precision: str, peak_per_device: float | None, num_devices: int,
                  memory_bytes: dict[int, int] | None, compile_timings: Mapping[str, float],
                  loss_scale: float | None = None, update_skipped: bool = False,
-                 recompiled: bool = False, grad_norm: float | None = None) -> StepMetrics:
+                 recompiled: bool = False, grad_norm: float | None = None, data_wait_s: float = 0.0) -> StepMetrics:
     """The :class:`StepMetrics` of one step from what the engine measured and knows."""
     def rate(count: int | None) -> float | None:
         return None if count is None else count / step_time_s
@@ -196,7 +200,7 @@ def step_metrics(*, step: int, loss: float, step_time_s: float, samples: int | N
                        mfu=mfu(flops_per_step, step_time_s, peak_per_device, num_devices),
                        memory_bytes=None if memory_bytes is None else dict(memory_bytes),
                        compile_timings=dict(compile_timings), loss_scale=loss_scale, update_skipped=update_skipped,
-                       recompiled=recompiled, grad_norm=grad_norm)
+                       recompiled=recompiled, grad_norm=grad_norm, data_wait_s=data_wait_s)
 
 
 def measured_figures(plan: Any, memory_stats: Mapping[int, Mapping[str, int]], last_step_s: float | None) -> dict:
@@ -213,6 +217,17 @@ def measured_figures(plan: Any, memory_stats: Mapping[int, Mapping[str, int]], l
     return {"step_s": last_step_s, "memory_bytes": memory}
 
 
+def save_report(plan: Any, path: str, measured: dict[str, Any], timeline: Any, model: Any, **options: Any) -> Any:
+    """``engine.save_report``: the plan's HTML report (``Plan.save_html``) with what the engine measured beside the
+    estimates — the last step's wall time, each stage's memory (``engine.measured()``) and, for pipelines, the last
+    step's timeline; ``options`` go to ``save_html`` (``param_shapes`` defaults to the model's, ``title``, ...)."""
+    measured = dict(measured)
+    if measured["step_s"] is None:
+        del measured["step_s"]
+    shapes = {name: list(p.shape) for name, p in model.named_parameters()}
+    return plan.save_html(path, timeline=timeline, measured=measured, **{"param_shapes": shapes, **options})
+
+
 def format_line(metrics: StepMetrics) -> str:
     """One log line: ``step 10 | loss 2.3456 | grad norm 0.8123 | 12.3 ms | 325 samples/s | 1.04e+04 tokens/s | 1.2 GFLOP | MFU
     12.3% (bf16 × 8) | memory 32 MiB``."""
@@ -223,6 +238,8 @@ def format_line(metrics: StepMetrics) -> str:
         parts.append(f"{metrics.samples_per_s:.4g} samples/s")
     if metrics.tokens_per_s is not None:
         parts.append(f"{metrics.tokens_per_s:.4g} tokens/s")
+    if metrics.data_wait_s >= 0.1 * metrics.step_time_s and metrics.data_wait_s > 1e-3:
+        parts.append(f"waited {format_seconds(metrics.data_wait_s)} for data")
     parts.append(format_flops(metrics.model_flops_per_step))
     shown = "n/a" if metrics.mfu is None else f"{metrics.mfu:.2%}"
     parts.append(f"MFU {shown} ({metrics.precision} × {metrics.num_devices})")
@@ -259,6 +276,7 @@ class StepFacts:
     update_skipped: bool
     recompiled: bool
     grad_norm: float | None = None
+    data_wait_s: float = 0.0
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
@@ -319,7 +337,8 @@ class StepRecorder:
                 num_devices=len({d for stage in given.plan.stages for d in stage.devices()}),
                 memory_bytes=self._memory_bytes(signature, given.memory_stats),
                 compile_timings=given.plan.timings, loss_scale=facts.loss_scale,
-                update_skipped=facts.update_skipped, recompiled=facts.recompiled, grad_norm=facts.grad_norm)
+                update_skipped=facts.update_skipped, recompiled=facts.recompiled, grad_norm=facts.grad_norm,
+                data_wait_s=facts.data_wait_s)
         return self._metrics
 
     def _memory_bytes(self, signature: tuple, memory_stats: Callable[[], dict[int, dict[str, int]]]

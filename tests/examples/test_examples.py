@@ -20,6 +20,7 @@ RUNS = {
     # 4 layers only give it more candidates to plan and compile (~2x the run time)
     "hf_gpt2_pipeshard.py": ["--steps", "2", "--layers", "2"],
     "ray_data_parallel.py": ["--steps", "2"],
+    "ray_host_data.py": ["--epochs", "1"],
     "resume_from_checkpoint.py": ["--steps", "2"],
     # the 48-layer model plans in ~30 s; a small one takes the same path
     "plan_gpt3_39b.py": ["--layers", "4", "--hidden", "1024", "--heads", "16", "--batch", "64", "--micro-batches", "8",

@@ -33,6 +33,7 @@ import numpy as np
 
 from torchpar.ir.graph import Graph
 from torchpar.runtime import gradients
+from torchpar.runtime.batch_parts import HostBatch, HostRows, cut, pipeline_leaves, rows_of
 from torchpar.runtime.micro_batch_loss import MicroBatchLoss, gradient_factor, whole_batch_loss
 from torchpar.runtime.state import HostState, collect_state
 from torchpar.runtime.timeline import StepTimeline
@@ -94,12 +95,23 @@ class Executor:
         self._warned_spmd = False
         self.timings: dict[str, float] = {}
         """Seconds of the executor's own set-up phases (e.g. starting and joining Ray host actors)."""
+        self._boxes: dict[Hashable, list[list[Any]]] = {}
+        self.last_input_bytes: list[int] = []
+        """Bytes of batch data each process (by rank) received for the last step (0 for host-loaded data)."""
+        self.last_data_wait_s = 0.0
+        """Seconds the last step waited for host-loaded rows (the slowest process)."""
         _open_executors.add(self)
 
     # --- the calls to workers (subclasses) ------------------------------------------------------------------
 
     def _call(self, method: str, *args: Any, what: str, timeout_s: float | None = None) -> list[Any]:
         """``worker.method(*args)`` on every worker, results in rank order; raises if any fails."""
+        raise NotImplementedError
+
+    def _call_ranks(self, method: str, args_by_rank: Sequence[tuple], what: str,
+                    timeout_s: float | None = None) -> list[Any]:
+        """``worker.method(*args_by_rank[r])`` on every worker ``r`` (each its own arguments), results in rank
+        order; raises if any fails."""
         raise NotImplementedError
 
     def _release(self) -> None:
@@ -187,10 +199,54 @@ class Executor:
             log.warning("torchpar: spmd=%r is ignored by pipelines (their stages run under GSPMD)",
                         self.spec.options.spmd)
             self._warned_spmd = True
-        result = self._call("compile", key, graph, trainable, leaves, scalars, stage_graphs,
-                            what="compiling the step", timeout_s=self.compile_timeout_s)[0]
+        results = self._call("compile", key, graph, trainable, leaves, scalars, stage_graphs,
+                             what="compiling the step", timeout_s=self.compile_timeout_s)
+        result = results[0]
+        if not self.spec.is_pipeline:
+            self._boxes[key] = [r["input_boxes"] for r in results]
         self._spmd = result.get("spmd", self._spmd)
         return {"lower": result["lower"], "xla_compile": result["xla_compile"]}
+
+    # --- the batch each process receives ----------------------------------------------------------------------
+
+    def payloads(self, key: Hashable, batch: Sequence[np.ndarray] | HostBatch) -> list[Any]:
+        """What each process receives for a step on ``batch`` (whole host leaves, or a host-loaded step's
+        :class:`HostBatch`), by rank: one-stage plans, each leaf's piece its devices hold
+        (:class:`~.batch_parts.LeafPiece`) or, host-loaded, the rows to load (:class:`~.batch_parts.HostRows`);
+        pipelines, each micro-batch's leaves its stages read, or the whole batch's rows to load."""
+        ranks = range(self.num_ranks)
+        if isinstance(batch, HostBatch):
+            return [self._host_rows(key, batch, rank) for rank in ranks]
+        if self.spec.is_pipeline:
+            micro = split_micro_batches(batch, self.spec.plan.num_micro_batches)
+            return [[{i: m[i] for i in self._pipeline_leaves(rank)} for m in micro] for rank in ranks]
+        return [[cut(leaf, box) for leaf, box in zip(batch, boxes)] for boxes in self._boxes[key]]
+
+    def _host_rows(self, key: Hashable, batch: HostBatch, rank: int) -> HostRows:
+        def span(step_key: Hashable, rows: int) -> tuple[int, int]:
+            boxes = self._boxes.get(step_key)
+            return (0, rows) if self.spec.is_pipeline or boxes is None else rows_of(boxes[rank])
+
+        first = span(key, len(batch.indices))
+        ahead = tuple((step, step_key, span(step_key, len(indices)), tuple(indices[slice(*span(step_key, len(indices)))]),
+                       len(indices)) for step, step_key, indices in batch.ahead)
+        return HostRows(step=batch.step, key=key, batch_rows=len(batch.indices), rows=first,
+                        indices=tuple(batch.indices[first[0]:first[1]]), ahead=ahead)
+
+    def _pipeline_leaves(self, rank: int) -> set[int]:
+        stages = [s for s, members in self.spec.stage_ranks().items() if rank in members]
+        return pipeline_leaves({s: g.batch_inputs for s, g in enumerate(self.spec.stage_graphs)}, stages)
+
+    @property
+    def num_ranks(self) -> int:
+        """How many worker processes run the plan."""
+        return 1
+
+    def attach_data(self, factory: Any, depth: int) -> None:
+        """Host-loaded training: every process loads its own rows with ``factory`` (``torchpar.HostData``),
+        ``depth`` steps ahead."""
+        self._check_open()
+        self._call("attach_data", factory, depth, what="attaching the host-loaded data")
 
     @property
     def compile_timeout_s(self) -> float:
@@ -198,17 +254,23 @@ class Executor:
 
     # --- running ----------------------------------------------------------------------------------------------
 
-    def step(self, key: Hashable, leaves: list[np.ndarray], scalars: Any, key_data: np.ndarray) -> StepResult:
+    def prepare(self, key: Hashable, leaves: Sequence[np.ndarray]) -> "Prepared":
+        """A driver-fed batch made ready ahead of its step (``engine.prefetch``; safe on another thread): each
+        process's payload, already on the devices in this process (local runtime) or in Ray's object store."""
+        return Prepared(self.payloads(key, leaves))
+
+    def step(self, key: Hashable, leaves: list[np.ndarray] | HostBatch | "Prepared", scalars: Any,
+             key_data: np.ndarray) -> StepResult:
         """One optimizer step on the batch ``leaves``: the whole batch's loss and whether it was finite. A pipeline's
         micro-batch losses are combined here (:func:`.micro_batch_loss.whole_batch_loss`), and a ratio loss's
         gradients multiplied by ``M·r/D`` in the update (and in the clipping norm)."""
         self._check_open()
         start = time.time()
-        payload: Any = leaves
-        if self.spec.is_pipeline:
-            payload = split_micro_batches(leaves, self.spec.plan.num_micro_batches)
-        reports: list[StepReport] = self._call("run_step", key, payload, scalars, key_data, start,
-                                               what="running the step")
+        payloads = leaves.payloads if isinstance(leaves, Prepared) else self.payloads(key, leaves)
+        reports: list[StepReport] = self._call_ranks(
+            "run_step", [(key, payload, scalars, key_data, start) for payload in payloads], what="running the step")
+        self.last_input_bytes = [r.input_bytes for r in reports]
+        self.last_data_wait_s = max(r.data_wait_s for r in reports)
         losses = [loss for r in reports for loss in r.losses]
         if not losses:
             raise AssertionError("no worker reported the loss")
@@ -365,8 +427,27 @@ class LocalExecutor(Executor):
     def _call(self, method: str, *args: Any, what: str, timeout_s: float | None = None) -> list[Any]:
         return [getattr(self.worker, method)(*args)]
 
+    def _call_ranks(self, method: str, args_by_rank: Sequence[tuple], what: str,
+                    timeout_s: float | None = None) -> list[Any]:
+        return [getattr(self.worker, method)(*args_by_rank[0])]
+
+    def prepare(self, key: Hashable, leaves: Sequence[np.ndarray]) -> "Prepared":
+        payload = self.payloads(key, leaves)[0]
+        if self.spec.is_pipeline:
+            return Prepared([payload])
+        return Prepared([self.worker.step_inputs(key, payload)[0]])  # placed on the devices now
+
     def _release(self) -> None:
+        if self.worker is not None:
+            self.worker.detach_data()
         self.worker = None  # type: ignore[assignment]
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A driver-fed batch made ready ahead of its step (:meth:`Executor.prepare`): each process's payload."""
+
+    payloads: list[Any]
 
 
 class _Everything:

@@ -27,7 +27,7 @@ import numpy as np
 import ray
 
 from torchpar.runtime.devices import DeviceMap
-from torchpar.runtime.executor import Executor, open_executors
+from torchpar.runtime.executor import Executor, Prepared, open_executors
 from torchpar.runtime.host_actor import HostActor, actor_environment
 from torchpar.runtime.ray_cluster import RayCluster
 from torchpar.runtime.worker import ExecutionSpec
@@ -152,6 +152,20 @@ class RayExecutor(Executor):
             args = tuple(ray.put(a) if _is_bulky(a) else a for a in args)
         refs = {rank: actor.call.remote(method, *args) for rank, actor in enumerate(self.actors)}
         return self._gather(refs, what, self.timeout_s if timeout_s is None else timeout_s)
+
+    def _call_ranks(self, method: str, args_by_rank: Any, what: str, timeout_s: float | None = None) -> list[Any]:
+        """Each actor its own arguments (its part of a batch): sent to it alone, through the object store."""
+        self._check_open()
+        refs = {rank: actor.call.remote(method, *args) for rank, (actor, args) in enumerate(zip(self.actors, args_by_rank))}
+        return self._gather(refs, what, self.timeout_s if timeout_s is None else timeout_s)
+
+    @property
+    def num_ranks(self) -> int:
+        return len(self.actors)
+
+    def prepare(self, key: Any, leaves: Any) -> Prepared:
+        """Each actor's part of the batch put in the object store now (the transfer overlaps the running step)."""
+        return Prepared([ray.put(payload) for payload in self.payloads(key, leaves)])
 
     def _gather(self, refs: dict[int, Any], what: str, timeout_s: float, placing: bool = False) -> list[Any]:
         """Results of one call per rank, in rank order; the first failure stops every actor and raises."""

@@ -38,6 +38,7 @@ from torchpar.planner.plan import Plan
 from torchpar.planner.slicing import StageGraph
 from torchpar.runtime import gradients
 from torchpar.runtime.arrays import local_scalar, put, put_batch
+from torchpar.runtime.batch_parts import HostRows, LeafPiece, local_box, pieces_from_rows, place
 from torchpar.runtime.checkpoint_io import KINDS, CheckpointSource, ShardReader, tensor_key, write_shards
 from torchpar.runtime.devices import DeviceMap
 from torchpar.runtime.micro_batch_loss import MicroBatchLoss
@@ -114,6 +115,10 @@ class StepReport:
     """Pipelines: each stage's non-compute spans (:class:`~.timeline.StepTimeline`), from its lead process."""
     updated: bool = False
     """The optimizer update ran inside the step (no clipping across stages needed)."""
+    input_bytes: int = 0
+    """Bytes of batch data this process received for the step (driver-fed batches; 0 for host-loaded ones)."""
+    data_wait_s: float = 0.0
+    """Seconds the step waited for this process's host-loaded rows (0 when they were prefetched in time)."""
 
 
 class Worker:
@@ -139,6 +144,24 @@ class Worker:
         if programs:
             info["programs"] = self.programs_info()
         return info
+
+    def attach_data(self, factory: Any, depth: int) -> None:
+        """Host-loaded training: load this process's rows of every step with ``factory`` (``torchpar.HostData``),
+        ``depth`` steps ahead (:mod:`.host_loading`)."""
+        from torchpar.runtime.host_loading import HostLoader
+
+        self.detach_data()
+        host = self.spec.devices.hosts[self.rank] if self.spec.devices.hosts is not None else 0
+        self.host_loader = HostLoader(factory, host, depth, self._prepare_rows)
+
+    def detach_data(self) -> None:
+        loader, self.host_loader = getattr(self, "host_loader", None), None
+        if loader is not None:
+            loader.close()
+
+    def _prepare_rows(self, key: Hashable, rows: HostRows, leaves: list[np.ndarray]) -> Any:
+        """Loaded rows placed for signature ``key`` (on the loader's thread), ``None`` if ``key`` is not compiled."""
+        return None
 
     def stages(self) -> list[int]:
         raise NotImplementedError
@@ -205,8 +228,10 @@ class OneStageWorker(Worker):
         self.buffers: dict[str, Any] = {}
         self.opt_state: dict[str, dict[str, Any]] = {}
         self._steps: dict[Hashable, Any] = {}
+        self._boxes: dict[Hashable, list[Any]] = {}
         self._forwards: dict[Hashable, Any] = {}
         self._last: Any = None
+        self.host_loader: Any = None
 
     def stages(self) -> list[int]:
         return [0]
@@ -242,18 +267,47 @@ class OneStageWorker(Worker):
                                              scalars)
         self._steps[key] = compiled
         self._last = compiled
-        return {"spmd": compiled.spmd, "lower": compiled.lower_s, "xla_compile": compiled.compile_s}
+        self._boxes[key] = [local_box(sharding, shape) for (shape, _), sharding in zip(leaves, compiled.input_shardings)]
+        return {"spmd": compiled.spmd, "lower": compiled.lower_s, "xla_compile": compiled.compile_s,
+                "input_boxes": self._boxes[key]}
 
-    def run_step(self, key: Hashable, leaves: list[np.ndarray], scalars: Any, key_data: np.ndarray,
+    def _prepare_rows(self, key: Hashable, rows: HostRows, leaves: list[np.ndarray]) -> Any:
+        compiled = self._steps.get(key)
+        if compiled is None:
+            return None
+        pieces = pieces_from_rows(leaves, rows.rows, self._boxes[key], rows.batch_rows)
+        return [place(piece, sharding) for piece, sharding in zip(pieces, compiled.input_shardings)]
+
+    def step_inputs(self, key: Hashable, batch: Any) -> tuple[list[Any], int, float]:
+        """The step's input arrays from what the driver sent — whole leaves, this process's
+        :class:`~.batch_parts.LeafPiece` of each, arrays already placed (a prefetch), or :class:`HostRows` to load
+        — with the bytes received and the seconds waited for host-loaded rows."""
+        compiled = self._steps[key]
+        if isinstance(batch, HostRows):
+            if self.host_loader is None:
+                raise RuntimeError("a host-loaded step reached a process with no data attached")
+            (loaded, leaves, prepared), waited = self.host_loader.take(batch)
+            if prepared is None:
+                prepared = self._prepare_rows(key, loaded, leaves)
+            return prepared, 0, waited
+        if all(isinstance(leaf, jax.Array) for leaf in batch):
+            return list(batch), 0, 0.0
+        if all(isinstance(leaf, LeafPiece) for leaf in batch):
+            return ([place(piece, sharding) for piece, sharding in zip(batch, compiled.input_shardings)],
+                    sum(piece.nbytes for piece in batch), 0.0)
+        return ([put(leaf, sharding) for leaf, sharding in zip(batch, compiled.input_shardings)],  # fitted at compile
+                sum(int(np.asarray(leaf).nbytes) for leaf in batch), 0.0)
+
+    def run_step(self, key: Hashable, leaves: Any, scalars: Any, key_data: np.ndarray,
                  start_time: float) -> StepReport:
         compiled = self._steps[key]
-        inputs = [put(leaf, sharding) for leaf, sharding in zip(leaves, compiled.input_shardings)]  # fitted at compile
+        inputs, received, waited = self.step_inputs(key, leaves)
         begin = time.time()
         loss, finite, norm, self.params, self.opt_state, self.buffers = compiled.compiled(
             self.params, self.opt_state, self.buffers, inputs, scalars, key_data)
         self._last = compiled
         self.steps_run += 1
-        report = StepReport(updated=True)
+        report = StepReport(updated=True, input_bytes=received, data_wait_s=waited)
         if self.lead:
             report.losses = [local_scalar(loss)]
             report.finite = bool(local_scalar(finite))
@@ -315,6 +369,7 @@ class PipelineWorker(Worker):
                                                    for s, g in enumerate(spec.stage_graphs)})
         self.mailbox = Mailbox()
         self.transport = Transport(rank, self.ranks, self.mailbox, deliver, spec.options.timeout_s)
+        self.host_loader: Any = None
 
     def _build(self, stage_graphs: list[StageGraph]) -> tuple[dict[int, Any], dict[int, Any]]:
         """Every stage's layouts (the neighbours' too: a sender lays values out as the receiver reads them) and
@@ -417,13 +472,21 @@ class PipelineWorker(Worker):
                 first.setdefault(name, s)
         return first
 
-    def run_step(self, key: Hashable, micro_inputs: list[dict[int, np.ndarray]], scalars: Any, key_data: np.ndarray,
-                 start_time: float) -> StepReport:
+    def run_step(self, key: Hashable, micro_inputs: list[dict[int, np.ndarray]] | HostRows, scalars: Any,
+                 key_data: np.ndarray, start_time: float) -> StepReport:
         """Every local device group's instructions on its own thread (a group runs one stage, or its v stages
         under interleaved 1F1B), then tied gradients; the update too when no clipping needs every stage's norm
         (else the driver calls :meth:`apply_update`)."""
         from torchpar.runtime.interpreter import run_instructions
 
+        received, waited = 0, 0.0
+        if isinstance(micro_inputs, HostRows):  # load the whole batch's leaves this process's stages read
+            (_, leaves, _), waited = self.host_loader.take(micro_inputs)
+            needed = {i for s in self.programs for i in self.spec.stage_graphs[s].batch_inputs}
+            parts = [np.split(leaf, self.spec.plan.num_micro_batches) for leaf in leaves]
+            micro_inputs = [{i: parts[i][m] for i in needed} for m in range(self.spec.plan.num_micro_batches)]
+        else:
+            received = sum(int(np.asarray(leaf).nbytes) for micro in micro_inputs for leaf in micro.values())
         self.placements, self.programs = self._variants.get(key, self._primary)
         rng = jax.random.wrap_key_data(key_data)
         self._scalars = self._optimizer_scalars(scalars, self.programs)
@@ -460,7 +523,7 @@ class PipelineWorker(Worker):
         if errors:
             raise errors[0]
         self.steps_run += 1
-        report = StepReport()
+        report = StepReport(input_bytes=received, data_wait_s=waited)
         last = len(self.spec.plan.stages) - 1
         for s, result in runs.items():  # by device group (group g's first stage is stage g)
             if self.is_lead(s):

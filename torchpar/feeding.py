@@ -1,0 +1,289 @@
+"""Where a step's batch comes from: a batch the caller passes (driver-fed), one prefetched by
+``engine.prefetch(loader)``, or the engine's host-loaded data (:class:`HostData`), which every process reads itself.
+
+- **Driver-fed**: ``engine.step(batch)``; the executor sends each process only the slices its devices hold
+  (:mod:`torchpar.runtime.batch_parts`).
+- **Prefetched**: ``for batch in engine.prefetch(loader): engine.step(batch)`` — a background thread pulls the next
+  batches from ``loader`` (collating them), converts them and places them (on the devices in this process, in Ray's
+  object store for host actors) while the current step runs; a bounded queue (``depth``) holds them.
+- **Host-loaded**: ``torchpar.compile(..., data=torchpar.HostData(dataset, batch_size=...))`` then
+  ``engine.step()`` / ``for loss in engine.run(steps)``: the driver only walks the sampler (dataset indices) and
+  sends each process the indices of its rows; each process collates its rows from its own copy of the dataset,
+  ``depth`` steps ahead (:mod:`torchpar.runtime.host_loading`). The driver sends no batch bytes.
+
+Why a map-style ``Dataset`` (not Ray Data): it is what a PyTorch user already has, indexing lets a host read
+exactly its rows in the global order a ``DataLoader`` would give one process, and it needs nothing beyond torch on
+the hosts. The dataset object is pickled to every host actor, so it should open its files lazily (paths, not
+loaded arrays, in its state).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from torchpar import batches
+from torchpar.guard import leaf_names
+from torchpar.host_arrays import host_value
+from torchpar.runtime.batch_parts import HostBatch
+
+PREFETCH_DEPTH = 2
+"""Batches prepared ahead of the step (``engine.prefetch``) and steps loaded ahead by each host (host-loaded data)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class HostData:
+    """A map-style dataset every process loads its own rows of (see the module docstring).
+
+    The global order is exactly what ``torch.utils.data.DataLoader(dataset, batch_size, shuffle=shuffle,
+    drop_last=drop_last, generator=torch.Generator().manual_seed(seed))`` gives one process, epoch after epoch
+    (an epoch's smaller last batch kept unless ``drop_last``). ``collate_fn`` (default: torch's
+    ``default_collate``) must collate any subset of a batch's samples into that subset of the collated batch
+    (true of stacking collators; a collator padding to the longest sample is not: pad to a fixed length), and the
+    samples must collate to the same shapes beyond dim 0 in every batch."""
+
+    dataset: Any
+    batch_size: int
+    collate_fn: Callable[[list[Any]], Any] | None = None
+    shuffle: bool = True
+    seed: int = 0
+    drop_last: bool = False
+    index_bounds: tuple[Any, ...] = ()
+    """Set by the engine: the index-range checks of the batch leaves (``compile(check_inputs=True)``)."""
+    leaf_names: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not (hasattr(self.dataset, "__getitem__") and hasattr(self.dataset, "__len__")):
+            raise TypeError(f"HostData needs a map-style dataset (with __len__ and __getitem__), got a "
+                            f"{type(self.dataset).__name__}")
+        if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:
+            raise ValueError(f"batch_size must be an int ≥ 1, got {self.batch_size!r}")
+        if len(self.dataset) == 0 or (self.drop_last and len(self.dataset) < self.batch_size):
+            raise ValueError(f"the dataset of {len(self.dataset)} samples gives no batch of {self.batch_size}"
+                             + (" with drop_last=True" if self.drop_last else ""))
+
+    def epoch_batches(self, epoch: int) -> list[tuple[int, ...]]:
+        """The dataset indices of each batch of epoch ``epoch`` (0-based), as the ``DataLoader`` above yields them:
+        the same loader's sampler run over a dataset of indices for ``epoch + 1`` epochs."""
+        loader = torch.utils.data.DataLoader(range(len(self.dataset)), batch_size=self.batch_size,
+                                             shuffle=self.shuffle, drop_last=self.drop_last,
+                                             generator=torch.Generator().manual_seed(self.seed),
+                                             collate_fn=lambda indices: tuple(int(i) for i in indices))
+        for _ in range(epoch):
+            for _ in loader:
+                pass
+        return list(loader)
+
+    def collate(self, indices: Iterable[int]) -> Any:
+        """The batch of samples ``indices``, collated; an exception names the dataset index that raised."""
+        samples = []
+        for index in indices:
+            try:
+                samples.append(self.dataset[index])
+            except Exception as error:
+                raise type(error)(f"dataset[{index}] raised {type(error).__name__}: {error}") from error
+        collate = self.collate_fn or torch.utils.data.default_collate
+        return collate(samples)
+
+    def load_leaves(self, indices: Iterable[int], step: int) -> list[np.ndarray]:
+        """The collated rows ``indices`` as the host arrays a step takes (its call leaves, index ranges checked):
+        what each process runs for its rows (:class:`torchpar.runtime.host_loading.HostLoader`)."""
+        batch = self.collate(indices)
+        leaves = batches.call_leaves(batch)
+        raw = [leaf.detach().cpu().numpy() if leaf.dtype != torch.bfloat16 else None for leaf in leaves]
+        if self.index_bounds:
+            from torchpar.ir.index_inputs import check_index_inputs
+
+            check_index_inputs(self.index_bounds, raw, list(self.leaf_names) or [f"leaf {i}" for i in range(len(raw))])
+        return [host_value(r if r is not None else leaf) for r, leaf in zip(raw, leaves)]
+
+
+class HostFeed:
+    """The driver's cursor over host-loaded data: which epoch and batch come next, each step's
+    :class:`~torchpar.runtime.batch_parts.HostBatch` (indices only) and the batch *template* the engine compiles and
+    measures with (the example batch cut to the step's rows: a partial last batch's shapes)."""
+
+    def __init__(self, data: HostData, depth: int):
+        self.data, self.depth = data, depth
+        self.example = data.collate(data.epoch_batches(0)[0])
+        self.epoch, self.position, self.steps = 0, 0, 0
+        self._epochs: dict[int, list[tuple[int, ...]]] = {}
+
+    def _batches(self, epoch: int) -> list[tuple[int, ...]]:
+        if epoch not in self._epochs:
+            self._epochs = {e: b for e, b in self._epochs.items() if e >= epoch - 1}
+            self._epochs[epoch] = self.data.epoch_batches(epoch)
+        return self._epochs[epoch]
+
+    def _upcoming(self, count: int) -> list[tuple[int, int, tuple[int, ...]]]:
+        """``(epoch, position, indices)`` of the next ``count`` batches from the cursor."""
+        out, epoch, position = [], self.epoch, self.position
+        while len(out) < count:
+            epoch_batches = self._batches(epoch)
+            if position >= len(epoch_batches):
+                epoch, position = epoch + 1, 0
+                continue
+            out.append((epoch, position, epoch_batches[position]))
+            position += 1
+        return out
+
+    def template(self, rows: int) -> Any:
+        """The example batch with ``rows`` rows (a prefix: host-loaded batches never exceed the batch size)."""
+        return batches.take_rows(self.example, rows)
+
+    def next(self) -> tuple[Any, Any]:
+        """The next step's template batch and its HostBatch; the cursor moves past it (epochs roll over)."""
+        upcoming = self._upcoming(1 + self.depth)
+        epoch, position, indices = upcoming[0]
+        ahead = tuple((self.steps + k, batches.signature(self.template(len(i))), i)
+                      for k, (_, _, i) in enumerate(upcoming[1:], start=1))
+        self.epoch, self.position = epoch, position + 1
+        step = HostBatch(step=self.steps, indices=indices, ahead=ahead)
+        self.steps += 1
+        return self.template(len(indices)), step
+
+    def checked(self, bounds: Iterable[Any], names: Iterable[str]) -> HostData:
+        """The data as the processes get it: with the index-range checks of the step's batch leaves."""
+        return dataclasses.replace(self.data, index_bounds=tuple(bounds), leaf_names=tuple(names))
+
+    def steps_in_epochs(self, epochs: int) -> int:
+        """Steps from the cursor to the end of the epoch ``epochs - 1`` epochs after the current one."""
+        current = len(self._batches(self.epoch)) - self.position
+        return current + sum(len(self._batches(self.epoch + e)) for e in range(1, epochs))
+
+
+@dataclasses.dataclass(frozen=True)
+class Prefetched:
+    """A batch from ``engine.prefetch``: the batch, its payloads made ready for ``executor`` (``None`` when its
+    shapes were not compiled yet), and the seconds the consumer waited for it."""
+
+    batch: Any
+    ready: Any
+    executor: Any
+    wait_s: float
+
+
+class Prefetcher(Iterator[Prefetched]):
+    """Iterates ``loader`` on a background thread, each batch handed to ``prepare`` (conversion and placement)
+    there; at most ``depth`` batches wait in the queue. The loader's exceptions are raised by ``next``."""
+
+    _END = object()
+
+    def __init__(self, loader: Iterable[Any], prepare: Callable[[Any], tuple[Any, Any]], depth: int):
+        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+            raise ValueError(f"depth must be an int ≥ 1, got {depth!r}")
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._fill, args=(iter(loader), prepare), daemon=True,
+                                        name="torchpar-prefetch")
+        self._thread.start()
+
+    def _fill(self, source: Iterator[Any], prepare: Callable[[Any], tuple[Any, Any]]) -> None:
+        try:
+            for batch in source:
+                if not self._put((batch, *prepare(batch))):
+                    return
+            self._put(self._END)
+        except BaseException as error:  # handed to the consumer, raised by next()
+            self._put(error)
+
+    def _put(self, item: Any) -> bool:
+        """Queue ``item`` unless the consumer stopped (then ``False``)."""
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def __next__(self) -> Prefetched:
+        start = time.perf_counter()
+        item = self._queue.get()
+        waited = time.perf_counter() - start
+        if item is self._END:
+            self._stop.set()
+            raise StopIteration
+        if isinstance(item, BaseException):
+            self._stop.set()
+            raise item
+        batch, ready, executor = item
+        return Prefetched(batch, ready, executor, waited)
+
+    def close(self) -> None:
+        """Stop pulling batches (the thread ends after the batch it is preparing)."""
+        self._stop.set()
+
+    def __del__(self) -> None:
+        self._stop.set()
+
+
+class StepInputs:
+    """The engine's source of each step's inputs: ``take`` says what the step trains on, ``leaves`` what the
+    executor gets (converting a batch, or attaching the host-loaded data to the executor's processes first);
+    ``host_leaves(key, batch)`` is the engine's conversion, ``bounds(key)`` its index-range checks."""
+
+    def __init__(self, feed: HostFeed | None, host_leaves: Callable[[Any, Any], list[np.ndarray]],
+                 bounds: Callable[[Any], list[Any]]):
+        self.feed, self._host_leaves, self._bounds = feed, host_leaves, bounds
+        self._attached_to: Any = None
+
+    def take(self, batch: Any, executor: Any) -> tuple[Any, Any, float]:
+        return take(batch, self.feed, executor)
+
+    def leaves(self, signature: Any, batch: Any, fed: Any, executor: Any) -> tuple[Any, float]:
+        """What ``executor.step`` takes for the step and the seconds spent converting it (a driver-fed batch)."""
+        if isinstance(fed, HostBatch):
+            if self._attached_to is not executor:
+                executor.attach_data(self.feed.checked(self._bounds(signature), leaf_names(batch)), self.feed.depth)
+                self._attached_to = executor
+            return fed, 0.0
+        if fed is not None:
+            return fed, 0.0
+        start = time.perf_counter()
+        return self._host_leaves(signature, batch), time.perf_counter() - start
+
+    def run(self, step: Callable[[], float], steps: int | None, epochs: int | None) -> Iterator[float]:
+        """``step()`` run ``steps`` times (or to the end of ``epochs`` epochs), lazily; checked at once."""
+        if self.feed is None or (steps is None) == (epochs is None):
+            raise TypeError("run(steps) / run(epochs=...) needs compile(..., data=torchpar.HostData(...)) and one of "
+                            "steps, epochs; with batches of your own, call engine.step(batch)")
+        count = steps if steps is not None else self.feed.steps_in_epochs(epochs)
+        return (step() for _ in range(count))
+
+    def prefetch(self, loader: Iterable[Any], executor: Callable[[], Any], compiled: Any, depth: int) -> Prefetcher:
+        return Prefetcher(loader, lambda batch: prepare(batch, executor(), compiled,
+                                                        lambda key: self._host_leaves(key, batch)), depth)
+
+
+def take(batch: Any, feed: HostFeed | None, executor: Any) -> tuple[Any, Any, float]:
+    """What ``engine.step(batch)`` trains on: ``(batch, fed, waited)`` — the batch (for host-loaded data, the
+    template of the next step's shapes), what the executor takes instead of converting it (the host-loaded step's
+    :class:`HostBatch`, a prefetched batch's payloads if prepared for ``executor``) or ``None``, and the seconds
+    already waited for it."""
+    if batch is None:
+        if feed is None:
+            raise TypeError("engine.step() without a batch needs compile(..., data=torchpar.HostData(...)); "
+                            "otherwise pass the batch: engine.step(batch)")
+        template, host_batch = feed.next()
+        return template, host_batch, 0.0
+    if isinstance(batch, Prefetched):
+        return batch.batch, batch.ready if batch.executor is executor else None, batch.wait_s
+    return batch, None, 0.0
+
+
+def prepare(batch: Any, executor: Any, compiled: Any, host_leaves: Callable[[Any], list[np.ndarray]]
+            ) -> tuple[Any, Any]:
+    """``engine.prefetch``'s work on its thread: ``batch``'s payloads for ``executor`` if its signature is compiled
+    (``compiled``: the compiled signatures), else ``None`` (the step converts it); with the executor they are for."""
+    signature = batches.signature(batch)
+    if signature not in compiled:
+        return None, executor
+    return executor.prepare(signature, host_leaves(signature)), executor
