@@ -82,3 +82,15 @@ def test_a_failing_data_factory_names_the_host_and_the_dataset_index(two_hosts_o
             list(engine.run(epochs=1))
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("method", ["data_parallel", "pipeline"])
+def test_prefetched_batches_on_host_actors_train_as_the_loader_fed_directly(two_hosts_of_two, method):
+    dataset = Points()
+    make = {"data_parallel": torchpar.DataParallel, "pipeline": lambda: two_stage_pipeline(2)}[method]
+    reference = driver_fed_losses(make(), dataset, drop_last=False, epochs=1)
+    model = Classifier()
+    with torchpar.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), example_batch=example(dataset),
+                          step_fn=step_fn, method=make()) as engine:
+        # one-stage plans: each actor places the next batch on its devices beside the running step (place_ahead)
+        assert [engine.step(batch) for batch in engine.prefetch(loader(dataset, drop_last=False))] == reference

@@ -68,6 +68,14 @@ class HostRows:
     ahead: tuple[tuple[int, Any, tuple[int, int], tuple[int, ...], int], ...] = field(default=())
 
 
+@dataclass(frozen=True)
+class Ahead:
+    """A step's inputs a process already placed on its devices (``place_ahead`` under ``token``): a prefetched
+    driver-fed batch on host actors."""
+
+    token: int
+
+
 def local_box(sharding: "jax.sharding.Sharding", shape: Sequence[int]) -> Index:
     """The bounding box of what this process's devices hold of an array of ``shape`` laid out as ``sharding``
     (the whole array when the sharding is fully addressable)."""

@@ -242,6 +242,9 @@ class Executor:
         """How many worker processes run the plan."""
         return 1
 
+    def _await_prepared(self, prepared: "Prepared") -> None:
+        """Wait for the calls placing a prefetched batch (host actors); raises what they raised."""
+
     def attach_data(self, factory: Any, depth: int) -> None:
         """Host-loaded training: every process loads its own rows with ``factory`` (``torchpar.HostData``),
         ``depth`` steps ahead."""
@@ -266,6 +269,8 @@ class Executor:
         gradients multiplied by ``M·r/D`` in the update (and in the clipping norm)."""
         self._check_open()
         start = time.time()
+        if isinstance(leaves, Prepared):
+            self._await_prepared(leaves)
         payloads = leaves.payloads if isinstance(leaves, Prepared) else self.payloads(key, leaves)
         reports: list[StepReport] = self._call_ranks(
             "run_step", [(key, payload, scalars, key_data, start) for payload in payloads], what="running the step")
@@ -445,9 +450,11 @@ class LocalExecutor(Executor):
 
 @dataclass(frozen=True)
 class Prepared:
-    """A driver-fed batch made ready ahead of its step (:meth:`Executor.prepare`): each process's payload."""
+    """A driver-fed batch made ready ahead of its step (:meth:`Executor.prepare`): each process's payload, and the
+    calls placing it that the step must see finished (host actors, by rank)."""
 
     payloads: list[Any]
+    pending: dict[int, Any] | None = None
 
 
 class _Everything:

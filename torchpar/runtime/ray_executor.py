@@ -19,6 +19,7 @@ and waits until Ray has released them.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from typing import Any
@@ -26,6 +27,7 @@ from typing import Any
 import numpy as np
 import ray
 
+from torchpar.runtime.batch_parts import Ahead
 from torchpar.runtime.devices import DeviceMap
 from torchpar.runtime.executor import Executor, Prepared, open_executors
 from torchpar.runtime.host_actor import HostActor, actor_environment
@@ -65,6 +67,7 @@ class RayExecutor(Executor):
         self.hosts = [cluster.hosts[h] for h in used]
         self.actors: list[Any] = []
         self.infos: list[dict[str, Any]] = []
+        self._tokens = itertools.count()
         ranks = spec.stage_ranks()
         self.stages_of_rank = {r: [s for s, members in ranks.items() if r in members] for r in range(len(used))}
         try:
@@ -164,8 +167,19 @@ class RayExecutor(Executor):
         return len(self.actors)
 
     def prepare(self, key: Any, leaves: Any) -> Prepared:
-        """Each actor's part of the batch put in the object store now (the transfer overlaps the running step)."""
-        return Prepared([ray.put(payload) for payload in self.payloads(key, leaves)])
+        """Each actor's part of the batch sent now and, one-stage plans, placed on its devices beside the running
+        step (``place_ahead``); a pipeline's parts wait in the object store."""
+        payloads = [ray.put(payload) for payload in self.payloads(key, leaves)]
+        if self.spec.is_pipeline:
+            return Prepared(payloads)
+        token = next(self._tokens)
+        pending = {rank: actor.call.remote("place_ahead", token, key, payload)
+                   for rank, (actor, payload) in enumerate(zip(self.actors, payloads))}
+        return Prepared([Ahead(token)] * len(payloads), pending)
+
+    def _await_prepared(self, prepared: Prepared) -> None:
+        if prepared.pending:
+            self._gather(prepared.pending, "placing a prefetched batch", self.timeout_s)
 
     def _gather(self, refs: dict[int, Any], what: str, timeout_s: float, placing: bool = False) -> list[Any]:
         """Results of one call per rank, in rank order; the first failure stops every actor and raises."""

@@ -38,7 +38,7 @@ from torchpar.planner.plan import Plan
 from torchpar.planner.slicing import StageGraph
 from torchpar.runtime import gradients
 from torchpar.runtime.arrays import local_scalar, put, put_batch
-from torchpar.runtime.batch_parts import HostRows, LeafPiece, local_box, pieces_from_rows, place
+from torchpar.runtime.batch_parts import Ahead, HostRows, LeafPiece, local_box, pieces_from_rows, place
 from torchpar.runtime.checkpoint_io import KINDS, CheckpointSource, ShardReader, tensor_key, write_shards
 from torchpar.runtime.devices import DeviceMap
 from torchpar.runtime.micro_batch_loss import MicroBatchLoss
@@ -229,6 +229,8 @@ class OneStageWorker(Worker):
         self.opt_state: dict[str, dict[str, Any]] = {}
         self._steps: dict[Hashable, Any] = {}
         self._boxes: dict[Hashable, list[Any]] = {}
+        self._ahead: dict[int, tuple[list[Any], int, float]] = {}
+        self._ahead_ready = threading.Condition()
         self._forwards: dict[Hashable, Any] = {}
         self._last: Any = None
         self.host_loader: Any = None
@@ -278,11 +280,25 @@ class OneStageWorker(Worker):
         pieces = pieces_from_rows(leaves, rows.rows, self._boxes[key], rows.batch_rows)
         return [place(piece, sharding) for piece, sharding in zip(pieces, compiled.input_shardings)]
 
+    def place_ahead(self, token: int, key: Hashable, payload: Any) -> None:
+        """Place a prefetched batch's pieces on this process's devices now (beside the running step); the step that
+        trains on it names ``token`` (:class:`~.batch_parts.Ahead`)."""
+        placed = self.step_inputs(key, payload)
+        with self._ahead_ready:
+            self._ahead[token] = placed
+            self._ahead_ready.notify_all()
+
     def step_inputs(self, key: Hashable, batch: Any) -> tuple[list[Any], int, float]:
         """The step's input arrays from what the driver sent — whole leaves, this process's
-        :class:`~.batch_parts.LeafPiece` of each, arrays already placed (a prefetch), or :class:`HostRows` to load
-        — with the bytes received and the seconds waited for host-loaded rows."""
+        :class:`~.batch_parts.LeafPiece` of each, arrays already placed (a prefetch, here or by :meth:`place_ahead`),
+        or :class:`HostRows` to load — with the bytes received and the seconds waited for host-loaded rows."""
         compiled = self._steps[key]
+        if isinstance(batch, Ahead):
+            with self._ahead_ready:
+                if not self._ahead_ready.wait_for(lambda: batch.token in self._ahead, self.spec.options.timeout_s):
+                    raise TimeoutError(f"the prefetched batch {batch.token} was not placed within "
+                                       f"{self.spec.options.timeout_s:.0f}s")
+                return self._ahead.pop(batch.token)
         if isinstance(batch, HostRows):
             if self.host_loader is None:
                 raise RuntimeError("a host-loaded step reached a process with no data attached")
