@@ -117,3 +117,25 @@ def test_a_one_device_mesh_is_planned_without_the_solver(monkeypatch):
     assert all(all(entry is None for entry in spec) for spec in result.stage.params.values())
     with pytest.raises(MemoryBudgetError, match="only plan on this mesh needs"):
         _plan(graph, trainable, mesh=(1, 1), memory_budget=1024)
+
+
+def test_an_identical_problem_is_answered_from_the_first_solve():
+    """Two solver graphs that differ only in names (the same model captured twice: identical stages of a pipeline
+    look so) have one problem key, and the second solve reuses the first's choice; another budget is another
+    problem."""
+    from torchpar.planner.sharding import ilp
+
+    first_graph, trainable = _mlp_graph(256, 32)
+    second_graph, _ = _mlp_graph(256, 32)
+    mesh = LogicalMesh(shape=(1, 4))
+    build = lambda g: build_solver_graph(g, mesh, trainable=trainable, optimizer_state_copies=ADAM_STATE)  # noqa: E731
+    first, second = build(first_graph), build(second_graph)
+    assert ilp.problem_key(first, 1e9, None, ()) == ilp.problem_key(second, 1e9, None, ())
+    assert ilp.problem_key(first, 1e9, None, ()) != ilp.problem_key(first, 2e9, None, ())
+    ilp._SOLVED.clear()
+    counts = dict(ilp.SOLVE_COUNTS)
+    solved = solve(first, memory_budget=1e9)
+    reused = solve(second, memory_budget=1e9)
+    assert ilp.SOLVE_COUNTS["solved"] == counts["solved"] + 1 and ilp.SOLVE_COUNTS["reused"] == counts["reused"] + 1
+    assert reused.choice == solved.choice and reused.objective_s == solved.objective_s
+    assert reused.status.endswith("(reused)")

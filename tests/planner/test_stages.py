@@ -373,3 +373,26 @@ def test_interleaved_dp_errors_say_what_to_change():
         interleaved_stage_dp(6, 1, 4, 4, cost, 1e8, virtual_stages=2)
     need = float(str(error.value).split("(")[1].split(" bytes")[0])
     interleaved_stage_dp(6, 1, 4, 4, cost, need * (1 + 1e-9), virtual_stages=2)  # fits exactly at the reported need
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
+@pytest.mark.parametrize("seed", range(6))
+def test_the_bounded_t_max_search_finds_the_scans_optimum_with_fewer_dps(seed, schedule):
+    """Branch and bound over t_max (what large clusters use): tolerance 0 gives the scan's optimum exactly,
+    tolerance 1% stays within 1% of it; both solve fewer DPs than the scan on instances with many candidates."""
+    rng = np.random.default_rng(300 + seed)
+    hosts, per_host = [(2, 4), (4, 4), (2, 8)][seed % 3]
+    num_layers = int(rng.integers(4, 9))
+    micro_batches = int(rng.integers(2, 32))
+    cost = random_cost(seed, num_layers)
+    for budget in (8e9, math.inf):
+        try:
+            scan = stage_dp(num_layers, hosts, per_host, micro_batches, cost, budget, schedule=schedule, search="scan")
+        except ValueError:
+            continue
+        exact = stage_dp(num_layers, hosts, per_host, micro_batches, cost, budget, schedule=schedule, search="bound")
+        loose = stage_dp(num_layers, hosts, per_host, micro_batches, cost, budget, schedule=schedule, search="bound",
+                         tolerance=0.01)
+        assert exact.cost_s == pytest.approx(scan.cost_s, rel=1e-12)
+        assert scan.cost_s <= loose.cost_s <= scan.cost_s * 1.01
+        assert loose.num_t_max_tried <= exact.num_t_max_tried <= exact.num_t_max_candidates

@@ -24,6 +24,7 @@ from torchpar.methods import ManualStageOption, PipeshardParallel
 from torchpar.planner import layers as layers_mod
 from torchpar.planner.interleaved_stages import interleaved_stage_dp
 from torchpar.planner.intra_op import plan_stage
+from torchpar.planner.sharding.ilp import SOLVE_COUNTS
 from torchpar.planner.plan import Plan
 from torchpar.planner.profiling import StageTimer, rank_candidates, record_profile
 from torchpar.planner.remat import check_remat
@@ -60,14 +61,23 @@ def plan_pipeline(graph: Graph, method: PipeshardParallel, cluster: ClusterSpec,
     are compiled and timed, and the candidate with the least measured step wins (``plan.solver["profile"]``)."""
     if check_remat(remat, allow_auto=True) == "auto":
         planned: dict[str, PipelinePlan] = {}
+        seconds: dict[str, float] = {}
 
         def make(option: str) -> Plan:
-            planned[option] = plan_pipeline(graph, method, cluster, trainable=trainable,
-                                            optimizer_state_copies=optimizer_state_copies, remat=option,
-                                            stage_timer=stage_timer)
+            started = time.perf_counter()
+            try:
+                planned[option] = plan_pipeline(graph, method, cluster, trainable=trainable,
+                                                optimizer_state_copies=optimizer_state_copies, remat=option,
+                                                stage_timer=stage_timer)
+            finally:
+                seconds[option] = time.perf_counter() - started
             return planned[option].plan
 
-        return planned[choose_remat(make, cluster.device_memory_bytes).remat]
+        chosen = planned[choose_remat(make, cluster.device_memory_bytes).remat]
+        # the chosen option's own phases, then what planning every option took (remat="auto" plans each)
+        chosen.plan.timings.update({f"remat_{option}": s for option, s in seconds.items()})
+        chosen.plan.timings["remat_choice"] = sum(seconds.values())
+        return chosen
     timings: dict[str, float] = {}
     start = time.perf_counter()
     if method.layer_option == "manual":
@@ -122,8 +132,10 @@ def plan_pipeline(graph: Graph, method: PipeshardParallel, cluster: ClusterSpec,
                 runners_up.append(candidate)
         runners_up = runners_up[:REFINED_CANDIDATES - 1]
         timings["stage_dp_search"] = result.dp_s
+        timings["stage_table"] = result.table_s
     timings["stage_dp"] = time.perf_counter() - start
     start = time.perf_counter()
+    counts_before = dict(SOLVE_COUNTS)
     refined = []
     failures = []
     for index, candidate in enumerate([partition, *runners_up]):
@@ -136,6 +148,9 @@ def plan_pipeline(graph: Graph, method: PipeshardParallel, cluster: ClusterSpec,
             failures.append((candidate, error))
             log.info("stage partition %s: the ILP found no plan (%s)", candidate, error)
     timings["ilp"] = time.perf_counter() - start
+    timings["ilp_graphs"] = sum(r.build_s for refinement in refined for r in refinement.results)
+    timings["ilp_solves"] = sum(r.solution.solve_s for refinement in refined for r in refinement.results)
+    ilp_counts = {kind: SOLVE_COUNTS[kind] - counts_before[kind] for kind in SOLVE_COUNTS}
     if not refined:
         raise failures[0][1]
     best = min(refined, key=lambda r: r.step_s)
@@ -153,6 +168,7 @@ def plan_pipeline(graph: Graph, method: PipeshardParallel, cluster: ClusterSpec,
     solver: dict = {f"stage{index}": stats for index, stats in enumerate(best.solver_stats)}
     if profile is not None:
         solver["profile"] = profile
+    solver["ilp_problems"] = ilp_counts  # CP-SAT solves run, and identical stages' problems answered from them
     solver["estimate"] = {"model": ESTIMATE_MODEL, "step_formula": stages_mod.latency_formula(
         method.schedule, method.num_micro_batches, virtual)}
     if option == "auto":

@@ -167,8 +167,11 @@ class Plan:
             if stage.compiled_memory_bytes:
                 error = stage.estimated_memory_bytes / stage.compiled_memory_bytes - 1
                 compiled = f"; compiled {format_bytes(stage.compiled_memory_bytes)} (estimate {error:+.0%})"
+            budget = (self.cluster or {}).get("device_memory_bytes")
+            headroom = (f"; headroom {format_bytes(budget - stage.estimated_memory_bytes)} of "
+                        f"{format_bytes(budget)} ({1 - stage.estimated_memory_bytes / budget:.1%})") if budget else ""
             lines.append(f"    est. memory {format_bytes(stage.estimated_memory_bytes)} per device"
-                         + (f" ({parts})" if parts else "") + compiled)
+                         + (f" ({parts})" if parts else "") + headroom + compiled)
             if stage.communication_bytes:
                 sent = ", ".join(f"{kind.replace('_', '-')} {format_bytes(n)}"
                                  for kind, n in stage.communication_bytes.items() if n) or "none"
@@ -183,6 +186,12 @@ class Plan:
                 lines.append(f"    {name:<{width}}  {describe(spec)}{extra}")
             for leaf, spec in stage.inputs.items():
                 lines.append(f"    batch leaf {leaf}: {describe(spec)}")
+        tight = [index for index, stage in enumerate(self.stages) if self.cluster.get("device_memory_bytes")
+                 and stage.estimated_memory_bytes >= 0.99 * self.cluster["device_memory_bytes"]]
+        if tight:
+            lines.append(f"  memory: stage(s) {tight} within 1% of the device memory: the ILP bought speed with memory "
+                         "up to the limit, so XLA's workspace beyond the estimate may not fit; plan for less "
+                         "(torchpar.init(..., device_memory_bytes=...)) to keep headroom")
         if self.numerics:
             lines.append(f"  numerics: {self.numerics.get('effective', '')}; mixed precision "
                          f"{self.numerics.get('mixed_precision', 'none')}, loss scaling "

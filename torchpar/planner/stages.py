@@ -148,6 +148,8 @@ class StagePlanResult:
     """Seconds in the DP (cost-model calls included)."""
     num_t_max_tried: int
     num_t_max_candidates: int
+    table_s: float = 0.0
+    """Of ``dp_s``, building the stage table (the cost model priced for every layer range × submesh × logical mesh)."""
 
     @property
     def stages(self) -> tuple[StageChoice, ...]:
@@ -203,10 +205,14 @@ def latency_formula(schedule: Schedule, num_micro_batches: int, virtual_stages: 
 
 def stage_dp(num_layers: int, cluster_hosts: int, devices_per_host: int, num_micro_batches: int,
              cost: StageCostModel, memory_budget: float | None, *, schedule: Schedule = "1f1b",
-             num_runners_up: int = 3) -> StagePlanResult:
+             num_runners_up: int = 3, search: Literal["auto", "scan", "bound"] = "auto",
+             tolerance: float = 0.0) -> StagePlanResult:
     """Alpa's inter-op DP (module docstring): contiguous layer ranges × submeshes × logical meshes that tile
     the cluster, minimizing ``Σ t + (B−1)·max t`` subject to ``memory_budget`` bytes per device (``None``:
-    no limit). ``ValueError`` naming the smallest budget that would fit if nothing fits."""
+    no limit). ``ValueError`` naming the smallest budget that would fit if nothing fits. ``search``: how ``t_max``
+    is searched — ``"scan"`` (every candidate in order, Alpa's early stop), ``"bound"`` (branch and bound,
+    :func:`_bound_t_max`, within ``1 + tolerance`` of the scan's optimum), ``"auto"``: the scan up to
+    :data:`SCAN_CANDIDATES` candidates, else the bound."""
     _check_cluster(cluster_hosts, devices_per_host)
     if num_layers < 1:
         raise ValueError(f"num_layers must be ≥ 1, got {num_layers}")
@@ -220,6 +226,7 @@ def stage_dp(num_layers: int, cluster_hosts: int, devices_per_host: int, num_mic
     num_devices = cluster_hosts * devices_per_host
     table = _stage_table(num_layers, submeshes, min(num_layers, num_devices), num_micro_batches, cost,
                          memory_budget, schedule)
+    table_s = time.perf_counter() - t0
     sizes = [h * d for h, d in submeshes]
     if not math.isfinite(_suffix_dp(table.latency, sizes, num_devices, np.add)[0]):
         need, _ = _suffix_dp(table.min_memory, sizes, num_devices, np.maximum)
@@ -228,27 +235,97 @@ def stage_dp(num_layers: int, cluster_hosts: int, devices_per_host: int, num_mic
                          "use fewer micro-batches in flight")
     candidates = np.unique(table.latency[np.isfinite(table.latency)])
     found: dict[tuple, StagePartition] = {}
-    best = math.inf
-    tried = 0
-    extra = 0
+
+    def solve_at(t_max: float) -> tuple[float, StagePartition | None]:
+        """``F(t_max)`` (the least Σ t with every stage ≤ ``t_max``) and its partition (``None``: no tiling)."""
+        total, plan = _suffix_dp(np.where(table.latency <= t_max, table.latency, np.inf), sizes, num_devices, np.add)
+        if not plan:
+            return math.inf, None
+        partition = _partition(plan, table, submeshes, num_micro_batches, schedule)
+        found.setdefault(_key(partition), partition)
+        return total, partition
+
+    if search == "scan" or (search == "auto" and len(candidates) <= SCAN_CANDIDATES):
+        tried = _scan_t_max(candidates, solve_at, num_micro_batches, num_runners_up)
+    else:
+        tried = _bound_t_max(candidates, solve_at, _latency_weights(schedule, num_micro_batches), tolerance)
+    ranked = sorted(found.values(), key=lambda p: (p.cost_s, len(p.stages)))
+    result = StagePlanResult(best=ranked[0], runners_up=tuple(ranked[1:1 + num_runners_up]),
+                             dp_s=time.perf_counter() - t0, table_s=table_s, num_t_max_tried=tried,
+                             num_t_max_candidates=len(candidates))
+    log.info("stage DP: %s in %.3fs (%d/%d t_max)", result.best, result.dp_s, tried, len(candidates))
+    return result
+
+
+SCAN_CANDIDATES = 256
+"""``search="auto"``: up to this many distinct ``t_max`` the DP scans them in order (Alpa's search, exact, with its
+runners-up); beyond it, the bounded search (:func:`_bound_t_max`)."""
+
+
+def _scan_t_max(candidates: np.ndarray, solve_at: Callable[[float], tuple[float, StagePartition | None]],
+                num_micro_batches: int, num_runners_up: int) -> int:
+    """Alpa's search: every ``t_max`` in increasing order until ``B · t_max ≥`` the best true ``T`` (then a few more,
+    for runners-up). Returns the number of DPs solved."""
+    best, tried, extra = math.inf, 0, 0
     for t_max in candidates:
         if num_micro_batches * t_max >= best:  # no larger t_max can win (Alpa's early stop) …
             if extra >= num_runners_up:
                 break
             extra += 1  # … but a few more t_max give runners-up to report
         tried += 1
-        _, plan = _suffix_dp(np.where(table.latency <= t_max, table.latency, np.inf), sizes, num_devices, np.add)
-        if not plan:  # no tiling with every stage within t_max
+        _, partition = solve_at(float(t_max))
+        if partition is not None:  # else no tiling with every stage within t_max
+            best = min(best, partition.cost_s)
+    return tried
+
+
+def _latency_weights(schedule: Schedule, num_micro_batches: int) -> tuple[float, float]:
+    """``(α, β)`` with the schedule's step ``T = α·Σ t + β·max t`` (:func:`pipeline_latency`; one stage per group)."""
+    if schedule == "zb_h1":
+        return 1 / 3, num_micro_batches - 1 / 3
+    return 1.0, num_micro_batches - 1.0
+
+
+def _bound_t_max(candidates: np.ndarray, solve_at: Callable[[float], tuple[float, StagePartition | None]],
+                 weights: tuple[float, float], tolerance: float) -> int:
+    """Branch and bound over ``t_max``: the best ``T`` within a factor ``1 + tolerance`` of the scan's with a few
+    DPs instead of one per candidate. Returns the number of DPs solved.
+
+    ``F(t)`` — the least ``Σ t`` over partitions with every stage ≤ ``t`` — does not increase with ``t``, so over the
+    candidates ``c_a ≤ t ≤ c_b`` every partition whose slowest stage lies there has
+    ``T ≥ LB(a, b) = max(α·F(c_b) + β·c_a, (α + β)·c_a)`` (its ``Σ t ≥ F(c_b)`` and ``≥`` its slowest stage
+    ``≥ c_a``). The optimum's slowest stage ``t⁰`` is a candidate, so an interval with ``LB·(1 + tolerance) ≥``
+    the best true ``T`` found so far (every DP's arg-min is priced by its true ``T``), or ``F(c_b) = ∞`` (no tiling
+    below ``c_b``), cannot hold a partition better by more than the tolerance; the others are split at their
+    middle candidate. ``tolerance = 0``: the scan's optimum."""
+    alpha, beta = weights
+    count = len(candidates)
+    totals: dict[int, float] = {}
+    best = math.inf
+
+    def evaluate(index: int) -> float:
+        nonlocal best
+        if index not in totals:
+            total, partition = solve_at(float(candidates[index]))
+            totals[index] = total
+            if partition is not None:
+                best = min(best, partition.cost_s)
+        return totals[index]
+
+    evaluate(count - 1)
+    intervals = [(0, count - 1)]
+    while intervals:
+        first, last = intervals.pop()
+        total = evaluate(last)
+        if not math.isfinite(total) or first >= last:
             continue
-        partition = _partition(plan, table, submeshes, num_micro_batches, schedule)
-        found.setdefault(_key(partition), partition)
-        best = min(best, partition.cost_s)
-    ranked = sorted(found.values(), key=lambda p: (p.cost_s, len(p.stages)))
-    result = StagePlanResult(best=ranked[0], runners_up=tuple(ranked[1:1 + num_runners_up]),
-                             dp_s=time.perf_counter() - t0, num_t_max_tried=tried,
-                             num_t_max_candidates=len(candidates))
-    log.info("stage DP: %s in %.3fs (%d/%d t_max)", result.best, result.dp_s, tried, len(candidates))
-    return result
+        low = float(candidates[first])
+        if max(alpha * total + beta * low, (alpha + beta) * low) * (1 + tolerance) >= best:
+            continue
+        middle = (first + last) // 2
+        evaluate(middle)
+        intervals += [(middle + 1, last), (first, middle)]  # the lower half first: its t_max are the likelier optima
+    return len(totals)
 
 
 @dataclass

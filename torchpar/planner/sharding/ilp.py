@@ -27,6 +27,8 @@ Builders: :func:`_one_choice` (first family), :func:`_edges` (second), :func:`_m
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import logging
 import time
 from collections import defaultdict
@@ -82,6 +84,54 @@ def solve(graph: SolverGraph, *, memory_budget: float | None = None, time_limit_
         return _forced_solution(graph, forced, memory_budget, time.perf_counter() - start)
     if memory_budget is not None and allowed is None and minimum_memory(graph) > memory_budget:
         _raise_over_budget(graph, memory_budget)  # infeasible for sure: do not let CP-SAT prove it
+    key = problem_key(graph, memory_budget, allowed, (time_limit_s, workers, relative_gap))
+    cached = _SOLVED.get(key)
+    if cached is not None:  # the same problem (an identical stage: same layers, mesh, budget) solved before
+        SOLVE_COUNTS["reused"] += 1
+        return dataclasses.replace(cached, choice=list(cached.choice), status=f"{cached.status} (reused)",
+                                   solve_s=time.perf_counter() - start)
+    solution = _solve_cp_sat(graph, memory_budget, time_limit_s, workers, allowed, relative_gap, start)
+    SOLVE_COUNTS["solved"] += 1
+    if len(_SOLVED) >= SOLUTION_CACHE_SIZE:
+        _SOLVED.pop(next(iter(_SOLVED)))
+    _SOLVED[key] = solution
+    return solution
+
+
+SOLUTION_CACHE_SIZE = 512
+"""Solved problems kept in this process (:func:`problem_key` → :class:`Solution`), oldest dropped first."""
+_SOLVED: dict[str, Solution] = {}
+SOLVE_COUNTS: dict[str, int] = {"solved": 0, "reused": 0}
+"""CP-SAT solves run and answers reused from identical problems, in this process (``plan.timings`` reads them)."""
+
+
+def problem_key(graph: SolverGraph, memory_budget: float | None, allowed: dict[int, set[int]] | None,
+                settings: tuple) -> str:
+    """A digest of everything the ILP reads — per root its strategy names, costs and memory, the share classes
+    (as root positions), every edge's resharding matrix, the memory budget, the restrictions and the solver
+    settings — and nothing it does not: two stages of identical layers on one logical mesh (which differ only in
+    their op and parameter names) have the same key, and the same optimal choice by root position."""
+    digest = hashlib.blake2b(digest_size=20)
+
+    def add(*parts: object) -> None:
+        for part in parts:
+            digest.update(part.tobytes() if isinstance(part, np.ndarray) else repr(part).encode())
+
+    classes: dict[str, list[int]] = defaultdict(list)
+    for v, root in enumerate(graph.roots):
+        add(v, tuple(s.name for s in root.strategies), np.asarray(root.cost, np.float64),
+            np.asarray(root.memory, np.float64))
+        if root.share_key is not None:
+            classes[root.share_key].append(v)
+    add(sorted(tuple(members) for members in classes.values()))
+    for (u, v) in sorted(graph.edges):
+        add((u, v), np.asarray(graph.edges[(u, v)], np.float64))
+    add(memory_budget, sorted((v, sorted(keep)) for v, keep in (allowed or {}).items()), settings)
+    return digest.hexdigest()
+
+
+def _solve_cp_sat(graph: SolverGraph, memory_budget: float | None, time_limit_s: float, workers: int,
+                  allowed: dict[int, set[int]] | None, relative_gap: float, start: float) -> Solution:
     from ortools.sat.python import cp_model
 
     model = cp_model.CpModel()
