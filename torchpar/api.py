@@ -42,7 +42,6 @@ from torchpar.options import (CompileOptions, MatmulPrecision, MixedPrecision, O
 from torchpar.planner.plan import Plan
 from torchpar.planner.remat import check_remat
 from torchpar.profiled import plan_training_profiled
-from torchpar.runtime.batch_parts import HostBatch
 
 log = logging.getLogger(__name__)
 
@@ -89,14 +88,7 @@ def compile(
         raise TypeError(f"method must be None, a torchpar parallel method or a Plan (e.g. torchpar.DataParallel()), "
                         f"got {method!r} of type {type(method).__name__}")
     check_model_fns(loss_fn, step_fn, forward_fn)
-    if data is not None and not isinstance(data, HostData):
-        raise TypeError(f"data must be a torchpar.HostData, got {type(data).__name__}")
-    feed = HostFeed(data, depth=PREFETCH_DEPTH) if data is not None else None
-    if example_batch is None:
-        if feed is None:
-            raise TypeError("compile needs example_batch= (a batch as the training loop passes it) or data="
-                            "torchpar.HostData(...) (its first batch is the example)")
-        example_batch = feed.example
+    example_batch, feed = feeding.example_and_feed(example_batch, data)
     options = CompileOptions(grad_clip_norm=grad_clip_norm, seed=seed, xla_library_fusions=xla_library_fusions,
                              spmd=spmd, check_inputs=check_inputs, on_nonfinite=on_nonfinite,
                              matmul_precision=matmul_precision, mixed_precision=mixed_precision, remat=remat,
@@ -192,7 +184,6 @@ class Engine:
         changes = describe_changes(self._setup, training_setup(self.model, self.optimizer))
         if changes:
             self._recompile_for_changes(batch, changes)
-            fed = fed if isinstance(fed, HostBatch) else None  # prefetched for the executor just replaced
         recompiled = self._compiled.ensure_compiled(signature, batch) or bool(changes)
         loss_scale = self.loss_scale
         leaves, converting_s = self._inputs.leaves(signature, batch, fed, self._executor)

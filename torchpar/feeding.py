@@ -69,13 +69,15 @@ class HostData:
             raise ValueError(f"the dataset of {len(self.dataset)} samples gives no batch of {self.batch_size}"
                              + (" with drop_last=True" if self.drop_last else ""))
 
+    def index_loader(self) -> torch.utils.data.DataLoader:
+        """The ``DataLoader`` above over the dataset's indices: each pass over it is the next epoch's batches."""
+        return torch.utils.data.DataLoader(range(len(self.dataset)), batch_size=self.batch_size, shuffle=self.shuffle,
+                                           drop_last=self.drop_last, generator=torch.Generator().manual_seed(self.seed),
+                                           collate_fn=lambda indices: tuple(int(i) for i in indices))
+
     def epoch_batches(self, epoch: int) -> list[tuple[int, ...]]:
-        """The dataset indices of each batch of epoch ``epoch`` (0-based), as the ``DataLoader`` above yields them:
-        the same loader's sampler run over a dataset of indices for ``epoch + 1`` epochs."""
-        loader = torch.utils.data.DataLoader(range(len(self.dataset)), batch_size=self.batch_size,
-                                             shuffle=self.shuffle, drop_last=self.drop_last,
-                                             generator=torch.Generator().manual_seed(self.seed),
-                                             collate_fn=lambda indices: tuple(int(i) for i in indices))
+        """The dataset indices of each batch of epoch ``epoch`` (0-based), as the ``DataLoader`` above yields them."""
+        loader = self.index_loader()
         for _ in range(epoch):
             for _ in loader:
                 pass
@@ -112,14 +114,18 @@ class HostFeed:
 
     def __init__(self, data: HostData, depth: int):
         self.data, self.depth = data, depth
-        self.example = data.collate(data.epoch_batches(0)[0])
-        self.epoch, self.position, self.steps = 0, 0, 0
+        self._loader = data.index_loader()
         self._epochs: dict[int, list[tuple[int, ...]]] = {}
+        self._next_epoch = 0
+        self.example = data.collate(self._batches(0)[0])
+        self.epoch, self.position, self.steps = 0, 0, 0
 
     def _batches(self, epoch: int) -> list[tuple[int, ...]]:
-        if epoch not in self._epochs:
+        """Epoch ``epoch``'s batches: the index loader passed over once per epoch, in order (epochs only advance)."""
+        while self._next_epoch <= epoch:
+            self._epochs[self._next_epoch] = list(self._loader)
+            self._next_epoch += 1
             self._epochs = {e: b for e, b in self._epochs.items() if e >= epoch - 1}
-            self._epochs[epoch] = self.data.epoch_batches(epoch)
         return self._epochs[epoch]
 
     def _upcoming(self, count: int) -> list[tuple[int, int, tuple[int, ...]]]:
@@ -236,10 +242,26 @@ class StepInputs:
         self._attached_to: Any = None
 
     def take(self, batch: Any, executor: Any) -> tuple[Any, Any, float]:
-        return take(batch, self.feed, executor)
+        """What ``engine.step(batch)`` trains on: ``(batch, fed, waited)`` — the batch (for host-loaded data, the
+        template of the next step's shapes), what the executor takes instead of converting it (the host-loaded
+        step's :class:`HostBatch`, or a prefetched batch's payloads with the executor they were made for) or
+        ``None``, and the seconds already waited for it."""
+        if batch is None:
+            if self.feed is None:
+                raise TypeError("engine.step() without a batch needs compile(..., data=torchpar.HostData(...)); "
+                                "otherwise pass the batch: engine.step(batch)")
+            template, host_batch = self.feed.next()
+            return template, host_batch, 0.0
+        if isinstance(batch, Prefetched):
+            return batch.batch, (batch.ready, batch.executor) if batch.ready is not None else None, batch.wait_s
+        return batch, None, 0.0
 
     def leaves(self, signature: Any, batch: Any, fed: Any, executor: Any) -> tuple[Any, float]:
-        """What ``executor.step`` takes for the step and the seconds spent converting it (a driver-fed batch)."""
+        """What ``executor.step`` takes for the step and the seconds spent converting it (a driver-fed batch, or one
+        prefetched for an executor since replaced by a recompile)."""
+        if isinstance(fed, tuple):
+            ready, made_for = fed
+            fed = ready if made_for is executor else None
         if isinstance(fed, HostBatch):
             if self._attached_to is not executor:
                 executor.attach_data(self.feed.checked(self._bounds(signature), leaf_names(batch)), self.feed.depth)
@@ -259,31 +281,25 @@ class StepInputs:
         return (step() for _ in range(count))
 
     def prefetch(self, loader: Iterable[Any], executor: Callable[[], Any], compiled: Any, depth: int) -> Prefetcher:
-        return Prefetcher(loader, lambda batch: prepare(batch, executor(), compiled,
-                                                        lambda key: self._host_leaves(key, batch)), depth)
+        """``engine.prefetch``: on the prefetch thread each batch's payloads are made for the current executor if its
+        signature is compiled (``compiled``: the compiled signatures), else left to the step to convert."""
+        def prepare(batch: Any) -> tuple[Any, Any]:
+            signature, made_for = batches.signature(batch), executor()
+            if signature not in compiled:
+                return None, made_for
+            return made_for.prepare(signature, self._host_leaves(signature, batch)), made_for
+
+        return Prefetcher(loader, prepare, depth)
 
 
-def take(batch: Any, feed: HostFeed | None, executor: Any) -> tuple[Any, Any, float]:
-    """What ``engine.step(batch)`` trains on: ``(batch, fed, waited)`` — the batch (for host-loaded data, the
-    template of the next step's shapes), what the executor takes instead of converting it (the host-loaded step's
-    :class:`HostBatch`, a prefetched batch's payloads if prepared for ``executor``) or ``None``, and the seconds
-    already waited for it."""
-    if batch is None:
+def example_and_feed(example_batch: Any, data: HostData | None) -> tuple[Any, HostFeed | None]:
+    """``compile``'s example batch and host-loaded feed: ``data``'s first batch is the example when none is given."""
+    if data is not None and not isinstance(data, HostData):
+        raise TypeError(f"data must be a torchpar.HostData, got {type(data).__name__}")
+    feed = HostFeed(data, depth=PREFETCH_DEPTH) if data is not None else None
+    if example_batch is None:
         if feed is None:
-            raise TypeError("engine.step() without a batch needs compile(..., data=torchpar.HostData(...)); "
-                            "otherwise pass the batch: engine.step(batch)")
-        template, host_batch = feed.next()
-        return template, host_batch, 0.0
-    if isinstance(batch, Prefetched):
-        return batch.batch, batch.ready if batch.executor is executor else None, batch.wait_s
-    return batch, None, 0.0
-
-
-def prepare(batch: Any, executor: Any, compiled: Any, host_leaves: Callable[[Any], list[np.ndarray]]
-            ) -> tuple[Any, Any]:
-    """``engine.prefetch``'s work on its thread: ``batch``'s payloads for ``executor`` if its signature is compiled
-    (``compiled``: the compiled signatures), else ``None`` (the step converts it); with the executor they are for."""
-    signature = batches.signature(batch)
-    if signature not in compiled:
-        return None, executor
-    return executor.prepare(signature, host_leaves(signature)), executor
+            raise TypeError("compile needs example_batch= (a batch as the training loop passes it) or data="
+                            "torchpar.HostData(...) (its first batch is the example)")
+        example_batch = feed.example
+    return example_batch, feed

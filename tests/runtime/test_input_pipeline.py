@@ -91,3 +91,46 @@ def test_the_step_reports_the_time_it_waited_for_a_slow_loader():
             waits.append(engine.last_metrics.data_wait_s)
     # the step is far faster than the 50 ms collate: after the first batches it waits for nearly all of it
     assert max(waits[2:]) >= 0.02, waits
+
+
+class SmallCNN(torch.nn.Module):
+    """A CNN with BatchNorm (running statistics updated in training mode), not a transformer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = torch.nn.Conv2d(1, 4, 3, padding=1)
+        self.norm = torch.nn.BatchNorm2d(4)
+        self.head = torch.nn.Linear(4 * 8 * 8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.norm(self.conv(x))).flatten(1))
+
+
+@pytest.mark.parametrize("method", ["one_device", "data_parallel"])
+def test_a_batchnorm_cnn_trained_from_host_loaded_data_is_pytorchs_step(method):
+    """Host-loaded batches of a CNN with BatchNorm train as ``loss.backward(); optimizer.step()`` in PyTorch on the
+    same DataLoader order: losses, weights and BatchNorm's running statistics."""
+    generator = torch.Generator().manual_seed(0)
+    images = torch.utils.data.TensorDataset(torch.randn(48, 1, 8, 8, generator=generator),
+                                            torch.randint(0, 3, (48,), generator=generator))
+    cnn_step = lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1])  # noqa: E731
+    eager = SmallCNN()
+    optimizer = torch.optim.SGD(eager.parameters(), lr=0.1, momentum=0.9)
+    reference = []
+    for batch in torch.utils.data.DataLoader(images, batch_size=BATCH, shuffle=True,
+                                             generator=torch.Generator().manual_seed(5)):
+        optimizer.zero_grad()
+        loss = cnn_step(eager, batch)
+        loss.backward()
+        optimizer.step()
+        reference.append(loss.item())
+    model = SmallCNN()
+    with torchpar.compile(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), step_fn=cnn_step,
+                          data=torchpar.HostData(images, batch_size=BATCH, seed=5),
+                          method=METHODS[method]()) as engine:
+        losses = list(engine.run(epochs=1))
+        engine.sync_to_torch()
+    assert max(abs(a - b) for a, b in zip(losses, reference)) <= 1e-5 and len(losses) == len(reference) == 3
+    for name, value in eager.state_dict().items():
+        assert torch.allclose(model.state_dict()[name].float(), value.float(), rtol=1e-4, atol=1e-6), name

@@ -84,7 +84,7 @@ def test_a_failing_data_factory_names_the_host_and_the_dataset_index(two_hosts_o
         engine.close()
 
 
-@pytest.mark.parametrize("method", ["data_parallel", "pipeline"])
+@pytest.mark.parametrize("method", ["data_parallel"])  # a pipeline's parts wait in the object store: no new path
 def test_prefetched_batches_on_host_actors_train_as_the_loader_fed_directly(two_hosts_of_two, method):
     dataset = Points()
     make = {"data_parallel": torchpar.DataParallel, "pipeline": lambda: two_stage_pipeline(2)}[method]
