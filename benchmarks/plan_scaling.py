@@ -1,8 +1,10 @@
-"""Planning time against cluster size and model size: GPT-3 1.3B / 13B / 39B / 175B on 64 to 1,024 GPUs.
+"""Planning time against cluster size and model size: GPT-3 1.3B / 13B / 39B / 175B on 64 to 1,024 GPUs, and
+Mixtral-8×7B.
 
-    python benchmarks/plan_scaling.py [--models 1.3b,13b,39b,175b] [--devices 64,128,512,1024] [--timeout 900]
+    python benchmarks/plan_scaling.py [--models 1.3b,13b,39b,175b,mixtral] [--devices 64,128,512,1024] [--timeout 900]
 
-Each case plans a GPT-3-shaped ``GPT2LMHeadModel`` built on the meta device (no weights) with ``torchpar.plan``:
+Each case plans a GPT-3-shaped ``GPT2LMHeadModel`` (or ``MixtralForCausalLM`` with Mixtral-8×7B's shapes, batch
+1,024 × 2,048 in 128 micro-batches) built on the meta device (no weights) with ``torchpar.plan``:
 ``PipeshardParallel`` (16 layers by operator clustering, 1F1B), ``mixed_precision="bf16"``, ``remat="auto"``, on
 ``devices / 8`` hosts × 8 ``a100-80g`` GPUs — the way a new user would. Every case runs in its own process (no cache
 carries over) under ``--timeout`` seconds. The table gives the total seconds (capture included) and the phases of
@@ -27,27 +29,50 @@ MODELS = {  # layers, hidden, heads, sequence, global batch, micro-batches (GPT-
     "39b": (48, 8192, 64, 1024, 1024, 64),
     "175b": (96, 12288, 96, 2048, 1536, 192),
 }
+MIXTRAL = {  # Mixtral-8×7B (46.7B): layers, hidden, heads, KV heads, expert hidden, experts, top-k, vocab
+    "mixtral": (32, 4096, 32, 8, 14336, 8, 2, 32000),
+}
+MIXTRAL_BATCH = (2048, 1024, 128)  # sequence, global batch, micro-batches (2M tokens per step)
+
+
+def build(model: str) -> tuple:
+    """``(meta model, example batch, micro-batches)`` of one case."""
+    import torch
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    if model in MIXTRAL:
+        layers, hidden, heads, kv_heads, expert_hidden, experts, top_k, vocab = MIXTRAL[model]
+        seq, batch, micro = MIXTRAL_BATCH
+        config = transformers.MixtralConfig(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                                            num_key_value_heads=kv_heads, intermediate_size=expert_hidden,
+                                            num_local_experts=experts, num_experts_per_tok=top_k, vocab_size=vocab,
+                                            max_position_embeddings=seq)
+        make = transformers.MixtralForCausalLM
+    else:
+        layers, hidden, heads, seq, batch, micro = MODELS[model]
+        config = transformers.GPT2Config(n_layer=layers, n_embd=hidden, n_head=heads, n_positions=seq,
+                                         vocab_size=51200)
+        make = transformers.GPT2LMHeadModel
+    with torch.device("meta"):
+        built = make(config)
+        ids = torch.zeros(batch, seq, dtype=torch.long)
+    return built, {"input_ids": ids, "labels": ids}, micro
 
 
 def plan_one(model: str, devices: int) -> dict:
     """Plan one case in this process; returns its figures."""
     import torchpar
 
-    layers, hidden, heads, seq, batch, micro = MODELS[model]
     torchpar.init(cluster="local", num_hosts=devices // 8, devices_per_host=8, preset="a100-80g")
     import torch
-    import transformers
 
     from torchpar.cluster import current_cluster
 
-    transformers.logging.set_verbosity_error()
-    config = transformers.GPT2Config(n_layer=layers, n_embd=hidden, n_head=heads, n_positions=seq, vocab_size=51200)
-    with torch.device("meta"):
-        gpt = transformers.GPT2LMHeadModel(config)
-        ids = torch.zeros(batch, seq, dtype=torch.long)
+    gpt, batch, micro = build(model)
     method = torchpar.PipeshardParallel(num_micro_batches=micro, layer_option=torchpar.AutoLayerOption(layer_num=16))
     start = time.perf_counter()
-    plan = torchpar.plan(gpt, torch.optim.AdamW(gpt.parameters()), example_batch={"input_ids": ids, "labels": ids},
+    plan = torchpar.plan(gpt, torch.optim.AdamW(gpt.parameters()), example_batch=batch,
                          method=method, mixed_precision="bf16", remat="auto", explain=False)
     total = time.perf_counter() - start
     memory = current_cluster().device_memory_bytes
@@ -60,7 +85,7 @@ def plan_one(model: str, devices: int) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default="1.3b,13b,39b,175b")
+    parser.add_argument("--models", default="1.3b,13b,39b,175b", help="GPT-3 sizes and/or mixtral")
     parser.add_argument("--devices", default="64,128,512,1024")
     parser.add_argument("--timeout", type=float, default=900.0)
     parser.add_argument("--json", default="benchmarks/results/plan_scaling.json")

@@ -8,6 +8,7 @@ import torch
 import torchpar
 from torchpar.capture.export import capture_train_step
 from torchpar.cluster import ClusterSpec
+from torchpar.planner import pipeline_plan
 from torchpar.planner.pipeline_plan import plan_pipeline
 from torchpar.planner.slicing import slice_stages
 
@@ -62,9 +63,34 @@ def test_plan_reports_partition_runners_up_and_phase_timings():
     assert plan.solver["stage_partition"]["stages"]
     assert plan.solver["runners_up"], "the alternatives the DP weighed are reported"
     for runner_up in plan.solver["runners_up"]:  # priced by the plan's own model (the ILP), never better
-        assert runner_up["estimated_step_s"] >= plan.estimated_step_s - 1e-12
+        # (or left unsolved once its proven bound showed it could not win)
+        assert runner_up.get("estimated_step_s", runner_up.get("step_at_least_s")) >= plan.estimated_step_s - 1e-12
         assert runner_up["screening_step_s"] > 0
     assert {"cluster", "stage_dp", "ilp"} <= set(plan.timings)
+
+
+@pytest.mark.parametrize("depths", [[1, 1, 1, 1], [1, 1, 4, 1, 1]])
+def test_candidates_go_unsolved_only_when_they_cannot_win(depths, monkeypatch):
+    """The refinement of the DP's candidates is a branch and bound: the plan is the one refining every candidate to
+    the end gives, and each candidate it left unsolved carries a bound no better than the plan and no worse than
+    what solving it gave."""
+    pruned = _plan(depths).plan
+    monkeypatch.setattr(pipeline_plan, "PRUNE_CANDIDATES", False)
+    every = _plan(depths).plan
+    assert pruned.estimated_step_s == every.estimated_step_s
+    layout = lambda p: [(s.layers, s.submesh_shape, s.logical_mesh_shape) for s in p.stages]  # noqa: E731
+    assert layout(pruned) == layout(every)
+
+    def key(row: dict) -> tuple:
+        return tuple((tuple(s["layers"]), tuple(s["submesh_shape"]), tuple(s["logical_mesh_shape"]))
+                     for s in row["stages"])
+
+    solved = {key(row): row["estimated_step_s"] for row in every.solver["runners_up"]}
+    bounds = [row for row in pruned.solver["runners_up"] if "step_at_least_s" in row]
+    assert bounds, "this case exercises the pruning"
+    for row in bounds:
+        assert every.estimated_step_s <= row["step_at_least_s"] <= solved[key(row)] * (1 + 1e-12)
+    assert "(bound, not solved)" in pruned.summary()
 
 
 def test_values_crossing_several_stages_pass_through_neighbours():

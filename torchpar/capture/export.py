@@ -34,6 +34,7 @@ from torchpar.capture.grad_semantics import (autograd_capture_guards, check_grad
                                              module_modes, restore_module_modes)
 from torchpar.capture.meta_models import as_fake_cpu, on_meta_device
 from torchpar.capture.precision import autocast_device
+from torchpar.capture.repeated_blocks import CAPTURED_BLOCKS, expand_blocks, find_block_stack, truncated
 from torchpar.capture.to_ir import decompose, dtype_name, tensor_meta, to_ir  # dtype_name: also imported from here
 from torchpar.ir.graph import Graph, TensorMeta
 
@@ -238,6 +239,30 @@ def capture_forward(model: torch.nn.Module, batch: Any, *, autocast: torch.dtype
 
 def _capture(wrapper: torch.nn.Module, model: torch.nn.Module, batch: Any, *, training: bool,
              autocast: torch.dtype | None = None, own_call: bool = False) -> Capture:
+    """The capture of ``wrapper`` (which calls ``model``) on ``batch``: for a meta model with a deep stack of
+    identical blocks, traced on three blocks and repeated (:mod:`.repeated_blocks`), else traced whole."""
+    stack = find_block_stack(model) if on_meta_device(model) else None
+    if stack is not None:
+        try:
+            with truncated(model, stack):
+                short = _capture_whole(wrapper, model, batch, training=training, autocast=autocast,
+                                       own_call=own_call)
+        except Exception as error:  # e.g. a forward that indexes the blocks by config.num_hidden_layers
+            log.info("capturing %d of the %d blocks of %s failed (%s: %s); capturing them all", CAPTURED_BLOCKS,
+                     stack.count, stack.path, type(error).__name__, error)
+        else:
+            graph = expand_blocks(short.graph, stack)
+            if graph is not None:
+                log.info("captured %d of the %d identical blocks of %s and repeated them: %d ops",
+                         CAPTURED_BLOCKS, stack.count, stack.path, len(graph.nodes))
+                return dataclasses.replace(short, graph=graph)
+            log.info("the blocks of %s are not one repeatable program in the trace; capturing all %d",
+                     stack.path, stack.count)
+    return _capture_whole(wrapper, model, batch, training=training, autocast=autocast, own_call=own_call)
+
+
+def _capture_whole(wrapper: torch.nn.Module, model: torch.nn.Module, batch: Any, *, training: bool,
+                   autocast: torch.dtype | None = None, own_call: bool = False) -> Capture:
     args, kwargs = batch_to_call_args(batch)
     leaves, in_spec = pytree.tree_flatten((args, kwargs))
     for path, leaf in zip(_leaf_paths(args, kwargs), leaves):

@@ -181,5 +181,5 @@ def _source_line(stack_trace: str | None) -> str:
 def _module_path(stack: dict[str, tuple[str, Any]] | None) -> str:
     if not stack:
         return ""
-    path = list(stack.values())[-1][0]
-    return path.removeprefix("model.").removeprefix("model")
+    path = list(stack.values())[-1][0]  # under the capture wrapper's attribute "model"
+    return "" if path == "model" else path.removeprefix("model.")

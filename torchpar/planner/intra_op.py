@@ -96,6 +96,77 @@ def plan_stage(graph: Graph, *, kind: PlanKind, mesh_shape: tuple[int, int], clu
     :func:`.sharding.solver_graph.build_solver_graph`). ``remat``: the activation checkpointing the step runs with
     (one of ``planner.remat.REMAT_OPTIONS``), priced in memory and compute. ``in_flight``: a pipeline stage's
     micro-batches in flight under its schedule (their activations are all held at its peak)."""
+    return prepare_stage(graph, kind=kind, mesh_shape=mesh_shape, cluster=cluster, trainable=trainable,
+                         optimizer_state_copies=optimizer_state_copies, submesh=submesh,
+                         num_micro_batches=num_micro_batches, remat=remat,
+                         in_flight=in_flight).solve(memory_budget, time_limit_s)
+
+
+@dataclass
+class PreparedStage:
+    """A stage's sharding problem, built and not yet solved (:func:`prepare_stage`)."""
+
+    graph: Graph
+    kind: PlanKind
+    mesh: LogicalMesh
+    cluster: ClusterSpec
+    submesh: tuple[int, int] | None
+    trainable: set[str]
+    optimizer_state_copies: float
+    solver_graph: SolverGraph
+    batch_axes: tuple[int, ...] | None
+    build_s: float
+    rebuild: Callable[[LogicalMesh], SolverGraph]
+
+    @property
+    def lower_bound_s(self) -> float:
+        """A bound no solution beats: every root at its cheapest strategy and no resharding (edges cost ≥ 0), or the
+        bound a :meth:`probe` proved; for ``"shard"`` the stage's estimated seconds are the ILP objective, so this
+        bounds ``estimated_cost_s``."""
+        cheapest = float(sum(min(root.cost) for root in self.solver_graph.roots if len(root.cost)))
+        return max(cheapest, self.probed_bound_s)
+
+    probed_bound_s: float = 0.0
+    """The lower bound a :meth:`probe` proved (CP-SAT's, :attr:`.sharding.ilp.Solution.lower_bound_s`)."""
+    probed_s: float = math.inf
+    """The estimated seconds of the best layout a :meth:`probe` found (∞: none)."""
+    final: IntraOpResult | None = None
+    """A probe's result when it was optimal: :meth:`solve` returns it."""
+
+    def probe(self, memory_budget: float | None, time_limit_s: float) -> None:
+        """Solve under a short time limit: keep the bound it proves, the best layout it finds, and the result if
+        optimal. Raises :class:`.sharding.ilp.MemoryBudgetError` if no layout fits."""
+        allowed = _restrictions(self.kind, self.solver_graph, self.batch_axes)
+        solution = solve(self.solver_graph, memory_budget=memory_budget, time_limit_s=time_limit_s, allowed=allowed,
+                         none_if_unsolved=True)
+        if solution is None:
+            return
+        self.probed_bound_s = max(self.probed_bound_s, solution.lower_bound_s)
+        result = self._result(solution)
+        self.probed_s = result.stage.estimated_cost_s
+        if solution.status in ("OPTIMAL", "FORCED") or solution.status.startswith("OPTIMAL"):
+            self.final = result
+
+    def solve(self, memory_budget: float | None = None, time_limit_s: float = 30.0) -> IntraOpResult:
+        if self.final is not None:
+            return self.final
+        allowed = _restrictions(self.kind, self.solver_graph, self.batch_axes)
+        return self._result(solve(self.solver_graph, memory_budget=memory_budget, time_limit_s=time_limit_s,
+                                  allowed=allowed))
+
+    def _result(self, solution: Solution) -> IntraOpResult:
+        stage, communication_s, extra = _stage_from_solution(self.kind, self.graph, self.solver_graph, solution,
+                                                             self.mesh, self.trainable, self.optimizer_state_copies)
+        stage.crosses_hosts = list(axes_crossing_hosts(
+            self.submesh or submesh_of(self.mesh.num_devices, self.cluster.devices_per_host), self.mesh.shape))
+        return IntraOpResult(stage, self.solver_graph, solution, communication_s, self.build_s, rebuild=self.rebuild,
+                             extra_collective_bytes=extra)
+
+
+def prepare_stage(graph: Graph, *, kind: PlanKind, mesh_shape: tuple[int, int], cluster: ClusterSpec,
+                  trainable: set[str], optimizer_state_copies: float, submesh: tuple[int, int] | None = None,
+                  num_micro_batches: int = 1, remat: str = "none", in_flight: int = 1) -> PreparedStage:
+    """The solver graph of one stage (:func:`plan_stage`'s arguments), to bound or solve."""
     if kind not in PLAN_KINDS:
         raise ValueError(f"unknown plan kind {kind!r}")
     mesh = logical_mesh(mesh_shape, cluster, submesh)
@@ -107,6 +178,7 @@ def plan_stage(graph: Graph, *, kind: PlanKind, mesh_shape: tuple[int, int], clu
         batch_axes = (0,) if mesh_shape[0] > 1 else ()
     else:
         batch_axes = None
+
     def rebuild(on: LogicalMesh) -> SolverGraph:
         return build_solver_graph(graph, on, trainable=trainable, optimizer_state_copies=optimizer_state_copies,
                                   batch_dim_axes=batch_axes, num_micro_batches=num_micro_batches,
@@ -114,15 +186,8 @@ def plan_stage(graph: Graph, *, kind: PlanKind, mesh_shape: tuple[int, int], clu
                                   accumulated_weight_grads=kind != "zero3", remat=remat, in_flight=in_flight)
 
     solver_graph = rebuild(mesh)
-    build_s = time.perf_counter() - start
-    allowed = _restrictions(kind, solver_graph, batch_axes)
-    solution = solve(solver_graph, memory_budget=memory_budget, time_limit_s=time_limit_s, allowed=allowed)
-    stage, communication_s, extra = _stage_from_solution(kind, graph, solver_graph, solution, mesh, trainable,
-                                                         optimizer_state_copies)
-    stage.crosses_hosts = list(axes_crossing_hosts(submesh or submesh_of(mesh.num_devices, cluster.devices_per_host),
-                                                   mesh.shape))
-    return IntraOpResult(stage, solver_graph, solution, communication_s, build_s, rebuild=rebuild,
-                         extra_collective_bytes=extra)
+    return PreparedStage(graph, kind, mesh, cluster, submesh, trainable, optimizer_state_copies, solver_graph,
+                         batch_axes, time.perf_counter() - start, rebuild)
 
 
 def plan_best_mesh(graph: Graph, *, kind: PlanKind, mesh_shapes: list[tuple[int, int]], cluster: ClusterSpec,
@@ -326,4 +391,5 @@ def _zero_spec(shape: tuple[int, ...], axes: tuple[int, ...], mesh: LogicalMesh)
     return None
 
 
-__all__ = ["IntraOpResult", "PLAN_KINDS", "evaluate", "logical_mesh", "mesh_shapes_for", "plan_best_mesh", "plan_stage"]
+__all__ = ["IntraOpResult", "PLAN_KINDS", "PreparedStage", "evaluate", "logical_mesh", "mesh_shapes_for", "plan_best_mesh",
+           "plan_stage", "prepare_stage"]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from torchpar.cluster import ClusterSpec
@@ -23,7 +24,7 @@ from torchpar.ir.graph import Graph
 from torchpar.methods import ManualStageOption, PipeshardParallel
 from torchpar.planner import layers as layers_mod
 from torchpar.planner.interleaved_stages import interleaved_stage_dp
-from torchpar.planner.intra_op import plan_stage
+from torchpar.planner.intra_op import prepare_stage
 from torchpar.planner.sharding.ilp import SOLVE_COUNTS
 from torchpar.planner.plan import Plan
 from torchpar.planner.profiling import StageTimer, rank_candidates, record_profile
@@ -56,28 +57,53 @@ def plan_pipeline(graph: Graph, method: PipeshardParallel, cluster: ClusterSpec,
                   stage_timer: StageTimer | None = None) -> PipelinePlan:
     """Plan ``graph`` (captured on one micro-batch) with ``method`` on ``cluster``, every stage running with
     activation checkpointing ``remat`` (one of ``planner.remat.REMAT_OPTIONS``; the stage DP and each stage's ILP
-    price it), or ``"auto"``: the option of the fastest plan that fits (:mod:`.remat_choice`; one planning per
-    option). With a ``stage_timer`` (measured profiling, :mod:`.profiling`) every ILP-refined candidate's stages
-    are compiled and timed, and the candidate with the least measured step wins (``plan.solver["profile"]``)."""
+    price it), or ``"auto"`` (:func:`_plan_auto_remat`). With a ``stage_timer`` (measured profiling,
+    :mod:`.profiling`) every ILP-refined candidate's stages are compiled and timed, and the candidate with the least
+    measured step wins (``plan.solver["profile"]``)."""
     if check_remat(remat, allow_auto=True) == "auto":
-        planned: dict[str, PipelinePlan] = {}
-        seconds: dict[str, float] = {}
+        return _plan_auto_remat(graph, method, cluster, trainable=trainable,
+                                optimizer_state_copies=optimizer_state_copies, stage_timer=stage_timer)
+    screened = _screen(graph, method, cluster, optimizer_state_copies, remat)
+    return _plan_screened(screened, graph, method, cluster, trainable, optimizer_state_copies, remat,
+                          [screened.partition, *screened.runners_up], stage_timer)
 
-        def make(option: str) -> Plan:
-            started = time.perf_counter()
-            try:
-                planned[option] = plan_pipeline(graph, method, cluster, trainable=trainable,
-                                                optimizer_state_copies=optimizer_state_copies, remat=option,
-                                                stage_timer=stage_timer)
-            finally:
-                seconds[option] = time.perf_counter() - started
-            return planned[option].plan
 
-        chosen = planned[choose_remat(make, cluster.device_memory_bytes).remat]
-        # the chosen option's own phases, then what planning every option took (remat="auto" plans each)
-        chosen.plan.timings.update({f"remat_{option}": s for option, s in seconds.items()})
-        chosen.plan.timings["remat_choice"] = sum(seconds.values())
-        return chosen
+def _plan_auto_remat(graph: Graph, method: PipeshardParallel, cluster: ClusterSpec, *, trainable: set[str],
+                     optimizer_state_copies: float, stage_timer: StageTimer | None) -> PipelinePlan:
+    """``remat="auto"`` (:mod:`.remat_choice`): the whole pipeline planned once per option (stage DP, ILP refinement
+    of its best partition and runners-up), the fastest that fits kept."""
+    planned: dict[str, PipelinePlan] = {}
+    seconds: dict[str, float] = {}
+
+    def make(option: str) -> Plan:
+        started = time.perf_counter()
+        try:
+            screened = _screen(graph, method, cluster, optimizer_state_copies, option)
+            planned[option] = _plan_screened(screened, graph, method, cluster, trainable, optimizer_state_copies,
+                                             option, [screened.partition, *screened.runners_up], stage_timer)
+        finally:
+            seconds[option] = time.perf_counter() - started
+        return planned[option].plan
+
+    chosen = planned[choose_remat(make, cluster.device_memory_bytes).remat]
+    # the chosen option's own phases, then what planning every option took
+    chosen.plan.timings.update({f"remat_{option}": s for option, s in seconds.items()})
+    chosen.plan.timings["remat_choice"] = sum(seconds.values())
+    return chosen
+
+
+@dataclass
+class _Screened:
+    """Layers and the stage DP's partitions for one remat option, before the sharding ILP."""
+
+    layering: object
+    partition: object
+    runners_up: list
+    timings: dict[str, float]
+
+
+def _screen(graph: Graph, method: PipeshardParallel, cluster: ClusterSpec, optimizer_state_copies: float,
+            remat: str) -> _Screened:
     timings: dict[str, float] = {}
     start = time.perf_counter()
     if method.layer_option == "manual":
@@ -134,21 +160,55 @@ def plan_pipeline(graph: Graph, method: PipeshardParallel, cluster: ClusterSpec,
         timings["stage_dp_search"] = result.dp_s
         timings["stage_table"] = result.table_s
     timings["stage_dp"] = time.perf_counter() - start
+    return _Screened(layering, partition, runners_up, timings)
+
+
+def _plan_screened(screened: _Screened, graph: Graph, method: PipeshardParallel, cluster: ClusterSpec,
+                   trainable: set[str], optimizer_state_copies: float, remat: str, candidates: list,
+                   stage_timer: StageTimer | None) -> PipelinePlan:
+    """The plan of the best of ``candidates`` (stage partitions of ``screened``) refined by the sharding ILP. Raises
+    the first candidate's ``ValueError`` when none fits."""
+    from torchpar.planner import stages as stages_mod
+
+    layering, timings = screened.layering, dict(screened.timings)
+    virtual = method.virtual_stages or 1
     start = time.perf_counter()
     counts_before = dict(SOLVE_COUNTS)
-    refined = []
+    refined: list[tuple[int, _Refined]] = []  # (position in candidates, its refinement)
     failures = []
-    for index, candidate in enumerate([partition, *runners_up]):
+    pruned: list[tuple[object, float, float]] = []  # (candidate, its step's lower bound, the best step then)
+    prepared: list[tuple[int, _Prepared]] = []
+    for position, candidate in enumerate(candidates):
         try:
-            refined.append(_refine(graph, layering, candidate, cluster, method.num_micro_batches, trainable,
-                                   optimizer_state_copies, remat,
-                                   STAGE_TIME_LIMIT_S if index == 0 else RUNNER_UP_STAGE_TIME_LIMIT_S,
-                                   method.schedule, virtual))
-        except ValueError as error:  # no sharding fits the memory budget, or a batch that does not divide
-            failures.append((candidate, error))
+            prepared.append((position, _prepare(graph, layering, candidate, cluster, method.num_micro_batches,
+                                                trainable, optimizer_state_copies, remat, method.schedule, virtual)))
+        except ValueError as error:  # e.g. a batch that does not divide a stage's mesh
+            failures.append((position, candidate, error))
+    if stage_timer is None and PRUNE_CANDIDATES and len(prepared) > 1:
+        probing = time.perf_counter()
+        prepared = _probe(prepared, cluster.device_memory_bytes / virtual, failures)
+        timings["ilp_probe"] = time.perf_counter() - probing
+    for position, problem in prepared:
+        candidate = problem.partition
+        # a measured profile ranks every candidate by its timing, so none may be left out by the estimate
+        leader = min(refined, key=lambda item: (item[1].step_s, item[0]), default=None)
+        beat = leader[1].step_s if leader is not None and stage_timer is None and PRUNE_CANDIDATES else math.inf
+        try:
+            refined.append((position, _refine(
+                problem, cluster.device_memory_bytes / virtual,
+                STAGE_TIME_LIMIT_S if candidate is screened.partition else RUNNER_UP_STAGE_TIME_LIMIT_S,
+                beat_s=beat, loses_ties=leader is not None and position > leader[0])))
+        except _CannotWin as bound:
+            pruned.append((candidate, bound.step_s, beat))
+            log.info("stage partition %s: its step is at least %.4g s, no better than %.4g s: not refined further",
+                     candidate, bound.step_s, beat)
+        except ValueError as error:  # no sharding fits the memory budget
+            failures.append((position, candidate, error))
             log.info("stage partition %s: the ILP found no plan (%s)", candidate, error)
+    refined = [r for _, r in sorted(refined, key=lambda item: item[0])]  # candidates' order: ties go to the first
+    failures = [(candidate, error) for _, candidate, error in sorted(failures, key=lambda item: item[0])]
     timings["ilp"] = time.perf_counter() - start
-    timings["ilp_graphs"] = sum(r.build_s for refinement in refined for r in refinement.results)
+    timings["ilp_graphs"] = sum(p.build_s for _, problem in prepared for p in problem.problems)
     timings["ilp_solves"] = sum(r.solution.solve_s for refinement in refined for r in refinement.results)
     ilp_counts = {kind: SOLVE_COUNTS[kind] - counts_before[kind] for kind in SOLVE_COUNTS}
     if not refined:
@@ -171,16 +231,21 @@ def plan_pipeline(graph: Graph, method: PipeshardParallel, cluster: ClusterSpec,
     solver["ilp_problems"] = ilp_counts  # CP-SAT solves run, and identical stages' problems answered from them
     solver["estimate"] = {"model": ESTIMATE_MODEL, "step_formula": stages_mod.latency_formula(
         method.schedule, method.num_micro_batches, virtual)}
-    if option == "auto":
+    if method.stage_option == "auto":
         solver["stage_partition"] = {**best.partition.to_dict(), "model": SCREENING_MODEL}
         solver["runners_up"] = [r.summary() for r in sorted(refined, key=lambda r: r.step_s) if r is not best]
         solver["runners_up"] += [{"screening_step_s": c.cost_s, "model": SCREENING_MODEL, "error": str(e),
                                   "stages": c.to_dict()["stages"]} for c, e in failures]
+        # its stages' figures are the screening model's; the bound is the ILP's
+        solver["runners_up"] += [{"screening_step_s": c.cost_s, "model": SCREENING_MODEL, "step_at_least_s": bound,
+                                  "pruned": f"its step is at least {bound:.6g} s by the ILP's lower bounds, no better "
+                                            f"than {beat:.6g} s: not solved to the end",
+                                  "stages": c.to_dict()["stages"]} for c, bound, beat in pruned]
     plan = Plan(method=PipeshardParallel.name, stages=best.stage_plans, num_micro_batches=method.num_micro_batches,
                 schedule=method.schedule, estimated_step_s=best.step_s, solver=solver, timings=timings,
                 layers=_layer_stats(graph, layering), cluster=cluster.cost_constants(),
                 layer_of_node=dict(layering.layer_of), remat=remat)
-    log.info("pipeline plan: %d layers → %d stages %s on %s", num_layers, len(best.stage_plans),
+    log.info("pipeline plan: %d layers → %d stages %s on %s", layering.num_layers, len(best.stage_plans),
              [s.layers for s in best.stage_plans], [s.submesh_shape for s in best.stage_plans])
     return PipelinePlan(plan=plan, stages=best.stage_graphs, devices=best.devices, layering=layering,
                         stage_results=best.results)
@@ -190,6 +255,13 @@ REFINED_CANDIDATES = 3
 """Stage partitions (the DP's best and its runners-up) priced again, stage by stage, by the sharding ILP."""
 STAGE_TIME_LIMIT_S = 30.0
 """CP-SAT time limit of each stage's ILP in the stage DP's best partition."""
+PRUNE_CANDIDATES = True
+"""Probe every candidate's stages first and stop refining the candidates that cannot win (:func:`_probe`,
+:func:`_refine`); ``False`` refines every candidate to the end (the reference the tests compare against)."""
+PROBE_STAGE_TIME_LIMIT_S = 2.0
+"""CP-SAT time limit of the first, probing solve of every candidate's stages (:func:`_probe`): the bounds it proves
+let a candidate that cannot win go unsolved (Mixtral-8×7B on 8×8: the stage DP's best partition had two stages that
+ran to the 30 s limit, and a runner-up solved in 0.7 s was 3× faster)."""
 RUNNER_UP_STAGE_TIME_LIMIT_S = 5.0
 """… and in a runner-up's: a stage whose memory constraint makes the solve hard stops with its best plan so far
 (its gap is in ``solver``); measured on GPT-3 39B over 8×8 V100s, two such stages took the 30 s limit each."""
@@ -217,9 +289,62 @@ class _Refined:
                 "stages": stages}
 
 
-def _refine(graph: Graph, layering, partition, cluster: ClusterSpec, num_micro_batches: int, trainable: set[str],
-            optimizer_state_copies: float, remat: str = "none", time_limit_s: float = STAGE_TIME_LIMIT_S,
-            schedule: str = "1f1b", virtual_stages: int = 1) -> _Refined:
+def _probe(prepared: list[tuple[int, _Prepared]], memory_budget: float,
+           failures: list[tuple[int, object, ValueError]]) -> list[tuple[int, _Prepared]]:
+    """Every candidate's stages solved under :data:`PROBE_STAGE_TIME_LIMIT_S` first (:meth:`.PreparedStage.probe`):
+    most stage problems are solved to optimality at once; a hard one leaves a proven lower bound and a layout. A
+    candidate stops being probed once its bound exceeds the best step a probed candidate reached. Returns the
+    candidates that fit, likeliest winner first (least probed step, then least bound), so that its step prunes the
+    others in :func:`_refine`; a candidate with no layout that fits goes to ``failures``."""
+    reached = math.inf
+    kept: list[tuple[int, _Prepared]] = []
+    for position, candidate in sorted(prepared, key=lambda item: item[1].lower_bound_s):
+        try:
+            for problem in sorted(candidate.problems, key=lambda p: -p.lower_bound_s):
+                if candidate.lower_bound_s > reached:
+                    break
+                problem.probe(memory_budget, PROBE_STAGE_TIME_LIMIT_S)
+        except ValueError as error:  # no layout of a stage fits the memory budget
+            failures.append((position, candidate.partition, error))
+            continue
+        reached = min(reached, candidate.probed_step_s)
+        kept.append((position, candidate))
+    return sorted(kept, key=lambda item: (item[1].probed_step_s, item[1].lower_bound_s))
+
+
+class _CannotWin(Exception):
+    """A partition's step is provably no better than one already refined (``step_s``: its lower bound)."""
+
+    def __init__(self, step_s: float):
+        super().__init__(step_s)
+        self.step_s = step_s
+
+
+@dataclass
+class _Prepared:
+    """A stage partition's sharding problems, built and not yet solved, and the bound on its step they give."""
+
+    partition: object
+    stage_graphs: list[StageGraph]
+    stage_layers: list[list[int]]
+    submeshes: list[tuple[int, int]]
+    devices: list[list[int]]
+    problems: list
+    step: Callable[[list[float]], float]
+
+    @property
+    def lower_bound_s(self) -> float:
+        """No refinement of this partition has a smaller step (each stage at its proven bound)."""
+        return self.step([problem.lower_bound_s for problem in self.problems])
+
+    @property
+    def probed_step_s(self) -> float:
+        """The step of the layouts probing found (∞ if a stage has none yet)."""
+        return self.step([problem.probed_s for problem in self.problems])
+
+
+def _prepare(graph: Graph, layering, partition, cluster: ClusterSpec, num_micro_batches: int, trainable: set[str],
+             optimizer_state_copies: float, remat: str, schedule: str, virtual_stages: int) -> _Prepared:
     from torchpar.planner import stages as stages_mod
 
     stage_layers = [list(ids) for ids in partition.forward_stage_layer_ids]
@@ -229,24 +354,49 @@ def _refine(graph: Graph, layering, partition, cluster: ClusterSpec, num_micro_b
     groups = len(submeshes) // virtual_stages  # interleaved 1F1B: stage s on the devices of group s mod G
     group_devices = stages_mod.assign_devices(submeshes[:groups], cluster.num_hosts, cluster.devices_per_host)
     devices = [list(group_devices[s % groups]) for s in range(len(submeshes))]
-    results = []
     # micro-batches each stage holds at once, as the stage DP counts them (1F1B: the stages from it to the last)
     in_flight = stages_mod.micro_batches_in_flight(len(stage_graphs), num_micro_batches, schedule, virtual_stages)
-    for index, (stage, mesh_shape) in enumerate(zip(stage_graphs, logical)):
-        result = plan_stage(stage.graph, kind="shard", mesh_shape=mesh_shape, cluster=cluster,
-                            trainable=trainable & set(stage.params), optimizer_state_copies=optimizer_state_copies,
-                            memory_budget=cluster.device_memory_bytes / virtual_stages, submesh=submeshes[index],
-                            remat=remat,
-                            time_limit_s=time_limit_s, in_flight=in_flight[index])
-        result.stage.layers = stage_layers[index]
-        result.stage.submesh_shape = submeshes[index]
-        result.stage.device_ids = devices[index]
-        results.append(result)
+    problems = [prepare_stage(stage.graph, kind="shard", mesh_shape=mesh_shape, cluster=cluster,
+                              trainable=trainable & set(stage.params), optimizer_state_copies=optimizer_state_copies,
+                              submesh=submeshes[index], remat=remat, in_flight=in_flight[index])
+                for index, (stage, mesh_shape) in enumerate(zip(stage_graphs, logical))]
+
+    def step(latencies: list[float]) -> float:
+        return stages_mod.pipeline_latency(latencies, num_micro_batches, schedule, virtual_stages)
+
+    return _Prepared(partition, stage_graphs, stage_layers, submeshes, devices, problems, step)
+
+
+def _refine(prepared: _Prepared, memory_budget: float, time_limit_s: float, beat_s: float = math.inf,
+            loses_ties: bool = True) -> _Refined:
+    """The prepared partition priced by the sharding ILP, stage by stage. ``beat_s``: the best step found so far;
+    raises :class:`_CannotWin` as soon as this partition's step is provably above it (or equal to it, if
+    ``loses_ties``) — a bound made of the solved stages' estimates and the unsolved stages' lower bounds
+    (:attr:`.intra_op.PreparedStage.lower_bound_s`: every op at its cheapest strategy, no resharding), which the step
+    formula (non-decreasing in every stage's time) keeps a bound. Exact: a pruned partition could not have won.
+    Stages are solved slowest bound first, so that the bound rises early."""
+    problems, step = prepared.problems, prepared.step
+    bounds = [problem.lower_bound_s for problem in problems]
+
+    def cannot_win(value: float) -> bool:
+        return value > beat_s or (loses_ties and value == beat_s)
+
+    if cannot_win(step(bounds)):
+        raise _CannotWin(step(bounds))
+    results: list = [None] * len(problems)
+    order = sorted(range(len(problems)), key=lambda i: -bounds[i]) if math.isfinite(beat_s) else range(len(problems))
+    for count, index in enumerate(order, start=1):
+        result = problems[index].solve(memory_budget, time_limit_s)
+        result.stage.layers = prepared.stage_layers[index]
+        result.stage.submesh_shape = prepared.submeshes[index]
+        result.stage.device_ids = prepared.devices[index]
+        results[index] = result
+        bounds[index] = result.stage.estimated_cost_s
+        if count < len(problems) and cannot_win(step(bounds)):
+            raise _CannotWin(step(bounds))
     plans = [r.stage for r in results]
-    return _Refined(partition, stage_graphs, devices, results, plans,
-                    stages_mod.pipeline_latency([p.estimated_cost_s for p in plans], num_micro_batches, schedule,
-                                                virtual_stages),
-                    [r.solver_stats() for r in results])
+    return _Refined(prepared.partition, prepared.stage_graphs, prepared.devices, results, plans,
+                    step([p.estimated_cost_s for p in plans]), [r.solver_stats() for r in results])
 
 
 def _layer_stats(graph: Graph, layering) -> list[dict]:

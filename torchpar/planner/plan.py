@@ -264,6 +264,9 @@ def _alternatives(solver: dict[str, Any]) -> list[str]:
                      if "screening_step_s" in row else "")
         if "estimated_step_s" in row:
             lines.append(f"  runner-up: est. step {format_seconds(row['estimated_step_s'])}{screening}: {stages}")
+        elif "step_at_least_s" in row:  # its lower bound showed it could not win: not solved to the end
+            lines.append(f"  runner-up: est. step ≥ {format_seconds(row['step_at_least_s'])} (bound, not solved)"
+                         f"{screening}: {stages}")
         else:  # the ILP found no sharding of one of its stages
             lines.append(f"  runner-up: not possible{screening}: {stages}: {row.get('error', '').splitlines()[0]}")
     return lines

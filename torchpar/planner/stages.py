@@ -396,56 +396,72 @@ def _suffix_dp(weight: np.ndarray, sizes: Sequence[int], num_devices: int,
                combine: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> tuple[float, list[tuple[int, int, int]]]:
     """``F(s, k, d) = min_{i, σ} combine(weight[s−1, k, i, σ], F(s−1, i+1, d−|σ|))``, ``F(0, L, 0) = 0``.
 
-    Returns (min_s F(s, 0, N), the arg-min stages as ``(first layer, last layer, submesh index)``).
+    Returns (min_s F(s, 0, N), the arg-min stages as ``(first layer, last layer, submesh index)``; ties go to the
+    least ``(i, σ)`` in that order).
 
     Stage counts with identical weights are merged: if ``weight[s−1] = weight[ŝ−1]`` for all ``s ≥ ŝ`` (memory
     stops depending on the stages after a stage once it fits with them all, e.g. at ``s ≥ B`` under 1F1B,
     or at once when memory never binds), level ``ŝ`` stands for "ŝ or more stages":
     ``F(ŝ, k, d) = min_{i, σ} combine(w, min(F(ŝ−1, i+1, ·), F(ŝ, i+1, ·)))``, solved for ``k = L−1 … 0``.
+
+    Cost: each level is a min over ``(i, σ)`` taken one layer ``i`` at a time over the submeshes with a finite weight
+    (``O(L·|σ|·N)`` memory, not ``O(L²·|σ|·N)``); only the values are kept, and the arg-min of the few cells on the
+    optimal chain is recomputed from them at the end.
     """
     max_stages, num_layers, _, num_submeshes = weight.shape
     top = max_stages  # ŝ
     while top > 1 and np.array_equal(weight[top - 1], weight[top - 2]):
         top -= 1
+    finite = np.isfinite(weight)
     value = np.full((num_layers + 1, num_devices + 1), np.inf)
     value[num_layers, 0] = 0.0
-    choices: list[np.ndarray] = []
+    successors: list[np.ndarray] = []  # [s−1]: F(s−1, ·, ·), what level s reads
     best, best_level = math.inf, 0
     for s in range(1, top):
-        candidates = combine(weight[s - 1][:, :, :, None], _shift(value[1:], sizes, num_devices)[None])  # [k,i,σ,d]
-        flat = candidates.reshape(num_layers, num_layers * num_submeshes, num_devices + 1)
-        choice = flat.argmin(axis=1)  # [k, d] → i·|σ| + σ
-        value = np.full((num_layers + 1, num_devices + 1), np.inf)
-        value[:num_layers] = np.take_along_axis(flat, choice[:, None, :], axis=1)[:, 0, :]
-        choices.append(choice)
+        successors.append(value)
+        shifted = _shift(value[1:], sizes, num_devices)  # [i, σ, d] = F(s−1, i+1, d−|σ|)
+        new = np.full((num_layers + 1, num_devices + 1), np.inf)
+        for i in range(num_layers):  # stages k..i, k ≤ i
+            used = finite[s - 1, :i + 1, i].any(axis=0)
+            if used.any():
+                reach = combine(weight[s - 1, :i + 1, i][:, used, None], shifted[i, used][None]).min(axis=1)
+                np.minimum(new[:i + 1], reach, out=new[:i + 1])
+        value = new
         if value[0, num_devices] < best:
             best, best_level = float(value[0, num_devices]), s
     # level ŝ, absorbing: its successor is level ŝ−1 or ŝ itself, so solve it layer by layer from the end
     below = value
     level = np.full((num_layers + 1, num_devices + 1), np.inf)
-    stay = np.zeros((num_layers + 1, num_devices + 1), dtype=bool)  # [i+1, d]: successor is level ŝ itself
     after = below[1:].copy()  # [i, d]: min(F(ŝ−1, i+1, d), F(ŝ, i+1, d)), row i final once level[i+1] is
-    top_choice = np.zeros((num_layers, num_devices + 1), dtype=np.int64)
     for k in range(num_layers - 1, -1, -1):
         if k + 1 < num_layers:
-            stay[k + 1] = level[k + 1] < below[k + 1]
             after[k] = np.minimum(below[k + 1], level[k + 1])
-        shifted = _shift(after[k:], sizes, num_devices)  # [i−k, σ, d]
-        flat = combine(weight[top - 1][k, k:, :, None], shifted).reshape(-1, num_devices + 1)
-        choice = flat.argmin(axis=0)
-        level[k] = flat[choice, np.arange(num_devices + 1)]
-        top_choice[k] = choice + k * num_submeshes
+        used = finite[top - 1, k, k:].any(axis=0)
+        if used.any():
+            shifted = _shift(after[k:], [size for size, u in zip(sizes, used) if u], num_devices)  # [i−k, σ, d]
+            level[k] = combine(weight[top - 1, k, k:][:, used, None], shifted).min(axis=(0, 1))
     if level[0, num_devices] < best:
         best, best_level = float(level[0, num_devices]), top
     if not math.isfinite(best):
         return best, []
+
+    def arg_min(s: int, first: int, devices: int) -> tuple[int, int]:
+        """``(last layer, submesh index)`` of the first minimal ``(i, σ)`` of cell ``(s, first, devices)``."""
+        successor = after if s == top else successors[s - 1][1:]  # [i, d]
+        options = np.full((num_layers - first, num_submeshes), np.inf)
+        for index, size in enumerate(sizes):
+            if size <= devices:
+                options[:, index] = combine(weight[s - 1, first, first:, index], successor[first:, devices - size])
+        last, index = divmod(int(options.argmin()), num_submeshes)
+        return first + last, index
+
     stages, first, devices, s = [], 0, num_devices, best_level
     while s > 0:
-        at_top = s == top
-        last, index = divmod(int((top_choice if at_top else choices[s - 1])[first, devices]), num_submeshes)
+        last, index = arg_min(s, first, devices)
         stages.append((first, last, index))
+        at_top = s == top
         first, devices = last + 1, devices - sizes[index]
-        s = s if at_top and first < num_layers and stay[first, devices] else s - 1
+        s = s if at_top and first < num_layers and level[first, devices] < below[first, devices] else s - 1
     assert first == num_layers and devices == 0, "the arg-min chain covers every layer and device"
     return best, stages
 

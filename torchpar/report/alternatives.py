@@ -57,6 +57,9 @@ def runners_up_html(numbers: PlanNumbers) -> str:
             step = (format_seconds(alt.step_s), alt.step_s)
         elif alt.error:
             step = ("<span class='bad'>no plan</span>", float("inf"))
+        elif alt.at_least_s is not None:
+            step = (f"≥ {format_seconds(alt.at_least_s)} <span class='sub'>(bound: could not win, not solved)</span>",
+                    alt.at_least_s)
         else:
             step = ("<span class='sub'>not priced</span>", float("inf"))
         screened = (format_seconds(alt.screening_step_s), alt.screening_step_s) \
@@ -72,7 +75,7 @@ def runners_up_html(numbers: PlanNumbers) -> str:
                f"stage by stage, so the rows compare. The stage DP picked these candidates with a coarser screening "
                f"model ({e(screening_model)}); its figures, in the screening column, are not estimates of this plan "
                "and do not compare with the step column.</p>")
-    old = any(a.step_s is None and not a.error for a in numbers.alternatives[1:])
+    old = any(a.step_s is None and not a.error and a.at_least_s is None for a in numbers.alternatives[1:])
     if old:
         caption += ("<p class='note'>This plan was saved by an older torchpar: its runners-up were priced by the "
                     "stage DP only (screening column).</p>")

@@ -89,6 +89,8 @@ class Alternative:
     stages: tuple[Mapping[str, Any], ...]
     """``{"layers", "submesh_shape", "logical_mesh_shape", "estimated_cost_s", "estimated_memory_bytes"}``."""
     error: str | None = None
+    at_least_s: float | None = None
+    """A runner-up the planner stopped pricing once this lower bound on its step showed it could not win."""
 
     @property
     def chosen(self) -> bool:
@@ -237,7 +239,8 @@ def _alternatives(plan: Plan, stages: tuple[StageNumbers, ...],
             step, screened = None, _number(row.get("estimated_step_s"))
         out.append(Alternative(rank=rank, step_s=step, screening_step_s=screened,
                                stages=tuple(s for s in row.get("stages", []) if isinstance(s, Mapping)),
-                               error=str(row["error"]) if row.get("error") else None))
+                               error=str(row["error"]) if row.get("error") else None,
+                               at_least_s=_number(row.get("step_at_least_s"))))
     return tuple(out)
 
 

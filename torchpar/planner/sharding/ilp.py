@@ -59,6 +59,14 @@ class Solution:
     num_constraints: int
     solve_s: float
     memory_bytes: float
+    objective_terms: int = 0
+    """Terms of the integer objective CP-SAT minimized (each cost rounded to the nanosecond)."""
+
+    @property
+    def lower_bound_s(self) -> float:
+        """A proven lower bound of the ILP's optimum in seconds: CP-SAT's bound less the rounding of its terms
+        (half a nanosecond each), so no layout of the stage costs less than this."""
+        return self.bound_s - 0.5 * self.objective_terms / _SCALE
 
     @property
     def gap(self) -> float:
@@ -71,8 +79,10 @@ class Solution:
 
 
 def solve(graph: SolverGraph, *, memory_budget: float | None = None, time_limit_s: float = 30.0,
-          workers: int = 2, allowed: dict[int, set[int]] | None = None, relative_gap: float = 1e-4) -> Solution:
+          workers: int = 2, allowed: dict[int, set[int]] | None = None, relative_gap: float = 1e-4,
+          none_if_unsolved: bool = False) -> Solution | None:
     """Solve the ILP on ``graph``; raises :class:`MemoryBudgetError` if no layout fits ``memory_budget``.
+    ``none_if_unsolved``: return ``None`` instead of raising when the time limit passes before any solution.
 
     ``allowed`` restricts roots to some strategy indices (hand plans are restrictions of the same ILP,
     so the automatic plan is never worse than them by the cost model). The solver stops once the
@@ -90,8 +100,11 @@ def solve(graph: SolverGraph, *, memory_budget: float | None = None, time_limit_
         SOLVE_COUNTS["reused"] += 1
         return dataclasses.replace(cached, choice=list(cached.choice), status=f"{cached.status} (reused)",
                                    solve_s=time.perf_counter() - start)
-    solution = _solve_cp_sat(graph, memory_budget, time_limit_s, workers, allowed, relative_gap, start)
+    solution = _solve_cp_sat(graph, memory_budget, time_limit_s, workers, allowed, relative_gap, start,
+                             none_if_unsolved)
     SOLVE_COUNTS["solved"] += 1
+    if solution is None:
+        return None
     if len(_SOLVED) >= SOLUTION_CACHE_SIZE:
         _SOLVED.pop(next(iter(_SOLVED)))
     _SOLVED[key] = solution
@@ -131,7 +144,8 @@ def problem_key(graph: SolverGraph, memory_budget: float | None, allowed: dict[i
 
 
 def _solve_cp_sat(graph: SolverGraph, memory_budget: float | None, time_limit_s: float, workers: int,
-                  allowed: dict[int, set[int]] | None, relative_gap: float, start: float) -> Solution:
+                  allowed: dict[int, set[int]] | None, relative_gap: float, start: float,
+                  none_if_unsolved: bool = False) -> Solution | None:
     from ortools.sat.python import cp_model
 
     model = cp_model.CpModel()
@@ -157,13 +171,16 @@ def _solve_cp_sat(graph: SolverGraph, memory_budget: float | None, time_limit_s:
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         if status == cp_model.INFEASIBLE and memory_budget is not None:
             _raise_over_budget(graph, memory_budget)
+        if none_if_unsolved and status == cp_model.UNKNOWN:
+            return None
         raise RuntimeError(f"the sharding ILP ended with status {solver.status_name(status)} after {elapsed:.1f}s; "
                            "raise the time limit")
     choice = [next(k for k, var in enumerate(vars_) if solver.value(var)) for vars_ in x]
     memory = float(sum(root.memory[k] for root, k in zip(graph.roots, choice)))
     solution = Solution(choice=choice, objective_s=evaluate(graph, choice), bound_s=solver.best_objective_bound / _SCALE,
                         status=solver.status_name(status), num_variables=len(proto.variables),
-                        num_constraints=len(proto.constraints), solve_s=elapsed, memory_bytes=memory)
+                        num_constraints=len(proto.constraints), solve_s=elapsed, memory_bytes=memory,
+                        objective_terms=len(objective))
     log.info("sharding ILP: %s, objective %.3g s, gap %.2g, %d vars, %d constraints, %.2fs", solution.status,
              solution.objective_s, solution.gap, solution.num_variables, solution.num_constraints, elapsed)
     return solution
