@@ -10,6 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxbackend.ops.grouped_matmul import blocked_ragged_dot
 from jaxbackend.ops.registry import lowers
 from jaxbackend.precision import conv_precision, dot_precision
 
@@ -86,17 +87,28 @@ def mv(a, b):
     return jnp.matmul(a, b, precision=dot_precision(a, b))
 
 
+GROUPED_MM = "blocked"
+"""How ``_grouped_mm`` with offsets lowers: ``"blocked"`` (:func:`.grouped_matmul.blocked_ragged_dot`) or
+``"ragged_dot"`` (``jax.lax.ragged_dot``, as XLA expands it; ``benchmarks/moe.py`` compares the two)."""
+
+
 @lowers("aten._grouped_mm.default", "transformers.grouped_mm_fallback.default")
 def grouped_mm(x, weight, offs=None, bias=None, out_dtype=None):
     """Mixture-of-experts matmul: rows ``offs[e-1]:offs[e]`` of ``x [S, K]`` times ``weight[e] [K, N]``.
 
-    ``offs`` holds cumulative row counts, so the shape is static and only the grouping is data: one
-    ``ragged_dot``. Rows past ``offs[-1]`` come out zero (PyTorch leaves them unwritten). Also lowers
-    HF transformers' CPU fallback op of the same signature (its default ``grouped_mm`` experts path).
+    ``offs`` holds cumulative row counts, so the shape is static and only the grouping is data: a ragged
+    matmul, computed in blocks of one expert's rows (:func:`.grouped_matmul.blocked_ragged_dot`: work in
+    proportion to the rows, where XLA's CPU expansion of ``jax.lax.ragged_dot`` computes every expert on every
+    row; :data:`GROUPED_MM` selects ``"ragged_dot"`` instead). Rows past ``offs[-1]`` come out zero (PyTorch
+    leaves them unwritten). Also lowers HF transformers' CPU fallback op of the same signature (its default
+    ``grouped_mm`` experts path).
     """
     if x.ndim == 2 and weight.ndim == 3 and offs is not None:
         sizes = jnp.diff(offs.astype(jnp.int32), prepend=0)
-        out = jax.lax.ragged_dot(x, weight, sizes, precision=dot_precision(x, weight))
+        if GROUPED_MM == "blocked":
+            out = blocked_ragged_dot(x, weight, sizes, precision=dot_precision(x, weight))
+        else:
+            out = jax.lax.ragged_dot(x, weight, sizes, precision=dot_precision(x, weight))
     elif x.ndim == 3 and weight.ndim == 3 and offs is None:
         out = jnp.matmul(x, weight, precision=dot_precision(x, weight))
     else:

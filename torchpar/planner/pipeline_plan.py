@@ -236,11 +236,13 @@ def _plan_screened(screened: _Screened, graph: Graph, method: PipeshardParallel,
         solver["runners_up"] = [r.summary() for r in sorted(refined, key=lambda r: r.step_s) if r is not best]
         solver["runners_up"] += [{"screening_step_s": c.cost_s, "model": SCREENING_MODEL, "error": str(e),
                                   "stages": c.to_dict()["stages"]} for c, e in failures]
-        # its stages' figures are the screening model's; the bound is the ILP's
-        solver["runners_up"] += [{"screening_step_s": c.cost_s, "model": SCREENING_MODEL, "step_at_least_s": bound,
+        # a bound on the ILP's model; its stages carry their layout only (no stage was priced to the end)
+        solver["runners_up"] += [{"screening_step_s": c.cost_s, "model": ESTIMATE_MODEL, "step_at_least_s": bound,
                                   "pruned": f"its step is at least {bound:.6g} s by the ILP's lower bounds, no better "
                                             f"than {beat:.6g} s: not solved to the end",
-                                  "stages": c.to_dict()["stages"]} for c, bound, beat in pruned]
+                                  "stages": [{key: stage[key] for key in ("layers", "submesh_shape",
+                                                                          "logical_mesh_shape")}
+                                             for stage in c.to_dict()["stages"]]} for c, bound, beat in pruned]
     plan = Plan(method=PipeshardParallel.name, stages=best.stage_plans, num_micro_batches=method.num_micro_batches,
                 schedule=method.schedule, estimated_step_s=best.step_s, solver=solver, timings=timings,
                 layers=_layer_stats(graph, layering), cluster=cluster.cost_constants(),
