@@ -23,6 +23,7 @@ import time
 from typing import Any, Callable
 
 import torch
+from single_device import _torch_step as eager_torch_step  # benchmarks/ is on sys.path when a script runs
 
 CONFIG = dict(num_hidden_layers=2, hidden_size=256, intermediate_size=512, num_attention_heads=4,
               num_key_value_heads=4, vocab_size=1024, max_position_embeddings=256)
@@ -41,16 +42,8 @@ def measure(experts: int, top_k: int, steps: int, warmup: int) -> dict[str, Any]
     ids = torch.randint(0, CONFIG["vocab_size"], (BATCH, SEQ))
     batch = {"input_ids": ids, "labels": ids}
     eager = copy.deepcopy(model)
-    eager_optimizer = torch.optim.AdamW(eager.parameters(), lr=1e-4)
-
-    def eager_step() -> float:
-        eager_optimizer.zero_grad(set_to_none=True)
-        loss = eager(**batch).loss
-        loss.backward()
-        eager_optimizer.step()
-        return loss.item()
-
-    runners: dict[str, Callable[[], float]] = {"eager": eager_step}
+    runners: dict[str, Callable[[], float]] = {
+        "eager": eager_torch_step(eager, batch, torch.optim.AdamW(eager.parameters(), lr=1e-4))}
     compile_s: dict[str, float] = {}
     for name, lowering in (("torchpar", "blocked"), ("torchpar ragged_dot", "ragged_dot")):
         copy_ = copy.deepcopy(model)

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from torchpar.ir.graph import Graph, Input, Node, Ref
+from torchpar.ir.graph import Graph, Input, Node, Ref, map_refs
 
 MIN_BLOCKS = 6
 """Stacks at least this deep are captured from :data:`CAPTURED_BLOCKS` blocks (shallower ones gain little)."""
@@ -113,10 +113,10 @@ def truncated(model: torch.nn.Module, stack: BlockStack, keep: int = CAPTURED_BL
         setattr(parent, name, whole)
 
 
-def expand_blocks(graph: Graph, stack: BlockStack, captured: int = CAPTURED_BLOCKS) -> Graph | None:
-    """The graph of the whole stack from ``graph``, captured with its first ``captured`` blocks; ``None`` when the
-    captured graph is not in the shape the module docstring states (the caller then captures everything)."""
-    if graph.custom_backwards or captured != 3 or stack.count <= captured:
+def expand_blocks(graph: Graph, stack: BlockStack) -> Graph | None:
+    """The graph of the whole stack from ``graph``, captured with its first :data:`CAPTURED_BLOCKS` blocks; ``None``
+    when the captured graph is not in the shape the module docstring states (the caller then captures everything)."""
+    if graph.custom_backwards or stack.count <= CAPTURED_BLOCKS:
         return None
     try:
         return _Expansion(graph, stack).run()
@@ -187,13 +187,7 @@ class _Expansion:
             return ("shared", name)
 
         def pattern(value: Any, block: int) -> Any:
-            if isinstance(value, Ref):
-                return role(value.name, block)
-            if isinstance(value, (list, tuple)):
-                return type(value)(pattern(v, block) for v in value)
-            if isinstance(value, dict):
-                return {k: pattern(v, block) for k, v in value.items()}
-            return value
+            return map_refs(value, lambda ref: role(ref.name, block))
 
         for one, two in zip(blocks[1], blocks[2]):
             _require(one.target == two.target and one.out == two.out and one.source == two.source
@@ -213,7 +207,6 @@ class _Expansion:
 
         # blocks 3 … count−1: block 2 advanced, reading the block before it
         names = [{n.name: n.name for n in blocks[2]}]  # per block from 2: captured name → that block's name
-        weights = [{i.name: i.name for i in inputs[2]}]
         new_inputs: list[list[Input]] = []
         new_nodes: list[Node] = []
         constants = dict(graph.constants)
@@ -231,27 +224,20 @@ class _Expansion:
             node_names = {two.name: _extrapolate(one.name, two.name, steps) for one, two in zip(blocks[1], blocks[2])}
             previous = names[-1]
 
-            def remap(value: Any) -> Any:
-                if isinstance(value, Ref):
-                    if value.name in node_names:
-                        return Ref(node_names[value.name])
-                    if value.name in node_pos[1]:
-                        return Ref(previous[blocks[2][node_pos[1][value.name]].name])
-                    if value.name in weight_names:
-                        return Ref(weight_names[value.name])
-                    return value
-                if isinstance(value, (list, tuple)):
-                    return type(value)(remap(v) for v in value)
-                if isinstance(value, dict):
-                    return {k: remap(v) for k, v in value.items()}
-                return value
+            def advanced(ref: Ref, node_names=node_names, weight_names=weight_names, previous=previous) -> Ref:
+                """A reference of block 2 as this block makes it."""
+                if ref.name in node_names:
+                    return Ref(node_names[ref.name])
+                if ref.name in node_pos[1]:  # block 1's op: the block before this one
+                    return Ref(previous[blocks[2][node_pos[1][ref.name]].name])
+                return Ref(weight_names.get(ref.name, ref.name))
 
             for one, two in zip(blocks[1], blocks[2]):
                 new_nodes.append(dataclasses.replace(
-                    two, name=node_names[two.name], args=remap(two.args), kwargs=remap(two.kwargs),
+                    two, name=node_names[two.name], args=map_refs(two.args, advanced),
+                    kwargs=map_refs(two.kwargs, advanced),
                     module_path=_extrapolate(one.module_path, two.module_path, steps)))
             names.append(node_names)
-            weights.append(weight_names)
 
         # after the blocks: names shifted past the added ops; reads of block 2 read the last block
         last = names[-1]
@@ -266,24 +252,19 @@ class _Expansion:
             else:
                 shifted[node.name] = node.name
 
-        def after(value: Any) -> Any:
-            if isinstance(value, Ref):
-                if value.name in shifted:
-                    return Ref(shifted[value.name])
-                if value.name in block_names:
-                    _require(value.name in last)
-                    return Ref(last[value.name])
-                return value
-            if isinstance(value, (list, tuple)):
-                return type(value)(after(v) for v in value)
-            if isinstance(value, dict):
-                return {k: after(v) for k, v in value.items()}
-            return value
+        def after(ref: Ref) -> Ref:
+            """A reference made after the blocks, in the whole graph."""
+            if ref.name in shifted:
+                return Ref(shifted[ref.name])
+            if ref.name in block_names:
+                _require(ref.name in last)
+                return Ref(last[ref.name])
+            return ref
 
-        post_nodes = [dataclasses.replace(n, name=shifted[n.name], args=after(n.args), kwargs=after(n.kwargs))
-                      for n in post]
+        post_nodes = [dataclasses.replace(n, name=shifted[n.name], args=map_refs(n.args, after),
+                                          kwargs=map_refs(n.kwargs, after)) for n in post]
         _require(all(self._block_of_path(o.target) is None for o in graph.outputs))  # a block's buffer update
-        outputs = [dataclasses.replace(o, value=after(o.value)) for o in graph.outputs]
+        outputs = [dataclasses.replace(o, value=map_refs(o.value, after)) for o in graph.outputs]
         block_input_names = {i.name for k in inputs for i in k}
         for item in graph.inputs:  # a lifted constant outside the blocks would need its counter shifted: not handled
             _require(item.kind != "constant" or item.name in block_input_names)

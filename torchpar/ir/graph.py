@@ -18,7 +18,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Literal
+from typing import Any, Callable, Iterator, Literal
 
 import numpy as np
 
@@ -186,6 +186,18 @@ class Graph:
 
     def replace(self, **changes: Any) -> "Graph":
         return dataclasses.replace(self, **changes)
+
+
+def map_refs(value: Any, fn: Callable[[Ref], Any]) -> Any:
+    """``value`` (a node argument: scalars, ``Ref``, lists, tuples, dicts of them) with every :class:`Ref` replaced by
+    ``fn(ref)``; containers keep their type."""
+    if isinstance(value, Ref):
+        return fn(value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(map_refs(v, fn) for v in value)
+    if isinstance(value, dict):
+        return {k: map_refs(v, fn) for k, v in value.items()}
+    return value
 
 
 def _iter_refs(values: tuple[Any, ...]) -> Iterator[str]:

@@ -117,14 +117,14 @@ class PreparedStage:
     batch_axes: tuple[int, ...] | None
     build_s: float
     rebuild: Callable[[LogicalMesh], SolverGraph]
+    cheapest_s: float
+    """Every root at its cheapest strategy and no resharding (edges cost ≥ 0): no solution costs less."""
 
     @property
     def lower_bound_s(self) -> float:
-        """A bound no solution beats: every root at its cheapest strategy and no resharding (edges cost ≥ 0), or the
-        bound a :meth:`probe` proved; for ``"shard"`` the stage's estimated seconds are the ILP objective, so this
-        bounds ``estimated_cost_s``."""
-        cheapest = float(sum(min(root.cost) for root in self.solver_graph.roots if len(root.cost)))
-        return max(cheapest, self.probed_bound_s)
+        """A bound no solution beats: :attr:`cheapest_s`, or the bound a :meth:`probe` proved; for ``"shard"`` the
+        stage's estimated seconds are the ILP objective, so this bounds ``estimated_cost_s``."""
+        return max(self.cheapest_s, self.probed_bound_s)
 
     probed_bound_s: float = 0.0
     """The lower bound a :meth:`probe` proved (CP-SAT's, :attr:`.sharding.ilp.Solution.lower_bound_s`)."""
@@ -144,7 +144,7 @@ class PreparedStage:
         self.probed_bound_s = max(self.probed_bound_s, solution.lower_bound_s)
         result = self._result(solution)
         self.probed_s = result.stage.estimated_cost_s
-        if solution.status in ("OPTIMAL", "FORCED") or solution.status.startswith("OPTIMAL"):
+        if solution.status.startswith(("OPTIMAL", "FORCED")):  # "OPTIMAL (reused)" too
             self.final = result
 
     def solve(self, memory_budget: float | None = None, time_limit_s: float = 30.0) -> IntraOpResult:
@@ -186,8 +186,9 @@ def prepare_stage(graph: Graph, *, kind: PlanKind, mesh_shape: tuple[int, int], 
                                   accumulated_weight_grads=kind != "zero3", remat=remat, in_flight=in_flight)
 
     solver_graph = rebuild(mesh)
+    cheapest = float(sum(min(root.cost) for root in solver_graph.roots if len(root.cost)))
     return PreparedStage(graph, kind, mesh, cluster, submesh, trainable, optimizer_state_copies, solver_graph,
-                         batch_axes, time.perf_counter() - start, rebuild)
+                         batch_axes, time.perf_counter() - start, rebuild, cheapest)
 
 
 def plan_best_mesh(graph: Graph, *, kind: PlanKind, mesh_shapes: list[tuple[int, int]], cluster: ClusterSpec,
