@@ -126,6 +126,8 @@ def lower(graph: Graph, *, value_shardings: Mapping[str, Any] | None = None,
         kwargs = {k: _materialize(v, scope) for k, v in node.kwargs.items()}
         if lowering.random:
             kwargs["key"] = jax.random.fold_in(key, index)
+        if lowering.sharded and node.name in operand_shardings:
+            kwargs["shardings"] = tuple(operand_shardings[node.name])
         fn, finish = lowering.fn, None
         if local is not None:
             fn, args, kwargs, finish = local.prepare(node, fn, args, kwargs)

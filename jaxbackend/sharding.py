@@ -37,6 +37,17 @@ def partition_spec(spec: Sequence[Sequence[int] | None]) -> PartitionSpec:
     return PartitionSpec(*entries)
 
 
+def axes_of(spec: PartitionSpec, rank: int) -> tuple[tuple[int, ...] | None, ...]:
+    """The inverse of :func:`partition_spec`: a ``PartitionSpec`` over this module's axis names as a spec of
+    ``rank`` entries (tuples of axis numbers or ``None``)."""
+    entries = list(spec) + [None] * (rank - len(spec))
+    out = []
+    for entry in entries[:rank]:
+        names = (entry,) if isinstance(entry, str) else tuple(entry or ())
+        out.append(tuple(AXIS_NAMES.index(name) for name in names) or None)
+    return tuple(out)
+
+
 def named_sharding(mesh: Mesh, spec: Sequence[Sequence[int] | None]) -> NamedSharding:
     return NamedSharding(mesh, partition_spec(spec))
 

@@ -13,6 +13,8 @@ operands in, and where a local result is a partial sum):
   split batch averages its statistics across the devices (``pmean``), as one device would see them;
 - a matmul or convolution whose local result is a partial product adds its bias once, after the psum;
   an embedding whose table is split by rows looks up only the rows it holds (zeros elsewhere);
+- a grouped matmul whose rows or experts are split runs its per-device part (:mod:`jaxbackend.ops.expert_parallel`:
+  an all-to-all exchange of rows with their experts' devices);
 - a random op whose output is split draws from a key folded with the device's position, so shards draw
   different numbers;
 - buffers' new values are gathered whole;
@@ -32,10 +34,11 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 
+from jaxbackend.ops.expert_parallel import grouped_mm_split_of
 from jaxbackend.sharding import AXIS_NAMES
 from torchpar.ir.graph import Node, TensorMeta
 from torchpar.ir.layout import Multi
-from torchpar.ir.op_families import BIAS_ARGUMENT, SIZE_ARGUMENT
+from torchpar.ir.op_families import BIAS_ARGUMENT, GROUPED_MATMULS, SIZE_ARGUMENT
 
 
 class LocalModeError(RuntimeError):
@@ -120,9 +123,16 @@ class LocalProgram:
 
     def extra_kwargs(self, node: Node) -> dict[str, Any]:
         """Keyword arguments that make an op's lowering work across devices (batch-norm statistics of the
-        whole split batch: ``across=`` mesh axis names)."""
+        whole split batch: ``across=`` mesh axis names; a grouped matmul's split: ``local_split=``)."""
         axes = self.layouts.statistics_axes.get(node.name)
-        return {"across": axis_names(axes)} if axes else {}
+        if axes:
+            return {"across": axis_names(axes)}
+        refs = list(node.refs())
+        if node.target in GROUPED_MATMULS and len(refs) >= 3:
+            specs = self.layouts.operands.get(node.name) or [self.spec(ref) for ref in refs]
+            split = grouped_mm_split_of(specs[0], specs[1], self.mesh_shape)
+            return {"local_split": split} if split is not None else {}
+        return {}
 
     def key(self, node: Node, key: jax.Array) -> jax.Array:
         """The key a random op draws from: folded with the device's position along the axes splitting its

@@ -109,10 +109,16 @@ class ShardParallel:
     """Gradient accumulation: the batch is cut into this many micro-batches (row ``i`` goes to micro-batch
     ``i mod num_micro_batches``) run one after another inside the step's executable; their gradients are summed
     on each device and synchronized once per step. The batch size must divide evenly."""
+    experts: ExpertsOption = "auto"
+    """Mixture-of-experts grouped matmuls: ``"auto"``, the ILP weighs splitting the experts over a mesh axis
+    (expert parallelism: tokens exchanged by all-to-all) against replicating them, splitting their rows or their
+    hidden dims; ``"split"``, every grouped matmul whose experts divide a mesh axis splits them (the
+    alternatives are not considered)."""
 
     def __post_init__(self) -> None:
         _check_mesh_shape(self.mesh_shape)
         _check_micro_batches(self.num_micro_batches)
+        _check_experts(self.experts)
         if self.memory_budget is not None and self.memory_budget <= 0:
             raise ValueError(f"memory_budget must be positive bytes, got {self.memory_budget}")
         if self.solver_time_limit_s <= 0:
@@ -178,9 +184,12 @@ class PipeshardParallel:
     virtual_stages: int | None = None
     """Stages per device group under ``"interleaved_1f1b"`` (v ≥ 2; default 2): the plan has ``v·G`` stages,
     stage ``s`` on the devices of group ``s mod G``. Must stay ``None`` (= 1) for the other schedules."""
+    experts: ExpertsOption = "auto"
+    """Mixture-of-experts grouped matmuls inside each stage: as :attr:`ShardParallel.experts`."""
 
     def __post_init__(self) -> None:
         _check_micro_batches(self.num_micro_batches)
+        _check_experts(self.experts)
         if self.schedule not in PIPELINE_SCHEDULES:
             names = ", ".join(map(repr, PIPELINE_SCHEDULES))
             raise ValueError(f"schedule must be one of {names}, got {self.schedule!r}")
@@ -211,6 +220,15 @@ METHOD_NAMES: tuple[str, ...] = tuple(METHODS)
 def method_name(method: Method | None) -> str:
     """The one name of ``method`` (``None`` → ``"single_device"``)."""
     return SINGLE_DEVICE if method is None else method.name
+
+
+ExpertsOption = Literal["auto", "split"]
+EXPERTS_OPTIONS: tuple[str, ...] = ("auto", "split")
+
+
+def _check_experts(experts: str) -> None:
+    if experts not in EXPERTS_OPTIONS:
+        raise ValueError(f"experts must be one of {EXPERTS_OPTIONS}, got {experts!r}")
 
 
 def _check_mesh_shape(mesh_shape: tuple[int, int] | None) -> None:

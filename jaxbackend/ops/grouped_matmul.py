@@ -18,6 +18,8 @@ smaller blocks pay more in gathering each block's weights (``n_b·K·N`` values)
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -33,16 +35,31 @@ def block_rows_for(rows: int, groups: int) -> int:
 
 
 def blocked_ragged_dot(x: jax.Array, weight: jax.Array, sizes: jax.Array, *, block_rows: int | None = None,
+                       starts: jax.Array | None = None, weight_index: jax.Array | None = None,
+                       run_blocks: int | None = None,
                        precision=None, preferred_element_type=None) -> jax.Array:
     """``jax.lax.ragged_dot(x, weight, sizes)`` for ``x [S, K]``, ``weight [E, K, N]``, ``sizes [E]`` (rows per
-    group, in order; ``Σ sizes ≤ S``), computed in blocks (module docstring). Returns ``[S, N]``."""
+    group, in order; ``Σ sizes ≤ S``), computed in blocks (module docstring). Returns ``[S, N]``.
+
+    ``starts [G]`` / ``weight_index [G]`` generalize the grouping to ``G`` groups of rows ``starts[g] …
+    starts[g] + sizes[g] − 1`` (non-overlapping, in increasing order, gaps allowed) each multiplied by
+    ``weight[weight_index[g]]``; rows in no group come out zero. The default is ``G = E`` contiguous groups
+    from row 0, group ``e`` by ``weight[e]`` (``ragged_dot``'s contract).
+
+    ``run_blocks``: the blocks are multiplied in consecutive runs of that many, every run after the first only if
+    it holds a used block (``lax.cond``): for a buffer sized for more rows than it usually holds (an
+    expert-parallel exchange's receive slots), the work follows the rows it holds at that granularity."""
     rows, _ = x.shape
-    groups, _, _ = weight.shape
+    sizes = sizes.astype(jnp.int32)
+    groups = sizes.shape[0]
     block = block_rows or block_rows_for(rows, groups)
     num_blocks = -(-rows // block) + groups
-    sizes = sizes.astype(jnp.int32)
-    ends = jnp.cumsum(sizes)
-    starts = ends - sizes
+    if starts is None:
+        starts = jnp.cumsum(sizes) - sizes
+    starts = starts.astype(jnp.int32)
+    ends = starts + sizes
+    if weight_index is None:
+        weight_index = jnp.arange(groups, dtype=jnp.int32)
     blocks = (sizes + block - 1) // block
     block_ends = jnp.cumsum(blocks)
     block_starts = block_ends - blocks
@@ -53,13 +70,65 @@ def blocked_ragged_dot(x: jax.Array, weight: jax.Array, sizes: jax.Array, *, blo
     row = first[:, None] + jnp.arange(block, dtype=jnp.int32)[None, :]  # [n_b, B]
     used = (row < ends[group][:, None]) & (index < block_ends[-1])[:, None]
     x_blocks = jnp.where(used[..., None], x[jnp.clip(row, 0, rows - 1)], jnp.zeros((), x.dtype))
-    y_blocks = jnp.einsum("bik,bkn->bin", x_blocks, weight[group], precision=precision,
-                          preferred_element_type=preferred_element_type)
+    block_weight = weight_index[group]
+    if run_blocks is None or run_blocks >= num_blocks:
+        y_blocks = _block_products(x_blocks, weight, block_weight, precision, preferred_element_type)
+    else:
+        y_blocks = _runs_of_block_products(x_blocks, weight, block_weight, block_ends[-1], run_blocks, precision,
+                                           preferred_element_type)
 
     position = jnp.arange(rows, dtype=jnp.int32)
-    owner = jnp.minimum(jnp.searchsorted(ends, position, side="right"), groups - 1).astype(jnp.int32)
+    # the last group starting at or before the row (an empty group sharing a start with the next is skipped)
+    owner = jnp.clip(jnp.searchsorted(starts, position, side="right") - 1, 0, groups - 1).astype(jnp.int32)
     local = position - starts[owner]
     place = (block_starts[owner] + local // block) * block + local % block
     flat = y_blocks.reshape(num_blocks * block, -1)
     picked = flat[jnp.clip(place, 0, num_blocks * block - 1)]
-    return jnp.where((position < ends[-1])[:, None], picked, jnp.zeros((), picked.dtype))
+    inside = (local >= 0) & (position < ends[owner])
+    return jnp.where(inside[:, None], picked, jnp.zeros((), picked.dtype))
+
+
+@functools.partial(jax.checkpoint, static_argnums=(3, 4), policy=jax.checkpoint_policies.nothing_saveable)
+def _block_products(x_blocks: jax.Array, weight: jax.Array, block_weight: jax.Array, precision=None,
+                    preferred_element_type=None) -> jax.Array:
+    """``x_blocks [n_b, B, K] @ weight[block_weight] [n_b, K, N]``. The gathered weights (``n_b ≈ S/B + E`` copies
+    of ``[K, N]``: about twice the experts' weights) are gathered again in the backward rather than kept from the
+    forward: only the operands stay live."""
+    return jnp.einsum("bik,bkn->bin", x_blocks, weight[block_weight], precision=precision,
+                      preferred_element_type=preferred_element_type)
+
+
+def _runs_of_block_products(x_blocks: jax.Array, weight: jax.Array, block_weight: jax.Array, used: jax.Array,
+                            run_blocks: int, precision=None, preferred_element_type=None) -> jax.Array:
+    """:func:`_block_products` in consecutive runs of ``run_blocks`` blocks, a run past the first ``used`` blocks
+    (a prefix: groups' blocks are packed from block 0) skipped with zeros."""
+    num_blocks = x_blocks.shape[0]
+    bounds = [*range(0, num_blocks, max(run_blocks, 1)), num_blocks]
+    # typed varying like the rows before the branches, so the cotangent's reduction over mesh axes the rows vary
+    # along (data parallelism beside the experts) happens once, outside them: a collective inside a branch that
+    # only some devices take never completes
+    weight = varying_like(weight, x_blocks, block_weight, used)
+    parts = []
+    for lo, hi in zip(bounds, bounds[1:]):
+        if hi <= lo:
+            continue
+        run = lambda lo=lo, hi=hi: _block_products(x_blocks[lo:hi], weight, block_weight[lo:hi], precision,  # noqa: E731
+                                                   preferred_element_type)
+        if lo == 0:
+            parts.append(run())
+            continue
+        shape = jax.eval_shape(run)
+        parts.append(jax.lax.cond(lo < used, run, lambda shape=shape: varying_like(
+            jnp.zeros(shape.shape, shape.dtype), x_blocks, block_weight, used, weight)))
+    return jnp.concatenate(parts)
+
+
+def varying_like(value: jax.Array, *sources: jax.Array) -> jax.Array:
+    """``value`` typed as varying along every mesh axis any of ``sources`` varies along (inside ``shard_map``: both
+    branches of a ``lax.cond`` must agree on it). Outside ``shard_map``, ``value``."""
+    axes = set().union(*(_varying_axes(s) for s in sources)) - _varying_axes(value)
+    return jax.lax.pcast(value, tuple(sorted(axes)), to="varying") if axes else value
+
+
+def _varying_axes(value: jax.Array) -> frozenset:
+    return frozenset(getattr(jax.typeof(value).manual_axis_type, "varying", frozenset()))

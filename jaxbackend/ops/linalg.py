@@ -10,9 +10,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxbackend.ops.expert_parallel import GroupedMatmulSplit, grouped_mm_split_of, split_grouped_mm, split_grouped_mm_local
 from jaxbackend.ops.grouped_matmul import blocked_ragged_dot
 from jaxbackend.ops.registry import lowers
 from jaxbackend.precision import conv_precision, dot_precision
+from jaxbackend.sharding import AXIS_NAMES, axes_of
 
 
 @lowers("aten.mm.default")
@@ -92,8 +94,8 @@ GROUPED_MM = "blocked"
 ``"ragged_dot"`` (``jax.lax.ragged_dot``, as XLA expands it; ``benchmarks/moe.py`` compares the two)."""
 
 
-@lowers("aten._grouped_mm.default", "transformers.grouped_mm_fallback.default")
-def grouped_mm(x, weight, offs=None, bias=None, out_dtype=None):
+@lowers("aten._grouped_mm.default", "transformers.grouped_mm_fallback.default", sharded=True)
+def grouped_mm(x, weight, offs=None, bias=None, out_dtype=None, *, shardings=None, local_split=None):
     """Mixture-of-experts matmul: rows ``offs[e-1]:offs[e]`` of ``x [S, K]`` times ``weight[e] [K, N]``.
 
     ``offs`` holds cumulative row counts, so the shape is static and only the grouping is data: a ragged
@@ -102,13 +104,25 @@ def grouped_mm(x, weight, offs=None, bias=None, out_dtype=None):
     row; :data:`GROUPED_MM` selects ``"ragged_dot"`` instead). Rows past ``offs[-1]`` come out zero (PyTorch
     leaves them unwritten). Also lowers HF transformers' CPU fallback op of the same signature (its default
     ``grouped_mm`` experts path).
+
+    Split over devices (:mod:`.expert_parallel`): under GSPMD, ``shardings`` (of ``x``, ``weight``, ``offs``, as the
+    plan reads them) with the rows or the experts split run the op as a ``shard_map`` — experts split: tokens
+    exchanged by all-to-all with their experts' devices; rows split: each device its own rows' groups. Inside a
+    per-device program, ``local_split`` (a :class:`.expert_parallel.GroupedMatmulSplit`) is this device's part.
     """
     if x.ndim == 2 and weight.ndim == 3 and offs is not None:
-        sizes = jnp.diff(offs.astype(jnp.int32), prepend=0)
-        if GROUPED_MM == "blocked":
-            out = blocked_ragged_dot(x, weight, sizes, precision=dot_precision(x, weight))
+        dot = dict(precision=dot_precision(x, weight))
+        split = local_split or _gspmd_split(shardings)
+        if split is not None and bias is not None:
+            raise NotImplementedError("a split _grouped_mm with a bias: run it replicated (no expert or row split)")
+        if local_split is not None:
+            out = split_grouped_mm_local(x, weight, offs, local_split, **dot)
+        elif split is not None:
+            out = split_grouped_mm(x, weight, offs, shardings[0].mesh, split, **dot)
+        elif GROUPED_MM == "blocked":
+            out = blocked_ragged_dot(x, weight, jnp.diff(offs.astype(jnp.int32), prepend=0), **dot)
         else:
-            out = jax.lax.ragged_dot(x, weight, sizes, precision=dot_precision(x, weight))
+            out = jax.lax.ragged_dot(x, weight, jnp.diff(offs.astype(jnp.int32), prepend=0), **dot)
     elif x.ndim == 3 and weight.ndim == 3 and offs is None:
         out = jnp.matmul(x, weight, precision=dot_precision(x, weight))
     else:
@@ -117,6 +131,16 @@ def grouped_mm(x, weight, offs=None, bias=None, out_dtype=None):
     if bias is not None:
         out = out + bias
     return out if out_dtype is None else out.astype(out_dtype)
+
+
+def _gspmd_split(shardings) -> GroupedMatmulSplit | None:
+    """The split that the pinned operand shardings of a grouped matmul describe (``None``: not split, or not
+    pinned)."""
+    if not shardings or len(shardings) < 2 or shardings[0] is None or shardings[1] is None:
+        return None
+    mesh = shardings[0].mesh
+    return grouped_mm_split_of(axes_of(shardings[0].spec, 2), axes_of(shardings[1].spec, 3),
+                               tuple(mesh.shape[name] for name in AXIS_NAMES))
 
 
 @lowers("aten._cdist_forward.default")

@@ -60,6 +60,10 @@ SIZE_ARGUMENT = {"aten.view.default": 1, "aten._unsafe_view.default": 1, "aten.r
                  "aten.new_empty.default": 1, "aten.new_full.default": 1}
 """Ops with a size argument, and its position (a per-device program rewrites it to the local shape)."""
 
+GROUPED_MATMULS = frozenset({"aten._grouped_mm.default", "transformers.grouped_mm_fallback.default"})
+"""Mixture-of-experts grouped matmuls ``(x [S, K], w [E, K, N], offs [E])``: HF transformers' fallback op has
+PyTorch's signature."""
+
 BIAS_ARGUMENT = {"aten.addmm.default": 0, "aten.baddbmm.default": 0, "aten.convolution.default": 2}
 """Matmuls and convolutions with a bias operand, and its position."""
 

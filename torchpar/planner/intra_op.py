@@ -31,7 +31,7 @@ from torchpar.planner.mesh_links import axes_crossing_hosts, stage_mesh, submesh
 from torchpar.planner.plan import StagePlan
 from torchpar.planner.sharding.comm_bytes import collective_bytes
 from torchpar.planner.sharding.cost_model import LogicalMesh
-from torchpar.planner.sharding.ilp import Solution, evaluate, solve
+from torchpar.planner.sharding.ilp import Solution, evaluate, gathered_memory, solve
 from torchpar.planner.sharding.solver_graph import SolverGraph, build_solver_graph
 
 log = logging.getLogger(__name__)
@@ -89,16 +89,18 @@ def mesh_shapes_for(num_devices: int) -> list[tuple[int, int]]:
 def plan_stage(graph: Graph, *, kind: PlanKind, mesh_shape: tuple[int, int], cluster: ClusterSpec,
                trainable: set[str], optimizer_state_copies: float, memory_budget: float | None = None,
                time_limit_s: float = 30.0, submesh: tuple[int, int] | None = None,
-               num_micro_batches: int = 1, remat: str = "none", in_flight: int = 1) -> IntraOpResult:
+               num_micro_batches: int = 1, remat: str = "none", in_flight: int = 1,
+               experts: str = "auto") -> IntraOpResult:
     """Solve one stage of ``kind`` on a logical mesh of ``mesh_shape`` placed on the physical ``submesh`` (default:
     the cluster's first devices; it decides which axes cross hosts). ``num_micro_batches``: ``graph`` is one
     micro-batch's step of a one-stage plan that accumulates that many per step (priced per step:
     :func:`.sharding.solver_graph.build_solver_graph`). ``remat``: the activation checkpointing the step runs with
     (one of ``planner.remat.REMAT_OPTIONS``), priced in memory and compute. ``in_flight``: a pipeline stage's
-    micro-batches in flight under its schedule (their activations are all held at its peak)."""
+    micro-batches in flight under its schedule (their activations are all held at its peak). ``experts``: how
+    grouped matmuls may split (``ShardParallel.experts``)."""
     return prepare_stage(graph, kind=kind, mesh_shape=mesh_shape, cluster=cluster, trainable=trainable,
                          optimizer_state_copies=optimizer_state_copies, submesh=submesh,
-                         num_micro_batches=num_micro_batches, remat=remat,
+                         num_micro_batches=num_micro_batches, remat=remat, experts=experts,
                          in_flight=in_flight).solve(memory_budget, time_limit_s)
 
 
@@ -165,7 +167,8 @@ class PreparedStage:
 
 def prepare_stage(graph: Graph, *, kind: PlanKind, mesh_shape: tuple[int, int], cluster: ClusterSpec,
                   trainable: set[str], optimizer_state_copies: float, submesh: tuple[int, int] | None = None,
-                  num_micro_batches: int = 1, remat: str = "none", in_flight: int = 1) -> PreparedStage:
+                  num_micro_batches: int = 1, remat: str = "none", in_flight: int = 1,
+                  experts: str = "auto") -> PreparedStage:
     """The solver graph of one stage (:func:`plan_stage`'s arguments), to bound or solve."""
     if kind not in PLAN_KINDS:
         raise ValueError(f"unknown plan kind {kind!r}")
@@ -183,7 +186,8 @@ def prepare_stage(graph: Graph, *, kind: PlanKind, mesh_shape: tuple[int, int], 
         return build_solver_graph(graph, on, trainable=trainable, optimizer_state_copies=optimizer_state_copies,
                                   batch_dim_axes=batch_axes, num_micro_batches=num_micro_batches,
                                   # ZeRO-3 keeps only its gradient shard: it reduce-scatters every micro-batch
-                                  accumulated_weight_grads=kind != "zero3", remat=remat, in_flight=in_flight)
+                                  accumulated_weight_grads=kind != "zero3", remat=remat, in_flight=in_flight,
+                                  experts=experts)
 
     solver_graph = rebuild(mesh)
     cheapest = float(sum(min(root.cost) for root in solver_graph.roots if len(root.cost)))
@@ -193,7 +197,8 @@ def prepare_stage(graph: Graph, *, kind: PlanKind, mesh_shape: tuple[int, int], 
 
 def plan_best_mesh(graph: Graph, *, kind: PlanKind, mesh_shapes: list[tuple[int, int]], cluster: ClusterSpec,
                    trainable: set[str], optimizer_state_copies: float, memory_budget: float | None = None,
-                   time_limit_s: float = 30.0, num_micro_batches: int = 1, remat: str = "none") -> IntraOpResult:
+                   time_limit_s: float = 30.0, num_micro_batches: int = 1, remat: str = "none",
+                   experts: str = "auto") -> IntraOpResult:
     """Solve on each candidate mesh shape and keep the cheapest plan."""
     best: IntraOpResult | None = None
     errors = []
@@ -202,7 +207,8 @@ def plan_best_mesh(graph: Graph, *, kind: PlanKind, mesh_shapes: list[tuple[int,
         try:
             result = plan_stage(graph, kind=kind, mesh_shape=shape, cluster=cluster, trainable=trainable,
                                 optimizer_state_copies=optimizer_state_copies, memory_budget=memory_budget,
-                                time_limit_s=time_limit_s, num_micro_batches=num_micro_batches, remat=remat)
+                                time_limit_s=time_limit_s, num_micro_batches=num_micro_batches, remat=remat,
+                                experts=experts)
         except ValueError as error:  # e.g. a batch that does not divide this mesh
             errors.append(f"{shape}: {error}")
             trials.append({"logical_mesh_shape": list(shape), "error": str(error)})
@@ -360,8 +366,12 @@ def memory_breakdown(solver_graph: SolverGraph, choice: list[int], trainable: se
     """Per-device bytes at the step's peak under ``choice``, by what they hold: ``parameters``, ``gradients``,
     ``optimizer_state`` (a trainable parameter root holds ``2 + state_copies`` copies of its local shard),
     ``activations`` (batch inputs, activations from the previous stage, every op output kept for the backward
-    pass) and ``buffers`` (buffers and constants). Sums to the ILP's memory of ``choice``."""
+    pass), ``buffers`` (buffers and constants) and ``gathered_parameters`` (parameters gathered into a larger
+    layout for their use, live until the backward). Sums to the ILP's memory of ``choice``."""
     parts = dict.fromkeys(("parameters", "gradients", "optimizer_state", "activations", "buffers"), 0.0)
+    gathered = gathered_memory(solver_graph, choice)
+    if gathered:
+        parts["gathered_parameters"] = gathered
     for root, k in zip(solver_graph.roots, choice):
         own = float(root.strategies[k].memory_bytes)
         followers = float(root.memory[k]) - own  # ops that follow the root keep their outputs

@@ -14,6 +14,7 @@ from typing import Any
 from torchpar import plan_writers
 from torchpar.cluster import ClusterSpec
 from torchpar.ir.layout import JsonSpec, describe
+from torchpar.ir.op_families import GROUPED_MATMULS
 from torchpar.methods import method_title
 from torchpar.planner.plan_schema import (
     FORMER_METHOD_NAMES,
@@ -186,6 +187,7 @@ class Plan:
                 lines.append(f"    {name:<{width}}  {describe(spec)}{extra}")
             for leaf, spec in stage.inputs.items():
                 lines.append(f"    batch leaf {leaf}: {describe(spec)}")
+            lines.extend(_expert_lines(stage))
         tight = [index for index, stage in enumerate(self.stages) if self.cluster.get("device_memory_bytes")
                  and stage.estimated_memory_bytes >= 0.99 * self.cluster["device_memory_bytes"]]
         if tight:
@@ -295,6 +297,38 @@ def _profile_lines(profile: dict[str, Any] | None) -> list[str]:
 LAYOUT_LEGEND = ("layouts, one word per tensor dim: R = whole (replicated), S0 / S1 / S01 = split over logical mesh "
                  "axis 0 / 1 / both (`S1 R`: rows split over axis 1, columns whole)")
 """The legend ``summary()`` prints above the layouts (:func:`torchpar.ir.layout.describe` is their one text form)."""
+
+
+def _expert_lines(stage: "StagePlan") -> list[str]:
+    """The stage's grouped matmuls (mixture-of-experts) by how the plan splits them: over their experts (expert
+    parallelism: mesh axis ``a`` holds experts ``i·E/P … (i+1)·E/P − 1`` on its ``i``-th device, tokens exchanged
+    by all-to-all), their rows, or not at all; with the all-to-all bytes the stage sends."""
+    by_split: dict[str, list[str]] = {}
+    for label in stage.strategies.values():
+        op, _, strategy = str(label).rpartition(": ")
+        target, _, module = op.partition(" ")
+        if target not in GROUPED_MATMULS:
+            continue
+        if strategy.startswith("experts@"):
+            parts = dict(part.split("@") for part in strategy.split(","))
+            axes = " and ".join(parts["experts"])
+            how = (f"experts split over mesh axis {axes} (device i of the axis holds the i-th block of experts), "
+                   f"rows over axis {' and '.join(parts['s'])}" + (f", columns over axis {parts['n']}" if "n" in parts
+                                                                     else ""))
+        else:
+            how = f"experts on every device ({strategy})"
+        by_split.setdefault(how, []).append(module or target)
+    if not by_split:
+        return []
+    lines = []
+    for how, modules in by_split.items():
+        names = ", ".join(dict.fromkeys(modules))
+        lines.append(f"    experts: {len(modules)} grouped matmul(s), {how}: {names}")
+    exchanged = stage.communication_bytes.get("all_to_all")
+    if exchanged:
+        lines.append(f"    experts: all-to-all {format_bytes(exchanged)} per device per step (tokens to their experts "
+                     "and back, priced for a balanced router)")
+    return lines
 
 
 def _constants_line(record: dict[str, Any]) -> str:

@@ -6,14 +6,16 @@ compute + the collectives the strategy and its merged followers cause; per-strat
 
     minimize    Σ_v Σ_k c_v[k]·x_v[k]  +  Σ_(u,v) Σ_(k,l) R_uv[k,l]·y_uv[k,l]
     subject to  Σ_k x_v[k] = 1                              for every root v        (one choice)
-                y_uv[k,l] ≥ x_u[k] + x_v[l] − 1              for R_uv[k,l] > 0       (edge ↔ nodes)
-                Σ_v Σ_k m_v[k]·x_v[k] ≤ M                                            (memory)
+                y_uv[k,l] ≥ x_u[k] + x_v[l] − 1              for R_uv[k,l] > 0 or G_uv[k,l] > 0
+                Σ_v Σ_k m_v[k]·x_v[k] + Σ_(u,v) Σ_(k,l) G_uv[k,l]·y_uv[k,l] ≤ M             (memory)
                 x_v = x_w                                   for v, w of one share class (repeated layers)
                 x, y ∈ {0, 1}
 
-The edge variables linearize the product ``x_u[k]·x_v[l]``. Because every ``R ≥ 0`` and the problem
-minimizes, the one-sided constraint is exact: at an optimum ``y = x_u ∧ x_v`` wherever it costs, and
-pairs with ``R = 0`` need no variable at all (Alpa's one-hot ``e`` with equality constraints gives the
+``G_uv[k, l]`` is the memory of a parameter stored as ``k`` and gathered whole(r) for ``v``'s use ``l`` (the
+gathered copy is live until the backward reads it). The edge variables linearize the product ``x_u[k]·x_v[l]``.
+Because every ``R, G ≥ 0``, the problem minimizes and the memory constraint is an upper bound, the one-sided
+constraint is exact: ``y`` is 1 where both ends are chosen and may as well be 0 elsewhere, and pairs with
+``R = G = 0`` need no variable at all (Alpa's one-hot ``e`` with equality constraints gives the
 same optimum with ``|K_u|·|K_v|`` variables per edge). When every root has one admissible strategy
 (a 1×1 mesh, or a hand plan that pins everything) the choice is forced: :func:`_forced_choice` evaluates
 it directly, without CP-SAT (so one device never needs OR-Tools). The memory constraint is taken at the training
@@ -139,6 +141,8 @@ def problem_key(graph: SolverGraph, memory_budget: float | None, allowed: dict[i
     add(sorted(tuple(members) for members in classes.values()))
     for (u, v) in sorted(graph.edges):
         add((u, v), np.asarray(graph.edges[(u, v)], np.float64))
+    for (u, v) in sorted(graph.memory_edges):
+        add("memory", (u, v), np.asarray(graph.memory_edges[(u, v)], np.float64))
     add(memory_budget, sorted((v, sorted(keep)) for v, keep in (allowed or {}).items()), settings)
     return digest.hexdigest()
 
@@ -152,9 +156,10 @@ def _solve_cp_sat(graph: SolverGraph, memory_budget: float | None, time_limit_s:
     x = _one_choice(model, graph)
     objective = [int(round(c * _SCALE)) * var for root, vars_ in zip(graph.roots, x)
                  for c, var in zip(root.cost, vars_) if c > 0]
-    objective += _edges(model, graph, x)
+    edge_terms, memory_terms = _edges(model, graph, x)
+    objective += edge_terms
     if memory_budget is not None:
-        _memory(model, graph, x, memory_budget)
+        _memory(model, graph, x, memory_budget, memory_terms)
     _share(model, graph, x)
     for v, keep in (allowed or {}).items():
         for k, var in enumerate(x[v]):
@@ -176,7 +181,7 @@ def _solve_cp_sat(graph: SolverGraph, memory_budget: float | None, time_limit_s:
         raise RuntimeError(f"the sharding ILP ended with status {solver.status_name(status)} after {elapsed:.1f}s; "
                            "raise the time limit")
     choice = [next(k for k, var in enumerate(vars_) if solver.value(var)) for vars_ in x]
-    memory = float(sum(root.memory[k] for root, k in zip(graph.roots, choice)))
+    memory = memory_of(graph, choice)
     solution = Solution(choice=choice, objective_s=evaluate(graph, choice), bound_s=solver.best_objective_bound / _SCALE,
                         status=solver.status_name(status), num_variables=len(proto.variables),
                         num_constraints=len(proto.constraints), solve_s=elapsed, memory_bytes=memory,
@@ -190,8 +195,8 @@ def _raise_over_budget(graph: SolverGraph, memory_budget: float) -> None:
     smallest = minimum_memory(graph)
     raise MemoryBudgetError(
         f"no sharding plan fits the memory budget of {memory_budget / 2**20:.1f} MiB per device; the "
-        f"smallest feasible budget is {smallest / 2**20:.1f} MiB. Use more devices, a smaller batch, or "
-        "PipeshardParallel.")
+        f"smallest feasible budget is {'at least ' if graph.memory_edges else ''}{smallest / 2**20:.1f} MiB. Use more "
+        "devices, a smaller batch, or PipeshardParallel.")
 
 
 def _forced_choice(graph: SolverGraph, allowed: dict[int, set[int]] | None) -> list[int] | None:
@@ -207,7 +212,7 @@ def _forced_choice(graph: SolverGraph, allowed: dict[int, set[int]] | None) -> l
 
 def _forced_solution(graph: SolverGraph, choice: list[int], memory_budget: float | None, elapsed: float) -> Solution:
     """The solution of a problem whose choice is forced (see the module docstring); checks the memory budget."""
-    memory = float(sum(root.memory[k] for root, k in zip(graph.roots, choice)))
+    memory = memory_of(graph, choice)
     if memory_budget is not None and memory > memory_budget:
         raise MemoryBudgetError(
             f"no sharding plan fits the memory budget of {memory_budget / 2**20:.1f} MiB per device; the only "
@@ -227,26 +232,37 @@ def _one_choice(model, graph: SolverGraph) -> list[list]:
     return x
 
 
-def _edges(model, graph: SolverGraph, x: list[list]) -> list:
-    """y_uv[g,h] ≥ X_u[g] + X_v[h] − 1 for R_uv[g,h] > 0; returns the objective terms.
+def _edges(model, graph: SolverGraph, x: list[list]) -> tuple[list, list]:
+    """y_uv[g,h] ≥ X_u[g] + X_v[h] − 1 for R_uv[g,h] > 0 or G_uv[g,h] > 0; returns the objective terms and the
+    memory terms (KiB).
 
-    Strategies of ``u`` whose rows of ``R_uv`` are identical form one group ``g`` with indicator
+    Strategies of ``u`` whose rows of ``R_uv`` and ``G_uv`` are identical form one group ``g`` with indicator
     ``X_u[g] = Σ_{k∈g} x_u[k]`` (likewise columns for ``v``): the linearization needs one variable per
-    distinct (row, column) pair with a positive cost, not per strategy pair.
+    distinct (row, column) pair with a positive cost or memory, not per strategy pair.
     """
-    terms = []
-    for (u, v), matrix in graph.edges.items():
-        row_groups, rows = _groups(model, matrix, x[u], f"r{u}_{v}")
-        col_groups, cols = _groups(model, matrix.T, x[v], f"c{u}_{v}")
-        reduced = matrix[np.ix_([g[0] for g in rows], [h[0] for h in cols])]
-        for g, h in zip(*np.nonzero(reduced)):
-            cost = int(round(reduced[g, h] * _SCALE))
-            if cost <= 0:
+    terms, memory_terms = [], []
+    for pair in sorted(set(graph.edges) | set(graph.memory_edges)):
+        u, v = pair
+        shape = (len(graph.roots[u].strategies), len(graph.roots[v].strategies))
+        cost = np.broadcast_to(np.asarray(graph.edges.get(pair, 0.0), np.float64), shape)
+        gathered = np.broadcast_to(np.asarray(graph.memory_edges.get(pair, 0.0), np.float64), shape)
+        both = np.concatenate([cost, gathered], axis=1)
+        row_groups, rows = _groups(model, both, x[u], f"r{u}_{v}")
+        col_groups, cols = _groups(model, np.concatenate([cost, gathered]).T, x[v], f"c{u}_{v}")
+        picked = np.ix_([g[0] for g in rows], [h[0] for h in cols])
+        reduced_cost, reduced_memory = cost[picked], gathered[picked]
+        for g, h in zip(*np.nonzero((reduced_cost > 0) | (reduced_memory > 0))):
+            scaled = int(round(reduced_cost[g, h] * _SCALE))
+            kib = int(np.ceil(reduced_memory[g, h] / 1024))
+            if scaled <= 0 and kib <= 0:
                 continue
             y = model.new_bool_var(f"y{u}_{v}_{g}_{h}")
             model.add_bool_or([row_groups[g].Not(), col_groups[h].Not(), y])
-            terms.append(cost * y)
-    return terms
+            if scaled > 0:
+                terms.append(scaled * y)
+            if kib > 0:
+                memory_terms.append(kib * y)
+    return terms, memory_terms
 
 
 def _groups(model, matrix: np.ndarray, x_row: list, name: str) -> tuple[list, list[list[int]]]:
@@ -267,10 +283,20 @@ def _groups(model, matrix: np.ndarray, x_row: list, name: str) -> tuple[list, li
     return indicators, groups
 
 
-def _memory(model, graph: SolverGraph, x: list[list], budget: float) -> None:
-    """Σ_v Σ_k m_v[k]·x_v[k] ≤ M (in KiB, to keep coefficients small)."""
+def _memory(model, graph: SolverGraph, x: list[list], budget: float, gathered: list = ()) -> None:
+    """Σ_v Σ_k m_v[k]·x_v[k] + Σ G·y ≤ M (in KiB, to keep coefficients small; ``gathered``: the G·y terms)."""
     terms = [int(np.ceil(m / 1024)) * var for root, vars_ in zip(graph.roots, x) for m, var in zip(root.memory, vars_) if m > 0]
-    model.add(sum(terms) <= int(budget // 1024))
+    model.add(sum(terms) + sum(gathered) <= int(budget // 1024))
+
+
+def memory_of(graph: SolverGraph, choice: list[int]) -> float:
+    """Per-device bytes of ``choice``: every root's memory plus the parameters gathered for their use."""
+    return float(sum(root.memory[k] for root, k in zip(graph.roots, choice))) + gathered_memory(graph, choice)
+
+
+def gathered_memory(graph: SolverGraph, choice: list[int]) -> float:
+    """Bytes of the parameters ``choice`` gathers into larger layouts for their use (``G`` of the chosen pairs)."""
+    return float(sum(matrix[choice[u], choice[v]] for (u, v), matrix in graph.memory_edges.items()))
 
 
 def _share(model, graph: SolverGraph, x: list[list]) -> None:
@@ -297,9 +323,9 @@ def evaluate(graph: SolverGraph, choice: list[int]) -> float:
 
 
 def minimum_memory(graph: SolverGraph) -> float:
-    """The smallest per-device memory of any plan: each root at its least-memory strategy, the roots of one share
-    class (which take one choice together) at the strategy whose memory summed over them is least. Exact: nothing
-    but the share classes couples the roots' memory."""
+    """A lower bound on the per-device memory of any plan: each root at its least-memory strategy, the roots of one
+    share class (which take one choice together) at the strategy whose memory summed over them is least, and no
+    parameter gathered for its use (``G ≥ 0``; exact when the graph has no ``memory_edges``)."""
     classes: dict[str, list[int]] = defaultdict(list)
     total = 0.0
     for v, root in enumerate(graph.roots):

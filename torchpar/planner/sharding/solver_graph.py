@@ -6,7 +6,8 @@ one), so it shares that root's ILP variable: for each of the root's strategies t
 is computed by :func:`.follow.follow`, and its costs are added to the root's cost vector. An edge
 ``(u, v)`` holds ``R[k, l]``: the cost of resharding the values flowing from root ``u`` (in strategy
 ``k``) into what root ``v`` (in strategy ``l``) requires, forward plus — when the value needs a
-gradient — the reverse resharding of that gradient in the backward pass.
+gradient — the reverse resharding of that gradient in the backward pass. An expert weight gathered into a
+larger layout than it is stored in also holds memory: the gathered copy (``memory_edges``).
 """
 
 from __future__ import annotations
@@ -20,13 +21,14 @@ from typing import Any
 
 import numpy as np
 
-from torchpar.ir.graph import Graph, Node, TensorMeta
+from torchpar.ir.graph import DTYPE_BYTES, Graph, Node, TensorMeta
 from torchpar.ir.layout import Multi, Spec
-from torchpar.ir.op_families import ASSERTS
+from torchpar.ir.op_families import ASSERTS, GROUPED_MATMULS
 from torchpar.planner.remat import BACKWARD_WORKING_COPIES, remat_memory
 from torchpar.planner.sharding.cost_model import LogicalMesh
 from torchpar.planner.sharding.follow import follow
-from torchpar.planner.sharding.strategies import Strategy, anchor_einsum, einsum_strategies, layout_root_strategies
+from torchpar.planner.sharding.strategies import (Strategy, anchor_einsum, einsum_strategies, expert_strategies,
+                                                  layout_root_strategies)
 
 
 @dataclass
@@ -63,6 +65,13 @@ class SolverGraph:
     """Micro-batches per step (gradient accumulation): costs are per step."""
     recomputed: frozenset[str] = frozenset()
     """Anchor ops whose forward runs again in the backward (remat): their compute is 4/3 of forward + backward."""
+    memory_edges: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
+    """``(u, v) → G[k, l]``: per-device bytes of parameter root ``u`` (stored as its strategy ``k``) gathered into
+    the larger layout root ``v``'s strategy ``l`` reads it in — a copy live from the forward to the backward,
+    which reads it again. Zero where the use is a slice of what is stored. Counted for the experts of grouped
+    matmuls, where the alternative to gathering every expert on every device is to split them (expert
+    parallelism); other parameters are priced as used in place, as the stage DP's analytic model assumes (its
+    memory figure is what the ILP can fit: ``tests/planner/test_one_memory_model.py``)."""
 
     @property
     def num_strategies(self) -> int:
@@ -78,7 +87,8 @@ class SolverGraph:
 
 def build_solver_graph(graph: Graph, mesh: LogicalMesh, *, trainable: set[str], optimizer_state_copies: float,
                        batch_dim_axes: tuple[int, ...] | None = None, num_micro_batches: int = 1,
-                       accumulated_weight_grads: bool = True, remat: str = "none", in_flight: int = 1) -> SolverGraph:
+                       accumulated_weight_grads: bool = True, remat: str = "none", in_flight: int = 1,
+                       experts: str = "auto") -> SolverGraph:
     """The solver graph of ``graph`` on ``mesh``.
 
     ``trainable``: parameter names that get gradients and optimizer state (``2 + optimizer_state_copies``
@@ -91,18 +101,21 @@ def build_solver_graph(graph: Graph, mesh: LogicalMesh, *, trainable: set[str], 
     largest layer, recomputed once at a time), and a recomputed matmul costs one more forward (a third of its
     forward + backward compute). ``in_flight``: micro-batches whose activations a pipeline stage holds at once (its
     schedule's, as the stage DP counts them): the kept activations and the stage's inputs count that many times,
-    the recomputed layer once.
+    the recomputed layer once. ``experts="split"``: a grouped matmul whose experts divide a mesh axis keeps only its
+    expert-parallel strategies (:func:`.strategies.expert_strategies`).
     """
     builder = _Builder(graph, mesh, trainable, optimizer_state_copies, batch_dim_axes, num_micro_batches,
-                       accumulated_weight_grads, remat, in_flight)
+                       accumulated_weight_grads, remat, in_flight, experts)
     return builder.build()
 
 
 class _Builder:
     def __init__(self, graph: Graph, mesh: LogicalMesh, trainable: set[str], state_copies: float,
                  batch_dim_axes: tuple[int, ...] | None, num_micro_batches: int = 1,
-                 accumulated_weight_grads: bool = True, remat: str = "none", in_flight: int = 1):
+                 accumulated_weight_grads: bool = True, remat: str = "none", in_flight: int = 1,
+                 experts: str = "auto"):
         self.graph = graph
+        self.experts = experts
         self.mesh = mesh
         self.trainable = trainable
         self.state_copies = state_copies
@@ -110,6 +123,7 @@ class _Builder:
         self.metas = graph.metas()
         self.roots: list[Root] = []
         self.edges: dict[tuple[int, int], np.ndarray] = {}
+        self.memory_edges: dict[tuple[int, int], np.ndarray] = {}
         self.values: dict[str, ValueLayout] = {}
         self.anchor_operands: dict[str, list[str]] = {}
         self.needs_grad = self._needs_grad()
@@ -162,7 +176,7 @@ class _Builder:
                 self._require(out.value.name, lambda k: (None,) * len(meta.shape), meta, None)
         self._assign_share_keys()
         return SolverGraph(self.mesh, self.roots, self.edges, self.values, self.anchor_operands, self.num_micro_batches,
-                           self.remat.recomputed)
+                           self.remat.recomputed, self.memory_edges)
 
     def _assign_share_keys(self) -> None:
         """Roots in identical repeated blocks (``h.0``, ``h.1``, … with the same ops, at least two anchors
@@ -261,6 +275,11 @@ class _Builder:
                                        node.out.nbytes, [m.nbytes for m in metas], grads, self.mesh,
                                        weight_operands=self._weights(refs),
                                        num_micro_batches=self.num_micro_batches)
+        if node.target in GROUPED_MATMULS:
+            split = expert_strategies([m.shape for m in metas], node.flops, DTYPE_BYTES.get(metas[0].dtype, 4), grads,
+                                      self.mesh, weight_operands=self._weights(refs),
+                                      num_micro_batches=self.num_micro_batches)
+            strategies = split if split and self.experts == "split" else strategies + split
         index = self._new_root(node.name, "anchor", f"{node.target} {node.module_path}".strip(), strategies, None)
         root = self.roots[index]
         root.memory *= self._copies(node.name)
@@ -273,7 +292,7 @@ class _Builder:
             if ref not in self.values:
                 continue
             self._require(ref, lambda l, p=position: strategies[l].in_specs[p], metas[position], index,
-                          grad=ref in self.needs_grad)
+                          grad=ref in self.needs_grad, count_gathered=node.target in GROUPED_MATMULS)
 
     def _add_follower(self, node: Node, refs: list[str], metas: list[Any], main: int) -> None:
         layout = self.values[refs[main]]
@@ -302,9 +321,10 @@ class _Builder:
                           grad=ref in self.needs_grad)
 
     def _require(self, ref: str, required_of: Any, meta: TensorMeta, consumer_root: int | None,
-                 grad: bool = False) -> None:
+                 grad: bool = False, count_gathered: bool = False) -> None:
         """Charge resharding value ``ref`` into ``required_of(k)`` for each strategy ``k`` of the consumer root
-        (``None``: a fixed requirement, charged to the value's own root)."""
+        (``None``: a fixed requirement, charged to the value's own root). ``count_gathered``: a parameter gathered
+        into a larger layout for this use also holds memory (``memory_edges``)."""
         layout = self.values[ref]
         nbytes = float(meta.nbytes)
         source = layout.root
@@ -318,6 +338,8 @@ class _Builder:
         rows = len(self.roots[source].strategies)
         cols = len(self.roots[consumer_root].strategies)
         matrix = np.zeros((rows, cols))
+        gathered = np.zeros((rows, cols))
+        is_param = count_gathered and self.roots[source].kind == "param"
         wanted_specs = [required_of(l) for l in range(cols)]
         cache: dict[tuple[str, str], float] = {}
         for k, spec in enumerate(layout.specs):
@@ -330,12 +352,22 @@ class _Builder:
                 if key not in cache:
                     cache[key] = self._reshard(nbytes, spec, wanted, grad)
                 matrix[k, l] = cache[key]
+                if is_param and len(wanted) == len(spec):
+                    used = _local_bytes(meta, wanted, self.mesh)
+                    gathered[k, l] = used if used > _local_bytes(meta, spec, self.mesh) else 0.0
+        self._add_pair(self.edges, source, consumer_root, matrix)
+        self._add_pair(self.memory_edges, source, consumer_root, gathered)
+
+    @staticmethod
+    def _add_pair(edges: dict[tuple[int, int], np.ndarray], source: int, consumer: int, matrix: np.ndarray) -> None:
+        """Add ``matrix`` (source strategies × consumer strategies) to the edge of the two roots, stored with the
+        lower root index first."""
         if not matrix.any():
             return
-        pair = (source, consumer_root) if source < consumer_root else (consumer_root, source)
-        if pair != (source, consumer_root):
+        pair = (source, consumer) if source < consumer else (consumer, source)
+        if pair != (source, consumer):
             matrix = matrix.T
-        self.edges[pair] = self.edges.get(pair, 0) + matrix
+        edges[pair] = edges.get(pair, 0) + matrix
 
     def _reshard(self, nbytes: float, src: Spec, dst: Spec, grad: bool) -> float:
         """Seconds a step spends resharding a value (and its gradient) from ``src`` to ``dst``: once per

@@ -21,7 +21,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from torchpar.ir.costs import expert_slot_rows
 from torchpar.ir.layout import Spec, describe, is_valid, make_spec
+from torchpar.ir.op_families import GROUPED_MATMULS
 from torchpar.planner.sharding.cost_model import LogicalMesh
 
 
@@ -200,6 +202,10 @@ def anchor_einsum(target: str, args: tuple, operand_ranks: Sequence[int], out_ra
     if target == "aten.embedding.default":
         index_labels = _LETTERS[: operand_ranks[1]]
         return Einsum(("VD", index_labels), index_labels + "D", "VD" + index_labels)
+    if target in GROUPED_MATMULS and tuple(operand_ranks[:3]) == (2, 3, 1) and out_rank == 2:
+        # rows s, contracted k, experts e, columns n; splitting e (expert parallelism) is not an einsum
+        # strategy: :func:`expert_strategies` adds it
+        return Einsum(("sk", "ekn", "e"), "sn", "skn")
     if target == "aten.scaled_dot_product_attention.default":
         if operand_ranks[0] != 4:
             return None
@@ -208,3 +214,66 @@ def anchor_einsum(target: str, args: tuple, operand_ranks: Sequence[int], out_ra
             operands.append("bhls"[4 - operand_ranks[3]:])
         return Einsum(tuple(operands), "bhlf", "bh")
     return None
+
+
+def expert_strategies(operand_shapes: Sequence[Sequence[int]], flops: float, itemsize: int,
+                      needs_grad: Sequence[bool], mesh: LogicalMesh, *, weight_operands: Sequence[bool] = (),
+                      num_micro_batches: int = 1) -> list[Strategy]:
+    """Expert-parallel strategies of a grouped matmul ``x [S, K] · w [E, K, N]`` (offsets ``[E]``), lowered by
+    ``jaxbackend.ops.expert_parallel``: ``w``'s experts split over axes ``A`` (one axis, or both), ``x``'s rows
+    over ``R ⊇ A`` (``A``, or ``A`` and the other axis ``b``: data parallelism beside the experts), optionally
+    ``N`` over ``b`` when the rows are not (tensor parallelism inside each expert). ``A`` is the major axis of the
+    rows' split, so a device's share of the sorted rows is mostly for its own experts. **Priced for a balanced
+    router** (the routing is data; the plan cannot know it): per micro-batch, with ``L = S / |R|`` rows per device,
+    ``P = |A|`` and ``T = expert_slot_rows(L, P)`` rows per peer's slot on the fast exchange (``2·L/P``):
+
+    - compute ``3·FLOPs / |R| / |cols|``: each device multiplies the ``L`` rows its experts receive (the lowering
+      skips the blocks of its buffer past them; a skewed router costs more, and a batch that overflows a slot runs
+      the exact exchange, ``T = L``);
+    - all-to-all of ``[P·T, K]`` rows and of ``[P·T, N/|cols|]`` results over ``A``, forward and backward;
+    - weight gradient all-reduce over the row axes beyond ``A`` (once per step for a weight); with ``N`` split,
+      the rows' gradient all-reduced over ``b``;
+    - memory: the output's ``L`` rows plus the receive buffer ``[L + P·T, K]`` kept for the weight gradient.
+    """
+    (rows, width), (experts, _, columns) = operand_shapes[0], operand_shapes[1]
+    live = [a for a in (0, 1) if mesh.shape[a] > 1]
+    choices: list[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]] = []
+    for a in live:
+        others = [b for b in live if b != a]
+        choices.append(((a,), (a,), ()))
+        for b in others:  # rows over (a, b), a major: a device's sorted rows are mostly its own experts'
+            choices += [((a,), (a, b), ()), ((a,), (a,), (b,))]
+    if len(live) == 2:
+        choices.append(((0, 1), (0, 1), ()))
+    size = lambda axes: math.prod(mesh.shape[x] for x in axes)  # noqa: E731
+    strategies = []
+    for expert_axes, row_axes, column_axes in choices:
+        peers, chunks, column_shards = size(expert_axes), size(row_axes), size(column_axes)
+        if experts % peers or rows % chunks or columns % column_shards:
+            continue
+        local_rows = rows // chunks
+        slot = expert_slot_rows(local_rows, peers)
+        sent_in = peers * slot * width * itemsize
+        sent_out = peers * slot * columns // column_shards * itemsize
+        exchange = mesh.all_to_all(sent_in, expert_axes) + mesh.all_to_all(sent_out, expert_axes)
+        comm = 2.0 * num_micro_batches * exchange
+        collectives = [f"all-to-all {sent_in:.0f}B + {sent_out:.0f}B over {expert_axes}, forward and backward"]
+        data_axes = tuple(a for a in row_axes if a not in expert_axes)
+        weight_local = experts // peers * width * columns // column_shards * itemsize
+        if data_axes and len(needs_grad) > 1 and needs_grad[1]:
+            times = 1 if len(weight_operands) > 1 and weight_operands[1] else num_micro_batches
+            comm += times * mesh.all_reduce(weight_local, data_axes)
+            collectives.append(f"bwd all-reduce {weight_local:.0f}B over {data_axes}")
+        if column_axes and needs_grad and needs_grad[0]:
+            comm += num_micro_batches * mesh.all_reduce(local_rows * width * itemsize, column_axes)
+            collectives.append(f"bwd all-reduce {local_rows * width * itemsize:.0f}B over {column_axes}")
+        name = f"experts@{''.join(map(str, expert_axes))},s@{''.join(map(str, row_axes))}" + \
+            (f",n@{''.join(map(str, column_axes))}" if column_axes else "")
+        out_bytes = local_rows * columns // column_shards * itemsize
+        buffer_bytes = (local_rows + peers * slot) * width * itemsize
+        strategies.append(Strategy(
+            name=name, out_spec=(row_axes, column_axes or None),
+            in_specs=((row_axes, None), (expert_axes, None, column_axes or None), (None,)),
+            compute_s=num_micro_batches * mesh.compute(3.0 * flops, chunks * column_shards), comm_s=comm,
+            memory_bytes=out_bytes + buffer_bytes, collectives=tuple(collectives)))
+    return strategies

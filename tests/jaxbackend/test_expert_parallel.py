@@ -1,0 +1,133 @@
+"""The split grouped matmul (``jaxbackend.ops.expert_parallel``) on fake CPU devices against ``jax.lax.ragged_dot``
+on one: every expert / row / column split of a 2×2 mesh, balanced routing (the fast exchange) and skewed routing
+(the exact path the fast one falls back to), values and the gradients of both operands; a capacity drops rows,
+and only the ones past a slot; the exchange is an all-to-all pair in the compiled program."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxbackend.ops.expert_parallel import GroupedMatmulSplit, grouped_mm_split_of, split_grouped_mm
+from jaxbackend.sharding import make_mesh
+from torchpar.ir.costs import EXPERT_EXCHANGE_HEADROOM, expert_slot_rows
+from torchpar.report.hlo import collectives
+
+ROWS, WIDTH, COLUMNS, EXPERTS = 64, 8, 12, 4
+ATOL = 1e-5  # fp32, "highest" precision on both sides: rounding of sums of 8 products
+ROUTINGS = {
+    "balanced": [16, 16, 16, 16],  # every device's rows fit a 2·L/P slot: the fast exchange
+    "skewed": [40, 0, 4, 20],      # expert 0 takes most rows: slots overflow, the exact exchange runs
+    "short": [30, 0, 10, 20],      # 60 of 64 rows: the last 4 belong to no expert and come out zero
+}
+SPLITS = {  # (expert axes, row axes, column axes) on a 2×2 mesh
+    "experts@0": ((0,), (0,), ()),
+    "experts@0,rows@01": ((0,), (0, 1), ()),
+    "experts@0,rows@10": ((0,), (1, 0), ()),
+    "experts@1,rows@01": ((1,), (0, 1), ()),
+    "experts@01": ((0, 1), (0, 1), ()),
+    "experts@0,columns@1": ((0,), (0,), (1,)),
+    "rows@0": ((), (0,), ()),
+    "rows@01,columns": ((), (0,), (1,)),
+}
+
+
+def _operands(seed: int = 0) -> tuple[jax.Array, jax.Array, jax.Array]:
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.normal(size=(ROWS, WIDTH)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(EXPERTS, WIDTH, COLUMNS)), jnp.float32)
+    cotangent = jnp.asarray(rng.normal(size=(ROWS, COLUMNS)), jnp.float32)
+    return x, w, cotangent
+
+
+def _offsets(routing: str) -> jax.Array:
+    return jnp.asarray(np.cumsum(ROUTINGS[routing]), jnp.int32)
+
+
+def _reference(x, w, offs):
+    return jax.lax.ragged_dot(x, w, jnp.diff(offs, prepend=0), precision="highest")
+
+
+def _split(name: str, capacity: float | None = None) -> GroupedMatmulSplit:
+    experts, rows, columns = SPLITS[name]
+    return GroupedMatmulSplit(experts, rows, columns, (2, 2), capacity)
+
+
+@pytest.mark.parametrize("routing", list(ROUTINGS))
+@pytest.mark.parametrize("name", list(SPLITS))
+def test_split_grouped_mm_matches_ragged_dot(name, routing):
+    x, w, cotangent = _operands()
+    offs = _offsets(routing)
+    mesh = make_mesh((2, 2))
+    split = _split(name)
+
+    def split_loss(x, w):
+        return (split_grouped_mm(x, w, offs, mesh, split, precision="highest") * cotangent).sum()
+
+    def reference_loss(x, w):
+        return (_reference(x, w, offs) * cotangent).sum()
+
+    got = jax.jit(lambda x, w: split_grouped_mm(x, w, offs, mesh, split, precision="highest"))(x, w)
+    np.testing.assert_allclose(got, _reference(x, w, offs), atol=ATOL, rtol=0)
+    grads = jax.jit(jax.grad(split_loss, argnums=(0, 1)))(x, w)
+    want = jax.grad(reference_loss, argnums=(0, 1))(x, w)
+    for got_grad, want_grad, what in zip(grads, want, ("x", "w")):
+        np.testing.assert_allclose(got_grad, want_grad, atol=ATOL, rtol=0, err_msg=f"gradient of {what}")
+
+
+def test_the_fast_exchange_suffices_for_a_balanced_router_and_not_for_a_skewed_one():
+    """The fast exchange alone (a capacity of the default headroom, no exact fallback) is exact on a balanced
+    routing and drops rows on the skewed one — where the default (exact) split still matches, so it took the
+    fallback."""
+    x, w, _ = _operands()
+    mesh = make_mesh((2, 2))
+    fast_only = _split("experts@01", capacity=EXPERT_EXCHANGE_HEADROOM)
+    run = lambda split, offs: split_grouped_mm(x, w, offs, mesh, split, precision="highest")  # noqa: E731
+    balanced = _offsets("balanced")
+    np.testing.assert_allclose(run(fast_only, balanced), _reference(x, w, balanced), atol=ATOL, rtol=0)
+    skewed = _offsets("skewed")
+    assert not np.allclose(run(fast_only, skewed), _reference(x, w, skewed), atol=ATOL)
+    np.testing.assert_allclose(run(_split("experts@01"), skewed), _reference(x, w, skewed), atol=ATOL, rtol=0)
+
+
+def test_a_capacity_drops_the_rows_past_a_slot_and_computes_the_others():
+    """Experts split over one axis of 2 (experts 0, 1 on device 0; 2, 3 on device 1), 32 rows per device, capacity
+    1: slots of ⌈L/2⌉ = 16 rows. Routing 4, 0, 40, 20: device 0's rows are 4 of expert 0 (they stay) and 28 of
+    expert 2 — 16 travel to device 1 and the last 12 are dropped; device 1's 32 rows are all its own."""
+    x, w, _ = _operands()
+    mesh = make_mesh((2, 2))
+    offs = jnp.asarray(np.cumsum([4, 0, 40, 20]), jnp.int32)
+    got = np.asarray(split_grouped_mm(x, w, offs, mesh, _split("experts@0", capacity=1.0), precision="highest"))
+    want = np.asarray(_reference(x, w, offs))
+    zero = (got == 0).all(axis=1)
+    expected_dropped = np.zeros(ROWS, bool)
+    expected_dropped[20:32] = True
+    np.testing.assert_array_equal(zero, expected_dropped)
+    np.testing.assert_allclose(got[~zero], want[~zero], atol=ATOL, rtol=0)
+    exact = split_grouped_mm(x, w, offs, mesh, _split("experts@0"), precision="highest")
+    np.testing.assert_allclose(exact, want, atol=ATOL, rtol=0)
+
+
+def test_the_exchange_is_an_all_to_all_pair_and_the_experts_never_gather():
+    x, w, _ = _operands()
+    mesh = make_mesh((2, 2))
+    offs = _offsets("balanced")
+    hlo = jax.jit(lambda x, w: split_grouped_mm(x, w, offs, mesh, _split("experts@01"))).lower(x, w).compile().as_text()
+    found = collectives(hlo)
+    kinds = [c.kind for c in found]
+    # the fast exchange and the exact one (the branch a skewed batch takes): rows out and results back in each
+    assert kinds.count("all-to-all") == 4, kinds
+    assert not [c for c in found if c.kind == "all-gather"], "an expert-split grouped matmul gathered something"
+
+
+def test_slot_rows_and_split_of_layouts():
+    assert expert_slot_rows(128, 4) == 64 and expert_slot_rows(128, 1) == 128 and expert_slot_rows(3, 8) == 1
+    assert grouped_mm_split_of((None, None), (None, None, None), (2, 2)) is None
+    assert grouped_mm_split_of(((0,), None), (None, None, (1,)), (2, 2)) == GroupedMatmulSplit((), (0,), (1,), (2, 2))
+    assert grouped_mm_split_of(((0, 1), None), ((1,), None, None), (2, 2)) == GroupedMatmulSplit((1,), (0, 1), (), (2, 2))
+    with pytest.raises(ValueError, match="rows split over its expert axes"):
+        grouped_mm_split_of(((0,), None), ((1,), None, None), (2, 2))
+    with pytest.raises(ValueError, match="contracted dim split"):
+        grouped_mm_split_of(((0,), (1,)), ((0,), (1,), None), (2, 2))

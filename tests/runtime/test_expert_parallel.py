@@ -1,0 +1,120 @@
+"""HF mixture-of-experts models trained with their experts split over fake CPU devices: expert weights split over
+the expert dim under a memory budget that replicated experts exceed, the compiled step exchanges tokens by
+all-to-all, and four AdamW steps give PyTorch's losses (router auxiliary loss included) — under GSPMD, as a
+per-device program, and in a two-stage pipeline.
+
+At this size (64 hidden, 512 token rows) the cost model prefers splitting each expert's hidden dims (one
+all-reduce) to an expert split (all-to-alls out and back, each paying the ~0.4 ms latency of these fake devices),
+so these plans ask for the split (``experts="split"``); ``tests/planner/test_expert_plans.py`` has the cost model
+choosing it by itself where it pays."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+import torchpar
+from torchpar.report.hlo import collectives
+
+LOSS_RTOL = 1e-4
+STEPS = 4
+BUDGET = 5_500_000
+"""Bytes per device: less than the experts' own state replicated (checked in each test)."""
+
+
+def _mixtral() -> torch.nn.Module:
+    return transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, num_local_experts=8, num_experts_per_tok=2,
+        output_router_logits=True, router_aux_loss_coef=0.02))
+
+
+def _qwen3_moe() -> torch.nn.Module:
+    return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64, num_experts=8,
+        num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.02, decoder_sparse_step=1,
+        mlp_only_layers=[]))
+
+
+MODELS = {"mixtral": _mixtral, "qwen3_moe": _qwen3_moe}
+
+
+def _batch() -> dict:
+    ids = torch.randint(0, 128, (8, 32), generator=torch.Generator().manual_seed(1))
+    return {"input_ids": ids, "labels": ids}
+
+
+_torch_losses: dict[str, list[float]] = {}
+
+
+def _reference(family: str) -> list[float]:
+    if family not in _torch_losses:
+        torch.manual_seed(0)
+        model, batch = MODELS[family](), _batch()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        losses = []
+        for _ in range(STEPS):
+            optimizer.zero_grad()
+            loss = model(**batch).loss
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+        _torch_losses[family] = losses
+    return _torch_losses[family]
+
+
+def _train(family: str, method, **options):
+    torch.manual_seed(0)
+    model = MODELS[family]()
+    engine = torchpar.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-3), example_batch=_batch(),
+                              method=method, **options)
+    return [engine.step(_batch()) for _ in range(STEPS)], engine
+
+
+def _replicated_expert_state(model: torch.nn.Module) -> int:
+    """Bytes one device holds for the experts replicated under AdamW: parameter, gradient and two moments."""
+    return 4 * sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".experts." in n)
+
+
+def _expert_split(stage) -> dict[str, list]:
+    """Expert weights whose expert dim (0) the plan splits, with their layouts."""
+    return {name: spec for name, spec in stage.params.items() if "experts" in name and spec[0]}
+
+
+@pytest.mark.parametrize("family", list(MODELS))
+def test_experts_split_under_a_budget_train_like_pytorch(family):
+    losses, engine = _train(family, torchpar.ShardParallel(mesh_shape=(1, 4), memory_budget=BUDGET, experts="split"))
+    torch.testing.assert_close(losses, _reference(family), rtol=LOSS_RTOL, atol=0)
+    assert _replicated_expert_state(MODELS[family]()) > BUDGET
+    stage = engine.plan.stages[0]
+    assert stage.estimated_memory_bytes <= BUDGET
+    split = _expert_split(stage)
+    assert len(split) == 4, stage.params  # both projections of both layers
+    kinds = [c.kind for c in collectives(engine.hlo_text()[0])]
+    assert "all-to-all" in kinds
+
+
+def test_experts_split_in_a_per_device_program():
+    """The same plan run as a per-device program (``spmd="shard_map"``): the exchange is the op's own
+    per-device part, not a ``shard_map`` nested in GSPMD."""
+    losses, engine = _train("mixtral", torchpar.ShardParallel(mesh_shape=(1, 4), memory_budget=BUDGET,
+                                                               experts="split"), spmd="shard_map")
+    assert engine.spmd_mode == "shard_map"
+    torch.testing.assert_close(losses, _reference("mixtral"), rtol=LOSS_RTOL, atol=0)
+    assert _expert_split(engine.plan.stages[0])
+
+
+def test_experts_split_inside_pipeline_stages():
+    stage_option = torchpar.ManualStageOption(forward_stage_layer_ids=((0,), (1,)),
+                                              submesh_physical_shapes=((1, 4), (1, 4)),
+                                              submesh_logical_shapes=((1, 4), (1, 4)))
+    method = torchpar.PipeshardParallel(num_micro_batches=2, layer_option=torchpar.AutoLayerOption(layer_num=2),
+                                        stage_option=stage_option, experts="split")
+    losses, engine = _train("mixtral", method)
+    torch.testing.assert_close(losses, _reference("mixtral"), rtol=LOSS_RTOL, atol=0)
+    stages = engine.plan.stages
+    experts = [name for stage in stages for name in stage.params if ".experts." in name]
+    assert len(stages) == 2 and len(experts) == 4  # the clustering puts both MoE blocks in one stage or two
+    assert sum(len(_expert_split(stage)) for stage in stages) == 4
