@@ -1,6 +1,8 @@
-"""Mixture-of-experts step time on one device: torchpar against PyTorch eager, as the number of experts grows.
+"""Mixture-of-experts step time on one device: torchpar against PyTorch eager, as the number of experts grows; and
+on several (fake CPU) devices, the experts replicated, tensor-split and expert-split side by side.
 
     python benchmarks/moe.py [--experts 8,32,64] [--top-k 2] [--steps 5] [--warmup 2] [--json out.json]
+    python benchmarks/moe.py --devices 4 [--experts 8,32] [--json benchmarks/results/moe_sharded.json]
 
 HF ``MixtralForCausalLM`` (2 layers, hidden 256, expert hidden 512, 4 heads, vocabulary 1,024; its default
 ``grouped_mm`` experts path), batch 8 × 256, AdamW, fp32. Three runners train the same model, timed interleaved
@@ -8,7 +10,14 @@ HF ``MixtralForCausalLM`` (2 layers, hidden 256, expert hidden 512, 4 heads, voc
 expert's rows (``jaxbackend/ops/grouped_matmul.py``, the default); torchpar with ``jax.lax.ragged_dot`` as XLA's CPU
 backend expands it (every expert computed on every row). The work of an exact grouped matmul grows with the rows
 (tokens × top-k), not with the number of experts: the table shows how each runner's step grows from the first
-expert count. Expert parallelism over several devices is the planner's (issue 29); this is the one-device kernel.
+expert count.
+
+With ``--devices D`` the same model trains under ``ShardParallel(mesh_shape=(1, D), experts=...)`` for each way a
+grouped matmul can be laid out — ``replicated`` (every expert on every device), ``tensor`` (each expert's hidden
+dims split), ``split`` (experts split over the devices, tokens exchanged by all-to-all) — and ``auto`` (the ILP's
+choice), timed interleaved; each row gives the step time, XLA's memory per device (arguments + temporaries of the
+compiled step) and the plan's estimates of both beside it. Fake CPU devices share this machine's cores: the times
+compare the layouts with each other, not with real devices.
 """
 
 from __future__ import annotations
@@ -69,14 +78,84 @@ def measure(experts: int, top_k: int, steps: int, warmup: int) -> dict[str, Any]
             "compile_s": compile_s, "all_step_s": times}
 
 
+LAYOUTS = ("replicated", "tensor", "split", "auto")
+
+
+def measure_sharded(experts: int, top_k: int, devices: int, steps: int, warmup: int) -> list[dict[str, Any]]:
+    """One row per :data:`LAYOUTS` entry: the model under ``ShardParallel(mesh_shape=(1, devices), experts=...)``."""
+    import transformers
+
+    import torchpar
+
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        **CONFIG, num_local_experts=experts, num_experts_per_tok=top_k))
+    ids = torch.randint(0, CONFIG["vocab_size"], (BATCH, SEQ))
+    batch = {"input_ids": ids, "labels": ids}
+    engines = {}
+    for layout in LAYOUTS:
+        copy_ = copy.deepcopy(model)
+        engines[layout] = torchpar.compile(copy_, torch.optim.AdamW(copy_.parameters(), lr=1e-4), example_batch=batch,
+                                           method=torchpar.ShardParallel(mesh_shape=(1, devices), experts=layout))
+        engines[layout].step(batch)
+    times: dict[str, list[float]] = {layout: [] for layout in LAYOUTS}
+    for round_index in range(warmup + steps):
+        for layout, engine in engines.items():
+            start = time.perf_counter()
+            engine.step(batch)
+            if round_index >= warmup:
+                times[layout].append(time.perf_counter() - start)
+    rows = []
+    for layout, engine in engines.items():
+        stage = engine.plan.stages[0]
+        memory = engine.memory_stats()[0]
+        grouped = sorted({label.rpartition(": ")[2] for label in stage.strategies.values() if "grouped_mm" in label})
+        rows.append({"experts": experts, "layout": layout, "grouped_mm": grouped,
+                     "median_step_s": statistics.median(times[layout]), "estimated_step_s": stage.estimated_cost_s,
+                     "xla_bytes_per_device": memory["argument_bytes"] + memory["temp_bytes"],
+                     "estimated_bytes_per_device": stage.estimated_memory_bytes, "all_step_s": times[layout]})
+    return rows
+
+
+def sharded_main(args: argparse.Namespace) -> int:
+    import transformers
+
+    import torchpar
+
+    transformers.logging.set_verbosity_error()
+    torchpar.init(cluster="local", num_devices=args.devices)
+    print(f"Mixtral {CONFIG}, batch {BATCH}×{SEQ}, top-{args.top_k}, ShardParallel on 1×{args.devices} fake CPU "
+          f"devices ({os.cpu_count()} cpus)")
+    print(f"{'experts':>8} {'layout':<11}{'step ms':>9}{'est. ms':>9}{'XLA MiB':>9}{'est. MiB':>10}  grouped matmuls")
+    rows = []
+    for experts in (int(e) for e in args.experts.split(",")):
+        for row in measure_sharded(experts, args.top_k, args.devices, args.steps, args.warmup):
+            rows.append(row)
+            print(f"{experts:>8} {row['layout']:<11}{row['median_step_s'] * 1e3:9.1f}{row['estimated_step_s'] * 1e3:9.1f}"
+                  f"{row['xla_bytes_per_device'] / 2**20:9.1f}{row['estimated_bytes_per_device'] / 2**20:10.1f}  "
+                  f"{', '.join(row['grouped_mm'])}", flush=True)
+    if args.json:
+        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+        with open(args.json, "w") as handle:
+            json.dump({"machine": {"cpus": os.cpu_count(), "torch": torch.__version__}, "config": CONFIG,
+                       "batch": [BATCH, SEQ], "devices": args.devices, "rows": rows}, handle, indent=2)
+        print(f"wrote {args.json}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--experts", default="8,32,64")
     parser.add_argument("--top-k", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--json", default="benchmarks/results/moe.json")
+    parser.add_argument("--devices", type=int, default=1, help="> 1: the layouts of the experts on that many devices")
+    parser.add_argument("--json", default=None, help="default benchmarks/results/moe.json (moe_sharded.json)")
     args = parser.parse_args(argv)
+    if args.devices > 1:
+        args.json = args.json or "benchmarks/results/moe_sharded.json"
+        return sharded_main(args)
+    args.json = args.json or "benchmarks/results/moe.json"
     import transformers
 
     import torchpar

@@ -31,7 +31,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from torchpar.methods import METHOD_NAMES, METHODS, SINGLE_DEVICE
+from torchpar.methods import EXPERTS_OPTIONS, METHOD_NAMES, METHODS, SINGLE_DEVICE
 from torchpar.planner.remat import REMAT_CHOICES
 
 OPTIMIZERS = ("adamw", "adam", "sgd")
@@ -85,7 +85,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _common_arguments(parser: argparse.ArgumentParser, *, method: str, batch_size: int, seq_len: int) -> None:
-    parser.add_argument("--model", default="gpt2", help="zoo family (gpt2, llama, bert, vit, resnet, mlp, moe) or a "
+    parser.add_argument("--model", default="gpt2", help="zoo family (gpt2, llama, bert, vit, resnet, mlp, moe, mixtral) or a "
                         "Python file defining build() -> (model, optimizer, batch)")
     parser.add_argument("--config", default="{}", help='JSON config overrides of a zoo model, e.g. \'{"n_layer": 12}\'')
     parser.add_argument("--devices", type=int, default=8, help="number of (fake CPU) devices")
@@ -96,6 +96,9 @@ def _common_arguments(parser: argparse.ArgumentParser, *, method: str, batch_siz
     parser.add_argument("--mesh", default=None, help="logical mesh 'd0xd1' for dp/zero2/zero3/megatron/shard "
                         "(default: all devices; shard tries every factorization)")
     parser.add_argument("--micro-batches", type=int, default=4, help="pipeshard: micro-batches per step")
+    parser.add_argument("--experts", choices=EXPERTS_OPTIONS, default="auto",
+                        help="shard/pipeshard: MoE grouped matmuls — auto (the ILP decides), split (experts over a "
+                             "mesh axis), tensor (each expert's hidden dims), replicated")
     parser.add_argument("--layers", type=int, default=4, help="pipeshard: layers formed by operator clustering")
     parser.add_argument("--stages", choices=("auto", "uniform"), default="auto", help="pipeshard: stage option")
     parser.add_argument("--schedule", choices=("1f1b", "gpipe", "interleaved_1f1b", "zb_h1"), default="1f1b",
@@ -151,9 +154,13 @@ def _method(args: argparse.Namespace) -> Any:
             raise ValueError("--mesh applies to one-stage methods; pipeshard picks each stage's mesh")
         return torchpar.PipeshardParallel(num_micro_batches=args.micro_batches,
                                           layer_option=torchpar.AutoLayerOption(layer_num=args.layers),
-                                          stage_option=args.stages, schedule=args.schedule)
+                                          stage_option=args.stages, schedule=args.schedule, experts=args.experts)
     if args.method == SINGLE_DEVICE:
         return None
+    if args.method == "shard":
+        return METHODS[args.method](mesh_shape=mesh, experts=args.experts)
+    if args.experts != "auto":
+        raise ValueError(f"--experts applies to shard and pipeshard, not {args.method}")
     return METHODS[args.method](mesh_shape=mesh)
 
 

@@ -112,8 +112,10 @@ class ShardParallel:
     experts: ExpertsOption = "auto"
     """Mixture-of-experts grouped matmuls: ``"auto"``, the ILP weighs splitting the experts over a mesh axis
     (expert parallelism: tokens exchanged by all-to-all) against replicating them, splitting their rows or their
-    hidden dims; ``"split"``, every grouped matmul whose experts divide a mesh axis splits them (the
-    alternatives are not considered)."""
+    hidden dims. The others restrict every grouped matmul to one kind of layout, where it has one (the plan can
+    only get slower by the cost model): ``"split"``, experts split over a mesh axis; ``"tensor"``, every expert's
+    hidden dims split (tensor parallelism inside the experts); ``"replicated"``, every expert whole on every
+    device."""
 
     def __post_init__(self) -> None:
         _check_mesh_shape(self.mesh_shape)
@@ -222,8 +224,8 @@ def method_name(method: Method | None) -> str:
     return SINGLE_DEVICE if method is None else method.name
 
 
-ExpertsOption = Literal["auto", "split"]
-EXPERTS_OPTIONS: tuple[str, ...] = ("auto", "split")
+ExpertsOption = Literal["auto", "split", "tensor", "replicated"]
+EXPERTS_OPTIONS: tuple[str, ...] = ("auto", "split", "tensor", "replicated")
 
 
 def _check_experts(experts: str) -> None:

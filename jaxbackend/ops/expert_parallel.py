@@ -88,10 +88,6 @@ class GroupedMatmulSplit:
         return math.prod(self.mesh_shape[a] for a in self.expert_axes)
 
     @property
-    def row_chunks(self) -> int:
-        return math.prod(self.mesh_shape[a] for a in self.row_axes)
-
-    @property
     def chunk_stride(self) -> int:
         """How far apart (in row chunks) two neighbours along the expert axes are."""
         last = self.row_axes.index(self.expert_axes[-1])
@@ -101,10 +97,6 @@ class GroupedMatmulSplit:
         """Rows of one peer's slot on the fast path: ``⌈capacity · L / P⌉``, the capacity defaulting to
         :data:`torchpar.ir.costs.EXPERT_EXCHANGE_HEADROOM` (at most ``L``)."""
         return expert_slot_rows(local_rows, self.expert_devices, self.capacity)
-
-    def exact_slot_rows(self, local_rows: int) -> int:
-        """Rows of one peer's slot when every row of a chunk may go to one peer: ``L``."""
-        return local_rows
 
     def specs(self) -> tuple[PartitionSpec, PartitionSpec, PartitionSpec, PartitionSpec]:
         """``shard_map`` specs of ``x``, ``w``, ``offs`` and the output."""
@@ -157,7 +149,7 @@ def split_grouped_mm_local(x: jax.Array, weight: jax.Array, offs: jax.Array, spl
     counts = _overlaps(peer_chunks * rows, rows, offs).reshape(peers, peers, local_experts)  # [source, owner, e_l]
     routing = _Routing(me=me, sent=counts[me].sum(axis=1), received=counts[:, me, :])
     exchange = lambda slot: lambda x, w: _exchange(x, w, routing, slot, split, **dot)  # noqa: E731
-    fast, exact = split.slot_rows(rows), split.exact_slot_rows(rows)
+    fast, exact = split.slot_rows(rows), rows  # exact: every row of the chunk may go to one peer
     if fast == exact or split.capacity is not None:
         return exchange(fast)(x, weight)
     # every device of the mesh takes the same branch: the collectives inside a branch complete

@@ -37,3 +37,17 @@ def test_config_with_a_model_file_is_an_error(capsys, tmp_path):
     source.write_text("def build():\n    raise AssertionError('not reached')\n")
     assert main(["plan", "--model", str(source), "--config", '{"n_layer": 2}', "--devices", "8"]) == 2
     assert "--config overrides the config of a zoo model" in capsys.readouterr().err
+
+
+def test_plan_a_mixtral_with_its_experts_split(capsys, tmp_path):
+    """``python -m torchpar plan --model mixtral --experts split``: the summary names the expert split and the
+    all-to-all bytes; ``--experts`` on a method without the choice is an error."""
+    argv = ["plan", "--model", "mixtral", "--devices", "4", "--method", "shard", "--mesh", "1x4", "--experts", "split",
+            "--batch-size", "8", "--seq-len", "16", "--out", str(tmp_path / "plan.html")]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "experts: 4 grouped matmul(s), experts split over mesh axis 1" in out
+    assert "experts: the stage's all-to-alls send" in out
+    assert main(["plan", "--model", "mixtral", "--devices", "4", "--method", "data_parallel", "--experts", "split",
+                 "--out", str(tmp_path / "dp.html")]) == 2
+    assert "--experts applies to shard and pipeshard" in capsys.readouterr().err

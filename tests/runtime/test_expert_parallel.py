@@ -118,3 +118,20 @@ def test_experts_split_inside_pipeline_stages():
     experts = [name for stage in stages for name in stage.params if ".experts." in name]
     assert len(stages) == 2 and len(experts) == 4  # the clustering puts both MoE blocks in one stage or two
     assert sum(len(_expert_split(stage)) for stage in stages) == 4
+
+
+def test_experts_split_with_accumulation_and_recomputation():
+    """Two micro-batches accumulated and the layers recomputed in the backward: still PyTorch's losses (the router
+    loss of each micro-batch is averaged, which the engine warns about; at this size it stays within 1e-4)."""
+    method = torchpar.ShardParallel(mesh_shape=(1, 4), experts="split", num_micro_batches=2)
+    losses, engine = _train("mixtral", method, remat="selective")
+    torch.testing.assert_close(losses, _reference("mixtral"), rtol=LOSS_RTOL, atol=0)
+    assert engine.plan.remat == "selective" and len(_expert_split(engine.plan.stages[0])) == 4
+
+
+def test_experts_split_in_bf16():
+    """bf16 autocast: the exchange and the experts' matmuls run in bf16; losses follow fp32 PyTorch's to bf16's
+    precision."""
+    losses, _ = _train("mixtral", torchpar.ShardParallel(mesh_shape=(1, 4), experts="split"),
+                       mixed_precision="bf16")
+    torch.testing.assert_close(losses, _reference("mixtral"), rtol=2e-2, atol=0)

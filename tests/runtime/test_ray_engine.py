@@ -53,6 +53,26 @@ def test_one_stage_methods_run_on_both_host_actors(two_hosts_of_two, method):
         assert list(stats) == [0] and stats[0]["argument_bytes"] > 0
 
 
+def test_experts_split_across_host_actors(two_hosts_of_two):
+    """HF Mixtral with its experts split over a mesh axis that spans both host actors: the tokens' all-to-all
+    crosses the hosts, and SGD matches PyTorch (losses and every parameter)."""
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, num_local_experts=8, num_experts_per_tok=2,
+        output_router_logits=True, router_aux_loss_coef=0.02))
+    ids = torch.randint(0, 128, (8, 16))
+    engine = train_against_pytorch(model, {"input_ids": ids, "labels": ids},
+                                   torchpar.ShardParallel(mesh_shape=(1, 4), experts="split"), steps=3)
+    with engine:
+        stage = engine.plan.stages[0]
+        assert all(spec[0] == [1] for name, spec in stage.params.items() if ".experts." in name)
+        for w in engine.describe_workers(programs=True):
+            assert any(c.kind == "all-to-all" for c in crossing_collectives(w)), f"host {w['rank']}"
+
+
 class _DropoutLayers(torch.nn.Module):
     """Linear+ReLU+dropout layers, a pipeline boundary after each: every stage reads the step's PRNG key."""
 

@@ -3,7 +3,8 @@
 For the examples, the benchmarks and the command line: ``build("gpt2", {"n_layer": 4}, batch_size=8,
 seq_len=128)`` returns ``(model, batch)`` where ``model(**batch).loss`` is the training loss.
 Families: ``gpt2``, ``llama``, ``bert`` (masked LM), ``vit``, ``resnet`` (HuggingFace transformers) and
-``mlp`` (a plain PyTorch MLP with an MSE loss) and ``moe`` (one top-k mixture-of-experts layer).
+``mlp`` (a plain PyTorch MLP with an MSE loss), ``moe`` (one top-k mixture-of-experts layer, dense dispatch) and
+``mixtral`` (HF Mixtral: top-2 routed experts through transformers' ``grouped_mm`` path, router loss included).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any, Callable
 
 import torch
 
-FAMILIES = ("gpt2", "llama", "bert", "vit", "resnet", "mlp", "moe")
+FAMILIES = ("gpt2", "llama", "bert", "vit", "resnet", "mlp", "moe", "mixtral")
 
 
 class MLP(torch.nn.Module):
@@ -73,7 +74,7 @@ def build(family: str, overrides: dict[str, Any] | None = None, *, batch_size: i
 
 
 _CONFIG_CLASSES = {"gpt2": "GPT2Config", "llama": "LlamaConfig", "bert": "BertConfig", "vit": "ViTConfig",
-                   "resnet": "ResNetConfig"}
+                   "resnet": "ResNetConfig", "mixtral": "MixtralConfig"}
 """The transformers config class whose fields each HF family's overrides set."""
 
 
@@ -139,6 +140,17 @@ def _llama(overrides: dict, batch_size: int, seq_len: int, dropout: float) -> tu
     return transformers.LlamaForCausalLM(config), {"input_ids": ids, "labels": ids}
 
 
+def _mixtral(overrides: dict, batch_size: int, seq_len: int, dropout: float) -> tuple[torch.nn.Module, Any]:
+    import transformers
+
+    fields = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=128, max_position_embeddings=max(64, seq_len),
+                  num_local_experts=8, num_experts_per_tok=2, output_router_logits=True, attention_dropout=dropout)
+    config = transformers.MixtralConfig(**{**fields, **overrides})
+    ids = _token_batch(config.vocab_size, batch_size, seq_len)
+    return transformers.MixtralForCausalLM(config), {"input_ids": ids, "labels": ids}
+
+
 def _bert(overrides: dict, batch_size: int, seq_len: int, dropout: float) -> tuple[torch.nn.Module, Any]:
     import transformers
 
@@ -189,4 +201,5 @@ def _moe(overrides: dict, batch_size: int, seq_len: int, dropout: float) -> tupl
 
 _BUILDERS: dict[str, Callable[[dict, int, int, float], tuple[torch.nn.Module, Any]]] = {
     "gpt2": _gpt2, "llama": _llama, "bert": _bert, "vit": _vit, "resnet": _resnet, "mlp": _mlp, "moe": _moe,
+    "mixtral": _mixtral,
 }

@@ -326,8 +326,8 @@ def _expert_lines(stage: "StagePlan") -> list[str]:
         lines.append(f"    experts: {len(modules)} grouped matmul(s), {how}: {names}")
     exchanged = stage.communication_bytes.get("all_to_all")
     if exchanged:
-        lines.append(f"    experts: all-to-all {format_bytes(exchanged)} per device per step (tokens to their experts "
-                     "and back, priced for a balanced router)")
+        lines.append(f"    experts: the stage's all-to-alls send {format_bytes(exchanged)} per device per step (tokens to "
+                     "their experts and back among them, priced for a balanced router)")
     return lines
 
 

@@ -101,8 +101,8 @@ def build_solver_graph(graph: Graph, mesh: LogicalMesh, *, trainable: set[str], 
     largest layer, recomputed once at a time), and a recomputed matmul costs one more forward (a third of its
     forward + backward compute). ``in_flight``: micro-batches whose activations a pipeline stage holds at once (its
     schedule's, as the stage DP counts them): the kept activations and the stage's inputs count that many times,
-    the recomputed layer once. ``experts="split"``: a grouped matmul whose experts divide a mesh axis keeps only its
-    expert-parallel strategies (:func:`.strategies.expert_strategies`).
+    the recomputed layer once. ``experts``: which layouts a grouped matmul may take (:func:`_expert_choice`;
+    ``"split"``: its expert-parallel strategies, :func:`.strategies.expert_strategies`).
     """
     builder = _Builder(graph, mesh, trainable, optimizer_state_copies, batch_dim_axes, num_micro_batches,
                        accumulated_weight_grads, remat, in_flight, experts)
@@ -279,7 +279,7 @@ class _Builder:
             split = expert_strategies([m.shape for m in metas], node.flops, DTYPE_BYTES.get(metas[0].dtype, 4), grads,
                                       self.mesh, weight_operands=self._weights(refs),
                                       num_micro_batches=self.num_micro_batches)
-            strategies = split if split and self.experts == "split" else strategies + split
+            strategies = _expert_choice(self.experts, strategies, split)
         index = self._new_root(node.name, "anchor", f"{node.target} {node.module_path}".strip(), strategies, None)
         root = self.roots[index]
         root.memory *= self._copies(node.name)
@@ -378,6 +378,22 @@ class _Builder:
         if grad:
             cost += self.mesh.resharding(nbytes, dst, src)
         return self.num_micro_batches * cost
+
+
+def _expert_choice(experts: str, einsum: list[Strategy], split: list[Strategy]) -> list[Strategy]:
+    """A grouped matmul's strategies under ``experts`` (``ShardParallel.experts``): all of them for ``"auto"``, else
+    those of one kind — expert splits (``"split"``), hidden-dim splits only (``"tensor"``: labels ``k``/``n`` of
+    :func:`.strategies.anchor_einsum`'s ``sk, ekn, e → sn``), the replicated one — or all if it has none."""
+    if experts == "split":
+        kept = split
+    elif experts == "tensor":
+        kept = [s for s in einsum if s.name != "replicated"
+                and all(part.split("@")[0] in ("k", "n") for part in s.name.split(","))]
+    elif experts == "replicated":
+        kept = [s for s in einsum if s.name == "replicated"]
+    else:
+        kept = []
+    return kept or einsum + split
 
 
 def _numel(meta: Any) -> int:
