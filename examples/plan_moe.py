@@ -42,7 +42,7 @@ def main() -> None:
     parser.add_argument("--preset", default="a100-80g")
     parser.add_argument("--remat", default="selective", help="activation checkpointing (auto plans every option)")
     parser.add_argument("--split-experts", action="store_true", help="experts='split': no other layout for them")
-    parser.add_argument("--json", default=None, help="append this case's figures to a JSON list in this file")
+    parser.add_argument("--json", default=None, help="append this case's figures to the rows of this JSON file")
     args = parser.parse_args()
     shape = dict(zip(("layers", "hidden", "heads", "kv_heads", "expert_hidden", "experts", "top_k", "vocab", "seq",
                       "batch", "micro_batches"), MODELS[args.model]))
@@ -71,7 +71,7 @@ def main() -> None:
     mixed = "fp16" if args.preset.startswith("v100") else "bf16"
     start = time.perf_counter()
     figures = {"model": args.model, "preset": args.preset, "devices": cluster.num_devices,
-               "parameters_b": parameters / 1e9, "remat": args.remat}
+               "parameters_b": parameters / 1e9, "remat": args.remat, "shape": shape}
     try:
         plan = torchpar.plan(model, torch.optim.AdamW(model.parameters()), example_batch={"input_ids": ids,
                              "labels": ids}, method=method, mixed_precision=mixed, remat=args.remat, explain=False)
@@ -99,16 +99,17 @@ def main() -> None:
 
 
 def _write(path: str | None, figures: dict) -> None:
+    """Append ``figures`` to the ``rows`` of the JSON file at ``path`` (created if missing)."""
     if not path:
         return
     try:
         with open(path) as handle:
-            rows = json.load(handle)
+            data = json.load(handle)
     except FileNotFoundError:
-        rows = []
-    rows.append(figures)
+        data = {"rows": []}
+    data["rows"].append(figures)
     with open(path, "w") as handle:
-        json.dump(rows, handle, indent=2)
+        json.dump(data, handle, indent=2)
 
 
 if __name__ == "__main__":

@@ -299,11 +299,11 @@ LAYOUT_LEGEND = ("layouts, one word per tensor dim: R = whole (replicated), S0 /
 """The legend ``summary()`` prints above the layouts (:func:`torchpar.ir.layout.describe` is their one text form)."""
 
 
-def _expert_lines(stage: "StagePlan") -> list[str]:
-    """The stage's grouped matmuls (mixture-of-experts) by how the plan splits them: over their experts (expert
-    parallelism: mesh axis ``a`` holds experts ``i·E/P … (i+1)·E/P − 1`` on its ``i``-th device, tokens exchanged
-    by all-to-all), their rows, or not at all; with the all-to-all bytes the stage sends."""
-    by_split: dict[str, list[str]] = {}
+def expert_layouts(stage: "StagePlan") -> list[tuple[str, str, str]]:
+    """``(module, strategy, meaning)`` for each grouped matmul (mixture of experts) of the stage: split over its
+    experts (expert parallelism: mesh axis ``a``'s ``i``-th device holds the ``i``-th block of experts, tokens
+    exchanged by all-to-all), over its rows, its hidden dims, or not at all."""
+    layouts = []
     for label in stage.strategies.values():
         op, _, strategy = str(label).rpartition(": ")
         target, _, module = op.partition(" ")
@@ -311,19 +311,24 @@ def _expert_lines(stage: "StagePlan") -> list[str]:
             continue
         if strategy.startswith("experts@"):
             parts = dict(part.split("@") for part in strategy.split(","))
-            axes = " and ".join(parts["experts"])
-            how = (f"experts split over mesh axis {axes} (device i of the axis holds the i-th block of experts), "
-                   f"rows over axis {' and '.join(parts['s'])}" + (f", columns over axis {parts['n']}" if "n" in parts
-                                                                     else ""))
+            meaning = (f"experts split over mesh axis {' and '.join(parts['experts'])} (device i of the axis holds "
+                       f"the i-th block of experts), rows over axis {' and '.join(parts['s'])}"
+                       + (f", columns over axis {parts['n']}" if "n" in parts else ""))
         else:
-            how = f"experts on every device ({strategy})"
-        by_split.setdefault(how, []).append(module or target)
-    if not by_split:
+            meaning = f"experts on every device ({strategy})"
+        layouts.append((module or target, strategy, meaning))
+    return layouts
+
+
+def _expert_lines(stage: "StagePlan") -> list[str]:
+    """The summary's lines on the stage's grouped matmuls (:func:`expert_layouts`), with its all-to-all bytes."""
+    by_meaning: dict[str, list[str]] = {}
+    for module, _, meaning in expert_layouts(stage):
+        by_meaning.setdefault(meaning, []).append(module)
+    if not by_meaning:
         return []
-    lines = []
-    for how, modules in by_split.items():
-        names = ", ".join(dict.fromkeys(modules))
-        lines.append(f"    experts: {len(modules)} grouped matmul(s), {how}: {names}")
+    lines = [f"    experts: {len(modules)} grouped matmul(s), {meaning}: {', '.join(dict.fromkeys(modules))}"
+             for meaning, modules in by_meaning.items()]
     exchanged = stage.communication_bytes.get("all_to_all")
     if exchanged:
         lines.append(f"    experts: the stage's all-to-alls send {format_bytes(exchanged)} per device per step (tokens to "

@@ -1,6 +1,6 @@
 """The report's "Operator strategies" section: what the sharding ILP chose for each anchor op of each stage.
 
-``StagePlan.strategies`` maps an anchor op (matmul, attention, embedding, convolution; IR node name) to
+``StagePlan.strategies`` maps an anchor op (matmul, attention, embedding, convolution, grouped matmul; IR node name) to
 ``"<aten target> <module path>: <strategy>"``. A strategy names which einsum label of the op is split over
 which logical mesh axes, comma-separated: ``m@1`` splits label ``m`` over axis 1, ``m@0,n@1`` splits ``m`` over
 axis 0 and ``n`` over axis 1, ``m@01`` splits ``m`` over both; ``replicated`` splits nothing. The labels per op
@@ -27,18 +27,25 @@ if TYPE_CHECKING:
 
 _MATMUL = {"m": "rows (batch × sequence)", "k": "contracted dim (in features)", "n": "out features"}
 _BATCHED = {"b": "batch", "m": "rows", "k": "contracted dim", "n": "columns"}
+_GROUPED = {"experts": "experts (device i of the axis holds the i-th block of experts; tokens exchanged by all-to-all)",
+            "s": "rows (tokens × top-k, sorted by expert)", "k": "contracted dim (expert input)",
+            "n": "expert output columns"}
 OP_LABELS: dict[str, dict[str, str]] = {
     "mm": _MATMUL, "addmm": _MATMUL, "bmm": _BATCHED, "baddbmm": _BATCHED,
     "embedding": {"V": "vocabulary (table rows)", "D": "embedding dim", "a": "index dim 0 (batch)",
                   "b": "index dim 1 (sequence)", "c": "index dim 2"},
     "scaled_dot_product_attention": {"b": "batch", "h": "heads"},
     "convolution": {"n": "batch", "o": "out channels", "c": "in channels (contracted)"},
+    "_grouped_mm": _GROUPED,
+    "transformers.grouped_mm_fallback.default": _GROUPED,
 }
 """What each einsum label of an anchor op's strategy stands for, by op (``aten.<op>.default``)."""
 OPERAND_NAMES: dict[str, tuple[str, ...]] = {
     "mm": ("input", "weight"), "addmm": ("bias", "input", "weight"), "bmm": ("a", "b"),
     "baddbmm": ("bias", "a", "b"), "embedding": ("table", "indices"),
     "scaled_dot_product_attention": ("q", "k", "v", "mask"), "convolution": ("input", "weight", "bias"),
+    "_grouped_mm": ("rows", "experts' weights", "offsets"),
+    "transformers.grouped_mm_fallback.default": ("rows", "experts' weights", "offsets"),
 }
 _ROWS_OPEN = 40
 """Stages are shown expanded while the whole table has at most this many rows."""
