@@ -25,6 +25,10 @@ RUNS = {
     # the 48-layer model plans in ~30 s; a small one takes the same path
     "plan_gpt3_39b.py": ["--layers", "4", "--hidden", "1024", "--heads", "16", "--batch", "64", "--micro-batches", "8",
                          "--layer-num", "4", "--hosts", "2", "--devices-per-host", "4", "--out", "/dev/null"],
+    # Mixtral's path (meta model, grouped matmuls, the experts' layouts) on a small shape
+    "plan_moe.py": ["--layers", "2", "--hidden", "128", "--heads", "4", "--kv-heads", "4", "--expert-hidden", "256",
+                    "--vocab", "1024", "--seq", "64", "--batch", "32", "--micro-batches", "4", "--layer-num", "2",
+                    "--hosts", "1", "--devices-per-host", "4"],
 }
 
 

@@ -25,8 +25,7 @@ ROUTINGS = {
 SPLITS = {  # (expert axes, row axes, column axes) on a 2×2 mesh
     "experts@0": ((0,), (0,), ()),
     "experts@0,rows@01": ((0,), (0, 1), ()),
-    "experts@0,rows@10": ((0,), (1, 0), ()),
-    "experts@1,rows@01": ((1,), (0, 1), ()),
+    "experts@1,rows@01": ((1,), (0, 1), ()),  # not a layout the planner offers (rows' major axis is not the experts')
     "experts@01": ((0, 1), (0, 1), ()),
     "experts@0,columns@1": ((0,), (0,), (1,)),
     "rows@0": ((), (0,), ()),
@@ -56,10 +55,9 @@ def _split(name: str, capacity: float | None = None) -> GroupedMatmulSplit:
 
 
 # every split on the skewed routing (the exact path, reached through the fast one's overflow test); the balanced
-# and short routings on one split per kind (one axis, data beside the experts, both axes, rows alone)
+# and short routings with data beside the experts and with the experts over both axes
 CASES = ([(name, "skewed") for name in SPLITS]
-         + [(name, routing) for name in ("experts@0", "experts@0,rows@01", "experts@01", "rows@0")
-            for routing in ("balanced", "short")])
+         + [(name, routing) for name in ("experts@0,rows@01", "experts@01") for routing in ("balanced", "short")])
 
 
 @pytest.mark.parametrize("name, routing", CASES, ids=[f"{n}-{r}" for n, r in CASES])

@@ -241,14 +241,19 @@ def _edges(model, graph: SolverGraph, x: list[list]) -> tuple[list, list]:
     distinct (row, column) pair with a positive cost or memory, not per strategy pair.
     """
     terms, memory_terms = [], []
-    for pair in sorted(set(graph.edges) | set(graph.memory_edges)):
+    pairs = list(graph.edges) + [pair for pair in graph.memory_edges if pair not in graph.edges]
+    for pair in pairs:
         u, v = pair
         shape = (len(graph.roots[u].strategies), len(graph.roots[v].strategies))
         cost = np.broadcast_to(np.asarray(graph.edges.get(pair, 0.0), np.float64), shape)
-        gathered = np.broadcast_to(np.asarray(graph.memory_edges.get(pair, 0.0), np.float64), shape)
-        both = np.concatenate([cost, gathered], axis=1)
-        row_groups, rows = _groups(model, both, x[u], f"r{u}_{v}")
-        col_groups, cols = _groups(model, np.concatenate([cost, gathered]).T, x[v], f"c{u}_{v}")
+        if pair in graph.memory_edges:
+            gathered = np.broadcast_to(np.asarray(graph.memory_edges[pair], np.float64), shape)
+            row_groups, rows = _groups(model, np.concatenate([cost, gathered], axis=1), x[u], f"r{u}_{v}")
+            col_groups, cols = _groups(model, np.concatenate([cost, gathered]).T, x[v], f"c{u}_{v}")
+        else:  # most edges: no memory term
+            gathered = np.zeros(shape)
+            row_groups, rows = _groups(model, cost, x[u], f"r{u}_{v}")
+            col_groups, cols = _groups(model, cost.T, x[v], f"c{u}_{v}")
         picked = np.ix_([g[0] for g in rows], [h[0] for h in cols])
         reduced_cost, reduced_memory = cost[picked], gathered[picked]
         for g, h in zip(*np.nonzero((reduced_cost > 0) | (reduced_memory > 0))):

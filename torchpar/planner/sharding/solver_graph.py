@@ -338,8 +338,8 @@ class _Builder:
         rows = len(self.roots[source].strategies)
         cols = len(self.roots[consumer_root].strategies)
         matrix = np.zeros((rows, cols))
-        gathered = np.zeros((rows, cols))
         is_param = count_gathered and self.roots[source].kind == "param"
+        gathered = np.zeros((rows, cols)) if is_param else None
         wanted_specs = [required_of(l) for l in range(cols)]
         cache: dict[tuple[str, str], float] = {}
         for k, spec in enumerate(layout.specs):
@@ -356,7 +356,8 @@ class _Builder:
                     used = _local_bytes(meta, wanted, self.mesh)
                     gathered[k, l] = used if used > _local_bytes(meta, spec, self.mesh) else 0.0
         self._add_pair(self.edges, source, consumer_root, matrix)
-        self._add_pair(self.memory_edges, source, consumer_root, gathered)
+        if gathered is not None:
+            self._add_pair(self.memory_edges, source, consumer_root, gathered)
 
     @staticmethod
     def _add_pair(edges: dict[tuple[int, int], np.ndarray], source: int, consumer: int, matrix: np.ndarray) -> None:
