@@ -65,6 +65,16 @@ def measure(experts: int, top_k: int, steps: int, warmup: int) -> dict[str, Any]
         finally:
             linalg.GROUPED_MM = "blocked"
         runners[name] = lambda engine=engine: float(engine.step(batch))
+    times = time_interleaved(runners, steps, warmup)
+    medians = {name: statistics.median(values) for name, values in times.items()}
+    return {"experts": experts, "top_k": top_k, "median_step_s": medians,
+            "ratio_to_eager": {name: medians[name] / medians["eager"] for name in medians},
+            "compile_s": compile_s, "all_step_s": times}
+
+
+def time_interleaved(runners: dict[str, Callable[[], Any]], steps: int, warmup: int) -> dict[str, list[float]]:
+    """Seconds of each runner's call, one call of each per round (machines are noisy: side by side, not in turn),
+    the first ``warmup`` rounds not kept."""
     times: dict[str, list[float]] = {name: [] for name in runners}
     for round_index in range(warmup + steps):
         for name, run in runners.items():
@@ -72,10 +82,7 @@ def measure(experts: int, top_k: int, steps: int, warmup: int) -> dict[str, Any]
             run()
             if round_index >= warmup:
                 times[name].append(time.perf_counter() - start)
-    medians = {name: statistics.median(values) for name, values in times.items()}
-    return {"experts": experts, "top_k": top_k, "median_step_s": medians,
-            "ratio_to_eager": {name: medians[name] / medians["eager"] for name in medians},
-            "compile_s": compile_s, "all_step_s": times}
+    return times
 
 
 LAYOUTS = ("replicated", "tensor", "split", "auto")
@@ -98,13 +105,8 @@ def measure_sharded(experts: int, top_k: int, devices: int, steps: int, warmup: 
         engines[layout] = torchpar.compile(copy_, torch.optim.AdamW(copy_.parameters(), lr=1e-4), example_batch=batch,
                                            method=torchpar.ShardParallel(mesh_shape=(1, devices), experts=layout))
         engines[layout].step(batch)
-    times: dict[str, list[float]] = {layout: [] for layout in LAYOUTS}
-    for round_index in range(warmup + steps):
-        for layout, engine in engines.items():
-            start = time.perf_counter()
-            engine.step(batch)
-            if round_index >= warmup:
-                times[layout].append(time.perf_counter() - start)
+    times = time_interleaved({layout: lambda engine=engine: engine.step(batch) for layout, engine in engines.items()},
+                             steps, warmup)
     rows = []
     for layout, engine in engines.items():
         stage = engine.plan.stages[0]
