@@ -1,5 +1,5 @@
-"""The mixture-of-experts grouped matmul alone, forward + backward: torchpar's blocked lowering, ``jax.lax.ragged_dot``
-and ``torch._grouped_mm``, on whatever device JAX and torch see (a GPU when there is one).
+"""The mixture-of-experts grouped matmul alone, forward + backward: torchpar's blocked lowering (its loop and its
+gathered method), ``jax.lax.ragged_dot`` and ``torch._grouped_mm``, on whatever device JAX and torch see (a GPU when there is one).
 
     python benchmarks/grouped_matmul.py [--experts 8,32,64] [--rows 4096] [--json out.json]
 
@@ -46,7 +46,8 @@ def measure(rows: int, experts: int, k: int, n: int, dtype: str) -> dict:
     w = jnp.asarray(rng.standard_normal((experts, k, n)) * 0.05, jdtype)
     sizes = jnp.asarray(counts)
     out: dict = {"rows": rows, "experts": experts, "k": k, "n": n, "dtype": dtype}
-    for name, product in (("blocked", lambda x, w: blocked_ragged_dot(x, w, sizes)),
+    for name, product in (("loop", lambda x, w: blocked_ragged_dot(x, w, sizes, method="loop")),
+                          ("gathered", lambda x, w: blocked_ragged_dot(x, w, sizes, method="gathered")),
                           ("ragged_dot", lambda x, w: jax.lax.ragged_dot(x, w, sizes))):
         step = jax.jit(jax.grad(lambda x, w: product(x, w).astype(jnp.float32).sum(), argnums=(0, 1)))
         out[f"{name}_ms"] = 1e3 * _time(lambda: jax.block_until_ready(step(x, w)))
@@ -90,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     devices = jax.devices()
     print(f"jax {jax.__version__} on {devices[0].device_kind} ({jax.default_backend()}), torch {torch.__version__}"
           f" ({'cuda: ' + torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'})")
-    print(f"{'shape':>8}{'dtype':>6}{'E':>4}{'blocked ms':>12}{'ragged_dot ms':>15}{'torch ms':>10}"
+    print(f"{'shape':>8}{'dtype':>6}{'E':>4}{'loop ms':>10}{'gathered ms':>13}{'ragged_dot ms':>15}{'torch ms':>10}"
           f"{'rd keeps ragged-dot':>21}")
     rows = []
     for dtype in args.dtypes.split(","):
@@ -99,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
                 row = measure(args.rows, experts, k, n, dtype) | {"shape": shape}
                 rows.append(row)
                 torch_ms = f"{row['torch_grouped_mm_ms']:10.2f}" if "torch_grouped_mm_ms" in row else f"{'-':>10}"
-                print(f"{shape:>8}{dtype:>6}{experts:>4}{row['blocked_ms']:12.2f}{row['ragged_dot_ms']:15.2f}"
+                print(f"{shape:>8}{dtype:>6}{experts:>4}{row['loop_ms']:10.2f}{row['gathered_ms']:13.2f}"
+                      f"{row['ragged_dot_ms']:15.2f}"
                       f"{torch_ms}{str(row['ragged_dot_hlo_keeps_ragged_dot']):>21}", flush=True)
     if args.json:
         os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)

@@ -5,10 +5,11 @@ on several (fake CPU) devices, the experts replicated, tensor-split and expert-s
     python benchmarks/moe.py --devices 4 [--experts 8,32] [--json benchmarks/results/moe_sharded.json]
 
 HF ``MixtralForCausalLM`` (2 layers, hidden 256, expert hidden 512, 4 heads, vocabulary 1,024; its default
-``grouped_mm`` experts path), batch 8 × 256, AdamW, fp32. Three runners train the same model, timed interleaved
+``grouped_mm`` experts path), batch 8 × 256, AdamW, fp32. Four runners train the same model, timed interleaved
 (one step of each per round, medians): PyTorch eager; torchpar with ``_grouped_mm`` lowered in blocks of one
-expert's rows (``jaxbackend/ops/grouped_matmul.py``, the default); torchpar with ``jax.lax.ragged_dot`` as XLA's CPU
-backend expands it (every expert computed on every row). The work of an exact grouped matmul grows with the rows
+expert's rows (``jaxbackend/ops/grouped_matmul.py``) in the backend's default method (on the CPU a loop over the
+blocks), and in the ``"gathered"`` method (one batched matmul of every block, its weights gathered: the default on a
+GPU); torchpar with ``jax.lax.ragged_dot`` as XLA expands it (every expert computed on every row). The work of an exact grouped matmul grows with the rows
 (tokens × top-k), not with the number of experts: the table shows how each runner's step grows from the first
 expert count.
 
@@ -43,7 +44,7 @@ def measure(experts: int, top_k: int, steps: int, warmup: int) -> dict[str, Any]
     import transformers
 
     import torchpar
-    from jaxbackend.ops import linalg
+    from jaxbackend.ops import grouped_matmul, linalg
 
     torch.manual_seed(0)
     model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
@@ -54,16 +55,17 @@ def measure(experts: int, top_k: int, steps: int, warmup: int) -> dict[str, Any]
     runners: dict[str, Callable[[], float]] = {
         "eager": eager_torch_step(eager, batch, torch.optim.AdamW(eager.parameters(), lr=1e-4))}
     compile_s: dict[str, float] = {}
-    for name, lowering in (("torchpar", "blocked"), ("torchpar ragged_dot", "ragged_dot")):
+    for name, lowering, method in (("torchpar", "blocked", None), ("torchpar gathered", "blocked", "gathered"),
+                                   ("torchpar ragged_dot", "ragged_dot", None)):
         copy_ = copy.deepcopy(model)
-        linalg.GROUPED_MM = lowering
+        linalg.GROUPED_MM, grouped_matmul.METHOD = lowering, method
         try:
             start = time.perf_counter()
             engine = torchpar.compile(copy_, torch.optim.AdamW(copy_.parameters(), lr=1e-4), example_batch=batch)
             engine.step(batch)  # traced and compiled with this lowering
             compile_s[name] = time.perf_counter() - start
         finally:
-            linalg.GROUPED_MM = "blocked"
+            linalg.GROUPED_MM, grouped_matmul.METHOD = "blocked", None
         runners[name] = lambda engine=engine: float(engine.step(batch))
     times = time_interleaved(runners, steps, warmup)
     medians = {name: statistics.median(values) for name, values in times.items()}
@@ -166,14 +168,16 @@ def main(argv: list[str] | None = None) -> int:
     torchpar.init(cluster="local", num_devices=1)
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, {platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} cpus; Mixtral {CONFIG}, batch {BATCH}×{SEQ}, top-{args.top_k}")
-    print(f"{'experts':>8}{'eager ms':>11}{'torchpar ms':>13}{'ragged_dot ms':>15}{'tp/eager':>10}{'rd/eager':>10}")
+    print(f"{'experts':>8}{'eager ms':>11}{'torchpar ms':>13}{'gathered ms':>13}{'ragged_dot ms':>15}{'tp/eager':>10}"
+          f"{'ga/eager':>10}{'rd/eager':>10}")
     rows = []
     for experts in (int(e) for e in args.experts.split(",")):
         row = measure(experts, args.top_k, args.steps, args.warmup)
         rows.append(row)
         m, r = row["median_step_s"], row["ratio_to_eager"]
-        print(f"{experts:>8}{m['eager'] * 1e3:11.1f}{m['torchpar'] * 1e3:13.1f}{m['torchpar ragged_dot'] * 1e3:15.1f}"
-              f"{r['torchpar']:10.2f}{r['torchpar ragged_dot']:10.2f}", flush=True)
+        print(f"{experts:>8}{m['eager'] * 1e3:11.1f}{m['torchpar'] * 1e3:13.1f}{m['torchpar gathered'] * 1e3:13.1f}"
+              f"{m['torchpar ragged_dot'] * 1e3:15.1f}{r['torchpar']:10.2f}{r['torchpar gathered']:10.2f}"
+              f"{r['torchpar ragged_dot']:10.2f}", flush=True)
     first = rows[0]["median_step_s"]
     for row in rows[1:]:
         growth = {name: row["median_step_s"][name] / first[name] for name in first}

@@ -28,8 +28,8 @@ would move only the rows sent, but XLA:CPU does not implement it (``UNIMPLEMENTE
 so the dense padded exchange is the one path.
 
 The receiving matmul (:func:`.grouped_matmul.blocked_ragged_dot`) has blocks sized for a balanced ``L / E_l`` rows
-per expert, and runs the blocks past those ``L`` rows only if they hold rows: the work follows the rows received,
-not the buffer's static ``L + P·T``.
+per expert and runs only the blocks that hold rows: the work follows the rows received, not the buffer's static
+``L + P·T``.
 
 With no expert axes (``w`` whole on every device, ``x``'s rows split) there is no exchange: each device multiplies
 its chunk's part of every group, ``M[c, ·]``, by the experts it holds (data parallelism over the rows; GSPMD
@@ -193,8 +193,7 @@ def _exchange(x: jax.Array, weight: jax.Array, routing: _Routing, slot: int, spl
     # (each expert's rows from every source together), so the matmul has E_l groups, not P·E_l (each pads a block)
     order = _ExpertMajor(routing.received, me, rows, slot)
     block = block_rows_for(rows, local_experts)  # sized for a balanced router's L / E_l rows per expert
-    y_sorted = blocked_ragged_dot(buffer[order.source_row], weight, order.sizes, block_rows=block,
-                                  run_blocks=-(-rows // block) + local_experts, **dot)
+    y_sorted = blocked_ragged_dot(buffer[order.source_row], weight, order.sizes, block_rows=block, **dot)
     y_buffer = jnp.where(order.buffer_used[:, None], y_sorted[order.sorted_row], 0)
     y_back = jax.lax.all_to_all(y_buffer[rows:].reshape(peers, slot, -1), axes, 0, 0, tiled=True)
 

@@ -3,28 +3,43 @@
 ``jax.lax.ragged_dot(x, w, sizes)`` multiplies rows ``start_e … start_e + n_e`` of ``x [S, K]`` by ``w[e] [K, N]``.
 XLA's CPU backend expands it densely — every expert's product over all ``S`` rows, then a select — so its cost is
 ``E·S·K·N``: a 32-expert Mixtral step ran 12× slower than PyTorch eager. :func:`blocked_ragged_dot` computes the same
-product in blocks of ``B`` rows that each belong to one expert:
+product in blocks of ``B`` rows that each belong to one group:
 
-    group e holds c_e = ⌈n_e / B⌉ blocks;  Σ_e c_e ≤ Σ_e (n_e / B + 1) ≤ ⌈S / B⌉ + E =: n_b   (a static bound)
-    block b of group e = rows start_e + j·B … start_e + j·B + B − 1 (j = b − first block of e), rows past n_e masked
-    y_block[b] = x_block[b] @ w[e(b)]     — one batched matmul of n_b × [B, K] × [K, N]
-    y[s] = y_block[block of s][s's place in it];   rows past Σ n_e are zero (PyTorch leaves them unwritten)
+    group g holds c_g = ⌈n_g / B⌉ blocks;  U = Σ_g c_g ≤ ⌈S / B⌉ + G =: n_b   (U is data; n_b a static bound)
+    block j of group g = rows start_g + j·B … start_g + j·B + B − 1, the rows past n_g masked
+    y[block] = x[block] @ w[g]
 
-so the work is ``(S + E·B)·K·N`` with ``B`` the power of two nearest below ``S / E`` (at most twice the rows' own
-work once ``B`` is above its floor). Measured on 2 CPU cores (forward and backward of ``[4096, 256] × [E, 256, 1024]``):
-smaller blocks pay more in gathering each block's weights (``n_b·K·N`` values) than they save in padding. Nothing is dropped or capacity-limited: every row is computed exactly once, like PyTorch's
-``_grouped_mm``. ``jax.grad`` flows through the gathers (their transposes are scatter-adds into ``x`` and ``w``).
+so the work is ``U·B·K·N ≤ (S + G·B)·K·N`` — the rows' own work plus at most one partial block per group. ``B`` is
+the power of two nearest below ``S / G`` within [16, 128] (:func:`block_rows_for`). Two ways to run the blocks:
+
+- ``"loop"`` (the CPU default): a ``fori_loop`` over the ``U`` blocks holding rows, one ``[B, K] × [K, N]`` matmul
+  each, written in place in ``y``; a block's weights are read in place (``dynamic_slice``), never copied. The trip
+  count is data, so the product has its own VJP (a ``while`` loop has no reverse-mode rule): one backward loop over
+  the same blocks, ``dx[block] = dy[block] @ w[g]ᵀ`` and ``dw[g] += x[block]ᵀ @ dy[block]`` (fp32 accumulation for
+  16-bit weights). On 2 CPU cores the forward and backward of ``[4096, 256] × [8, 256, 1024]`` take 35 ms against
+  a dense ``[4096, 256] × [256, 1024]``'s 25 (the gathered path: 70).
+- ``"gathered"`` (the default elsewhere): every one of the ``n_b`` blocks at once, as one batched matmul of
+  ``n_b × [B, K] × [n_b, K, N]`` with each block's weights gathered (``n_b·K·N`` values, about twice the experts'
+  weights; gathered again in the backward rather than kept). One kernel launch instead of ``U`` small ones: on an
+  H200 the whole Mixtral step of ``benchmarks/moe.py`` took 12.7 ms this way; the loop is unmeasured on a GPU.
+
+Nothing is dropped or capacity-limited: every row is computed exactly once, like PyTorch's ``_grouped_mm``; rows in
+no group come out zero (PyTorch leaves them unwritten).
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 MIN_BLOCK_ROWS = 16
 MAX_BLOCK_ROWS = 128
+METHOD: str | None = None
+"""The method of :func:`blocked_ragged_dot` when its caller names none: ``"loop"``, ``"gathered"``, or ``None`` (the
+loop on the CPU, gathered elsewhere)."""
 
 
 def block_rows_for(rows: int, groups: int) -> int:
@@ -34,57 +49,157 @@ def block_rows_for(rows: int, groups: int) -> int:
     return max(MIN_BLOCK_ROWS, min(MAX_BLOCK_ROWS, size))
 
 
+def block_count(sizes: jax.Array, block_rows: int) -> jax.Array:
+    """``U = Σ_g ⌈sizes[g] / B⌉``: the blocks :func:`blocked_ragged_dot` multiplies (a scalar array)."""
+    return ((sizes.astype(jnp.int32) + block_rows - 1) // block_rows).sum()
+
+
 def blocked_ragged_dot(x: jax.Array, weight: jax.Array, sizes: jax.Array, *, block_rows: int | None = None,
                        starts: jax.Array | None = None, weight_index: jax.Array | None = None,
-                       run_blocks: int | None = None,
+                       run_blocks: int | None = None, method: str | None = None,
                        precision=None, preferred_element_type=None) -> jax.Array:
     """``jax.lax.ragged_dot(x, weight, sizes)`` for ``x [S, K]``, ``weight [E, K, N]``, ``sizes [E]`` (rows per
-    group, in order; ``Σ sizes ≤ S``), computed in blocks (module docstring). Returns ``[S, N]``.
+    group, in order; ``Σ sizes ≤ S``), computed block by block (module docstring). Returns ``[S, N]``.
 
     ``starts [G]`` / ``weight_index [G]`` generalize the grouping to ``G`` groups of rows ``starts[g] …
     starts[g] + sizes[g] − 1`` (non-overlapping, in increasing order, gaps allowed) each multiplied by
     ``weight[weight_index[g]]``; rows in no group come out zero. The default is ``G = E`` contiguous groups
     from row 0, group ``e`` by ``weight[e]`` (``ragged_dot``'s contract).
 
-    ``run_blocks``: the blocks are multiplied in consecutive runs of that many, every run after the first only if
-    it holds a used block (``lax.cond``): for a buffer sized for more rows than it usually holds (an
-    expert-parallel exchange's receive slots), the work follows the rows it holds at that granularity."""
-    rows, _ = x.shape
+    ``method``: ``"loop"`` or ``"gathered"`` (module docstring); ``None``: :data:`METHOD`.
+    The loop runs only the blocks holding rows, so for a buffer sized for more rows than it usually holds (an
+    expert-parallel exchange's receive slots) the work follows the rows it holds; the gathered path does so at the
+    granularity of ``run_blocks`` (runs of that many blocks, every run after the first only if it holds a used
+    block, ``lax.cond``).
+
+    Inside ``shard_map`` the rows and the weight are typed varying along the same mesh axes before the loops, so
+    a cotangent's reduction over axes only the other operand varies along — the weight's over data parallelism
+    beside the experts, the rows' over tensor parallelism inside them — happens outside, by ``pcast``'s
+    transpose."""
+    rows = x.shape[0]
     sizes = sizes.astype(jnp.int32)
-    groups = sizes.shape[0]
-    block = block_rows or block_rows_for(rows, groups)
-    num_blocks = -(-rows // block) + groups
     if starts is None:
         starts = jnp.cumsum(sizes) - sizes
-    starts = starts.astype(jnp.int32)
-    ends = starts + sizes
     if weight_index is None:
-        weight_index = jnp.arange(groups, dtype=jnp.int32)
-    blocks = (sizes + block - 1) // block
-    block_ends = jnp.cumsum(blocks)
-    block_starts = block_ends - blocks
+        weight_index = jnp.arange(sizes.shape[0], dtype=jnp.int32)
+    block = min(block_rows or block_rows_for(rows, sizes.shape[0]), rows)
+    method = method or METHOD or ("loop" if jax.default_backend() == "cpu" else "gathered")
+    if method not in ("loop", "gathered"):
+        raise ValueError(f"blocked_ragged_dot: method {method!r}; expected 'loop' or 'gathered'")
+    grouping = (sizes, starts.astype(jnp.int32), weight_index.astype(jnp.int32))
+    x, weight = varying_like(x, weight, *grouping), varying_like(weight, x, *grouping)
+    if method == "gathered":
+        return _gathered_product(x, weight, *grouping, block, run_blocks, precision, preferred_element_type)
+    out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(x, weight))
+    return _grouped_product(x, weight, *grouping, block, precision, out_dtype)
 
-    index = jnp.arange(num_blocks, dtype=jnp.int32)
+
+class _Blocks(NamedTuple):
+    """The blocks (``n_b = ⌈S / B⌉ + G`` slots, the first ``used`` of them real): block ``b`` covers rows
+    ``row_lo[b] … row_lo[b] + B − 1`` (clamped to fit in ``S``: ``slice_start[b]``), of which those below
+    ``row_hi[b]`` are its group's, multiplied by ``weight[expert[b]]``; group ``g``'s blocks start at
+    ``group_first_block[g]``."""
+
+    slice_start: jax.Array
+    row_lo: jax.Array
+    row_hi: jax.Array
+    expert: jax.Array
+    used: jax.Array
+    group_first_block: jax.Array
+
+
+def _blocks(rows: int, sizes: jax.Array, starts: jax.Array, weight_index: jax.Array, block: int) -> _Blocks:
+    groups = sizes.shape[0]
+    count = (sizes + block - 1) // block
+    block_ends = jnp.cumsum(count)
+    block_starts = block_ends - count
+    index = jnp.arange(-(-rows // block) + groups, dtype=jnp.int32)
     group = jnp.minimum(jnp.searchsorted(block_ends, index, side="right"), groups - 1).astype(jnp.int32)
     first = starts[group] + (index - block_starts[group]) * block
-    row = first[:, None] + jnp.arange(block, dtype=jnp.int32)[None, :]  # [n_b, B]
-    used = (row < ends[group][:, None]) & (index < block_ends[-1])[:, None]
+    return _Blocks(slice_start=jnp.clip(first, 0, rows - block), row_lo=first,
+                   row_hi=jnp.minimum(starts[group] + sizes[group], first + block),
+                   expert=weight_index[group], used=block_ends[-1], group_first_block=block_starts)
+
+
+def _block_mask(blocks: _Blocks, b: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
+    start = blocks.slice_start[b]
+    row = start + jnp.arange(block, dtype=jnp.int32)
+    return start, (row >= blocks.row_lo[b]) & (row < blocks.row_hi[b])
+
+
+def _dot(a: jax.Array, b: jax.Array, precision, dtype) -> jax.Array:
+    return jnp.matmul(a, b, precision=precision, preferred_element_type=dtype).astype(dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _grouped_product(x, weight, sizes, starts, weight_index, block, precision, out_dtype):
+    blocks = _blocks(x.shape[0], sizes, starts, weight_index, block)
+
+    def body(b, y):
+        start, mask = _block_mask(blocks, b, block)
+        y_block = _dot(jax.lax.dynamic_slice_in_dim(x, start, block), weight[blocks.expert[b]], precision, out_dtype)
+        return jax.lax.dynamic_update_slice_in_dim(
+            y, jnp.where(mask[:, None], y_block, jax.lax.dynamic_slice_in_dim(y, start, block)), start, 0)
+
+    y = varying_like(jnp.zeros((x.shape[0], weight.shape[2]), out_dtype), x, weight, blocks.used)
+    return jax.lax.fori_loop(0, blocks.used, body, y)
+
+
+def _grouped_product_forward(x, weight, sizes, starts, weight_index, block, precision, out_dtype):
+    return (_grouped_product(x, weight, sizes, starts, weight_index, block, precision, out_dtype),
+            (x, weight, sizes, starts, weight_index))
+
+
+def _grouped_product_backward(block, precision, out_dtype, residuals, dy):
+    x, weight, sizes, starts, weight_index = residuals
+    blocks = _blocks(x.shape[0], sizes, starts, weight_index, block)
+    accumulate = jnp.float32 if jnp.dtype(weight.dtype).itemsize < 4 else weight.dtype
+
+    def body(b, carry):
+        dx, dw = carry
+        start, mask = _block_mask(blocks, b, block)
+        expert = blocks.expert[b]
+        dy_block = jnp.where(mask[:, None], jax.lax.dynamic_slice_in_dim(dy, start, block), 0)
+        dx_block = _dot(dy_block, weight[expert].T, precision, x.dtype)
+        dx = jax.lax.dynamic_update_slice_in_dim(
+            dx, jnp.where(mask[:, None], dx_block, jax.lax.dynamic_slice_in_dim(dx, start, block)), start, 0)
+        dw_block = _dot(jax.lax.dynamic_slice_in_dim(x, start, block).T, dy_block, precision, accumulate)
+        return dx, dw.at[expert].add(dw_block)
+
+    carry = (varying_like(jnp.zeros_like(x), x, weight, dy, blocks.used),
+             varying_like(jnp.zeros(weight.shape, accumulate), x, weight, dy, blocks.used))
+    dx, dw = jax.lax.fori_loop(0, blocks.used, body, carry)
+    return dx, dw.astype(weight.dtype), None, None, None
+
+
+_grouped_product.defvjp(_grouped_product_forward, _grouped_product_backward)
+
+
+def _gathered_product(x, weight, sizes, starts, weight_index, block, run_blocks, precision,
+                      preferred_element_type) -> jax.Array:
+    """The ``"gathered"`` path: every block's product in one batched matmul (module docstring)."""
+    rows = x.shape[0]
+    groups = sizes.shape[0]
+    num_blocks = -(-rows // block) + groups
+    blocks = _blocks(rows, sizes, starts, weight_index, block)
+    row = blocks.row_lo[:, None] + jnp.arange(block, dtype=jnp.int32)[None, :]  # [n_b, B]
+    used = (row < blocks.row_hi[:, None]) & (jnp.arange(num_blocks) < blocks.used)[:, None]
     x_blocks = jnp.where(used[..., None], x[jnp.clip(row, 0, rows - 1)], jnp.zeros((), x.dtype))
-    block_weight = weight_index[group]
+    block_weight = blocks.expert
     if run_blocks is None or run_blocks >= num_blocks:
         y_blocks = _block_products(x_blocks, weight, block_weight, precision, preferred_element_type)
     else:
-        y_blocks = _runs_of_block_products(x_blocks, weight, block_weight, block_ends[-1], run_blocks, precision,
+        y_blocks = _runs_of_block_products(x_blocks, weight, block_weight, blocks.used, run_blocks, precision,
                                            preferred_element_type)
 
     position = jnp.arange(rows, dtype=jnp.int32)
     # the last group starting at or before the row (an empty group sharing a start with the next is skipped)
     owner = jnp.clip(jnp.searchsorted(starts, position, side="right") - 1, 0, groups - 1).astype(jnp.int32)
     local = position - starts[owner]
-    place = (block_starts[owner] + local // block) * block + local % block
+    place = (blocks.group_first_block[owner] + local // block) * block + local % block
     flat = y_blocks.reshape(num_blocks * block, -1)
     picked = flat[jnp.clip(place, 0, num_blocks * block - 1)]
-    inside = (local >= 0) & (position < ends[owner])
+    inside = (local >= 0) & (local < sizes[owner])
     return jnp.where(inside[:, None], picked, jnp.zeros((), picked.dtype))
 
 
@@ -104,10 +219,9 @@ def _runs_of_block_products(x_blocks: jax.Array, weight: jax.Array, block_weight
     (a prefix: groups' blocks are packed from block 0) skipped with zeros."""
     num_blocks = x_blocks.shape[0]
     bounds = [*range(0, num_blocks, max(run_blocks, 1)), num_blocks]
-    # typed varying like the rows before the branches, so the cotangent's reduction over mesh axes the rows vary
-    # along (data parallelism beside the experts) happens once, outside them: a collective inside a branch that
-    # only some devices take never completes
-    weight = varying_like(weight, x_blocks, block_weight, used)
+    # the weight is typed varying like the rows before this (blocked_ragged_dot), so the cotangent's reduction over
+    # mesh axes the rows vary along happens once, outside the branches: a collective inside a branch that only
+    # some devices take never completes
     parts = []
     for lo, hi in zip(bounds, bounds[1:]):
         if hi <= lo:
@@ -124,8 +238,8 @@ def _runs_of_block_products(x_blocks: jax.Array, weight: jax.Array, block_weight
 
 
 def varying_like(value: jax.Array, *sources: jax.Array) -> jax.Array:
-    """``value`` typed as varying along every mesh axis any of ``sources`` varies along (inside ``shard_map``: both
-    branches of a ``lax.cond`` must agree on it). Outside ``shard_map``, ``value``."""
+    """``value`` typed as varying along every mesh axis any of ``sources`` varies along (inside ``shard_map``: a
+    loop's carry and both branches of a ``lax.cond`` must agree on it). Outside ``shard_map``, ``value``."""
     axes = set().union(*(_varying_axes(s) for s in sources)) - _varying_axes(value)
     return jax.lax.pcast(value, tuple(sorted(axes)), to="varying") if axes else value
 

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxbackend.ops import grouped_matmul
 from jaxbackend.ops.expert_parallel import GroupedMatmulSplit, grouped_mm_split_of, split_grouped_mm
 from jaxbackend.sharding import make_mesh
 from torchpar.ir.costs import EXPERT_EXCHANGE_HEADROOM, expert_slot_rows
@@ -60,8 +61,15 @@ CASES = ([(name, "skewed") for name in SPLITS if name not in ("experts@0,rows@01
          + [(name, routing) for name in ("experts@0,rows@01", "experts@01") for routing in ROUTINGS])
 
 
-@pytest.mark.parametrize("name, routing", CASES, ids=[f"{n}-{r}" for n, r in CASES])
-def test_split_grouped_mm_matches_ragged_dot(name, routing):
+@pytest.mark.parametrize("name, routing, method", [*((n, r, None) for n, r in CASES),
+                                                   ("experts@0,rows@01", "balanced", "gathered"),
+                                                   ("experts@01", "skewed", "gathered")],
+                         ids=[*(f"{n}-{r}" for n, r in CASES), "experts@0,rows@01-balanced-gathered",
+                              "experts@01-skewed-gathered"])
+def test_split_grouped_mm_matches_ragged_dot(name, routing, method, monkeypatch):
+    """Each device's matmul in the default method (the loop on the CPU) and, for two cases, the gathered one (the
+    default on a GPU: blocks in runs skipped by ``lax.cond``)."""
+    monkeypatch.setattr(grouped_matmul, "METHOD", method)
     x, w, cotangent = _operands()
     offs = _offsets(routing)
     mesh = make_mesh((2, 2))

@@ -16,6 +16,7 @@ import torch
 import transformers
 
 import torchpar
+from tests.models.routed_experts import train_like_pytorch
 from torchpar.report.hlo import collectives
 
 LOSS_RTOL = 1e-4
@@ -121,3 +122,19 @@ def test_experts_split_inside_pipeline_stages():
     experts = [name for stage in stages for name in stage.params if ".experts." in name]
     assert len(stages) == 2 and len(experts) == 4  # the clustering puts both MoE blocks in one stage or two
     assert sum(len(_expert_split(stage)) for stage in stages) == 4
+
+
+def test_a_routed_expert_model_that_is_not_a_transformer_trains_split_like_pytorch():
+    """Not HF and not a transformer (``tests/models/routed_experts.py``): BatchNorm in train mode over rows split
+    across the devices, a top-1 ``argmax`` router, ``torch._grouped_mm`` in bf16 with its experts split, rows put
+    back with ``index_put``: PyTorch's losses and BatchNorm running statistics."""
+
+    def inspect(engine) -> None:
+        params = engine.plan.stages[0].params
+        assert params["w1"][0] and params["w2"][0], params  # the expert dim split
+        assert "all-to-all" in [c.kind for c in collectives(engine.hlo_text()[0])]
+
+    losses, expected, model, reference = train_like_pytorch(
+        torchpar.ShardParallel(mesh_shape=(1, 4), experts="split"), rows=64, steps=STEPS, inspect=inspect)
+    torch.testing.assert_close(losses, expected, rtol=LOSS_RTOL, atol=0)
+    torch.testing.assert_close(model.norm.running_mean, reference.norm.running_mean, rtol=1e-5, atol=1e-6)
