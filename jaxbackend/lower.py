@@ -24,6 +24,7 @@ from jaxbackend import dtypes, precision
 from jaxbackend.ops import registry
 from jaxbackend.precision import Numerics
 from jaxbackend.remat import Remat, checkpoint
+from jaxbackend.rewrites import fold_transposed_weights
 from jaxbackend.sharding import constrain
 from torchpar.ir.function_regions import FunctionRegion, function_regions
 from torchpar.ir.graph import DType, Graph, Node, OutMeta, Ref, TensorMeta
@@ -96,6 +97,8 @@ def lower(graph: Graph, *, value_shardings: Mapping[str, Any] | None = None,
         local = LocalProgram(layouts)
     value_shardings = dict(value_shardings or {})
     operand_shardings = dict(operand_shardings or {})
+    if local is None:  # a per-device program reads each operand in its planned layout
+        graph = fold_transposed_weights(graph, keep=operand_shardings)
     constants = {name: jnp.asarray(value) for name, value in graph.constants.items()}
     lowerings = [registry.get(node.target) for node in graph.nodes]
     buffer_outputs = [o for o in graph.outputs if o.kind == "buffer"]

@@ -56,7 +56,7 @@ def block_count(sizes: jax.Array, block_rows: int) -> jax.Array:
 
 def blocked_ragged_dot(x: jax.Array, weight: jax.Array, sizes: jax.Array, *, block_rows: int | None = None,
                        starts: jax.Array | None = None, weight_index: jax.Array | None = None,
-                       run_blocks: int | None = None, method: str | None = None,
+                       run_blocks: int | None = None, method: str | None = None, weight_transposed: bool = False,
                        precision=None, preferred_element_type=None) -> jax.Array:
     """``jax.lax.ragged_dot(x, weight, sizes)`` for ``x [S, K]``, ``weight [E, K, N]``, ``sizes [E]`` (rows per
     group, in order; ``Σ sizes ≤ S``), computed block by block (module docstring). Returns ``[S, N]``.
@@ -65,6 +65,10 @@ def blocked_ragged_dot(x: jax.Array, weight: jax.Array, sizes: jax.Array, *, blo
     starts[g] + sizes[g] − 1`` (non-overlapping, in increasing order, gaps allowed) each multiplied by
     ``weight[weight_index[g]]``; rows in no group come out zero. The default is ``G = E`` contiguous groups
     from row 0, group ``e`` by ``weight[e]`` (``ragged_dot``'s contract).
+
+    ``weight_transposed``: ``weight`` is ``[E, N, K]`` and multiplies as its transpose (HF stores experts like
+    ``nn.Linear``, ``[E, out, in]``, and transposes them for ``_grouped_mm``): the blocks read it in place, where
+    transposing it first would copy every expert's weights before the loop and their gradient back after it.
 
     ``method``: ``"loop"`` or ``"gathered"`` (module docstring); ``None``: :data:`METHOD`.
     The loop runs only the blocks holding rows, so for a buffer sized for more rows than it usually holds (an
@@ -89,9 +93,10 @@ def blocked_ragged_dot(x: jax.Array, weight: jax.Array, sizes: jax.Array, *, blo
     grouping = (sizes, starts.astype(jnp.int32), weight_index.astype(jnp.int32))
     x, weight = varying_like(x, weight, *grouping), varying_like(weight, x, *grouping)
     if method == "gathered":
-        return _gathered_product(x, weight, *grouping, block, run_blocks, precision, preferred_element_type)
+        return _gathered_product(x, weight, *grouping, block, run_blocks, weight_transposed, precision,
+                                 preferred_element_type)
     out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(x, weight))
-    return _grouped_product(x, weight, *grouping, block, precision, out_dtype)
+    return _grouped_product(x, weight, *grouping, block, weight_transposed, precision, out_dtype)
 
 
 class _Blocks(NamedTuple):
@@ -127,30 +132,35 @@ def _block_mask(blocks: _Blocks, b: jax.Array, block: int) -> tuple[jax.Array, j
     return start, (row >= blocks.row_lo[b]) & (row < blocks.row_hi[b])
 
 
-def _dot(a: jax.Array, b: jax.Array, precision, dtype) -> jax.Array:
-    return jnp.matmul(a, b, precision=precision, preferred_element_type=dtype).astype(dtype)
+def _dot(a: jax.Array, b: jax.Array, contract: tuple[int, int], precision, dtype) -> jax.Array:
+    """``a`` and ``b`` (2-D) contracted over ``a``'s dim ``contract[0]`` and ``b``'s ``contract[1]``."""
+    return jax.lax.dot_general(a, b, (((contract[0],), (contract[1],)), ((), ())), precision=precision,
+                               preferred_element_type=dtype).astype(dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _grouped_product(x, weight, sizes, starts, weight_index, block, precision, out_dtype):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _grouped_product(x, weight, sizes, starts, weight_index, block, transposed, precision, out_dtype):
     blocks = _blocks(x.shape[0], sizes, starts, weight_index, block)
 
     def body(b, y):
         start, mask = _block_mask(blocks, b, block)
-        y_block = _dot(jax.lax.dynamic_slice_in_dim(x, start, block), weight[blocks.expert[b]], precision, out_dtype)
+        # y = x @ w[e] ([K, N]: contract x's dim 1 with w's dim 0) or x @ w[e]ᵀ ([N, K]: with its dim 1)
+        y_block = _dot(jax.lax.dynamic_slice_in_dim(x, start, block), weight[blocks.expert[b]],
+                       (1, 1 if transposed else 0), precision, out_dtype)
         return jax.lax.dynamic_update_slice_in_dim(
             y, jnp.where(mask[:, None], y_block, jax.lax.dynamic_slice_in_dim(y, start, block)), start, 0)
 
-    y = varying_like(jnp.zeros((x.shape[0], weight.shape[2]), out_dtype), x, weight, blocks.used)
+    columns = weight.shape[1] if transposed else weight.shape[2]
+    y = varying_like(jnp.zeros((x.shape[0], columns), out_dtype), x, weight, blocks.used)
     return jax.lax.fori_loop(0, blocks.used, body, y)
 
 
-def _grouped_product_forward(x, weight, sizes, starts, weight_index, block, precision, out_dtype):
-    return (_grouped_product(x, weight, sizes, starts, weight_index, block, precision, out_dtype),
+def _grouped_product_forward(x, weight, sizes, starts, weight_index, block, transposed, precision, out_dtype):
+    return (_grouped_product(x, weight, sizes, starts, weight_index, block, transposed, precision, out_dtype),
             (x, weight, sizes, starts, weight_index))
 
 
-def _grouped_product_backward(block, precision, out_dtype, residuals, dy):
+def _grouped_product_backward(block, transposed, precision, out_dtype, residuals, dy):
     x, weight, sizes, starts, weight_index = residuals
     blocks = _blocks(x.shape[0], sizes, starts, weight_index, block)
     accumulate = jnp.float32 if jnp.dtype(weight.dtype).itemsize < 4 else weight.dtype
@@ -160,10 +170,14 @@ def _grouped_product_backward(block, precision, out_dtype, residuals, dy):
         start, mask = _block_mask(blocks, b, block)
         expert = blocks.expert[b]
         dy_block = jnp.where(mask[:, None], jax.lax.dynamic_slice_in_dim(dy, start, block), 0)
-        dx_block = _dot(dy_block, weight[expert].T, precision, x.dtype)
+        x_block = jax.lax.dynamic_slice_in_dim(x, start, block)
+        # dx = dy @ w[e]ᵀ (w[e] [K, N]: contract dy's dim 1 with its dim 1) or dy @ w[e] ([N, K]: with its dim 0)
+        dx_block = _dot(dy_block, weight[expert], (1, 0 if transposed else 1), precision, x.dtype)
         dx = jax.lax.dynamic_update_slice_in_dim(
             dx, jnp.where(mask[:, None], dx_block, jax.lax.dynamic_slice_in_dim(dx, start, block)), start, 0)
-        dw_block = _dot(jax.lax.dynamic_slice_in_dim(x, start, block).T, dy_block, precision, accumulate)
+        # dw[e] += xᵀ @ dy ([K, N]) or dyᵀ @ x ([N, K]): the rows contracted
+        dw_block = (_dot(dy_block, x_block, (0, 0), precision, accumulate) if transposed
+                    else _dot(x_block, dy_block, (0, 0), precision, accumulate))
         return dx, dw.at[expert].add(dw_block)
 
     carry = (varying_like(jnp.zeros_like(x), x, weight, dy, blocks.used),
@@ -175,7 +189,7 @@ def _grouped_product_backward(block, precision, out_dtype, residuals, dy):
 _grouped_product.defvjp(_grouped_product_forward, _grouped_product_backward)
 
 
-def _gathered_product(x, weight, sizes, starts, weight_index, block, run_blocks, precision,
+def _gathered_product(x, weight, sizes, starts, weight_index, block, run_blocks, transposed, precision,
                       preferred_element_type) -> jax.Array:
     """The ``"gathered"`` path: every block's product in one batched matmul (module docstring)."""
     rows = x.shape[0]
@@ -187,10 +201,10 @@ def _gathered_product(x, weight, sizes, starts, weight_index, block, run_blocks,
     x_blocks = jnp.where(used[..., None], x[jnp.clip(row, 0, rows - 1)], jnp.zeros((), x.dtype))
     block_weight = blocks.expert
     if run_blocks is None or run_blocks >= num_blocks:
-        y_blocks = _block_products(x_blocks, weight, block_weight, precision, preferred_element_type)
+        y_blocks = _block_products(x_blocks, weight, block_weight, transposed, precision, preferred_element_type)
     else:
-        y_blocks = _runs_of_block_products(x_blocks, weight, block_weight, blocks.used, run_blocks, precision,
-                                           preferred_element_type)
+        y_blocks = _runs_of_block_products(x_blocks, weight, block_weight, blocks.used, run_blocks, transposed,
+                                           precision, preferred_element_type)
 
     position = jnp.arange(rows, dtype=jnp.int32)
     # the last group starting at or before the row (an empty group sharing a start with the next is skipped)
@@ -203,18 +217,19 @@ def _gathered_product(x, weight, sizes, starts, weight_index, block, run_blocks,
     return jnp.where(inside[:, None], picked, jnp.zeros((), picked.dtype))
 
 
-@functools.partial(jax.checkpoint, static_argnums=(3, 4), policy=jax.checkpoint_policies.nothing_saveable)
-def _block_products(x_blocks: jax.Array, weight: jax.Array, block_weight: jax.Array, precision=None,
-                    preferred_element_type=None) -> jax.Array:
+@functools.partial(jax.checkpoint, static_argnums=(3, 4, 5), policy=jax.checkpoint_policies.nothing_saveable)
+def _block_products(x_blocks: jax.Array, weight: jax.Array, block_weight: jax.Array, transposed: bool = False,
+                    precision=None, preferred_element_type=None) -> jax.Array:
     """``x_blocks [n_b, B, K] @ weight[block_weight] [n_b, K, N]``. The gathered weights (``n_b ≈ S/B + E`` copies
     of ``[K, N]``: about twice the experts' weights) are gathered again in the backward rather than kept from the
     forward: only the operands stay live."""
-    return jnp.einsum("bik,bkn->bin", x_blocks, weight[block_weight], precision=precision,
-                      preferred_element_type=preferred_element_type)
+    return jnp.einsum("bik,bnk->bin" if transposed else "bik,bkn->bin", x_blocks, weight[block_weight],
+                      precision=precision, preferred_element_type=preferred_element_type)
 
 
 def _runs_of_block_products(x_blocks: jax.Array, weight: jax.Array, block_weight: jax.Array, used: jax.Array,
-                            run_blocks: int, precision=None, preferred_element_type=None) -> jax.Array:
+                            run_blocks: int, transposed: bool = False, precision=None,
+                            preferred_element_type=None) -> jax.Array:
     """:func:`_block_products` in consecutive runs of ``run_blocks`` blocks, a run past the first ``used`` blocks
     (a prefix: groups' blocks are packed from block 0) skipped with zeros."""
     num_blocks = x_blocks.shape[0]
@@ -226,8 +241,8 @@ def _runs_of_block_products(x_blocks: jax.Array, weight: jax.Array, block_weight
     for lo, hi in zip(bounds, bounds[1:]):
         if hi <= lo:
             continue
-        run = lambda lo=lo, hi=hi: _block_products(x_blocks[lo:hi], weight, block_weight[lo:hi], precision,  # noqa: E731
-                                                   preferred_element_type)
+        run = lambda lo=lo, hi=hi: _block_products(x_blocks[lo:hi], weight, block_weight[lo:hi],  # noqa: E731
+                                                   transposed, precision, preferred_element_type)
         if lo == 0:
             parts.append(run())
             continue

@@ -95,7 +95,8 @@ GROUPED_MM = "blocked"
 
 
 @lowers("aten._grouped_mm.default", "transformers.grouped_mm_fallback.default", sharded=True)
-def grouped_mm(x, weight, offs=None, bias=None, out_dtype=None, *, shardings=None, local_split=None):
+def grouped_mm(x, weight, offs=None, bias=None, out_dtype=None, *, weight_transposed=False, shardings=None,
+               local_split=None):
     """Mixture-of-experts matmul: rows ``offs[e-1]:offs[e]`` of ``x [S, K]`` times ``weight[e] [K, N]``.
 
     ``offs`` holds cumulative row counts, so the shape is static and only the grouping is data: a ragged
@@ -109,7 +110,13 @@ def grouped_mm(x, weight, offs=None, bias=None, out_dtype=None, *, shardings=Non
     plan reads them) with the rows or the experts split run the op as a ``shard_map`` — experts split: tokens
     exchanged by all-to-all with their experts' devices; rows split: each device its own rows' groups. Inside a
     per-device program, ``local_split`` (a :class:`.expert_parallel.GroupedMatmulSplit`) is this device's part.
+
+    ``weight_transposed`` (set by :func:`jaxbackend.rewrites.fold_transposed_weights`, never by PyTorch): ``weight``
+    is the ``[E, N, K]`` value the graph transposed for this op; the blocked product reads it in place.
     """
+    blocked = x.ndim == 2 and weight.ndim == 3 and offs is not None and GROUPED_MM == "blocked"
+    if weight_transposed and not (blocked and local_split is None and _gspmd_split(shardings) is None):
+        weight, weight_transposed = jnp.swapaxes(weight, 1, 2), False
     if x.ndim == 2 and weight.ndim == 3 and offs is not None:
         dot = dict(precision=dot_precision(x, weight))
         split = local_split or _gspmd_split(shardings)
@@ -120,7 +127,8 @@ def grouped_mm(x, weight, offs=None, bias=None, out_dtype=None, *, shardings=Non
         elif split is not None:
             out = split_grouped_mm(x, weight, offs, shardings[0].mesh, split, **dot)
         elif GROUPED_MM == "blocked":
-            out = blocked_ragged_dot(x, weight, jnp.diff(offs.astype(jnp.int32), prepend=0), **dot)
+            out = blocked_ragged_dot(x, weight, jnp.diff(offs.astype(jnp.int32), prepend=0),
+                                     weight_transposed=weight_transposed, **dot)
         else:
             out = jax.lax.ragged_dot(x, weight, jnp.diff(offs.astype(jnp.int32), prepend=0), **dot)
     elif x.ndim == 3 and weight.ndim == 3 and offs is None:

@@ -23,7 +23,7 @@ def _sizes(rng: np.random.Generator, groups: int, total: int) -> np.ndarray:
 @pytest.mark.parametrize("seed", range(2))
 def test_values_and_gradients_are_ragged_dots(seed):
     """Empty groups, groups shorter and longer than a block, rows past the last group (zero), any block size; the
-    loop and the gathered path (in runs of blocks too)."""
+    loop and the gathered path (in runs of blocks too); the weight as given and stored transposed."""
     rng = np.random.default_rng(seed)
     rows, groups = int(rng.integers(20, 70)), int(rng.integers(1, 9))
     sizes = _sizes(rng, groups, int(rng.integers(0, rows + 1)))
@@ -37,9 +37,15 @@ def test_values_and_gradients_are_ragged_dots(seed):
         return lambda x, w: (fn(x, w) * cotangent).sum()
 
     reference = lambda x, w: jax.lax.ragged_dot(x, w, sizes, precision="highest")  # noqa: E731
-    for block, method, runs in ((None, "loop", None), (8, "loop", None), (None, "gathered", None), (8, "gathered", 3)):
-        ours = lambda x, w: blocked_ragged_dot(x, w, sizes, block_rows=block, method=method,  # noqa: E731
-                                               run_blocks=runs, precision="highest")
+    cases = [(block, method, runs, transposed) for block, method, runs in
+             ((None, "loop", None), (8, "loop", None), (None, "gathered", None), (8, "gathered", 3))
+             for transposed in (False, True)]
+    for block, method, runs, transposed in cases:
+        def ours(x, w, block=block, method=method, runs=runs, transposed=transposed):
+            # weight_transposed: the same product with the weight stored [E, N, K]
+            return blocked_ragged_dot(x, jnp.swapaxes(w, 1, 2) if transposed else w, sizes, block_rows=block,
+                                      method=method, run_blocks=runs, weight_transposed=transposed,
+                                      precision="highest")
         np.testing.assert_allclose(ours(x, w), reference(x, w), atol=2e-5)
         assert not np.asarray(ours(x, w))[int(sizes.sum()):].any()
         for got, want in zip(jax.grad(loss(ours), (0, 1))(x, w), jax.grad(loss(reference), (0, 1))(x, w)):

@@ -1,0 +1,51 @@
+"""Rewrites of the IR the lowering applies before it traces a graph: an op that can read its operand's producer's
+input directly does, so XLA never materializes the producer's result for it.
+
+- **Grouped matmuls reading a transposed weight.** HF stores expert weights like ``nn.Linear`` (``[E, out, in]``)
+  and calls ``_grouped_mm(x, w.transpose(-2, -1), offs)`` (captured as ``aten.permute(w, [0, 2, 1])``). The grouped
+  matmul's loop over row blocks (:mod:`.ops.grouped_matmul`) needs its weight as one buffer, so XLA would copy
+  every expert's weights into the transposed layout before the loop, and the gradient back after it, every step.
+  :func:`fold_transposed_weights` makes the matmul read ``w`` itself (``weight_transposed=True``); the permute
+  stays in the graph for its other readers, if any (XLA drops it otherwise).
+
+Only ops whose operands the caller does not pin to a layout are rewritten (``keep``): a grouped matmul split over
+devices reads its weight in the layout the plan gave the transposed value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Container
+
+from torchpar.ir.graph import Graph, Node, Ref
+from torchpar.ir.op_families import GROUPED_MATMULS
+
+_SWAPS_LAST_TWO = {"aten.permute.default": lambda args: list(args[1]) in ([0, 2, 1], [0, -1, -2]),
+                   "aten.transpose.int": lambda args: {d % 3 for d in args[1:3]} == {1, 2}}
+
+
+def fold_transposed_weights(graph: Graph, keep: Container[str] = ()) -> Graph:
+    """``graph`` with every grouped matmul (not in ``keep``) whose weight is a swap of the last two dims of a 3-D
+    value reading that value with ``weight_transposed=True``; ``graph`` itself if there is none."""
+    producers = {node.name: node for node in graph.nodes}
+    nodes, changed = [], False
+    for node in graph.nodes:
+        source = _transposed_source(node, producers) if node.target in GROUPED_MATMULS and node.name not in keep else None
+        if source is None:
+            nodes.append(node)
+            continue
+        args = (node.args[0], source, *node.args[2:])
+        nodes.append(dataclasses.replace(node, args=args, kwargs={**node.kwargs, "weight_transposed": True}))
+        changed = True
+    return dataclasses.replace(graph, nodes=nodes) if changed else graph
+
+
+def _transposed_source(node: Node, producers: dict[str, Node]) -> Ref | None:
+    weight = node.args[1] if len(node.args) > 1 else None
+    producer = producers.get(weight.name) if isinstance(weight, Ref) else None
+    if producer is None or producer.target not in _SWAPS_LAST_TWO or not isinstance(producer.args[0], Ref):
+        return None
+    out = producer.out
+    if getattr(out, "shape", None) is None or len(out.shape) != 3 or not _SWAPS_LAST_TWO[producer.target](producer.args):
+        return None
+    return producer.args[0]
