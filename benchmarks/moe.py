@@ -2,16 +2,19 @@
 on several (fake CPU) devices, the experts replicated, tensor-split and expert-split side by side.
 
     python benchmarks/moe.py [--experts 8,32,64] [--top-k 2] [--steps 5] [--warmup 2] [--json out.json]
+    python benchmarks/moe.py --runners "torchpar,torchpar gathered,torchpar ragged_dot" --json benchmarks/results/moe_lowerings.json
+    python benchmarks/moe.py --experts 8 --top-k 1,2,4 --runners torchpar --json benchmarks/results/moe_top_k.json
     python benchmarks/moe.py --devices 4 [--experts 8,32] [--json benchmarks/results/moe_sharded.json]
 
 HF ``MixtralForCausalLM`` (2 layers, hidden 256, expert hidden 512, 4 heads, vocabulary 1,024; its default
-``grouped_mm`` experts path), batch 8 × 256, AdamW, fp32. Four runners train the same model, timed interleaved
-(one step of each per round, medians): PyTorch eager; torchpar with ``_grouped_mm`` lowered in blocks of one
+``grouped_mm`` experts path), batch 8 × 256, AdamW, fp32. Runners train the same model, timed interleaved (one
+step of each per round, medians): PyTorch eager; torchpar with ``_grouped_mm`` lowered in blocks of one
 expert's rows (``jaxbackend/ops/grouped_matmul.py``) in the backend's default method (on the CPU a loop over the
 blocks), and in the ``"gathered"`` method (one batched matmul of every block, its weights gathered: the default on a
-GPU); torchpar with ``jax.lax.ragged_dot`` as XLA expands it (every expert computed on every row). The work of an exact grouped matmul grows with the rows
-(tokens × top-k), not with the number of experts: the table shows how each runner's step grows from the first
-expert count.
+GPU); torchpar with ``jax.lax.ragged_dot`` as XLA expands it (every expert computed on every row). ``--runners``
+picks the torchpar ones; by default only the first runs beside eager (the others' steps are slower and larger and
+slow down whichever step follows them). The work of an exact grouped matmul grows with the rows (tokens × top-k), not with the number of
+experts: the table shows how each runner's step grows from the first row (``--top-k 1,2,4``: with top-k).
 
 With ``--devices D`` the same model trains under ``ShardParallel(mesh_shape=(1, D), experts=...)`` for each way a
 grouped matmul can be laid out — ``replicated`` (every expert on every device), ``tensor`` (each expert's hidden
@@ -40,7 +43,11 @@ CONFIG = dict(num_hidden_layers=2, hidden_size=256, intermediate_size=512, num_a
 BATCH, SEQ = 8, 256
 
 
-def measure(experts: int, top_k: int, steps: int, warmup: int) -> dict[str, Any]:
+RUNNERS = ("eager", "torchpar", "torchpar gathered", "torchpar ragged_dot")
+
+
+def measure(experts: int, top_k: int, steps: int, warmup: int, runners_kept: tuple[str, ...] = RUNNERS
+            ) -> dict[str, Any]:
     import transformers
 
     import torchpar
@@ -57,6 +64,8 @@ def measure(experts: int, top_k: int, steps: int, warmup: int) -> dict[str, Any]
     compile_s: dict[str, float] = {}
     for name, lowering, method in (("torchpar", "blocked", None), ("torchpar gathered", "blocked", "gathered"),
                                    ("torchpar ragged_dot", "ragged_dot", None)):
+        if name not in runners_kept:
+            continue
         copy_ = copy.deepcopy(model)
         linalg.GROUPED_MM, grouped_matmul.METHOD = lowering, method
         try:
@@ -75,11 +84,13 @@ def measure(experts: int, top_k: int, steps: int, warmup: int) -> dict[str, Any]
 
 
 def time_interleaved(runners: dict[str, Callable[[], Any]], steps: int, warmup: int) -> dict[str, list[float]]:
-    """Seconds of each runner's call, one call of each per round (machines are noisy: side by side, not in turn),
-    the first ``warmup`` rounds not kept."""
+    """Seconds of each runner's call, one call of each per round (machines are noisy: side by side, not in turn), the
+    order reversed every other round (no runner always follows the same one), the first ``warmup`` rounds not
+    kept."""
     times: dict[str, list[float]] = {name: [] for name in runners}
     for round_index in range(warmup + steps):
-        for name, run in runners.items():
+        order = list(runners.items())
+        for name, run in order[::-1] if round_index % 2 else order:
             start = time.perf_counter()
             run()
             if round_index >= warmup:
@@ -150,7 +161,10 @@ def sharded_main(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--experts", default="8,32,64")
-    parser.add_argument("--top-k", type=int, default=2)
+    parser.add_argument("--top-k", default="2", help="one or several (2 or 1,2,4); --devices takes one")
+    parser.add_argument("--runners", default="torchpar",
+                        help="one device: which of torchpar, 'torchpar gathered', 'torchpar ragged_dot' run beside eager "
+                             "(comma-separated; ragged_dot's steps are slow and large, and slow the steps after them)")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--devices", type=int, default=1, help="> 1: the layouts of the experts on that many devices")
@@ -158,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.devices > 1:
         args.json = args.json or "benchmarks/results/moe_sharded.json"
+        args.top_k = int(args.top_k)
         return sharded_main(args)
     args.json = args.json or "benchmarks/results/moe.json"
     import transformers
@@ -167,22 +182,24 @@ def main(argv: list[str] | None = None) -> int:
     transformers.logging.set_verbosity_error()
     torchpar.init(cluster="local", num_devices=1)
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, {platform.processor() or platform.machine()}, "
-          f"{os.cpu_count()} cpus; Mixtral {CONFIG}, batch {BATCH}×{SEQ}, top-{args.top_k}")
-    print(f"{'experts':>8}{'eager ms':>11}{'torchpar ms':>13}{'gathered ms':>13}{'ragged_dot ms':>15}{'tp/eager':>10}"
-          f"{'ga/eager':>10}{'rd/eager':>10}")
+          f"{os.cpu_count()} cpus; Mixtral {CONFIG}, batch {BATCH}×{SEQ}")
+    runners = tuple(name for name in RUNNERS if name == "eager" or name in args.runners.split(","))
+    short = {"eager": "eager", "torchpar": "torchpar", "torchpar gathered": "gathered", "torchpar ragged_dot": "ragged_dot"}
+    print(f"{'experts':>8}{'top-k':>6}" + "".join(f"{short[name] + ' ms':>15}" for name in runners)
+          + "".join(f"{short[name] + '/eager':>18}" for name in runners[1:]))
     rows = []
     for experts in (int(e) for e in args.experts.split(",")):
-        row = measure(experts, args.top_k, args.steps, args.warmup)
-        rows.append(row)
-        m, r = row["median_step_s"], row["ratio_to_eager"]
-        print(f"{experts:>8}{m['eager'] * 1e3:11.1f}{m['torchpar'] * 1e3:13.1f}{m['torchpar gathered'] * 1e3:13.1f}"
-              f"{m['torchpar ragged_dot'] * 1e3:15.1f}{r['torchpar']:10.2f}{r['torchpar gathered']:10.2f}"
-              f"{r['torchpar ragged_dot']:10.2f}", flush=True)
-    first = rows[0]["median_step_s"]
+        for top_k in (int(k) for k in args.top_k.split(",")):
+            row = measure(experts, top_k, args.steps, args.warmup, runners)
+            rows.append(row)
+            m, r = row["median_step_s"], row["ratio_to_eager"]
+            print(f"{experts:>8}{top_k:>6}" + "".join(f"{m[name] * 1e3:15.1f}" for name in runners)
+                  + "".join(f"{r[name]:18.2f}" for name in runners[1:]), flush=True)
+    first = rows[0]
     for row in rows[1:]:
-        growth = {name: row["median_step_s"][name] / first[name] for name in first}
-        print(f"  {rows[0]['experts']} → {row['experts']} experts: step ×" + ", ×".join(
-            f"{value:.2f} ({name})" for name, value in growth.items()))
+        growth = {name: row["median_step_s"][name] / first["median_step_s"][name] for name in runners}
+        print(f"  {first['experts']} experts top-{first['top_k']} → {row['experts']} experts top-{row['top_k']}: step ×"
+              + ", ×".join(f"{value:.2f} ({name})" for name, value in growth.items()))
     if args.json:
         os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
         with open(args.json, "w") as handle:
