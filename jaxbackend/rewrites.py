@@ -20,8 +20,9 @@ from collections.abc import Container
 from torchpar.ir.graph import Graph, Node, Ref
 from torchpar.ir.op_families import GROUPED_MATMULS
 
-_SWAPS_LAST_TWO = {"aten.permute.default": lambda args: list(args[1]) in ([0, 2, 1], [0, -1, -2]),
+_SWAPS_LAST_TWO = {"aten.permute.default": lambda args: [d % 3 for d in args[1]] == [0, 2, 1],
                    "aten.transpose.int": lambda args: {d % 3 for d in args[1:3]} == {1, 2}}
+"""For each op that can swap dims: whether its arguments (a 3-D input) swap exactly the last two."""
 
 
 def fold_transposed_weights(graph: Graph, keep: Container[str] = ()) -> Graph:
