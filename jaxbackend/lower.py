@@ -97,8 +97,8 @@ def lower(graph: Graph, *, value_shardings: Mapping[str, Any] | None = None,
         local = LocalProgram(layouts)
     value_shardings = dict(value_shardings or {})
     operand_shardings = dict(operand_shardings or {})
-    if local is None:  # a per-device program reads each operand in its planned layout
-        graph = fold_transposed_weights(graph, keep=operand_shardings)
+    if local is None:  # a per-device program reads each operand in its planned layout, by name
+        graph, operand_shardings = fold_transposed_weights(graph, operand_shardings)
     constants = {name: jnp.asarray(value) for name, value in graph.constants.items()}
     lowerings = [registry.get(node.target) for node in graph.nodes]
     buffer_outputs = [o for o in graph.outputs if o.kind == "buffer"]

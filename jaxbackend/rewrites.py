@@ -8,14 +8,18 @@ input directly does, so XLA never materializes the producer's result for it.
   :func:`fold_transposed_weights` makes the matmul read ``w`` itself (``weight_transposed=True``); the permute
   stays in the graph for its other readers, if any (XLA drops it otherwise).
 
-Only ops whose operands the caller does not pin to a layout are rewritten (``keep``): a grouped matmul split over
-devices reads its weight in the layout the plan gave the transposed value.
+Where the plan pins the op's operand layouts (GSPMD ``operand_shardings``), the weight's is permuted alike: a
+grouped matmul split over devices reads each device's shard of the stored weight in place too. Per-device programs
+(``spmd="shard_map"``) are not rewritten: they read each operand in its planned layout by name.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Container
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from jax.sharding import NamedSharding, PartitionSpec
 
 from torchpar.ir.graph import Graph, Node, Ref
 from torchpar.ir.op_families import GROUPED_MATMULS
@@ -25,20 +29,34 @@ _SWAPS_LAST_TWO = {"aten.permute.default": lambda args: [d % 3 for d in args[1]]
 """For each op that can swap dims: whether its arguments (a 3-D input) swap exactly the last two."""
 
 
-def fold_transposed_weights(graph: Graph, keep: Container[str] = ()) -> Graph:
-    """``graph`` with every grouped matmul (not in ``keep``) whose weight is a swap of the last two dims of a 3-D
-    value reading that value with ``weight_transposed=True``; ``graph`` itself if there is none."""
+def fold_transposed_weights(graph: Graph, operand_shardings: Mapping[str, Sequence[Any]] | None = None
+                            ) -> tuple[Graph, dict[str, Sequence[Any]]]:
+    """``graph`` with every grouped matmul whose weight is a swap of the last two dims of a 3-D value reading that
+    value with ``weight_transposed=True`` (``graph`` itself if there is none), and ``operand_shardings`` with those
+    ops' weight shardings permuted to the stored value's dims."""
     producers = {node.name: node for node in graph.nodes}
+    shardings = dict(operand_shardings or {})
     nodes, changed = [], False
     for node in graph.nodes:
-        source = _transposed_source(node, producers) if node.target in GROUPED_MATMULS and node.name not in keep else None
+        source = _transposed_source(node, producers) if node.target in GROUPED_MATMULS else None
         if source is None:
             nodes.append(node)
             continue
         args = (node.args[0], source, *node.args[2:])
         nodes.append(dataclasses.replace(node, args=args, kwargs={**node.kwargs, "weight_transposed": True}))
+        if node.name in shardings:
+            pinned = list(shardings[node.name])
+            pinned[1] = _swap_last_two(pinned[1])
+            shardings[node.name] = tuple(pinned)
         changed = True
-    return dataclasses.replace(graph, nodes=nodes) if changed else graph
+    return (dataclasses.replace(graph, nodes=nodes) if changed else graph), shardings
+
+
+def _swap_last_two(sharding: NamedSharding | None) -> NamedSharding | None:
+    if sharding is None:
+        return None
+    spec = list(sharding.spec) + [None] * (3 - len(sharding.spec))
+    return NamedSharding(sharding.mesh, PartitionSpec(spec[0], spec[2], spec[1]))
 
 
 def _transposed_source(node: Node, producers: dict[str, Node]) -> Ref | None:

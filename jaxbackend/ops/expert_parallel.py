@@ -98,10 +98,13 @@ class GroupedMatmulSplit:
         :data:`torchpar.ir.costs.EXPERT_EXCHANGE_HEADROOM` (at most ``L``)."""
         return expert_slot_rows(local_rows, self.expert_devices, self.capacity)
 
-    def specs(self) -> tuple[PartitionSpec, PartitionSpec, PartitionSpec, PartitionSpec]:
-        """``shard_map`` specs of ``x``, ``w``, ``offs`` and the output."""
+    def specs(self, weight_transposed: bool = False) -> tuple[PartitionSpec, PartitionSpec, PartitionSpec,
+                                                              PartitionSpec]:
+        """``shard_map`` specs of ``x``, ``w`` (``[E, K, N]``, or ``[E, N, K]`` with ``weight_transposed``),
+        ``offs`` and the output."""
+        weight = (_names(self.expert_axes), None, _names(self.column_axes))
         return (PartitionSpec(_names(self.row_axes), None),
-                PartitionSpec(_names(self.expert_axes), None, _names(self.column_axes)),
+                PartitionSpec(*(weight[0], weight[2], weight[1]) if weight_transposed else weight),
                 PartitionSpec(),
                 PartitionSpec(_names(self.row_axes), _names(self.column_axes)))
 
@@ -127,15 +130,16 @@ def _overlaps(chunk_starts: jax.Array, chunk_rows: int, offs: jax.Array) -> jax.
 
 
 def split_grouped_mm_local(x: jax.Array, weight: jax.Array, offs: jax.Array, split: GroupedMatmulSplit, *,
-                          precision=None, preferred_element_type=None) -> jax.Array:
+                          weight_transposed: bool = False, precision=None, preferred_element_type=None) -> jax.Array:
     """This device's part of a split grouped matmul, inside a ``shard_map`` over the mesh axes ``split`` names:
     ``x [L, K]`` its row chunk, ``weight [E_l, K, N_l]`` its experts (all ``E`` when ``split`` has no expert
-    axes), ``offs [E]`` whole. Returns its rows' outputs ``[L, N_l]`` (module docstring)."""
+    axes; ``[E_l, N_l, K]`` with ``weight_transposed``), ``offs [E]`` whole. Returns its rows' outputs ``[L, N_l]``
+    (module docstring)."""
     rows, _ = x.shape
     local_experts = weight.shape[0]
     peers = split.expert_devices
     experts = local_experts * peers
-    dot = dict(precision=precision, preferred_element_type=preferred_element_type)
+    dot = dict(precision=precision, preferred_element_type=preferred_element_type, weight_transposed=weight_transposed)
     if offs.shape[0] != experts:
         raise ValueError(f"grouped_mm offsets name {offs.shape[0]} experts; the split weight holds {local_experts} "
                          f"on each of {peers} devices")
@@ -250,8 +254,9 @@ class _ExpertMajor:
 def split_grouped_mm(x: jax.Array, weight: jax.Array, offs: jax.Array, mesh: Mesh, split: GroupedMatmulSplit,
                      **dot_options: Any) -> jax.Array:
     """The split grouped matmul of global arrays (under ``jit``/GSPMD): a ``shard_map`` over ``mesh`` of
-    :func:`split_grouped_mm_local`. ``x [S, K]``, ``weight [E, K, N]``, ``offs [E]`` → ``[S, N]``."""
-    x_spec, w_spec, offs_spec, out_spec = split.specs()
+    :func:`split_grouped_mm_local`. ``x [S, K]``, ``weight [E, K, N]`` (``[E, N, K]`` with
+    ``weight_transposed=True`` among ``dot_options``), ``offs [E]`` → ``[S, N]``."""
+    x_spec, w_spec, offs_spec, out_spec = split.specs(dot_options.get("weight_transposed", False))
     body = lambda x, w, o: split_grouped_mm_local(x, w, o, split, **dot_options)  # noqa: E731
     return jax.shard_map(body, mesh=mesh, in_specs=(x_spec, w_spec, offs_spec), out_specs=out_spec)(x, weight, offs)
 

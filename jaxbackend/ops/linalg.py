@@ -112,20 +112,21 @@ def grouped_mm(x, weight, offs=None, bias=None, out_dtype=None, *, weight_transp
     per-device program, ``local_split`` (a :class:`.expert_parallel.GroupedMatmulSplit`) is this device's part.
 
     ``weight_transposed`` (set by :func:`jaxbackend.rewrites.fold_transposed_weights`, never by PyTorch): ``weight``
-    is the ``[E, N, K]`` value the graph transposed for this op; the blocked product reads it in place.
+    is the ``[E, N, K]`` value the graph transposed for this op (its sharding, if pinned, permuted alike); the
+    blocked product, split or not, reads it in place.
     """
-    blocked = x.ndim == 2 and weight.ndim == 3 and offs is not None and GROUPED_MM == "blocked"
-    if weight_transposed and not (blocked and local_split is None and _gspmd_split(shardings) is None):
+    if weight_transposed and not (x.ndim == 2 and offs is not None and GROUPED_MM == "blocked" and local_split is None):
         weight, weight_transposed = jnp.swapaxes(weight, 1, 2), False
     if x.ndim == 2 and weight.ndim == 3 and offs is not None:
         dot = dict(precision=dot_precision(x, weight))
-        split = local_split or _gspmd_split(shardings)
+        split = local_split or _gspmd_split(shardings, weight_transposed)
         if split is not None and bias is not None:
             raise NotImplementedError("a split _grouped_mm with a bias: run it replicated (no expert or row split)")
         if local_split is not None:
             out = split_grouped_mm_local(x, weight, offs, local_split, **dot)
         elif split is not None:
-            out = split_grouped_mm(x, weight, offs, shardings[0].mesh, split, **dot)
+            out = split_grouped_mm(x, weight, offs, shardings[0].mesh, split, weight_transposed=weight_transposed,
+                                   **dot)
         elif GROUPED_MM == "blocked":
             out = blocked_ragged_dot(x, weight, jnp.diff(offs.astype(jnp.int32), prepend=0),
                                      weight_transposed=weight_transposed, **dot)
@@ -141,14 +142,16 @@ def grouped_mm(x, weight, offs=None, bias=None, out_dtype=None, *, weight_transp
     return out if out_dtype is None else out.astype(out_dtype)
 
 
-def _gspmd_split(shardings) -> GroupedMatmulSplit | None:
+def _gspmd_split(shardings, weight_transposed: bool = False) -> GroupedMatmulSplit | None:
     """The split that the pinned operand shardings of a grouped matmul describe (``None``: not split, or not
-    pinned)."""
+    pinned); the weight's read as ``[E, N, K]`` with ``weight_transposed``."""
     if not shardings or len(shardings) < 2 or shardings[0] is None or shardings[1] is None:
         return None
     mesh = shardings[0].mesh
-    return grouped_mm_split_of(axes_of(shardings[0].spec, 2), axes_of(shardings[1].spec, 3),
-                               tuple(mesh.shape[name] for name in AXIS_NAMES))
+    weight = axes_of(shardings[1].spec, 3)
+    if weight_transposed:
+        weight = (weight[0], weight[2], weight[1])
+    return grouped_mm_split_of(axes_of(shardings[0].spec, 2), weight, tuple(mesh.shape[name] for name in AXIS_NAMES))
 
 
 @lowers("aten._cdist_forward.default")

@@ -61,27 +61,38 @@ CASES = ([(name, "skewed") for name in SPLITS if name not in ("experts@0,rows@01
          + [(name, routing) for name in ("experts@0,rows@01", "experts@01") for routing in ROUTINGS])
 
 
-@pytest.mark.parametrize("name, routing, method", [*((n, r, None) for n, r in CASES),
-                                                   ("experts@0,rows@01", "balanced", "gathered"),
-                                                   ("experts@01", "skewed", "gathered")],
-                         ids=[*(f"{n}-{r}" for n, r in CASES), "experts@0,rows@01-balanced-gathered",
-                              "experts@01-skewed-gathered"])
-def test_split_grouped_mm_matches_ragged_dot(name, routing, method, monkeypatch):
-    """Each device's matmul in the default method (the loop on the CPU) and, for two cases, the gathered one (the
-    default on a GPU: blocks in runs skipped by ``lax.cond``)."""
+EXTRA_CASES = {  # (split, routing, method, weight stored transposed)
+    "experts@0,rows@01-balanced-gathered": ("experts@0,rows@01", "balanced", "gathered", False),
+    "experts@01-skewed-gathered": ("experts@01", "skewed", "gathered", False),
+    "experts@0,columns@1-skewed-transposed": ("experts@0,columns@1", "skewed", None, True),
+    "rows@01,columns-skewed-transposed-gathered": ("rows@01,columns", "skewed", "gathered", True),
+}
+
+
+@pytest.mark.parametrize("name, routing, method, transposed",
+                         [*((n, r, None, False) for n, r in CASES), *EXTRA_CASES.values()],
+                         ids=[*(f"{n}-{r}" for n, r in CASES), *EXTRA_CASES])
+def test_split_grouped_mm_matches_ragged_dot(name, routing, method, transposed, monkeypatch):
+    """Each device's matmul in the default method (the loop on the CPU) and, for some cases, the gathered one (the
+    default on a GPU: blocks in runs skipped by ``lax.cond``), or with the weight stored ``[E, N, K]`` and read in
+    place (``weight_transposed``: HF's layout)."""
     monkeypatch.setattr(grouped_matmul, "METHOD", method)
     x, w, cotangent = _operands()
     offs = _offsets(routing)
     mesh = make_mesh((2, 2))
     split = _split(name)
 
+    def split_product(x, w):  # w [E, K, N] as the reference has it, stored [E, N, K] when transposed
+        stored = jnp.swapaxes(w, 1, 2) if transposed else w
+        return split_grouped_mm(x, stored, offs, mesh, split, precision="highest", weight_transposed=transposed)
+
     def split_loss(x, w):
-        return (split_grouped_mm(x, w, offs, mesh, split, precision="highest") * cotangent).sum()
+        return (split_product(x, w) * cotangent).sum()
 
     def reference_loss(x, w):
         return (_reference(x, w, offs) * cotangent).sum()
 
-    got = jax.jit(lambda x, w: split_grouped_mm(x, w, offs, mesh, split, precision="highest"))(x, w)
+    got = jax.jit(split_product)(x, w)
     np.testing.assert_allclose(got, _reference(x, w, offs), atol=ATOL, rtol=0)
     grads = jax.jit(jax.grad(split_loss, argnums=(0, 1)))(x, w)
     want = jax.grad(reference_loss, argnums=(0, 1))(x, w)

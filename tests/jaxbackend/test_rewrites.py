@@ -8,10 +8,12 @@ import re
 
 import torch
 import transformers
+from jax.sharding import PartitionSpec
 
 import torchpar
 from jaxbackend import lower as lower_module
 from jaxbackend.rewrites import fold_transposed_weights
+from jaxbackend.sharding import make_mesh, named_sharding
 from torchpar.ir.graph import Ref
 from torchpar.ir.op_families import GROUPED_MATMULS
 
@@ -34,14 +36,17 @@ def test_grouped_matmuls_read_the_untransposed_expert_weights():
     engine, batch = _engine()
     graph = engine.graph
     grouped = [node for node in graph.nodes if node.target in GROUPED_MATMULS]
-    folded = {node.name: node for node in fold_transposed_weights(graph).nodes}
+    folded_graph, _ = fold_transposed_weights(graph)
+    folded = {node.name: node for node in folded_graph.nodes}
     assert len(grouped) == 2
     for node in grouped:
         rewritten = folded[node.name]
         assert rewritten.kwargs == {"weight_transposed": True}
         assert isinstance(rewritten.args[1], Ref) and rewritten.args[1].name.endswith(("gate_up_proj", "down_proj"))
-    kept = {n.name: n for n in fold_transposed_weights(graph, keep={grouped[0].name}).nodes}
-    assert kept[grouped[0].name] is grouped[0] and kept[grouped[1].name] is not grouped[1]
+    mesh = make_mesh((2, 2))
+    pinned = (None, named_sharding(mesh, ((0,), None, (1,))), None)  # experts over axis 0, [E, K, N]'s N over 1
+    _, shardings = fold_transposed_weights(graph, {grouped[0].name: pinned})
+    assert shardings[grouped[0].name][1].spec == PartitionSpec("d0", "d1", None)  # the stored [E, N, K]'s N
     # the compiled step holds no transposed copy of an expert weight ([E, in, out] from HF's [E, out, in])
     transposed_shapes = {f"f32[{EXPERTS},{HIDDEN},{2 * EXPERT_HIDDEN}]", f"f32[{EXPERTS},{EXPERT_HIDDEN},{HIDDEN}]"}
     hlo = engine.hlo_text()[0]
@@ -53,7 +58,7 @@ def test_grouped_matmuls_read_the_untransposed_expert_weights():
 def test_the_folded_step_trains_like_the_unfolded_one(monkeypatch):
     engine, batch = _engine()
     folded = [float(engine.step(batch)) for _ in range(2)]
-    monkeypatch.setattr(lower_module, "fold_transposed_weights", lambda graph, keep=(): graph)
+    monkeypatch.setattr(lower_module, "fold_transposed_weights", lambda graph, shardings=None: (graph, shardings or {}))
     unfolded_engine, _ = _engine()
     unfolded = [float(unfolded_engine.step(batch)) for _ in range(2)]
     assert folded == unfolded or max(abs(a - b) for a, b in zip(folded, unfolded)) < 1e-6
