@@ -233,7 +233,10 @@ def expert_strategies(operand_shapes: Sequence[Sequence[int]], flops: float, ite
     - all-to-all of ``[P·T, K]`` rows and of ``[P·T, N/|cols|]`` results over ``A``, forward and backward;
     - weight gradient all-reduce over the row axes beyond ``A`` (once per step for a weight); with ``N`` split,
       the rows' gradient all-reduced over ``b``;
-    - memory: the output's ``L`` rows plus the receive buffer ``[L + P·T, K]`` kept for the weight gradient.
+    - memory: the output's ``L`` rows plus the receive buffers kept for the weight gradient: the fast path's
+      ``[L + P·T, K]`` and, when it has one (``T < L``), the exact path's ``[L + P·L, K]`` — the two paths are the
+      branches of a ``lax.cond``, whose saved residuals are both branches'. Not counted: the exchange's transients
+      (send slots, the reordered rows, the results before they return), freed within the op.
     """
     (rows, width), (experts, _, columns) = operand_shapes[0], operand_shapes[1]
     live = [a for a in (0, 1) if mesh.shape[a] > 1]
@@ -270,7 +273,10 @@ def expert_strategies(operand_shapes: Sequence[Sequence[int]], flops: float, ite
         name = f"experts@{''.join(map(str, expert_axes))},s@{''.join(map(str, row_axes))}" + \
             (f",n@{''.join(map(str, column_axes))}" if column_axes else "")
         out_bytes = local_rows * columns // column_shards * itemsize
-        buffer_bytes = (local_rows + peers * slot) * width * itemsize
+        buffer_rows = local_rows + peers * slot
+        if slot < local_rows:  # the exact path's buffer is saved too
+            buffer_rows += local_rows + peers * local_rows
+        buffer_bytes = buffer_rows * width * itemsize
         strategies.append(Strategy(
             name=name, out_spec=(row_axes, column_axes or None),
             in_specs=((row_axes, None), (expert_axes, None, column_axes or None), (None,)),
