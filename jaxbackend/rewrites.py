@@ -21,6 +21,7 @@ from typing import Any
 
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxbackend.ops.expert_parallel import swap_weight_dims
 from torchpar.ir.graph import Graph, Node, Ref
 from torchpar.ir.op_families import GROUPED_MATMULS
 
@@ -53,10 +54,7 @@ def fold_transposed_weights(graph: Graph, operand_shardings: Mapping[str, Sequen
 
 
 def _swap_last_two(sharding: NamedSharding | None) -> NamedSharding | None:
-    if sharding is None:
-        return None
-    spec = list(sharding.spec) + [None] * (3 - len(sharding.spec))
-    return NamedSharding(sharding.mesh, PartitionSpec(spec[0], spec[2], spec[1]))
+    return None if sharding is None else NamedSharding(sharding.mesh, PartitionSpec(*swap_weight_dims(sharding.spec)))
 
 
 def _transposed_source(node: Node, producers: dict[str, Node]) -> Ref | None:

@@ -104,9 +104,15 @@ class GroupedMatmulSplit:
         ``offs`` and the output."""
         weight = (_names(self.expert_axes), None, _names(self.column_axes))
         return (PartitionSpec(_names(self.row_axes), None),
-                PartitionSpec(*(weight[0], weight[2], weight[1]) if weight_transposed else weight),
+                PartitionSpec(*(swap_weight_dims(weight) if weight_transposed else weight)),
                 PartitionSpec(),
                 PartitionSpec(_names(self.row_axes), _names(self.column_axes)))
+
+
+def swap_weight_dims(spec: Sequence[Any]) -> tuple:
+    """A weight's spec ``[E, K, N]`` as the spec of ``[E, N, K]`` and back (missing trailing entries: ``None``)."""
+    entries = tuple(spec) + (None,) * (3 - len(spec))
+    return entries[0], entries[2], entries[1]
 
 
 def _contiguous(inner: Sequence[int], outer: Sequence[int]) -> bool:

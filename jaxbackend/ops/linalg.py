@@ -10,7 +10,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxbackend.ops.expert_parallel import GroupedMatmulSplit, grouped_mm_split_of, split_grouped_mm, split_grouped_mm_local
+from jaxbackend.ops.expert_parallel import (GroupedMatmulSplit, grouped_mm_split_of, split_grouped_mm,
+                                           split_grouped_mm_local, swap_weight_dims)
 from jaxbackend.ops.grouped_matmul import blocked_ragged_dot
 from jaxbackend.ops.registry import lowers
 from jaxbackend.precision import conv_precision, dot_precision
@@ -150,7 +151,7 @@ def _gspmd_split(shardings, weight_transposed: bool = False) -> GroupedMatmulSpl
     mesh = shardings[0].mesh
     weight = axes_of(shardings[1].spec, 3)
     if weight_transposed:
-        weight = (weight[0], weight[2], weight[1])
+        weight = swap_weight_dims(weight)
     return grouped_mm_split_of(axes_of(shardings[0].spec, 2), weight, tuple(mesh.shape[name] for name in AXIS_NAMES))
 
 

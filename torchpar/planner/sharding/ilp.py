@@ -246,14 +246,12 @@ def _edges(model, graph: SolverGraph, x: list[list]) -> tuple[list, list]:
         u, v = pair
         shape = (len(graph.roots[u].strategies), len(graph.roots[v].strategies))
         cost = np.broadcast_to(np.asarray(graph.edges.get(pair, 0.0), np.float64), shape)
-        if pair in graph.memory_edges:
-            gathered = np.broadcast_to(np.asarray(graph.memory_edges[pair], np.float64), shape)
-            row_groups, rows = _groups(model, np.concatenate([cost, gathered], axis=1), x[u], f"r{u}_{v}")
-            col_groups, cols = _groups(model, np.concatenate([cost, gathered]).T, x[v], f"c{u}_{v}")
-        else:  # most edges: no memory term
-            gathered = np.zeros(shape)
-            row_groups, rows = _groups(model, cost, x[u], f"r{u}_{v}")
-            col_groups, cols = _groups(model, cost.T, x[v], f"c{u}_{v}")
+        has_memory = pair in graph.memory_edges  # most edges have no memory term: group them by cost alone
+        gathered = np.broadcast_to(np.asarray(graph.memory_edges.get(pair, 0.0), np.float64), shape)
+        by_row = np.concatenate([cost, gathered], axis=1) if has_memory else cost
+        by_col = np.concatenate([cost, gathered]) if has_memory else cost
+        row_groups, rows = _groups(model, by_row, x[u], f"r{u}_{v}")
+        col_groups, cols = _groups(model, by_col.T, x[v], f"c{u}_{v}")
         picked = np.ix_([g[0] for g in rows], [h[0] for h in cols])
         reduced_cost, reduced_memory = cost[picked], gathered[picked]
         for g, h in zip(*np.nonzero((reduced_cost > 0) | (reduced_memory > 0))):
