@@ -63,7 +63,8 @@ def check_supported(graph: Graph) -> None:
 
 
 def lower(graph: Graph, *, value_shardings: Mapping[str, Any] | None = None,
-          operand_shardings: Mapping[str, Sequence[Any]] | None = None, layouts: Any = None,
+          operand_shardings: Mapping[str, Sequence[Any]] | None = None,
+          op_options: Mapping[str, Mapping[str, Any]] | None = None, layouts: Any = None,
           observe: Callable[[Node, Any, dict[str, Any]], None] | None = None,
           numerics: Numerics | None = None, remat: Remat | None = None) -> StepFn:
     """The pure JAX function computing ``graph`` (see the module docstring for its signature).
@@ -71,7 +72,9 @@ def lower(graph: Graph, *, value_shardings: Mapping[str, Any] | None = None,
     ``value_shardings`` maps input or node names to a sharding their value is constrained to
     (``with_sharding_constraint``) where it is produced; ``operand_shardings`` maps a node name to one
     sharding (or ``None``) per tensor operand, constrained right before the op reads it. These are how a
-    sharding plan is enforced under GSPMD; the backward pass inherits them through ``jax.grad``.
+    sharding plan is enforced under GSPMD; the backward pass inherits them through ``jax.grad``. A lowering
+    registered ``sharded`` receives its node's pinned shardings (``shardings=``) and its ``op_options`` (keyword
+    arguments naming how the plan splits it, e.g. ``context="ring"``).
 
     ``layouts`` (a ``torchpar.planner.sharding.layouts.ValueLayouts``) instead makes a per-device
     function for ``jax.shard_map``: inputs and results are this device's shards, and the collectives the
@@ -97,6 +100,7 @@ def lower(graph: Graph, *, value_shardings: Mapping[str, Any] | None = None,
         local = LocalProgram(layouts)
     value_shardings = dict(value_shardings or {})
     operand_shardings = dict(operand_shardings or {})
+    op_options = dict(op_options or {})
     if local is None:  # a per-device program reads each operand in its planned layout, by name
         graph, operand_shardings = fold_transposed_weights(graph, operand_shardings)
     constants = {name: jnp.asarray(value) for name, value in graph.constants.items()}
@@ -131,6 +135,7 @@ def lower(graph: Graph, *, value_shardings: Mapping[str, Any] | None = None,
             kwargs["key"] = jax.random.fold_in(key, index)
         if lowering.sharded and node.name in operand_shardings:
             kwargs["shardings"] = tuple(operand_shardings[node.name])
+            kwargs.update(op_options.get(node.name, {}))
         fn, finish = lowering.fn, None
         if local is not None:
             fn, args, kwargs, finish = local.prepare(node, fn, args, kwargs)

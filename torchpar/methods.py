@@ -116,11 +116,18 @@ class ShardParallel:
     only get slower by the cost model): ``"split"``, experts split over a mesh axis; ``"tensor"``, every expert's
     hidden dims split (tensor parallelism inside the experts); ``"replicated"``, every expert whole on every
     device."""
+    context: ContextOption = "auto"
+    """Attention over long sequences (``scaled_dot_product_attention`` with no mask operand and no dropout):
+    ``"auto"``, the ILP weighs splitting its sequence over a mesh axis (context parallelism: keys and values
+    all-gathered, or passed around a ring of devices; zig-zag chunks when causal) against splitting its batch or
+    heads, pricing the ``L × S`` probabilities the whole-sequence attention keeps in memory; ``"allgather"`` or
+    ``"ring"``: every attention whose sequence divides takes that split; ``"off"``: never split the sequence."""
 
     def __post_init__(self) -> None:
         _check_mesh_shape(self.mesh_shape)
         _check_micro_batches(self.num_micro_batches)
         _check_experts(self.experts)
+        _check_context(self.context)
         if self.memory_budget is not None and self.memory_budget <= 0:
             raise ValueError(f"memory_budget must be positive bytes, got {self.memory_budget}")
         if self.solver_time_limit_s <= 0:
@@ -188,10 +195,13 @@ class PipeshardParallel:
     stage ``s`` on the devices of group ``s mod G``. Must stay ``None`` (= 1) for the other schedules."""
     experts: ExpertsOption = "auto"
     """Mixture-of-experts grouped matmuls inside each stage: as :attr:`ShardParallel.experts`."""
+    context: ContextOption = "auto"
+    """Attention's sequence split inside each stage: as :attr:`ShardParallel.context`."""
 
     def __post_init__(self) -> None:
         _check_micro_batches(self.num_micro_batches)
         _check_experts(self.experts)
+        _check_context(self.context)
         if self.schedule not in PIPELINE_SCHEDULES:
             names = ", ".join(map(repr, PIPELINE_SCHEDULES))
             raise ValueError(f"schedule must be one of {names}, got {self.schedule!r}")
@@ -231,6 +241,15 @@ EXPERTS_OPTIONS: tuple[str, ...] = ("auto", "split", "tensor", "replicated")
 def _check_experts(experts: str) -> None:
     if experts not in EXPERTS_OPTIONS:
         raise ValueError(f"experts must be one of {EXPERTS_OPTIONS}, got {experts!r}")
+
+
+ContextOption = Literal["auto", "allgather", "ring", "off"]
+CONTEXT_OPTIONS: tuple[str, ...] = ("auto", "allgather", "ring", "off")
+
+
+def _check_context(context: str) -> None:
+    if context not in CONTEXT_OPTIONS:
+        raise ValueError(f"context must be one of {CONTEXT_OPTIONS}, got {context!r}")
 
 
 def _check_mesh_shape(mesh_shape: tuple[int, int] | None) -> None:

@@ -61,6 +61,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxbackend import precision
+from jaxbackend.ops.context_attention import pinned_context_split, split_attention
 from jaxbackend.ops.nn import _masked_softmax
 from jaxbackend.ops.registry import lowers
 
@@ -70,11 +71,19 @@ _CUDNN_PLATFORMS = ("gpu", "cuda")
 _CUDNN_REFUSALS = (NotImplementedError, ValueError, RuntimeError)
 
 
-@lowers("aten.scaled_dot_product_attention.default", random=True)
+@lowers("aten.scaled_dot_product_attention.default", random=True, sharded=True)
 def scaled_dot_product_attention(query, key_, value, attn_mask=None, dropout_p=0.0, is_causal=False,
-                                 scale=None, enable_gqa=False, *, key):
-    """``softmax(Q Kᵀ·scale + mask) V``; see the module docstring for shapes and paths."""
+                                 scale=None, enable_gqa=False, *, key, shardings=None, context=None):
+    """``softmax(Q Kᵀ·scale + mask) V``; see the module docstring for shapes and paths. With ``context`` (the plan's
+    ``"allgather"``/``"ring"``) and pinned ``shardings`` splitting the sequence: context parallelism
+    (:mod:`.context_attention`)."""
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+    split = pinned_context_split(shardings, context, bool(is_causal), scale)
+    if split is not None:
+        if attn_mask is not None or dropout_p > 0.0:
+            raise NotImplementedError("context-parallel attention with a mask operand or dropout: plan it with "
+                                      "ShardParallel(context='off')")
+        return split_attention(query, key_, value, shardings, split)
     path = _path(query, key_, value, attn_mask, dropout_p, is_causal, enable_gqa)
     if path == "cudnn":
         try:

@@ -90,18 +90,19 @@ def plan_stage(graph: Graph, *, kind: PlanKind, mesh_shape: tuple[int, int], clu
                trainable: set[str], optimizer_state_copies: float, memory_budget: float | None = None,
                time_limit_s: float = 30.0, submesh: tuple[int, int] | None = None,
                num_micro_batches: int = 1, remat: str = "none", in_flight: int = 1,
-               experts: str = "auto") -> IntraOpResult:
+               experts: str = "auto", context: str = "auto") -> IntraOpResult:
     """Solve one stage of ``kind`` on a logical mesh of ``mesh_shape`` placed on the physical ``submesh`` (default:
     the cluster's first devices; it decides which axes cross hosts). ``num_micro_batches``: ``graph`` is one
     micro-batch's step of a one-stage plan that accumulates that many per step (priced per step:
     :func:`.sharding.solver_graph.build_solver_graph`). ``remat``: the activation checkpointing the step runs with
     (one of ``planner.remat.REMAT_OPTIONS``), priced in memory and compute. ``in_flight``: a pipeline stage's
     micro-batches in flight under its schedule (their activations are all held at its peak). ``experts``: how
-    grouped matmuls may split (``ShardParallel.experts``)."""
+    grouped matmuls may split (``ShardParallel.experts``); ``context``: whether attention may split its sequence
+    (``ShardParallel.context``)."""
     return prepare_stage(graph, kind=kind, mesh_shape=mesh_shape, cluster=cluster, trainable=trainable,
                          optimizer_state_copies=optimizer_state_copies, submesh=submesh,
                          num_micro_batches=num_micro_batches, remat=remat, experts=experts,
-                         in_flight=in_flight).solve(memory_budget, time_limit_s)
+                         context=context, in_flight=in_flight).solve(memory_budget, time_limit_s)
 
 
 @dataclass
@@ -168,7 +169,7 @@ class PreparedStage:
 def prepare_stage(graph: Graph, *, kind: PlanKind, mesh_shape: tuple[int, int], cluster: ClusterSpec,
                   trainable: set[str], optimizer_state_copies: float, submesh: tuple[int, int] | None = None,
                   num_micro_batches: int = 1, remat: str = "none", in_flight: int = 1,
-                  experts: str = "auto") -> PreparedStage:
+                  experts: str = "auto", context: str = "auto") -> PreparedStage:
     """The solver graph of one stage (:func:`plan_stage`'s arguments), to bound or solve."""
     if kind not in PLAN_KINDS:
         raise ValueError(f"unknown plan kind {kind!r}")
@@ -187,7 +188,7 @@ def prepare_stage(graph: Graph, *, kind: PlanKind, mesh_shape: tuple[int, int], 
                                   batch_dim_axes=batch_axes, num_micro_batches=num_micro_batches,
                                   # ZeRO-3 keeps only its gradient shard: it reduce-scatters every micro-batch
                                   accumulated_weight_grads=kind != "zero3", remat=remat, in_flight=in_flight,
-                                  experts=experts)
+                                  experts=experts, context=context)
 
     solver_graph = rebuild(mesh)
     cheapest = float(sum(min(root.cost) for root in solver_graph.roots if len(root.cost)))
@@ -198,7 +199,7 @@ def prepare_stage(graph: Graph, *, kind: PlanKind, mesh_shape: tuple[int, int], 
 def plan_best_mesh(graph: Graph, *, kind: PlanKind, mesh_shapes: list[tuple[int, int]], cluster: ClusterSpec,
                    trainable: set[str], optimizer_state_copies: float, memory_budget: float | None = None,
                    time_limit_s: float = 30.0, num_micro_batches: int = 1, remat: str = "none",
-                   experts: str = "auto") -> IntraOpResult:
+                   experts: str = "auto", context: str = "auto") -> IntraOpResult:
     """Solve on each candidate mesh shape and keep the cheapest plan."""
     best: IntraOpResult | None = None
     errors = []
@@ -208,7 +209,7 @@ def plan_best_mesh(graph: Graph, *, kind: PlanKind, mesh_shapes: list[tuple[int,
             result = plan_stage(graph, kind=kind, mesh_shape=shape, cluster=cluster, trainable=trainable,
                                 optimizer_state_copies=optimizer_state_copies, memory_budget=memory_budget,
                                 time_limit_s=time_limit_s, num_micro_batches=num_micro_batches, remat=remat,
-                                experts=experts)
+                                experts=experts, context=context)
         except ValueError as error:  # e.g. a batch that does not divide this mesh
             errors.append(f"{shape}: {error}")
             trials.append({"logical_mesh_shape": list(shape), "error": str(error)})
@@ -294,6 +295,7 @@ def _stage_from_solution(kind: PlanKind, graph: Graph, solver_graph: SolverGraph
     activations: dict[str, Spec] = {}
     operands: dict[str, list] = {}
     strategies: dict[str, str] = {}
+    op_options: dict[str, dict[str, str]] = {}
     compute_s = 0.0
     metas = {i.name: i for i in graph.inputs}
     for root, k in zip(solver_graph.roots, choice):
@@ -309,6 +311,8 @@ def _stage_from_solution(kind: PlanKind, graph: Graph, solver_graph: SolverGraph
             activations[root.name] = strategy.out_spec
             operands[root.name] = list(strategy.in_specs)
             strategies[root.name] = f"{root.label}: {strategy.name}"
+            if strategy.lowering:
+                op_options[root.name] = dict(strategy.lowering)
     objective = solution.objective_s
     communication = objective - compute_s
     grads: dict[str, Spec] = {}
@@ -356,7 +360,7 @@ def _stage_from_solution(kind: PlanKind, graph: Graph, solver_graph: SolverGraph
         inputs={n: to_json(s) for n, s in inputs.items()},
         activations={n: to_json(s) for n, s in activations.items()},
         operands={n: [to_json(s) if s is not None else None for s in specs] for n, specs in operands.items()},
-        strategies=strategies,
+        strategies=strategies, op_options=op_options,
     )
     return stage, communication, extra_bytes
 

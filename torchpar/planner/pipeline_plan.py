@@ -182,7 +182,7 @@ def _plan_screened(screened: _Screened, graph: Graph, method: PipeshardParallel,
         try:
             prepared.append((position, _prepare(graph, layering, candidate, cluster, method.num_micro_batches,
                                                 trainable, optimizer_state_copies, remat, method.schedule, virtual,
-                                                method.experts)))
+                                                method.experts, method.context)))
         except ValueError as error:  # e.g. a batch that does not divide a stage's mesh
             failures.append((position, candidate, error))
     if stage_timer is None and PRUNE_CANDIDATES and len(prepared) > 1:
@@ -348,7 +348,7 @@ class _Prepared:
 
 def _prepare(graph: Graph, layering, partition, cluster: ClusterSpec, num_micro_batches: int, trainable: set[str],
              optimizer_state_copies: float, remat: str, schedule: str, virtual_stages: int,
-             experts: str = "auto") -> _Prepared:
+             experts: str = "auto", context: str = "auto") -> _Prepared:
     from torchpar.planner import stages as stages_mod
 
     stage_layers = [list(ids) for ids in partition.forward_stage_layer_ids]
@@ -362,7 +362,8 @@ def _prepare(graph: Graph, layering, partition, cluster: ClusterSpec, num_micro_
     in_flight = stages_mod.micro_batches_in_flight(len(stage_graphs), num_micro_batches, schedule, virtual_stages)
     problems = [prepare_stage(stage.graph, kind="shard", mesh_shape=mesh_shape, cluster=cluster,
                               trainable=trainable & set(stage.params), optimizer_state_copies=optimizer_state_copies,
-                              submesh=submeshes[index], remat=remat, in_flight=in_flight[index], experts=experts)
+                              submesh=submeshes[index], remat=remat, in_flight=in_flight[index], experts=experts,
+                              context=context)
                 for index, (stage, mesh_shape) in enumerate(zip(stage_graphs, logical))]
 
     def step(latencies: list[float]) -> float:

@@ -51,6 +51,9 @@ class StagePlan:
     activations: dict[str, Spec] = field(default_factory=dict)
     operands: dict[str, list[Spec | None]] = field(default_factory=dict)
     strategies: dict[str, str] = field(default_factory=dict)
+    op_options: dict[str, dict[str, str]] = field(default_factory=dict)
+    """Keyword arguments an op's lowering takes to run its chosen strategy, by node name (an attention with its
+    sequence split: ``{"context": "ring"}`` or ``"allgather"``)."""
     device_ids: list[int] = field(default_factory=list)
     """Cluster device indices of the submesh (host ``h`` owns ``[h·D, (h+1)·D)`` for ``D`` devices per host),
     in the logical mesh's row-major order; empty means the first ``d0·d1`` devices."""

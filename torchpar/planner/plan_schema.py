@@ -340,6 +340,8 @@ STAGE_FIELDS: dict[str, tuple[bool, Check]] = {
     "activations": (False, _mapping_of(_check_value_spec, f"an object of node name → {_SPEC}")),
     "operands": (False, _mapping_of(_check_operand_specs, "an object of node name → operand layouts")),
     "strategies": (False, _mapping_of(_check_str, "an object of node name → strategy description")),
+    "op_options": (False, _mapping_of(_mapping_of(_check_str, "an object of option → value"),
+                                      "an object of node name → lowering options")),
     "device_ids": (False, _check_device_ids),
     "memory_breakdown": (False, _mapping_of(_check_number, "an object of part (parameters, …) → bytes per device")),
     "communication_bytes": (False, _mapping_of(_check_number, "an object of collective kind → bytes per device")),

@@ -147,6 +147,7 @@ class OneStageProgram:
             from jaxbackend.lower import lower
 
             run = lower(graph, value_shardings=placement.values, operand_shardings=placement.operands,
+                        op_options=placement.options,
                         numerics=self.numerics, remat=remat_groups(graph, self.remat))
             step_fn = make_fused_step(run, trainable, self.optimizer, self.grad_clip_norm, placement.grads,
                                       check_finite=self.check_finite, loss_scaling=self.loss_scaling,

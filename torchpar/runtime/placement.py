@@ -7,7 +7,7 @@ and batches with it, and hands its value/operand shardings to the lowering (whic
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from torchpar.ir.graph import Graph
@@ -18,7 +18,7 @@ from torchpar.planner.plan import StagePlan
 @dataclass
 class Placement:
     """Shardings of one stage. ``params``/``grads``/``state`` by parameter name, ``inputs`` by batch
-    leaf position, ``values``/``operands`` by IR value name (see ``jaxbackend.lower.lower``)."""
+    leaf position, ``values``/``operands``/``options`` by IR value name (see ``jaxbackend.lower.lower``)."""
 
     mesh: Any
     params: dict[str, Any]
@@ -28,6 +28,7 @@ class Placement:
     values: dict[str, Any]
     operands: dict[str, list[Any]]
     replicated: Any
+    options: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @classmethod
     def from_stage(cls, stage: StagePlan, graph: Graph | None, devices: list[Any] | None = None,
@@ -47,7 +48,7 @@ class Placement:
         inputs = {int(i): named(s) for i, s in stage.inputs.items()}
         values: dict[str, Any] = {}
         if graph is None:
-            return cls(mesh, params, grads, state, inputs, values, {}, jsh.replicated(mesh))
+            return cls(mesh, params, grads, state, inputs, values, {}, jsh.replicated(mesh), {})
         by_target = {}
         for inp in graph.inputs:
             if inp.kind == "param":
@@ -62,7 +63,8 @@ class Placement:
                 values[name] = named(spec)
         operands = {name: [named(s) if s is not None else None for s in specs]
                     for name, specs in stage.operands.items() if name in node_names}
-        return cls(mesh, params, grads, state, inputs, values, operands, jsh.replicated(mesh))
+        options = {name: dict(opts) for name, opts in stage.op_options.items() if name in operands}
+        return cls(mesh, params, grads, state, inputs, values, operands, jsh.replicated(mesh), options)
 
     def param(self, name: str) -> Any:
         return self.params.get(name, self.replicated)

@@ -63,6 +63,7 @@ class StageProgram:
         self.float_acts = tuple(a for a in stage.activation_inputs if _is_float(metas[a].dtype))
         self.other_acts = tuple(a for a in stage.activation_inputs if a not in self.float_acts)
         run = lower(stage.graph, value_shardings=placement.values, operand_shardings=placement.operands,
+                    op_options=placement.options,
                     numerics=numerics, remat=remat_groups(stage.graph, remat))
         value_outputs = [o for o in stage.graph.outputs if o.kind != "buffer"]
         out_names = [{"loss": LOSS, "loss_den": DEN}.get(o.kind, o.target) for o in value_outputs]

@@ -12,8 +12,8 @@ larger layout than it is stored in also holds memory: the gathered copy (``memor
 
 from __future__ import annotations
 
+import dataclasses
 import math
-
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -27,8 +27,12 @@ from torchpar.ir.op_families import ASSERTS, GROUPED_MATMULS
 from torchpar.planner.remat import BACKWARD_WORKING_COPIES, remat_memory
 from torchpar.planner.sharding.cost_model import LogicalMesh
 from torchpar.planner.sharding.follow import follow
-from torchpar.planner.sharding.strategies import (Strategy, anchor_einsum, einsum_strategies, expert_strategies,
+from torchpar.planner.sharding.strategies import (Strategy, anchor_einsum, attention_scores_bytes,
+                                                  context_strategies, einsum_strategies, expert_strategies,
                                                   layout_root_strategies)
+
+ATTENTION = "aten.scaled_dot_product_attention.default"
+_ATTENTION_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
 
 @dataclass
@@ -88,7 +92,7 @@ class SolverGraph:
 def build_solver_graph(graph: Graph, mesh: LogicalMesh, *, trainable: set[str], optimizer_state_copies: float,
                        batch_dim_axes: tuple[int, ...] | None = None, num_micro_batches: int = 1,
                        accumulated_weight_grads: bool = True, remat: str = "none", in_flight: int = 1,
-                       experts: str = "auto") -> SolverGraph:
+                       experts: str = "auto", context: str = "auto") -> SolverGraph:
     """The solver graph of ``graph`` on ``mesh``.
 
     ``trainable``: parameter names that get gradients and optimizer state (``2 + optimizer_state_copies``
@@ -102,10 +106,13 @@ def build_solver_graph(graph: Graph, mesh: LogicalMesh, *, trainable: set[str], 
     forward + backward compute). ``in_flight``: micro-batches whose activations a pipeline stage holds at once (its
     schedule's, as the stage DP counts them): the kept activations and the stage's inputs count that many times,
     the recomputed layer once. ``experts``: which layouts a grouped matmul may take (:func:`_expert_choice`;
-    ``"split"``: its expert-parallel strategies, :func:`.strategies.expert_strategies`).
+    ``"split"``: its expert-parallel strategies, :func:`.strategies.expert_strategies`). ``context``: whether an
+    attention may split its sequence (``ShardParallel.context``: ``"auto"``, ``"off"``, or one variant,
+    ``"allgather"``/``"ring"``, which then is its only choice where it applies;
+    :func:`.strategies.context_strategies`).
     """
     builder = _Builder(graph, mesh, trainable, optimizer_state_copies, batch_dim_axes, num_micro_batches,
-                       accumulated_weight_grads, remat, in_flight, experts)
+                       accumulated_weight_grads, remat, in_flight, experts, context)
     return builder.build()
 
 
@@ -113,9 +120,10 @@ class _Builder:
     def __init__(self, graph: Graph, mesh: LogicalMesh, trainable: set[str], state_copies: float,
                  batch_dim_axes: tuple[int, ...] | None, num_micro_batches: int = 1,
                  accumulated_weight_grads: bool = True, remat: str = "none", in_flight: int = 1,
-                 experts: str = "auto"):
+                 experts: str = "auto", context: str = "auto"):
         self.graph = graph
         self.experts = experts
+        self.context = context
         self.mesh = mesh
         self.trainable = trainable
         self.state_copies = state_copies
@@ -280,6 +288,8 @@ class _Builder:
                                       self.mesh, weight_operands=self._weights(refs),
                                       num_micro_batches=self.num_micro_batches)
             strategies = _expert_choice(self.experts, strategies, split)
+        if node.target == ATTENTION:
+            strategies = self._attention_strategies(node, metas, strategies)
         index = self._new_root(node.name, "anchor", f"{node.target} {node.module_path}".strip(), strategies, None)
         root = self.roots[index]
         root.memory *= self._copies(node.name)
@@ -293,6 +303,28 @@ class _Builder:
                 continue
             self._require(ref, lambda l, p=position: strategies[l].in_specs[p], metas[position], index,
                           grad=ref in self.needs_grad, count_gathered=node.target in GROUPED_MATMULS)
+
+    def _attention_strategies(self, node: Node, metas: list[Any], einsum: list[Strategy]) -> list[Strategy]:
+        """An attention's strategies: the einsum ones (batch, heads), charged the ``L × S`` probabilities their
+        composition keeps for the backward (not a 16-bit one that may take cuDNN's flash kernel) and, when causal,
+        half the FLOPs; and (under ``context``) those splitting its sequence."""
+        itemsize = DTYPE_BYTES.get(metas[0].dtype, 4)
+        form = attention_form(node)
+        # a 16-bit attention with no mask or dropout takes cuDNN's flash kernel on a GPU, which keeps no L × S
+        scores = 0.0 if itemsize == 2 and form is not None else attention_scores_bytes(metas[0].shape,
+                                                                                       metas[1].shape, itemsize)
+        # causal: priced as a flash kernel computes it (cuDNN's on a GPU), the masked half of the blocks skipped
+        share = 0.5 if form else 1.0
+        whole = [dataclasses.replace(s, memory_bytes=s.memory_bytes + scores / _shards(s.out_spec[:2], self.mesh),
+                                     compute_s=s.compute_s * share) for s in einsum]
+        if self.context == "off" or form is None or len(metas) != 3 or any(len(m.shape) != 4 for m in metas):
+            return whole
+        variants = ("allgather", "ring") if self.context == "auto" else (self.context,)
+        split = context_strategies([m.shape for m in metas], node.flops, itemsize, self.mesh, causal=form,
+                                   variants=variants, num_micro_batches=self.num_micro_batches)
+        if self.context != "auto" and split:
+            return split
+        return whole + split
 
     def _add_follower(self, node: Node, refs: list[str], metas: list[Any], main: int) -> None:
         layout = self.values[refs[main]]
@@ -379,6 +411,20 @@ class _Builder:
         if grad:
             cost += self.mesh.resharding(nbytes, dst, src)
         return self.num_micro_batches * cost
+
+
+def attention_form(node: Node) -> bool | None:
+    """Whether an attention node is causal, or ``None`` when its sequence cannot be split (a mask operand or
+    dropout: ``jaxbackend.ops.context_attention`` takes neither)."""
+    values = dict(zip(_ATTENTION_ARGS, node.args))
+    values.update({k: v for k, v in node.kwargs.items() if k in _ATTENTION_ARGS})
+    if values.get("attn_mask") is not None or (values.get("dropout_p") or 0.0) > 0.0:
+        return None
+    return bool(values.get("is_causal", False))
+
+
+def _shards(spec: Any, mesh: LogicalMesh) -> int:
+    return math.prod(mesh.shape[a] for entry in spec if entry for a in entry)
 
 
 def _expert_choice(experts: str, einsum: list[Strategy], split: list[Strategy]) -> list[Strategy]:

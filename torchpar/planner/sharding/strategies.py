@@ -34,7 +34,8 @@ class Strategy:
     ``out_spec``: the root's output layout (for tuple outputs, of the first). ``in_specs``: the layout
     each tensor operand must have (in ``Node.refs()`` order; ``None`` = no requirement).
     ``compute_s``/``comm_s``: seconds this choice costs by itself; ``memory_bytes``: per-device bytes
-    it keeps alive at the training step's peak.
+    it keeps alive at the training step's peak. ``lowering``: keyword arguments the op's lowering takes to run
+    this choice (``(("context", "ring"),)``: how an attention with its sequence split brings keys to queries).
     """
 
     name: str
@@ -44,6 +45,7 @@ class Strategy:
     comm_s: float = 0.0
     memory_bytes: float = 0.0
     collectives: tuple[str, ...] = field(default=(), compare=False)
+    lowering: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -282,4 +284,87 @@ def expert_strategies(operand_shapes: Sequence[Sequence[int]], flops: float, ite
             in_specs=((row_axes, None), (expert_axes, None, column_axes or None), (None,)),
             compute_s=num_micro_batches * mesh.compute(3.0 * flops, chunks * column_shards), comm_s=comm,
             memory_bytes=out_bytes + buffer_bytes, collectives=tuple(collectives)))
+    return strategies
+
+
+def attention_scores_bytes(query_shape: Sequence[int], key_shape: Sequence[int], itemsize: int) -> float:
+    """Bytes of the probabilities ``[..., N, L, S]`` an attention computed whole (its composition of matmul, softmax,
+    matmul) keeps for its backward: float32, and a copy in the inputs' dtype for ``P·V`` when that is narrower."""
+    batch_heads = math.prod(query_shape[:-2])
+    return batch_heads * query_shape[-2] * key_shape[-2] * (4 + (itemsize if itemsize < 4 else 0))
+
+
+def context_strategies(operand_shapes: Sequence[Sequence[int]], flops: float, itemsize: int,
+                       mesh: LogicalMesh, *, causal: bool, variants: Sequence[str],
+                       num_micro_batches: int = 1) -> list[Strategy]:
+    """Strategies of an attention ``q [B, H, L, E], k [B, Hk, S, E], v [B, Hk, S, F]`` with its sequence split
+    (context parallelism, ``jaxbackend.ops.context_attention``): ``L`` and ``S`` over mesh axes ``A`` (``P``
+    devices; one axis or both), the other axis (if any) free or on the batch or the heads. Per micro-batch, with
+    ``o`` devices on the other axis and ``kv`` one device's ``K|V`` bytes:
+
+    - compute ``3·FLOPs·f / (P·o)``, ``f = (2P+1)/(4P)`` when causal (zig-zag chunks: each device computes
+      ``2P+1`` of the ``4P²`` chunk-pair blocks, the others are masked whole), else 1. (A causal whole-sequence
+      attention is priced at ``f = ½``, as a flash kernel skips masked blocks: see the solver graph.)
+    - ``"allgather"``: all-gather of ``K|V`` (``P·kv``) forward, again in the backward, and the reduce-scatter
+      of its float32 gradient;
+    - ``"ring"``: ``P−1`` steps forward, each exposing ``max(α, transfer(kv) − block compute)``; backward the block
+      and its float32 gradient travel (``P−1`` steps against twice the block compute) and the gradient goes home;
+    - causal: the zig-zag moves of ``q|k|v`` in and the output back, forward and backward;
+    - memory: the output, the rows' log-sum-exp and, causal, the zig-zag copies of ``q|k|v`` and the output kept
+      for the backward. No ``L × S`` probabilities (the whole-sequence attention keeps them,
+      :func:`attention_scores_bytes`).
+    """
+    (batch, heads, queries, width), (k_batch, kv_heads, keys, _), (_, _, _, v_width) = operand_shapes[:3]
+    if causal and queries != keys:
+        return []
+    live = [a for a in (0, 1) if mesh.shape[a] > 1]
+    size = lambda axes: math.prod(mesh.shape[x] for x in axes)  # noqa: E731
+    choices: list[tuple[tuple[int, ...], str | None, tuple[int, ...]]] = []
+    for a in live:
+        choices.append(((a,), None, ()))
+        for b in (x for x in live if x != a):
+            choices += [((a,), "b", (b,)), ((a,), "h", (b,))]
+    if len(live) == 2:
+        choices.append(((0, 1), None, ()))
+    strategies = []
+    for seq_axes, other, other_axes in choices:
+        p, o = size(seq_axes), size(other_axes)
+        if queries % (2 * p if causal else p) or keys % p:
+            continue
+        if other == "b" and (batch % o or (k_batch > 1 and k_batch % o)):
+            continue
+        if other == "h" and (heads % o or (kv_heads > 1 and kv_heads % o)):
+            continue
+        kv_split = o if (other == "b" and k_batch > 1) or (other == "h" and kv_heads > 1) else 1
+        q_local = batch * heads * queries * width * itemsize / (p * o)
+        out_local = batch * heads * queries * v_width * itemsize / (p * o)
+        kv_local = k_batch * kv_heads * keys * (width + v_width) * itemsize / (p * kv_split)
+        share = (2 * p + 1) / (4 * p) if causal else 1.0
+        forward_s = mesh.compute(flops * share, p * o)
+        permute = lambda nbytes: max(mesh.alpha[a] + mesh.beta[a] * nbytes for a in seq_axes)  # noqa: E731
+        grad_kv = kv_local * 4 / itemsize
+        zigzag = 2.0 * (permute(q_local + kv_local) + permute(out_local)) if causal else 0.0
+        entries = lambda n_dim, kv: (  # noqa: E731
+            (other_axes if other == "b" and n_dim > 1 else None),
+            (other_axes if other == "h" and (kv_heads > 1 or not kv) else None), seq_axes, None)
+        q_spec = entries(batch, False)
+        kv_spec = entries(k_batch, True)
+        base = f"seq@{''.join(map(str, seq_axes))}" + (f",{other}@{''.join(map(str, other_axes))}" if other else "")
+        for variant in variants:
+            if variant == "allgather":
+                comm = 2.0 * mesh.all_gather(p * kv_local, seq_axes) + mesh.reduce_scatter(p * grad_kv, seq_axes)
+                what = f"all-gather {p * kv_local:.0f}B over {seq_axes} forward and backward, reduce-scatter its grad"
+            else:
+                step_s = forward_s / p
+                comm = (p - 1) * max(permute(kv_local) - step_s, min(mesh.alpha[a] for a in seq_axes))
+                comm += (p - 1) * max(permute(kv_local) + permute(grad_kv) - 2 * step_s,
+                                      min(mesh.alpha[a] for a in seq_axes)) + permute(grad_kv)
+                what = f"ring: {p - 1} moves of {kv_local:.0f}B over {seq_axes} forward, K|V and its grad backward"
+            collectives = (what,) + ((f"zig-zag moves of q|k|v and the output over {seq_axes}",) if causal else ())
+            rows = batch * heads * queries / (p * o)
+            memory = out_local + 4 * rows + ((q_local + kv_local + out_local) if causal else 0.0)
+            strategies.append(Strategy(
+                name=f"{base},{variant}", out_spec=q_spec, in_specs=(q_spec, kv_spec, kv_spec),
+                compute_s=num_micro_batches * 3.0 * forward_s, comm_s=num_micro_batches * (comm + zigzag),
+                memory_bytes=memory, collectives=collectives, lowering=(("context", variant),)))
     return strategies
