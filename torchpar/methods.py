@@ -85,6 +85,11 @@ class MegatronParallel:
     """Gradient accumulation: the batch is cut into this many micro-batches (row ``i`` goes to micro-batch
     ``i mod num_micro_batches``) run one after another inside the step's executable; their gradients are summed
     on each device and synchronized once per step. The batch size must divide evenly."""
+    sequence_parallel: bool = False
+    """Megatron-LM's sequence parallelism: each row-split linear layer reduce-scatters its output over the
+    tokens (instead of all-reducing it), the norms, dropout and residual adds between the tensor-parallel
+    regions each run on ``1/d1`` of the tokens, and the next column-split layer all-gathers them: an all-gather
+    and a reduce-scatter where there was an all-reduce, and ``1/d1`` of those activations per device."""
 
     def __post_init__(self) -> None:
         _check_mesh_shape(self.mesh_shape)

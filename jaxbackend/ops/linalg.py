@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
 from jaxbackend.ops.expert_parallel import (GroupedMatmulSplit, grouped_mm_split_of, split_grouped_mm,
                                            split_grouped_mm_local, swap_weight_dims)
@@ -18,8 +19,12 @@ from jaxbackend.precision import conv_precision, dot_precision
 from jaxbackend.sharding import AXIS_NAMES, axes_of
 
 
-@lowers("aten.mm.default")
-def mm(a, b):
+@lowers("aten.mm.default", sharded=True)
+def mm(a, b, *, shardings=None, scatter=None):
+    """``a @ b``; with ``scatter="rows"`` (the plan's Megatron sequence-parallel choice) and pinned shardings
+    splitting the contracted dim: the partial products reduce-scattered by rows (:func:`row_scattered_matmul`)."""
+    if scatter == "rows":
+        return row_scattered_matmul(a, b, shardings[-2:])
     return jnp.matmul(a, b, precision=dot_precision(a, b))
 
 
@@ -33,9 +38,36 @@ def matmul(a, b):
     return jnp.matmul(a, b, precision=dot_precision(a, b))
 
 
-@lowers("aten.addmm.default")
-def addmm(bias, a, b, beta=1, alpha=1):
+@lowers("aten.addmm.default", sharded=True)
+def addmm(bias, a, b, beta=1, alpha=1, *, shardings=None, scatter=None):
+    """``beta·bias + alpha·(a @ b)``; ``scatter`` as for :func:`mm` (the bias added to the scattered rows)."""
+    if scatter == "rows":
+        return _axpby(bias, row_scattered_matmul(a, b, shardings[-2:]), beta, alpha)
     return _axpby(bias, jnp.matmul(a, b, precision=dot_precision(a, b)), beta, alpha)
+
+
+def row_scattered_matmul(a, b, shardings):
+    """``a [M, K] @ b [K, N]`` with ``K`` split over mesh axes ``A`` (``a`` read as ``(m, A)``, ``b`` as ``(A, n)``, the
+    pinned ``shardings``): each device's partial product reduce-scattered over ``A`` by rows, so the output is laid
+    out ``(m + A, n)`` — Megatron's sequence parallelism after a row-split layer, one reduce-scatter where GSPMD on
+    the CPU would all-reduce and slice. Its transpose gathers the output's gradient (an all-gather)."""
+    if len(shardings) < 2 or any(s is None for s in shardings):
+        raise ValueError("a row-scattered matmul needs both operands' pinned shardings")
+    rows, contracted = axes_of(shardings[0].spec, 2)
+    contracted_b, columns = axes_of(shardings[1].spec, 2)
+    if not contracted or contracted != contracted_b:
+        raise ValueError(f"a row-scattered matmul splits its contracted dim alike in both operands; the plan reads "
+                         f"them as {shardings[0].spec} and {shardings[1].spec}")
+    names = lambda axes: tuple(AXIS_NAMES[x] for x in axes) or None  # noqa: E731
+    scattered = names(contracted)
+
+    def body(a_local, b_local):
+        partial = jnp.matmul(a_local, b_local, precision=dot_precision(a_local, b_local))
+        return jax.lax.psum_scatter(partial, scattered, scatter_dimension=0, tiled=True)
+
+    out_spec = PartitionSpec(names((rows or ()) + contracted), names(columns or ()))
+    return jax.shard_map(body, mesh=shardings[0].mesh, in_specs=(shardings[0].spec, shardings[1].spec),
+                         out_specs=out_spec)(a, b)
 
 
 @lowers("aten.baddbmm.default")

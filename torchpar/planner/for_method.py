@@ -88,7 +88,8 @@ def plan_for_method(graph: Graph, method: Any, cluster: ClusterSpec, *, trainabl
     start = time.perf_counter()
     common = dict(kind=kind, cluster=cluster, trainable=trainable, optimizer_state_copies=optimizer_state_copies,
                   memory_budget=budget, time_limit_s=time_limit, num_micro_batches=micro, remat=remat,
-                  experts=getattr(method, "experts", "auto"), context=getattr(method, "context", "auto"))
+                  experts=getattr(method, "experts", "auto"), context=getattr(method, "context", "auto"),
+                  sequence_parallel=getattr(method, "sequence_parallel", False))
     if mesh_shape is not None:
         if mesh_shape[0] * mesh_shape[1] > cluster.num_devices:
             raise ValueError(f"mesh_shape {tuple(mesh_shape)} needs {mesh_shape[0] * mesh_shape[1]} devices; the cluster "

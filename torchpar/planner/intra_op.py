@@ -9,7 +9,10 @@ restricted:
 - ``zero3``: as ``zero2`` with parameters stored sharded and all-gathered where they are read;
 - ``megatron``: batch on axis 0; in each repeated block the matmuls with a parameter weight alternate
   column-split / row-split on axis 1 (QKV column, attention-out row, fc1 column, fc2 row), other
-  matmuls (e.g. the LM head) column-split.
+  matmuls (e.g. the LM head) column-split. With ``sequence_parallel`` the row-split matmuls reduce-scatter
+  their output by rows (tokens) over axis 1 instead of all-reducing it, so the norms, dropout and residual
+  adds between them work on a ``1/d1`` share of the tokens and the next column-split matmul all-gathers
+  its input (Megatron-LM's sequence parallelism).
 
 Hence the automatic plan's estimated cost is never above a hand plan's on the same mesh.
 """
@@ -90,7 +93,7 @@ def plan_stage(graph: Graph, *, kind: PlanKind, mesh_shape: tuple[int, int], clu
                trainable: set[str], optimizer_state_copies: float, memory_budget: float | None = None,
                time_limit_s: float = 30.0, submesh: tuple[int, int] | None = None,
                num_micro_batches: int = 1, remat: str = "none", in_flight: int = 1,
-               experts: str = "auto", context: str = "auto") -> IntraOpResult:
+               experts: str = "auto", context: str = "auto", sequence_parallel: bool = False) -> IntraOpResult:
     """Solve one stage of ``kind`` on a logical mesh of ``mesh_shape`` placed on the physical ``submesh`` (default:
     the cluster's first devices; it decides which axes cross hosts). ``num_micro_batches``: ``graph`` is one
     micro-batch's step of a one-stage plan that accumulates that many per step (priced per step:
@@ -98,11 +101,13 @@ def plan_stage(graph: Graph, *, kind: PlanKind, mesh_shape: tuple[int, int], clu
     (one of ``planner.remat.REMAT_OPTIONS``), priced in memory and compute. ``in_flight``: a pipeline stage's
     micro-batches in flight under its schedule (their activations are all held at its peak). ``experts``: how
     grouped matmuls may split (``ShardParallel.experts``); ``context``: whether attention may split its sequence
-    (``ShardParallel.context``)."""
+    (``ShardParallel.context``); ``sequence_parallel``: the ``megatron`` hand plan's row-split matmuls scatter
+    their output by tokens."""
     return prepare_stage(graph, kind=kind, mesh_shape=mesh_shape, cluster=cluster, trainable=trainable,
                          optimizer_state_copies=optimizer_state_copies, submesh=submesh,
                          num_micro_batches=num_micro_batches, remat=remat, experts=experts,
-                         context=context, in_flight=in_flight).solve(memory_budget, time_limit_s)
+                         context=context, in_flight=in_flight,
+                         sequence_parallel=sequence_parallel).solve(memory_budget, time_limit_s)
 
 
 @dataclass
@@ -122,6 +127,8 @@ class PreparedStage:
     rebuild: Callable[[LogicalMesh], SolverGraph]
     cheapest_s: float
     """Every root at its cheapest strategy and no resharding (edges cost ≥ 0): no solution costs less."""
+    sequence_parallel: bool = False
+    """The ``megatron`` restrictions with Megatron's sequence parallelism (the module docstring)."""
 
     @property
     def lower_bound_s(self) -> float:
@@ -139,7 +146,7 @@ class PreparedStage:
     def probe(self, memory_budget: float | None, time_limit_s: float) -> None:
         """Solve under a short time limit: keep the bound it proves, the best layout it finds, and the result if
         optimal. Raises :class:`.sharding.ilp.MemoryBudgetError` if no layout fits."""
-        allowed = _restrictions(self.kind, self.solver_graph, self.batch_axes)
+        allowed = _restrictions(self.kind, self.solver_graph, self.batch_axes, self.sequence_parallel)
         solution = solve(self.solver_graph, memory_budget=memory_budget, time_limit_s=time_limit_s, allowed=allowed,
                          none_if_unsolved=True)
         if solution is None:
@@ -153,7 +160,7 @@ class PreparedStage:
     def solve(self, memory_budget: float | None = None, time_limit_s: float = 30.0) -> IntraOpResult:
         if self.final is not None:
             return self.final
-        allowed = _restrictions(self.kind, self.solver_graph, self.batch_axes)
+        allowed = _restrictions(self.kind, self.solver_graph, self.batch_axes, self.sequence_parallel)
         return self._result(solve(self.solver_graph, memory_budget=memory_budget, time_limit_s=time_limit_s,
                                   allowed=allowed))
 
@@ -169,7 +176,7 @@ class PreparedStage:
 def prepare_stage(graph: Graph, *, kind: PlanKind, mesh_shape: tuple[int, int], cluster: ClusterSpec,
                   trainable: set[str], optimizer_state_copies: float, submesh: tuple[int, int] | None = None,
                   num_micro_batches: int = 1, remat: str = "none", in_flight: int = 1,
-                  experts: str = "auto", context: str = "auto") -> PreparedStage:
+                  experts: str = "auto", context: str = "auto", sequence_parallel: bool = False) -> PreparedStage:
     """The solver graph of one stage (:func:`plan_stage`'s arguments), to bound or solve."""
     if kind not in PLAN_KINDS:
         raise ValueError(f"unknown plan kind {kind!r}")
@@ -193,13 +200,13 @@ def prepare_stage(graph: Graph, *, kind: PlanKind, mesh_shape: tuple[int, int], 
     solver_graph = rebuild(mesh)
     cheapest = float(sum(min(root.cost) for root in solver_graph.roots if len(root.cost)))
     return PreparedStage(graph, kind, mesh, cluster, submesh, trainable, optimizer_state_copies, solver_graph,
-                         batch_axes, time.perf_counter() - start, rebuild, cheapest)
+                         batch_axes, time.perf_counter() - start, rebuild, cheapest, sequence_parallel)
 
 
 def plan_best_mesh(graph: Graph, *, kind: PlanKind, mesh_shapes: list[tuple[int, int]], cluster: ClusterSpec,
                    trainable: set[str], optimizer_state_copies: float, memory_budget: float | None = None,
                    time_limit_s: float = 30.0, num_micro_batches: int = 1, remat: str = "none",
-                   experts: str = "auto", context: str = "auto") -> IntraOpResult:
+                   experts: str = "auto", context: str = "auto", sequence_parallel: bool = False) -> IntraOpResult:
     """Solve on each candidate mesh shape and keep the cheapest plan."""
     best: IntraOpResult | None = None
     errors = []
@@ -209,7 +216,7 @@ def plan_best_mesh(graph: Graph, *, kind: PlanKind, mesh_shapes: list[tuple[int,
             result = plan_stage(graph, kind=kind, mesh_shape=shape, cluster=cluster, trainable=trainable,
                                 optimizer_state_copies=optimizer_state_copies, memory_budget=memory_budget,
                                 time_limit_s=time_limit_s, num_micro_batches=num_micro_batches, remat=remat,
-                                experts=experts, context=context)
+                                experts=experts, context=context, sequence_parallel=sequence_parallel)
         except ValueError as error:  # e.g. a batch that does not divide this mesh
             errors.append(f"{shape}: {error}")
             trials.append({"logical_mesh_shape": list(shape), "error": str(error)})
@@ -230,7 +237,8 @@ def plan_best_mesh(graph: Graph, *, kind: PlanKind, mesh_shapes: list[tuple[int,
 
 # --- restrictions (hand plans) ---------------------------------------------------------------------------
 
-def _restrictions(kind: PlanKind, graph: SolverGraph, batch_axes: tuple[int, ...] | None) -> dict[int, set[int]]:
+def _restrictions(kind: PlanKind, graph: SolverGraph, batch_axes: tuple[int, ...] | None,
+                  sequence_parallel: bool = False) -> dict[int, set[int]]:
     allowed: dict[int, set[int]] = {}
     if kind in ("data_parallel", "zero2", "zero3"):
         for v, root in enumerate(graph.roots):
@@ -245,7 +253,7 @@ def _restrictions(kind: PlanKind, graph: SolverGraph, batch_axes: tuple[int, ...
                 if whole_batch or only_batch:
                     allowed[v] = whole_batch or only_batch
     elif kind == "megatron":
-        allowed.update(_megatron_restrictions(graph))
+        allowed.update(_megatron_restrictions(graph, sequence_parallel))
     return allowed
 
 
@@ -256,7 +264,7 @@ def _splits_only_output(strategy) -> bool:
     return used <= out_axes
 
 
-def _megatron_restrictions(graph: SolverGraph) -> dict[int, set[int]]:
+def _megatron_restrictions(graph: SolverGraph, sequence_parallel: bool = False) -> dict[int, set[int]]:
     allowed: dict[int, set[int]] = {}
     position_in_block: dict[str, int] = {}
     for v, root in enumerate(graph.roots):
@@ -275,6 +283,8 @@ def _megatron_restrictions(graph: SolverGraph) -> dict[int, set[int]]:
         else:
             split_label = "n"
         names = {f"{split_label}@1", f"m@0,{split_label}@1", "replicated", "m@0"}
+        if sequence_parallel and split_label == "k":  # the output's tokens scattered over axis 1
+            names = {"k@1>m@1", "m@0,k@1>m@01", "replicated", "m@0"}
         wanted = {k for k, s in enumerate(root.strategies) if s.name in names and f"{split_label}@1" in s.name}
         if not wanted:  # mesh axis 1 has size 1 or the dim does not divide: plain data parallel
             wanted = {k for k, s in enumerate(root.strategies) if s.name in names}

@@ -16,6 +16,7 @@ from torchpar.ir.op_families import VIEWS
 from torchpar.planner.layers import Layering
 from torchpar.planner.mesh_links import stage_mesh
 from torchpar.planner.remat import BACKWARD_WORKING_COPIES, materialized, remat_memory
+from torchpar.planner.sharding.solver_graph import attention_probabilities_bytes
 
 Shape = tuple[int, int]
 
@@ -98,6 +99,7 @@ class AnalyticStageCost:
         self._largest: list[float] = []  # per layer: its largest materialized output (the backward's working set)
         kept = remat_memory(graph, remat)
         live = materialized(graph)
+        metas = graph.metas()
         group_of = {name: g for g, names in enumerate(kept.dropped_groups) for name in names}
         for start, end in layering.node_ranges:
             nodes = graph.nodes[start:end]
@@ -105,14 +107,16 @@ class AnalyticStageCost:
             self._params.append(frozenset(target for kind, target, _ in reads if kind == "param"))
             self._buffers.append(frozenset(target for kind, target, _ in reads if kind == "buffer"))
             counted = [n for n in nodes if n.target not in VIEWS]
-            self._activation.append(float(sum(n.out_bytes for n in counted if n.name in kept.kept)))
+            held = {n.name: n.out_bytes + attention_probabilities_bytes(n, [metas.get(r) for r in n.refs()])
+                    for n in nodes}  # an attention's L × S probabilities beside its output, as the ILP counts them
+            self._activation.append(float(sum(held[n.name] for n in counted if n.name in kept.kept)))
             self._recomputed_flops.append(float(sum(n.flops for n in nodes if n.name in kept.recomputed)))
             dropped: dict[int, float] = {}
             for n in counted:
                 if n.name in group_of:
-                    dropped[group_of[n.name]] = dropped.get(group_of[n.name], 0.0) + n.out_bytes
+                    dropped[group_of[n.name]] = dropped.get(group_of[n.name], 0.0) + held[n.name]
             self._dropped.append(dropped)
-            self._largest.append(float(max((n.out_bytes for n in nodes if n.name in live), default=0)))
+            self._largest.append(float(max((held[n.name] for n in nodes if n.name in live), default=0)))
         self._entering = _entering_values(graph, layering)
         self._range = lru_cache(maxsize=None)(self._range_totals)
 

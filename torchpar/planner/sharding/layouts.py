@@ -102,8 +102,12 @@ def _replay_node(node: Node, metas: dict, stage: StagePlan, mesh: LogicalMesh, l
         einsum = anchor_einsum(node.target, node.args, [len(m.shape) for m in operand_metas], len(out.shape))
     if einsum is not None and len(einsum.operands) == len(refs):
         _replay_anchor(node, stage, layouts)
-        if "context" in stage.op_options.get(node.name, {}):
+        options = stage.op_options.get(node.name, {})
+        if "context" in options:
             layouts.add_problem("an attention splits its sequence (context parallelism runs under GSPMD only)",
+                                node.name)
+        if "scatter" in options:
+            layouts.add_problem("a matmul reduce-scatters its rows (sequence parallelism runs under GSPMD only)",
                                 node.name)
         return
     tracked = [i for i, r in enumerate(refs) if r in layouts.values]

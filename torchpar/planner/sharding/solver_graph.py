@@ -32,6 +32,9 @@ from torchpar.planner.sharding.strategies import (Strategy, anchor_einsum, atten
                                                   layout_root_strategies)
 
 ATTENTION = "aten.scaled_dot_product_attention.default"
+ROW_SCATTERED = ("aten.mm.default", "aten.addmm.default")
+"""Matmuls whose contracted-split strategies also come with their output rows reduce-scattered (Megatron's
+sequence parallelism: :func:`.strategies.einsum_strategies`)."""
 _ATTENTION_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
 
@@ -282,7 +285,8 @@ class _Builder:
         strategies = einsum_strategies(einsum, [m.shape for m in metas], node.out.shape, node.flops,
                                        node.out.nbytes, [m.nbytes for m in metas], grads, self.mesh,
                                        weight_operands=self._weights(refs),
-                                       num_micro_batches=self.num_micro_batches)
+                                       num_micro_batches=self.num_micro_batches,
+                                       scatter_rows=node.target in ROW_SCATTERED and len(node.out.shape) == 2)
         if node.target in GROUPED_MATMULS:
             split = expert_strategies([m.shape for m in metas], node.flops, DTYPE_BYTES.get(metas[0].dtype, 4), grads,
                                       self.mesh, weight_operands=self._weights(refs),
@@ -310,9 +314,7 @@ class _Builder:
         half the FLOPs; and (under ``context``) those splitting its sequence."""
         itemsize = DTYPE_BYTES.get(metas[0].dtype, 4)
         form = attention_form(node)
-        # a 16-bit attention with no mask or dropout takes cuDNN's flash kernel on a GPU, which keeps no L × S
-        scores = 0.0 if itemsize == 2 and form is not None else attention_scores_bytes(metas[0].shape,
-                                                                                       metas[1].shape, itemsize)
+        scores = attention_probabilities_bytes(node, metas)
         # causal: priced as a flash kernel computes it (cuDNN's on a GPU), the masked half of the blocks skipped
         share = 0.5 if form else 1.0
         whole = [dataclasses.replace(s, memory_bytes=s.memory_bytes + scores / _shards(s.out_spec[:2], self.mesh),
@@ -411,6 +413,19 @@ class _Builder:
         if grad:
             cost += self.mesh.resharding(nbytes, dst, src)
         return self.num_micro_batches * cost
+
+
+def attention_probabilities_bytes(node: Node, operand_metas: list[Any]) -> float:
+    """Bytes of ``L × S`` probabilities an attention node keeps for its backward when its sequence is whole
+    (:func:`.strategies.attention_scores_bytes`); 0 for other nodes, and for a 16-bit attention with no mask or
+    dropout, which takes cuDNN's flash kernel on a GPU (it keeps only the rows' log-sum-exp)."""
+    if node.target != ATTENTION or len(operand_metas) < 2 or not all(isinstance(m, TensorMeta)
+                                                                      for m in operand_metas[:2]):
+        return 0.0
+    itemsize = DTYPE_BYTES.get(operand_metas[0].dtype, 4)
+    if itemsize == 2 and attention_form(node) is not None:
+        return 0.0
+    return float(attention_scores_bytes(operand_metas[0].shape, operand_metas[1].shape, itemsize))
 
 
 def attention_form(node: Node) -> bool | None:

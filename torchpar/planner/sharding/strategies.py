@@ -16,6 +16,7 @@ label may take both axes). Its costs, for an op ``O = f(A, B)``:
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from dataclasses import dataclass, field
@@ -90,13 +91,18 @@ def _axis_groups(live_axes: list[int]) -> list[tuple[int, ...]]:
 def einsum_strategies(einsum: Einsum, operand_shapes: Sequence[Sequence[int]], out_shape: Sequence[int],
                       flops: float, out_bytes: float, operand_bytes: Sequence[float],
                       needs_grad: Sequence[bool], mesh: LogicalMesh, *, weight_operands: Sequence[bool] = (),
-                      num_micro_batches: int = 1) -> list[Strategy]:
+                      num_micro_batches: int = 1, scatter_rows: bool = False) -> list[Strategy]:
     """Every assignment of mesh axes to splittable labels that divides the dims evenly.
 
     Gradient accumulation over ``num_micro_batches`` M: the op runs M times a step, so its compute and
     collectives count M times, except the backward all-reduce of a *weight* operand (``weight_operands``: one
     that does not depend on the batch): that gradient is summed over the micro-batches on each device and
-    reduced once per step."""
+    reduced once per step.
+
+    ``scatter_rows`` (a 2-D matmul ``mk, kn → mn``): each assignment that splits the contracted ``k`` also comes
+    with its output's rows ``m`` split over ``k``'s axes (named ``…>m@A``): Megatron's sequence parallelism, the
+    partial products reduce-scattered by rows instead of all-reduced — ``RS(out)`` forward and the output
+    gradient's all-gather ``AG(out)`` backward in place of ``AR(out)``, and ``1/|A|`` of the output kept."""
     sizes = _label_sizes(einsum, operand_shapes, out_shape)
     live_axes = [a for a in (0, 1) if mesh.shape[a] > 1]
     labels = [l for l in dict.fromkeys(einsum.splittable) if l in sizes]
@@ -111,9 +117,33 @@ def einsum_strategies(einsum: Einsum, operand_shapes: Sequence[Sequence[int]], o
     for assignment in assignments:
         if any(sizes[l] % math.prod(mesh.shape[a] for a in axes) for l, axes in assignment.items()):
             continue
-        strategies.append(_einsum_strategy(einsum, assignment, operand_shapes, out_shape, flops, out_bytes,
-                                           operand_bytes, needs_grad, mesh, weight_operands, num_micro_batches))
+        strategy = _einsum_strategy(einsum, assignment, operand_shapes, out_shape, flops, out_bytes, operand_bytes,
+                                    needs_grad, mesh, weight_operands, num_micro_batches)
+        strategies.append(strategy)
+        if scatter_rows and "k" in assignment:
+            scattered = _rows_scattered(strategy, assignment, sizes, out_bytes, mesh, num_micro_batches)
+            strategies += [scattered] if scattered is not None else []
     return strategies
+
+
+def _rows_scattered(strategy: Strategy, assignment: dict[str, tuple[int, ...]], sizes: dict[str, int],
+                    out_bytes: float, mesh: LogicalMesh, num_micro_batches: int) -> Strategy | None:
+    """``strategy`` (of ``mk, kn → mn`` with ``k`` split over ``A``) with its output rows scattered over ``A`` too
+    (:func:`einsum_strategies`); ``None`` if the rows do not divide."""
+    axes = assignment["k"]
+    rows_axes = tuple(assignment.get("m", ())) + axes
+    if sizes["m"] % math.prod(mesh.shape[a] for a in rows_axes):
+        return None
+    out_local = out_bytes / math.prod(mesh.shape[a] for label in "mn" for a in assignment.get(label, ()))
+    saved = mesh.all_reduce(out_local, axes)
+    scatter = mesh.reduce_scatter(out_local, axes) + mesh.all_gather(out_local, axes)
+    out_spec = (rows_axes, assignment.get("n"))
+    return dataclasses.replace(
+        strategy, name=f"{strategy.name}>m@{''.join(map(str, rows_axes))}", out_spec=out_spec,
+        comm_s=strategy.comm_s + num_micro_batches * (scatter - saved),
+        memory_bytes=strategy.memory_bytes / math.prod(mesh.shape[a] for a in axes),
+        collectives=tuple(c.replace("fwd all-reduce", "fwd reduce-scatter (bwd all-gather)")
+                          for c in strategy.collectives), lowering=(("scatter", "rows"),))
 
 
 def _label_sizes(einsum: Einsum, operand_shapes: Sequence[Sequence[int]], out_shape: Sequence[int]) -> dict[str, int]:
