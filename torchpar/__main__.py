@@ -31,7 +31,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from torchpar.methods import EXPERTS_OPTIONS, METHOD_NAMES, METHODS, SINGLE_DEVICE
+from torchpar.methods import CONTEXT_OPTIONS, EXPERTS_OPTIONS, METHOD_NAMES, METHODS, SINGLE_DEVICE
 from torchpar.planner.remat import REMAT_CHOICES
 
 OPTIMIZERS = ("adamw", "adam", "sgd")
@@ -99,6 +99,11 @@ def _common_arguments(parser: argparse.ArgumentParser, *, method: str, batch_siz
     parser.add_argument("--experts", choices=EXPERTS_OPTIONS, default="auto",
                         help="shard/pipeshard: MoE grouped matmuls — auto (the ILP decides), split (experts over a "
                              "mesh axis), tensor (each expert's hidden dims), replicated")
+    parser.add_argument("--context", choices=CONTEXT_OPTIONS, default="auto",
+                        help="shard/pipeshard: attention's sequence split — auto (the ILP decides), ring or allgather "
+                             "(context parallelism wherever the sequence divides), off")
+    parser.add_argument("--sequence-parallel", action="store_true",
+                        help="megatron: reduce-scatter the row-split layers' outputs by tokens (sequence parallelism)")
     parser.add_argument("--layers", type=int, default=4, help="pipeshard: layers formed by operator clustering")
     parser.add_argument("--stages", choices=("auto", "uniform"), default="auto", help="pipeshard: stage option")
     parser.add_argument("--schedule", choices=("1f1b", "gpipe", "interleaved_1f1b", "zb_h1"), default="1f1b",
@@ -154,13 +159,18 @@ def _method(args: argparse.Namespace) -> Any:
             raise ValueError("--mesh applies to one-stage methods; pipeshard picks each stage's mesh")
         return torchpar.PipeshardParallel(num_micro_batches=args.micro_batches,
                                           layer_option=torchpar.AutoLayerOption(layer_num=args.layers),
-                                          stage_option=args.stages, schedule=args.schedule, experts=args.experts)
+                                          stage_option=args.stages, schedule=args.schedule, experts=args.experts,
+                                          context=args.context)
     if args.method == SINGLE_DEVICE:
         return None
     if args.method == "shard":
-        return METHODS[args.method](mesh_shape=mesh, experts=args.experts)
-    if args.experts != "auto":
-        raise ValueError(f"--experts applies to shard and pipeshard, not {args.method}")
+        return METHODS[args.method](mesh_shape=mesh, experts=args.experts, context=args.context)
+    if args.experts != "auto" or args.context != "auto":
+        raise ValueError(f"--experts and --context apply to shard and pipeshard, not {args.method}")
+    if args.method == "megatron":
+        return METHODS[args.method](mesh_shape=mesh, sequence_parallel=args.sequence_parallel)
+    if args.sequence_parallel:
+        raise ValueError(f"--sequence-parallel applies to megatron, not {args.method}")
     return METHODS[args.method](mesh_shape=mesh)
 
 

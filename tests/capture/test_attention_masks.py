@@ -137,3 +137,28 @@ def test_hf_gpt2_asks_for_cudnn_on_a_gpu(monkeypatch):
     loss = lambda p: run(p, buffers, inputs, jax.random.key(0))[0][0]  # noqa: E731
     jax.eval_shape(jax.grad(loss), params)
     assert implementations == ["cudnn", "cudnn"]
+
+
+@pytest.mark.parametrize("kind, folded", [("causal_float", True), ("window", False)])
+def test_a_mask_past_the_size_limit_is_checked_in_row_blocks(kind, folded, monkeypatch):
+    """Over the limit a mask is never materialized whole (a 32k-token one is 1 Gi entries): it is checked one block
+    of query rows at a time, every entry still checked — a window that looks causal in its first rows stays."""
+    from torchpar.capture import attention_masks
+
+    monkeypatch.setattr(attention_masks, "_MAX_FOLD_ELEMENTS", 8)  # the 6 × 6 mask: blocks of one row
+    evaluated = []
+    rows = attention_masks._RowBlocks.rows
+    monkeypatch.setattr(attention_masks._RowBlocks, "rows",
+                        lambda self, a, b: evaluated.append(b - a) or rows(self, a, b))
+    (call,) = _attention_calls(capture_train_step(WindowedAttention(kind), torch.randn(2, 6, 8),
+                                                  lambda out, _: out).graph)
+    assert (_mask_and_causal(call)[0] is None) == folded
+    assert evaluated and max(evaluated) == 1
+
+
+def test_a_model_on_the_meta_device_has_its_causal_mask_folded():
+    """Planning a model built on the meta device: the mask reads no placeholder, so it is computed on the CPU."""
+    with torch.device("meta"):
+        model, batch = hf_configs.llama()
+    calls = _attention_calls(capture_train_step(model, batch).graph)
+    assert len(calls) == 2 and all(_mask_and_causal(node) == (None, True) for node in calls)

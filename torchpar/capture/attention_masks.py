@@ -20,11 +20,19 @@ call when the mask says nothing that the flags cannot:
 The rewrite is exact: PyTorch's ``is_causal`` is the top-left aligned ``tril`` mask, and a float mask's
 lowest value gives the same zero weights as ``-inf`` after the softmax wherever a row keeps a key (a causal
 row always keeps its diagonal). Nodes that only fed a folded mask are removed from the graph.
+
+Long sequences. A mask of ``L × S`` entries is never materialized whole when it is large (over
+:data:`_MAX_FOLD_ELEMENTS`): HF builds it from small index vectors (``arange``, ``unsqueeze``) by one
+broadcasting comparison and an ``expand``, so a value past the limit made by broadcasting elementwise ops or
+``expand`` is kept as a :class:`_RowBlocks` and checked block by block of query rows, every entry still checked
+(a 32k-token mask: 1 Gi entries, in blocks of at most 64 Mi). A model on the meta device has its mask computed on
+the CPU (the subgraph reads no placeholder, so it has no meta data to miss).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 import torch
@@ -37,7 +45,20 @@ log = logging.getLogger(__name__)
 SDPA = torch.ops.aten.scaled_dot_product_attention.default
 _MASK_POSITION = 3
 _CAUSAL_POSITION = 5
-_MAX_FOLD_ELEMENTS = 1 << 26  # evaluate masks of at most 64 Mi entries at capture time (a 8k × 8k mask is 64 Mi)
+_MAX_FOLD_ELEMENTS = 1 << 26  # materialize values of at most 64 Mi entries at capture time (a 8k × 8k mask is 64 Mi)
+_EXPAND = torch.ops.aten.expand.default
+_BROADCASTING = {torch.ops.aten.le.Tensor, torch.ops.aten.lt.Tensor, torch.ops.aten.ge.Tensor, torch.ops.aten.gt.Tensor,
+                 torch.ops.aten.eq.Tensor, torch.ops.aten.ne.Tensor, torch.ops.aten.le.Scalar, torch.ops.aten.lt.Scalar,
+                 torch.ops.aten.ge.Scalar, torch.ops.aten.gt.Scalar, torch.ops.aten.eq.Scalar, torch.ops.aten.ne.Scalar,
+                 torch.ops.aten.logical_and.default, torch.ops.aten.logical_or.default,
+                 torch.ops.aten.logical_not.default, torch.ops.aten.bitwise_and.Tensor, torch.ops.aten.bitwise_or.Tensor,
+                 torch.ops.aten.bitwise_not.default, torch.ops.aten.__and__.Tensor, torch.ops.aten.__or__.Tensor,
+                 torch.ops.aten.add.Tensor, torch.ops.aten.sub.Tensor, torch.ops.aten.mul.Tensor,
+                 torch.ops.aten.where.self}
+_FILLS = {torch.ops.aten.zeros.default, torch.ops.aten.ones.default, torch.ops.aten.full.default}
+_BLOCKWISE = _BROADCASTING | _FILLS | {_EXPAND}
+"""Ops whose result, past the size limit, is kept as row blocks (:class:`_RowBlocks`): elementwise with
+broadcasting, ``expand``, and tensors filled with one value."""
 
 
 def fold_static_attention_masks(graph: torch.fx.Graph) -> int:
@@ -69,23 +90,66 @@ def fold_static_attention_masks(graph: torch.fx.Graph) -> int:
     return folded
 
 
-def classify_mask(mask: torch.Tensor, q_len: int, k_len: int) -> str | None:
+def classify_mask(mask: "torch.Tensor | _RowBlocks", q_len: int, k_len: int) -> str | None:
     """``"full"`` if every query attends every key, ``"causal"`` if exactly ``tril(ones(q_len, k_len))``
     attends (for each leading index), ``None`` for any other mask or one that does not broadcast to
-    ``[..., q_len, k_len]``, or a mask without data (a model on the meta device: planning only)."""
-    if is_without_data(mask):
+    ``[..., q_len, k_len]``, or a mask without data (a model on the meta device: planning only). A
+    :class:`_RowBlocks` mask is checked one block of query rows at a time."""
+    if isinstance(mask, torch.Tensor) and is_without_data(mask):
         return None
-    if mask.ndim < 2 or mask.shape[-2] not in (1, q_len) or mask.shape[-1] not in (1, k_len):
+    shape = tuple(mask.shape)
+    if len(shape) < 2 or shape[-2] not in (1, q_len) or shape[-1] not in (1, k_len):
         return None
-    attends = _attends(mask)
-    if attends is None:
-        return None
-    attends = attends.expand(*attends.shape[:-2], q_len, k_len)
-    if bool(attends.all()):
-        return "full"
-    if bool((attends == torch.ones(q_len, k_len, dtype=torch.bool).tril()).all()):
-        return "causal"
-    return None
+    rows = shape[-2]
+    step = max(1, _MAX_FOLD_ELEMENTS // max(1, math.prod(shape) // rows))
+    full = causal = True
+    for start in range(0, rows, step):
+        stop = min(rows, start + step)
+        block = mask.rows(start, stop) if isinstance(mask, _RowBlocks) else mask[..., start:stop, :]
+        attends = _attends(block)
+        if attends is None:
+            return None
+        queries = q_len if rows == 1 else stop - start
+        attends = attends.expand(*attends.shape[:-2], queries, k_len)
+        first = 0 if rows == 1 else start
+        full = full and bool(attends.all())
+        tril = torch.arange(k_len)[None, :] <= torch.arange(first, first + queries)[:, None]
+        causal = causal and bool((attends == tril).all())
+        if not (full or causal):
+            return None
+    return "full" if full else "causal" if causal else None
+
+
+class _RowBlocks:
+    """A large mask value left unmaterialized: ``target(*args, **kwargs)`` of a broadcasting elementwise op, an
+    ``expand`` or a fill (module docstring), whose arguments are tensors, scalars or other ``_RowBlocks``. ``rows(a, b)`` is
+    the value's query rows ``a:b`` (dim −2), computed from its arguments' rows ``a:b`` (those with the same rows;
+    an argument with one row, or fewer dims, broadcasts whole)."""
+
+    def __init__(self, target: Any, args: tuple, kwargs: dict, shape: tuple[int, ...], dtype: torch.dtype):
+        self.target, self.args, self.kwargs, self.shape, self.dtype = target, args, kwargs, shape, dtype
+
+    def rows(self, start: int, stop: int) -> torch.Tensor:
+        count = self.shape[-2]
+        args = tuple(_rows_of(a, start, stop, count) for a in self.args)
+        if self.target is _EXPAND or self.target in _FILLS:
+            position = 1 if self.target is _EXPAND else 0
+            sizes = list(args[position])
+            sizes[-2] = stop - start if sizes[-2] in (-1, count) else sizes[-2]
+            if self.target in _FILLS:
+                with torch.no_grad():
+                    return self.target(sizes, *args[1:], **self.kwargs)
+            return args[0].expand(*sizes)
+        with torch.no_grad():
+            return self.target(*args, **self.kwargs)
+
+
+def _rows_of(value: Any, start: int, stop: int, count: int) -> Any:
+    if isinstance(value, _RowBlocks):
+        return value.rows(start, stop) if value.shape[-2] == count else value.rows(0, value.shape[-2])
+    if isinstance(value, torch.Tensor) and value.ndim >= 2 and value.shape[-2] == count and count > 1:
+        return value[..., start:stop, :]
+    return value
 
 
 def _attends(mask: torch.Tensor) -> torch.Tensor | None:
@@ -139,21 +203,30 @@ def _depends_on_placeholder(node: torch.fx.Node) -> bool:
     return False
 
 
-def _evaluate(node: torch.fx.Node, values: dict[torch.fx.Node, torch.Tensor]) -> torch.Tensor | None:
-    """The node's value computed with torch on the CPU, its inputs first (``None`` if a node on the way is
-    random, too large or fails to run: the mask is then left as data)."""
+def _evaluate(node: torch.fx.Node, values: dict[torch.fx.Node, Any]) -> "torch.Tensor | _RowBlocks | None":
+    """The node's value computed with torch on the CPU, its inputs first — past the size limit, a broadcasting
+    elementwise op or ``expand`` as :class:`_RowBlocks` (``None`` if a node on the way is random, too large for
+    either, or fails to run: the mask is then left as data)."""
     if node in values:
         return values[node]
-    value = node.meta.get("val")
-    if isinstance(value, torch.Tensor) and value.numel() > _MAX_FOLD_ELEMENTS:
-        return None
     if _is_random(node.target):
+        return None
+    value = node.meta.get("val")
+    large = isinstance(value, torch.Tensor) and value.numel() > _MAX_FOLD_ELEMENTS
+    if large and (node.target not in _BLOCKWISE or value.ndim < 2):
         return None
     inputs = {n: _evaluate(n, values) for n in node.all_input_nodes}
     if any(v is None for v in inputs.values()):
         return None
     args = torch.fx.node.map_arg(node.args, inputs.__getitem__)
     kwargs = torch.fx.node.map_arg(node.kwargs, inputs.__getitem__)
+    if kwargs.get("device") is not None and torch.device(kwargs["device"]).type == "meta":
+        kwargs = {**kwargs, "device": torch.device("cpu")}  # a model built on the meta device: the mask on the CPU
+    if large or any(isinstance(v, _RowBlocks) for v in inputs.values()):
+        if node.target not in _BLOCKWISE or value is None or value.ndim < 2:
+            return None
+        values[node] = _RowBlocks(node.target, tuple(args), dict(kwargs), tuple(value.shape), value.dtype)
+        return values[node]
     try:
         with torch.no_grad():
             result = node.target(*args, **kwargs)

@@ -191,6 +191,7 @@ class Plan:
             for leaf, spec in stage.inputs.items():
                 lines.append(f"    batch leaf {leaf}: {describe(spec)}")
             lines.extend(_expert_lines(stage))
+            lines.extend(_sequence_lines(stage))
         tight = [index for index, stage in enumerate(self.stages) if self.cluster.get("device_memory_bytes")
                  and stage.estimated_memory_bytes >= 0.99 * self.cluster["device_memory_bytes"]]
         if tight:
@@ -337,6 +338,43 @@ def _expert_lines(stage: "StagePlan") -> list[str]:
         lines.append(f"    experts: the stage's all-to-alls send {format_bytes(exchanged)} per device per step (tokens to "
                      "their experts and back among them, priced for a balanced router)")
     return lines
+
+
+ATTENTION_TARGET = "aten.scaled_dot_product_attention.default"
+
+
+def sequence_layouts(stage: "StagePlan") -> list[tuple[str, str, str]]:
+    """``(module, strategy, meaning)`` for each op of the stage that splits the tokens of a sequence: an attention
+    with its sequence split (context parallelism: ``seq@A,ring`` or ``seq@A,allgather``) and a matmul whose output
+    rows are reduce-scattered (Megatron's sequence parallelism: ``…>m@A``)."""
+    layouts = []
+    for label in stage.strategies.values():
+        op, _, strategy = str(label).rpartition(": ")
+        target, _, module = op.partition(" ")
+        if target == ATTENTION_TARGET and strategy.startswith("seq@"):
+            parts = strategy.split(",")
+            axes = " and ".join(parts[0].removeprefix("seq@"))
+            how = {"ring": "keys/values passed around a ring", "allgather": "keys/values all-gathered"}.get(parts[-1],
+                                                                                                      parts[-1])
+            others = parts[1:-1]
+            meaning = (f"context parallelism: sequence split over mesh axis {axes}, {how}"
+                       + (f" ({', '.join(others)})" if others else ""))
+        elif ">m@" in strategy:
+            meaning = (f"sequence parallelism: output tokens reduce-scattered over mesh axis "
+                       f"{' and '.join(strategy.rpartition('>m@')[2])}")
+        else:
+            continue
+        layouts.append((module or target, strategy, meaning))
+    return layouts
+
+
+def _sequence_lines(stage: "StagePlan") -> list[str]:
+    """The summary's lines on the ops that split the sequence (:func:`sequence_layouts`), by what they do."""
+    by_meaning: dict[str, list[str]] = {}
+    for module, _, meaning in sequence_layouts(stage):
+        by_meaning.setdefault(meaning, []).append(module)
+    return [f"    sequence: {len(modules)} op(s), {meaning}: {', '.join(dict.fromkeys(modules))}"
+            for meaning, modules in by_meaning.items()]
 
 
 def _constants_line(record: dict[str, Any]) -> str:

@@ -34,12 +34,15 @@ OP_LABELS: dict[str, dict[str, str]] = {
     "mm": _MATMUL, "addmm": _MATMUL, "bmm": _BATCHED, "baddbmm": _BATCHED,
     "embedding": {"V": "vocabulary (table rows)", "D": "embedding dim", "a": "index dim 0 (batch)",
                   "b": "index dim 1 (sequence)", "c": "index dim 2"},
-    "scaled_dot_product_attention": {"b": "batch", "h": "heads"},
+    "scaled_dot_product_attention": {"b": "batch", "h": "heads", "seq": "sequence (context parallelism)"},
     "convolution": {"n": "batch", "o": "out channels", "c": "in channels (contracted)"},
     "_grouped_mm": _GROUPED,
     "transformers.grouped_mm_fallback.default": _GROUPED,
 }
 """What each einsum label of an anchor op's strategy stands for, by op (``aten.<op>.default``)."""
+VARIANTS = {"ring": "keys/values passed around a ring of devices (ppermute)",
+            "allgather": "keys/values all-gathered (their gradient reduce-scattered)"}
+"""The words of an attention strategy that name how its split sequence meets every key (``seq@1,ring``)."""
 OPERAND_NAMES: dict[str, tuple[str, ...]] = {
     "mm": ("input", "weight"), "addmm": ("bias", "input", "weight"), "bmm": ("a", "b"),
     "baddbmm": ("bias", "a", "b"), "embedding": ("table", "indices"),
@@ -64,19 +67,37 @@ def parse_strategy(label: str) -> tuple[str, str, str]:
 
 
 def explain_strategy(op: str, name: str) -> str:
-    """``("addmm", "m@0,n@1")`` → ``"rows (batch × sequence) over axis 0; out features over axis 1"``."""
+    """``("addmm", "m@0,n@1")`` → ``"rows (batch × sequence) over axis 0; out features over axis 1"``; a row-split
+    matmul's ``k@1>m@1``: ``…; output rows reduce-scattered over axis 1 (sequence parallelism)``."""
     if not name or name == "replicated":
         return "replicated: every device computes the whole op"
     labels = OP_LABELS.get(op, {})
+    name, _, scattered = name.partition(">")
     pieces = []
     for part in name.split(","):
         label, _, axes = part.partition("@")
         if not axes:
-            pieces.append(part)
+            pieces.append(VARIANTS.get(part, part))
             continue
-        where = f"axis {axes}" if len(axes) == 1 else "axes " + " and ".join(axes)
-        pieces.append(f"{labels.get(label, label)} over {where}")
+        pieces.append(f"{labels.get(label, label)} over {_axes_text(axes)}")
+    if scattered:
+        pieces.append(f"output rows reduce-scattered over {_axes_text(scattered.partition('@')[2])} "
+                      "(sequence parallelism)")
     return "; ".join(pieces)
+
+
+def sequence_split(op: str, name: str) -> str:
+    """How an op's strategy splits the sequence, in a few words ("" if it does not)."""
+    if name.startswith("seq@"):
+        parts = name.split(",")
+        return f"context ({parts[-1]}) over {_axes_text(parts[0].partition('@')[2])}"
+    if ">m@" in name:
+        return f"tokens scattered over {_axes_text(name.rpartition('@')[2])}"
+    return ""
+
+
+def _axes_text(axes: str) -> str:
+    return f"axis {axes}" if len(axes) == 1 else "axes " + " and ".join(axes)
 
 
 def splits_batch(spec: Sequence[Any] | None) -> bool:
@@ -102,7 +123,9 @@ def strategies_html(plan: Plan) -> str | None:
                   "<code>m</code> over axis 0 and <code>n</code> over axis 1, <code>m@01</code> over both axes; "
                   "<code>replicated</code> splits nothing. Labels: matmul <code>m</code> rows (batch × sequence), "
                   "<code>k</code> contracted (its split all-reduces the output), <code>n</code> out features; "
-                  "attention <code>b</code> batch, <code>h</code> heads; embedding <code>a</code> batch, "
+                  "attention <code>b</code> batch, <code>h</code> heads, <code>seq</code> sequence (context "
+                  "parallelism: <code>ring</code> or <code>allgather</code>); <code>&gt;m@1</code>: a row-split "
+                  "matmul's output tokens reduce-scattered (sequence parallelism); embedding <code>a</code> batch, "
                   "<code>V</code> vocabulary, <code>D</code> embedding dim; convolution <code>n</code> batch, "
                   "<code>o</code>/<code>c</code> out/in channels. Operands show the layout the op reads them in "
                   "(– : no requirement).</p>")
@@ -140,10 +163,11 @@ def _stage_block(index: int, stage: Any, strategies: Mapping[str, str], *, open_
         rows.append([(f"<code>{e(op).replace('_', '_<wbr>')}</code>", op),
                      (f"<code class='module'>{e(modules or '–')}</code>{count}", modules),
                      (f"<code>{e(name or '?')}</code><div class='sub small'>{e(explained)}</div>", name),
+                     (e(sequence_split(op, name)) or "<span class='sub'>–</span>", sequence_split(op, name)),
                      (spec_chips(out, batch_dim=True), describe(out) if out is not None else ""),
                      ("".join(reads) or "<span class='sub'>–</span>", None)])
         row_attrs.append((" class='batchsplit'" if batch else "") + f" data-node='{e(node)}' data-ops='{len(members)}'")
-    table_html = table(["op", "module", "strategy", "output", "operands"], rows, css="strategies",
+    table_html = table(["op", "module", "strategy", "sequence", "output", "operands"], rows, css="strategies",
                        row_attrs=row_attrs, scroll=len(rows) > 30)
     summary = (f"{swatch(stage_color(index))}stage {index} · logical mesh {e(mesh_text(mesh))} · "
                f"{len(strategies)} anchor op(s)")
