@@ -165,8 +165,9 @@ def _method(args: argparse.Namespace) -> Any:
         return None
     if args.method == "shard":
         return METHODS[args.method](mesh_shape=mesh, experts=args.experts, context=args.context)
-    if args.experts != "auto" or args.context != "auto":
-        raise ValueError(f"--experts and --context apply to shard and pipeshard, not {args.method}")
+    for flag, value in (("--experts", args.experts), ("--context", args.context)):
+        if value != "auto":
+            raise ValueError(f"{flag} applies to shard and pipeshard, not {args.method}")
     if args.method == "megatron":
         return METHODS[args.method](mesh_shape=mesh, sequence_parallel=args.sequence_parallel)
     if args.sequence_parallel:

@@ -19,8 +19,10 @@ Two ways to bring every key to every query (:class:`ContextSplit` ``variant``):
 
 Both compute block by block with flash-attention's merge: a block gives ``(o, lse)`` per query row (output
 normalized within the block, log-sum-exp of its scores); two merge as ``lse = logaddexp(lse₁, lse₂)``,
-``o = o₁·e^{lse₁−lse} + o₂·e^{lse₂−lse}``. No ``L × S`` score matrix exists for the whole sequence: the largest is
-one device's queries by one device's keys. The backward recomputes scores from the saved ``(q, k, v, out, lse)``:
+``o = o₁·e^{lse₁−lse} + o₂·e^{lse₂−lse}``. The steps after a device's own block run in a ``fori_loop`` (one step's
+buffers at a time), and a block's query rows in tiles of :data:`ROW_TILE`: no ``L × S`` score matrix exists, not
+even one device's share; the temporaries are ``ROW_TILE`` rows by one device's keys, so the memory per device falls as
+``1/P`` with the chunk. The backward recomputes scores from the saved ``(q, k, v, out, lse)``:
 ``P = exp(S − lse)``, ``dV = Pᵀ dO``, ``dS = P ∘ (dO Vᵀ − rowsum(dO ∘ O))``, ``dQ = dS K·scale``, ``dK = dSᵀ Q·scale``.
 
 **Zig-zag (causal).** With a causal mask the contiguous layout is unbalanced (device ``P−1`` attends to every
@@ -28,7 +30,8 @@ key, device 0 to its own): the sequence is cut into ``2P`` chunks of ``C = L/(2P
 chunks ``d`` and ``2P−1−d`` (two ``ppermute`` moves of the packed ``q|k|v`` halves in, two of the output back;
 their transposes move the gradients). Then at every ring step every device computes two ``C × C`` blocks:
 ``j = d``: ``(d, d)`` and ``(2P−1−d, 2P−1−d)`` causally, ``(2P−1−d, d)`` whole; ``j < d``: both its query chunks
-against key chunk ``j``; ``j > d``: query chunk ``2P−1−d`` against both of ``j``'s key chunks. Causal attention
+against key chunk ``j``; ``j > d``: query chunk ``2P−1−d`` against both of ``j``'s key chunks — the same two
+products with their operands selected, so no branch (and no second set of buffers) exists. Causal attention
 needs ``L = S``. Without the mask there is no zig-zag (every block is whole).
 
 Precision as the composition (:func:`jaxbackend.precision.dot_precision`): scores, softmax statistics and
@@ -151,12 +154,29 @@ def _scores(q, k, scale):
     return s * scale
 
 
-def _block(q, k, v, scale, allowed):
+ROW_TILE = 256
+"""Query rows per tile inside a block: a block of ``Lq`` rows runs as ``Lq / ROW_TILE`` tiles (``lax.map`` forward,
+``lax.scan`` backward), so its temporaries are ``ROW_TILE × Sk`` scores, linear in the sequence, whatever the chunk."""
+
+
+def _block(q, k, v, scale, offset):
     """One block: its output normalized within the block (float32) and its rows' log-sum-exp (``−inf`` for a row
-    with no allowed key). ``allowed``: ``[Lq, Sk]`` boolean or ``None`` (all)."""
-    s = _scores(q, k, scale)
-    if allowed is not None:
-        s = jnp.where(allowed, s, -jnp.inf)
+    with no allowed key). ``offset``: ``None`` (every key allowed) or ``δ``: key ``c`` allowed for row ``r`` when
+    ``c ≤ r + δ`` (causal within the block)."""
+
+    def tile(args):
+        q_tile, first = args
+        return _block_rows(q_tile, k, v, scale, offset, first)
+
+    tiles, firsts = _row_tiles(q)
+    if tiles is None:
+        return _block_rows(q, k, v, scale, offset, 0)
+    o, lse = jax.lax.map(tile, (tiles, firsts))
+    return _untile(o), _untile(lse[..., None])[..., 0]
+
+
+def _block_rows(q, k, v, scale, offset, first):
+    s = _masked(_scores(q, k, scale), offset, first)
     peak = jnp.max(s, axis=-1, keepdims=True)
     peak = jnp.where(jnp.isfinite(peak), peak, 0.0)
     e = jnp.exp(s - peak)
@@ -166,6 +186,32 @@ def _block(q, k, v, scale, allowed):
     o = jnp.einsum("bkgls,bksf->bkglf", p.astype(v.dtype), v, precision=precision.dot_precision(v),
                    preferred_element_type=jnp.float32)
     return o, lse
+
+
+def _masked(s, offset, first):
+    """Scores ``[..., rows, keys]`` of rows ``first …`` with the keys ``offset`` does not allow at ``−inf``."""
+    if offset is None:
+        return s
+    rows = jax.lax.broadcasted_iota(jnp.int32, s.shape[-2:], 0) + first
+    keys = jax.lax.broadcasted_iota(jnp.int32, s.shape[-2:], 1)
+    return jnp.where(keys <= rows + offset, s, -jnp.inf)
+
+
+def _row_tiles(x):
+    """``x [B, Hk, G, L, …]`` as ``[L / ROW_TILE, B, Hk, G, ROW_TILE, …]`` and each tile's first row, or ``(None,
+    None)`` when ``L`` is one tile (or does not divide into tiles)."""
+    rows = x.shape[3]
+    if rows <= ROW_TILE or rows % ROW_TILE:
+        return None, None
+    count = rows // ROW_TILE
+    tiles = jnp.moveaxis(x.reshape(x.shape[:3] + (count, ROW_TILE) + x.shape[4:]), 3, 0)
+    return tiles, jnp.arange(count, dtype=jnp.int32) * ROW_TILE
+
+
+def _untile(x):
+    """The inverse of :func:`_row_tiles`."""
+    x = jnp.moveaxis(x, 0, 3)
+    return x.reshape(x.shape[:3] + (x.shape[3] * x.shape[4],) + x.shape[5:])
 
 
 def _merge(o1, lse1, o2, lse2):
@@ -179,13 +225,29 @@ def _merge(o1, lse1, o2, lse2):
     return o, jnp.where(total > 0, jnp.log(safe) + peak, -jnp.inf)
 
 
-def _block_grads(q, k, v, do, lse, rowdot, scale, allowed):
-    """Gradients of one block's contribution: ``(dq, dk, dv)`` in float32 (module docstring's formulas)."""
+def _block_grads(q, k, v, do, lse, rowdot, scale, offset):
+    """Gradients of one block's contribution: ``(dq, dk, dv)`` in float32 (module docstring's formulas), tile by
+    tile of query rows (``dk, dv`` summed over the tiles)."""
+    tiles, firsts = _row_tiles(q)
+    if tiles is None:
+        return _block_grads_rows(q, k, v, do, lse, rowdot, scale, offset, 0)
+    stats = [_row_tiles(x[..., None])[0][..., 0] for x in (lse, rowdot)]
+    zeros = [varying_like(jnp.zeros(x.shape, jnp.float32), q, k, v, do) for x in (k, v)]
+
+    def tile(carry, args):
+        q_tile, do_tile, lse_tile, rowdot_tile, first = args
+        dq, dk, dv = _block_grads_rows(q_tile, k, v, do_tile, lse_tile, rowdot_tile, scale, offset, first)
+        return (carry[0] + dk, carry[1] + dv), dq
+
+    (dk, dv), dq = jax.lax.scan(tile, tuple(zeros), (tiles, _row_tiles(do)[0], *stats, firsts))
+    return _untile(dq), dk, dv
+
+
+def _block_grads_rows(q, k, v, do, lse, rowdot, scale, offset, first):
     s = _scores(q, k, scale)
     live = jnp.isfinite(lse)[..., None]
-    p = jnp.exp(s - jnp.where(live, lse[..., None], 0.0))
-    keep = live if allowed is None else live & allowed
-    p = jnp.where(keep, p, 0.0)
+    p = jnp.exp(_masked(s, offset, first) - jnp.where(live, lse[..., None], 0.0))
+    p = jnp.where(live, p, 0.0)
     hi = precision.dot_precision(q, k)
     dv = jnp.einsum("bkgls,bkglf->bksf", p, do, precision=hi, preferred_element_type=jnp.float32)
     dp = jnp.einsum("bkglf,bksf->bkgls", do, v, precision=hi, preferred_element_type=jnp.float32)
@@ -197,60 +259,58 @@ def _block_grads(q, k, v, do, lse, rowdot, scale, allowed):
 
 # --- the step schedule -------------------------------------------------------------------------------------------
 
-def _step_forward(qg, k, v, step: int, source, d, split: ContextSplit):
-    """Step ``step``'s ``(o, lse)`` for all of this device's query rows against the key/value block of device
-    ``source`` (``d − step mod P``); rows a block does not reach get ``lse = −inf``."""
+def _step_forward(qg, k, v, own: bool, source, d, split: ContextSplit):
+    """One step's ``(o, lse)`` for all of this device's query rows against the key/value block of device ``source``
+    (``own``: this device's, the first step); rows a block does not reach get ``lse = −inf``."""
     scale = split.scale
     if not split.causal:
         return _block(qg, k, v, scale, None)
     c = qg.shape[3] // 2
     q_a, q_b = qg[..., :c, :], qg[..., c:, :]
-    if step == 0:  # own chunks: (d, d) and (2P−1−d, ·) causally within the pair
-        diag = jnp.tril(jnp.ones((c, c), jnp.bool_))
-        o_a, lse_a = _block(q_a, k[..., :c, :], v[..., :c, :], scale, diag)
-        o_b, lse_b = _block(q_b, k, v, scale, jnp.concatenate([jnp.ones((c, c), jnp.bool_), diag], axis=1))
+    if own:  # own chunks: (d, d) and (2P−1−d, ·) causally within the pair
+        o_a, lse_a = _block(q_a, k[..., :c, :], v[..., :c, :], scale, 0)
+        o_b, lse_b = _block(q_b, k, v, scale, c)  # key chunk d whole, 2P−1−d causally
         return jnp.concatenate([o_a, o_b], axis=3), jnp.concatenate([lse_a, lse_b], axis=3)
 
-    def earlier(qg, k, v):  # key chunk j < d: both query chunks see it whole, nobody sees 2P−1−j
-        return _block(qg, k[..., :c, :], v[..., :c, :], scale, None)
+    # j < d: both query chunks against key chunk j (2P−1−j is after both); j > d: query chunk 2P−1−d against both
+    # of j's chunks. The same two C × C products either way, their operands selected (no branch: one set of buffers)
+    earlier = source < d
+    k_a, k_b, v_a, v_b = k[..., :c, :], k[..., c:, :], v[..., :c, :], v[..., c:, :]
+    o0, lse0 = _block(jnp.where(earlier, q_a, q_b), k_a, v_a, scale, None)
+    o1, lse1 = _block(q_b, jnp.where(earlier, k_a, k_b), jnp.where(earlier, v_a, v_b), scale, None)
+    o_both, lse_both = _merge(o0, lse0, o1, lse1)
+    o = jnp.concatenate([jnp.where(earlier, o0, 0.0), jnp.where(earlier, o1, o_both)], axis=3)
+    return o, jnp.concatenate([jnp.where(earlier, lse0, -jnp.inf), jnp.where(earlier, lse1, lse_both)], axis=3)
 
-    def later(qg, k, v):  # j > d: only query chunk 2P−1−d, against both of j's chunks
-        o_b, lse_b = _block(qg[..., c:, :], k, v, scale, None)
-        o = jnp.concatenate([jnp.zeros_like(o_b), o_b], axis=3)
-        return o, jnp.concatenate([jnp.full_like(lse_b, -jnp.inf), lse_b], axis=3)
 
-    del q_a, q_b
-    return jax.lax.cond(source < d, earlier, later, qg, k, v)
-
-
-def _step_grads(qg, k, v, do, lse, rowdot, step: int, source, d, split: ContextSplit):
-    """Gradients of step ``step``'s blocks (as :func:`_step_forward` chose them): ``(dq [all rows], dk, dv)``."""
+def _step_grads(qg, k, v, do, lse, rowdot, own: bool, source, d, split: ContextSplit):
+    """Gradients of one step's blocks (as :func:`_step_forward` chose them): ``(dq [all rows], dk, dv)``."""
     scale = split.scale
     if not split.causal:
         return _block_grads(qg, k, v, do, lse, rowdot, scale, None)
     c = qg.shape[3] // 2
     rows = lambda x, part: x[..., :c, :] if part == 0 else x[..., c:, :]  # noqa: E731
     row_stats = lambda x, part: x[..., :c] if part == 0 else x[..., c:]  # noqa: E731
-    if step == 0:
-        diag = jnp.tril(jnp.ones((c, c), jnp.bool_))
+    if own:
         dq_a, dk_a, dv_a = _block_grads(rows(qg, 0), k[..., :c, :], v[..., :c, :], rows(do, 0), row_stats(lse, 0),
-                                        row_stats(rowdot, 0), scale, diag)
+                                        row_stats(rowdot, 0), scale, 0)
         dq_b, dk_b, dv_b = _block_grads(rows(qg, 1), k, v, rows(do, 1), row_stats(lse, 1), row_stats(rowdot, 1),
-                                        scale, jnp.concatenate([jnp.ones((c, c), jnp.bool_), diag], axis=1))
+                                        scale, c)
         pad = lambda x: jnp.concatenate([x, jnp.zeros_like(x)], axis=2)  # noqa: E731
         return jnp.concatenate([dq_a, dq_b], axis=3), pad(dk_a) + dk_b, pad(dv_a) + dv_b
 
-    def earlier(qg, k, v, do, lse, rowdot):
-        dq, dk, dv = _block_grads(qg, k[..., :c, :], v[..., :c, :], do, lse, rowdot, scale, None)
-        pad = lambda x: jnp.concatenate([x, jnp.zeros_like(x)], axis=2)  # noqa: E731
-        return dq, pad(dk), pad(dv)
-
-    def later(qg, k, v, do, lse, rowdot):
-        dq_b, dk, dv = _block_grads(rows(qg, 1), k, v, rows(do, 1), row_stats(lse, 1), row_stats(rowdot, 1), scale,
-                                    None)
-        return jnp.concatenate([jnp.zeros_like(dq_b), dq_b], axis=3), dk, dv
-
-    return jax.lax.cond(source < d, earlier, later, qg, k, v, do, lse, rowdot)
+    earlier = source < d  # the two products of :func:`_step_forward`
+    k_a, k_b, v_a, v_b = k[..., :c, :], k[..., c:, :], v[..., :c, :], v[..., c:, :]
+    pick = lambda x, stats: jnp.where(earlier, (row_stats if stats else rows)(x, 0),  # noqa: E731
+                                      (row_stats if stats else rows)(x, 1))
+    dq0, dk0, dv0 = _block_grads(pick(qg, False), k_a, v_a, pick(do, False), pick(lse, True), pick(rowdot, True),
+                                 scale, None)
+    dq1, dk1, dv1 = _block_grads(rows(qg, 1), jnp.where(earlier, k_a, k_b), jnp.where(earlier, v_a, v_b), rows(do, 1),
+                                 row_stats(lse, 1), row_stats(rowdot, 1), scale, None)
+    dq = jnp.concatenate([jnp.where(earlier, dq0, 0.0), jnp.where(earlier, dq1, dq0 + dq1)], axis=3)
+    dk = jnp.concatenate([jnp.where(earlier, dk0 + dk1, dk0), jnp.where(earlier, 0.0, dk1)], axis=2)
+    dv = jnp.concatenate([jnp.where(earlier, dv0 + dv1, dv0), jnp.where(earlier, 0.0, dv1)], axis=2)
+    return dq, dk, dv
 
 
 # --- the ring / all-gather loop (custom_vjp) -----------------------------------------------------------------------
@@ -270,24 +330,33 @@ def _ring_shift(x, split: ContextSplit):
 
 
 def _forward(q, k, v, split: ContextSplit):
+    """``(out, lse)``: the first step on this device's own block, then ``P − 1`` steps in a loop (one step's buffers
+    at a time), each on the block that arrives from the ring or is read from the gathered ones."""
     kv_heads, width = k.shape[1], k.shape[-1]
     qg = _grouped(q, kv_heads)
     p = split.devices
     d = jax.lax.axis_index(split.axes) if p > 1 else 0
     kv = _pack(k, v)
     gathered = jax.lax.all_gather(kv, split.axes) if split.variant == "allgather" and p > 1 else None
-    o = lse = None
-    for step in range(p):
-        source = (d - step) % p
-        if gathered is not None and step > 0:
-            kv = jax.lax.dynamic_index_in_dim(gathered, source, axis=0, keepdims=False)
-        o_t, lse_t = _step_forward(qg, kv[..., :width], kv[..., width:].astype(v.dtype), step, source, d, split)
-        o, lse = (o_t, lse_t) if o is None else _merge(o, lse, o_t, lse_t)
-        if gathered is None and step < p - 1:
-            kv = _ring_shift(kv, split)
-        o, lse, kv = jax.lax.optimization_barrier((o, lse, kv))  # one step's blocks at a time
+
+    def step(kv, own, source):
+        return _step_forward(qg, kv[..., :width], kv[..., width:].astype(v.dtype), own, source, d, split)
+
+    o, lse = step(kv, True, d)
+    if p > 1:
+        def body(index, carry):
+            o, lse, kv = carry
+            source = (d - index) % p
+            kv = _ring_shift(kv, split) if gathered is None else _block_of(gathered, source)
+            return (*_merge(o, lse, *step(kv, False, source)), kv)
+
+        o, lse, _ = jax.lax.fori_loop(1, p, body, (o, lse, kv))
     out = o.astype(q.dtype).reshape(q.shape[:3] + (v.shape[-1],))
     return out, lse
+
+
+def _block_of(gathered, source):
+    return jax.lax.dynamic_index_in_dim(gathered, source, axis=0, keepdims=False)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -307,30 +376,35 @@ def _core_bwd(split, residuals, d_out):
     rowdot = jnp.sum(dog.astype(jnp.float32) * _grouped(out, kv_heads).astype(jnp.float32), axis=-1)
     d = jax.lax.axis_index(split.axes) if p > 1 else 0
     kv = _pack(k, v)
-    ring = split.variant == "ring" and p > 1
-    gathered = jax.lax.all_gather(kv, split.axes) if not ring and p > 1 else None
-    d_gathered = None if gathered is None else jnp.zeros(gathered.shape, jnp.float32)
-    d_kv = jnp.zeros(kv.shape, jnp.float32) if gathered is None else None
-    dq = jnp.zeros(qg.shape, jnp.float32)
-    for step in range(p):
-        source = (d - step) % p
-        if gathered is not None and step > 0:
-            kv = jax.lax.dynamic_index_in_dim(gathered, source, axis=0, keepdims=False)
-        dq_t, dk_t, dv_t = _step_grads(qg, kv[..., :width], kv[..., width:].astype(v.dtype), dog, lse, rowdot,
-                                       step, source, d, split)
-        dq = dq + dq_t
-        d_block = jnp.concatenate([dk_t, dv_t], axis=-1)
-        if gathered is not None:
-            current = jax.lax.dynamic_index_in_dim(d_gathered, source, axis=0, keepdims=False)
-            d_gathered = jax.lax.dynamic_update_index_in_dim(d_gathered, current + d_block, source, axis=0)
-        else:
-            d_kv = d_kv + d_block
-            if ring:  # the accumulator travels with its block; the last move takes it home
-                d_kv = _ring_shift(d_kv, split)
-                if step < p - 1:
-                    kv = _ring_shift(kv, split)
-        dq, d_kv, d_gathered, kv = jax.lax.optimization_barrier((dq, d_kv, d_gathered, kv))
-    if gathered is not None:
+
+    def step(kv, own, source):
+        dq, dk, dv = _step_grads(qg, kv[..., :width], kv[..., width:].astype(v.dtype), dog, lse, rowdot, own,
+                                 source, d, split)
+        return dq, jnp.concatenate([dk, dv], axis=-1)
+
+    dq, d_kv = step(kv, True, d)
+    if p > 1 and split.variant == "ring":
+        def ring_body(index, carry):  # the block's gradient travels with the block
+            dq, d_kv, kv = carry
+            kv, d_kv = _ring_shift(kv, split), _ring_shift(d_kv, split)
+            dq_t, d_block = step(kv, False, (d - index) % p)
+            return dq + dq_t, d_kv + d_block, kv
+
+        dq, d_kv, _ = jax.lax.fori_loop(1, p, ring_body, (dq, d_kv, kv))
+        d_kv = _ring_shift(d_kv, split)  # home
+    elif p > 1:
+        gathered = jax.lax.all_gather(kv, split.axes)
+        d_gathered = jax.lax.dynamic_update_index_in_dim(
+            varying_like(jnp.zeros(gathered.shape, jnp.float32), d_kv), d_kv, d, axis=0)
+
+        def gather_body(index, carry):
+            dq, d_gathered = carry
+            source = (d - index) % p
+            dq_t, d_block = step(_block_of(gathered, source), False, source)
+            current = _block_of(d_gathered, source)
+            return dq + dq_t, jax.lax.dynamic_update_index_in_dim(d_gathered, current + d_block, source, axis=0)
+
+        dq, d_gathered = jax.lax.fori_loop(1, p, gather_body, (dq, d_gathered))
         d_kv = jax.lax.psum_scatter(d_gathered, split.axes, scatter_dimension=0, tiled=False)
     dq = dq.reshape(q.shape).astype(q.dtype)
     return (varying_like(dq, q), varying_like(d_kv[..., :width].astype(k.dtype), k),

@@ -37,6 +37,9 @@ class Collective:
     line: str
     in_loop: bool = False
     """In a ``while`` body or what it calls (runs once per iteration)."""
+    runs: int = 1
+    """Times it runs per execution of the program: the product of the known trip counts (XLA's
+    ``known_trip_count``) of the loops around it; 1 outside loops and for a loop whose count XLA does not know."""
 
     @property
     def groups(self) -> list[list[int]]:
@@ -84,36 +87,46 @@ def collectives(hlo: str) -> list[Collective]:
                        for m in _ARRAY.finditer(match.group("shape")))
         if match.group("start") and match.group("op") in ("all-gather", "collective-permute", "all-to-all") and len(shapes) > 1:
             shapes = shapes[len(shapes) // 2:]  # (operands, results) tuple of an async start: keep the results
-        found.append(Collective(match.group("op"), shapes, line.strip(), computation in looped))
+        found.append(Collective(match.group("op"), shapes, line.strip(), computation in looped,
+                                looped.get(computation, 1)))
     return found
 
 
-def _loop_computations(hlo: str) -> set[str]:
-    """Names of the computations that run inside a ``while`` loop: every loop's body and condition, and what
-    they call, transitively."""
-    calls: dict[str, set[str]] = {}
-    roots: set[str] = set()
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(?P<n>\d+)"\}')
+
+
+def _loop_computations(hlo: str) -> dict[str, int]:
+    """The computations that run inside a ``while`` loop (every loop's body and condition, and what they call,
+    transitively), each with the times it runs per execution of the program: the known trip counts of the loops
+    on the way to it multiplied (the largest over the ways; an unknown count counts 1)."""
+    edges: dict[str, list[tuple[str, int, bool]]] = {}  # caller → (callee, trip count, through a loop)
+    called_somewhere: set[str] = set()
+    computations: list[str] = []
     computation = ""
     for line in hlo.splitlines():
         line = _COMMENT.sub("", line)
         header = _COMPUTATION.match(line)
         if header and "=" not in line.split("{", 1)[0].split("(", 1)[0]:
             computation = header.group("name")
+            computations.append(computation)
             continue
         called = {m.group("name") for m in _CALLED.finditer(line)}
         for branches in _BRANCHES.finditer(line):
             called |= {name.strip().lstrip("%") for name in branches.group("names").split(",") if name.strip()}
-        calls.setdefault(computation, set()).update(called)
-        if re.search(r"\swhile\(", line):
-            roots |= {m.group("name") for m in _CALLED.finditer(line)}
-    looped: set[str] = set()
-    stack = list(roots)
+        loop = re.search(r"\swhile\(", line) is not None
+        trips = _TRIP_COUNT.search(line) if loop else None
+        for name in called:
+            edges.setdefault(computation, []).append((name, int(trips.group("n")) if trips else 1, loop))
+            called_somewhere.add(name)
+    runs: dict[str, tuple[int, bool]] = {}
+    stack = [(name, 1, False) for name in computations if name not in called_somewhere]
     while stack:
-        name = stack.pop()
-        if name not in looped:
-            looped.add(name)
-            stack.extend(calls.get(name, ()))
-    return looped
+        name, count, in_loop = stack.pop()
+        if name in runs and runs[name] >= (count, in_loop):
+            continue
+        runs[name] = (count, in_loop)
+        stack.extend((callee, count * trips, in_loop or loop) for callee, trips, loop in edges.get(name, ()))
+    return {name: count for name, (count, in_loop) in runs.items() if in_loop}
 
 
 def count(hlo: str) -> Counter[str]:

@@ -1,0 +1,137 @@
+"""Long sequences split over devices (context parallelism): memory per device and step time against the sequence
+length, for 1, 2 and 4 context ranks.
+
+    python benchmarks/long_context.py [--lengths 1024,2048,4096,8192] [--steps 3] [--warmup 1] [--json out.json]
+
+Two tables. **Model**: an HF Llama (2 layers, hidden 64, 2 query heads, 1 key/value head, vocabulary 128), batch 1,
+AdamW, fp32, trained on one device (the whole-sequence attention: matmul, softmax, matmul, keeping the ``L × S``
+probabilities for the backward) and under ``ShardParallel(mesh_shape=(1, C), context=...)`` with the ring and the
+all-gather (``jaxbackend/ops/context_attention.py``); per row XLA's bytes per device (arguments + outputs − aliased +
+temporaries of the compiled step), the plan's estimate beside it, and the median step time (runners of one length
+timed interleaved). **Attention**: the context-parallel attention alone (forward + backward of ``[1, 8, T, 64]``
+causal, ring), on 1, 2 and 4 devices: XLA's temporaries per device, whose share of one device's is the activation
+memory that context parallelism divides (the blocks are computed in tiles of query rows, so it is linear in ``T/C``,
+plus the ring's K/V buffers). Fake CPU devices share this machine's cores: times compare the rows of one length, not
+devices.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import statistics
+import sys
+from typing import Any
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+CONFIG = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+              num_key_value_heads=1)
+RUNNERS = (("one device", 1, None), ("ring", 2, "ring"), ("ring", 4, "ring"), ("allgather", 4, "allgather"))
+
+
+def _xla_bytes(engine) -> int:
+    memory = engine.memory_stats()[0]
+    return memory["argument_bytes"] + memory["output_bytes"] - memory["alias_bytes"] + memory["temp_bytes"]
+
+
+def measure_model(length: int, steps: int, warmup: int) -> list[dict[str, Any]]:
+    import transformers
+
+    import torchpar
+    from moe import time_interleaved  # benchmarks/ is on sys.path when a script runs
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG, max_position_embeddings=length))
+    ids = torch.randint(0, CONFIG["vocab_size"], (1, length))
+    batch = {"input_ids": ids, "labels": ids}
+    engines = {}
+    for name, ranks, variant in RUNNERS:
+        copy_ = copy.deepcopy(model)
+        method = None if ranks == 1 else torchpar.ShardParallel(mesh_shape=(1, ranks), context=variant)
+        engine = torchpar.compile(copy_, torch.optim.AdamW(copy_.parameters(), lr=1e-4), example_batch=batch,
+                                  method=method)
+        engine.step(batch)
+        engines[(name, ranks)] = engine
+    times = time_interleaved({key: (lambda engine=engine: engine.step(batch)) for key, engine in engines.items()},
+                             steps, warmup)
+    one = _xla_bytes(engines[("one device", 1)])
+    rows = []
+    for (name, ranks), engine in engines.items():
+        stage = engine.plan.stages[0]
+        measured = _xla_bytes(engine)
+        rows.append({"length": length, "runner": name, "context_ranks": ranks, "xla_bytes_per_device": measured,
+                     "share_of_one_device": measured / one, "estimated_bytes_per_device": stage.estimated_memory_bytes,
+                     "median_step_s": statistics.median(times[(name, ranks)]), "all_step_s": times[(name, ranks)]})
+    return rows
+
+
+def measure_attention(length: int) -> list[dict[str, Any]]:
+    """XLA's temporaries per device of the ring attention's forward + backward at 1, 2 and 4 context ranks."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from jaxbackend.ops.context_attention import ContextSplit, split_attention
+    from jaxbackend.sharding import make_mesh
+
+    shape = (1, 8, length, 64)
+    rows = []
+    for ranks in (1, 2, 4):
+        mesh = make_mesh((1, ranks))
+        sharding = NamedSharding(mesh, PartitionSpec(None, None, "d1", None))
+        split = ContextSplit(("d1",), ranks, "ring", True, 0.125)
+        loss = lambda q, k, v: jnp.sum(split_attention(q, k, v, [sharding] * 3, split))  # noqa: E731
+        arrays = [jax.ShapeDtypeStruct(shape, jnp.float32, sharding=sharding)] * 3
+        compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*arrays).compile()
+        temp = compiled.memory_analysis().temp_size_in_bytes
+        rows.append({"length": length, "context_ranks": ranks, "temp_bytes_per_device": temp})
+    one = rows[0]["temp_bytes_per_device"]
+    for row in rows:
+        row["share_of_one_rank"] = row["temp_bytes_per_device"] / one
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lengths", default="1024,2048,4096,8192")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    import transformers
+
+    import torchpar
+
+    torchpar.init(num_devices=4)
+    transformers.logging.set_verbosity_error()
+    lengths = [int(x) for x in args.lengths.split(",")]
+    model_rows, attention_rows = [], []
+    print(f"{'T':>6} {'runner':>11} {'C':>2} {'XLA MB/dev':>11} {'÷ 1 dev':>8} {'est. MB':>8} {'step ms':>9}")
+    for length in lengths:
+        for row in measure_model(length, args.steps, args.warmup):
+            model_rows.append(row)
+            print(f"{length:>6} {row['runner']:>11} {row['context_ranks']:>2} {row['xla_bytes_per_device'] / 1e6:>11.1f} "
+                  f"{row['share_of_one_device']:>8.3f} {row['estimated_bytes_per_device'] / 1e6:>8.1f} "
+                  f"{row['median_step_s'] * 1e3:>9.1f}")
+    print(f"\n{'T':>6} {'C':>2} {'attention temp MB/dev':>22} {'÷ C=1':>7} {'ideal':>6}")
+    for length in lengths:
+        for row in measure_attention(length):
+            attention_rows.append(row)
+            print(f"{length:>6} {row['context_ranks']:>2} {row['temp_bytes_per_device'] / 1e6:>22.1f} "
+                  f"{row['share_of_one_rank']:>7.3f} {1 / row['context_ranks']:>6.3f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+                       "model": model_rows, "attention": attention_rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
