@@ -2,6 +2,7 @@
 length, for 1, 2 and 4 context ranks.
 
     python benchmarks/long_context.py [--lengths 1024,2048,4096,8192] [--steps 3] [--warmup 1] [--json out.json]
+    python benchmarks/long_context.py --gpt2 8192 [--json out.json]
 
 Two tables. **Model**: an HF Llama (2 layers, hidden 64, 2 query heads, 1 key/value head, vocabulary 128), batch 1,
 AdamW, fp32, trained on one device (the whole-sequence attention: matmul, softmax, matmul, keeping the ``L × S``
@@ -13,6 +14,11 @@ causal, ring), on 1, 2 and 4 devices: XLA's temporaries per device, whose share 
 memory that context parallelism divides (the blocks are computed in tiles of query rows, so it is linear in ``T/C``,
 plus the ring's K/V buffers). Fake CPU devices share this machine's cores: times compare the rows of one length, not
 devices.
+
+``--gpt2 T``: GPT-2 (4 layers, n_embd 256, 8 heads, vocabulary 1,024), batch 1 × T, AdamW, 3 steps with PyTorch eager
+and with ``ShardParallel(mesh_shape=(1, 4), context=...)`` for the ring and the all-gather: the largest relative loss
+difference, and in each compiled step's forward (XLA's op metadata: not a ``transpose``) the ring's moves per
+attention (permutes ``i → i+1`` times the loop trips) and the all-gathers inside the attention's ``shard_map``.
 """
 
 from __future__ import annotations
@@ -98,12 +104,59 @@ def measure_attention(length: int) -> list[dict[str, Any]]:
     return rows
 
 
+def check_gpt2(length: int) -> list[dict[str, Any]]:
+    """The ``--gpt2`` rows (module docstring)."""
+    import re
+
+    import transformers
+
+    import torchpar
+    from torchpar.report.hlo import collectives
+
+    def model():
+        torch.manual_seed(0)
+        return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=1024, n_positions=length, n_embd=256, n_layer=4, n_head=8, resid_pdrop=0.0, embd_pdrop=0.0,
+            attn_pdrop=0.0))
+
+    ids = torch.randint(0, 1024, (1, length), generator=torch.Generator().manual_seed(1))
+    batch = {"input_ids": ids, "labels": ids}
+    reference = model()
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    expected = []
+    for _ in range(3):
+        optimizer.zero_grad()
+        loss = reference(**batch).loss
+        loss.backward()
+        optimizer.step()
+        expected.append(loss.item())
+    ring = sorted([i, (i + 1) % 4] for i in range(4))
+    rows = []
+    for variant in ("ring", "allgather"):
+        copy_ = model()
+        engine = torchpar.compile(copy_, torch.optim.AdamW(copy_.parameters(), lr=1e-3), example_batch=batch,
+                                  method=torchpar.ShardParallel(mesh_shape=(1, 4), context=variant))
+        losses = [engine.step(batch) for _ in range(3)]
+        forward = [c for c in collectives(engine.hlo_text()[0])
+                   if (name := re.search(r'op_name="([^"]*)"', c.line)) and "transpose(" not in name.group(1)]
+        attentions = sum(1 for label in engine.plan.stages[0].strategies.values() if "attention" in label)
+        rows.append({"length": length, "variant": variant, "losses": losses, "pytorch_losses": expected,
+                     "max_relative_loss_difference": max(abs(a - b) / abs(b) for a, b in zip(losses, expected)),
+                     "ring_moves_per_attention_forward": sum(
+                         c.runs for c in forward if c.kind == "collective-permute" and sorted(c.groups) == ring)
+                     / attentions,
+                     "attention_all_gathers_forward": sum(1 for c in forward if c.kind == "all-gather"
+                                                          and "shard_map" in c.line) / attentions})
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", default="1024,2048,4096,8192")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--gpt2", type=int, default=None, help="the GPT-2 check at this sequence length")
     args = parser.parse_args()
     import transformers
 
@@ -111,6 +164,16 @@ def main() -> int:
 
     torchpar.init(num_devices=4)
     transformers.logging.set_verbosity_error()
+    if args.gpt2:
+        rows = check_gpt2(args.gpt2)
+        print(f"{'T':>6} {'variant':>10} {'max rel. loss diff':>19} {'ring moves / attn fwd':>22} {'K/V gathers / attn fwd':>23}")
+        for row in rows:
+            print(f"{row['length']:>6} {row['variant']:>10} {row['max_relative_loss_difference']:>19.1e} "
+                  f"{row['ring_moves_per_attention_forward']:>22.1f} {row['attention_all_gathers_forward']:>23.1f}")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"machine": platform.processor() or platform.machine(), "gpt2": rows}, f, indent=1)
+        return 0
     lengths = [int(x) for x in args.lengths.split(",")]
     model_rows, attention_rows = [], []
     print(f"{'T':>6} {'runner':>11} {'C':>2} {'XLA MB/dev':>11} {'÷ 1 dev':>8} {'est. MB':>8} {'step ms':>9}")

@@ -78,13 +78,9 @@ def test_with_the_cache_off_nothing_is_written(tmp_path, how):
     assert _entries(xdg) == []
 
 
-def test_the_default_directory_follows_xdg_cache_home(tmp_path):
-    out = _run({"XDG_CACHE_HOME": str(tmp_path / "xdg")})
-    assert out["cache_dir"] == str(tmp_path / "xdg" / "torchpar" / "xla")
-    assert _entries(tmp_path / "xdg" / "torchpar" / "xla")
-
-
 def test_compile_without_init_caches_in_the_default_directory(tmp_path):
+    """The default directory follows ``XDG_CACHE_HOME`` (with ``init()``'s defaults it is the same directory:
+    ``test_requested_dir_reads_the_environment``; one process fewer)."""
     xdg = tmp_path / "xdg"
     out = _run({"XDG_CACHE_HOME": str(xdg)}, init_options=None)
     assert out["cache_dir"] == str(xdg / "torchpar" / "xla")
