@@ -2,8 +2,9 @@
 ``jaxbackend.ops.context_attention``), against PyTorch eager: GPT-2 with the ring and with the all-gather asked for;
 a Llama with one key/value head at batch 1 where the planner splits the sequence by itself under a memory budget of
 35 % of the one-device step (and XLA's bytes per device stay under 45 % of that step's and within the budget); the
-same sizes with a batch to split and memory to spare, where it does not; two pipeline stages each splitting the
-sequence over two of their devices; and a plan with the split saved to JSON and trained from it."""
+same sizes with a batch to split and memory to spare, where it does not; GPT-2 with heads to split, where the
+attention splits its heads between token-split matmuls (Ulysses, as a priced resharding); two pipeline stages each
+splitting the sequence over two of their devices; and a plan with the split saved to JSON and trained from it."""
 
 from __future__ import annotations
 
@@ -132,3 +133,17 @@ def test_pipeline_stages_split_the_sequence_inside_each_stage():
     torch.testing.assert_close(losses, _pytorch_losses(lambda: _llama(128), batch), rtol=LOSS_RTOL, atol=0)
     strategies = [s for stage in engine.plan.stages for s in _attention_strategies(stage)]
     assert len(strategies) == 2 and all(s.startswith("seq@") and s.endswith(",ring") for s in strategies), strategies
+
+
+def test_with_heads_to_split_the_planner_reshards_tokens_to_heads_around_attention():
+    """Ulysses as a priced resharding: batch 1 and 4 heads on 4 devices, the matmuls split the tokens and each
+    attention its heads (an all-to-all from the token split to the head split and back, the resharding the ILP
+    prices) — cheaper here than a ring's three latency-bound steps (at 256 tokens Megatron's pattern wins). PyTorch's
+    losses."""
+    batch = _batch(1, 1024)
+    losses, engine = _train(lambda: _gpt2(1024), batch, torchpar.ShardParallel(mesh_shape=(1, 4)), steps=2)
+    torch.testing.assert_close(losses, _pytorch_losses(lambda: _gpt2(1024), batch)[:2], rtol=LOSS_RTOL, atol=0)
+    stage = engine.plan.stages[0]
+    assert _attention_strategies(stage) == ["h@1"] * 2
+    assert all(s.endswith(": m@1") for s in stage.strategies.values() if "addmm" in s)
+    assert "all-to-all" in [c.kind for c in collectives(engine.hlo_text()[0])]
