@@ -166,7 +166,8 @@ def main() -> int:
     transformers.logging.set_verbosity_error()
     if args.gpt2:
         rows = check_gpt2(args.gpt2)
-        print(f"{'T':>6} {'variant':>10} {'max rel. loss diff':>19} {'ring moves / attn fwd':>22} {'K/V gathers / attn fwd':>23}")
+        print(f"{'T':>6} {'variant':>10} {'max rel. loss diff':>19} {'ring moves / attn fwd':>22} "
+              f"{'K/V gathers / attn fwd':>23}")
         for row in rows:
             print(f"{row['length']:>6} {row['variant']:>10} {row['max_relative_loss_difference']:>19.1e} "
                   f"{row['ring_moves_per_attention_forward']:>22.1f} {row['attention_all_gathers_forward']:>23.1f}")
@@ -180,7 +181,8 @@ def main() -> int:
     for length in lengths:
         for row in measure_model(length, args.steps, args.warmup):
             model_rows.append(row)
-            print(f"{length:>6} {row['runner']:>11} {row['context_ranks']:>2} {row['xla_bytes_per_device'] / 1e6:>11.1f} "
+            print(f"{length:>6} {row['runner']:>11} {row['context_ranks']:>2} "
+                  f"{row['xla_bytes_per_device'] / 1e6:>11.1f} "
                   f"{row['share_of_one_device']:>8.3f} {row['estimated_bytes_per_device'] / 1e6:>8.1f} "
                   f"{row['median_step_s'] * 1e3:>9.1f}")
     print(f"\n{'T':>6} {'C':>2} {'attention temp MB/dev':>22} {'÷ C=1':>7} {'ideal':>6}")

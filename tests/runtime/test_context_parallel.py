@@ -13,6 +13,7 @@ import torch
 import transformers
 
 import torchpar
+from tests.models.side_by_side import pytorch_losses, torchpar_losses
 from torchpar.report.hlo import collectives
 
 LOSS_RTOL = 1e-4
@@ -37,25 +38,11 @@ def _batch(rows: int, length: int) -> dict:
 
 
 def _pytorch_losses(make, batch) -> list[float]:
-    torch.manual_seed(0)
-    model = make()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    losses = []
-    for _ in range(STEPS):
-        optimizer.zero_grad()
-        loss = model(**batch).loss
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses
+    return pytorch_losses(make, batch, STEPS)
 
 
 def _train(make, batch, method, steps: int = STEPS, **options):
-    torch.manual_seed(0)
-    model = make()
-    engine = torchpar.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-3), example_batch=batch,
-                              method=method, **options)
-    return [engine.step(batch) for _ in range(steps)], engine
+    return torchpar_losses(make, batch, method, steps, **options)
 
 
 def _attention_strategies(stage) -> list[str]:

@@ -17,6 +17,7 @@ import transformers
 
 import torchpar
 from tests.models.routed_experts import train_like_pytorch
+from tests.models.side_by_side import pytorch_losses, torchpar_losses
 from torchpar.report.hlo import collectives
 
 LOSS_RTOL = 1e-4
@@ -55,26 +56,12 @@ _torch_losses: dict[str, list[float]] = {}
 
 def _reference(family: str) -> list[float]:
     if family not in _torch_losses:
-        torch.manual_seed(0)
-        model, batch = MODELS[family](), _batch()
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        losses = []
-        for _ in range(STEPS):
-            optimizer.zero_grad()
-            loss = model(**batch).loss
-            loss.backward()
-            optimizer.step()
-            losses.append(loss.item())
-        _torch_losses[family] = losses
+        _torch_losses[family] = pytorch_losses(MODELS[family], _batch(), STEPS)
     return _torch_losses[family]
 
 
 def _train(family: str, method, **options):
-    torch.manual_seed(0)
-    model = MODELS[family]()
-    engine = torchpar.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-3), example_batch=_batch(),
-                              method=method, **options)
-    return [engine.step(_batch()) for _ in range(STEPS)], engine
+    return torchpar_losses(MODELS[family], _batch(), method, STEPS, **options)
 
 
 def _replicated_experts_plan_bytes(family: str) -> float:

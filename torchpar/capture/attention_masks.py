@@ -51,7 +51,8 @@ _BROADCASTING = {torch.ops.aten.le.Tensor, torch.ops.aten.lt.Tensor, torch.ops.a
                  torch.ops.aten.eq.Tensor, torch.ops.aten.ne.Tensor, torch.ops.aten.le.Scalar, torch.ops.aten.lt.Scalar,
                  torch.ops.aten.ge.Scalar, torch.ops.aten.gt.Scalar, torch.ops.aten.eq.Scalar, torch.ops.aten.ne.Scalar,
                  torch.ops.aten.logical_and.default, torch.ops.aten.logical_or.default,
-                 torch.ops.aten.logical_not.default, torch.ops.aten.bitwise_and.Tensor, torch.ops.aten.bitwise_or.Tensor,
+                 torch.ops.aten.logical_not.default, torch.ops.aten.bitwise_and.Tensor,
+                 torch.ops.aten.bitwise_or.Tensor,
                  torch.ops.aten.bitwise_not.default, torch.ops.aten.__and__.Tensor, torch.ops.aten.__or__.Tensor,
                  torch.ops.aten.add.Tensor, torch.ops.aten.sub.Tensor, torch.ops.aten.mul.Tensor,
                  torch.ops.aten.where.self}
@@ -122,9 +123,9 @@ def classify_mask(mask: "torch.Tensor | _RowBlocks", q_len: int, k_len: int) -> 
 
 class _RowBlocks:
     """A large mask value left unmaterialized: ``target(*args, **kwargs)`` of a broadcasting elementwise op, an
-    ``expand`` or a fill (module docstring), whose arguments are tensors, scalars or other ``_RowBlocks``. ``rows(a, b)`` is
-    the value's query rows ``a:b`` (dim −2), computed from its arguments' rows ``a:b`` (those with the same rows;
-    an argument with one row, or fewer dims, broadcasts whole)."""
+    ``expand`` or a fill (module docstring), whose arguments are tensors, scalars or other ``_RowBlocks``.
+    ``rows(a, b)`` is the value's query rows ``a:b`` (dim −2), computed from its arguments' rows ``a:b`` (those with
+    the same rows; an argument with one row, or fewer dims, broadcasts whole)."""
 
     def __init__(self, target: Any, args: tuple, kwargs: dict, shape: tuple[int, ...], dtype: torch.dtype):
         self.target, self.args, self.kwargs, self.shape, self.dtype = target, args, kwargs, shape, dtype
