@@ -13,7 +13,7 @@ RUNS = {
     "classifier_step_fn.py": ["--steps", "2"],
     "compare_loss.py": ["--model", "mlp", "--steps", "3", "--plot", ""],
     "hf_llama_shard.py": ["--steps", "2"],
-    "long_context_llama.py": ["--steps", "1", "--seq-len", "1024"],
+    "long_context_llama.py": ["--steps", "1", "--seq-len", "256"],
     "hf_trainer.py": ["--steps", "4"],
     "vit_data_parallel.py": ["--steps", "2"],
     "mlp_manual_stages.py": ["--steps", "2"],

@@ -83,7 +83,7 @@ def _ring_permutes(hlo: str, devices: int) -> int:
 def test_the_planner_splits_a_long_sequence_by_itself_under_a_budget():
     """Batch 1, 2 query heads and 1 key/value head: nothing but the sequence splits 4 ways; at 35 % of the one-device
     step's XLA bytes the planner takes it (the whole-sequence attention's ``L × S`` probabilities do not fit)."""
-    length = 2048
+    length = 1024
     batch = _batch(1, length)
     one_device_losses, one_device = _train(lambda: _llama(length), batch, None, steps=1)
     one_device_bytes = _xla_bytes(one_device)
@@ -96,7 +96,7 @@ def test_the_planner_splits_a_long_sequence_by_itself_under_a_budget():
     assert all(name.startswith("seq@1,") for name in _attention_strategies(stage)), stage.strategies
     assert stage.estimated_memory_bytes <= budget
     measured = _xla_bytes(engine)
-    assert measured <= 0.45 * one_device_bytes, (measured, one_device_bytes)  # 17 %
+    assert measured <= 0.45 * one_device_bytes, (measured, one_device_bytes)  # 16–20 % (T = 4096: 5 %)
     assert measured <= budget
 
 
@@ -115,9 +115,9 @@ def test_pipeline_stages_split_the_sequence_inside_each_stage():
                                               submesh_logical_shapes=((2, 2), (2, 2)))
     method = torchpar.PipeshardParallel(num_micro_batches=2, layer_option=torchpar.AutoLayerOption(layer_num=2),
                                         stage_option=stage_option, context="ring")
-    batch = _batch(2, 128)
-    losses, engine = _train(lambda: _llama(128), batch, method)
-    torch.testing.assert_close(losses, _pytorch_losses(lambda: _llama(128), batch), rtol=LOSS_RTOL, atol=0)
+    batch = _batch(2, 64)
+    losses, engine = _train(lambda: _llama(64), batch, method)
+    torch.testing.assert_close(losses, _pytorch_losses(lambda: _llama(64), batch), rtol=LOSS_RTOL, atol=0)
     strategies = [s for stage in engine.plan.stages for s in _attention_strategies(stage)]
     assert len(strategies) == 2 and all(s.startswith("seq@") and s.endswith(",ring") for s in strategies), strategies
 
