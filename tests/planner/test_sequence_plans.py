@@ -42,3 +42,23 @@ def test_tighter_budgets_bring_sequence_then_context_parallelism(plan_under):
         stage, strategies = plan_under(share * free.estimated_memory_bytes)
         assert stage.estimated_memory_bytes <= share * free.estimated_memory_bytes
         assert [s for s in strategies if wanted in s], (share, strategies)
+
+
+def test_data_parallel_and_zero_never_take_a_rows_scattered_matmul():
+    """A ``…>m@A`` matmul splits its contracted dim (then scatters the rows): not a data-parallel layout, though every
+    axis it uses splits its output. (A profiled DataParallel plan once chose it: other arithmetic, other losses.)"""
+    from torchpar.api import capture_train_step
+    from torchpar.cluster import ClusterSpec
+    from torchpar.planner.intra_op import _restrictions, prepare_stage
+
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
+    graph = capture_train_step(model, torch.randn(16, 32), lambda out, _: out.square().mean()).graph
+    for kind in ("data_parallel", "zero2", "zero3"):
+        stage = prepare_stage(graph, kind=kind, mesh_shape=(1, 4), cluster=ClusterSpec(devices_per_host=4),
+                              trainable={i.target for i in graph.inputs if i.kind == "param"},
+                              optimizer_state_copies=1.0)
+        roots = stage.solver_graph.roots
+        assert any(">m@" in s.name for root in roots for s in root.strategies)  # offered to the ILP at large
+        allowed = _restrictions(kind, stage.solver_graph, stage.batch_axes)
+        assert not [roots[v].strategies[k].name for v, ks in allowed.items() for k in ks
+                    if ">m@" in roots[v].strategies[k].name]

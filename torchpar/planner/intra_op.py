@@ -258,10 +258,11 @@ def _restrictions(kind: PlanKind, graph: SolverGraph, batch_axes: tuple[int, ...
 
 
 def _splits_only_output(strategy) -> bool:
-    """Every mesh axis the strategy uses splits its output (no contracted-dim splits)."""
+    """Every mesh axis the strategy uses splits its output (no contracted-dim splits; a matmul whose contracted
+    split is reduce-scattered into its output rows, ``…>m@A``, splits a contracted dim too)."""
     out_axes = {a for entry in strategy.out_spec if entry for a in entry}
     used = {a for spec in strategy.in_specs if spec for entry in spec if entry for a in entry}
-    return used <= out_axes
+    return used <= out_axes and not strategy.lowering
 
 
 def _megatron_restrictions(graph: SolverGraph, sequence_parallel: bool = False) -> dict[int, set[int]]:
