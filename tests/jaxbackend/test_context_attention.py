@@ -54,9 +54,10 @@ def _reference(q, k, v, causal):
     return _composed(q, k, v, None, 0.0, causal, 8 ** -0.5, True, None)
 
 
-# every layout causal on the ring but the two-axis one (unmasked there); the all-gather on two
-VALUE_CASES = ([(case, "ring", True) for case in CASES if case != "seq@01"]
-               + [("seq@01", "ring", False), ("seq@0", "allgather", True), ("seq@1,batch@0,mqa", "allgather", False)])
+# the ring causal with the sequence alone and beside split heads (GQA), unmasked over both axes; the all-gather
+# causal, and unmasked beside a split batch (MQA)
+VALUE_CASES = [("seq@0", "ring", True), ("seq@0,heads@1,gqa", "ring", True), ("seq@01", "ring", False),
+               ("seq@0", "allgather", True), ("seq@1,batch@0,mqa", "allgather", False)]
 
 
 @pytest.mark.parametrize("case, variant, causal", VALUE_CASES)
