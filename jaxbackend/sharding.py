@@ -2,6 +2,11 @@
 
 A spec (see ``torchpar.ir.layout``) has one entry per tensor dim: ``None`` or a tuple of
 logical mesh axes. Axis ``a`` is the mesh axis named ``"d{a}"``.
+
+A stage replicated over a data axis (``StagePlan.data_replicas`` > 1) runs on a 3-D mesh
+``(DATA_AXIS, "d0", "d1")``: specs never name the data axis; the step is a ``shard_map`` manual over it
+(each replica a GSPMD program over ``d0 × d1``), inside which shardings and nested ``shard_map``\ s must use
+the abstract mesh with the data axis manual (:func:`region_mesh`, :func:`constrain` do).
 """
 
 from __future__ import annotations
@@ -13,16 +18,37 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 AXIS_NAMES = ("d0", "d1")
+DATA_AXIS = "dp"
+"""The outer mesh axis of data replicas of a 2-D plan (never named by a spec)."""
 
 
-def make_mesh(shape: tuple[int, int], devices: Sequence[Any] | None = None) -> Mesh:
-    """A 2-D mesh of the first ``shape[0]·shape[1]`` devices (row-major: axis 1 is the inner one)."""
+def make_mesh(shape: tuple[int, int], devices: Sequence[Any] | None = None, data_replicas: int = 1) -> Mesh:
+    """A 2-D mesh of the first ``shape[0]·shape[1]`` devices (row-major: axis 1 is the inner one); with
+    ``data_replicas`` R > 1 the 3-D mesh ``(DATA_AXIS, d0, d1)`` of the first ``R·shape[0]·shape[1]``, replica
+    ``r`` holding devices ``[r·d0·d1, (r+1)·d0·d1)``."""
     devices = list(devices if devices is not None else jax.devices())
-    count = shape[0] * shape[1]
+    count = data_replicas * shape[0] * shape[1]
     if len(devices) < count:
-        raise ValueError(f"a {shape[0]}×{shape[1]} mesh needs {count} devices, JAX has {len(devices)}; "
+        mesh = f"{data_replicas}×" if data_replicas > 1 else ""
+        raise ValueError(f"a {mesh}{shape[0]}×{shape[1]} mesh needs {count} devices, JAX has {len(devices)}; "
                          "call torchpar.init(num_devices=...) before JAX is imported")
+    if data_replicas > 1:
+        return Mesh(np.array(devices[:count]).reshape(data_replicas, *shape), (DATA_AXIS, *AXIS_NAMES))
     return Mesh(np.array(devices[:count]).reshape(shape), AXIS_NAMES)
+
+
+def data_replicas_of(mesh: Mesh) -> int:
+    """How many data replicas ``mesh`` holds (1 for a 2-D mesh)."""
+    return int(mesh.shape[DATA_AXIS]) if DATA_AXIS in mesh.axis_names else 1
+
+
+def region_mesh(mesh: Any) -> Any:
+    """The mesh to build shardings and nested ``shard_map``\ s on where this code is traced: inside a ``shard_map``
+    manual over some axes (the data axis), the current abstract mesh (those axes ``Manual``); else ``mesh``."""
+    current = jax.sharding.get_abstract_mesh()
+    if not current.empty and current.manual_axes and tuple(current.axis_names) == tuple(mesh.axis_names):
+        return current
+    return mesh
 
 
 def partition_spec(spec: Sequence[Sequence[int] | None]) -> PartitionSpec:
@@ -56,8 +82,28 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
 
+def in_manual_region() -> bool:
+    """Whether the code being traced runs inside a ``shard_map`` manual over some mesh axes (a data replica's step)."""
+    current = jax.sharding.get_abstract_mesh()
+    return not current.empty and bool(current.manual_axes)
+
+
+def shard_map(body: Any, mesh: Any, in_specs: Any, out_specs: Any) -> Any:
+    """``jax.shard_map`` of ``body`` manual over every axis of ``mesh`` not already manual where it is traced (inside
+    a data replica's step: ``d0`` and ``d1``, on the abstract mesh, :func:`region_mesh`, and not varying-typed, as
+    that step is: ``torchpar.runtime.train_step.over_data_replicas``); over all of them elsewhere."""
+    region = region_mesh(mesh)
+    manual = set(getattr(region, "manual_axes", ()) or ())
+    free = {name for name in region.axis_names if name not in manual}
+    return jax.shard_map(body, mesh=region, in_specs=in_specs, out_specs=out_specs, axis_names=free,
+                         check_vma=not manual)
+
+
 def constrain(value: Any, sharding: NamedSharding | None) -> Any:
     """``with_sharding_constraint`` for arrays; other values pass through."""
     if sharding is None or not isinstance(value, jax.Array | jax.core.Tracer):
         return value
+    mesh = region_mesh(sharding.mesh)
+    if mesh is not sharding.mesh:
+        sharding = NamedSharding(mesh, sharding.spec)
     return jax.lax.with_sharding_constraint(value, sharding)

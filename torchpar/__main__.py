@@ -94,7 +94,8 @@ def _common_arguments(parser: argparse.ArgumentParser, *, method: str, batch_siz
                         "h100-nvlink, a100-80g, a100-40g, v100-16g (torchpar.hardware; default: the simulated CPU cluster's)")
     parser.add_argument("--method", choices=METHOD_NAMES, default=method, help=f"parallel method (default {method})")
     parser.add_argument("--mesh", default=None, help="logical mesh 'd0xd1' for dp/zero2/zero3/megatron/shard "
-                        "(default: all devices; shard tries every factorization)")
+                        "(default: all devices; shard tries every factorization); shard also takes 'dataxd0xd1': "
+                        "that many data replicas of a d0 x d1 plan")
     parser.add_argument("--micro-batches", type=int, default=4, help="pipeshard: micro-batches per step")
     parser.add_argument("--experts", choices=EXPERTS_OPTIONS, default="auto",
                         help="shard/pipeshard: MoE grouped matmuls — auto (the ILP decides), split (experts over a "
@@ -175,13 +176,13 @@ def _method(args: argparse.Namespace) -> Any:
     return METHODS[args.method](mesh_shape=mesh)
 
 
-def _mesh(text: str | None) -> tuple[int, int] | None:
+def _mesh(text: str | None) -> tuple[int, ...] | None:
     if text is None:
         return None
     parts = text.lower().replace(",", "x").split("x")
-    if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
-        raise ValueError(f"--mesh is 'd0xd1', e.g. 2x4; got {text!r}")
-    return int(parts[0]), int(parts[1])
+    if len(parts) not in (2, 3) or not all(p.strip().isdigit() for p in parts):
+        raise ValueError(f"--mesh is 'd0xd1' (e.g. 2x4) or, for shard, 'dataxd0xd1' (e.g. 2x2x2); got {text!r}")
+    return tuple(int(p) for p in parts)
 
 
 def _build(args: argparse.Namespace) -> tuple[Any, Any, Any]:

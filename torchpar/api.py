@@ -36,7 +36,7 @@ from torchpar.feeding import PREFETCH_DEPTH, HostData, HostFeed
 from torchpar.guard import StepGuard, leaf_names
 from torchpar.host_arrays import host_value, to_torch
 from torchpar.ir.graph import Graph
-from torchpar.methods import Method
+from torchpar.methods import Method, data_replicas
 from torchpar.options import (CompileOptions, MatmulPrecision, MixedPrecision, OnNonfinite, Remat, SpmdMode,
                               describe_numerics, numerics_for)
 from torchpar.planner.plan import Plan
@@ -117,7 +117,7 @@ def plan(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, example_ba
     check_model_fns(loss_fn, step_fn, None)
     warn_if_gradient_checkpointing(model, stacklevel=3)  # the caller of torchpar.plan
     start = time.perf_counter()
-    batch = batches.first_micro_batch(example_batch, getattr(method, "num_micro_batches", 1))
+    batch = batches.first_micro_batch(example_batch, getattr(method, "num_micro_batches", 1), data_replicas(method))
     capture = capture_train_step(model, batch, loss_fn, autocast=autocast_dtype(mixed_precision), step_fn=step_fn)
     capture_s = time.perf_counter() - start
     names = dict(model.named_parameters())
@@ -241,7 +241,7 @@ class Engine:
         per-device memory, compile timings, loss, loss scale); ``None`` before the first step. Derived when first
         read (the memory once per batch signature: a pipeline compiles its stages once more to read it)."""
         return self._recorder.last(lambda: _metrics.MetricsSource(
-            graphs=self._compiled.step_graphs, num_micro_batches=self._compiled.num_micro_batches, precision=_metrics.step_precision(
+            graphs=self._compiled.step_graphs, num_micro_batches=self._compiled.batch_parts, precision=_metrics.step_precision(
                 self.options.mixed_precision, self._numerics.effective().matmul,
                 [dtype_name(p.dtype) for p in self._param_names.values()]),
             cluster=current_cluster(), plan=self.plan, memory_stats=self.memory_stats))
@@ -276,7 +276,7 @@ class Engine:
         return diagnosis.locate(graph, state=self._executor.export_state(), batch=batch,
                                 key=self._jax.random.wrap_key_data(self._step_key_data(self._steps_taken)),
                                 trainable=self._compiled.trainable(graph),
-                                num_micro_batches=self._compiled.num_micro_batches)
+                                num_micro_batches=self._compiled.batch_parts)
 
     def forward(self, batch: Any) -> Any:
         """The model's eval-mode outputs on ``batch``, as torch tensors in the model's output structure."""

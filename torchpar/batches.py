@@ -60,9 +60,21 @@ def call_leaves(batch: Any) -> list[Any]:
     return pytree.tree_leaves(batch_to_call_args(batch))
 
 
-def first_micro_batch(batch: Any, num_micro_batches: int) -> Any:
-    """The first of ``num_micro_batches`` equal slices of every batch leaf along dim 0 (for capture): a
-    ``ValueError`` naming the leaf if one does not split; ``batch`` itself for one micro-batch."""
+def first_micro_batch(batch: Any, num_micro_batches: int, data_replicas: int = 1) -> Any:
+    """The first of ``num_micro_batches · data_replicas`` equal slices of every batch leaf along dim 0 (for capture:
+    one micro-batch of one data replica): a ``ValueError`` naming the leaf if one does not split; ``batch`` itself
+    for one part."""
+    if data_replicas > 1:
+        parts = num_micro_batches * data_replicas
+        for index, leaf in enumerate(call_leaves(batch)):
+            if leaf.dim() == 0 or leaf.shape[0] % parts:
+                raise ValueError(
+                    f"batch leaf {index} of shape {list(leaf.shape)} cannot be split into {data_replicas} data "
+                    f"replicas × {num_micro_batches} micro-batch(es) along dim 0: its batch size is not a multiple of "
+                    f"{parts}. Pass batches whose size divides by {parts} (drop an epoch's smaller last batch with "
+                    "DataLoader(..., drop_last=True)), or compile with fewer data replicas (mesh_shape) or "
+                    "micro-batches")
+        return first_micro_batch(batch, parts)
     if num_micro_batches == 1:
         return batch
     args, kwargs = batch_to_call_args(batch)

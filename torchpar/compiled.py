@@ -28,6 +28,7 @@ from torchpar.host_arrays import jax_dtype
 from torchpar.ir.graph import Graph
 from torchpar.ir.loss_parts import with_loss_parts
 from torchpar.ir.optimizer import step_scalars
+from torchpar.methods import data_replicas
 from torchpar.options import CompileOptions, describe_numerics
 from torchpar.planner.plan import Plan
 from torchpar.planner.training_plan import TrainingPlan
@@ -51,6 +52,9 @@ class CompiledTraining:
         self._loss_fn, self._step_fn, self._forward_fn = loss_fn, step_fn, forward_fn
         self._loss_scaler, self._numerics, self._autocast = loss_scaler, numerics, autocast
         self.num_micro_batches = int(getattr(method, "num_micro_batches", 1))
+        self.data_replicas = data_replicas(method)
+        self.batch_parts = self.num_micro_batches * self.data_replicas
+        """Equal parts of dim 0 each batch is cut into (micro-batches × data replicas): the graphs are one part's."""
         self.example_signature = batches.signature(example_batch)
         self._params = dict(model.named_parameters())  # tied tensors keep their first name
         self.timings: dict[str, float] = {}
@@ -76,7 +80,7 @@ class CompiledTraining:
         try:
             with self.translating_failures("compiling the training step"):
                 with phases.phase("capture"):
-                    capture = self.capture(batches.first_micro_batch(example_batch, self.num_micro_batches))
+                    capture = self.capture(self.first_part(example_batch))
                 with phases.phase("plan"):
                     cluster = current_cluster()
                     self.planned = plan_training_profiled(
@@ -121,7 +125,7 @@ class CompiledTraining:
         if signature in self.step_graphs:
             return False
         log.info("torchpar: new batch shapes %s, recompiling the training step", batches.describe(signature))
-        self._compile(signature, self.capture(batches.first_micro_batch(batch, self.num_micro_batches)))
+        self._compile(signature, self.capture(self.first_part(batch)))
         return True
 
     def _compile(self, signature: tuple, capture: Capture) -> None:
@@ -131,8 +135,8 @@ class CompiledTraining:
         except ValueError as error:
             raise ValueError(f"batch shapes {batches.describe(signature)}: {error} "
                              f"{batches.describe(self.example_signature)}") from None
-        # the graph is one micro-batch's; the step takes the whole batch (micro-batches along dim 0)
-        leaves = [((m.shape[0] * self.num_micro_batches, *m.shape[1:]), jax_dtype(m.dtype)) for m in capture.input_metas]
+        # the graph is one part's (micro-batch of a data replica); the step takes the whole batch (parts along dim 0)
+        leaves = [((m.shape[0] * self.batch_parts, *m.shape[1:]), jax_dtype(m.dtype)) for m in capture.input_metas]
         hits = compile_cache.hits()
         with self.translating_failures("compiling the training step"):
             timings = self.executor.compile(signature, capture.graph, self.trainable(capture.graph), leaves,
@@ -147,6 +151,10 @@ class CompiledTraining:
         self.guard.learn(signature, capture.graph)
         self.step_graphs[signature] = capture.graph
 
+    def first_part(self, batch: Any) -> Any:
+        """The part of ``batch`` the step's graph is captured on (:func:`torchpar.batches.first_micro_batch`)."""
+        return batches.first_micro_batch(batch, self.num_micro_batches, self.data_replicas)
+
     def capture(self, batch: Any) -> Capture:
         """The training graph on ``batch`` (one micro-batch); every op must have a lowering (checked here, before
         any worker starts, so the error lists them all at once)."""
@@ -156,7 +164,7 @@ class CompiledTraining:
         capture = capture_train_step(self.model, batch, self._loss_fn, autocast=self._autocast, step_fn=self._step_fn)
         self.timings["capture"] = time.perf_counter() - start
         check_supported(capture.graph)
-        if self.num_micro_batches > 1:  # mark how micro-batch losses make the whole batch's (torchpar.ir.loss_parts)
+        if self.batch_parts > 1:  # mark how the parts' losses make the whole batch's (torchpar.ir.loss_parts)
             capture = dataclasses.replace(capture, graph=with_loss_parts(capture.graph))
         return capture
 
@@ -176,7 +184,7 @@ class CompiledTraining:
         if signature in self.step_graphs:
             return self.step_graphs[signature]
         if signature not in self._diagnosed:
-            self._diagnosed[signature] = self.capture(batches.first_micro_batch(batch, self.num_micro_batches)).graph
+            self._diagnosed[signature] = self.capture(self.first_part(batch)).graph
         return self._diagnosed[signature]
 
     def trainable(self, graph: Graph) -> tuple[str, ...]:

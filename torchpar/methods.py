@@ -8,7 +8,7 @@ used alike by ``Plan.method`` in the JSON and by ``python -m torchpar --method``
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 SINGLE_DEVICE = "single_device"
 """The name of ``method=None``: everything on one device."""
@@ -103,8 +103,12 @@ class ShardParallel:
     name: ClassVar[str] = "shard"
     """This method's name in ``Plan.method`` and on the command line."""
 
-    mesh_shape: tuple[int, int] | None = None
-    """Logical mesh ``(d0, d1)``; ``None`` tries every factorization of the device count, keeps the cheapest."""
+    mesh_shape: tuple[int, int] | tuple[int, int, int] | None = None
+    """Logical mesh ``(d0, d1)``; ``None`` tries every factorization of the device count, keeps the cheapest.
+    Three ints ``(data, d0, d1)`` add an outer data axis pinned to the batch: the ILP plans one replica's
+    ``1/data`` of the rows on ``d0 × d1`` devices (e.g. context and tensor parallelism), and ``data`` such replicas
+    train side by side, their gradients combined once per step (the model may not update buffers, e.g. BatchNorm
+    statistics, in training: each replica would see its rows only)."""
     memory_budget: int | None = None
     """Bytes per device the plan may use; ``None`` = the cluster's device memory."""
     solver_time_limit_s: float = 30.0
@@ -129,7 +133,7 @@ class ShardParallel:
     ``"ring"``: every attention whose sequence divides takes that split; ``"off"``: never split the sequence."""
 
     def __post_init__(self) -> None:
-        _check_mesh_shape(self.mesh_shape)
+        _check_mesh_shape(self.mesh_shape, data_axis=True)
         _check_micro_batches(self.num_micro_batches)
         _check_experts(self.experts)
         _check_context(self.context)
@@ -257,14 +261,25 @@ def _check_context(context: str) -> None:
         raise ValueError(f"context must be one of {CONTEXT_OPTIONS}, got {context!r}")
 
 
-def _check_mesh_shape(mesh_shape: tuple[int, int] | None) -> None:
-    if mesh_shape is not None and (len(mesh_shape) != 2 or any(int(d) < 1 for d in mesh_shape)):
-        raise ValueError(f"mesh_shape must be two positive ints, got {mesh_shape}")
+def _check_mesh_shape(mesh_shape: tuple[int, ...] | None, data_axis: bool = False) -> None:
+    if mesh_shape is None:
+        return
+    lengths = (2, 3) if data_axis else (2,)
+    if len(mesh_shape) not in lengths or any(isinstance(d, bool) or int(d) != d or int(d) < 1 for d in mesh_shape):
+        what = "two positive ints (d0, d1) or three (data, d0, d1)" if data_axis else "two positive ints"
+        raise ValueError(f"mesh_shape must be {what}, got {mesh_shape}")
 
 
 def _check_micro_batches(num_micro_batches: int) -> None:
     if isinstance(num_micro_batches, bool) or not isinstance(num_micro_batches, int) or num_micro_batches < 1:
         raise ValueError(f"num_micro_batches must be an int ≥ 1, got {num_micro_batches!r}")
+
+
+def data_replicas(method: Any) -> int:
+    """The data replicas a method's ``mesh_shape`` asks for: its first int when it has three, else 1."""
+    shape = getattr(method, "mesh_shape", None)
+    return int(shape[0]) if shape is not None and len(shape) == 3 else 1
+
 
 
 def method_title(name: str) -> str:

@@ -51,7 +51,7 @@ from jax.sharding import PartitionSpec
 
 from jaxbackend import precision
 from jaxbackend.ops.grouped_matmul import varying_like
-from jaxbackend.sharding import AXIS_NAMES, axes_of
+from jaxbackend.sharding import AXIS_NAMES, axes_of, shard_map
 
 VARIANTS = ("allgather", "ring")
 
@@ -445,4 +445,4 @@ def split_attention(q: jax.Array, k: jax.Array, v: jax.Array, shardings, split: 
     specs = [s.spec for s in shardings[:3]]
     out_spec = PartitionSpec(*(tuple(specs[0]) + (None,) * 4)[:3], None)
     body = functools.partial(context_attention, split=split)
-    return jax.shard_map(body, mesh=shardings[0].mesh, in_specs=tuple(specs), out_specs=out_spec)(q, k, v)
+    return shard_map(body, shardings[0].mesh, in_specs=tuple(specs), out_specs=out_spec)(q, k, v)

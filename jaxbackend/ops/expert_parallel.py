@@ -52,7 +52,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from jaxbackend.ops.grouped_matmul import block_rows_for, blocked_ragged_dot
-from jaxbackend.sharding import AXIS_NAMES
+from jaxbackend.sharding import AXIS_NAMES, shard_map
 from torchpar.ir.costs import expert_slot_rows
 
 
@@ -264,7 +264,7 @@ def split_grouped_mm(x: jax.Array, weight: jax.Array, offs: jax.Array, mesh: Mes
     ``weight_transposed=True`` among ``dot_options``), ``offs [E]`` → ``[S, N]``."""
     x_spec, w_spec, offs_spec, out_spec = split.specs(dot_options.get("weight_transposed", False))
     body = lambda x, w, o: split_grouped_mm_local(x, w, o, split, **dot_options)  # noqa: E731
-    return jax.shard_map(body, mesh=mesh, in_specs=(x_spec, w_spec, offs_spec), out_specs=out_spec)(x, weight, offs)
+    return shard_map(body, mesh, in_specs=(x_spec, w_spec, offs_spec), out_specs=out_spec)(x, weight, offs)
 
 
 def grouped_mm_split_of(x_spec: Sequence[Any] | None, weight_spec: Sequence[Any] | None,

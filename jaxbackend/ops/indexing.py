@@ -11,6 +11,7 @@ import numpy as np
 
 from jaxbackend.ops.registry import lowers
 from jaxbackend.ops.scalars import fit
+from jaxbackend.sharding import in_manual_region
 
 
 def _dim(dim, rank):
@@ -30,8 +31,21 @@ def gather(x, dim, index, sparse_grad=False):
         return x
     dim = _dim(dim, x.ndim)
     if index.shape[:dim] == x.shape[:dim] and index.shape[dim + 1:] == x.shape[dim + 1:]:
+        if index.shape[dim] == 1 and in_manual_region():
+            return _select_along_axis(x, index, dim)
         return jnp.take_along_axis(x, index, axis=dim)
     return x[_along_axis_indices(index, dim)]
+
+
+def _select_along_axis(x, index, dim):
+    """``take_along_axis(x, index, dim)`` for one index per position (``index.shape[dim] == 1``, e.g. NLL's target
+    gather) as a masked sum over ``dim``: the one selected value plus zeros, so the same number, and elementwise work
+    XLA's partitioner splits like any other. Used inside a data replica's step (a ``shard_map`` manual over the data
+    axis), where partitioning the batched gather ``take_along_axis`` emits aborts XLA (``spmd_partitioner_util.cc``:
+    ``partition_group_list.num_replica_groups() * ... == device_groups.num_devices_per_group()``, jax 0.10.2, 2×2×2
+    mesh). An index out of range selects nothing (0), where torch raises."""
+    positions = jax.lax.broadcasted_iota(index.dtype, x.shape, dim)
+    return jnp.sum(jnp.where(positions == index, x, jnp.zeros((), x.dtype)), axis=dim, keepdims=True)
 
 
 def _lift_scalar(fn):

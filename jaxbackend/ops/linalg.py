@@ -16,7 +16,7 @@ from jaxbackend.ops.expert_parallel import (GroupedMatmulSplit, grouped_mm_split
 from jaxbackend.ops.grouped_matmul import blocked_ragged_dot
 from jaxbackend.ops.registry import lowers
 from jaxbackend.precision import conv_precision, dot_precision
-from jaxbackend.sharding import AXIS_NAMES, axes_of
+from jaxbackend.sharding import AXIS_NAMES, axes_of, shard_map
 
 
 @lowers("aten.mm.default", sharded=True)
@@ -66,8 +66,7 @@ def row_scattered_matmul(a, b, shardings):
         return jax.lax.psum_scatter(partial, scattered, scatter_dimension=0, tiled=True)
 
     out_spec = PartitionSpec(names((rows or ()) + contracted), names(columns or ()))
-    return jax.shard_map(body, mesh=shardings[0].mesh, in_specs=(shardings[0].spec, shardings[1].spec),
-                         out_specs=out_spec)(a, b)
+    return shard_map(body, shardings[0].mesh, in_specs=(shardings[0].spec, shardings[1].spec), out_specs=out_spec)(a, b)
 
 
 @lowers("aten.baddbmm.default")

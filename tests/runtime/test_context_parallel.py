@@ -4,7 +4,8 @@ a Llama with one key/value head at batch 1 where the planner splits the sequence
 35 % of the one-device step (and XLA's bytes per device stay under 45 % of that step's and within the budget); the
 same sizes with a batch to split and memory to spare, where it does not; GPT-2 with heads to split, where the
 attention splits its heads between token-split matmuls (Ulysses, as a priced resharding); two pipeline stages each
-splitting the sequence over two of their devices; and a plan with the split saved to JSON and trained from it."""
+splitting the sequence over two of their devices; eight devices as data × context × tensor; and a plan with the
+split saved to JSON and trained from it."""
 
 from __future__ import annotations
 
@@ -120,6 +121,32 @@ def test_pipeline_stages_split_the_sequence_inside_each_stage():
     torch.testing.assert_close(losses, _pytorch_losses(lambda: _llama(64), batch), rtol=LOSS_RTOL, atol=0)
     strategies = [s for stage in engine.plan.stages for s in _attention_strategies(stage)]
     assert len(strategies) == 2 and all(s.startswith("seq@") and s.endswith(",ring") for s in strategies), strategies
+
+
+def test_gpt2_on_eight_devices_as_data_context_and_tensor():
+    """``mesh_shape=(2, 2, 2)``: two data replicas (a row each) of a 2 × 2 plan in which the ring splits each
+    attention's sequence over one axis and the MLP's matmuls are tensor-split over the other (at n_embd 128 and 256
+    tokens, by the nominal cost constants: at n_embd 64 and 128 tokens the ILP leaves one axis idle rather than pay
+    its latency)."""
+    torchpar.init(cluster="local", num_devices=8)  # one host (an earlier module may have left two)
+
+    def make() -> torch.nn.Module:
+        return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=128, n_positions=256, n_embd=128, n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
+            attn_pdrop=0.0))
+
+    batch = _batch(2, 256)
+    losses, engine = _train(make, batch, torchpar.ShardParallel(mesh_shape=(2, 2, 2), context="ring"))
+    torch.testing.assert_close(losses, _pytorch_losses(make, batch), rtol=LOSS_RTOL, atol=0)
+    stage = engine.plan.stages[0]
+    assert stage.data_replicas == 2
+    strategies = _attention_strategies(stage)
+    context_axes = {s.split(",")[0] for s in strategies}
+    assert len(strategies) == 2 and len(context_axes) == 1 and all(s.endswith(",ring") for s in strategies)
+    tensor_axis = [1] if context_axes == {"seq@0"} else [0]
+    for layer in (0, 1):
+        assert stage.params[f"transformer.h.{layer}.mlp.c_fc.weight"] == [None, tensor_axis]
+        assert stage.params[f"transformer.h.{layer}.mlp.c_proj.weight"] == [tensor_axis, None]
 
 
 def test_with_heads_to_split_the_planner_reshards_tokens_to_heads_around_attention():

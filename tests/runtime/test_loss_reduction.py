@@ -2,7 +2,9 @@
 ``torchpar.runtime.micro_batch_loss``): ``reduction="sum"`` (the whole batch's loss is the sum of the micro-batches'),
 ``"mean"``, and token-mean cross-entropy with uneven ``-100`` counts per micro-batch (``Σ nll / Σ count``, not the
 mean of micro-batch means — the classic LM fine-tuning bug), against PyTorch's step on the whole batch, for gradient
-accumulation (DataParallel, ShardParallel, per-device and GSPMD steps) and 2-stage pipelines."""
+accumulation (DataParallel, ShardParallel, per-device and GSPMD steps), data replicas of a ``(data, d0, d1)`` mesh
+(each replica's rows a consecutive block, its gradients combined once as the whole batch's loss says) and 2-stage
+pipelines."""
 
 from __future__ import annotations
 
@@ -147,6 +149,14 @@ def test_gradient_accumulation_trains_like_the_whole_batch(method, micro, loss_n
 def test_the_gspmd_step_accumulates_a_token_mean_like_the_whole_batch():
     _assert_trains_like_the_whole_batch("token-mean", torchpar.ShardParallel(mesh_shape=(1, 4), num_micro_batches=4),
                                         spmd="gspmd")
+
+
+@pytest.mark.parametrize(("loss_name", "micro"), [("token-mean", 1), ("token-mean", 2), ("sum", 1), ("mean", 2)])
+def test_data_replicas_train_like_the_whole_batch(loss_name, micro):
+    """``mesh_shape=(2, 2, 2)``: two replicas of a 2 × 2 plan, rows 0–7 and 8–15 (the token batch's replicas hold
+    15 and 24 of its tokens): the token mean weighs each replica by its count, a sum adds, a mean averages."""
+    method = torchpar.ShardParallel(mesh_shape=(2, 2, 2), num_micro_batches=micro)
+    _assert_trains_like_the_whole_batch(loss_name, method)
 
 
 def _pipeline(micro: int, schedule: str = "1f1b") -> torchpar.PipeshardParallel:

@@ -90,34 +90,63 @@ def plan_for_method(graph: Graph, method: Any, cluster: ClusterSpec, *, trainabl
                   memory_budget=budget, time_limit_s=time_limit, num_micro_batches=micro, remat=remat,
                   experts=getattr(method, "experts", "auto"), context=getattr(method, "context", "auto"),
                   sequence_parallel=getattr(method, "sequence_parallel", False))
+    replicas = 1
+    if mesh_shape is not None and len(mesh_shape) == 3:  # (data, d0, d1): the ILP plans one replica's d0 × d1
+        replicas, mesh_shape = int(mesh_shape[0]), tuple(mesh_shape[1:])
     if mesh_shape is not None:
-        if mesh_shape[0] * mesh_shape[1] > cluster.num_devices:
-            raise ValueError(f"mesh_shape {tuple(mesh_shape)} needs {mesh_shape[0] * mesh_shape[1]} devices; the cluster "
-                             f"has {cluster.num_devices} (torchpar.init(num_devices=...))")
+        if replicas * mesh_shape[0] * mesh_shape[1] > cluster.num_devices:
+            raise ValueError(f"mesh_shape {(replicas, *mesh_shape) if replicas > 1 else tuple(mesh_shape)} needs "
+                             f"{replicas * mesh_shape[0] * mesh_shape[1]} devices; the cluster has "
+                             f"{cluster.num_devices} (torchpar.init(num_devices=...))")
         result = plan_stage(graph, mesh_shape=tuple(mesh_shape), **common)
     elif kind == "shard":
         result = plan_best_mesh(graph, mesh_shapes=mesh_shapes_for(cluster.num_devices), **common)
     else:
         result = plan_stage(graph, mesh_shape=(1, cluster.num_devices), **common)
     elapsed = time.perf_counter() - start
-    count = result.stage.logical_mesh_shape[0] * result.stage.logical_mesh_shape[1]
+    if replicas > 1:
+        add_data_replicas(result.stage, replicas, cluster)
+    count = result.stage.num_devices
     result.stage.submesh_shape = submesh_of(count, cluster.devices_per_host)
     result.stage.device_ids = list(range(count))
     stats = result.solver_stats()
     stats["estimate"] = {"model": ESTIMATE_MODEL, "step_formula": "one step = the stage's estimate" + (
         f" ({micro} micro-batches: compute and activation collectives ×{micro}, weight-gradient sync once)"
-        if micro > 1 else "")}
+        if micro > 1 else "") + (f" + the gradients' all-reduce over {replicas} data replicas" if replicas > 1 else "")}
     if result.mesh_trials:
         stats["mesh_shapes"] = result.mesh_trials
     timings = {"ilp": elapsed}
     if explain:
         start = time.perf_counter()
         result.explain()
-        stats["method_comparison"] = _compare_methods(graph, kind, result.stage, cluster, trainable,
-                                                      optimizer_state_copies, budget, time_limit, micro)
+        if replicas > 1:
+            gradients = result.stage.memory_breakdown.get("gradients", 0.0)
+            sent = result.stage.communication_bytes
+            sent["all_reduce"] = sent.get("all_reduce", 0.0) + 2.0 * (replicas - 1) / replicas * gradients
+        # the hand plans are priced on the whole cluster; a replica's graph holds 1/replicas of the rows
+        stats["method_comparison"] = [] if replicas > 1 else _compare_methods(
+            graph, kind, result.stage, cluster, trainable, optimizer_state_copies, budget, time_limit, micro)
         timings["explain"] = time.perf_counter() - start
     return Plan(method=kind, stages=[result.stage], estimated_step_s=result.stage.estimated_cost_s,
                 num_micro_batches=micro, solver=stats, timings=timings, cluster=cluster.cost_constants(), remat=remat)
+
+
+def add_data_replicas(stage: StagePlan, replicas: int, cluster: ClusterSpec) -> None:
+    """Make ``stage`` (planned for one replica's rows on ``d0 × d1`` devices) ``replicas`` data replicas of itself on
+    the mesh ``(replicas, d0, d1)``, pricing the one all-reduce of every replica's gradients per step over the data
+    axis: ``α + 2·β·(R−1)/R·G`` for ``G`` gradient bytes per device (a ring all-reduce), with the link between
+    hosts where the replicas span more than one host (the data axis is the outermost: replica ``r`` holds devices
+    ``[r·d0·d1, (r+1)·d0·d1)``). Memory per device is the replica's: the parameters are not split over the data
+    axis."""
+    per_replica = stage.logical_mesh_shape[0] * stage.logical_mesh_shape[1]
+    crosses = replicas * per_replica > cluster.devices_per_host
+    alpha = max(cluster.alpha[0], cluster.inter_host_alpha) if crosses else cluster.alpha[0]
+    beta = max(cluster.beta[0], cluster.inter_host_beta) if crosses else cluster.beta[0]
+    gradients = stage.memory_breakdown.get("gradients", 0.0)
+    sync = alpha + 2.0 * beta * (replicas - 1) / replicas * gradients
+    stage.data_replicas = replicas
+    stage.estimated_cost_s += sync
+    stage.estimated_communication_s += sync
 
 
 ESTIMATE_MODEL = "sharding ILP (alpha-beta, host-aware links)"

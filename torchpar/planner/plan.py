@@ -54,9 +54,15 @@ class StagePlan:
     op_options: dict[str, dict[str, str]] = field(default_factory=dict)
     """Keyword arguments an op's lowering takes to run its chosen strategy, by node name (an attention with its
     sequence split: ``{"context": "ring"}`` or ``"allgather"``)."""
+    data_replicas: int = 1
+    """Copies of this stage's ``d0 × d1`` plan along an outer data axis (a 3-D mesh ``(data, d0, d1)``, the data
+    axis pinned to the batch): each replica holds the parameters as the plan lays them out on its own devices and
+    trains on ``1/data_replicas`` of every batch's rows (replica ``r`` the ``r``-th block); the replicas' gradients
+    are combined once per step. The layouts in this stage never name the data axis. 1 = a 2-D mesh."""
     device_ids: list[int] = field(default_factory=list)
     """Cluster device indices of the submesh (host ``h`` owns ``[h·D, (h+1)·D)`` for ``D`` devices per host),
-    in the logical mesh's row-major order; empty means the first ``d0·d1`` devices."""
+    in the mesh's row-major order (``(data, d0, d1)`` with data replicas); empty means the first
+    ``data_replicas·d0·d1`` devices."""
     memory_breakdown: dict[str, float] = field(default_factory=dict)
     """Per-device bytes of :attr:`estimated_memory_bytes` by part: ``parameters``, ``gradients``,
     ``optimizer_state``, ``activations``, ``buffers``."""
@@ -76,8 +82,18 @@ class StagePlan:
     ``None`` when the plan was not profiled."""
 
     def devices(self) -> list[int]:
-        """:attr:`device_ids`, or the first ``d0·d1`` device indices when none are stored."""
-        return list(self.device_ids) or list(range(self.logical_mesh_shape[0] * self.logical_mesh_shape[1]))
+        """:attr:`device_ids`, or the first ``data_replicas·d0·d1`` device indices when none are stored."""
+        return list(self.device_ids) or list(range(self.num_devices))
+
+    @property
+    def num_devices(self) -> int:
+        """``data_replicas·d0·d1``: the devices this stage runs on."""
+        return self.data_replicas * self.logical_mesh_shape[0] * self.logical_mesh_shape[1]
+
+    def mesh_text(self) -> str:
+        """The mesh as the summary shows it: ``(2, 4)``, or ``2 data × (2, 2)`` with data replicas."""
+        shape = str(tuple(self.logical_mesh_shape))
+        return f"{self.data_replicas} data × {shape}" if self.data_replicas > 1 else shape
 
 
 @dataclass(kw_only=True)
@@ -159,7 +175,7 @@ class Plan:
             crossing = [str(a) for a, cross in enumerate(stage.crosses_hosts) if cross]
             hosts = f" (axis {', '.join(crossing)} crosses hosts)" if crossing else ""
             lines.append(f"  stage {index}: layers {stage.layers}, submesh {tuple(stage.submesh_shape)}, logical mesh "
-                         f"{tuple(stage.logical_mesh_shape)}{hosts}, est. {format_seconds(stage.estimated_cost_s)} "
+                         f"{stage.mesh_text()}{hosts}, est. {format_seconds(stage.estimated_cost_s)} "
                          f"(compute {format_seconds(stage.estimated_compute_s)}, communication "
                          f"{format_seconds(stage.estimated_communication_s)}), {len(stage.params)} params"
                          + (f"; measured {format_seconds(stage.measured_cost_s)}"
@@ -180,6 +196,12 @@ class Plan:
                 sent = ", ".join(f"{kind.replace('_', '-')} {format_bytes(n)}"
                                  for kind, n in stage.communication_bytes.items() if n) or "none"
                 lines.append(f"    collectives sent per device: {sent}")
+            if stage.data_replicas > 1:
+                per_replica = stage.num_devices // stage.data_replicas
+                lines.append(f"    data axis: {stage.data_replicas} replicas of this plan, replica r on devices "
+                             f"[r·{per_replica}, (r+1)·{per_replica}) training on the r-th block of every batch's "
+                             "rows (the layouts below are one replica's); gradients all-reduced over the replicas "
+                             "once per step")
             width = max((len(n) for n in stage.params), default=0)
             for name, spec in stage.params.items():
                 extra = ""

@@ -102,7 +102,7 @@ def _check_stages(path: str, value: Any) -> None:
 def _check_stage_devices(path: str, stage: Mapping[str, Any]) -> None:
     """The logical mesh holds the submesh's devices, and ``device_ids`` (if any) lists that many distinct ones."""
     submesh, logical = stage["submesh_shape"], stage["logical_mesh_shape"]
-    count = math.prod(logical)
+    count = math.prod(logical) * stage.get("data_replicas", 1)
     if math.prod(submesh) != count:
         _fail(f"{path}.logical_mesh_shape", f"a mesh of the submesh's {math.prod(submesh)} devices (submesh_shape "
               f"{list(submesh)})", logical)
@@ -134,7 +134,7 @@ def _check_plan_consistency(data: Mapping[str, Any]) -> None:
     total = cluster.get("num_hosts", 1) * cluster.get("devices_per_host", 1)
     where = f"the plan's cluster ({cluster.get('num_hosts', 1)} host(s) × {cluster.get('devices_per_host', 1)})"
     for index, stage in enumerate(stages):
-        if math.prod(stage["logical_mesh_shape"]) > total:
+        if math.prod(stage["logical_mesh_shape"]) * stage.get("data_replicas", 1) > total:
             _fail(f"stages[{index}].logical_mesh_shape", f"a mesh of at most the {total} devices of {where}",
                   stage["logical_mesh_shape"])
         outside = [d for d in stage.get("device_ids", []) if d >= total]
@@ -342,6 +342,7 @@ STAGE_FIELDS: dict[str, tuple[bool, Check]] = {
     "strategies": (False, _mapping_of(_check_str, "an object of node name → strategy description")),
     "op_options": (False, _mapping_of(_mapping_of(_check_str, "an object of option → value"),
                                       "an object of node name → lowering options")),
+    "data_replicas": (False, _check_positive_int),
     "device_ids": (False, _check_device_ids),
     "memory_breakdown": (False, _mapping_of(_check_number, "an object of part (parameters, …) → bytes per device")),
     "communication_bytes": (False, _mapping_of(_check_number, "an object of collective kind → bytes per device")),

@@ -92,6 +92,32 @@ def numerator(loss: Any, den: Any) -> Any:
     return jnp.where(den != 0, loss.astype(jnp.float32) * den, jnp.float32(0))
 
 
+def combine_replicas(loss: MicroBatchLoss, value: Any, den: Any, grads: Mapping[str, Any],
+                     axis: str) -> tuple[Any, dict[str, Any]]:
+    """The whole batch's loss and gradients from each data replica's (inside a ``shard_map`` manual over ``axis``;
+    every replica holds an equal share of the rows): ``value``, ``grads`` are the replica's own, as :func:`.train_step.
+    accumulate` returns them, ``den`` its ratio denominator. A mean averages over the replicas, a sum adds, a ratio
+    weighs each replica by its denominator: ``L = Σ_r D_r L_r / Σ_r D_r`` and ``∇L = Σ_r D_r ∇L_r / Σ_r D_r``
+    (a replica with ``D_r = 0`` left out, as its ``0/0`` is; ``Σ D_r = 0`` gives nan, as PyTorch's ``0/0``). One
+    ``psum`` per gradient, in its own dtype (a ratio's products in float32)."""
+    import jax
+    import jax.numpy as jnp
+
+    if loss.kind == "sum":
+        return jax.lax.psum(value, axis), {n: jax.lax.psum(g, axis) for n, g in grads.items()}
+    if loss.kind == "mean":
+        return jax.lax.pmean(value, axis), {n: jax.lax.pmean(g, axis) for n, g in grads.items()}
+    den = den.astype(jnp.float32)
+    keep = den != 0
+    total = jax.lax.psum(den, axis)
+    whole = jax.lax.psum(jnp.where(keep, value.astype(jnp.float32) * den, jnp.float32(0)), axis) / total
+    combined = {}
+    for n, g in grads.items():
+        weighted = jnp.where(keep, g.astype(jnp.float32) * den, jnp.zeros((), jnp.float32))
+        combined[n] = (jax.lax.psum(weighted, axis) / total).astype(g.dtype)
+    return whole.astype(value.dtype), combined
+
+
 # --- on the host (pipelines) -------------------------------------------------------------------------------
 
 
@@ -118,4 +144,5 @@ def gradient_factor(num_micro_batches: int, reference: float, dens: Sequence[flo
     return num_micro_batches * reference / total if total != 0 else math.nan
 
 
-__all__ = ["MicroBatchLoss", "gradient_factor", "numerator", "reference_of", "weigh", "whole_batch_loss"]
+__all__ = ["MicroBatchLoss", "combine_replicas", "gradient_factor", "numerator", "reference_of", "weigh",
+           "whole_batch_loss"]

@@ -35,6 +35,7 @@ import numpy as np
 
 from jaxbackend.compiler import compiler_options
 from jaxbackend.precision import Numerics
+from jaxbackend.sharding import DATA_AXIS
 from torchpar.ir.graph import Graph
 from torchpar.ir.layout import from_json, num_shards
 from torchpar.ir.optimizer import NOT_ELEMENTWISE, OptimizerSpec
@@ -42,7 +43,7 @@ from torchpar.planner.plan import StagePlan
 from torchpar.runtime.arrays import fitting
 from torchpar.runtime.micro_batch_loss import MicroBatchLoss
 from torchpar.runtime.placement import Placement
-from torchpar.runtime.train_step import make_fused_step, remat_groups
+from torchpar.runtime.train_step import make_fused_step, over_data_replicas, remat_groups
 
 log = logging.getLogger(__name__)
 
@@ -96,11 +97,21 @@ class OneStageProgram:
         ``graph`` is the step of one micro-batch and ``leaves`` the whole batch (M micro-batches along dim 0)."""
         params, opt_state, buffers = state
         placement = Placement.from_stage(self.stage, graph, self.devices, self.optimizer)
-        input_shardings = [fitting(placement.input(i), shape) for i, (shape, _) in enumerate(leaves)]
+        replicas = self.stage.data_replicas
+        if replicas > 1:
+            _check_replicable(graph, replicas)
+            # each replica's rows laid out as the plan says (XLA pads what does not divide), its block of dim 0 its own
+            input_shardings = [placement.with_data_axis(fitting(placement.inputs.get(i, placement.replicated),
+                                                                (shape[0] // replicas, *shape[1:])))
+                               for i, (shape, _) in enumerate(leaves)]
+        else:
+            input_shardings = [fitting(placement.input(i), shape) for i, (shape, _) in enumerate(leaves)]
         # a per-device program splits each device's rows into the micro-batches: they must divide by shards × M
+        # (data replicas never run one)
         micro = self.num_micro_batches
-        uneven = [i for i, (shape, _) in enumerate(leaves)
-                  if fitting(placement.input(i), (shape[0] // micro, *shape[1:]) if shape else shape) != placement.input(i)]
+        uneven = [] if replicas > 1 else [
+            i for i, (shape, _) in enumerate(leaves)
+            if fitting(placement.input(i), (shape[0] // micro, *shape[1:]) if shape else shape) != placement.input(i)]
         inputs = [jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
                   for (shape, dtype), sharding in zip(leaves, input_shardings)]
         out_shardings = (placement.replicated, placement.replicated, placement.replicated,
@@ -149,10 +160,15 @@ class OneStageProgram:
             run = lower(graph, value_shardings=placement.values, operand_shardings=placement.operands,
                         op_options=placement.options,
                         numerics=self.numerics, remat=remat_groups(graph, self.remat))
+            data_axis = DATA_AXIS if replicas > 1 else None
+            one_count = len(self.devices) > 1 and data_axis is None
             step_fn = make_fused_step(run, trainable, self.optimizer, self.grad_clip_norm, placement.grads,
                                       check_finite=self.check_finite, loss_scaling=self.loss_scaling,
-                                      count_nonfinite=_one_collective_count(placement) if len(self.devices) > 1 else None,
-                                      num_micro_batches=self.num_micro_batches, loss=MicroBatchLoss.of(graph))
+                                      count_nonfinite=_one_collective_count(placement) if one_count else None,
+                                      num_micro_batches=self.num_micro_batches, loss=MicroBatchLoss.of(graph),
+                                      data_axis=data_axis)
+            if data_axis is not None:
+                step_fn = over_data_replicas(step_fn, placement.mesh, len(inputs), data_axis)
             lowered = jit_step(step_fn).lower(*args)
         if len(self.devices) == 1:
             spmd = "single_device"
@@ -185,6 +201,13 @@ class OneStageProgram:
         """The value layouts a per-device step runs with, or ``None`` for the GSPMD step (per ``spmd``)."""
         per_device_by_default = self.method in SHARD_MAP_METHODS or self.num_micro_batches > 1
         if self.spmd == "gspmd" or (self.spmd == "auto" and not per_device_by_default):
+            return None
+        if self.stage.data_replicas > 1:
+            if self.spmd == "shard_map":
+                raise ValueError(f"spmd='shard_map' cannot run a plan with {self.stage.data_replicas} data replicas "
+                                 "(each replica's step is a GSPMD program over its d0 × d1 devices). Try spmd='auto'.")
+            log.info("torchpar: the plan's %d data replicas each run a GSPMD step over %s devices; the per-device "
+                     "(shard_map) step is not used", self.stage.data_replicas, tuple(self.stage.logical_mesh_shape))
             return None
         from torchpar.planner.sharding.layouts import replay_layouts
 
@@ -247,6 +270,19 @@ class OneStageProgram:
                               loss_scaling=self.loss_scaling, num_micro_batches=self.num_micro_batches,
                               micro_loss=MicroBatchLoss.of(graph), gradient_axes=gradient_axes)
 
+
+
+def _check_replicable(graph: Graph, replicas: int) -> None:
+    """Data replicas train as the whole batch does only if nothing but the loss mixes rows of the batch: a graph
+    that updates buffers in training (BatchNorm's running statistics, whose forward also normalizes by the batch's
+    statistics) would see each replica's rows alone. Raises ``ValueError`` naming them."""
+    updated = [o.target for o in graph.outputs if o.kind == "buffer"]
+    if updated:
+        shown = ", ".join(map(str, updated[:5])) + (f", … ({len(updated)} in all)" if len(updated) > 5 else "")
+        raise ValueError(f"a plan with {replicas} data replicas cannot train this model the way PyTorch does: its "
+                         f"step updates buffers ({shown}), e.g. BatchNorm statistics, which each replica would compute "
+                         "from its own rows only. Use a 2-D mesh_shape (the planner then splits the batch under XLA's "
+                         "partitioner, which keeps whole-batch statistics), or put those modules in eval() mode.")
 
 
 def _splits(json_spec: Any, mesh_shape: tuple[int, ...]) -> bool:

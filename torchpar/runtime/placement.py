@@ -18,7 +18,9 @@ from torchpar.planner.plan import StagePlan
 @dataclass
 class Placement:
     """Shardings of one stage. ``params``/``grads``/``state`` by parameter name, ``inputs`` by batch
-    leaf position, ``values``/``operands``/``options`` by IR value name (see ``jaxbackend.lower.lower``)."""
+    leaf position (the plan's layouts; :meth:`input` adds the data axis), ``values``/``operands``/``options`` by IR
+    value name (see ``jaxbackend.lower.lower``). A stage with data replicas has the 3-D mesh
+    ``(data, d0, d1)`` (:func:`jaxbackend.sharding.make_mesh`); its layouts leave the data axis out."""
 
     mesh: Any
     params: dict[str, Any]
@@ -39,7 +41,7 @@ class Placement:
         column factors, of size 1 along the last dim and the next-to-last one) keeps those two dims whole."""
         from jaxbackend import sharding as jsh
 
-        mesh = jsh.make_mesh(tuple(stage.logical_mesh_shape), devices)
+        mesh = jsh.make_mesh(tuple(stage.logical_mesh_shape), devices, stage.data_replicas)
         named = lambda spec: jsh.named_sharding(mesh, spec)  # noqa: E731
         params = {n: named(s) for n, s in stage.params.items()}
         grads = {n: named(s) for n, s in stage.grads.items()}
@@ -73,7 +75,23 @@ class Placement:
         return self.state.get(name, self.param(name))
 
     def input(self, index: int) -> Any:
-        return self.inputs.get(index, self.replicated)
+        """Batch leaf ``index`` as it enters the step: the plan's layout, its dim 0 split over the data axis first on
+        a mesh of data replicas."""
+        return self.with_data_axis(self.inputs.get(index, self.replicated))
+
+    def with_data_axis(self, sharding: Any) -> Any:
+        """``sharding`` with dim 0 split over the data axis first (the replicas' blocks of rows, each split as the
+        plan says within); ``sharding`` itself on a 2-D mesh."""
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        from jaxbackend import sharding as jsh
+
+        if jsh.data_replicas_of(self.mesh) == 1:
+            return sharding
+        spec = tuple(sharding.spec)
+        first = spec[0] if spec else None
+        rows = (jsh.DATA_AXIS, *((first,) if isinstance(first, str) else (first or ())))
+        return NamedSharding(self.mesh, PartitionSpec(rows, *spec[1:]))
 
     def value(self, name: str) -> Any:
         """The sharding of an IR value (e.g. an activation entering the stage), replicated if unpinned."""

@@ -105,7 +105,7 @@ def make_spmd_step(run: Callable, layouts: Any, stage: StagePlan, *, mesh: Any, 
             (_, (loss, den, new_buffers)), grads = jax.value_and_grad(loss_of, has_aux=True)(copies)
             return loss, den, grads, new_buffers
 
-        loss, grads, new_buffers = accumulate(grad_of, list(inputs), buffers, key, num_micro_batches, micro_loss)
+        loss, grads, new_buffers, _ = accumulate(grad_of, list(inputs), buffers, key, num_micro_batches, micro_loss)
         grads = unscale_grads({n: _finish_gradient(g, stored[n], grad[n]) for n, g in grads.items()}, loss_scale)
         pieces = {n: _relayout(program, p, stored[n], grad[n]) if n in grads else p for n, p in params.items()}
         # a sharded gradient's sum of squares (and non-finite count) is completed across its shards

@@ -117,7 +117,7 @@ def micro_batches(inputs: list[Any], num_micro_batches: int) -> list[Any]:
 
 def accumulate(grad_of: Callable[[list[Any], dict, Any], tuple[Any, Any, dict, dict]], inputs: list[Any],
                buffers: dict, key: Any, num_micro_batches: int,
-               loss: MicroBatchLoss = MicroBatchLoss()) -> tuple[Any, dict, dict]:
+               loss: MicroBatchLoss = MicroBatchLoss()) -> tuple[Any, dict, dict, Any]:
     """Gradient accumulation: ``grad_of(micro_inputs, buffers, key) → (loss, den, grads, new buffer values)`` over
     the ``num_micro_batches`` micro-batches of ``inputs`` (:func:`micro_batches`) in one loop, each micro-batch
     seeing the buffers the previous one left (as a PyTorch accumulation loop does) and the key folded with its
@@ -128,10 +128,11 @@ def accumulate(grad_of: Callable[[list[Any], dict, Any], tuple[Any, Any, dict, d
     ``den_m / r`` as they are added and multiplied by ``M r / D`` after the last). The first micro-batch writes the
     accumulator, the others add to it (a ``lax.scan`` over ``M − 1``): no zero-filled buffer, and a per-device
     program's gradients keep their partial-sum type until the caller reduces them once. ``M = 1`` is one call of
-    ``grad_of``."""
+    ``grad_of``. The fourth result is a ratio loss's whole-batch denominator ``D`` (``None`` for other reductions),
+    for combining data replicas (:func:`.micro_batch_loss.combine_replicas`)."""
     if num_micro_batches == 1:
-        micro_loss, _, grads, changed = grad_of(inputs, buffers, key)
-        return micro_loss, grads, changed
+        micro_loss, den, grads, changed = grad_of(inputs, buffers, key)
+        return micro_loss, grads, changed, den
     ratio = loss.is_ratio
     stacked = micro_batches(inputs, num_micro_batches)
     first_loss, den, grads, changed = grad_of([x[0] for x in stacked], buffers, jax.random.fold_in(key, 0))
@@ -158,16 +159,16 @@ def accumulate(grad_of: Callable[[list[Any], dict, Any], tuple[Any, Any, dict, d
     if ratio:
         factor = num_micro_batches * reference / den_total
         grads = {n: g * factor.astype(g.dtype) for n, g in grads.items()}
-        return (total / den_total).astype(first_loss.dtype), grads, changed
+        return (total / den_total).astype(first_loss.dtype), grads, changed, den_total
     whole = total if loss.kind == "sum" else total / num_micro_batches
-    return whole.astype(first_loss.dtype), grads, changed
+    return whole.astype(first_loss.dtype), grads, changed, None
 
 
 def make_fused_step(run: Callable, trainable: tuple[str, ...], spec: OptimizerSpec,
                     grad_clip_norm: float | None, grad_shardings: Mapping[str, Any],
                     check_finite: bool = False, count_nonfinite: Callable[[dict], Any] | None = None,
                     loss_scaling: bool = False, num_micro_batches: int = 1,
-                    loss: MicroBatchLoss = MicroBatchLoss()) -> Callable:
+                    loss: MicroBatchLoss = MicroBatchLoss(), data_axis: str | None = None) -> Callable:
     """``step(params, opt_state, buffers, inputs, scalars, key) → (loss, finite, grad_norm, params, opt_state,
     buffers)`` for ``run`` (a lowered graph whose first output is the loss). ``grad_shardings`` constrains gradients
     whose layout differs from their parameter's (ZeRO). ``check_finite``: skip the update (return the
@@ -177,12 +178,21 @@ def make_fused_step(run: Callable, trainable: tuple[str, ...], spec: OptimizerSp
     loss scale (module docstring), and the step checks finiteness whatever ``check_finite`` says.
     ``num_micro_batches``: the gradients of that many micro-batches of ``inputs`` are accumulated
     (:func:`accumulate`, combined as ``loss`` says: :mod:`.micro_batch_loss`) before the update; ``run`` is the graph
-    of one micro-batch."""
+    of one micro-batch.
+
+    ``data_axis``: the step is the body of a ``shard_map`` manual over that mesh axis of data replicas
+    (:func:`over_data_replicas`), ``inputs`` being this replica's rows. Each replica's gradients are its own (the
+    region is not varying-typed: nothing reduces them implicitly) until they are combined once, after accumulation,
+    as the whole batch's loss combines (:func:`.micro_batch_loss.combine_replicas`); the PRNG key is folded with the
+    replica's index (each replica its own dropout masks)."""
     check_finite = check_finite or loss_scaling
 
     def step(params, opt_state, buffers, inputs, scalars, key):
         scalars, loss_scale = split_scalars(scalars, loss_scaling)
         frozen = {n: v for n, v in params.items() if n not in trainable}
+        train = {n: params[n] for n in trainable}
+        if data_axis is not None:
+            key = jax.random.fold_in(key, jax.lax.axis_index(data_axis))
 
         def grad_of(micro_inputs, micro_buffers, micro_key):
             def loss_of(train_params):
@@ -190,11 +200,12 @@ def make_fused_step(run: Callable, trainable: tuple[str, ...], spec: OptimizerSp
                 return (share(scale_loss(outputs[0], loss_scale), num_micro_batches, loss),
                         (outputs[0], loss.den(outputs), new_buffers))
 
-            (_, (micro_loss, den, new_buffers)), grads = jax.value_and_grad(loss_of, has_aux=True)(
-                {n: params[n] for n in trainable})
+            (_, (micro_loss, den, new_buffers)), grads = jax.value_and_grad(loss_of, has_aux=True)(train)
             return micro_loss, den, grads, new_buffers
 
-        whole_loss, grads, new_buffers = accumulate(grad_of, list(inputs), buffers, key, num_micro_batches, loss)
+        whole_loss, grads, new_buffers, den = accumulate(grad_of, list(inputs), buffers, key, num_micro_batches, loss)
+        if data_axis is not None:
+            whole_loss, grads = micro_batch_loss.combine_replicas(loss, whole_loss, den, grads, data_axis)
         grads = unscale_grads(grads, loss_scale)
         if grad_shardings:  # ZeRO: reduce-scatter the gradients instead of all-reducing them
             from jaxbackend.sharding import constrain
@@ -211,6 +222,23 @@ def make_fused_step(run: Callable, trainable: tuple[str, ...], spec: OptimizerSp
                 keep_if(finite, new_buffers, buffers))
 
     return step
+
+
+def over_data_replicas(step: Callable, mesh: Any, num_inputs: int, data_axis: str) -> Callable:
+    """``step`` (:func:`make_fused_step` with ``data_axis``) as one program over ``mesh``: a ``shard_map`` manual over
+    ``data_axis`` only, the batch leaves' rows split over it (replica ``r`` gets the ``r``-th block of every leaf's
+    dim 0), everything else — state, scalars, key, and every output — the same on every replica (the parameters'
+    layouts over the other axes are the arguments' own: those axes stay under XLA's partitioner).
+
+    Not varying-typed (``check_vma=False``): under JAX's type checking a ``shard_map`` nested inside (context
+    attention, a row-scattered matmul, split experts) gives its residuals for the backward an output spec naming the
+    data axis as well, which the partitioner rejects as bound twice (``jax/_src/core.py``, ``nospec``'s TODO); the
+    nested ones are unchecked too (:func:`jaxbackend.sharding.shard_map`)."""
+    from jax.sharding import PartitionSpec
+
+    whole, rows = PartitionSpec(), PartitionSpec(data_axis)
+    return jax.shard_map(step, mesh=mesh, in_specs=(whole, whole, whole, [rows] * num_inputs, whole, whole),
+                         out_specs=whole, axis_names={data_axis}, check_vma=False)
 
 
 def remat_groups(graph: Graph, remat: str) -> Remat | None:
