@@ -17,6 +17,8 @@ ONE_STAGE_METHODS = {
     "data_parallel": (torchpar.DataParallel, "all-reduce"),
     "zero2": (torchpar.Zero2Parallel, "reduce-scatter"),
     "shard": (torchpar.ShardParallel, None),
+    # a data replica on each host actor: the replicas' gradient sum crosses the hosts
+    "data_replicas": (lambda: torchpar.ShardParallel(mesh_shape=(2, 1, 2)), "all-reduce"),
 }
 
 
@@ -34,7 +36,7 @@ def test_one_stage_methods_run_on_both_host_actors(two_hosts_of_two, method):
     engine = train_against_pytorch(model, batch, method_cls(), steps=5)
     with engine:
         stage = engine.plan.stages[0]
-        assert stage.logical_mesh_shape[0] * stage.logical_mesh_shape[1] == 4 and stage.submesh_shape == (2, 2)
+        assert stage.num_devices == 4 and stage.submesh_shape == (2, 2)
         workers = engine.describe_workers(programs=True)
         assert [w["process_index"] for w in workers] == [0, 1]
         assert all(w["process_count"] == 2 and w["steps_run"] == 5 for w in workers)
@@ -48,7 +50,7 @@ def test_one_stage_methods_run_on_both_host_actors(two_hosts_of_two, method):
             if gradient_collective:  # the gradient reduction itself crosses the host boundary
                 assert any(c.kind == gradient_collective and c.elements > 1 for c in crossing), \
                     sorted({c.kind for c in crossing})
-        assert engine.spmd_mode == ("gspmd" if method == "shard" else "shard_map")
+        assert engine.spmd_mode == ("shard_map" if method in ("data_parallel", "zero2") else "gspmd")
         stats = engine.memory_stats()  # read by the lead actor: a one-stage plan is stage 0
         assert list(stats) == [0] and stats[0]["argument_bytes"] > 0
 
