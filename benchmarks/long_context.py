@@ -12,7 +12,11 @@ temporaries of the compiled step), the plan's estimate beside it, and the median
 timed interleaved). **Attention**: the context-parallel attention alone (forward + backward of ``[1, 8, T, 64]``
 causal, ring), on 1, 2 and 4 devices: XLA's temporaries per device, whose share of one device's is the activation
 memory that context parallelism divides (the blocks are computed in tiles of query rows, so it is linear in ``T/C``,
-plus the ring's K/V buffers). Fake CPU devices share this machine's cores: times compare the rows of one length, not
+plus the ring's K/V buffer: two K|V chunks of ``2·B·H·(T/C)·D·4`` bytes — forward, the chunk in flight beside the own
+one; backward, the moving chunk and its fp32 gradient accumulator), against the target ``1/C`` of one device's plus
+that buffer (the issue's "within 10 % of 1, ½, ¼, plus the K/V buffer").
+
+    python benchmarks/long_context.py --attention-only [--lengths ...] [--json out.json] Fake CPU devices share this machine's cores: times compare the rows of one length, not
 devices.
 
 ``--gpt2 T``: GPT-2 (4 layers, n_embd 256, 8 heads, vocabulary 1,024), batch 1 × T, AdamW, 3 steps with PyTorch eager
@@ -97,10 +101,14 @@ def measure_attention(length: int) -> list[dict[str, Any]]:
         arrays = [jax.ShapeDtypeStruct(shape, jnp.float32, sharding=sharding)] * 3
         compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*arrays).compile()
         temp = compiled.memory_analysis().temp_size_in_bytes
-        rows.append({"length": length, "context_ranks": ranks, "temp_bytes_per_device": temp})
+        block = 2 * shape[0] * shape[1] * (length // ranks) * shape[3] * 4  # one device's K|V chunk, fp32
+        rows.append({"length": length, "context_ranks": ranks, "temp_bytes_per_device": temp,
+                     "kv_buffer_bytes": 0 if ranks == 1 else 2 * block})
     one = rows[0]["temp_bytes_per_device"]
     for row in rows:
         row["share_of_one_rank"] = row["temp_bytes_per_device"] / one
+        row["target_share"] = 1 / row["context_ranks"] + row["kv_buffer_bytes"] / one
+        row["within_10_percent"] = row["share_of_one_rank"] <= 1.1 * row["target_share"]
     return rows
 
 
@@ -157,6 +165,7 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--json", default=None)
     parser.add_argument("--gpt2", type=int, default=None, help="the GPT-2 check at this sequence length")
+    parser.add_argument("--attention-only", action="store_true", help="only the attention table (no training)")
     args = parser.parse_args()
     import transformers
 
@@ -178,19 +187,22 @@ def main() -> int:
     lengths = [int(x) for x in args.lengths.split(",")]
     model_rows, attention_rows = [], []
     print(f"{'T':>6} {'runner':>11} {'C':>2} {'XLA MB/dev':>11} {'÷ 1 dev':>8} {'est. MB':>8} {'step ms':>9}")
-    for length in lengths:
+    for length in [] if args.attention_only else lengths:
         for row in measure_model(length, args.steps, args.warmup):
             model_rows.append(row)
             print(f"{length:>6} {row['runner']:>11} {row['context_ranks']:>2} "
                   f"{row['xla_bytes_per_device'] / 1e6:>11.1f} "
                   f"{row['share_of_one_device']:>8.3f} {row['estimated_bytes_per_device'] / 1e6:>8.1f} "
                   f"{row['median_step_s'] * 1e3:>9.1f}")
-    print(f"\n{'T':>6} {'C':>2} {'attention temp MB/dev':>22} {'÷ C=1':>7} {'ideal':>6}")
+    print(f"\n{'T':>6} {'C':>2} {'attention temp MB/dev':>22} {'÷ C=1':>7} {'1/C':>6} {'K/V MB':>7} "
+          f"{'1/C + K/V':>10} {'≤ 1.1×':>7}")
     for length in lengths:
         for row in measure_attention(length):
             attention_rows.append(row)
             print(f"{length:>6} {row['context_ranks']:>2} {row['temp_bytes_per_device'] / 1e6:>22.1f} "
-                  f"{row['share_of_one_rank']:>7.3f} {1 / row['context_ranks']:>6.3f}")
+                  f"{row['share_of_one_rank']:>7.3f} {1 / row['context_ranks']:>6.3f} "
+                  f"{row['kv_buffer_bytes'] / 1e6:>7.1f} {row['target_share']:>10.3f} "
+                  f"{'yes' if row['within_10_percent'] else 'no':>7}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
