@@ -83,6 +83,16 @@ def measure(experts: int, top_k: int, steps: int, warmup: int, runners_kept: tup
             "compile_s": compile_s, "all_step_s": times}
 
 
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``; ``platform.processor()`` elsewhere): the ratios to eager depend on
+    it."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        return platform.processor()
+
+
 def time_interleaved(runners: dict[str, Callable[[], Any]], steps: int, warmup: int) -> dict[str, list[float]]:
     """Seconds of each runner's call, one call of each per round (machines are noisy: side by side, not in turn), the
     order reversed every other round (no runner always follows the same one), the first ``warmup`` rounds not
@@ -152,7 +162,8 @@ def sharded_main(args: argparse.Namespace) -> int:
     if args.json:
         os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
         with open(args.json, "w") as handle:
-            json.dump({"machine": {"cpus": os.cpu_count(), "torch": torch.__version__}, "config": CONFIG,
+            machine = {"cpus": os.cpu_count(), "cpu": cpu_model(), "torch": torch.__version__}
+            json.dump({"machine": machine, "config": CONFIG,
                        "batch": [BATCH, SEQ], "devices": args.devices, "rows": rows}, handle, indent=2)
         print(f"wrote {args.json}")
     return 0
@@ -203,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
         with open(args.json, "w") as handle:
-            json.dump({"machine": {"cpus": os.cpu_count(), "torch": torch.__version__}, "config": CONFIG,
+            machine = {"cpus": os.cpu_count(), "cpu": cpu_model(), "torch": torch.__version__}
+            json.dump({"machine": machine, "config": CONFIG,
                        "batch": [BATCH, SEQ], "rows": rows}, handle, indent=2)
         print(f"wrote {args.json}")
     return 0
