@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 import torchpar
 from torchpar.report.hlo import collectives
+from torchpar.report.layout import device_grid
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -46,6 +47,8 @@ def test_the_plan_is_replicas_of_a_two_d_plan_and_the_step_syncs_them_once():
         assert "2 data × (1, 4)" in engine.plan.summary()
         assert "all-reduce over 2 data replicas" in engine.plan.solver["estimate"]["step_formula"]
         assert torchpar.Plan.from_json(engine.plan.to_json()).stages[0].data_replicas == 2
+        grid = device_grid(engine.plan)  # the report's device grid: (replica, row, column)
+        assert [cell.mesh_coord for cell in grid.cells][3:6] == [(0, 0, 3), (1, 0, 0), (1, 0, 1)]
         # the replicas' gradients are summed across them (device i with i + 4), once per step
         across = [c for c in collectives(engine.hlo_text()[0])
                   if c.kind == "all-reduce" and sorted(map(sorted, c.groups)) == [[i, i + 4] for i in range(4)]]

@@ -197,7 +197,8 @@ def _grid_html(plan: Plan, grid: DeviceGrid, numbers: PlanNumbers) -> str:
     legend += f"<span><i class='swatch' style='background:{IDLE_COLOR}'></i>idle</span>"
     return (f"<div class='grid'>{''.join(rows)}</div><div class='legend'>{legend}</div>"
             "<p class='sub'>Each cell is one device, labelled with its stage and its (row, column) in the stage's "
-            "logical mesh: a collective over axis 0 runs within a column, over axis 1 within a row.</p>")
+            "logical mesh (after its data replica, on a stage with data replicas): a collective over axis 0 runs "
+            "within a column, over axis 1 within a row.</p>")
 
 
 def _crossing_text(crossing: Sequence[bool]) -> str:

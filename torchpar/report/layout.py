@@ -39,7 +39,8 @@ class DeviceCell:
     host: int
     local: int
     stage: int | None
-    mesh_coord: tuple[int, int] | None
+    mesh_coord: tuple[int, ...] | None
+    """``(row, column)`` in the stage's logical mesh; ``(replica, row, column)`` with data replicas."""
 
 
 @dataclass(frozen=True)
@@ -72,11 +73,14 @@ def device_grid(plan: Plan, cluster: ClusterSpec | None = None) -> DeviceGrid:
         notes.append(f"The plan uses {needed} devices but the cluster has {cluster.num_devices}; the grid shows "
                      f"{hosts} host(s) × {per_host} device(s) inferred from the stages' submeshes.")
     stage_devices = _stage_devices(plan, submeshes, notes)
-    owner: dict[int, tuple[int, tuple[int, int]]] = {}
+    owner: dict[int, tuple[int, tuple[int, ...]]] = {}
     for stage, (devices, plan_stage) in enumerate(zip(stage_devices, plan.stages)):
         columns = max(int(plan_stage.logical_mesh_shape[1]), 1)
+        per_replica = max(int(plan_stage.logical_mesh_shape[0]), 1) * columns
+        replicas = int(getattr(plan_stage, "data_replicas", 1))
         for k, device in enumerate(devices):
-            owner[device] = (stage, (k // columns, k % columns))
+            local = (k % per_replica // columns, k % columns)
+            owner[device] = (stage, (k // per_replica, *local) if replicas > 1 else local)
     cells = []
     for device in range(hosts * per_host):
         stage, coord = owner.get(device, (None, None))

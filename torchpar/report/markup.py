@@ -106,8 +106,9 @@ def ranges(values: Sequence[int]) -> str:
     return ", ".join(parts) or "–"
 
 
-def coord(value: tuple[int, int] | None) -> str:
-    return "" if value is None else f"({value[0]},{value[1]})"
+def coord(value: tuple[int, ...] | None) -> str:
+    """``(row,column)``, or ``(replica,row,column)`` on a stage with data replicas."""
+    return "" if value is None else f"({','.join(map(str, value))})"
 
 
 def tint(color: str, amount: float) -> str:
