@@ -107,8 +107,9 @@ class ShardParallel:
     """Logical mesh ``(d0, d1)``; ``None`` tries every factorization of the device count, keeps the cheapest.
     Three ints ``(data, d0, d1)`` add an outer data axis pinned to the batch: the ILP plans one replica's
     ``1/data`` of the rows on ``d0 × d1`` devices (e.g. context and tensor parallelism), and ``data`` such replicas
-    train side by side, their gradients combined once per step (the model may not update buffers, e.g. BatchNorm
-    statistics, in training: each replica would see its rows only)."""
+    train side by side, their gradients combined once per step (refused: a model that updates buffers in training,
+    e.g. BatchNorm statistics, and a loss the replicas' losses do not make, e.g. a router's load-balancing loss:
+    each replica would see its rows only)."""
     memory_budget: int | None = None
     """Bytes per device the plan may use; ``None`` = the cluster's device memory."""
     solver_time_limit_s: float = 30.0

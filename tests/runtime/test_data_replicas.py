@@ -1,5 +1,5 @@
 """Data replicas of a 2-D plan (``ShardParallel(mesh_shape=(data, d0, d1))``): what the plan and the compiled step
-hold, and what is refused. Their training against PyTorch is tested beside the other losses
+hold, and what is refused (batch statistics; a loss that does not combine from the replicas'). Their training against PyTorch is tested beside the other losses
 (``test_loss_reduction.py``: sum, mean and token mean, with and without micro-batches) and on GPT-2 split over
 data × context × tensor (``test_context_parallel.py``)."""
 
@@ -62,6 +62,23 @@ def test_a_model_with_batch_statistics_is_refused():
     torch.manual_seed(0)
     model, batch = _MLP(norm=True), _batch()
     with pytest.raises(ValueError, match=r"2 data replicas .* updates buffers \(norm\.running_mean"):
+        torchpar.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), example_batch=batch,
+                         method=torchpar.ShardParallel(mesh_shape=(2, 2, 2)))
+
+
+class _WithBatchStatistic(_MLP):
+    """Cross-entropy plus a penalty on the batch's mean activation (a product of batch means, like a mixture of
+    experts' load-balancing loss): not a sum of the replicas' losses."""
+
+    def forward(self, x, y):
+        hidden = torch.relu(self.fc1(x))
+        return F.cross_entropy(self.fc2(hidden), y) + 0.1 * (hidden.mean(0) ** 2).sum()
+
+
+def test_a_loss_that_is_not_made_of_the_replicas_losses_is_refused():
+    torch.manual_seed(0)
+    model, batch = _WithBatchStatistic(), _batch()
+    with pytest.raises(ValueError, match=r"2 data replicas .* the whole batch's loss is not made of the replicas'"):
         torchpar.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), example_batch=batch,
                          method=torchpar.ShardParallel(mesh_shape=(2, 2, 2)))
 
