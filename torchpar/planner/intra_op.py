@@ -34,7 +34,7 @@ from torchpar.planner.mesh_links import axes_crossing_hosts, stage_mesh, submesh
 from torchpar.planner.plan import StagePlan
 from torchpar.planner.sharding.comm_bytes import collective_bytes
 from torchpar.planner.sharding.cost_model import LogicalMesh
-from torchpar.planner.sharding.ilp import Solution, evaluate, gathered_memory, solve
+from torchpar.planner.sharding.ilp import Solution, evaluate, gathered_memory, solve, transient_peak
 from torchpar.planner.sharding.solver_graph import SolverGraph, build_solver_graph
 
 log = logging.getLogger(__name__)
@@ -381,12 +381,16 @@ def memory_breakdown(solver_graph: SolverGraph, choice: list[int], trainable: se
     """Per-device bytes at the step's peak under ``choice``, by what they hold: ``parameters``, ``gradients``,
     ``optimizer_state`` (a trainable parameter root holds ``2 + state_copies`` copies of its local shard),
     ``activations`` (batch inputs, activations from the previous stage, every op output kept for the backward
-    pass), ``buffers`` (buffers and constants) and ``gathered_parameters`` (parameters gathered into a larger
-    layout for their use, live until the backward). Sums to the ILP's memory of ``choice``."""
+    pass), ``buffers`` (buffers and constants), ``gathered_parameters`` (parameters gathered into a larger
+    layout for their use, live until the backward) and ``transients`` (the largest bytes one op holds while it
+    runs, :func:`.sharding.ilp.transient_peak`). Sums to the ILP's memory of ``choice``."""
     parts = dict.fromkeys(("parameters", "gradients", "optimizer_state", "activations", "buffers"), 0.0)
     gathered = gathered_memory(solver_graph, choice)
     if gathered:
         parts["gathered_parameters"] = gathered
+    transients = transient_peak(solver_graph, choice)
+    if transients:
+        parts["transients"] = transients
     for root, k in zip(solver_graph.roots, choice):
         own = float(root.strategies[k].memory_bytes)
         followers = float(root.memory[k]) - own  # ops that follow the root keep their outputs

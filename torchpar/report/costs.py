@@ -27,7 +27,8 @@ from torchpar.report.markup import attrs, bandwidth, e, ratio, stage_cell, swatc
 from torchpar.units import format_bytes, format_flops, format_seconds
 
 MEMORY_COLORS = {"parameters": "#0969da", "gradients": "#54aeff", "optimizer_state": "#8250df",
-                 "activations": "#2da44e", "buffers": "#bf8700", "other": "#8c959f"}
+                 "activations": "#2da44e", "buffers": "#bf8700", "gathered_parameters": "#cf222e",
+                 "transients": "#fb8f44", "other": "#8c959f"}
 
 
 # --- time -----------------------------------------------------------------------------------------------
@@ -59,7 +60,7 @@ def memory_html(numbers: PlanNumbers, device_memory_bytes: float) -> str:
     rows = []
     for s in numbers.stages:
         segments = "".join(
-            f"<div class='seg' style='width:{100 * value / biggest:.2f}%;background:{MEMORY_COLORS[part]}' "
+            f"<div class='seg' style='width:{100 * value / biggest:.2f}%;background:{_color(part)}' "
             f"title='{e(part.replace('_', ' '))} {e(format_bytes(value))}'></div>" for part, value in _parts(s) if value)
         marker = ""
         if s.measured_memory_bytes is not None:
@@ -72,12 +73,17 @@ def memory_html(numbers: PlanNumbers, device_memory_bytes: float) -> str:
         rows.append(f"<div class='barrow'{attrs(data_stage=s.index, data_memory_bytes=s.memory_bytes)}>"
                     f"<span class='barlabel'>stage {s.index}</span><div class='track rel'>{segments}{marker}</div>"
                     f"<span class='barvalue'>{e(format_bytes(s.memory_bytes) + share + measured)}</span></div>")
-    parts = [p for p in (*MEMORY_PARTS, "other") if any(dict(_parts(s)).get(p) for s in numbers.stages)]
-    legend = "".join(f"<span>{swatch(MEMORY_COLORS[p])}{e(p.replace('_', ' '))}</span>" for p in parts)
+    named = [*MEMORY_PARTS, *(p for s in numbers.stages for p, _ in _parts(s) if p not in (*MEMORY_PARTS, "other"))]
+    parts = [p for p in dict.fromkeys((*named, "other")) if any(dict(_parts(s)).get(p) for s in numbers.stages)]
+    legend = "".join(f"<span>{swatch(_color(p))}{e(p.replace('_', ' '))}</span>" for p in parts)
     if any(s.measured_memory_bytes is not None for s in numbers.stages):
         legend += "<span><i class='swatch markerswatch'></i>measured peak</span>"
     return (f"<h3>Estimated memory per device</h3><div class='legend'>{legend}</div>{''.join(rows)}"
             + _memory_table(numbers, parts))
+
+
+def _color(part: str) -> str:
+    return MEMORY_COLORS.get(part, MEMORY_COLORS["other"])
 
 
 def _parts(stage: StageNumbers) -> list[tuple[str, float]]:

@@ -7,7 +7,8 @@ compute + the collectives the strategy and its merged followers cause; per-strat
     minimize    Σ_v Σ_k c_v[k]·x_v[k]  +  Σ_(u,v) Σ_(k,l) R_uv[k,l]·y_uv[k,l]
     subject to  Σ_k x_v[k] = 1                              for every root v        (one choice)
                 y_uv[k,l] ≥ x_u[k] + x_v[l] − 1              for R_uv[k,l] > 0 or G_uv[k,l] > 0
-                Σ_v Σ_k m_v[k]·x_v[k] + Σ_(u,v) Σ_(k,l) G_uv[k,l]·y_uv[k,l] ≤ M             (memory)
+                Σ_v Σ_k m_v[k]·x_v[k] + Σ_(u,v) Σ_(k,l) G_uv[k,l]·y_uv[k,l] + t ≤ M         (memory)
+                t ≥ Σ_k r_v[k]·x_v[k]                        for every root v with transients
                 x_v = x_w                                   for v, w of one share class (repeated layers)
                 x, y ∈ {0, 1}
 
@@ -20,8 +21,10 @@ same optimum with ``|K_u|·|K_v|`` variables per edge). When every root has one 
 (a 1×1 mesh, or a hand plan that pins everything) the choice is forced: :func:`_forced_choice` evaluates
 it directly, without CP-SAT (so one device never needs OR-Tools). The memory constraint is taken at the training
 step's peak — the forward/backward boundary, where the parameters, gradients, optimizer state and every
-activation saved for the backward pass are live. A parameter and its update share a layout by
-construction: one root holds the parameter, its gradient and its optimizer state.
+activation saved for the backward pass are live — plus ``t``, the largest transient ``r_v[k]`` of a chosen
+strategy (bytes an op holds only while it runs, e.g. an expert exchange's buffers: one op runs at a time, so the
+largest, not the sum). A parameter and its update share a layout by construction: one root holds the parameter,
+its gradient and its optimizer state.
 
 Builders: :func:`_one_choice` (first family), :func:`_edges` (second), :func:`_memory` (third),
 :func:`_share` (fourth). Costs are scaled to integer nanoseconds for CP-SAT.
@@ -136,6 +139,8 @@ def problem_key(graph: SolverGraph, memory_budget: float | None, allowed: dict[i
     for v, root in enumerate(graph.roots):
         add(v, tuple(s.name for s in root.strategies), np.asarray(root.cost, np.float64),
             np.asarray(root.memory, np.float64))
+        if root.transient is not None:
+            add("transient", v, np.asarray(root.transient, np.float64))
         if root.share_key is not None:
             classes[root.share_key].append(v)
     add(sorted(tuple(members) for members in classes.values()))
@@ -287,14 +292,30 @@ def _groups(model, matrix: np.ndarray, x_row: list, name: str) -> tuple[list, li
 
 
 def _memory(model, graph: SolverGraph, x: list[list], budget: float, gathered: list = ()) -> None:
-    """Σ_v Σ_k m_v[k]·x_v[k] + Σ G·y ≤ M (in KiB, to keep coefficients small; ``gathered``: the G·y terms)."""
+    """Σ_v Σ_k m_v[k]·x_v[k] + Σ G·y + t ≤ M with t ≥ Σ_k r_v[k]·x_v[k] for every root with transients (``t``: the
+    largest transient of the chosen strategies); in KiB, to keep coefficients small; ``gathered``: the G·y terms."""
     terms = [int(np.ceil(m / 1024)) * var for root, vars_ in zip(graph.roots, x) for m, var in zip(root.memory, vars_) if m > 0]
+    transient_roots = [(root, vars_) for root, vars_ in zip(graph.roots, x) if root.transient is not None]
+    if transient_roots:
+        largest = int(np.ceil(max(float(root.transient.max()) for root, _ in transient_roots) / 1024))
+        peak = model.new_int_var(0, largest, "transient_peak")
+        for root, vars_ in transient_roots:
+            model.add(peak >= sum(int(np.ceil(r / 1024)) * var for r, var in zip(root.transient, vars_) if r > 0))
+        terms.append(peak)
     model.add(sum(terms) + sum(gathered) <= int(budget // 1024))
 
 
 def memory_of(graph: SolverGraph, choice: list[int]) -> float:
-    """Per-device bytes of ``choice``: every root's memory plus the parameters gathered for their use."""
-    return float(sum(root.memory[k] for root, k in zip(graph.roots, choice))) + gathered_memory(graph, choice)
+    """Per-device bytes of ``choice``: every root's memory, the parameters gathered for their use and the largest
+    transient of the chosen strategies."""
+    return (float(sum(root.memory[k] for root, k in zip(graph.roots, choice))) + gathered_memory(graph, choice)
+            + transient_peak(graph, choice))
+
+
+def transient_peak(graph: SolverGraph, choice: list[int]) -> float:
+    """The largest bytes one chosen strategy holds only while it runs (0 without transients)."""
+    return max((float(root.transient[k]) for root, k in zip(graph.roots, choice) if root.transient is not None),
+               default=0.0)
 
 
 def gathered_memory(graph: SolverGraph, choice: list[int]) -> float:
@@ -327,10 +348,11 @@ def evaluate(graph: SolverGraph, choice: list[int]) -> float:
 
 def minimum_memory(graph: SolverGraph) -> float:
     """A lower bound on the per-device memory of any plan: each root at its least-memory strategy, the roots of one
-    share class (which take one choice together) at the strategy whose memory summed over them is least, and no
-    parameter gathered for its use (``G ≥ 0``; exact when the graph has no ``memory_edges``)."""
+    share class (which take one choice together) at the strategy whose memory summed over them is least, no
+    parameter gathered for its use (``G ≥ 0``; exact when the graph has no ``memory_edges``), and the largest of the
+    roots' least transients."""
     classes: dict[str, list[int]] = defaultdict(list)
-    total = 0.0
+    total = max((float(root.transient.min()) for root in graph.roots if root.transient is not None), default=0.0)
     for v, root in enumerate(graph.roots):
         if root.share_key is None:
             total += float(root.memory.min())

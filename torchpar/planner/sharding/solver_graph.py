@@ -41,7 +41,8 @@ _ATTENTION_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal
 @dataclass
 class Root:
     """An ILP node. ``cost[k]``/``memory[k]``: seconds and per-device bytes of strategy ``k``, its own
-    plus those of the ops merged into it."""
+    plus those of the ops merged into it; ``transient[k]``: the bytes strategy ``k`` holds only while it runs
+    (:attr:`Strategy.transient_bytes`; the step's peak adds the largest over the roots)."""
 
     name: str
     kind: str
@@ -51,6 +52,7 @@ class Root:
     memory: np.ndarray
     share_key: str | None = None
     followers: list[str] = field(default_factory=list)
+    transient: np.ndarray | None = None
 
 
 @dataclass
@@ -214,7 +216,9 @@ class _Builder:
     def _new_root(self, name: str, kind: str, label: str, strategies: list[Strategy], share_key: str | None) -> int:
         cost = np.array([s.compute_s + s.comm_s for s in strategies], dtype=np.float64)
         memory = np.array([s.memory_bytes for s in strategies], dtype=np.float64)
-        self.roots.append(Root(name, kind, label, strategies, cost, memory, share_key))
+        transient = np.array([s.transient_bytes for s in strategies], dtype=np.float64)
+        self.roots.append(Root(name, kind, label, strategies, cost, memory, share_key,
+                               transient=transient if transient.any() else None))
         index = len(self.roots) - 1
         self.values[name] = ValueLayout(index, [s.out_spec for s in strategies])
         return index
