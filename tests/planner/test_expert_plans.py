@@ -78,6 +78,29 @@ def test_the_cost_model_splits_64_experts_over_4_devices():
     assert "experts: 4 grouped matmul(s), experts split over mesh axis 1" in plan.summary()
 
 
+def test_the_exchange_buffers_are_a_transient_the_peak_adds_once():
+    """An expert split's exchange buffers, ``(L + P·T + L + P·L)·(K + N)`` bytes, are held only while its op runs:
+    the plan's memory adds the largest chosen op's once (``transients``), not every layer's, and a budget holds
+    it: under one that the first plan exceeds only by half its transient, the ILP finds another that fits whole."""
+    mesh = LogicalMesh(shape=(1, 4))
+    split = {s.name: s for s in expert_strategies([(512, 64), (8, 64, 256), (8,)], 1.0, 4, [True, True, False],
+                                                  mesh)}["experts@1,s@1"]
+    rows = 128 + 4 * 64 + 128 + 4 * 128  # L = 128, P = 4, T = 2·L/P = 64: both exchange paths' rows
+    assert split.transient_bytes == rows * (64 + 256) * 4
+    torchpar.init(cluster="local", num_devices=4)
+    model, batch = _mixtral(8, 64, (8, 32), device="cpu")
+    method = torchpar.ShardParallel(mesh_shape=(1, 4), experts="split")
+    stage = torchpar.plan(model, torch.optim.AdamW(model.parameters()), example_batch=batch, explain=False,
+                          method=method).stages[0]
+    transients = stage.memory_breakdown["transients"]
+    assert transients > 0 and stage.estimated_memory_bytes == pytest.approx(sum(stage.memory_breakdown.values()), 1)
+    budget = int(stage.estimated_memory_bytes - transients / 2)
+    tight = torchpar.ShardParallel(mesh_shape=(1, 4), experts="split", memory_budget=budget)
+    refit = torchpar.plan(model, torch.optim.AdamW(model.parameters()), example_batch=batch, explain=False,
+                          method=tight).stages[0]
+    assert refit.memory_breakdown["transients"] > 0 and refit.estimated_memory_bytes <= budget
+
+
 def test_asking_for_split_experts_is_a_restriction_of_the_same_search():
     """A tiny model on fake CPU devices: the automatic plan never costs more than the one that must split the
     experts (it searched those layouts too), and here it is cheaper (a collective's latency outweighs the bytes)."""
