@@ -5,7 +5,7 @@ logical mesh axes. Axis ``a`` is the mesh axis named ``"d{a}"``.
 
 A stage replicated over a data axis (``StagePlan.data_replicas`` > 1) runs on a 3-D mesh
 ``(DATA_AXIS, "d0", "d1")``: specs never name the data axis; the step is a ``shard_map`` manual over it
-(each replica a GSPMD program over ``d0 × d1``), inside which shardings and nested ``shard_map``\ s must use
+(each replica a GSPMD program over ``d0 × d1``), inside which shardings and nested ``shard_map`` calls must use
 the abstract mesh with the data axis manual (:func:`region_mesh`, :func:`constrain` do).
 """
 
@@ -43,7 +43,7 @@ def data_replicas_of(mesh: Mesh) -> int:
 
 
 def region_mesh(mesh: Any) -> Any:
-    """The mesh to build shardings and nested ``shard_map``\ s on where this code is traced: inside a ``shard_map``
+    """The mesh to build shardings and nested ``shard_map`` calls on where this code is traced: inside a ``shard_map``
     manual over some axes (the data axis), the current abstract mesh (those axes ``Manual``); else ``mesh``."""
     current = jax.sharding.get_abstract_mesh()
     if not current.empty and current.manual_axes and tuple(current.axis_names) == tuple(mesh.axis_names):
@@ -82,10 +82,10 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
 
-def in_manual_region() -> bool:
-    """Whether the code being traced runs inside a ``shard_map`` manual over some mesh axes (a data replica's step)."""
+def in_data_replica() -> bool:
+    """Whether the code being traced runs in a data replica's step (a ``shard_map`` manual over :data:`DATA_AXIS`)."""
     current = jax.sharding.get_abstract_mesh()
-    return not current.empty and bool(current.manual_axes)
+    return not current.empty and DATA_AXIS in current.manual_axes
 
 
 def shard_map(body: Any, mesh: Any, in_specs: Any, out_specs: Any) -> Any:

@@ -11,7 +11,7 @@ import numpy as np
 
 from jaxbackend.ops.registry import lowers
 from jaxbackend.ops.scalars import fit
-from jaxbackend.sharding import in_manual_region
+from jaxbackend.sharding import in_data_replica
 
 
 def _dim(dim, rank):
@@ -31,7 +31,7 @@ def gather(x, dim, index, sparse_grad=False):
         return x
     dim = _dim(dim, x.ndim)
     if index.shape[:dim] == x.shape[:dim] and index.shape[dim + 1:] == x.shape[dim + 1:]:
-        if index.shape[dim] == 1 and in_manual_region():
+        if index.shape[dim] == 1 and in_data_replica():
             return _select_along_axis(x, index, dim)
         return jnp.take_along_axis(x, index, axis=dim)
     return x[_along_axis_indices(index, dim)]
