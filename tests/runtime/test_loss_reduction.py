@@ -243,6 +243,23 @@ class _DividedByParameters(MLP):
         return ((out - y) ** 2).sum() / (out.abs().sum() + 1)
 
 
+class _BatchMeanPenalty(MLP):
+    """A sum over features of the squared batch-mean output: a sum, but not of per-row terms."""
+
+    def forward(self, x, y):
+        return (self.fc2(torch.relu(self.fc1(x))).mean(0) ** 2).sum()
+
+
+class _RowsThroughViews(MLP):
+    """Per-row terms reached through a transpose and reshapes; the mean over dim 1 of the transposed value is a mean
+    over features, not rows."""
+
+    def forward(self, x, y):
+        out = self.fc2(torch.relu(self.fc1(x)))                   # [rows, 8]
+        per_row = out.t().reshape(2, 4, -1).mean(1)                # [2, rows]: rows moved to dim 1
+        return (per_row ** 2).sum()
+
+
 def test_the_pass_finds_the_loss_reduction_in_captured_graphs():
     x, y = _mlp_batch()
     ids, labels = _token_batch()
@@ -256,6 +273,10 @@ def test_the_pass_finds_the_loss_reduction_in_captured_graphs():
         assert den.out.shape == () and not den.out.dtype.startswith("float") or den.target == "aten._to_copy.default"
     with pytest.raises(NotDecomposable, match="depends on the parameters"):
         decompose_loss(_graph(_DividedByParameters("sum"), (x, y)))
+    # a reduction over the rows before the last one (a penalty on the batch's mean): not a sum of per-row terms
+    with pytest.raises(NotDecomposable, match=r"already mix the batch's rows: aten.mean.dim .* at .*test_loss_reduction"):
+        decompose_loss(_graph(_BatchMeanPenalty("sum"), (x, y)))
+    assert decompose_loss(_graph(_RowsThroughViews("sum"), (x, y))).kind == "sum"
 
 
 def test_the_mark_is_an_output_and_a_mean_needs_none():

@@ -10,6 +10,9 @@ the whole batch's loss and gradient are then
 :func:`with_loss_parts` recognizes three forms (:class:`LossReduction`), through scalar multiples and dtype
 casts of the loss (``0.5 * loss``, ``loss.float()``) and sums of like terms:
 
+A mean or sum qualifies only if what it adds are per-row terms: where an earlier op reduced over the batch's rows
+(``x.mean(0)``, a router's load-balancing loss; :mod:`torchpar.ir.batch_rows`) the loss is not decomposable.
+
 - ``"mean"`` — ``mean.default`` / ``mean.dim`` to a scalar (``num = Σ x``, ``den = numel``): every micro-batch
   has the same shapes, so ``den_m`` is the same for all and ``L = (1/M) Σ_m ℓ_m``. A loss that does not depend
   on the batch at all is the same on every micro-batch, and also combines this way.
@@ -35,6 +38,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Literal
 
+from torchpar.ir.batch_rows import row_states
 from torchpar.ir.graph import Graph, Node, Output, Ref, TensorMeta
 
 LOSS_DEN = "loss_den"
@@ -121,6 +125,7 @@ class _Analysis:
     def __init__(self, graph: Graph):
         self.producers: dict[str, Node] = {n.name: n for n in graph.nodes}
         self.metas = graph.metas()
+        self.rows = row_states(graph)
         self.on_batch = {i.name for i in graph.inputs if i.kind == "input"}
         self.on_params = {i.name for i in graph.inputs if i.kind == "param"}
         for node in graph.nodes:
@@ -145,10 +150,14 @@ class _Analysis:
         if not _is_scalar(node.out):
             raise NotDecomposable(f"{node.target} ({node.name}) makes {node.out}, not a scalar")
         target, operands = node.target, node.args
-        if target in _MEANS:
-            return MEAN
-        if target in _SUMS:
-            return SUM
+        if target in _MEANS or target in _SUMS:
+            summed = operands[0] if operands and isinstance(operands[0], Ref) else None
+            mixed = self.rows[summed.name].mixed if summed is not None and summed.name in self.rows else None
+            if mixed:
+                raise NotDecomposable(f"the {target} ({node.name}) adds terms that already mix the batch's rows: "
+                                      f"{mixed} reduces over them, so the loss is not a sum of per-row terms"
+                                      f"{_where(node)}")
+            return MEAN if target in _MEANS else SUM
         if target in _SAME_VALUE and operands and isinstance(operands[0], Ref):
             return self.reduction(operands[0].name, depth + 1)
         if target in _MULTIPLIES and len(operands) == 2:
