@@ -277,7 +277,11 @@ def _check_micro_batches(num_micro_batches: int) -> None:
 
 
 def data_replicas(method: Any) -> int:
-    """The data replicas a method's ``mesh_shape`` asks for: its first int when it has three, else 1."""
+    """The data replicas a method asks for: the first int of a three-int ``mesh_shape``; a saved one-stage plan's
+    ``stages[0].data_replicas``; else 1."""
+    stages = getattr(method, "stages", None)
+    if stages:
+        return int(getattr(stages[0], "data_replicas", 1)) if len(stages) == 1 else 1
     shape = getattr(method, "mesh_shape", None)
     return int(shape[0]) if shape is not None and len(shape) == 3 else 1
 

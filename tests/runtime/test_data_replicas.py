@@ -46,7 +46,13 @@ def test_the_plan_is_replicas_of_a_two_d_plan_and_the_step_syncs_them_once():
         assert (stage.data_replicas, tuple(stage.logical_mesh_shape), stage.devices()) == (2, (1, 4), list(range(8)))
         assert "2 data × (1, 4)" in engine.plan.summary()
         assert "all-reduce over 2 data replicas" in engine.plan.solver["estimate"]["step_formula"]
-        assert torchpar.Plan.from_json(engine.plan.to_json()).stages[0].data_replicas == 2
+        loaded = torchpar.Plan.from_json(engine.plan.to_json())
+        assert loaded.stages[0].data_replicas == 2
+        torch.manual_seed(0)
+        again = _MLP()
+        with torchpar.compile(again, torch.optim.SGD(again.parameters(), lr=0.1), example_batch=batch,
+                              method=loaded) as replayed:  # a saved plan trains its replicas the same way
+            first = replayed.step(batch)
         grid = device_grid(engine.plan)  # the report's device grid: (replica, row, column)
         assert [cell.mesh_coord for cell in grid.cells][3:6] == [(0, 0, 3), (1, 0, 0), (1, 0, 1)]
         # the replicas' gradients are summed across them (device i with i + 4), once per step
@@ -55,6 +61,9 @@ def test_the_plan_is_replicas_of_a_two_d_plan_and_the_step_syncs_them_once():
         assert across
         engine.sync_to_torch()
         torch.testing.assert_close(engine.forward(batch), model(*batch), rtol=1e-6, atol=1e-6)
+    torch.manual_seed(0)
+    fresh = _MLP()
+    torch.testing.assert_close(first, fresh(*batch).item(), rtol=1e-6, atol=0)
 
 
 def test_a_model_with_batch_statistics_is_refused():
