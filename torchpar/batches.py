@@ -64,33 +64,27 @@ def first_micro_batch(batch: Any, num_micro_batches: int, data_replicas: int = 1
     """The first of ``num_micro_batches · data_replicas`` equal slices of every batch leaf along dim 0 (for capture:
     one micro-batch of one data replica): a ``ValueError`` naming the leaf if one does not split; ``batch`` itself
     for one part."""
-    if data_replicas > 1:
-        parts = num_micro_batches * data_replicas
-        for index, leaf in enumerate(call_leaves(batch)):
-            if leaf.dim() == 0 or leaf.shape[0] % parts:
-                raise ValueError(
-                    f"batch leaf {index} of shape {list(leaf.shape)} cannot be split into {data_replicas} data "
-                    f"replicas × {num_micro_batches} micro-batch(es) along dim 0: its batch size is not a multiple of "
-                    f"{parts}. Pass batches whose size divides by {parts} (drop an epoch's smaller last batch with "
-                    "DataLoader(..., drop_last=True)), or compile with fewer data replicas (mesh_shape) or "
-                    "micro-batches")
-        return first_micro_batch(batch, parts)
-    if num_micro_batches == 1:
+    parts = num_micro_batches * data_replicas
+    if parts == 1:
         return batch
+    if data_replicas == 1:
+        what, count, fix = (f"{parts} equal micro-batches", f"num_micro_batches={parts}",
+                            "a num_micro_batches that divides every batch size")
+    else:
+        what, count, fix = (f"{data_replicas} data replicas × {num_micro_batches} micro-batch(es)", str(parts),
+                            "fewer data replicas (mesh_shape) or micro-batches")
     args, kwargs = batch_to_call_args(batch)
     leaves, spec = pytree.tree_flatten((args, kwargs))
     for index, leaf in enumerate(leaves):
         if leaf.dim() == 0:
-            raise ValueError(f"batch leaf {index} is a scalar: it cannot be split into {num_micro_batches} equal "
-                             "micro-batches along dim 0 (num_micro_batches > 1 needs a batch dim on every leaf)")
-        if leaf.shape[0] % num_micro_batches:
+            raise ValueError(f"batch leaf {index} is a scalar: it cannot be split into {what} along dim 0 "
+                             "(num_micro_batches > 1 needs a batch dim on every leaf)")
+        if leaf.shape[0] % parts:
             raise ValueError(
-                f"batch leaf {index} of shape {list(leaf.shape)} cannot be split into {num_micro_batches} equal "
-                f"micro-batches along dim 0: its batch size {leaf.shape[0]} is not a multiple of "
-                f"num_micro_batches={num_micro_batches}. Pass batches whose size divides by {num_micro_batches} "
-                "(drop an epoch's smaller last batch with DataLoader(..., drop_last=True)), or compile with a "
-                "num_micro_batches that divides every batch size")
-    sliced = [leaf[: leaf.shape[0] // num_micro_batches] for leaf in leaves]
+                f"batch leaf {index} of shape {list(leaf.shape)} cannot be split into {what} along dim 0: its batch "
+                f"size {leaf.shape[0]} is not a multiple of {count}. Pass batches whose size divides by {parts} "
+                f"(drop an epoch's smaller last batch with DataLoader(..., drop_last=True)), or compile with {fix}")
+    sliced = [leaf[: leaf.shape[0] // parts] for leaf in leaves]
     args, kwargs = pytree.tree_unflatten(sliced, spec)
     return call_args_to_batch(type(batch), args, kwargs)
 

@@ -26,7 +26,7 @@ from torchpar.cluster import current_cluster
 from torchpar.guard import StepGuard
 from torchpar.host_arrays import jax_dtype
 from torchpar.ir.graph import Graph
-from torchpar.ir.loss_parts import NotDecomposable, decompose_loss, with_loss_parts
+from torchpar.ir.loss_parts import with_loss_parts
 from torchpar.ir.optimizer import step_scalars
 from torchpar.methods import data_replicas
 from torchpar.options import CompileOptions, describe_numerics
@@ -36,21 +36,6 @@ from torchpar.profiled import plan_training_profiled
 from torchpar.progress import CompilePhases
 
 log = logging.getLogger(__name__)
-
-
-def _check_replicas_combine(graph: Graph, replicas: int) -> None:
-    """Data replicas train as the whole batch only if the loss combines from theirs (a mean, a sum, or a sum over a
-    parameter-free count: :mod:`torchpar.ir.loss_parts`); else a ``ValueError`` saying why (e.g. a router's
-    load-balancing loss, a product of batch means, would be each replica's own)."""
-    try:
-        decompose_loss(graph)
-    except NotDecomposable as error:
-        raise ValueError(
-            f"a plan with {replicas} data replicas cannot train this model the way PyTorch does on the whole batch: "
-            f"the whole batch's loss is not made of the replicas' ({error}). A term such as a mixture-of-experts "
-            "router's load-balancing loss (a product of batch means) would be each replica's own. Use a 2-D "
-            "mesh_shape (its batch split keeps whole-batch statistics), or end the loss with a mean, a sum or "
-            "`.sum() / count` where `count` does not depend on the parameters.") from None
 
 
 class CompiledTraining:
@@ -179,8 +164,10 @@ class CompiledTraining:
         capture = capture_train_step(self.model, batch, self._loss_fn, autocast=self._autocast, step_fn=self._step_fn)
         self.timings["capture"] = time.perf_counter() - start
         check_supported(capture.graph)
-        if self.data_replicas > 1:
-            _check_replicas_combine(capture.graph, self.data_replicas)
+        if self.data_replicas > 1:  # before any worker starts
+            from torchpar.runtime.one_stage import check_replicable
+
+            check_replicable(capture.graph, self.data_replicas)
         if self.batch_parts > 1:  # mark how the parts' losses make the whole batch's (torchpar.ir.loss_parts)
             capture = dataclasses.replace(capture, graph=with_loss_parts(capture.graph))
         return capture

@@ -140,7 +140,7 @@ def _rows(node: Node, operands: list[RowState], metas: dict[str, Any]) -> tuple[
             return None, False
         return frozenset().union(*(s.rows for s in operands)), False
     if target in ("aten.mm.default", "aten.addmm.default", "aten.bmm.default"):
-        return _matmul_rows(target, operands, rank)
+        return _matmul_rows(target, operands)
     if target == "aten.embedding.default":  # (weight, indices): the indices' dims, then the embedding's
         return (operands[1].rows, False) if len(operands) > 1 else (None, False)
     if target == "aten.gather.default":
@@ -156,7 +156,7 @@ def _rows(node: Node, operands: list[RowState], metas: dict[str, Any]) -> tuple[
     return _elementwise_rows(node, operands, metas)
 
 
-def _matmul_rows(target: str, operands: list[RowState], rank: int) -> tuple[Rows, bool]:
+def _matmul_rows(target: str, operands: list[RowState]) -> tuple[Rows, bool]:
     """``[M, K] @ [K, N]`` (``addmm``: after the bias) and ``[G, M, K] @ [G, K, N]``: rows stay on ``M``, ``N``
     and ``G``; a contraction over rows (``K``) mixes them."""
     a, b = (operands[1], operands[2]) if target == "aten.addmm.default" else (operands[0], operands[1])

@@ -14,6 +14,7 @@ from torchpar.methods import (
     ShardParallel,
     Zero2Parallel,
     Zero3Parallel,
+    data_replicas,
 )
 from torchpar.planner.intra_op import logical_mesh, memory_breakdown, mesh_shapes_for, plan_best_mesh, plan_stage
 from torchpar.planner.mesh_links import submesh_of
@@ -90,9 +91,9 @@ def plan_for_method(graph: Graph, method: Any, cluster: ClusterSpec, *, trainabl
                   memory_budget=budget, time_limit_s=time_limit, num_micro_batches=micro, remat=remat,
                   experts=getattr(method, "experts", "auto"), context=getattr(method, "context", "auto"),
                   sequence_parallel=getattr(method, "sequence_parallel", False))
-    replicas = 1
+    replicas = data_replicas(method)
     if mesh_shape is not None and len(mesh_shape) == 3:  # (data, d0, d1): the ILP plans one replica's d0 × d1
-        replicas, mesh_shape = int(mesh_shape[0]), tuple(mesh_shape[1:])
+        mesh_shape = tuple(mesh_shape[1:])
     if mesh_shape is not None:
         if replicas * mesh_shape[0] * mesh_shape[1] > cluster.num_devices:
             raise ValueError(f"mesh_shape {(replicas, *mesh_shape) if replicas > 1 else tuple(mesh_shape)} needs "

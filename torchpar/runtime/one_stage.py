@@ -98,8 +98,7 @@ class OneStageProgram:
         params, opt_state, buffers = state
         placement = Placement.from_stage(self.stage, graph, self.devices, self.optimizer)
         replicas = self.stage.data_replicas
-        if replicas > 1:
-            _check_replicable(graph, replicas)
+        if replicas > 1:  # (what replicas cannot train was refused at capture: check_replicable)
             # each replica's rows laid out as the plan says (XLA pads what does not divide), its block of dim 0 its own
             input_shardings = [placement.with_data_axis(fitting(placement.inputs.get(i, placement.replicated),
                                                                 (shape[0] // replicas, *shape[1:])))
@@ -272,10 +271,14 @@ class OneStageProgram:
 
 
 
-def _check_replicable(graph: Graph, replicas: int) -> None:
-    """Data replicas train as the whole batch does only if nothing but the loss mixes rows of the batch: a graph
-    that updates buffers in training (BatchNorm's running statistics, whose forward also normalizes by the batch's
-    statistics) would see each replica's rows alone. Raises ``ValueError`` naming them."""
+def check_replicable(graph: Graph, replicas: int) -> None:
+    """Data replicas train as the whole batch does only if nothing but the loss mixes rows of the batch and the loss
+    combines from the replicas' (:mod:`torchpar.ir.loss_parts`: a mean, a sum, or a sum over a parameter-free count).
+    Raises ``ValueError`` naming what does not: buffers the step updates (BatchNorm's running statistics, whose
+    forward also normalizes by the batch's statistics), or the loss term that is not a sum of per-row terms (a
+    router's load-balancing loss, a product of batch means) — each replica would compute them from its rows alone."""
+    from torchpar.ir.loss_parts import NotDecomposable, decompose_loss
+
     updated = [o.target for o in graph.outputs if o.kind == "buffer"]
     if updated:
         shown = ", ".join(map(str, updated[:5])) + (f", … ({len(updated)} in all)" if len(updated) > 5 else "")
@@ -283,6 +286,15 @@ def _check_replicable(graph: Graph, replicas: int) -> None:
                          f"step updates buffers ({shown}), e.g. BatchNorm statistics, which each replica would compute "
                          "from its own rows only. Use a 2-D mesh_shape (the planner then splits the batch under XLA's "
                          "partitioner, which keeps whole-batch statistics), or put those modules in eval() mode.")
+    try:
+        decompose_loss(graph)
+    except NotDecomposable as error:
+        raise ValueError(
+            f"a plan with {replicas} data replicas cannot train this model the way PyTorch does on the whole batch: "
+            f"the whole batch's loss is not made of the replicas' ({error}). A term such as a mixture-of-experts "
+            "router's load-balancing loss (a product of batch means) would be each replica's own. Use a 2-D "
+            "mesh_shape (its batch split keeps whole-batch statistics), or end the loss with a mean, a sum or "
+            "`.sum() / count` where `count` does not depend on the parameters.") from None
 
 
 def _splits(json_spec: Any, mesh_shape: tuple[int, ...]) -> bool:
