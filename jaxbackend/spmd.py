@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxbackend.ops.expert_parallel import grouped_mm_split_of
+from jaxbackend.ops.row_exchange import gather_rows_local, put_rows_local
 from jaxbackend.sharding import AXIS_NAMES
 from torchpar.ir.graph import Node, TensorMeta
 from torchpar.ir.layout import Multi
@@ -143,15 +144,29 @@ class LocalProgram:
         return jax.random.fold_in(key, jax.lax.axis_index(axis_names(axes)))
 
     def replacement(self, node: Node) -> Any:
-        """A per-device lowering to use instead of the op's own, or ``None``: an embedding whose table is
-        split by rows looks up only the rows this device holds (zeros elsewhere; the psum completes it)."""
-        if node.target != "aten.embedding.default" or node.name not in self.layouts.partial:
-            return None
+        """A per-device lowering to use instead of the op's own, or ``None``: an embedding (or a one-index
+        ``table[idx]``) whose table is split by rows looks up only the rows this device holds (zeros elsewhere; the
+        psum completes it); a gather or put the plan runs as a row exchange runs its per-device part
+        (:mod:`jaxbackend.ops.row_exchange`)."""
         table_spec = (self.layouts.operands.get(node.name) or (None,))[0]
         rows_axes = table_spec[0] if table_spec else None
         if not rows_axes:
             return None
-        return functools.partial(_embedding_rows, names=axis_names(rows_axes))
+        names = axis_names(rows_axes)
+        if self.layouts.options.get(node.name, {}).get("rows") == "exchange":
+            peers = math.prod(self.mesh_shape[a] for a in rows_axes)
+            if node.target == "aten.index.Tensor":
+                return lambda table, indices: gather_rows_local(table, indices[0], names, peers)
+            return lambda base, indices, values, accumulate=False: put_rows_local(base, indices[0], values, names,
+                                                                                  peers, accumulate)
+        if node.name not in self.layouts.partial:
+            return None
+        if node.target == "aten.embedding.default":
+            return functools.partial(_embedding_rows, names=names)
+        if node.target == "aten.index.Tensor":
+            return lambda table, indices: _embedding_rows(table, _from_end(indices[0], table.shape[0], rows_axes,
+                                                                           self.mesh_shape), names=names)
+        return None
 
     def hold_back_bias(self, node: Node, args: list[Any], kwargs: dict[str, Any]) -> tuple[list[Any], Any]:
         """For a biased matmul/convolution whose local result is a partial product (a split contracted dim):
@@ -207,7 +222,12 @@ def _embedding_rows(weight: jax.Array, indices: jax.Array, padding_idx: int = -1
     out = jnp.take(weight, jnp.clip(local, 0, rows - 1), axis=0)
     if padding_idx is not None and padding_idx >= 0:  # the padding row gets no gradient, as in PyTorch
         out = jnp.where((indices == padding_idx)[..., None], jax.lax.stop_gradient(out), out)
-    return jnp.where(held[..., None], out, jnp.zeros((), out.dtype))
+    return jnp.where(held.reshape(held.shape + (1,) * (out.ndim - held.ndim)), out, jnp.zeros((), out.dtype))
+
+
+def _from_end(indices: jax.Array, local_rows: int, axes: Sequence[int], mesh_shape: Sequence[int]) -> jax.Array:
+    """PyTorch's negative row numbers (counted from the end) of a table split into ``local_rows`` over ``axes``."""
+    return jnp.where(indices < 0, indices + local_rows * math.prod(mesh_shape[a] for a in axes), indices)
 
 
 def require_invariant(value: jax.Array, what: str) -> jax.Array:

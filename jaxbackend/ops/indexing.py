@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxbackend.ops.registry import lowers
+from jaxbackend.ops.row_exchange import gather_rows, put_rows
 from jaxbackend.ops.scalars import fit
 from jaxbackend.sharding import in_data_replica
 
@@ -169,17 +170,27 @@ def _index_tuple(indices):
     return tuple(slice(None) if i is None else (i.astype(jnp.int32) if i.dtype != jnp.bool_ else i) for i in indices)
 
 
-@lowers("aten.index.Tensor")
-def index(x, indices):
+@lowers("aten.index.Tensor", sharded=True)
+def index(x, indices, *, shardings=None, rows=None):
+    """``x[indices]``. With ``rows="exchange"`` (a plan keeping ``x``'s rows split, the one index whole:
+    ``shardings`` pins them) only the rows other devices need move (:mod:`.row_exchange`)."""
     if any(i is not None and i.dtype == jnp.bool_ for i in indices):
         raise NotImplementedError("boolean-mask indexing has a data-dependent shape; use torch.where instead")
+    if rows == "exchange" and shardings and shardings[0] is not None:
+        spec = (tuple(shardings[0].spec) + (None,) * x.ndim)[:x.ndim]
+        return gather_rows(x, indices[0], shardings[0].mesh, spec)
     return x[_index_tuple(indices)]
 
 
-@lowers("aten.index_put.default")
-def index_put(x, indices, values, accumulate=False):
+@lowers("aten.index_put.default", sharded=True)
+def index_put(x, indices, values, accumulate=False, *, shardings=None, rows=None):
+    """``x.index_put(indices, values, accumulate)``; ``rows="exchange"`` as for :func:`index`: ``values``' rows go
+    to the devices holding their destination rows."""
     if any(i is not None and i.dtype == jnp.bool_ for i in indices):
         return _index_put_mask(x, indices, values, accumulate)
+    if rows == "exchange" and shardings and shardings[0] is not None:
+        spec = (tuple(shardings[0].spec) + (None,) * x.ndim)[:x.ndim]
+        return put_rows(x, indices[0], values, shardings[0].mesh, spec, accumulate)
     where = _index_tuple(indices)
     return x.at[where].add(values.astype(x.dtype)) if accumulate else x.at[where].set(values.astype(x.dtype))
 

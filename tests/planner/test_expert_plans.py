@@ -9,6 +9,7 @@ import torch
 import transformers
 
 import torchpar
+from tests.models.routed_experts import RoutedExperts
 from torchpar.harness import zoo
 from torchpar.planner.sharding.cost_model import LogicalMesh
 from torchpar.planner.sharding.strategies import anchor_einsum, einsum_strategies, expert_strategies
@@ -76,6 +77,28 @@ def test_the_cost_model_splits_64_experts_over_4_devices():
     experts = {n: s for n, s in plan.stages[0].params.items() if ".experts." in n}
     assert len(experts) == 4 and all(spec[0] == [1] for spec in experts.values()), experts
     assert "experts: 4 grouped matmul(s), experts split over mesh axis 1" in plan.summary()
+    # the token rows travel to and from their experts' devices by all-to-all, not gathered whole: in each layer
+    # hidden[perm // 2] (sorting the rows by expert) and out[inv_perm] (putting them back); the routing weights
+    # ([16384] floats) and the inverse permutation (ints) may run whole
+    gathers = {n: s.rpartition(": ")[2] for n, s in plan.stages[0].strategies.items() if "aten.index.Tensor" in s}
+    assert sum(s == "rows@1,exchange" for s in gathers.values()) == 4, gathers
+    assert "routing: 4 gather(s)/put(s) by a whole index keep their rows split" in plan.summary()
+
+
+def test_a_put_by_a_whole_index_keeps_its_rows_split():
+    """A routed-experts model that is not HF (``tests/models/routed_experts.py``: rows sorted by ``argsort``, put back
+    by ``index_put``) at 4,096 rows of 64 on 4 devices: its gather and its put move rows by all-to-all instead of
+    running on whole arrays (at the runtime test's 64 rows of 8 a collective's latency decides, and the put may
+    run whole)."""
+    torchpar.init(cluster="local", num_devices=4)
+    torch.manual_seed(0)
+    model = RoutedExperts(experts=8, width=64, hidden=128)
+    batch = (torch.randn(4096, 64), torch.randn(4096, 64))
+    plan = torchpar.plan(model, torch.optim.AdamW(model.parameters()), example_batch=batch, explain=False,
+                         method=torchpar.ShardParallel(mesh_shape=(1, 4), experts="split"))
+    moves = {s.partition(": ")[0]: s.rpartition(": ")[2] for s in plan.stages[0].strategies.values()
+             if "aten.index" in s}
+    assert moves == {"aten.index.Tensor": "rows@1,exchange", "aten.index_put.default": "rows@1,exchange"}, moves
 
 
 def test_the_exchange_buffers_are_a_transient_the_peak_adds_once():

@@ -11,6 +11,8 @@ choosing it by itself where it pays."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import transformers
@@ -89,8 +91,29 @@ def test_experts_split_under_a_budget_train_like_pytorch(family):
     assert memory["argument_bytes"] + memory["temp_bytes"] <= BUDGET, memory  # measured 7.9 MB
     split = _expert_split(stage)
     assert len(split) == 4, stage.params  # both projections of both layers
-    kinds = [c.kind for c in collectives(engine.hlo_text()[0])]
-    assert "all-to-all" in kinds
+    found = collectives(engine.hlo_text()[0])
+    assert "all-to-all" in [c.kind for c in found]
+    assert not _token_rows_gathered(found), _token_rows_gathered(found)
+    assert _exchanged_routing(engine) == 4  # tokens to their experts and back, in each layer
+
+
+def _token_rows_gathered(found) -> list:
+    """Collectives of the routing's own gathers and scatters on float rows ``[≥ 256, 64]`` (the batch's 256 tokens or
+    their 512 (token, expert) pairs; weights have at most 128 rows): before the row exchange, ``hidden[perm // 2]``
+    and ``out[inv_perm]`` all-gathered them whole (``…/gather``) and all-reduced their gradients
+    (``…/scatter-add``). Not counted: a matmul's input gathered where the cost model prefers it — at this size the
+    router's (one 64 KB all-gather instead of two 2 KB ones for the expert ids and routing weights, each paying the
+    fake devices' latency)."""
+    return [c for c in found if c.kind in ("all-gather", "all-reduce")
+            and re.search(r'op_name="[^"]*/(gather|scatter|scatter-add)"', c.line)
+            for dtype, shape in c.shapes if dtype.startswith(("f", "bf")) and len(shape) == 2 and shape[0] >= 256
+            and shape[1] == 64]
+
+
+def _exchanged_routing(engine) -> int:
+    """Gathers (``table[idx]``) of the plan that move rows by all-to-all (``rows@…,exchange``)."""
+    return sum(label.startswith("aten.index.Tensor") and label.endswith("exchange")
+               for stage in engine.plan.stages for label in stage.strategies.values())
 
 
 def test_experts_split_in_a_per_device_program_accumulating_and_recomputing():
@@ -103,6 +126,7 @@ def test_experts_split_in_a_per_device_program_accumulating_and_recomputing():
     assert engine.spmd_mode == "shard_map" and engine.plan.remat == "selective"
     torch.testing.assert_close(losses, _reference("mixtral_1_layer"), rtol=LOSS_RTOL, atol=0)
     assert len(_expert_split(engine.plan.stages[0])) == 2
+    assert _exchanged_routing(engine) == 2  # the routing's row exchange, run per device
 
 
 def test_experts_split_inside_pipeline_stages():
@@ -117,6 +141,8 @@ def test_experts_split_inside_pipeline_stages():
     experts = [name for stage in stages for name in stage.params if ".experts." in name]
     assert len(stages) == 2 and len(experts) == 4  # the clustering puts both MoE blocks in one stage or two
     assert sum(len(_expert_split(stage)) for stage in stages) == 4
+    # 128 tokens per micro-batch: the cost model runs the routing whole (one all-gather of the tokens costs less
+    # than the exchange's two all-to-alls at these sizes); the 512-token plans above exchange them
 
 
 def test_a_routed_expert_model_that_is_not_a_transformer_trains_split_like_pytorch():

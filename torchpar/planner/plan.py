@@ -347,19 +347,34 @@ def expert_layouts(stage: "StagePlan") -> list[tuple[str, str, str]]:
 
 
 def _expert_lines(stage: "StagePlan") -> list[str]:
-    """The summary's lines on the stage's grouped matmuls (:func:`expert_layouts`), with its all-to-all bytes."""
+    """The summary's lines on the stage's grouped matmuls (:func:`expert_layouts`) and row exchanges, with its
+    all-to-all bytes."""
     by_meaning: dict[str, list[str]] = {}
     for module, _, meaning in expert_layouts(stage):
         by_meaning.setdefault(meaning, []).append(module)
-    if not by_meaning:
-        return []
     lines = [f"    experts: {len(modules)} grouped matmul(s), {meaning}: {', '.join(dict.fromkeys(modules))}"
              for meaning, modules in by_meaning.items()]
+    moved = _row_exchanges(stage)
+    if moved:
+        lines.append(f"    routing: {len(moved)} gather(s)/put(s) by a whole index keep their rows split, moving only the "
+                     f"rows other devices need by all-to-all: {', '.join(dict.fromkeys(moved))}")
     exchanged = stage.communication_bytes.get("all_to_all")
-    if exchanged:
+    if exchanged and by_meaning:
         lines.append(f"    experts: the stage's all-to-alls send {format_bytes(exchanged)} per device per step (tokens to "
                      "their experts and back among them, priced for a balanced router)")
     return lines
+
+
+def _row_exchanges(stage: "StagePlan") -> list[str]:
+    """The modules of the stage's ``table[idx]`` / ``index_put`` ops that run as a row exchange (``rows@…,exchange``:
+    ``torchpar.planner.sharding.exchange_strategies``)."""
+    found = []
+    for label in stage.strategies.values():
+        op, _, strategy = str(label).rpartition(": ")
+        target, _, module = op.partition(" ")
+        if strategy.startswith("rows@") and strategy.endswith(",exchange"):
+            found.append(module or target)
+    return found
 
 
 ATTENTION_TARGET = "aten.scaled_dot_product_attention.default"

@@ -38,17 +38,23 @@ OP_LABELS: dict[str, dict[str, str]] = {
     "convolution": {"n": "batch", "o": "out channels", "c": "in channels (contracted)"},
     "_grouped_mm": _GROUPED,
     "transformers.grouped_mm_fallback.default": _GROUPED,
+    "index": {"V": "table rows", "D": "table dim 1", "F": "table dim 2", "a": "index (output rows)",
+              "rows": "rows (the table's and the output's)", "cols": "columns"},
+    "index_put": {"rows": "rows (the base's, the values' and the output's)", "cols": "columns"},
 }
 """What each einsum label of an anchor op's strategy stands for, by op (``aten.<op>.default``)."""
 VARIANTS = {"ring": "keys/values passed around a ring of devices (ppermute)",
-            "allgather": "keys/values all-gathered (their gradient reduce-scattered)"}
-"""The words of an attention strategy that name how its split sequence meets every key (``seq@1,ring``)."""
+            "allgather": "keys/values all-gathered (their gradient reduce-scattered)",
+            "exchange": "the index whole: only the rows another device needs move, by all-to-all"}
+"""The words of a strategy that name how its split runs: an attention's sequence meeting every key (``seq@1,ring``),
+a gather's or put's rows moved by a whole index (``rows@1,exchange``)."""
 OPERAND_NAMES: dict[str, tuple[str, ...]] = {
     "mm": ("input", "weight"), "addmm": ("bias", "input", "weight"), "bmm": ("a", "b"),
     "baddbmm": ("bias", "a", "b"), "embedding": ("table", "indices"),
     "scaled_dot_product_attention": ("q", "k", "v", "mask"), "convolution": ("input", "weight", "bias"),
     "_grouped_mm": ("rows", "experts' weights", "offsets"),
     "transformers.grouped_mm_fallback.default": ("rows", "experts' weights", "offsets"),
+    "index": ("table", "indices"), "index_put": ("base", "indices", "values"),
 }
 _ROWS_OPEN = 40
 """Stages are shown expanded while the whole table has at most this many rows."""

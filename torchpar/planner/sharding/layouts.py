@@ -26,6 +26,7 @@ from torchpar.planner.plan import StagePlan
 from torchpar.planner.sharding.cost_model import LogicalMesh
 from torchpar.planner.sharding.follow import follow, reduced_dims
 from torchpar.planner.sharding.solver_graph import _numel
+from torchpar.planner.sharding.exchange_strategies import row_exchange_form
 from torchpar.planner.sharding.strategies import anchor_einsum
 
 
@@ -45,6 +46,8 @@ class ValueLayouts:
     partial: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)
     statistics_axes: dict[str, tuple[int, ...]] = field(default_factory=dict)
     """Per batch-norm node whose batch is split: the mesh axes its statistics are averaged across."""
+    options: dict[str, dict[str, str]] = field(default_factory=dict)
+    """Per anchor whose strategy names how it runs split (``StagePlan.op_options``): e.g. ``{"rows": "exchange"}``."""
     problems: dict[str, list[str]] = field(default_factory=dict)
     """What a per-device program cannot run: a reason → the values (ops, buffers) it concerns."""
 
@@ -97,12 +100,15 @@ def _replay_node(node: Node, metas: dict, stage: StagePlan, mesh: LogicalMesh, l
     refs = list(node.refs())
     operand_metas = [metas.get(r) for r in refs]
     out = node.out
-    einsum = None
+    einsum = form = None
     if refs and isinstance(out, TensorMeta) and all(isinstance(m, TensorMeta) for m in operand_metas):
         einsum = anchor_einsum(node.target, node.args, [len(m.shape) for m in operand_metas], len(out.shape))
-    if einsum is not None and len(einsum.operands) == len(refs):
+        form = row_exchange_form(node.target, node.args, [m.shape for m in operand_metas], out.shape)
+    if (einsum is not None and len(einsum.operands) == len(refs)) or form is not None:
         _replay_anchor(node, stage, layouts)
         options = stage.op_options.get(node.name, {})
+        if options:
+            layouts.options[node.name] = dict(options)
         if "context" in options:
             layouts.add_problem("an attention splits its sequence (context parallelism runs under GSPMD only)",
                                 node.name)

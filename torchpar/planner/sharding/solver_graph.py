@@ -26,6 +26,7 @@ from torchpar.ir.layout import Multi, Spec
 from torchpar.ir.op_families import ASSERTS, GROUPED_MATMULS
 from torchpar.planner.remat import BACKWARD_WORKING_COPIES, remat_memory
 from torchpar.planner.sharding.cost_model import LogicalMesh
+from torchpar.planner.sharding.exchange_strategies import exchange_strategies, replicated_put, row_exchange_form
 from torchpar.planner.sharding.follow import follow
 from torchpar.planner.sharding.strategies import (Strategy, anchor_einsum, attention_scores_bytes,
                                                   context_strategies, einsum_strategies, expert_strategies,
@@ -263,11 +264,12 @@ class _Builder:
         operand_metas = [self.metas.get(r) for r in refs]
         out = node.out
         tensor_operands = all(isinstance(m, TensorMeta) for m in operand_metas)
-        einsum = None
+        einsum = form = None
         if tensor_operands and isinstance(out, TensorMeta) and refs:
             einsum = anchor_einsum(node.target, node.args, [len(m.shape) for m in operand_metas], len(out.shape))
-        if einsum is not None and len(einsum.operands) == len(refs):
-            self._add_anchor(node, refs, operand_metas, einsum)
+            form = row_exchange_form(node.target, node.args, [m.shape for m in operand_metas], out.shape)
+        if (einsum is not None and len(einsum.operands) == len(refs)) or form is not None:
+            self._add_anchor(node, refs, operand_metas, einsum, form)
             return
         tracked = [i for i, r in enumerate(refs) if r in self.values]
         if not tracked:
@@ -284,13 +286,22 @@ class _Builder:
             spec = Multi((None,) * len(m.shape) if m is not None else None for m in out)
         self._new_root(node.name, "constant", node.target, [Strategy("replicated", spec)], None)
 
-    def _add_anchor(self, node: Node, refs: list[str], metas: list[Any], einsum: Any) -> None:
+    def _add_anchor(self, node: Node, refs: list[str], metas: list[Any], einsum: Any, form: str | None = None) -> None:
+        """An anchor's root: its einsum strategies (a put with no einsum view: run whole), the expert, attention or
+        row-exchange (``form``, :func:`.exchange_strategies.row_exchange_form`) ones its op adds."""
         grads = [r in self.needs_grad for r in refs]
-        strategies = einsum_strategies(einsum, [m.shape for m in metas], node.out.shape, node.flops,
-                                       node.out.nbytes, [m.nbytes for m in metas], grads, self.mesh,
-                                       weight_operands=self._weights(refs),
-                                       num_micro_batches=self.num_micro_batches,
-                                       scatter_rows=node.target in ROW_SCATTERED and len(node.out.shape) == 2)
+        if einsum is not None:
+            strategies = einsum_strategies(einsum, [m.shape for m in metas], node.out.shape, node.flops,
+                                           node.out.nbytes, [m.nbytes for m in metas], grads, self.mesh,
+                                           weight_operands=self._weights(refs),
+                                           num_micro_batches=self.num_micro_batches,
+                                           scatter_rows=node.target in ROW_SCATTERED and len(node.out.shape) == 2)
+        else:
+            strategies = [replicated_put([m.shape for m in metas], node.out.nbytes)]
+        if form is not None:
+            moved = metas[0] if form == "gather" else metas[2]
+            strategies = strategies + exchange_strategies(form, [m.shape for m in metas], DTYPE_BYTES.get(moved.dtype, 4),
+                                                          grads, self.mesh, num_micro_batches=self.num_micro_batches)
         if node.target in GROUPED_MATMULS:
             split = expert_strategies([m.shape for m in metas], node.flops, DTYPE_BYTES.get(metas[0].dtype, 4), grads,
                                       self.mesh, weight_operands=self._weights(refs),

@@ -237,6 +237,10 @@ def anchor_einsum(target: str, args: tuple, operand_ranks: Sequence[int], out_ra
     if target == "aten.embedding.default":
         index_labels = _LETTERS[: operand_ranks[1]]
         return Einsum(("VD", index_labels), index_labels + "D", "VD" + index_labels)
+    if target == "aten.index.Tensor" and len(operand_ranks) == 2 and _one_index(args) and operand_ranks[0] >= 1:
+        # table[idx]: an embedding lookup of the table's rows (any trailing dims)
+        index_labels, rest = _LETTERS[: operand_ranks[1]], "DFGHJ"[: operand_ranks[0] - 1]
+        return Einsum(("V" + rest, index_labels), index_labels + rest, "V" + rest + index_labels)
     if target in GROUPED_MATMULS and tuple(operand_ranks[:3]) == (2, 3, 1) and out_rank == 2:
         # rows s, contracted k, experts e, columns n; splitting e (expert parallelism) is not an einsum
         # strategy: :func:`expert_strategies` adds it
@@ -249,6 +253,12 @@ def anchor_einsum(target: str, args: tuple, operand_ranks: Sequence[int], out_ra
             operands.append("bhls"[4 - operand_ranks[3]:])
         return Einsum(tuple(operands), "bhlf", "bh")
     return None
+
+
+def _one_index(args: tuple) -> bool:
+    """An ``aten.index.Tensor``'s indices are one tensor, on dim 0."""
+    indices = args[1] if len(args) > 1 else None
+    return isinstance(indices, (list, tuple)) and len(indices) == 1 and indices[0] is not None
 
 
 def expert_strategies(operand_shapes: Sequence[Sequence[int]], flops: float, itemsize: int,
