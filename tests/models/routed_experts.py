@@ -33,16 +33,18 @@ class RoutedExperts(torch.nn.Module):
 
 
 def train_like_pytorch(method: Any, rows: int, steps: int = 4, lr: float = 1e-2,
-                       inspect: Callable[[Any], None] | None = None) -> tuple[list[float], list[float], RoutedExperts,
-                                                                              RoutedExperts]:
-    """:class:`RoutedExperts` (seed 0) trained ``steps`` AdamW steps on one ``[rows, 8]`` batch by PyTorch eager and
-    by torchpar under ``method``. Returns ``(torchpar's losses, eager's losses, torchpar's model synced back,
-    eager's model)``; ``inspect(engine)`` runs before the engine closes."""
+                       inspect: Callable[[Any], None] | None = None, compile_options: dict | None = None,
+                       **sizes: int) -> tuple[list[float], list[float], RoutedExperts, RoutedExperts]:
+    """:class:`RoutedExperts` (seed 0; ``sizes``: its ``experts``/``width``/``hidden``) trained ``steps`` AdamW steps
+    on one ``[rows, width]`` batch by PyTorch eager and by torchpar under ``method`` (and ``compile_options``).
+    Returns ``(torchpar's losses, eager's losses, torchpar's model synced back, eager's model)``; ``inspect(engine)``
+    runs before the engine closes."""
     import torchpar
 
     torch.manual_seed(0)
-    model = RoutedExperts()
-    x, y = torch.randn(rows, 8), torch.randn(rows, 8)
+    model = RoutedExperts(**sizes)
+    width = sizes.get("width", 8)
+    x, y = torch.randn(rows, width), torch.randn(rows, width)
     reference = copy.deepcopy(model)
     optimizer = torch.optim.AdamW(reference.parameters(), lr=lr)
     expected = []
@@ -53,7 +55,7 @@ def train_like_pytorch(method: Any, rows: int, steps: int = 4, lr: float = 1e-2,
         optimizer.step()
         expected.append(loss.item())
     with torchpar.compile(model, torch.optim.AdamW(model.parameters(), lr=lr), example_batch=(x, y),
-                          method=method) as engine:
+                          method=method, **(compile_options or {})) as engine:
         losses = [float(engine.step((x, y))) for _ in range(steps)]
         engine.sync_to_torch()
         if inspect is not None:

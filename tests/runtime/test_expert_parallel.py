@@ -159,3 +159,21 @@ def test_a_routed_expert_model_that_is_not_a_transformer_trains_split_like_pytor
         torchpar.ShardParallel(mesh_shape=(1, 4), experts="split"), rows=64, steps=STEPS, inspect=inspect)
     torch.testing.assert_close(losses, expected, rtol=LOSS_RTOL, atol=0)
     torch.testing.assert_close(model.norm.running_mean, reference.norm.running_mean, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("spmd", ["gspmd", "shard_map"])
+def test_a_routed_expert_model_exchanges_its_rows_like_pytorch(spmd):
+    """The routed-experts model at 2,048 rows of 64 (wide enough that the cost model exchanges rows): its
+    ``h[argsort(expert)]`` and ``empty_like(y).index_put((order,), y)`` keep their rows split and move them by
+    all-to-all, as one GSPMD program and as a per-device one — PyTorch's losses either way. (The per-device program
+    once sorted each device's rows alone: ``sort.stable`` takes its dim as a keyword, and the layout rules read it as
+    an elementwise op; a GSPMD program sorts globally whatever the layout says.)"""
+    def inspect(engine) -> None:
+        moves = {label.partition(": ")[0]: label.rpartition(": ")[2]
+                 for label in engine.plan.stages[0].strategies.values() if "aten.index" in label}
+        assert moves == {"aten.index.Tensor": "rows@1,exchange", "aten.index_put.default": "rows@1,exchange"}, moves
+
+    losses, expected, _, _ = train_like_pytorch(
+        torchpar.ShardParallel(mesh_shape=(1, 4), experts="split"), rows=2048, steps=3, inspect=inspect,
+        compile_options={"spmd": spmd}, experts=8, width=64, hidden=128)
+    torch.testing.assert_close(losses, expected, rtol=LOSS_RTOL, atol=0)

@@ -100,8 +100,9 @@ def _rows(node: Node, operands: list[RowState], metas: dict[str, Any]) -> tuple[
     if target == "aten.topk.default":  # (x, k, dim=-1): which values are kept depends on the others along dim
         dim = _norm(args[2] if len(args) > 2 else -1, rank)
         return rows, dim in rows
-    if target == "aten.sort.default":  # (x, dim=-1): a permutation along dim, of rows too: not followed there
-        dim = _norm(args[1] if len(args) > 1 and not isinstance(args[1], bool) else -1, rank)
+    if target in ("aten.sort.default", "aten.sort.stable"):  # (x, dim=-1) / (x, *, dim=-1): a permutation along
+        # dim, of rows too: not followed there
+        dim = _norm(args[1] if len(args) > 1 and not isinstance(args[1], bool) else node.kwargs.get("dim", -1), rank)
         return (rows, False) if dim not in rows else (None, False)
     if target in _REDUCE_ALL:
         return frozenset(), bool(rows)

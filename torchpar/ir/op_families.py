@@ -46,10 +46,13 @@ PARTIAL_SUM_REDUCTIONS = {"aten.sum.dim_IntList": "sum", "aten.sum.default": "su
 shards of a split dim are equal-sized, so the mean of local means is the global mean)."""
 
 ALONG_DIM = {"aten._softmax.default": 1, "aten._log_softmax.default": 1, "aten.cumsum.default": 1,
-             "aten.cumprod.default": 1, "aten.sort.default": 1, "aten.topk.default": 2, "aten.slice.Tensor": 1,
-             "aten.split_with_sizes.default": 2, "aten.split.Tensor": 2, "aten.index_select.default": 1,
-             "aten.gather.default": 1, "aten._safe_softmax.default": 1}
-"""Ops working along one dim, and the position of their ``dim`` argument."""
+             "aten.cumprod.default": 1, "aten.sort.default": 1, "aten.sort.stable": None, "aten.topk.default": 2,
+             "aten.slice.Tensor": 1, "aten.split_with_sizes.default": 2, "aten.split.Tensor": 2,
+             "aten.index_select.default": 1, "aten.gather.default": 1, "aten._safe_softmax.default": 1}
+"""Ops working along one dim, and the position of their ``dim`` argument (``None``: keyword-only, ``dim=``)."""
+
+ALONG_DIM_DEFAULT = {"aten.sort.default": -1, "aten.sort.stable": -1, "aten.topk.default": -1}
+"""The dim an :data:`ALONG_DIM` op works along when its ``dim`` argument is left out (0 for the others)."""
 
 BATCH_NORMS = frozenset({"aten._native_batch_norm_legit_functional.default", "aten._native_batch_norm_legit.no_stats",
                          "aten._native_batch_norm_legit_no_training.default"})

@@ -24,7 +24,7 @@ from typing import Any, Sequence
 from torchpar.ir.function_regions import MARKERS as FUNCTION_MARKERS
 from torchpar.ir.graph import Node, TensorMeta
 from torchpar.ir.layout import Multi, Spec, is_valid
-from torchpar.ir.op_families import ALONG_DIM, BATCH_NORMS, REDUCTIONS, RESHAPES
+from torchpar.ir.op_families import ALONG_DIM, ALONG_DIM_DEFAULT, BATCH_NORMS, REDUCTIONS, RESHAPES
 from torchpar.planner.sharding.cost_model import LogicalMesh
 
 OutSpec = Spec | Multi | None
@@ -108,7 +108,7 @@ def follow(node: Node, operands: Sequence[Any], main: int, main_spec: Any, mesh:
         keep = tuple(None if d == dim else e for d, e in enumerate(main_spec))
         return Follow(tuple(e for d, e in enumerate(keep) if d != dim), (keep,))
     if target in ALONG_DIM:
-        dim = node.args[ALONG_DIM[target]] if len(node.args) > ALONG_DIM[target] else 0
+        dim = along_dim(node)
         dims = [dim] if isinstance(dim, int) else list(dim)
         keep = tuple(None if d in [x % len(main_meta.shape) for x in dims] else e for d, e in enumerate(main_spec))
         required = [None] * len(operands)
@@ -130,6 +130,15 @@ def follow(node: Node, operands: Sequence[Any], main: int, main_spec: Any, mesh:
                                 for m in out), result.required, result.comm_s, result.weight_grad_comm_s)
         return result
     return _replicated(node, operands)
+
+
+def along_dim(node: Node) -> Any:
+    """The ``dim`` argument of an :data:`~torchpar.ir.op_families.ALONG_DIM` op (positional, or the keyword of
+    ``sort.stable``), or its default when left out (``sort``, ``topk``: the last dim)."""
+    position = ALONG_DIM[node.target]
+    if position is not None and len(node.args) > position:
+        return node.args[position]
+    return node.kwargs.get("dim", ALONG_DIM_DEFAULT.get(node.target, 0))
 
 
 def _function_marker(operands: Sequence[Any], main: int, main_spec: Any) -> Follow:
