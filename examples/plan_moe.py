@@ -82,7 +82,7 @@ def main() -> None:
         return
     planning_s = time.perf_counter() - start
     print("\n".join(line for line in plan.summary().splitlines()
-                    if not line.startswith("    ") or line.lstrip().startswith(("est. memory", "experts:"))))
+                    if not line.startswith("    ") or line.lstrip().startswith(("est. memory", "experts:", "routing:"))))
     memory = cluster.device_memory_bytes
     split = [index for index, stage in enumerate(plan.stages)
              if any(spec[0] for name, spec in stage.params.items() if ".experts." in name)]
@@ -90,11 +90,14 @@ def main() -> None:
                    estimated_step_s=plan.estimated_step_s, remat=plan.remat,
                    least_headroom=min(1 - s.estimated_memory_bytes / memory for s in plan.stages),
                    stages_with_experts_split=split,
-                   stages_with_experts=[i for i, s in enumerate(plan.stages) if any(".experts." in n for n in s.params)])
+                   stages_with_experts=[i for i, s in enumerate(plan.stages) if any(".experts." in n for n in s.params)],
+                   row_exchanges=[sum(label.endswith(",exchange") for label in s.strategies.values())
+                                  for s in plan.stages])
     print(f"\n{parameters / 1e9:.1f} B parameters on {cluster.num_devices} × {args.preset}: planned in "
           f"{planning_s:.1f} s (capture {figures['capture_s']:.1f} s); {len(plan.stages)} stages, the least memory "
           f"headroom {figures['least_headroom']:.1%}; experts split in stages {split} of "
-          f"{figures['stages_with_experts']}")
+          f"{figures['stages_with_experts']}; gathers/puts moving rows by all-to-all per stage "
+          f"{figures['row_exchanges']}")
     _write(args.json, figures)
 
 
