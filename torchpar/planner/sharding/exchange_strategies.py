@@ -22,9 +22,9 @@ import math
 from typing import Any, Sequence
 
 from torchpar.ir.costs import expert_slot_rows
-from torchpar.ir.graph import Ref
+from torchpar.ir.graph import Node, Ref, TensorMeta
 from torchpar.planner.sharding.cost_model import LogicalMesh
-from torchpar.planner.sharding.strategies import Strategy
+from torchpar.planner.sharding.strategies import Einsum, Strategy, anchor_einsum
 
 ROW_GATHER = "aten.index.Tensor"
 ROW_PUT = "aten.index_put.default"
@@ -54,6 +54,20 @@ def row_exchange_form(target: str, args: tuple, operand_shapes: Sequence[Sequenc
         if len(base) >= 1 and len(idx) == 1 and values == idx + base[1:] and tuple(out_shape) == base:
             return "put"
     return None
+
+
+def anchor_of(node: Node, operand_metas: Sequence[Any]) -> tuple[Einsum | None, str | None] | None:
+    """How ``node`` is a root (anchor) of the sharding ILP — ``(its einsum view, its row-exchange form)``, either
+    possibly ``None`` — or ``None`` when it follows an operand instead. ``operand_metas``: its tensor operands' metas
+    in ``Node.refs()`` order (the solver graph and the layouts replayed from a plan both decide by this)."""
+    out = node.out
+    if not operand_metas or not isinstance(out, TensorMeta) or not all(isinstance(m, TensorMeta) for m in operand_metas):
+        return None
+    einsum = anchor_einsum(node.target, node.args, [len(m.shape) for m in operand_metas], len(out.shape))
+    if einsum is not None and len(einsum.operands) != len(operand_metas):
+        einsum = None
+    form = row_exchange_form(node.target, node.args, [m.shape for m in operand_metas], out.shape)
+    return (einsum, form) if einsum is not None or form is not None else None
 
 
 def replicated_put(operand_shapes: Sequence[Sequence[int]], out_bytes: float) -> Strategy:
@@ -110,5 +124,5 @@ def is_exchange(strategy: Any) -> bool:
     return tuple(getattr(strategy, "lowering", ()) or ()) == EXCHANGE
 
 
-__all__ = ["EXCHANGE", "ROW_GATHER", "ROW_PUT", "exchange_strategies", "is_exchange", "replicated_put",
+__all__ = ["EXCHANGE", "ROW_GATHER", "ROW_PUT", "anchor_of", "exchange_strategies", "is_exchange", "replicated_put",
            "row_exchange_form"]

@@ -24,10 +24,9 @@ from torchpar.ir.layout import Multi, Spec, from_json
 from torchpar.ir.op_families import ASSERTS, BATCH_NORMS, PARTIAL_SUM_REDUCTIONS, REDUCTIONS
 from torchpar.planner.plan import StagePlan
 from torchpar.planner.sharding.cost_model import LogicalMesh
+from torchpar.planner.sharding.exchange_strategies import anchor_of
 from torchpar.planner.sharding.follow import follow, reduced_dims
 from torchpar.planner.sharding.solver_graph import _numel
-from torchpar.planner.sharding.exchange_strategies import row_exchange_form
-from torchpar.planner.sharding.strategies import anchor_einsum
 
 
 @dataclass
@@ -100,11 +99,7 @@ def _replay_node(node: Node, metas: dict, stage: StagePlan, mesh: LogicalMesh, l
     refs = list(node.refs())
     operand_metas = [metas.get(r) for r in refs]
     out = node.out
-    einsum = form = None
-    if refs and isinstance(out, TensorMeta) and all(isinstance(m, TensorMeta) for m in operand_metas):
-        einsum = anchor_einsum(node.target, node.args, [len(m.shape) for m in operand_metas], len(out.shape))
-        form = row_exchange_form(node.target, node.args, [m.shape for m in operand_metas], out.shape)
-    if (einsum is not None and len(einsum.operands) == len(refs)) or form is not None:
+    if anchor_of(node, operand_metas) is not None:
         _replay_anchor(node, stage, layouts)
         options = stage.op_options.get(node.name, {})
         if options:

@@ -26,11 +26,10 @@ from torchpar.ir.layout import Multi, Spec
 from torchpar.ir.op_families import ASSERTS, GROUPED_MATMULS
 from torchpar.planner.remat import BACKWARD_WORKING_COPIES, remat_memory
 from torchpar.planner.sharding.cost_model import LogicalMesh
-from torchpar.planner.sharding.exchange_strategies import exchange_strategies, replicated_put, row_exchange_form
+from torchpar.planner.sharding.exchange_strategies import anchor_of, exchange_strategies, replicated_put
 from torchpar.planner.sharding.follow import follow
-from torchpar.planner.sharding.strategies import (Strategy, anchor_einsum, attention_scores_bytes,
-                                                  context_strategies, einsum_strategies, expert_strategies,
-                                                  layout_root_strategies)
+from torchpar.planner.sharding.strategies import (Strategy, attention_scores_bytes, context_strategies,
+                                                  einsum_strategies, expert_strategies, layout_root_strategies)
 
 ATTENTION = "aten.scaled_dot_product_attention.default"
 ROW_SCATTERED = ("aten.mm.default", "aten.addmm.default")
@@ -262,14 +261,9 @@ class _Builder:
     def _add_node(self, node: Node) -> None:
         refs = [r for r in node.refs()]
         operand_metas = [self.metas.get(r) for r in refs]
-        out = node.out
-        tensor_operands = all(isinstance(m, TensorMeta) for m in operand_metas)
-        einsum = form = None
-        if tensor_operands and isinstance(out, TensorMeta) and refs:
-            einsum = anchor_einsum(node.target, node.args, [len(m.shape) for m in operand_metas], len(out.shape))
-            form = row_exchange_form(node.target, node.args, [m.shape for m in operand_metas], out.shape)
-        if (einsum is not None and len(einsum.operands) == len(refs)) or form is not None:
-            self._add_anchor(node, refs, operand_metas, einsum, form)
+        anchor = anchor_of(node, operand_metas)
+        if anchor is not None:
+            self._add_anchor(node, refs, operand_metas, *anchor)
             return
         tracked = [i for i, r in enumerate(refs) if r in self.values]
         if not tracked:
