@@ -145,6 +145,17 @@ def test_experts_split_inside_pipeline_stages():
     # than the exchange's two all-to-alls at these sizes); the 512-token plans above exchange them
 
 
+def test_zero3_data_parallelism_over_a_moe_model_exchanges_its_tokens():
+    """ZeRO-3 on Mixtral (parameters, gradients and optimizer state sharded, the experts' included; every op split by
+    batch rows): the routing's gathers and puts keep their rows split by row exchanges instead of all-gathering the
+    tokens, and the losses are PyTorch's (router loss included)."""
+    losses, engine = _train("mixtral", torchpar.Zero3Parallel(mesh_shape=(1, 4)))
+    torch.testing.assert_close(losses, _reference("mixtral"), rtol=LOSS_RTOL, atol=0)
+    assert _exchanged_routing(engine) == 6  # hidden[perm // 2], routing weights[perm], out[inv_perm], in each layer
+    found = collectives(engine.hlo_text()[0])
+    assert not _token_rows_gathered(found), _token_rows_gathered(found)
+
+
 def test_a_routed_expert_model_that_is_not_a_transformer_trains_split_like_pytorch():
     """Not HF and not a transformer (``tests/models/routed_experts.py``): BatchNorm in train mode over rows split
     across the devices, a top-1 ``argmax`` router, ``torch._grouped_mm`` in bf16 with its experts split, rows put

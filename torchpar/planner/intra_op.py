@@ -34,6 +34,7 @@ from torchpar.planner.mesh_links import axes_crossing_hosts, stage_mesh, submesh
 from torchpar.planner.plan import StagePlan
 from torchpar.planner.sharding.comm_bytes import collective_bytes
 from torchpar.planner.sharding.cost_model import LogicalMesh
+from torchpar.planner.sharding.exchange_strategies import is_exchange
 from torchpar.planner.sharding.ilp import Solution, evaluate, gathered_memory, solve, transient_peak
 from torchpar.planner.sharding.solver_graph import SolverGraph, build_solver_graph
 
@@ -259,10 +260,12 @@ def _restrictions(kind: PlanKind, graph: SolverGraph, batch_axes: tuple[int, ...
 
 def _splits_only_output(strategy) -> bool:
     """Every mesh axis the strategy uses splits its output (no contracted-dim splits; a matmul whose contracted
-    split is reduce-scattered into its output rows, ``…>m@A``, splits a contracted dim too)."""
+    split is reduce-scattered into its output rows, ``…>m@A``, splits a contracted dim too), and it runs as the op
+    does or as a row exchange (a gather by a whole index keeping its rows split: data parallelism for a batch that
+    is permuted, as a mixture-of-experts layer's tokens are)."""
     out_axes = {a for entry in strategy.out_spec if entry for a in entry}
     used = {a for spec in strategy.in_specs if spec for entry in spec if entry for a in entry}
-    return used <= out_axes and not strategy.lowering
+    return used <= out_axes and (not strategy.lowering or is_exchange(strategy))
 
 
 def _megatron_restrictions(graph: SolverGraph, sequence_parallel: bool = False) -> dict[int, set[int]]:
