@@ -75,6 +75,26 @@ def test_experts_split_across_host_actors(two_hosts_of_two):
             assert any(c.kind == "all-to-all" for c in crossing_collectives(w)), f"host {w['rank']}"
 
 
+def test_zero_over_a_moe_model_exchanges_its_tokens_across_host_actors(two_hosts_of_two):
+    """ZeRO-2 on HF Mixtral over both host actors (every op split by batch rows): the routing's gathers and puts keep
+    the tokens split, moving the rows other devices need by all-to-all across the hosts, and SGD matches PyTorch."""
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, num_local_experts=8, num_experts_per_tok=2,
+        output_router_logits=True, router_aux_loss_coef=0.02))
+    ids = torch.randint(0, 128, (8, 32))
+    engine = train_against_pytorch(model, {"input_ids": ids, "labels": ids}, torchpar.Zero2Parallel(mesh_shape=(1, 4)),
+                                   steps=2)
+    with engine:
+        strategies = engine.plan.stages[0].strategies
+        assert sum(label.endswith(",exchange") for label in strategies.values()) >= 2, strategies
+        for w in engine.describe_workers(programs=True):
+            assert any(c.kind == "all-to-all" for c in crossing_collectives(w)), f"host {w['rank']}"
+
+
 class _DropoutLayers(torch.nn.Module):
     """Linear+ReLU+dropout layers, a pipeline boundary after each: every stage reads the step's PRNG key."""
 
