@@ -260,6 +260,26 @@ class _RowsThroughViews(MLP):
         return (per_row ** 2).sum()
 
 
+class _SortedAgainstTargets(MLP):
+    """Rows sorted over the batch by a feature, then compared with the targets in the batch's order: each split of
+    the batch would sort only its own rows and pair them with other targets."""
+
+    def forward(self, x, y):
+        out = self.fc2(torch.relu(self.fc1(x)))
+        return ((out[torch.argsort(out[:, 0], stable=True)] - y) ** 2).mean()
+
+
+class _SortedAndPutBack(MLP):
+    """Rows sorted over the batch, changed row by row, and put back in the batch's order (a mixture-of-experts
+    dispatch): every row stays with its own target."""
+
+    def forward(self, x, y):
+        out = self.fc2(torch.relu(self.fc1(x)))
+        order = torch.argsort(out[:, 0], stable=True)
+        moved = torch.tanh(out[order])
+        return ((torch.empty_like(moved).index_put((order,), moved) - y) ** 2).sum()
+
+
 def test_the_pass_finds_the_loss_reduction_in_captured_graphs():
     x, y = _mlp_batch()
     ids, labels = _token_batch()
@@ -277,6 +297,10 @@ def test_the_pass_finds_the_loss_reduction_in_captured_graphs():
     with pytest.raises(NotDecomposable, match=r"already mix the batch's rows: aten.mean.dim .* at .*test_loss_reduction"):
         decompose_loss(_graph(_BatchMeanPenalty("sum"), (x, y)))
     assert decompose_loss(_graph(_RowsThroughViews("sum"), (x, y))).kind == "sum"
+    # a sort over the batch's rows: harmless while each row stays with itself, not when it meets another row's target
+    with pytest.raises(NotDecomposable, match=r"aten.sub.Tensor .* pairs rows sorted over the batch"):
+        decompose_loss(_graph(_SortedAgainstTargets("mean"), (x, y)))
+    assert decompose_loss(_graph(_SortedAndPutBack("sum"), (x, y))).kind == "sum"
 
 
 def test_the_mark_is_an_output_and_a_mean_needs_none():

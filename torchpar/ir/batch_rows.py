@@ -11,6 +11,16 @@ reshape it cannot follow) a value's rows are untracked (``None``), and no op on 
 mixing: a permutation of the rows (sorting tokens by expert and putting them back) or a grouping by counts keeps each
 row's value its own.
 
+**Permuted rows.** A sort along the rows puts them in a batch-dependent order: each split of the batch would sort
+only its own rows. That is harmless while every row stays with itself — a mixture-of-experts layer sorts its tokens
+by expert, runs each through its expert, and puts them back — and not when a row in the sorted order meets a row in
+the batch's order (``mse(h[argsort(h[:, 0])], y)`` pairs each sorted row with another row's target). So a value's
+rows carry their *order* (``""``: the batch's; else the sort that made it), and an index its *target* (the order of
+the rows its values number): ``sort`` gives indices in its own order numbering the input's rows; ``table[idx]`` with
+``idx`` numbering the table's order has ``idx``'s order; ``base.index_put([idx], values)`` puts the values' rows back
+into the order ``idx`` numbers (with ``values = arange``: the inverse permutation, an index numbering ``idx``'s
+order). An elementwise op whose operands' rows are in different orders mixes rows.
+
 Plain data in, plain data out: no torch, no JAX.
 """
 
@@ -29,8 +39,12 @@ Rows = frozenset[int] | None
 class RowState:
     rows: Rows
     mixed: str | None = None
-    """For a floating-point value computed from a reduction over rows: the op that reduced them (its node name,
-    target and source line), else ``None``."""
+    """For a floating-point value computed from a reduction over rows (or a pairing of rows in two orders): the op
+    that mixed them (its target, node name and source line) and how, else ``None``."""
+    order: str = ""
+    """The order its row dims are in: ``""`` the batch's, else the name of the sort that permuted them."""
+    target: str | None = None
+    """For an index into rows: the order of the rows its values number (``""``: the batch's), else ``None``."""
 
 
 _SAME = frozenset({
@@ -64,20 +78,86 @@ def row_states(graph: Graph) -> dict[str, RowState]:
     for inp in graph.inputs:
         batch = inp.kind == "input" and isinstance(inp.meta, TensorMeta) and len(inp.meta.shape) >= 1
         states[inp.name] = RowState(frozenset({0}) if batch else frozenset())
+    positions = set()  # values of arange: row positions, an index numbering whatever order it is used in
     for node in graph.nodes:
-        states[node.name] = _state(node, states, metas)
+        states[node.name] = _state(node, states, metas, positions)
+        if node.target.startswith("aten.arange."):
+            positions.add(node.name)
     return states
 
 
-def _state(node: Node, states: dict[str, RowState], metas: dict[str, Any]) -> RowState:
+def _state(node: Node, states: dict[str, RowState], metas: dict[str, Any], positions: set[str]) -> RowState:
     refs = list(node.refs())
     operands = [states.get(r, RowState(None)) for r in refs]
     inherited = next((s.mixed for s, r in zip(operands, refs) if s.mixed and _floating(metas.get(r))), None)
     if all(s.rows == frozenset() for s in operands):  # nothing from the batch
         return RowState(frozenset(), inherited if _floating(node.out) else None)
     rows, reducing = _rows(node, operands, metas)
-    mixed = inherited or (f"{node.target} ({node.name}{_where(node)})" if reducing else None)
-    return RowState(rows, mixed if _floating(node.out) else None)
+    order, target, paired = _order(node, operands, metas, positions, rows)
+    if order is None:
+        rows, order = None, ""
+    what = "reduces over them" if reducing else "pairs rows sorted over the batch with rows in another order"
+    mixed = inherited or (f"{node.target} ({node.name}{_where(node)}) {what}" if reducing or paired else None)
+    return RowState(rows, mixed if _floating(node.out) else None, order, target)
+
+
+def _order(node: Node, operands: list[RowState], metas: dict[str, Any], positions: set[str], rows: Rows
+           ) -> tuple[str | None, str | None, bool]:
+    """``(the order of the output's rows (None: not followed), what it indexes (an index's target), whether the op
+    pairs rows of two orders)`` (module docstring: permuted rows)."""
+    target, args = node.target, node.args
+    first = operands[0] if operands else RowState(None)
+    if not rows:
+        return "", None, False
+    if target == "getitem":
+        return first.order, first.target, False
+    if target in ("aten.sort.default", "aten.sort.stable"):
+        if _sort_dim(node, metas) in rows:  # values and indices in the sort's order, the indices numbering x's rows
+            return node.name, first.order, False
+        return first.order, None, False
+    if target == "aten.index.Tensor" and _one_index(args):
+        table, index = operands[0], operands[1]
+        if table.rows:  # rows of the table picked by the index: in the index's order, if it numbers the table's
+            return (index.order if index.target == table.order else None), None, False
+        return index.order, None, False
+    if target == "aten.index_put.default" and _one_index(args) and len(operands) > 2:
+        index, values = operands[1], operands[2]
+        if index.target is None or (values.rows and values.order != index.order):
+            return None, None, False
+        arange = isinstance(args[2], Ref) and args[2].name in positions
+        return index.target, (index.order if arange else None), False
+    carrying = [s for s in operands if s.rows]
+    orders = {s.order for s in carrying}
+    if len(orders) > 1:  # an elementwise op pairs rows of two orders; anything else: not followed
+        return (carrying[0].order, None, True) if _elementwise(node, metas) else (None, None, False)
+    order = orders.pop() if orders else ""
+    if order and target in _VIEWS and isinstance(node.out, TensorMeta) and args and isinstance(args[0], Ref) \
+            and isinstance(metas.get(args[0].name), TensorMeta) and metas[args[0].name].shape[:1] != node.out.shape[:1]:
+        return None, None, False  # permuted rows merged or split: not followed
+    tensors = [s for s, r in zip(operands, node.refs()) if isinstance(metas.get(r), TensorMeta)]
+    index_target = tensors[0].target if len(tensors) == 1 else None  # perm // k numbers the tokens of the pairs
+    return order, index_target, False
+
+
+def _sort_dim(node: Node, metas: dict[str, Any]) -> int:
+    """The dim a ``sort`` works along (``sort.stable`` takes it as a keyword; both default to the last)."""
+    args = node.args
+    meta = metas.get(args[0].name) if args and isinstance(args[0], Ref) else None
+    rank = len(meta.shape) if isinstance(meta, TensorMeta) else 1
+    dim = args[1] if len(args) > 1 and not isinstance(args[1], bool) else node.kwargs.get("dim", -1)
+    return _norm(dim, max(rank, 1))
+
+
+def _elementwise(node: Node, metas: dict[str, Any]) -> bool:
+    out = node.out
+    tensors = [metas.get(r) for r in node.refs()]
+    return isinstance(out, TensorMeta) and all(isinstance(m, TensorMeta) and _broadcasts(m.shape, out.shape)
+                                               for m in tensors)
+
+
+def _one_index(args: tuple) -> bool:
+    indices = args[1] if len(args) > 1 else None
+    return isinstance(indices, (list, tuple)) and len(indices) == 1 and isinstance(indices[0], Ref)
 
 
 def _rows(node: Node, operands: list[RowState], metas: dict[str, Any]) -> tuple[Rows, bool]:
@@ -100,10 +180,9 @@ def _rows(node: Node, operands: list[RowState], metas: dict[str, Any]) -> tuple[
     if target == "aten.topk.default":  # (x, k, dim=-1): which values are kept depends on the others along dim
         dim = _norm(args[2] if len(args) > 2 else -1, rank)
         return rows, dim in rows
-    if target in ("aten.sort.default", "aten.sort.stable"):  # (x, dim=-1) / (x, *, dim=-1): a permutation along
-        # dim, of rows too: not followed there
-        dim = _norm(args[1] if len(args) > 1 and not isinstance(args[1], bool) else node.kwargs.get("dim", -1), rank)
-        return (rows, False) if dim not in rows else (None, False)
+    if target in ("aten.sort.default", "aten.sort.stable"):  # a permutation along its dim: of rows too, which then
+        # come in the sort's order (:func:`_order`)
+        return rows, False
     if target in _REDUCE_ALL:
         return frozenset(), bool(rows)
     if target in _REDUCE_DIMS:
@@ -147,6 +226,18 @@ def _rows(node: Node, operands: list[RowState], metas: dict[str, Any]) -> tuple[
     if target == "aten.gather.default":
         dim = _norm(args[1], rank)
         return (rows, False) if dim not in rows else (None, False)
+    if target == "aten.index.Tensor" and _one_index(args) and len(operands) > 1:
+        # table[idx]: the index's dims, then the table's others; the table's rows picked by an index numbering them
+        table, index = operands
+        if index.rows is None or (rows and (rows != {0} or index.target is None)):
+            return None, False
+        return frozenset(index.rows) | frozenset(d - 1 + len(metas[args[1][0].name].shape) for d in rows - {0}) \
+            if isinstance(metas.get(args[1][0].name), TensorMeta) else None, False
+    if target == "aten.index_put.default" and _one_index(args) and len(operands) > 2:
+        index, values = operands[1], operands[2]
+        if index.target is None or index.rows != {0} or values.rows not in (frozenset(), frozenset({0})):
+            return None, False
+        return frozenset({0}), False
     if target in _GROUPED:  # rows grouped by expert: each row's product is its own
         return (frozenset({0}) if rows == frozenset({0}) else None), False
     if target == "aten.scaled_dot_product_attention.default":

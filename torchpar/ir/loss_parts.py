@@ -155,8 +155,7 @@ class _Analysis:
             mixed = self.rows[summed.name].mixed if summed is not None and summed.name in self.rows else None
             if mixed:
                 raise NotDecomposable(f"the {target} ({node.name}) adds terms that already mix the batch's rows: "
-                                      f"{mixed} reduces over them, so the loss is not a sum of per-row terms"
-                                      f"{_where(node)}")
+                                      f"{mixed}, so the loss is not a sum of per-row terms{_where(node)}")
             return MEAN if target in _MEANS else SUM
         if target in _SAME_VALUE and operands and isinstance(operands[0], Ref):
             return self.reduction(operands[0].name, depth + 1)
