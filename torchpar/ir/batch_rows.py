@@ -169,6 +169,8 @@ def _rows(node: Node, operands: list[RowState], metas: dict[str, Any]) -> tuple[
     rank = len(x_meta.shape) if isinstance(x_meta, TensorMeta) else None
     if target == "getitem":
         return first.rows, False
+    if target == "aten.cat.default":
+        return _cat_rows(node, operands, metas), False
     if first.rows is None or rank is None:
         return None, False
     rows = first.rows
@@ -215,10 +217,8 @@ def _rows(node: Node, operands: list[RowState], metas: dict[str, Any]) -> tuple[
         return frozenset(d - 1 if d > dim else d for d in rows if d != dim), False
     if target in _VIEWS:
         return _view_rows(rows, x_meta.shape, node.out), False
-    if target == "aten.cat.default":
-        if any(s.rows is None for s in operands):
-            return None, False
-        return frozenset().union(*(s.rows for s in operands)), False
+    if target == "aten.convolution.default":  # (x [N, C, …], w, b): each sample's output from its own input
+        return (rows, False) if rows == {0} and all(s.rows == frozenset() for s in operands[1:]) else (None, False)
     if target in ("aten.mm.default", "aten.addmm.default", "aten.bmm.default"):
         return _matmul_rows(target, operands)
     if target == "aten.embedding.default":  # (weight, indices): the indices' dims, then the embedding's
@@ -246,6 +246,18 @@ def _rows(node: Node, operands: list[RowState], metas: dict[str, Any]) -> tuple[
             return None, False
         return rows, False
     return _elementwise_rows(node, operands, metas)
+
+
+def _cat_rows(node: Node, operands: list[RowState], metas: dict[str, Any]) -> Rows:
+    """``cat(tensors, dim)`` along a dim that holds no rows: the operands' rows (an empty operand — a cache's initial
+    ``[0]`` tensor — adds nothing); along rows, or with an untracked operand: not followed."""
+    sizes = [metas.get(r) for r in node.refs()]
+    kept = [s for s, meta in zip(operands, sizes) if not (isinstance(meta, TensorMeta) and 0 in meta.shape)]
+    if not kept or any(s.rows is None for s in kept) or not isinstance(node.out, TensorMeta):
+        return None
+    rows = frozenset().union(*(s.rows for s in kept))
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    return None if _norm(dim, len(node.out.shape)) in rows else rows
 
 
 def _matmul_rows(target: str, operands: list[RowState]) -> tuple[Rows, bool]:
