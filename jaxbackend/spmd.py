@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxbackend.ops.expert_parallel import grouped_mm_split_of
-from jaxbackend.ops.row_exchange import gather_rows_local, put_rows_local
+from jaxbackend.ops.row_exchange import gather_rows_local, put_rows_local, rows_from_end
 from jaxbackend.sharding import AXIS_NAMES
 from torchpar.ir.graph import Node, TensorMeta
 from torchpar.ir.layout import Multi
@@ -153,8 +153,8 @@ class LocalProgram:
         if not rows_axes:
             return None
         names = axis_names(rows_axes)
+        peers = math.prod(self.mesh_shape[a] for a in rows_axes)
         if self.layouts.options.get(node.name, {}).get("rows") == "exchange":
-            peers = math.prod(self.mesh_shape[a] for a in rows_axes)
             if node.target == "aten.index.Tensor":
                 return lambda table, indices: gather_rows_local(table, indices[0], names, peers)
             return lambda base, indices, values, accumulate=False: put_rows_local(base, indices[0], values, names,
@@ -164,8 +164,8 @@ class LocalProgram:
         if node.target == "aten.embedding.default":
             return functools.partial(_embedding_rows, names=names)
         if node.target == "aten.index.Tensor":
-            return lambda table, indices: _embedding_rows(table, _from_end(indices[0], table.shape[0], rows_axes,
-                                                                           self.mesh_shape), names=names)
+            return lambda table, indices: _embedding_rows(table, rows_from_end(indices[0], table.shape[0] * peers),
+                                                          names=names)
         return None
 
     def hold_back_bias(self, node: Node, args: list[Any], kwargs: dict[str, Any]) -> tuple[list[Any], Any]:
@@ -223,11 +223,6 @@ def _embedding_rows(weight: jax.Array, indices: jax.Array, padding_idx: int = -1
     if padding_idx is not None and padding_idx >= 0:  # the padding row gets no gradient, as in PyTorch
         out = jnp.where((indices == padding_idx)[..., None], jax.lax.stop_gradient(out), out)
     return jnp.where(held.reshape(held.shape + (1,) * (out.ndim - held.ndim)), out, jnp.zeros((), out.dtype))
-
-
-def _from_end(indices: jax.Array, local_rows: int, axes: Sequence[int], mesh_shape: Sequence[int]) -> jax.Array:
-    """PyTorch's negative row numbers (counted from the end) of a table split into ``local_rows`` over ``axes``."""
-    return jnp.where(indices < 0, indices + local_rows * math.prod(mesh_shape[a] for a in axes), indices)
 
 
 def require_invariant(value: jax.Array, what: str) -> jax.Array:

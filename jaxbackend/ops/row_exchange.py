@@ -75,7 +75,7 @@ def _exact_or_fast(spill: jax.Array, exact: int, fast: int, run: Any) -> jax.Arr
     return jax.lax.cond(spill > fast, lambda: run(exact), lambda: run(fast))
 
 
-def _normalized(idx: jax.Array, rows: int) -> jax.Array:
+def rows_from_end(idx: jax.Array, rows: int) -> jax.Array:
     """``idx`` as ``int32`` row numbers in ``0 … rows−1`` (PyTorch's negative indices count from the end)."""
     idx = idx.astype(jnp.int32)
     return jnp.where(idx < 0, idx + rows, idx)
@@ -93,7 +93,7 @@ def gather_rows_local(table: jax.Array, idx: jax.Array, axes: Any, peers: int, s
     rows = table.shape[0]
     out_rows = idx.shape[0] // peers
     me = jax.lax.axis_index(axes)
-    idx = _normalized(idx, rows * peers).reshape(peers, out_rows)                  # [dst chunk, row]
+    idx = rows_from_end(idx, rows * peers).reshape(peers, out_rows)                  # [dst chunk, row]
     owner = idx // rows                                                            # the source device of each pair
     peer = jnp.arange(peers, dtype=jnp.int32)
     dst = jnp.broadcast_to(peer[:, None], owner.shape)
@@ -125,7 +125,7 @@ def put_rows_local(base: jax.Array, idx: jax.Array, values: jax.Array, axes: Any
     rows = base.shape[0]
     value_rows = values.shape[0]
     me = jax.lax.axis_index(axes)
-    idx = _normalized(idx, rows * peers).reshape(peers, value_rows)                 # [src chunk, row]
+    idx = rows_from_end(idx, rows * peers).reshape(peers, value_rows)                 # [src chunk, row]
     dest = idx // rows
     local = idx - me * rows                                                        # row on me, where dest == me
     peer = jnp.arange(peers, dtype=jnp.int32)
@@ -181,4 +181,4 @@ def put_rows(base: jax.Array, idx: jax.Array, values: jax.Array, mesh: Mesh, bas
     return shard_map(body, mesh, in_specs=(spec, PartitionSpec(), spec), out_specs=spec)(base, idx, values)
 
 
-__all__ = ["gather_rows", "gather_rows_local", "put_rows", "put_rows_local", "row_axes_of"]
+__all__ = ["gather_rows", "gather_rows_local", "put_rows", "put_rows_local", "row_axes_of", "rows_from_end"]

@@ -55,16 +55,21 @@ def test_one_stage_methods_run_on_both_host_actors(two_hosts_of_two, method):
         assert list(stats) == [0] and stats[0]["argument_bytes"] > 0
 
 
-def test_experts_split_across_host_actors(two_hosts_of_two):
-    """HF Mixtral with its experts split over a mesh axis that spans both host actors: the tokens' all-to-all
-    crosses the hosts, and SGD matches PyTorch (losses and every parameter)."""
+def _mixtral(layers: int) -> torch.nn.Module:
+    """A tiny HF Mixtral (8 experts, top-2, router loss), seed 0."""
     import transformers
 
     torch.manual_seed(0)
-    model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    return transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=64, num_local_experts=8, num_experts_per_tok=2,
         output_router_logits=True, router_aux_loss_coef=0.02))
+
+
+def test_experts_split_across_host_actors(two_hosts_of_two):
+    """HF Mixtral with its experts split over a mesh axis that spans both host actors: the tokens' all-to-all
+    crosses the hosts, and SGD matches PyTorch (losses and every parameter)."""
+    model = _mixtral(layers=2)
     ids = torch.randint(0, 128, (8, 16))
     engine = train_against_pytorch(model, {"input_ids": ids, "labels": ids},
                                    torchpar.ShardParallel(mesh_shape=(1, 4), experts="split"), steps=3)
@@ -78,13 +83,7 @@ def test_experts_split_across_host_actors(two_hosts_of_two):
 def test_zero_over_a_moe_model_exchanges_its_tokens_across_host_actors(two_hosts_of_two):
     """ZeRO-2 on HF Mixtral over both host actors (every op split by batch rows): the routing's gathers and puts keep
     the tokens split, moving the rows other devices need by all-to-all across the hosts, and SGD matches PyTorch."""
-    import transformers
-
-    torch.manual_seed(0)
-    model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, num_local_experts=8, num_experts_per_tok=2,
-        output_router_logits=True, router_aux_loss_coef=0.02))
+    model = _mixtral(layers=1)
     ids = torch.randint(0, 128, (8, 32))
     engine = train_against_pytorch(model, {"input_ids": ids, "labels": ids}, torchpar.Zero2Parallel(mesh_shape=(1, 4)),
                                    steps=2)

@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from torchpar.ir.graph import Graph, Node, Ref, TensorMeta
+from torchpar.ir.graph import Graph, Node, Ref, TensorMeta, one_row_index
 
 Rows = frozenset[int] | None
 """The dims of a value that index batch rows (empty: none; ``None``: not tracked)."""
@@ -115,12 +115,12 @@ def _order(node: Node, operands: list[RowState], metas: dict[str, Any], position
         if _sort_dim(node, metas) in rows:  # values and indices in the sort's order, the indices numbering x's rows
             return node.name, first.order, False
         return first.order, None, False
-    if target == "aten.index.Tensor" and _one_index(args):
+    if target == "aten.index.Tensor" and one_row_index(args):
         table, index = operands[0], operands[1]
         if table.rows:  # rows of the table picked by the index: in the index's order, if it numbers the table's
             return (index.order if index.target == table.order else None), None, False
         return index.order, None, False
-    if target == "aten.index_put.default" and _one_index(args) and len(operands) > 2:
+    if target == "aten.index_put.default" and one_row_index(args) and len(operands) > 2:
         index, values = operands[1], operands[2]
         if index.target is None or (values.rows and values.order != index.order):
             return None, None, False
@@ -155,9 +155,6 @@ def _elementwise(node: Node, metas: dict[str, Any]) -> bool:
                                                for m in tensors)
 
 
-def _one_index(args: tuple) -> bool:
-    indices = args[1] if len(args) > 1 else None
-    return isinstance(indices, (list, tuple)) and len(indices) == 1 and isinstance(indices[0], Ref)
 
 
 def _rows(node: Node, operands: list[RowState], metas: dict[str, Any]) -> tuple[Rows, bool]:
@@ -226,14 +223,14 @@ def _rows(node: Node, operands: list[RowState], metas: dict[str, Any]) -> tuple[
     if target == "aten.gather.default":
         dim = _norm(args[1], rank)
         return (rows, False) if dim not in rows else (None, False)
-    if target == "aten.index.Tensor" and _one_index(args) and len(operands) > 1:
+    if target == "aten.index.Tensor" and one_row_index(args) and len(operands) > 1:
         # table[idx]: the index's dims, then the table's others; the table's rows picked by an index numbering them
         table, index = operands
         if index.rows is None or (rows and (rows != {0} or index.target is None)):
             return None, False
         return frozenset(index.rows) | frozenset(d - 1 + len(metas[args[1][0].name].shape) for d in rows - {0}) \
             if isinstance(metas.get(args[1][0].name), TensorMeta) else None, False
-    if target == "aten.index_put.default" and _one_index(args) and len(operands) > 2:
+    if target == "aten.index_put.default" and one_row_index(args) and len(operands) > 2:
         index, values = operands[1], operands[2]
         if index.target is None or index.rows != {0} or values.rows not in (frozenset(), frozenset({0})):
             return None, False

@@ -188,6 +188,13 @@ class Graph:
         return dataclasses.replace(self, **changes)
 
 
+def one_row_index(args: tuple) -> bool:
+    """Whether an ``aten.index.Tensor`` / ``aten.index_put`` indexes with one tensor, on dim 0 (``args[1]`` is
+    ``[Ref]``)."""
+    indices = args[1] if len(args) > 1 else None
+    return isinstance(indices, (list, tuple)) and len(indices) == 1 and isinstance(indices[0], Ref)
+
+
 def map_refs(value: Any, fn: Callable[[Ref], Any]) -> Any:
     """``value`` (a node argument: scalars, ``Ref``, lists, tuples, dicts of them) with every :class:`Ref` replaced by
     ``fn(ref)``; containers keep their type."""

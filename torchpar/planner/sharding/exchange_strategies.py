@@ -22,7 +22,7 @@ import math
 from typing import Any, Sequence
 
 from torchpar.ir.costs import expert_slot_rows
-from torchpar.ir.graph import Node, Ref, TensorMeta
+from torchpar.ir.graph import Node, TensorMeta, one_row_index
 from torchpar.planner.sharding.cost_model import LogicalMesh
 from torchpar.planner.sharding.strategies import Einsum, Strategy, anchor_einsum
 
@@ -32,9 +32,6 @@ EXCHANGE = (("rows", "exchange"),)
 """The lowering option of an exchange strategy (``Strategy.lowering``)."""
 
 
-def _single_index(args: tuple) -> bool:
-    indices = args[1] if len(args) > 1 else None
-    return isinstance(indices, (list, tuple)) and len(indices) == 1 and isinstance(indices[0], Ref)
 
 
 def row_exchange_form(target: str, args: tuple, operand_shapes: Sequence[Sequence[int]],
@@ -42,7 +39,7 @@ def row_exchange_form(target: str, args: tuple, operand_shapes: Sequence[Sequenc
     """``"gather"`` for ``table[idx]`` and ``"put"`` for ``base.index_put([idx], values)`` with one 1-D index on
     dim 0 (and, for the put, ``values`` of shape ``[len(idx), *base.shape[1:]]``: no broadcasting); else ``None``.
     ``operand_shapes``: the tensor operands' shapes in ``Node.refs()`` order."""
-    if target not in (ROW_GATHER, ROW_PUT) or not _single_index(args):
+    if target not in (ROW_GATHER, ROW_PUT) or not one_row_index(args):
         return None
     shapes = [tuple(s) for s in operand_shapes]
     if target == ROW_GATHER and len(shapes) == 2:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from torchpar.ir.costs import expert_slot_rows
+from torchpar.ir.graph import one_row_index
 from torchpar.ir.layout import Spec, describe, is_valid, make_spec
 from torchpar.ir.op_families import GROUPED_MATMULS
 from torchpar.planner.sharding.cost_model import LogicalMesh
@@ -237,7 +238,7 @@ def anchor_einsum(target: str, args: tuple, operand_ranks: Sequence[int], out_ra
     if target == "aten.embedding.default":
         index_labels = _LETTERS[: operand_ranks[1]]
         return Einsum(("VD", index_labels), index_labels + "D", "VD" + index_labels)
-    if target == "aten.index.Tensor" and len(operand_ranks) == 2 and _one_index(args) and operand_ranks[0] >= 1:
+    if target == "aten.index.Tensor" and len(operand_ranks) == 2 and one_row_index(args) and operand_ranks[0] >= 1:
         # table[idx]: an embedding lookup of the table's rows (any trailing dims)
         index_labels, rest = _LETTERS[: operand_ranks[1]], "DFGHJ"[: operand_ranks[0] - 1]
         return Einsum(("V" + rest, index_labels), index_labels + rest, "V" + rest + index_labels)
@@ -255,10 +256,6 @@ def anchor_einsum(target: str, args: tuple, operand_ranks: Sequence[int], out_ra
     return None
 
 
-def _one_index(args: tuple) -> bool:
-    """An ``aten.index.Tensor``'s indices are one tensor, on dim 0."""
-    indices = args[1] if len(args) > 1 else None
-    return isinstance(indices, (list, tuple)) and len(indices) == 1 and indices[0] is not None
 
 
 def expert_strategies(operand_shapes: Sequence[Sequence[int]], flops: float, itemsize: int,
