@@ -34,6 +34,7 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 
+from jaxbackend import collectives
 from jaxbackend.ops.expert_parallel import grouped_mm_split_of
 from jaxbackend.ops.row_exchange import gather_rows_local, put_rows_local, rows_from_end
 from jaxbackend.sharding import AXIS_NAMES
@@ -84,7 +85,7 @@ class LocalProgram:
         reduce-scattered onto the shard (a ZeRO-3 parameter, whose gradient is a per-device partial sum)."""
         if len(have) != len(wanted):
             raise LocalModeError(f"cannot reshard a rank-{len(have)} layout to rank {len(wanted)}")
-        gather = _all_gather_invariant if invariant else jax.lax.all_gather
+        gather = _all_gather_invariant if invariant else collectives.all_gather
         for dim, (old, new) in enumerate(zip(have, wanted)):
             if old and old != new:
                 x = gather(x, axis_names(old), axis=dim, tiled=True)

@@ -50,6 +50,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from jaxbackend import precision
+from jaxbackend.collectives import reduce_scatter
 from jaxbackend.ops.grouped_matmul import varying_like
 from jaxbackend.sharding import AXIS_NAMES, axes_of, shard_map
 
@@ -418,7 +419,7 @@ def _core_bwd(split, residuals, d_out):
             return dq + dq_t, jax.lax.dynamic_update_index_in_dim(d_gathered, current + d_block, source, axis=0)
 
         dq, d_gathered = jax.lax.fori_loop(1, p, gather_body, (dq, d_gathered))
-        d_kv = jax.lax.psum_scatter(d_gathered, split.axes, scatter_dimension=0, tiled=False)
+        d_kv = reduce_scatter(d_gathered, split.axes, dim=0, tiled=False)
     dq = dq.reshape(q.shape).astype(q.dtype)
     return (varying_like(dq, q), varying_like(d_kv[..., :width].astype(k.dtype), k),
             varying_like(d_kv[..., width:].astype(v.dtype), v))

@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec
 from jaxbackend.ops.expert_parallel import (GroupedMatmulSplit, grouped_mm_split_of, split_grouped_mm,
                                            split_grouped_mm_local, swap_weight_dims)
 from jaxbackend.ops.grouped_matmul import blocked_ragged_dot
+from jaxbackend.collectives import reduce_scatter
 from jaxbackend.ops.registry import lowers
 from jaxbackend.precision import conv_precision, dot_precision
 from jaxbackend.sharding import AXIS_NAMES, axes_of, shard_map
@@ -63,7 +64,7 @@ def row_scattered_matmul(a, b, shardings):
 
     def body(a_local, b_local):
         partial = jnp.matmul(a_local, b_local, precision=dot_precision(a_local, b_local))
-        return jax.lax.psum_scatter(partial, scattered, scatter_dimension=0, tiled=True)
+        return reduce_scatter(partial, scattered, dim=0)
 
     out_spec = PartitionSpec(names((rows or ()) + contracted), names(columns or ()))
     return shard_map(body, shardings[0].mesh, in_specs=(shardings[0].spec, shardings[1].spec), out_specs=out_spec)(a, b)

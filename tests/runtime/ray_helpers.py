@@ -88,7 +88,7 @@ def train_against_pytorch(model: torch.nn.Module, batch: Any, method: Any, steps
             assert abs(ours - loss.item()) <= LOSS_RTOL * abs(loss.item()), f"step {step}: {ours} vs {loss.item()}"
         engine.sync_to_torch()
         for (name, p), q in zip(reference.named_parameters(), model.parameters()):
-            torch.testing.assert_close(q, p, rtol=PARAM_RTOL, atol=PARAM_ATOL, msg=name)
+            torch.testing.assert_close(q, p, rtol=PARAM_RTOL, atol=PARAM_ATOL, msg=lambda m, name=name: f"{name}: {m}")
     except BaseException:
         engine.close()
         raise

@@ -12,10 +12,12 @@ import torch
 
 import torchpar
 from tests.runtime.ray_helpers import crossing_collectives, gpt2, qwen2, ray_cluster, train_against_pytorch
+from torchpar.report.hlo import collectives
 
 ONE_STAGE_METHODS = {
     "data_parallel": (torchpar.DataParallel, "all-reduce"),
-    "zero2": (torchpar.Zero2Parallel, "reduce-scatter"),
+    # over gloo a reduce-scatter is intermittently wrong (jaxbackend.collectives): ZeRO-2 all-reduces and slices
+    "zero2": (torchpar.Zero2Parallel, "all-reduce"),
     "shard": (torchpar.ShardParallel, None),
     # a data replica on each host actor: the replicas' gradient sum crosses the hosts
     "data_replicas": (lambda: torchpar.ShardParallel(mesh_shape=(2, 1, 2)), "all-reduce"),
@@ -50,6 +52,7 @@ def test_one_stage_methods_run_on_both_host_actors(two_hosts_of_two, method):
             if gradient_collective:  # the gradient reduction itself crosses the host boundary
                 assert any(c.kind == gradient_collective and c.elements > 1 for c in crossing), \
                     sorted({c.kind for c in crossing})
+            assert not [c for c in collectives(w["programs"][0]["hlo"]) if c.kind == "reduce-scatter"]
         assert engine.spmd_mode == ("shard_map" if method in ("data_parallel", "zero2") else "gspmd")
         stats = engine.memory_stats()  # read by the lead actor: a one-stage plan is stage 0
         assert list(stats) == [0] and stats[0]["argument_bytes"] > 0

@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxbackend import sharding as jsh
+from jaxbackend.collectives import reduce_scatter
 from jaxbackend.spmd import LocalProgram, axis_names, require_invariant
 from torchpar.planner.plan import StagePlan
 from torchpar.runtime.micro_batch_loss import MicroBatchLoss
@@ -157,7 +158,7 @@ def _finish_gradient(g: jax.Array, stored: Any, target: Any) -> jax.Array:
     owned = set(_mesh_axes(stored))
     for dim, entry in enumerate(target or ()):
         if entry and not set(entry) <= owned:
-            g = jax.lax.psum_scatter(g, axis_names(entry), scatter_dimension=dim, tiled=True)
+            g = reduce_scatter(g, axis_names(entry), dim=dim)
             owned |= set(entry)
     varying = getattr(jax.typeof(g).manual_axis_type, "varying", frozenset())
     rest = tuple(a for a in jsh.AXIS_NAMES if a in varying and jsh.AXIS_NAMES.index(a) not in owned)
