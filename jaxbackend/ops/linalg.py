@@ -11,10 +11,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from jaxbackend.collectives import reduce_scatter
 from jaxbackend.ops.expert_parallel import (GroupedMatmulSplit, grouped_mm_split_of, split_grouped_mm,
                                            split_grouped_mm_local, swap_weight_dims)
 from jaxbackend.ops.grouped_matmul import blocked_ragged_dot
-from jaxbackend.collectives import reduce_scatter
 from jaxbackend.ops.registry import lowers
 from jaxbackend.precision import conv_precision, dot_precision
 from jaxbackend.sharding import AXIS_NAMES, axes_of, shard_map

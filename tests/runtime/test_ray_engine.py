@@ -18,6 +18,7 @@ ONE_STAGE_METHODS = {
     "data_parallel": (torchpar.DataParallel, "all-reduce"),
     # over gloo a reduce-scatter is intermittently wrong (jaxbackend.collectives): ZeRO-2 all-reduces and slices
     "zero2": (torchpar.Zero2Parallel, "all-reduce"),
+    "zero3": (torchpar.Zero3Parallel, "all-reduce"),  # its all-gathers' backward likewise
     "shard": (torchpar.ShardParallel, None),
     # a data replica on each host actor: the replicas' gradient sum crosses the hosts
     "data_replicas": (lambda: torchpar.ShardParallel(mesh_shape=(2, 1, 2)), "all-reduce"),
@@ -53,7 +54,7 @@ def test_one_stage_methods_run_on_both_host_actors(two_hosts_of_two, method):
                 assert any(c.kind == gradient_collective and c.elements > 1 for c in crossing), \
                     sorted({c.kind for c in crossing})
             assert not [c for c in collectives(w["programs"][0]["hlo"]) if c.kind == "reduce-scatter"]
-        assert engine.spmd_mode == ("shard_map" if method in ("data_parallel", "zero2") else "gspmd")
+        assert engine.spmd_mode == ("shard_map" if method in ("data_parallel", "zero2", "zero3") else "gspmd")
         stats = engine.memory_stats()  # read by the lead actor: a one-stage plan is stage 0
         assert list(stats) == [0] and stats[0]["argument_bytes"] > 0
 

@@ -8,8 +8,9 @@ three layouts in the plan — stored (``S``), read by the model (``U``), gradien
 - ``S == U`` (data parallel, ZeRO-2): the parameter enters the loss as a *varying* copy
   (``pcast`` outside ``jax.grad``), so ``jax.grad`` returns this device's partial gradient. It is finished
   explicitly: ``psum_scatter`` to ``G``'s split (ZeRO-2: a reduce-scatter in the HLO, not all-reduce +
-  slice) and ``psum`` over the other axes it varies along (data parallel: the gradient all-reduce, once
-  per parameter even when it is read twice, as a tied embedding is);
+  slice — except over gloo, :mod:`jaxbackend.collectives`) and ``psum`` over the other axes it varies along
+  (data parallel: the gradient all-reduce, once per parameter even when it is read twice, as a tied embedding
+  is);
 - ``S == U`` in other plans (tensor parallel, the ILP's): the parameter enters as it is, and JAX's
   transposes of the implicit ``pvary`` where it meets per-device values all-reduce its gradient exactly
   over the axes whose devices contributed differently;
