@@ -163,11 +163,12 @@ class _Builder:
                 dependent.add(node.name)
         return dependent
 
-    def _copies(self, name: str) -> int:
+    def _copies(self, name: str, working_set: bool = True) -> int:
         """Copies of node ``name``'s output in the step's peak memory: one per micro-batch in flight if it is kept
         for the backward, one if only the recomputed layer holds it, none if it is not materialized; the largest
-        materialized output adds the backward's working set (:data:`~torchpar.planner.remat.BACKWARD_WORKING_COPIES`)."""
-        working = BACKWARD_WORKING_COPIES if name in self.remat.working else 0
+        materialized output adds the backward's working set (:data:`~torchpar.planner.remat.BACKWARD_WORKING_COPIES`)
+        unless ``working_set`` is false."""
+        working = BACKWARD_WORKING_COPIES if working_set and name in self.remat.working else 0
         if name in self.remat.kept:
             return self.in_flight + working
         return (1 if name in self.remat.peak_layer else 0) + working
@@ -350,9 +351,10 @@ class _Builder:
                 cache[cache_key] = follow(node, metas, main, spec, self.mesh, grads, weights)
             results.append(cache[cache_key])
         copies = self._copies(node.name)
+        gathered = self._gathered_view_bytes(node, refs[main], main, metas[main], layout.specs, results)
         for k, result in enumerate(results):
             root.cost[k] += self.num_micro_batches * result.comm_s + result.weight_grad_comm_s
-            root.memory[k] += copies * _local_bytes(node.out, result.out, self.mesh)
+            root.memory[k] += copies * _local_bytes(node.out, result.out, self.mesh) + gathered[k]
         root.followers.append(node.name)
         self.values[node.name] = ValueLayout(layout.root, [r.out for r in results])
         for position, ref in enumerate(refs):
@@ -362,6 +364,29 @@ class _Builder:
                 continue
             self._require(ref, lambda k, p=position: results[k].required[p], metas[position], layout.root,
                           grad=ref in self.needs_grad)
+
+    def _gathered_view_bytes(self, node: Node, ref: str, main: int, meta: Any, specs: list[Any],
+                             results: list[Any]) -> list[float]:
+        """Per strategy: the bytes a slice or split of ``ref`` (:data:`_SLICES`) holds when it needs ``ref``
+        gathered into a larger layout. Its result aliases the gathered copy (XLA fuses the slice into its
+        readers), so the copy lives as long as ``ref`` does: ``ref``'s kept copies × the gathered local bytes (HF
+        Mixtral's ``gate, up = gate_up.chunk(2)`` of a column-split grouped matmul: the whole ``gate_up``). ``ref`` is
+        the view's operand number ``main``."""
+        none = [0.0] * len(results)
+        if node.target not in _SLICES or not isinstance(meta, TensorMeta):
+            return none
+        kept = self._copies(ref, working_set=False)
+        if not kept:
+            return none
+        extra = []
+        for spec, result in zip(specs, results):
+            wanted = result.required[main] if main < len(result.required) else None
+            if wanted is None or spec is None or tuple(wanted) == tuple(spec):
+                extra.append(0.0)
+                continue
+            used = _local_bytes(meta, wanted, self.mesh)
+            extra.append(kept * used if used > _local_bytes(meta, spec, self.mesh) else 0.0)
+        return extra
 
     def _require(self, ref: str, required_of: Any, meta: TensorMeta, consumer_root: int | None,
                  grad: bool = False, count_gathered: bool = False) -> None:
@@ -473,6 +498,10 @@ def _numel(meta: Any) -> int:
     if isinstance(meta, tuple):
         return max((m.numel for m in meta if m is not None), default=0)
     return 0
+
+
+_SLICES = frozenset({"aten.slice.Tensor", "aten.select.int", "aten.split.Tensor", "aten.split_with_sizes.default"})
+"""Views that take part of a dim: along a split dim they read the gathered operand (:meth:`_gathered_view_bytes`)."""
 
 
 def _local_bytes(out: Any, spec: Any, mesh: LogicalMesh) -> float:
