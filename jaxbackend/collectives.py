@@ -18,6 +18,10 @@ from typing import Sequence
 import jax
 
 
+def _names(axes: str | Sequence[str]) -> tuple[str, ...]:
+    return (axes,) if isinstance(axes, str) else tuple(axes)
+
+
 def gloo_reduce_scatter_is_unsafe() -> bool:
     """Whether the collectives traced now run over gloo: a CPU backend in a ``jax.distributed`` system."""
     return jax.default_backend() == "cpu" and jax.distributed.is_initialized()
@@ -28,7 +32,7 @@ def reduce_scatter(x: jax.Array, axes: str | Sequence[str], dim: int, tiled: boo
     of ``x`` over the devices along ``axes``, of which this device keeps chunk ``i`` along ``dim`` (``i`` its index
     along ``axes``, major to minor; ``x.shape[dim]`` divisible by their size; ``tiled=False``: ``x.shape[dim]``
     equals it and the dim is dropped). Over gloo: ``psum`` and a slice (see the module docstring)."""
-    names = (axes,) if isinstance(axes, str) else tuple(axes)
+    names = _names(axes)
     if not gloo_reduce_scatter_is_unsafe():
         return jax.lax.psum_scatter(x, names, scatter_dimension=dim, tiled=tiled)
     chunks = jax.lax.axis_size(names)
@@ -43,7 +47,7 @@ def all_gather(x: jax.Array, axes: str | Sequence[str], *, axis: int, tiled: boo
     """``jax.lax.all_gather(x, axes, axis=axis, tiled=tiled)`` inside a ``shard_map`` body, the result varying
     along ``axes`` as ``x`` does: its gradient is the sum of the devices' cotangents scattered back onto the shards.
     JAX transposes it into a reduce-scatter; over gloo the backward is :func:`reduce_scatter`'s instead."""
-    names = (axes,) if isinstance(axes, str) else tuple(axes)
+    names = _names(axes)
     if not gloo_reduce_scatter_is_unsafe():
         return jax.lax.all_gather(x, names, axis=axis, tiled=tiled)
 

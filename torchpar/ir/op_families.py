@@ -19,6 +19,9 @@ VIEWS = RESHAPES | frozenset({
 })
 """Ops whose result aliases an operand (or a tuple element of one): no arithmetic, no new activation memory."""
 
+SLICES = frozenset({"aten.slice.Tensor", "aten.select.int", "aten.split.Tensor", "aten.split_with_sizes.default"})
+"""Views that take part of a dim: along a dim split unevenly by the cut they read the operand gathered."""
+
 CREATIONS = frozenset({
     "aten.lift_fresh_copy.default", "aten.clone.default", "aten.full.default", "aten.arange.start_step",
     "aten.arange.default", "aten.arange.start", "aten.scalar_tensor.default", "aten.zeros.default",

@@ -23,7 +23,7 @@ import numpy as np
 
 from torchpar.ir.graph import DTYPE_BYTES, Graph, Node, TensorMeta
 from torchpar.ir.layout import Multi, Spec
-from torchpar.ir.op_families import ASSERTS, GROUPED_MATMULS
+from torchpar.ir.op_families import ASSERTS, GROUPED_MATMULS, SLICES
 from torchpar.planner.remat import BACKWARD_WORKING_COPIES, remat_memory
 from torchpar.planner.sharding.cost_model import LogicalMesh
 from torchpar.planner.sharding.exchange_strategies import anchor_of, exchange_strategies, replicated_put
@@ -367,26 +367,19 @@ class _Builder:
 
     def _gathered_view_bytes(self, node: Node, ref: str, main: int, meta: Any, specs: list[Any],
                              results: list[Any]) -> list[float]:
-        """Per strategy: the bytes a slice or split of ``ref`` (:data:`_SLICES`) holds when it needs ``ref``
+        """Per strategy: the bytes a slice or split of ``ref`` (``op_families.SLICES``) holds when it needs ``ref``
         gathered into a larger layout. Its result aliases the gathered copy (XLA fuses the slice into its
         readers), so the copy lives as long as ``ref`` does: ``ref``'s kept copies × the gathered local bytes (HF
         Mixtral's ``gate, up = gate_up.chunk(2)`` of a column-split grouped matmul: the whole ``gate_up``). ``ref`` is
         the view's operand number ``main``."""
         none = [0.0] * len(results)
-        if node.target not in _SLICES or not isinstance(meta, TensorMeta):
+        if node.target not in SLICES or not isinstance(meta, TensorMeta):
             return none
         kept = self._copies(ref, working_set=False)
         if not kept:
             return none
-        extra = []
-        for spec, result in zip(specs, results):
-            wanted = result.required[main] if main < len(result.required) else None
-            if wanted is None or spec is None or tuple(wanted) == tuple(spec):
-                extra.append(0.0)
-                continue
-            used = _local_bytes(meta, wanted, self.mesh)
-            extra.append(kept * used if used > _local_bytes(meta, spec, self.mesh) else 0.0)
-        return extra
+        return [kept * _gathered_bytes(meta, spec, result.required[main] if main < len(result.required) else None,
+                                       self.mesh) for spec, result in zip(specs, results)]
 
     def _require(self, ref: str, required_of: Any, meta: TensorMeta, consumer_root: int | None,
                  grad: bool = False, count_gathered: bool = False) -> None:
@@ -420,9 +413,8 @@ class _Builder:
                 if key not in cache:
                     cache[key] = self._reshard(nbytes, spec, wanted, grad)
                 matrix[k, l] = cache[key]
-                if is_param and len(wanted) == len(spec):
-                    used = _local_bytes(meta, wanted, self.mesh)
-                    gathered[k, l] = used if used > _local_bytes(meta, spec, self.mesh) else 0.0
+                if is_param:
+                    gathered[k, l] = _gathered_bytes(meta, spec, wanted, self.mesh)
         self._add_pair(self.edges, source, consumer_root, matrix)
         if gathered is not None:
             self._add_pair(self.memory_edges, source, consumer_root, gathered)
@@ -500,8 +492,13 @@ def _numel(meta: Any) -> int:
     return 0
 
 
-_SLICES = frozenset({"aten.slice.Tensor", "aten.select.int", "aten.split.Tensor", "aten.split_with_sizes.default"})
-"""Views that take part of a dim: along a split dim they read the gathered operand (:meth:`_gathered_view_bytes`)."""
+def _gathered_bytes(meta: TensorMeta, spec: Spec | None, wanted: Spec | None, mesh: LogicalMesh) -> float:
+    """Per-device bytes of the copy made when a value laid out as ``spec`` is read as ``wanted``, if that layout is
+    larger (a gather); 0 when it is not, or when either layout is unknown."""
+    if wanted is None or spec is None or len(wanted) != len(spec):
+        return 0.0
+    used = _local_bytes(meta, wanted, mesh)
+    return used if used > _local_bytes(meta, spec, mesh) else 0.0
 
 
 def _local_bytes(out: Any, spec: Any, mesh: LogicalMesh) -> float:
