@@ -456,12 +456,14 @@ def run_all(args: argparse.Namespace) -> int:
                 if "error" in row:
                     print(f"{name:<9}{mode:<6}{row['error']}", flush=True)
                 print_row(row)
+                rows.append(row)
+                write(args, rows, root, quiet=True)  # after every row: a run stopped by a timeout keeps what it measured
                 torchpar = row.get("runners", {}).get("torchpar", {})
                 if "compile_s" in torchpar:  # it compiled: a fresh process now finds its executables in the cache
                     row["cached_compile"] = _child("probe", name, mode, args, cache_dir)
                 if args.profile_compile and "error" not in row:
                     row["compile_profile"] = profile(name, mode, args, on_gpu=row.get("device") == "cuda")
-                rows.append(row)
+                write(args, rows, root, quiet=True)
     finally:
         if not args.cache_root and not args.keep_caches:
             shutil.rmtree(root, ignore_errors=True)
@@ -488,7 +490,8 @@ def profile(name: str, mode: str, args: argparse.Namespace, on_gpu: bool) -> dic
             for label, value in variants.items()}
 
 
-def write(args: argparse.Namespace, rows: list[dict[str, Any]], cache_root: str) -> None:
+def write(args: argparse.Namespace, rows: list[dict[str, Any]], cache_root: str, quiet: bool = False) -> None:
+    """The JSON of the rows so far (rewritten whole each time)."""
     import jax
     import torch
 
@@ -500,7 +503,8 @@ def write(args: argparse.Namespace, rows: list[dict[str, Any]], cache_root: str)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as handle:
         json.dump({"meta": meta, "results": rows}, handle, indent=1, default=str)
-    print(f"wrote {args.out}")
+    if not quiet:
+        print(f"wrote {args.out}")
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
