@@ -100,6 +100,7 @@ def compile(
     profile: bool = False,
     log_every: int = 0,
     on_metrics: Callable[[StepMetrics], None] | None = None,
+    grad_stand_ins: bool = True,
 ) -> Engine:
     """Capture ``model``'s training step on ``example_batch`` and compile it with ``method``; returns the
     :class:`~torchpar.api.Engine` (``engine.step(batch)``; ``engine.close()``, or use it in a ``with`` block).
@@ -150,6 +151,8 @@ def compile(
       every this many steps on the ``torchpar.metrics`` logger (INFO); ``0``: never.
     - ``on_metrics``: called after every step with its ``torchpar.metrics.StepMetrics`` (stream them to
       TensorBoard / wandb with ``metrics.scalars()``).
+    - ``grad_stand_ins``: after each step, ``p.grad`` of each trained parameter is a stand-in that raises, naming
+      the fix, when read (a manual update, a leftover ``optimizer.step()``); ``False``: ``.grad`` stays ``None``.
 
     Bad values raise ``ValueError``/``TypeError`` (each option: :class:`torchpar.api.CompileOptions`).
     """
@@ -159,7 +162,8 @@ def compile(
                        forward_fn=forward_fn, method=method, grad_clip_norm=grad_clip_norm, seed=seed,
                        xla_library_fusions=xla_library_fusions, spmd=spmd, check_inputs=check_inputs,
                        on_nonfinite=on_nonfinite, matmul_precision=matmul_precision, mixed_precision=mixed_precision,
-                       remat=remat, profile=profile, log_every=log_every, on_metrics=on_metrics)
+                       remat=remat, profile=profile, log_every=log_every, on_metrics=on_metrics,
+                       grad_stand_ins=grad_stand_ins)
 
 
 def plan(

@@ -31,8 +31,10 @@ from torchpar.capture.optim import TorchOptimizerBridge, mark_optimizer_stepped
 from torchpar.capture.precision import autocast_dtype
 from torchpar.capture.training_setup import describe_changes, training_setup
 from torchpar.cluster import current_cluster, default_compile_cache
+from torchpar import model_link
 from torchpar.compiled import CompiledTraining
 from torchpar.feeding import PREFETCH_DEPTH, HostData, HostFeed
+from torchpar.grad_stand_in import GradStandIns
 from torchpar.guard import StepGuard, leaf_names
 from torchpar.host_arrays import host_value, to_torch
 from torchpar.ir.graph import Graph
@@ -67,6 +69,7 @@ def compile(
     profile: bool = False,
     log_every: int = 0,
     on_metrics: Callable[[_metrics.StepMetrics], None] | None = None,
+    grad_stand_ins: bool = True,
 ) -> "Engine":
     """Capture ``model``'s training step on ``example_batch`` and compile it with ``method``.
 
@@ -79,6 +82,12 @@ def compile(
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(optimizer, (list, tuple)) and all(isinstance(o, torch.optim.Optimizer) for o in optimizer):
+        raise TypeError(
+            f"compile takes one optimizer, got {len(optimizer)}. Optimizers stepping on different losses (a GAN's D "
+            "and G, actor and critic): compile one engine per model and optimizer, each with its step_fn; engines "
+            "over models that call each other read each other's latest weights (docs/porting.md, 'Several "
+            "optimizers'). Several optimizers stepping on the same loss are not supported yet")
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if isinstance(method, type) and issubclass(method, Method):
@@ -92,7 +101,8 @@ def compile(
     options = CompileOptions(grad_clip_norm=grad_clip_norm, seed=seed, xla_library_fusions=xla_library_fusions,
                              spmd=spmd, check_inputs=check_inputs, on_nonfinite=on_nonfinite,
                              matmul_precision=matmul_precision, mixed_precision=mixed_precision, remat=remat,
-                             profile=profile, log_every=log_every, on_metrics=on_metrics)
+                             profile=profile, log_every=log_every, on_metrics=on_metrics,
+                             grad_stand_ins=grad_stand_ins)
     warn_if_gradient_checkpointing(model, stacklevel=3)  # the caller of torchpar.compile
     default_compile_cache()
     return Engine(model, optimizer, example_batch, loss_fn, options, method, step_fn=step_fn, forward_fn=forward_fn,
@@ -151,9 +161,6 @@ class Engine:
         self._fns = dict(loss_fn=loss_fn, step_fn=step_fn, forward_fn=forward_fn)
         self._feed = feed
         self._recorder = _metrics.StepRecorder(log_every=options.log_every, on_metrics=options.on_metrics)
-        self._param_names = dict(model.named_parameters())  # tied tensors keep their first name
-        self._buffer_names = dict(model.named_buffers())
-        self._bridge = TorchOptimizerBridge(optimizer, {id(p): n for n, p in self._param_names.items()})
         self._steps_taken = 0
         self._last_step_s: float | None = None
         self._base_key = jax.random.key(options.seed)
@@ -163,28 +170,50 @@ class Engine:
         self._example_skeleton = batches.skeleton(example_batch)
         self._last_signature: tuple | None = None
         self._guard = StepGuard(check_inputs=options.check_inputs, on_nonfinite=options.on_nonfinite)
-        self._setup = training_setup(model, optimizer)  # modes, requires_grad, param groups the step is compiled for
-        self._compiled = CompiledTraining(model, self._bridge, options, method, example_batch, **self._fns,
-                                          guard=self._guard, loss_scaler=self._loss_scaler, numerics=self._numerics,
-                                          autocast=autocast_dtype(options.mixed_precision))
+        self._capture_batch = example_batch
+        """A batch to capture the step on again when it must recompile (the last step's)."""
+        with model_link.suspended():
+            self._setup = training_setup(model, optimizer)  # modes, requires_grad, param groups compiled for
+            self._compiled = CompiledTraining(model, optimizer, options, method, example_batch, **self._fns,
+                                              guard=self._guard, loss_scaler=self._loss_scaler,
+                                              numerics=self._numerics, autocast=autocast_dtype(options.mixed_precision))
+        assert self._compiled.bridge is not None
+        self._bridge = self._compiled.bridge
+        self._param_names = self._compiled.params  # tied tensors keep their first name; modules outside included
+        self._buffer_names = self._compiled.buffers
         self._executor = self._compiled.executor
         self._finalizer = weakref.finalize(self, self._executor.close)
         self._inputs = feeding.StepInputs(feed, self._host_leaves, self._guard.bounds)
+        self._link = model_link.ModelLink(self._compiled.tracked, self._compiled.captured_state.reads,
+                                          roots=(model, *self._compiled.captured_state.outside),
+                                          state=_ExecutorState(self), label=f"the engine over {type(model).__name__}")
+        self._written: dict[tuple, set[str]] = {}
+        self._grads = (GradStandIns({n: self._param_names[n] for n in self._bridge.spec.param_names})
+                       if options.grad_stand_ins else None)
+        self._optimizer_stale = False
+        self._optimizer_loaded = False
+        self._optimizer_hooks = [optimizer.register_state_dict_pre_hook(self._on_optimizer_state_dict),
+                                 optimizer.register_load_state_dict_post_hook(self._on_optimizer_loaded)]
 
     # --- public API --------------------------------------------------------------------------------
 
     def step(self, batch: Any = None) -> float:
         """One optimizer step on ``batch`` (a batch, one from :meth:`prefetch`, or ``None``: the next batch of
         ``compile(data=...)``'s host-loaded data); returns the loss (before the update) as a float. Its measurements
-        are then in :attr:`last_metrics`."""
+        are then in :attr:`last_metrics`. Before it runs, what user code changed on the torch model since the last
+        step reaches the engine (:mod:`torchpar.model_link`); after it, the torch model shows the new weights
+        whenever user code looks."""
+        with model_link.suspended():
+            return self._step(batch)
+
+    def _step(self, batch: Any) -> float:
         started = time.perf_counter()
         batch, fed, waited = self._inputs.take(batch, self._executor)
         signature = batches.signature(batch)
         self._check_compatible(signature, batch)
-        changes = describe_changes(self._setup, training_setup(self.model, self.optimizer))
-        if changes:
-            self._recompile_for_changes(batch, changes)
-        recompiled = self._compiled.ensure_compiled(signature, batch) or bool(changes)
+        recompiled = self._bring_in(batch)
+        self._capture_batch = batch
+        recompiled = self._compiled.ensure_compiled(signature, batch) or recompiled
         loss_scale = self.loss_scale
         leaves, converting_s = self._inputs.leaves(signature, batch, fed, self._executor)
         scalars = self._compiled.with_loss_scale(self._bridge.step_scalars())
@@ -197,6 +226,10 @@ class Engine:
         step = self._steps_taken
         self._steps_taken += 1
         self._last_signature = signature
+        self._link.after_step(self._written_by(signature))
+        self._optimizer_stale = True
+        if self._grads is not None:
+            self._grads.set()
         if not result.finite:  # the update was skipped: torch's optimizer.step would not have run
             self._bridge.rollback_step()
         if self._loss_scaler is not None and self._loss_scaler.after_step(step, result.finite, result.loss):
@@ -221,19 +254,71 @@ class Engine:
         and placed on a background thread while the step runs (at most ``depth`` ahead; :mod:`torchpar.feeding`)."""
         return self._inputs.prefetch(loader, lambda: self._executor, self._compiled.step_graphs, depth)
 
+    def _bring_in(self, batch: Any) -> bool:
+        """Before a step (or forward, save…) on ``batch``: what user code wrote into the torch model and optimizer
+        since the last step goes into the engine; a change the compiled step cannot take as new values (modes,
+        ``requires_grad``, param groups, a replaced parameter, a Python value ``forward`` read) recompiles it on
+        ``batch``. Returns whether it recompiled."""
+        changes = self._link.before_step() + describe_changes(self._setup, training_setup(self.model, self.optimizer))
+        if changes:
+            self._recompile_for_changes(batch, changes)
+            return True
+        if self._optimizer_loaded:
+            from torchpar.runtime.state import HostState
+
+            self._executor.update_state(HostState(opt_state=self._bridge.initial_state()))
+            self._optimizer_loaded = self._optimizer_stale = False
+        return False
+
+    def _written_by(self, signature: tuple) -> set[str]:
+        """The state the step of ``signature`` writes: the parameters it trains and the buffers it mutates."""
+        if signature not in self._written:
+            graph = self._compiled.graph(signature)
+            self._written[signature] = ({*self._compiled.trainable(graph)}
+                                        | {o.target for o in graph.outputs if o.kind == "buffer"})
+        return self._written[signature]
+
+    def _on_optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> None:
+        """``optimizer.state_dict()`` by user code: the engine's optimizer state into the torch optimizer first."""
+        if self._optimizer_stale and not self.closed:
+            self._write_optimizer_state()
+
+    def _on_optimizer_loaded(self, optimizer: torch.optim.Optimizer) -> None:
+        """``optimizer.load_state_dict(...)`` by user code: the next step starts from it."""
+        self._optimizer_loaded = True
+
+    def _write_optimizer_state(self) -> None:
+        graph = self.graph
+        state = self._executor.export_state(("state",))
+        self._bridge.write_back(state.opt_state, trained=set(self._compiled.trainable(graph)))
+        self._optimizer_stale = False
+
     def _recompile_for_changes(self, batch: Any, changes: list[str]) -> None:
         """The model or optimizer changed what a step trains since compile (``changes``: modes, ``requires_grad``,
-        param groups): carry the trained state into the torch objects, free the executor and compile again from
-        them on ``batch`` with the same method and options, keeping the step count, PRNG stream, loss scale and
-        skipped-step count. What PyTorch would train now is what the next step trains."""
-        log.warning("torchpar: %s changed since compile; recompiling the training step", "; ".join(changes))
+        param groups, a replaced parameter, a Python value ``forward`` read): carry the trained state into the torch
+        objects, free the executor and compile again from them on ``batch`` with the same method and options,
+        keeping the step count, PRNG stream, loss scale and skipped-step count. What PyTorch would train now is what
+        the next step trains."""
+        log.warning("torchpar: %s; recompiling the training step", "; ".join(
+            c if " changed " in c or " was " in c else f"{c} changed since compile" for c in changes))
         self.sync_to_torch()
         carried = (self._steps_taken, self._base_key, self._loss_scaler, self._guard.skipped_steps)
+        self._release_torch_side(pull=False)
         self._finalizer.detach()
         self._executor.close()
         Engine.__init__(self, self.model, self.optimizer, batch, options=self.options, method=self.method, **self._fns,
                         feed=self._feed)
         self._steps_taken, self._base_key, self._loss_scaler, self._guard.skipped_steps = carried
+
+    def _release_torch_side(self, pull: bool) -> None:
+        """Stop linking the torch model and optimizer to this engine (pulling its newer weights first if ``pull``)."""
+        try:
+            self._link.close(pull=pull)
+        finally:
+            if self._grads is not None:
+                self._grads.clear()
+            for handle in self._optimizer_hooks:
+                handle.remove()
 
     @property
     def last_metrics(self) -> _metrics.StepMetrics | None:
@@ -279,7 +364,13 @@ class Engine:
                                 num_micro_batches=self._compiled.batch_parts)
 
     def forward(self, batch: Any) -> Any:
-        """The model's eval-mode outputs on ``batch``, as torch tensors in the model's output structure."""
+        """The model's eval-mode outputs on ``batch``, as torch tensors in the model's output structure (with the
+        torch model's current weights: what user code wrote into it since the last step is taken in first)."""
+        with model_link.suspended():
+            self._bring_in(self._capture_batch)
+            return self._forward(batch)
+
+    def _forward(self, batch: Any) -> Any:
         signature = batches.signature(batch)
         self._check_compatible(signature, batch)
         capture = self._compiled.forward_capture(signature, batch)
@@ -291,9 +382,12 @@ class Engine:
         return pytree.tree_unflatten(tensors, capture.out_spec)
 
     def sync_to_torch(self) -> None:
-        """Copy parameters, buffers and optimizer state into the torch model and optimizer."""
-        graph = self.graph
-        _checkpoint.sync_to_torch(self._training_state(), trained=lambda: set(self._compiled.trainable(graph)))
+        """Copy parameters, buffers and optimizer state into the torch model and optimizer now. Not needed for the
+        model (it is pulled whenever user code looks at it, :mod:`torchpar.model_link`) nor for
+        ``optimizer.state_dict()`` (pulled then too); kept for loops that read the optimizer's ``state`` directly."""
+        with model_link.suspended():
+            self._link.pull()
+            self._write_optimizer_state()
 
     def state_dict(self) -> dict[str, Any]:
         """A checkpoint of parameters, buffers, optimizer state, step count and PRNG position.
@@ -302,7 +396,9 @@ class Engine:
         ``int64`` buffer JAX holds as ``int32`` comes back ``int64``); ``load_state_dict`` restores them. Save it
         with ``torch.save`` and read it back with ``torch.load(path, weights_only=True)``: tensors, numbers and
         dicts only, so nothing is unpickled that could run code."""
-        return _checkpoint.state_dict(self._training_state())
+        with model_link.suspended():
+            self._bring_in(self._capture_batch)
+            return _checkpoint.state_dict(self._training_state())
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a checkpoint made by :meth:`state_dict` (same model and optimizer structure)."""
@@ -313,7 +409,9 @@ class Engine:
         files) and an ``index.json`` maps each tensor to its pieces; atomic (a save killed midway leaves the previous
         checkpoint at ``path``). Holds the state, optimizer counters and ``param_groups`` hyper-parameters, step
         count, PRNG key, loss scale and ``scheduler``'s state. Returns the path. See :mod:`torchpar.checkpoint`."""
-        return _checkpoint.save(self._training_state(), path, scheduler=scheduler)
+        with model_link.suspended():
+            self._bring_in(self._capture_batch)
+            return _checkpoint.save(self._training_state(), path, scheduler=scheduler)
 
     def load(self, path: str, *, scheduler: Any = None) -> None:
         """Restore a checkpoint written by :meth:`save` by an engine of any plan (another method, mesh, pipeline or
@@ -323,12 +421,20 @@ class Engine:
     def export_torch_state_dict(self) -> dict[str, torch.Tensor]:
         """The model's weights as ``model.state_dict()`` keys them (CPU tensors, the model's dtypes), for
         ``model.load_state_dict``; gathers the whole model (not the optimizer state) to this process."""
-        return _checkpoint.export_torch_state_dict(self._training_state())
+        with model_link.suspended():
+            self._bring_in(self._capture_batch)
+            return _checkpoint.export_torch_state_dict(self._training_state())
 
     def save_pretrained(self, directory: str, **kwargs: Any) -> None:
         """A HuggingFace model's ``save_pretrained(directory, **kwargs)`` with the engine's current weights (copied
         into the torch model first): ``config.json`` + ``model.safetensors``, loadable with ``from_pretrained``."""
-        _checkpoint.save_pretrained(self._training_state(), directory, **kwargs)
+        if not callable(getattr(self.model, "save_pretrained", None)):
+            raise TypeError(f"{type(self.model).__name__} has no save_pretrained (not a HuggingFace PreTrainedModel): "
+                            "save model.state_dict() (it holds the engine's weights) with torch.save or safetensors")
+        with model_link.suspended():
+            self._bring_in(self._capture_batch)
+            self._link.pull()
+            self.model.save_pretrained(directory, **kwargs)
 
     def _training_state(self) -> _checkpoint.TrainingState:
         return _checkpoint.TrainingState(
@@ -338,17 +444,28 @@ class Engine:
             translating_failures=self._compiled.translating_failures)
 
     def _restore(self, restore: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
-        """``restore(training_state, *args, **kwargs)``, then take back the step count and PRNG key it restored."""
+        """``restore(training_state, *args, **kwargs)``, then take back the step count and PRNG key it restored; the
+        engine now holds the model's weights newer than the torch model (pulled when user code looks), and the
+        modules outside the model the step calls are read from torch again at the next step."""
         training = self._training_state()
-        try:
-            restore(training, *args, **kwargs)
-        finally:
-            self._steps_taken, self._base_key = training.steps_taken, training.base_key
+        with model_link.suspended():
+            try:
+                restore(training, *args, **kwargs)
+            finally:
+                self._steps_taken, self._base_key = training.steps_taken, training.base_key
+                self._link.restored()
+                self._optimizer_stale = True
 
     def close(self) -> None:
-        """Free the engine's workers (Ray actors and what they hold); idempotent; also on leaving a ``with`` block, by
-        ``torchpar.shutdown()`` and when the engine is garbage-collected. The engine is unusable afterwards."""
-        if self._executor is not None:
+        """Copy the engine's newer weights into the torch model, then free the engine's workers (Ray actors and what
+        they hold); idempotent; also on leaving a ``with`` block and by ``torchpar.shutdown()`` (a garbage-collected
+        engine frees its workers without the copy). The engine is unusable afterwards."""
+        if self._executor is None:
+            return
+        try:
+            if not self._link.closed:
+                self._release_torch_side(pull=not self._executor.closed)
+        finally:
             self._executor.close()
 
     shutdown = close
@@ -430,3 +547,21 @@ class Engine:
 
     def _check_compatible(self, signature: tuple, batch: Any) -> None:
         batches.check_compatible(signature, batch, self._example_signature, self._example_skeleton)
+
+
+class _ExecutorState(model_link.StateAccess):
+    """The engine's executor state as its :class:`~torchpar.model_link.ModelLink` reads and writes it."""
+
+    def __init__(self, engine: Engine):
+        self._engine = weakref.ref(engine)
+
+    def _executor(self) -> Any:
+        engine = self._engine()
+        assert engine is not None, "a link outlived its engine"
+        return engine._executor
+
+    def export(self, kinds: tuple[str, ...]) -> Any:
+        return self._executor().export_state(kinds)
+
+    def update(self, state: Any) -> None:
+        self._executor().update_state(state)

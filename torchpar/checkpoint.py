@@ -59,7 +59,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from torchpar.host_arrays import host_array, host_tensor, to_torch
+from torchpar.host_arrays import host_array, host_copy, host_tensor, to_torch
 
 log = logging.getLogger(__name__)
 
@@ -111,8 +111,8 @@ def torch_state(params: Mapping[str, torch.Tensor], buffers: Mapping[str, torch.
     executor to start from."""
     from torchpar.runtime.state import HostState
 
-    return HostState(params={n: host_tensor(p) for n, p in params.items()},
-                     buffers={n: host_tensor(b) for n, b in buffers.items()},
+    return HostState(params={n: host_copy(p) for n, p in params.items()},
+                     buffers={n: host_copy(b) for n, b in buffers.items()},
                      opt_state={n: {k: host_array(v) for k, v in e.items()} for n, e in bridge.initial_state().items()})
 
 

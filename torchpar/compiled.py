@@ -20,6 +20,7 @@ from torchpar import batches
 from torchpar import checkpoint as _checkpoint
 from torchpar import compile_cache
 from torchpar.capture.export import Capture, ForwardFn, LossFn, StepFn, capture_forward, capture_train_step
+from torchpar.capture.module_state import CapturedState
 from torchpar.capture.grad_semantics import trainable_params
 from torchpar.capture.optim import TorchOptimizerBridge
 from torchpar.cluster import current_cluster
@@ -28,6 +29,7 @@ from torchpar.host_arrays import jax_dtype
 from torchpar.ir.graph import Graph
 from torchpar.ir.loss_parts import with_loss_parts
 from torchpar.ir.optimizer import step_scalars
+from torchpar.model_link import Tracked, pull_holders, suspended, tracked_state
 from torchpar.methods import data_replicas
 from torchpar.options import CompileOptions, describe_numerics
 from torchpar.planner.plan import Plan
@@ -45,10 +47,10 @@ class CompiledTraining:
     one micro-batch of it (``num_micro_batches`` per step: pipelines, gradient accumulation). ``timings`` gathers
     each phase's seconds for ``plan.timings``. On failure while building, the workers already started are freed."""
 
-    def __init__(self, model: torch.nn.Module, bridge: TorchOptimizerBridge, options: CompileOptions,
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, options: CompileOptions,
                  method: Any, example_batch: Any, *, loss_fn: LossFn | None, step_fn: StepFn | None,
                  forward_fn: ForwardFn | None, guard: StepGuard, loss_scaler: Any, numerics: Any, autocast: Any):
-        self.model, self.bridge, self.options, self.guard = model, bridge, options, guard
+        self.model, self.optimizer, self.options, self.guard = model, optimizer, options, guard
         self._loss_fn, self._step_fn, self._forward_fn = loss_fn, step_fn, forward_fn
         self._loss_scaler, self._numerics, self._autocast = loss_scaler, numerics, autocast
         self.num_micro_batches = int(getattr(method, "num_micro_batches", 1))
@@ -56,7 +58,11 @@ class CompiledTraining:
         self.batch_parts = self.num_micro_batches * self.data_replicas
         """Equal parts of dim 0 each batch is cut into (micro-batches × data replicas): the graphs are one part's."""
         self.example_signature = batches.signature(example_batch)
-        self._params = dict(model.named_parameters())  # tied tensors keep their first name
+        self.tracked: dict[str, Tracked] = {}
+        """Every state tensor the executor holds a copy of, by name (:func:`torchpar.model_link.tracked_state`)."""
+        self.captured_state = CapturedState()
+        """The module state the first capture found (guards, tensor attributes, modules outside the model)."""
+        self.bridge: TorchOptimizerBridge | None = None
         self.timings: dict[str, float] = {}
         self.step_graphs: dict[tuple, Graph] = {}
         """Batch signature → the training graph its compiled step runs."""
@@ -81,6 +87,9 @@ class CompiledTraining:
             with self.translating_failures("compiling the training step"):
                 with phases.phase("capture"):
                     capture = self.capture(self.first_part(example_batch))
+                    self.captured_state = capture.state
+                    self.tracked = tracked_state(self.model, capture.state)
+                    self.bridge = TorchOptimizerBridge(self.optimizer, {id(p): n for n, p in self.params.items()})
                 with phases.phase("plan"):
                     cluster = current_cluster()
                     self.planned = plan_training_profiled(
@@ -97,8 +106,8 @@ class CompiledTraining:
                                          trainable=tuple(sorted(self.planned.trainable)))
                     self.executor = build_executor(spec, cluster, label=self.plan.method)
                     self.timings.update(self.executor.timings)
-                    self.executor.load_state(_checkpoint.torch_state(self._params, dict(self.model.named_buffers()),
-                                                                     self.bridge))
+                    pull_holders(t.tensor for t in self.tracked.values())  # what other engines trained newer
+                    self.executor.load_state(_checkpoint.torch_state(self.params, self.buffers, self.bridge))
                     self.timings["start_workers"] = time.perf_counter() - start
                 with phases.phase("XLA compile"):
                     self._compile(self.example_signature, capture)
@@ -117,6 +126,18 @@ class CompiledTraining:
     def plan(self) -> Plan:
         assert self.planned is not None, "the plan is made while building"
         return self.planned.plan
+
+    @property
+    def params(self) -> dict[str, torch.Tensor]:
+        """The parameters the executor holds by name: the model's (a tied one under its first name) and those of
+        the modules outside it the step calls."""
+        return {n: t.tensor for n, t in self.tracked.items() if t.kind == "param"}
+
+    @property
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """The buffers the executor holds by name: the model's, its tensor attributes the step reads, and those of
+        the modules outside it the step calls."""
+        return {n: t.tensor for n, t in self.tracked.items() if t.kind == "buffer"}
 
     # --- per batch signature -----------------------------------------------------------------------------------
 
@@ -161,8 +182,11 @@ class CompiledTraining:
         from jaxbackend.lower import check_supported
 
         start = time.perf_counter()
-        capture = capture_train_step(self.model, batch, self._loss_fn, autocast=self._autocast, step_fn=self._step_fn)
+        with suspended():
+            capture = capture_train_step(self.model, batch, self._loss_fn, autocast=self._autocast,
+                                         step_fn=self._step_fn, outside=self.captured_state.outside)
         self.timings["capture"] = time.perf_counter() - start
+        self._check_state_known(capture)
         check_supported(capture.graph)
         if self.data_replicas > 1:  # before any worker starts
             from torchpar.runtime.one_stage import check_replicable
@@ -175,9 +199,27 @@ class CompiledTraining:
     def forward_capture(self, signature: tuple, batch: Any) -> Capture:
         """The eval-mode forward graph on ``batch`` (captured once per signature)."""
         if signature not in self._eval:
-            self._eval[signature] = capture_forward(self.model, batch, autocast=self._autocast,
-                                                    forward_fn=self._forward_fn)
+            with suspended():
+                capture = capture_forward(self.model, batch, autocast=self._autocast, forward_fn=self._forward_fn,
+                                          outside=self.captured_state.outside)
+            self._check_state_known(capture)
+            self._eval[signature] = capture
         return self._eval[signature]
+
+    def forget_forward_captures(self) -> None:
+        """Capture the eval forward again at its next use (a value it baked in changed)."""
+        self._eval.clear()
+
+    def _check_state_known(self, capture: Capture) -> None:
+        """A later capture (another batch shape, the eval forward) may read no state the engine does not hold."""
+        if not self.tracked:
+            return
+        unknown = sorted(i.target for i in capture.graph.inputs if i.kind in ("param", "buffer")
+                         and i.target not in self.tracked)
+        if unknown:
+            raise NotImplementedError(
+                f"this capture reads state the engine does not hold: {unknown} (modules or tensor attributes the "
+                "first training step did not read); compile the engine with a step that reads them all")
 
     def graph(self, signature: tuple) -> Graph:
         """The training graph compiled for ``signature``."""
@@ -194,7 +236,8 @@ class CompiledTraining:
     def trainable(self, graph: Graph) -> tuple[str, ...]:
         """Parameters the optimizer updates this step: in the optimizer, requiring grad, and reaching the
         loss (PyTorch leaves the others' ``.grad`` as ``None`` and skips them)."""
-        return trainable_params(graph, self._params, self.bridge.spec.param_names)
+        assert self.bridge is not None, "the optimizer bridge is built with the first capture"
+        return trainable_params(graph, self.params, self.bridge.spec.param_names)
 
     # --- scalars and failures ----------------------------------------------------------------------------------
 

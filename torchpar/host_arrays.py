@@ -20,6 +20,12 @@ def host_tensor(tensor: torch.Tensor) -> np.ndarray:
     return host_array(tensor.numpy())
 
 
+def host_copy(tensor: torch.Tensor) -> np.ndarray:
+    """:func:`host_tensor` in memory of its own. On the CPU ``jax.device_put`` of a host array may alias its memory,
+    so a tensor the user can still write (the model's state) is copied before it goes into the engine."""
+    return np.array(host_tensor(tensor), copy=True)
+
+
 def host_value(value: Any) -> np.ndarray:
     """A torch tensor or a numpy array as the host array JAX reads."""
     return host_tensor(value) if isinstance(value, torch.Tensor) else host_array(value)

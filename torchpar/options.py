@@ -84,6 +84,11 @@ class CompileOptions:
     on_metrics: Callable[[Any], None] | None = None
     """Called after every step with its :class:`torchpar.metrics.StepMetrics` (``engine.last_metrics``), e.g. to
     stream them to TensorBoard or wandb (``metrics.scalars()``); its exceptions propagate from ``step``."""
+    grad_stand_ins: bool = True
+    """After each step set ``p.grad`` of every trained parameter to a stand-in (:mod:`torchpar.grad_stand_in`) that
+    raises, naming the parameter and the fix, when user code reads it (a manual update, a leftover
+    ``optimizer.step()``); ``optimizer.zero_grad()`` clears it. ``False`` leaves ``.grad`` as it is (``None``):
+    for a loop that calls ``optimizer.step()`` on purpose after the engine's step, as ``TorchparTrainer`` does."""
 
     def __post_init__(self) -> None:
         if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)):
@@ -104,6 +109,8 @@ class CompileOptions:
             raise ValueError(f"on_nonfinite must be one of {ON_NONFINITE}, got {self.on_nonfinite!r}")
         if not isinstance(self.check_inputs, bool):
             raise TypeError(f"check_inputs must be True or False, got {self.check_inputs!r}")
+        if not isinstance(self.grad_stand_ins, bool):
+            raise TypeError(f"grad_stand_ins must be True or False, got {self.grad_stand_ins!r}")
         resolve_precisions(self.matmul_precision)  # raises on a bad name
         autocast_dtype(self.mixed_precision)
         if self.remat is not None:

@@ -33,6 +33,8 @@ from torchpar.capture.errors import CaptureError, dynamic_shape_error, translate
 from torchpar.capture.grad_semantics import (autograd_capture_guards, check_gradient_hooks, mark_stop_gradients,
                                              module_modes, restore_module_modes)
 from torchpar.capture.meta_models import as_fake_cpu, on_meta_device
+from torchpar.capture.module_state import (OUTSIDE_PREFIX, CapturedState, outside_modules, recording,
+                                           tensors_as_buffers, watched_modules)
 from torchpar.capture.precision import autocast_device
 from torchpar.capture.repeated_blocks import CAPTURED_BLOCKS, expand_blocks, find_block_stack, truncated
 from torchpar.capture.to_ir import decompose, dtype_name, tensor_meta, to_ir  # dtype_name: also imported from here
@@ -53,7 +55,8 @@ class Capture:
     ``graph`` is the IR. ``in_spec`` is the pytree spec of ``(args, kwargs)`` the model was called
     with; user inputs of the graph are its leaves in order, with metas ``input_metas``.
     ``out_spec`` unflattens the graph's user outputs (eval capture). ``export_s`` and
-    ``decompose_s`` are the seconds spent in ``torch.export`` and ``run_decompositions``.
+    ``decompose_s`` are the seconds spent in ``torch.export`` and ``run_decompositions``. ``state``: the module
+    state the step reads beside the model's parameters and buffers (:mod:`torchpar.capture.module_state`).
     """
 
     graph: Graph
@@ -62,6 +65,7 @@ class Capture:
     out_spec: pytree.TreeSpec | None
     export_s: float
     decompose_s: float
+    state: CapturedState = dataclasses.field(default_factory=CapturedState)
 
 
 def batch_to_call_args(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -199,7 +203,8 @@ class _ForwardModule(torch.nn.Module):
 
 
 def capture_train_step(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None = None, *,
-                       autocast: torch.dtype | None = None, step_fn: StepFn | None = None) -> Capture:
+                       autocast: torch.dtype | None = None, step_fn: StepFn | None = None,
+                       outside: tuple[torch.nn.Module, ...] = ()) -> Capture:
     """Export ``model`` in train mode on ``batch`` into a graph whose single output is the loss
     (plus the new values of mutated buffers). ``step_fn``: the loss is ``step_fn(model, batch)`` instead of the
     calling convention and ``loss_fn`` (not both).
@@ -208,20 +213,24 @@ def capture_train_step(model: torch.nn.Module, batch: Any, loss_fn: LossFn | Non
     lives on (:func:`torchpar.capture.precision.autocast_device`), so PyTorch's own casting policy (which ops
     run in the low dtype, which stay float32) is in the graph as explicit casts; the parameters stay in their
     dtype (the float32 master weights of mixed precision), and the backward ``jax.grad`` derives casts their
-    gradients back."""
+    gradients back.
+
+    ``outside``: modules outside ``model`` the step is known to call (a previous capture's ``state.outside``); their
+    state is named ``outside<i>.<name>`` in that order, and any further one found is appended."""
     if step_fn is not None:
         if loss_fn is not None:
             raise ValueError("pass step_fn or loss_fn, not both: step_fn(model, batch) returns the loss itself")
         wrapper: torch.nn.Module = _StepFnModule(model, type(batch), step_fn)
     else:
         wrapper = _LossModule(model, type(batch), loss_fn)
-    return _capture(wrapper, model, batch, training=True, autocast=autocast, own_call=step_fn is not None)
+    return _capture(wrapper, model, batch, training=True, autocast=autocast, own_call=step_fn is not None,
+                    outside=outside)
 
 
 def capture_forward(model: torch.nn.Module, batch: Any, *, autocast: torch.dtype | None = None,
-                    forward_fn: ForwardFn | None = None) -> Capture:
+                    forward_fn: ForwardFn | None = None, outside: tuple[torch.nn.Module, ...] = ()) -> Capture:
     """Export ``model`` in eval mode on ``batch``; the graph's outputs are the model's outputs (``forward_fn``:
-    ``forward_fn(model, batch)``'s). ``autocast`` as in :func:`capture_train_step`.
+    ``forward_fn(model, batch)``'s). ``autocast`` and ``outside`` as in :func:`capture_train_step`.
 
     HuggingFace models are exported with ``config.use_cache = False``: a KV cache object is not a tensor
     output (and training-style evaluation does not need it)."""
@@ -231,14 +240,16 @@ def capture_forward(model: torch.nn.Module, batch: Any, *, autocast: torch.dtype
         config.use_cache = False
     try:
         wrapper = _ForwardModule(model) if forward_fn is None else _ForwardFnModule(model, type(batch), forward_fn)
-        return _capture(wrapper, model, batch, training=False, autocast=autocast, own_call=forward_fn is not None)
+        return _capture(wrapper, model, batch, training=False, autocast=autocast, own_call=forward_fn is not None,
+                        outside=outside)
     finally:
         if use_cache:
             config.use_cache = use_cache
 
 
 def _capture(wrapper: torch.nn.Module, model: torch.nn.Module, batch: Any, *, training: bool,
-             autocast: torch.dtype | None = None, own_call: bool = False) -> Capture:
+             autocast: torch.dtype | None = None, own_call: bool = False,
+             outside: tuple[torch.nn.Module, ...] = ()) -> Capture:
     """The capture of ``wrapper`` (which calls ``model``) on ``batch``: for a meta model with a deep stack of
     identical blocks, traced on three blocks and repeated (:mod:`.repeated_blocks`), else traced whole."""
     stack = find_block_stack(model) if on_meta_device(model) else None
@@ -246,7 +257,7 @@ def _capture(wrapper: torch.nn.Module, model: torch.nn.Module, batch: Any, *, tr
         try:
             with truncated(model, stack):
                 short = _capture_whole(wrapper, model, batch, training=training, autocast=autocast,
-                                       own_call=own_call)
+                                       own_call=own_call, outside=outside)
         except Exception as error:  # e.g. a forward that indexes the blocks by config.num_hidden_layers
             log.info("capturing %d of the %d blocks of %s failed (%s: %s); capturing them all", CAPTURED_BLOCKS,
                      stack.count, stack.path, type(error).__name__, error)
@@ -258,11 +269,19 @@ def _capture(wrapper: torch.nn.Module, model: torch.nn.Module, batch: Any, *, tr
                 return dataclasses.replace(short, graph=graph)
             log.info("the blocks of %s are not one repeatable program in the trace; capturing all %d",
                      stack.path, stack.count)
-    return _capture_whole(wrapper, model, batch, training=training, autocast=autocast, own_call=own_call)
+    return _capture_whole(wrapper, model, batch, training=training, autocast=autocast, own_call=own_call,
+                          outside=outside)
 
 
 def _capture_whole(wrapper: torch.nn.Module, model: torch.nn.Module, batch: Any, *, training: bool,
-                   autocast: torch.dtype | None = None, own_call: bool = False) -> Capture:
+                   autocast: torch.dtype | None = None, own_call: bool = False,
+                   outside: tuple[torch.nn.Module, ...] = ()) -> Capture:
+    """One export of ``wrapper`` with the module state watched (:mod:`.module_state`); when the step calls modules
+    outside the model that ``outside`` does not hold yet, it is captured again with them registered beside the model
+    (``outside<i>``), so their parameters and buffers are the step's inputs rather than constants."""
+    for i, module in enumerate(outside):
+        wrapper.add_module(f"{OUTSIDE_PREFIX}{i}", module)
+    modules = watched_modules(model, outside)
     args, kwargs = batch_to_call_args(batch)
     leaves, in_spec = pytree.tree_flatten((args, kwargs))
     for path, leaf in zip(_leaf_paths(args, kwargs), leaves):
@@ -285,17 +304,25 @@ def _capture_whole(wrapper: torch.nn.Module, model: torch.nn.Module, batch: Any,
         with casting, fake_cpu as (args, kwargs):
             t0 = time.perf_counter()
             with torch.no_grad() if not training else contextlib.nullcontext(), autograd_capture_guards():
-                with capture_autograd_functions(enabled=training) as functions:
+                with (capture_autograd_functions(enabled=training) as functions, tensors_as_buffers(modules) as attributes,
+                      recording(wrapper, modules) as access):
                     exported = _export(wrapper, args, kwargs, model, batch, own_call=own_call)
-            if training:
-                stops = mark_stop_gradients(exported)
-                if stops:
-                    log.info("%d stop-gradient(s) (detach, no_grad regions) kept in the training graph", stops)
-            t1 = time.perf_counter()
-            exported = decompose(exported)
-            t2 = time.perf_counter()
+            found = outside_modules(access.called, wrapper)
+            if not found:
+                if training:
+                    stops = mark_stop_gradients(exported)
+                    if stops:
+                        log.info("%d stop-gradient(s) (detach, no_grad regions) kept in the training graph", stops)
+                t1 = time.perf_counter()
+                exported = decompose(exported)
+                t2 = time.perf_counter()
     finally:
         restore_module_modes(model, modes)
+    if found:
+        log.info("the step calls %s outside the model: capturing it again with their state as inputs",
+                 ", ".join(type(m).__name__ for m in found))
+        return _capture_whole(wrapper, model, batch, training=training, autocast=autocast, own_call=own_call,
+                              outside=(*outside, *found))
     folded = fold_static_attention_masks(exported.graph)
     if folded:
         log.info("%d attention call(s) take a constant causal / full mask: folded into is_causal", folded)
@@ -312,6 +339,8 @@ def _capture_whole(wrapper: torch.nn.Module, model: torch.nn.Module, batch: Any,
         out_spec=None if training else exported.call_spec.out_spec,
         export_s=t1 - t0,
         decompose_s=t2 - t1,
+        state=CapturedState(reads=tuple(access.reads.values()), tensor_attributes=tuple(attributes),
+                            outside=outside, copied_buffers=tuple(access.copied_buffers)),
     )
 
 

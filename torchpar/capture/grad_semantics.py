@@ -123,7 +123,7 @@ def autograd_capture_guards() -> Iterator[None]:
         def hook(tensor: torch.Tensor, fn: Any, *args: Any, **kwargs: Any) -> Any:
             raise UnsupportedAutogradError(
                 f"a gradient hook is registered inside the captured step (Tensor.{name}({_callable_name(fn)}) at "
-                f"{_user_line()}): torchpar computes the gradients with JAX and cannot call a hook on them. Write "
+                f"{user_line()}): torchpar computes the gradients with JAX and cannot call a hook on them. Write "
                 "the change of the gradient as a custom torch.autograd.Function (its backward is honoured), or "
                 "remove the hook")
         return hook
@@ -176,10 +176,11 @@ def _callable_name(fn: Any) -> str:
     return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
 
 
-def _user_line() -> str:
-    """The innermost frame outside torch and torchpar (the model's line that registered the hook)."""
+def user_line() -> str:
+    """``file:line: code`` of the innermost frame of the current stack outside torch and torchpar (the user's
+    line that is running, e.g. the one that registered a hook or assigns an attribute in ``forward``)."""
     package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    for frame in reversed(traceback.extract_stack()[:-2]):
+    for frame in reversed(traceback.extract_stack()):
         if f"{os.sep}torch{os.sep}" not in frame.filename and not os.path.abspath(frame.filename).startswith(package):
             return f"{frame.filename}:{frame.lineno}: {frame.line}"
     return "an unknown line"

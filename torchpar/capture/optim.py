@@ -27,6 +27,7 @@ its state; the bridge leaves it out of the spec for the same reason.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Collection, Mapping
 from typing import Any
 
@@ -45,6 +46,8 @@ from torchpar.ir.optimizer import (
 from torchpar.ir.optimizer import step_scalars as _step_scalars
 
 __all__ = ["SUPPORTED_OPTIMIZERS", "TorchOptimizerBridge"]
+
+log = logging.getLogger(__name__)
 
 # Class → kind; AdamW before its parent Adam (a subclass is matched to its nearest supported base).
 _KINDS: tuple[tuple[type[torch.optim.Optimizer], str], ...] = (
@@ -179,16 +182,14 @@ class TorchOptimizerBridge:
         names: list[str] = []
         groups: list[int] = []
         params: list[torch.Tensor] = []
+        orphans: list[str] = []
         for gi, group in enumerate(optimizer.param_groups):
             self._check_group(kind, gi, group)
             for pi, p in enumerate(group["params"]):
                 name = param_names.get(id(p))
                 if name is None:
-                    raise ValueError(
-                        f"optimizer param group {gi}, param {pi} (shape {tuple(p.shape)}, {p.dtype}) is not a "
-                        "parameter of the model; build the optimizer from model.parameters() / "
-                        "model.named_parameters()"
-                    )
+                    orphans.append(f"param group {gi}, param {pi} (shape {tuple(p.shape)}, {p.dtype})")
+                    continue
                 if p.is_complex():
                     raise NotImplementedError(
                         f"parameter {name!r} is complex ({p.dtype}); torchpar's optimizers support real "
@@ -208,6 +209,15 @@ class TorchOptimizerBridge:
                 groups.append(gi)
                 params.append(p)
 
+        if orphans and not names:
+            raise ValueError(
+                f"none of the optimizer's parameters is a parameter of the model (or of a module the step calls): "
+                f"{'; '.join(orphans[:4])}{' …' if len(orphans) > 4 else ''}; build the optimizer from "
+                "model.parameters() / model.named_parameters()")
+        if orphans:  # e.g. a weight replaced by another (tied) after the optimizer was built
+            log.warning("torchpar: the optimizer's %s %s not a parameter of the model any more (replaced or tied "
+                        "after the optimizer was built?): it gets no gradient, so, as in PyTorch, it is not "
+                        "updated", "; ".join(orphans), "is" if len(orphans) == 1 else "are")
         if kind in ("adam", "adamw"):
             default = base is torch.optim.AdamW
             decoupled = {bool(g.get("decoupled_weight_decay", default)) for g in optimizer.param_groups}

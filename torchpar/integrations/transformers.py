@@ -295,7 +295,9 @@ class TorchparTrainer(transformers.Trainer):
         self.engine = torchpar.compile(
             self.model, _unwrapped_optimizer(self.optimizer), example_batch=batch, method=method,
             step_fn=self._loss_of, forward_fn=self._eval_outputs_of, grad_clip_norm=clip, seed=args.seed,
-            mixed_precision=self._mixed_precision, matmul_precision=self._matmul_precision, **self.torchpar_options)
+            mixed_precision=self._mixed_precision, matmul_precision=self._matmul_precision,
+            grad_stand_ins=False,  # the Trainer's own optimizer.step() runs after the engine's (and changes nothing)
+            **self.torchpar_options)
         if self._engine_checkpoint is not None:
             self.engine.load(self._engine_checkpoint)
             self._engine_checkpoint = None

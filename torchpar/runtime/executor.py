@@ -130,6 +130,17 @@ class Executor:
                                  opt_state={n: e for n, e in state.opt_state.items() if n not in params})
         self._call("load", state, what="loading the training state")
 
+    def update_state(self, state: HostState) -> None:
+        """Replace the entries ``state`` holds (a subset of the parameters, buffers and optimizer state, as host
+        arrays) on the workers that hold them, each laid out as the plan lays it out; nothing else moves."""
+        self._check_open()
+        self._unheld.params.update({n: v for n, v in state.params.items() if n in self._unheld.params})
+        self._unheld.buffers.update({n: v for n, v in state.buffers.items() if n in self._unheld.buffers})
+        for n, entries in state.opt_state.items():
+            if n in self._unheld.opt_state:
+                self._unheld.opt_state[n].update(entries)
+        self._call("update", state, what="updating the training state")
+
     def export_state(self, kinds: tuple[str, ...] = ("param", "buffer", "state")) -> HostState:
         """The state as host arrays on this process (all of it: for checkpoints of large models see
         :meth:`save_shards`); ``kinds`` picks parameters, buffers and optimizer state (``"state"``)."""

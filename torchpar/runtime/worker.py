@@ -183,6 +183,11 @@ class Worker:
         several stages hold is written by its first stage only)."""
         raise NotImplementedError
 
+    def update(self, state: HostState) -> None:
+        """Replace the entries ``state`` holds (some parameters, buffers or optimizer state, as host arrays) where
+        this process holds them, laid out as the plan lays them out; the rest of the state stays as it is."""
+        raise NotImplementedError
+
     def compile(self, key: Hashable, graph: Graph, trainable: tuple[str, ...],
                 leaves: list[tuple[tuple[int, ...], Any]], scalars: Any,
                 stage_graphs: list[StageGraph] | None = None) -> dict[str, Any]:
@@ -253,6 +258,14 @@ class OneStageWorker(Worker):
         self.buffers = {n: state.place("buffer", n, placement.replicated) for n in state.buffers}
         self.opt_state = {n: {k: state.place("state", (n, k), placement.state_of(n)) for k in entries}
                           for n, entries in state.opt_state.items()}
+
+    def update(self, state: HostState) -> None:
+        placement = self.program.placement
+        self.params.update({n: state.place("param", n, placement.param(n)) for n in state.params})
+        self.buffers.update({n: state.place("buffer", n, placement.replicated) for n in state.buffers})
+        for n, entries in state.opt_state.items():
+            if n in self.opt_state:
+                self.opt_state[n].update({k: state.place("state", (n, k), placement.state_of(n)) for k in entries})
 
     def export(self, kinds: tuple[str, ...] = KINDS) -> list[Exported]:
         return export_arrays(0, self.params, self.buffers, self.opt_state, kinds)
@@ -463,6 +476,18 @@ class PipelineWorker(Worker):
                              for i in program.stage.graph.inputs if i.kind == "buffer"}
             stage.opt_state = {n: {k: state.place("state", (n, k), placement.state_of(n)) for k in state.opt_state[n]}
                                for n in program.trainable}
+
+    def update(self, state: HostState) -> None:
+        for s, program in self.programs.items():
+            stage, placement = self.states[s], program.placement
+            stage.params.update({n: state.place("param", n, placement.param(n)) for n in state.params
+                                 if n in stage.params})
+            stage.buffers.update({n: state.place("buffer", n, placement.replicated) for n in state.buffers
+                                  if n in stage.buffers})
+            for n, entries in state.opt_state.items():
+                if n in stage.opt_state:
+                    stage.opt_state[n].update({k: state.place("state", (n, k), placement.state_of(n))
+                                               for k in entries})
 
     def export(self, kinds: tuple[str, ...] = KINDS) -> list[Exported]:
         entries = []
