@@ -146,7 +146,8 @@ class Engine:
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, example_batch: Any,
                  loss_fn: LossFn | None, options: CompileOptions, method: Method | Plan | None = None, *,
-                 step_fn: StepFn | None = None, forward_fn: ForwardFn | None = None, feed: HostFeed | None = None):
+                 step_fn: StepFn | None = None, forward_fn: ForwardFn | None = None, feed: HostFeed | None = None,
+                 _recompiled: bool = False):
         on_meta = next((name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta), None)
         if on_meta is not None:
             raise ValueError(f"{on_meta} is on the meta device: the model has no weights to train. torchpar.plan(...) "
@@ -176,7 +177,8 @@ class Engine:
             self._setup = training_setup(model, optimizer)  # modes, requires_grad, param groups compiled for
             self._compiled = CompiledTraining(model, optimizer, options, method, example_batch, **self._fns,
                                               guard=self._guard, loss_scaler=self._loss_scaler,
-                                              numerics=self._numerics, autocast=autocast_dtype(options.mixed_precision))
+                                              numerics=self._numerics, autocast=autocast_dtype(options.mixed_precision),
+                                              orphans_allowed=_recompiled)
         assert self._compiled.bridge is not None
         self._bridge = self._compiled.bridge
         self._param_names = self._compiled.params  # tied tensors keep their first name; modules outside included
@@ -307,7 +309,7 @@ class Engine:
         self._finalizer.detach()
         self._executor.close()
         Engine.__init__(self, self.model, self.optimizer, batch, options=self.options, method=self.method, **self._fns,
-                        feed=self._feed)
+                        feed=self._feed, _recompiled=True)
         self._steps_taken, self._base_key, self._loss_scaler, self._guard.skipped_steps = carried
 
     def _release_torch_side(self, pull: bool) -> None:

@@ -49,7 +49,8 @@ class CompiledTraining:
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, options: CompileOptions,
                  method: Any, example_batch: Any, *, loss_fn: LossFn | None, step_fn: StepFn | None,
-                 forward_fn: ForwardFn | None, guard: StepGuard, loss_scaler: Any, numerics: Any, autocast: Any):
+                 forward_fn: ForwardFn | None, guard: StepGuard, loss_scaler: Any, numerics: Any, autocast: Any,
+                 orphans_allowed: bool = False):
         self.model, self.optimizer, self.options, self.guard = model, optimizer, options, guard
         self._loss_fn, self._step_fn, self._forward_fn = loss_fn, step_fn, forward_fn
         self._loss_scaler, self._numerics, self._autocast = loss_scaler, numerics, autocast
@@ -63,6 +64,8 @@ class CompiledTraining:
         self.captured_state = CapturedState()
         """The module state the first capture found (guards, tensor attributes, modules outside the model)."""
         self.bridge: TorchOptimizerBridge | None = None
+        self._orphans_allowed = orphans_allowed
+        """The optimizer may hold tensors the model lost since it was built (a recompile after a weight was tied)."""
         self.timings: dict[str, float] = {}
         self.step_graphs: dict[tuple, Graph] = {}
         """Batch signature → the training graph its compiled step runs."""
@@ -89,7 +92,8 @@ class CompiledTraining:
                     capture = self.capture(self.first_part(example_batch))
                     self.captured_state = capture.state
                     self.tracked = tracked_state(self.model, capture.state)
-                    self.bridge = TorchOptimizerBridge(self.optimizer, {id(p): n for n, p in self.params.items()})
+                    self.bridge = TorchOptimizerBridge(self.optimizer, {id(p): n for n, p in self.params.items()},
+                                                       orphans_allowed=self._orphans_allowed)
                 with phases.phase("plan"):
                     cluster = current_cluster()
                     self.planned = plan_training_profiled(

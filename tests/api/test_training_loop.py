@@ -394,3 +394,18 @@ def test_a_gan_trained_by_two_engines_alternating_is_pytorchs_gan():
     assert_same(torch.tensor(got), torch.tensor(expected), "(Loss_D, Loss_G) per iteration")
     assert_same_model(net_d, ref_d, "D")  # its BatchNorm statistics too: D runs 3 times per iteration in both
     assert_same_model(net_g, ref_g, "G")
+
+
+def test_the_gan_on_two_ray_host_actors_is_pytorchs_gan():
+    from tests.runtime.ray_helpers import ray_cluster
+
+    torch.manual_seed(0)
+    net_d, net_g = Discriminator(), Generator()
+    ref_d, ref_g = copy.deepcopy(net_d), copy.deepcopy(net_g)
+    data = gan_data(5)
+    expected = train_dcgan_in_pytorch(ref_d, ref_g, data)
+    with ray_cluster(num_hosts=2, devices_per_host=1):  # each engine: one host actor of its own
+        got = train_dcgan_in_torchpar(net_d, net_g, data)
+    assert_same(torch.tensor(got), torch.tensor(expected), "(Loss_D, Loss_G) per iteration")
+    assert_same_model(net_d, ref_d, "D")
+    assert_same_model(net_g, ref_g, "G")

@@ -171,8 +171,11 @@ def _to_torch(a: Any, like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tenso
 class TorchOptimizerBridge:
     """Connects a torch optimizer of `SUPPORTED_OPTIMIZERS` to `jaxbackend.optim` (see the module docstring)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, param_names: Mapping[int, str]) -> None:
-        """`param_names` maps ``id(param)`` → its name in ``model.named_parameters()``."""
+    def __init__(self, optimizer: torch.optim.Optimizer, param_names: Mapping[int, str], *,
+                 orphans_allowed: bool = False) -> None:
+        """`param_names` maps ``id(param)`` → its name in ``model.named_parameters()``. A parameter of the optimizer
+        that is not there is an error, unless ``orphans_allowed`` (the model changed after the optimizer was built,
+        e.g. a weight tied to another): then, as in PyTorch, it gets no gradient and is not updated."""
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
         self.optimizer = optimizer
@@ -209,10 +212,10 @@ class TorchOptimizerBridge:
                 groups.append(gi)
                 params.append(p)
 
-        if orphans and not names:
+        if orphans and (not orphans_allowed or not names):
             raise ValueError(
-                f"none of the optimizer's parameters is a parameter of the model (or of a module the step calls): "
-                f"{'; '.join(orphans[:4])}{' …' if len(orphans) > 4 else ''}; build the optimizer from "
+                f"optimizer {orphans[0]} is not a parameter of the model (nor of a module the step calls)"
+                f"{f' ({len(orphans) - 1} more)' if len(orphans) > 1 else ''}; build the optimizer from "
                 "model.parameters() / model.named_parameters()")
         if orphans:  # e.g. a weight replaced by another (tied) after the optimizer was built
             log.warning("torchpar: the optimizer's %s %s not a parameter of the model any more (replaced or tied "
