@@ -5,10 +5,12 @@ at 1.0, logs every 5 steps and evaluation every 10: every logged train loss, ``g
 loss equal plain ``Trainer``'s on the same seed and data within 1e-4, on one device and on 4 fake devices with
 DataParallel and with a 2-stage pipeline. A run killed after its checkpoint at step 20 and resumed in a new process
 logs steps 21–30 bit for bit as the uninterrupted run; ``save_model`` writes a directory plain transformers loads;
-a BERT sequence classifier trains and evaluates with ``compute_metrics``. Unsupported arguments raise naming
-themselves."""
+a BERT sequence classifier trains and evaluates with ``compute_metrics``; its mean loss, which plain Trainer scales
+by the accumulation steps, is scaled alike by default (warning once), the batch's mean with ``torchpar_loss="mean"``.
+Unsupported arguments raise naming themselves."""
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -156,30 +158,38 @@ def accuracy(prediction: transformers.EvalPrediction) -> dict[str, float]:
     return {"accuracy": float((np.argmax(prediction.predictions, axis=-1) == prediction.label_ids).mean())}
 
 
-def test_a_bert_classifier_trains_and_evaluates_with_compute_metrics(tmp_path):
-    def bert() -> torch.nn.Module:
-        torch.manual_seed(0)
-        return transformers.BertForSequenceClassification(transformers.BertConfig(
-            hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, vocab_size=64,
-            max_position_embeddings=16, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=2))
+def bert_classifier(hidden: int = 64) -> torch.nn.Module:
+    """A 2-layer BERT sequence classifier (dropout 0, weights from seed 0): its loss is a mean cross-entropy that
+    ignores ``num_items_in_batch``, though its forward takes ``**kwargs``."""
+    torch.manual_seed(0)
+    return transformers.BertForSequenceClassification(transformers.BertConfig(
+        hidden_size=hidden, num_hidden_layers=2, num_attention_heads=4, intermediate_size=2 * hidden, vocab_size=64,
+        max_position_embeddings=16, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=2))
 
+
+def loss_factor_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "num_items_in_batch" in r.getMessage()]
+
+
+def test_a_bert_classifier_trains_and_evaluates_with_compute_metrics(tmp_path, caplog):
     def run(cls, out, **extra):
         args = training_args(str(tmp_path / out), max_steps=40, learning_rate=3e-3, eval_steps=20, logging_steps=10)
-        trainer = cls(model=bert(), args=args, train_dataset=Parity(160, 1), eval_dataset=Parity(48, 2),
+        trainer = cls(model=bert_classifier(), args=args, train_dataset=Parity(160, 1), eval_dataset=Parity(48, 2),
                       compute_metrics=accuracy, **extra)
         if cls is transformers.Trainer:
-            # BertForSequenceClassification takes **kwargs but its loss ignores num_items_in_batch, so plain Trainer
-            # (transformers 5.24) neither divides its per-micro-batch means by the accumulation steps nor lets the
-            # model do it: it trains on their sum (loss and gradients ×2 here). Told the model takes no loss
-            # kwargs, it divides by them and trains the whole batch's mean, as TorchparTrainer does.
+            # Told the model takes no loss kwargs, plain Trainer divides each micro-batch's mean by the accumulation
+            # steps: it trains the whole batch's mean, as TorchparTrainer(torchpar_loss="mean") does.
             trainer.model_accepts_loss_kwargs = False
         trainer.train()
         final = trainer.evaluate()
         return trainer, final
 
     plain, plain_final = run(transformers.Trainer, "plain")
-    ours, our_final = run(TorchparTrainer, "ours", torchpar_method=torchpar.DataParallel(mesh_shape=(1, 4)))
+    with caplog.at_level(logging.WARNING, logger="torchpar"):
+        ours, our_final = run(TorchparTrainer, "ours", torchpar_method=torchpar.DataParallel(mesh_shape=(1, 4)),
+                              torchpar_loss="mean")
     try:
+        assert loss_factor_warnings(caplog) == []  # the mean was asked for: nothing to warn about
         assert_logs_match(logged_values(ours.state.log_history), logged_values(plain.state.log_history))
         assert abs(our_final["eval_loss"] - plain_final["eval_loss"]) <= TOLERANCE
         assert our_final["eval_accuracy"] == plain_final["eval_accuracy"]
@@ -188,6 +198,49 @@ def test_a_bert_classifier_trains_and_evaluates_with_compute_metrics(tmp_path):
         assert predictions.predictions.shape == (8, 2) and "test_accuracy" in predictions.metrics
     finally:
         ours.close()
+
+
+def test_a_loss_plain_trainer_scales_by_the_accumulation_steps_is_scaled_alike(tmp_path, caplog):
+    """BertForSequenceClassification's forward takes ``**kwargs`` but its loss ignores ``num_items_in_batch``: plain
+    Trainer (transformers 5.24 ``training_step``) takes the loss as already divided by the update's item count, does
+    not divide it by the accumulation steps, and so logs and backpropagates the sum of the micro-batch means (twice
+    the batch's mean here). TorchparTrainer logs and trains the same by default, and says why once. SGD, so the
+    factor reaches the weights."""
+    def run(cls, out, **attributes):
+        args = training_args(str(tmp_path / out), max_steps=-1, num_train_epochs=1, eval_strategy="no",
+                             logging_steps=1, optim="sgd", learning_rate=0.5, lr_scheduler_type="constant",
+                             warmup_steps=0, weight_decay=0.0)
+        trainer = cls(model=bert_classifier(hidden=32), args=args, train_dataset=Parity(24, 1))
+        for name, value in attributes.items():
+            setattr(trainer, name, value)
+        trainer.train()
+        return trainer
+
+    plain = run(transformers.Trainer, "plain")
+    with caplog.at_level(logging.WARNING, logger="torchpar"):
+        ours = run(TorchparTrainer, "ours")
+    try:
+        logged = logged_values(ours.state.log_history)
+        assert [step for step, key, _ in logged if key == "loss"] == [1, 2, 3]
+        assert_logs_match(logged, logged_values(plain.state.log_history))
+        for name, value in plain.model.state_dict().items():
+            torch.testing.assert_close(ours.model.state_dict()[name], value, rtol=1e-4, atol=1e-5, msg=name)
+        # the first update's loss is the sum of its two micro-batch means: twice the batch's mean, which plain Trainer
+        # logs when told the model takes no loss kwargs
+        means = run(transformers.Trainer, "mean", model_accepts_loss_kwargs=False).state.log_history
+        assert abs(logged[0][2] - 2 * means[0]["loss"]) <= TOLERANCE
+        [warning] = loss_factor_warnings(caplog)  # once per trainer
+        assert all(words in warning for words in ("does not depend on num_items_in_batch", "model_accepts_loss_kwargs",
+                                                   "gradient_accumulation_steps (2)", "torchpar_loss='mean'"))
+    finally:
+        ours.close()
+
+
+def test_torchpar_loss_names_its_values(tmp_path):
+    train, _ = datasets()
+    with pytest.raises(ValueError, match="torchpar_loss must be one of .*'trainer', 'mean'.*'sum'"):
+        TorchparTrainer(model=causal_lm("gpt2"), args=training_args(str(tmp_path)), train_dataset=train,
+                        torchpar_loss="sum")
 
 
 @pytest.mark.parametrize("argument, value", [("torch_compile", True), ("gradient_checkpointing", True),

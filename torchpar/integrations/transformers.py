@@ -12,7 +12,8 @@ torch's own autograd. The overridden methods, and what each does instead:
                                           the last one runs ``engine.step`` on their concatenation (the engine
                                           built on the first update) and returns its loss; the earlier
                                           micro-batches return 0, so the Trainer's running loss sums to the
-                                          engine's whole-batch loss per update, as plain Trainer's does
+                                          engine's whole-batch loss per update, as plain Trainer's does; the
+                                          loss is scaled as plain Trainer scales it (:mod:`.trainer_loss`)
 ``_clip_grad_norm`` / ``_get_grad_norm``  the engine's pre-clip gradient norm (the engine clips to
                                           ``max_grad_norm`` inside its step); no torch gradient exists
 ``prediction_step``                       the engine's eval-mode forward (``compute_loss`` with labels)
@@ -52,6 +53,8 @@ except ImportError as error:  # pragma: no cover (transformers is a dependency; 
 
 import torchpar
 from torchpar import batches
+from torchpar.integrations.trainer_loss import (LOSS_MODES, loss_factor_warning, loss_uses_item_count,
+                                                trainer_loss_factor, trainer_scales_for_accumulation)
 from torchpar.methods import DataParallel, Method
 from torchpar.planner.plan import Plan
 
@@ -204,27 +207,35 @@ class TorchparTrainer(transformers.Trainer):
       ``torchpar.PipeshardParallel(...)``, ...) or a saved :class:`~torchpar.planner.plan.Plan`.
     - ``torchpar_options``: further :func:`torchpar.compile` keywords (``remat``, ``spmd``, ``on_nonfinite``,
       ``log_every``, ``profile``, ...). Those the ``TrainingArguments`` set are refused here (:data:`MAPPED_OPTIONS`).
+    - ``torchpar_loss``: ``"trainer"`` (the default) trains and logs what plain ``Trainer`` does, including its
+      scaling of a loss that ignores ``num_items_in_batch`` under gradient accumulation (:mod:`.trainer_loss`; a
+      warning says so once); ``"mean"`` trains the whole accumulated batch's loss.
 
     What the ``TrainingArguments`` mean here: ``per_device_train_batch_size`` is the batch this process feeds per
     micro-batch, which the method splits over its devices (torchpar's "global" batch: one process drives all the
     devices); ``gradient_accumulation_steps`` is the engine's micro-batch count, so an update is one engine step
     on the whole accumulated batch — the loss is the whole batch's (token-weighted for token losses, as the
-    Trainer's ``num_items_in_batch``); ``max_grad_norm`` → ``grad_clip_norm``; ``bf16`` / ``fp16`` →
-    ``mixed_precision``; ``tf32`` → ``matmul_precision`` (``"high"`` / ``"highest"``); ``seed`` → the engine's PRNG
-    seed (dropout). Learning rate, schedule, warmup, weight decay, optimizer choice (torch optimizers), logging,
-    evaluation, saving, ``save_total_limit``, ``max_steps`` / ``num_train_epochs`` and ``dataloader_drop_last`` are
-    the Trainer's own. Arguments torchpar cannot honour (:func:`refused_arguments`) raise a ``ValueError`` naming
-    them. The engine is built on the first update of ``train()`` and kept for later ``train`` / ``evaluate`` calls
-    (``trainer.engine``); ``trainer.close()`` frees its workers.
+    Trainer's ``num_items_in_batch``) times plain Trainer's factor for it (:mod:`.trainer_loss`); ``max_grad_norm``
+    → ``grad_clip_norm``; ``bf16`` / ``fp16`` → ``mixed_precision``; ``tf32`` → ``matmul_precision`` (``"high"`` /
+    ``"highest"``); ``seed`` → the engine's PRNG seed (dropout). Learning rate, schedule, warmup, weight decay,
+    optimizer choice (torch optimizers), logging, evaluation, saving, ``save_total_limit``, ``max_steps`` /
+    ``num_train_epochs`` and ``dataloader_drop_last`` are the Trainer's own. Arguments torchpar cannot honour
+    (:func:`refused_arguments`) raise a ``ValueError`` naming them. The engine is built on the first update of
+    ``train()`` and kept for later ``train`` / ``evaluate`` calls (``trainer.engine``); ``trainer.close()`` frees its
+    workers.
     """
 
     def __init__(self, *args: Any, torchpar_method: Method | Plan | None = None,
-                 torchpar_options: Mapping[str, Any] | None = None, **kwargs: Any):
+                 torchpar_options: Mapping[str, Any] | None = None, torchpar_loss: str = "trainer",
+                 **kwargs: Any):
         if importlib.util.find_spec("accelerate") is None:
             raise ImportError("transformers.Trainer needs accelerate: pip install 'torchpar[trainer]' (or "
                               "'accelerate>=1.1')")
         if torchpar_method is not None and not isinstance(torchpar_method, Method | Plan):
             raise TypeError(f"torchpar_method must be None, a torchpar method or a Plan, got {torchpar_method!r}")
+        if torchpar_loss not in LOSS_MODES:
+            raise ValueError(f"torchpar_loss must be one of {LOSS_MODES}, got {torchpar_loss!r}: 'trainer' trains "
+                             "and logs what plain transformers.Trainer does, 'mean' the whole accumulated batch's loss")
         options = dict(torchpar_options or {})
         mapped = sorted(set(options) & set(MAPPED_OPTIONS))
         if mapped:
@@ -247,6 +258,10 @@ class TorchparTrainer(transformers.Trainer):
                 kwargs["args"] = torch_side
         self.torchpar_method = torchpar_method
         self.torchpar_options = options
+        self.torchpar_loss = torchpar_loss
+        self._loss_factor = 1.0
+        self._uses_item_count: bool | None = None
+        self._warned_loss_factor = False
         self.engine: Any = None
         self._pending: list[dict[str, Any]] = []
         self._grad_norm: float | None = None
@@ -262,19 +277,39 @@ class TorchparTrainer(transformers.Trainer):
         """Collect the update's micro-batches; on the last one run the engine's step on all of them and return its
         loss (the earlier ones return 0). The loss is the Trainer's: ``compute_loss`` with the Trainer's
         ``num_items_in_batch`` for the whole update (:func:`with_item_count`), so a summed loss is divided by the
-        count the Trainer divides by."""
+        count the Trainer divides by, times plain Trainer's factor for the update (:meth:`_update_loss_factor`)."""
         self._pending.append(dict(inputs))
         if len(self._pending) < self.current_gradient_accumulation_steps:
             return torch.zeros((), device=self.args.device)
+        micro_batches = len(self._pending)
         batch = merge_micro_batches(self._pending, getattr(getattr(self.model, "config", None), "pad_token_id", None))
         self._pending = []
+        self._loss_factor = self._update_loss_factor(batch, num_items_in_batch, micro_batches)
         batch = with_item_count(batch, num_items_in_batch)
         self.model.train()  # the Trainer's training mode (evaluate() leaves the model in eval mode)
         self._check_rows(batch)
         engine = self.engine or self._build_engine(batch)
         loss = engine.step(batch)
         self._grad_norm = engine.last_grad_norm
-        return torch.tensor(loss, dtype=torch.float32, device=self.args.device)
+        return torch.tensor(float(loss), dtype=torch.float32, device=self.args.device)
+
+    def _update_loss_factor(self, batch: dict[str, Any], num_items: torch.Tensor | int | None,
+                            micro_batches: int) -> float:
+        """The factor of the whole batch's loss that the engine trains for this update: plain Trainer's
+        (:mod:`.trainer_loss`) under ``torchpar_loss="trainer"``, warning once when it is not 1; 1 under ``"mean"``.
+        The engine captures ``step_fn`` once per batch signature, and an update's rows fix its micro-batch count (only
+        an epoch's last update is shorter), so each signature's graph bakes in its own factor."""
+        if self.torchpar_loss == "mean" or micro_batches == 1:
+            return 1.0
+        if num_items is not None and self._uses_item_count is None:
+            self._uses_item_count = loss_uses_item_count(self, batch, num_items)
+        factor = trainer_loss_factor(scaled=trainer_scales_for_accumulation(self, num_items),
+                                     uses_item_count=num_items is not None and bool(self._uses_item_count),
+                                     micro_batches=micro_batches)
+        if factor != 1 and not self._warned_loss_factor:
+            log.warning("%s", loss_factor_warning(self, factor, micro_batches))
+            self._warned_loss_factor = True
+        return factor
 
     def _clip_grad_norm(self, model: torch.nn.Module) -> float | None:
         """The engine's gradient norm before clipping (the engine clipped to ``max_grad_norm`` in its step)."""
@@ -305,9 +340,11 @@ class TorchparTrainer(transformers.Trainer):
 
     def _loss_of(self, model: torch.nn.Module, batch: dict[str, Any]) -> torch.Tensor:
         """The training loss as the Trainer computes it (label smoothing, ``compute_loss_func``, a subclass's
-        ``compute_loss``; ``num_items_in_batch`` from :data:`ITEM_COUNT_KEY`): the engine's ``step_fn``."""
+        ``compute_loss``; ``num_items_in_batch`` from :data:`ITEM_COUNT_KEY`), times the update's factor
+        (:meth:`_update_loss_factor`, a constant of the captured graph): the engine's ``step_fn``."""
         inputs, num_items = without_item_count(batch)
-        return self.compute_loss(model, inputs, num_items_in_batch=num_items)
+        loss = self.compute_loss(model, inputs, num_items_in_batch=num_items)
+        return loss if self._loss_factor == 1 else loss * self._loss_factor
 
     def _eval_outputs_of(self, model: torch.nn.Module, batch: dict[str, Any]) -> dict[str, Any]:
         """The eval forward: ``{"loss", "outputs"}`` from ``compute_loss`` when the batch has every label,
