@@ -50,3 +50,21 @@ def to_torch(array: Any) -> torch.Tensor:
     if value.dtype.name == "bfloat16":
         return torch.from_numpy(np.array(value.view(np.int16), copy=True)).view(torch.bfloat16)
     return torch.from_numpy(np.array(value, copy=True))
+
+
+def write_into(tensor: torch.Tensor, array: Any) -> None:
+    """Copy a host or JAX array's values into ``tensor`` in place (cast to its dtype). A contiguous CPU tensor is
+    written through numpy — several times faster than ``Tensor.copy_`` on a busy CPU — which, unlike ``copy_``, does
+    not bump the tensor's ``_version``: a caller that tracks writes counts this one itself."""
+    value = np.asarray(array)
+    if tensor.device.type != "cpu" or not tensor.is_contiguous() or tensor.dtype in (torch.complex32,):
+        with torch.no_grad():
+            tensor.copy_(to_torch(value).to(tensor.dtype))
+        return
+    if tensor.dtype == torch.bfloat16:
+        import ml_dtypes
+
+        target = tensor.detach().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    else:
+        target = tensor.detach().numpy()
+    np.copyto(target, value.reshape(target.shape), casting="unsafe")

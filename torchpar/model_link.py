@@ -17,9 +17,10 @@ come out as the original class.
 copy of with the torch model: the object (a reassigned buffer or tensor attribute of the same shape and dtype is
 read from its new object; a replaced parameter — ``model.b.weight = model.a.weight``, ``load_state_dict(...,
 assign=True)`` — or a changed dtype recompiles), its ``_version`` (any in-place write: ``load_state_dict``,
-``p.mul_(0.5)`` under ``no_grad``, another engine's pull) and its *touch* count, bumped by every trigger above
-(``p.data.add_(...)`` writes without a version bump, so a tensor handed to user code counts as written). Those that
-differ are pushed (:meth:`~torchpar.runtime.executor.Executor.update_state`, laid out by the plan).
+``p.mul_(0.5)`` under ``no_grad``) and its *touch* count, bumped by every trigger above (``p.data.add_(...)`` writes
+without a version bump, so a tensor handed to user code counts as written) and by every pull (another engine's new
+values; a pull writes through numpy, without a version bump). Those that differ are pushed
+(:meth:`~torchpar.runtime.executor.Executor.update_state`, laid out by the plan).
 
 **Several engines.** The holder is kept per tensor, not per engine: engines over models that call each other (a GAN:
 the D step runs G, the G step runs D) or share a module read each other's updates — before engine B's step every
@@ -299,15 +300,15 @@ class ModelLink:
         held = self.holds()
         if not held:
             return
-        from torchpar.host_arrays import to_torch
+        from torchpar.host_arrays import write_into
 
         state = self.state.export(("param", "buffer"))
-        with suspended(), torch.no_grad():
+        with suspended():
             for t in held:
-                value = state.params[t.name] if t.kind == "param" else state.buffers[t.name]
-                t.tensor.copy_(to_torch(value).to(t.tensor.dtype))
+                write_into(t.tensor, state.params[t.name] if t.kind == "param" else state.buffers[t.name])
                 _holders.pop(id(t.tensor), None)
-                t.synced_version = t.tensor._version
+                touch = _touches[id(t.tensor)] = _touches.get(id(t.tensor), 0) + 1  # other engines' copies are old
+                t.synced_version, t.synced_touch = t.tensor._version, touch
         log.debug("torchpar: %s copied %d tensors into the torch model", self.label, len(held))
 
     # --- torch → engine ---------------------------------------------------------------------------------------

@@ -409,3 +409,32 @@ def test_the_gan_on_two_ray_host_actors_is_pytorchs_gan():
     assert_same(torch.tensor(got), torch.tensor(expected), "(Loss_D, Loss_G) per iteration")
     assert_same_model(net_d, ref_d, "D")
     assert_same_model(net_g, ref_g, "G")
+
+
+def test_a_module_the_step_calls_outside_the_model_is_trained_when_the_optimizer_holds_it():
+    """A learnable loss module kept beside the model (a metric-learning head, a learned temperature), its parameters
+    in the same optimizer: PyTorch trains it, and so does the engine."""
+    torch.manual_seed(0)
+    model, head = Net(), torch.nn.Linear(1, 1)
+    reference, ref_head = copy.deepcopy(model), copy.deepcopy(head)
+
+    def step_fn(net, batch):
+        x, y = batch
+        return F.mse_loss(head(net.head(net.hidden(x))), y)
+
+    def ref_step(batch):
+        x, y = batch
+        return F.mse_loss(ref_head(reference.head(reference.hidden(x))), y)
+
+    ref_opt = torch.optim.SGD([*reference.parameters(), *ref_head.parameters()], lr=0.1)
+    optimizer = torch.optim.SGD([*model.parameters(), *head.parameters()], lr=0.1)
+    with torchpar.compile(model, optimizer, example_batch=batches(1)[0], step_fn=step_fn) as engine:
+        assert {"outside0.weight", "outside0.bias"} <= set(engine.plan.stages[0].params)
+        for step, batch in enumerate(batches(3)):
+            ref_opt.zero_grad()
+            loss = ref_step(batch)
+            loss.backward()
+            ref_opt.step()
+            assert_same(engine.step(batch), loss.item(), f"step {step}")
+    assert_same_model(head, ref_head, "the outside module")
+    assert_same_model(model, reference, "the model")

@@ -27,9 +27,9 @@ torch's own autograd. The overridden methods, and what each does instead:
 ========================================  =======================================================================
 
 The Trainer's own ``optimizer.step()`` still runs and changes nothing (no parameter has a gradient); its
-scheduler writes the learning rate into ``optimizer.param_groups``, which the engine reads every step. The
-torch model's weights are the engine's only after ``train()`` returns, ``save_model`` or an explicit
-``trainer.sync_to_torch()``: a callback that reads the weights mid-training sees the initial ones.
+scheduler writes the learning rate into ``optimizer.param_groups``, which the engine reads every step (the engine is
+compiled with ``grad_stand_ins=False`` for that ``optimizer.step()``). The torch model holds the engine's weights
+whenever code looks at it (:mod:`torchpar.model_link`): a callback reading them mid-training sees the current ones.
 """
 
 from __future__ import annotations
