@@ -147,7 +147,7 @@ class Engine:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, example_batch: Any,
                  loss_fn: LossFn | None, options: CompileOptions, method: Method | Plan | None = None, *,
                  step_fn: StepFn | None = None, forward_fn: ForwardFn | None = None, feed: HostFeed | None = None,
-                 _recompiled: bool = False):
+                 _recompiled: bool = False, _numbers: tuple[tuple[torch.nn.Module, str], ...] = ()):
         on_meta = next((name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta), None)
         if on_meta is not None:
             raise ValueError(f"{on_meta} is on the meta device: the model has no weights to train. torchpar.plan(...) "
@@ -178,7 +178,7 @@ class Engine:
             self._compiled = CompiledTraining(model, optimizer, options, method, example_batch, **self._fns,
                                               guard=self._guard, loss_scaler=self._loss_scaler,
                                               numerics=self._numerics, autocast=autocast_dtype(options.mixed_precision),
-                                              orphans_allowed=_recompiled)
+                                              orphans_allowed=_recompiled, numbers=_numbers)
         assert self._compiled.bridge is not None
         self._bridge = self._compiled.bridge
         self._param_names = self._compiled.params  # tied tensors keep their first name; modules outside included
@@ -263,7 +263,7 @@ class Engine:
         ``batch``. Returns whether it recompiled."""
         changes = self._link.before_step() + describe_changes(self._setup, training_setup(self.model, self.optimizer))
         if changes:
-            self._recompile_for_changes(batch, changes)
+            self._recompile_for_changes(batch, changes, floats=self._link.changed_floats())
             return True
         if self._optimizer_loaded:
             from torchpar.runtime.state import HostState
@@ -295,22 +295,46 @@ class Engine:
         self._bridge.write_back(state.opt_state, trained=set(self._compiled.trainable(graph)))
         self._optimizer_stale = False
 
-    def _recompile_for_changes(self, batch: Any, changes: list[str]) -> None:
+    def _recompile_for_changes(self, batch: Any, changes: list[str],
+                               floats: list[tuple[torch.nn.Module, str]] = ()) -> None:
         """The model or optimizer changed what a step trains since compile (``changes``: modes, ``requires_grad``,
         param groups, a replaced parameter, a Python value ``forward`` read): carry the trained state into the torch
         objects, free the executor and compile again from them on ``batch`` with the same method and options,
         keeping the step count, PRNG stream, loss scale and skipped-step count. What PyTorch would train now is what
-        the next step trains."""
-        log.warning("torchpar: %s; recompiling the training step", "; ".join(
-            c if " changed " in c or " was " in c else f"{c} changed since compile" for c in changes))
+        the next step trains. ``floats``: float attributes that changed; those ``forward`` uses in tensor arithmetic
+        are read as step inputs from now on, so their next changes need no recompile."""
+        fed = self._feedable_floats(batch, floats)
+        log.warning("torchpar: %s; recompiling the training step%s", "; ".join(
+            c if " changed " in c or " was " in c else f"{c} changed since compile" for c in changes),
+            f" (from now on {', '.join(name for _, name in fed)} "
+            f"{'is a step input' if len(fed) == 1 else 'are step inputs'}: a change recompiles no more)" if fed else "")
         self.sync_to_torch()
         carried = (self._steps_taken, self._base_key, self._loss_scaler, self._guard.skipped_steps)
         self._release_torch_side(pull=False)
         self._finalizer.detach()
         self._executor.close()
         Engine.__init__(self, self.model, self.optimizer, batch, options=self.options, method=self.method, **self._fns,
-                        feed=self._feed, _recompiled=True)
+                        feed=self._feed, _recompiled=True, _numbers=(*self._compiled.numbers, *fed))
         self._steps_taken, self._base_key, self._loss_scaler, self._guard.skipped_steps = carried
+
+    def _feedable_floats(self, batch: Any, floats: list[tuple[torch.nn.Module, str]]) -> list[tuple[torch.nn.Module, str]]:
+        """Those of ``floats`` the step can read as inputs: each is tried in a capture as a 0-d tensor; one that
+        steers Python control flow in ``forward`` (``if self.w > 0``, ``F.dropout``'s range check) fails it and
+        stays a constant of the step."""
+        fed: list[tuple[torch.nn.Module, str]] = []
+        for candidate in floats:
+            try:
+                capture_train_step(self.model, self._compiled.first_part(batch), self._fns["loss_fn"],
+                                   autocast=autocast_dtype(self.options.mixed_precision), step_fn=self._fns["step_fn"],
+                                   outside=self._compiled.captured_state.outside,
+                                   numbers=(*self._compiled.numbers, *fed, candidate))
+            except Exception as error:  # noqa: BLE001 (any capture failure means: keep it a constant)
+                log.info("torchpar: %s.%s stays a constant of the step (each change recompiles): forward does not use "
+                         "it as a number in tensor arithmetic only (%s: %s)", type(candidate[0]).__name__,
+                         candidate[1], type(error).__name__, str(error).splitlines()[0][:200] if str(error) else "")
+            else:
+                fed.append(candidate)
+        return fed
 
     def _release_torch_side(self, pull: bool) -> None:
         """Stop linking the torch model and optimizer to this engine (pulling its newer weights first if ``pull``)."""

@@ -50,7 +50,7 @@ class CompiledTraining:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, options: CompileOptions,
                  method: Any, example_batch: Any, *, loss_fn: LossFn | None, step_fn: StepFn | None,
                  forward_fn: ForwardFn | None, guard: StepGuard, loss_scaler: Any, numerics: Any, autocast: Any,
-                 orphans_allowed: bool = False):
+                 orphans_allowed: bool = False, numbers: tuple[tuple[torch.nn.Module, str], ...] = ()):
         self.model, self.optimizer, self.options, self.guard = model, optimizer, options, guard
         self._loss_fn, self._step_fn, self._forward_fn = loss_fn, step_fn, forward_fn
         self._loss_scaler, self._numerics, self._autocast = loss_scaler, numerics, autocast
@@ -65,6 +65,8 @@ class CompiledTraining:
         """The module state the first capture found (guards, tensor attributes, modules outside the model)."""
         self.bridge: TorchOptimizerBridge | None = None
         self._orphans_allowed = orphans_allowed
+        self.numbers = numbers
+        """Float attributes ``(module, name)`` the step reads as inputs rather than constants."""
         """The optimizer may hold tensors the model lost since it was built (a recompile after a weight was tied)."""
         self.timings: dict[str, float] = {}
         self.step_graphs: dict[tuple, Graph] = {}
@@ -188,7 +190,8 @@ class CompiledTraining:
         start = time.perf_counter()
         with suspended():
             capture = capture_train_step(self.model, batch, self._loss_fn, autocast=self._autocast,
-                                         step_fn=self._step_fn, outside=self.captured_state.outside)
+                                         step_fn=self._step_fn, outside=self.captured_state.outside,
+                                         numbers=self.numbers)
         self.timings["capture"] = time.perf_counter() - start
         self._check_state_known(capture)
         check_supported(capture.graph)
@@ -205,7 +208,7 @@ class CompiledTraining:
         if signature not in self._eval:
             with suspended():
                 capture = capture_forward(self.model, batch, autocast=self._autocast, forward_fn=self._forward_fn,
-                                          outside=self.captured_state.outside)
+                                          outside=self.captured_state.outside, numbers=self.numbers)
             self._check_state_known(capture)
             self._eval[signature] = capture
         return self._eval[signature]

@@ -222,7 +222,8 @@ class Slot:
     module: torch.nn.Module
     attribute: str
     where: str
-    """``"parameter"``, ``"buffer"`` or ``"attribute"``."""
+    """``"parameter"``, ``"buffer"``, ``"attribute"`` (a tensor in the module's ``__dict__``) or ``"number"`` (a Python
+    float there, which the step reads as an input: :func:`torchpar.capture.module_state.numbers_as_tensors`)."""
     path: str
     """``path.attribute`` for messages."""
 
@@ -347,11 +348,28 @@ class ModelLink:
                                f"{read.source})")
         return changes
 
+    def changed_floats(self) -> list[tuple[torch.nn.Module, str]]:
+        """``(module, name)`` of each guarded float attribute whose value changed (a float still): candidates to be
+        read as step inputs from now on (:func:`torchpar.capture.module_state.numbers_as_tensors`)."""
+        changed = []
+        for read in self.reads:
+            now = read.module.__dict__.get(read.name, _MISSING)
+            if type(read.value) is float and type(now) is float and not same_plain(now, read.value):
+                changed.append((read.module, read.name))
+        return changed
+
     def _replaced(self) -> list[str]:
         changes = []
         for t in self.tracked.values():
             for slot in t.slots:
                 now = slot.current()
+                if slot.where == "number":
+                    if isinstance(now, (int, float)) and not isinstance(now, bool):
+                        if float(now) != t.tensor.item():
+                            t.tensor.fill_(float(now))  # a new version: pushed below
+                        continue
+                    changes.append(f"{slot.path} changed from a number to {type(now).__name__}")
+                    continue
                 if now is t.tensor:
                     continue
                 if (slot.where != "parameter" and len(t.slots) == 1 and isinstance(now, torch.Tensor)
@@ -446,6 +464,9 @@ def tracked_state(model: torch.nn.Module, captured: Any) -> dict[str, Tracked]:
         add_tree(model, "", outside=False)
         for name, module, attr in captured.tensor_attributes:
             add(module.__dict__[attr], "buffer", Slot(module, attr, "attribute", name),
+                outside=name.startswith(f"{OUTSIDE_PREFIX}"))
+        for name, module, attr in captured.numbers:  # the engine's copy of a float: a 0-d tensor of its own
+            add(torch.tensor(float(module.__dict__[attr])), "buffer", Slot(module, attr, "number", name),
                 outside=name.startswith(f"{OUTSIDE_PREFIX}"))
         for i, module in enumerate(captured.outside):
             add_tree(module, f"{OUTSIDE_PREFIX}{i}.", outside=True)

@@ -207,7 +207,7 @@ def test_attributes_forward_reads_are_read_at_every_step(method, caplog):
     model = Knobs()
     reference = copy.deepcopy(model)
     ref_opt = sgd(reference)
-    data = batches(5)
+    data = batches(6)
 
     def change(step: int, m: Knobs) -> None:
         if step == 1:
@@ -217,6 +217,8 @@ def test_attributes_forward_reads_are_read_at_every_step(method, caplog):
         if step == 3:  # a schedule on the model: recompiles once, with a warning naming both
             m.kl_weight = 0.25
             m.drop.p = 0.0
+        if step >= 4:  # the loss weight is a step input since: annealing it recompiles no more
+            m.kl_weight = 0.5 / step
 
     with cluster_for(method), torchpar.compile(model, sgd(model), example_batch=data[0],
                                                method=method_of(method)) as engine:
@@ -227,6 +229,7 @@ def test_attributes_forward_reads_are_read_at_every_step(method, caplog):
     recompiles = [r.getMessage() for r in caplog.records if "recompiling" in r.getMessage()]
     assert len(recompiles) == 1, recompiles
     assert "kl_weight changed from 1.0 to 0.25" in recompiles[0] and "drop.p changed from 1.0 to 0.0" in recompiles[0]
+    assert "from now on kl_weight is a step input" in recompiles[0]  # Dropout's p steers control flow
 
 
 class CenteredNet(Net):

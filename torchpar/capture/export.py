@@ -33,8 +33,8 @@ from torchpar.capture.errors import CaptureError, dynamic_shape_error, translate
 from torchpar.capture.grad_semantics import (autograd_capture_guards, check_gradient_hooks, mark_stop_gradients,
                                              module_modes, restore_module_modes)
 from torchpar.capture.meta_models import as_fake_cpu, on_meta_device
-from torchpar.capture.module_state import (OUTSIDE_PREFIX, CapturedState, outside_modules, recording,
-                                           tensors_as_buffers, watched_modules)
+from torchpar.capture.module_state import (OUTSIDE_PREFIX, CapturedState, numbers_as_tensors, outside_modules,
+                                           recording, tensors_as_buffers, watched_modules)
 from torchpar.capture.precision import autocast_device
 from torchpar.capture.repeated_blocks import CAPTURED_BLOCKS, expand_blocks, find_block_stack, truncated
 from torchpar.capture.to_ir import decompose, dtype_name, tensor_meta, to_ir  # dtype_name: also imported from here
@@ -204,7 +204,8 @@ class _ForwardModule(torch.nn.Module):
 
 def capture_train_step(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None = None, *,
                        autocast: torch.dtype | None = None, step_fn: StepFn | None = None,
-                       outside: tuple[torch.nn.Module, ...] = ()) -> Capture:
+                       outside: tuple[torch.nn.Module, ...] = (),
+                       numbers: tuple[tuple[torch.nn.Module, str], ...] = ()) -> Capture:
     """Export ``model`` in train mode on ``batch`` into a graph whose single output is the loss
     (plus the new values of mutated buffers). ``step_fn``: the loss is ``step_fn(model, batch)`` instead of the
     calling convention and ``loss_fn`` (not both).
@@ -216,7 +217,8 @@ def capture_train_step(model: torch.nn.Module, batch: Any, loss_fn: LossFn | Non
     gradients back.
 
     ``outside``: modules outside ``model`` the step is known to call (a previous capture's ``state.outside``); their
-    state is named ``outside<i>.<name>`` in that order, and any further one found is appended."""
+    state is named ``outside<i>.<name>`` in that order, and any further one found is appended. ``numbers``: float
+    attributes ``(module, name)`` captured as step inputs (:func:`~torchpar.capture.module_state.numbers_as_tensors`)."""
     if step_fn is not None:
         if loss_fn is not None:
             raise ValueError("pass step_fn or loss_fn, not both: step_fn(model, batch) returns the loss itself")
@@ -224,13 +226,14 @@ def capture_train_step(model: torch.nn.Module, batch: Any, loss_fn: LossFn | Non
     else:
         wrapper = _LossModule(model, type(batch), loss_fn)
     return _capture(wrapper, model, batch, training=True, autocast=autocast, own_call=step_fn is not None,
-                    outside=outside)
+                    outside=outside, numbers=numbers)
 
 
 def capture_forward(model: torch.nn.Module, batch: Any, *, autocast: torch.dtype | None = None,
-                    forward_fn: ForwardFn | None = None, outside: tuple[torch.nn.Module, ...] = ()) -> Capture:
+                    forward_fn: ForwardFn | None = None, outside: tuple[torch.nn.Module, ...] = (),
+                    numbers: tuple[tuple[torch.nn.Module, str], ...] = ()) -> Capture:
     """Export ``model`` in eval mode on ``batch``; the graph's outputs are the model's outputs (``forward_fn``:
-    ``forward_fn(model, batch)``'s). ``autocast`` and ``outside`` as in :func:`capture_train_step`.
+    ``forward_fn(model, batch)``'s). ``autocast``, ``outside`` and ``numbers`` as in :func:`capture_train_step`.
 
     HuggingFace models are exported with ``config.use_cache = False``: a KV cache object is not a tensor
     output (and training-style evaluation does not need it)."""
@@ -241,7 +244,7 @@ def capture_forward(model: torch.nn.Module, batch: Any, *, autocast: torch.dtype
     try:
         wrapper = _ForwardModule(model) if forward_fn is None else _ForwardFnModule(model, type(batch), forward_fn)
         return _capture(wrapper, model, batch, training=False, autocast=autocast, own_call=forward_fn is not None,
-                        outside=outside)
+                        outside=outside, numbers=numbers)
     finally:
         if use_cache:
             config.use_cache = use_cache
@@ -249,7 +252,7 @@ def capture_forward(model: torch.nn.Module, batch: Any, *, autocast: torch.dtype
 
 def _capture(wrapper: torch.nn.Module, model: torch.nn.Module, batch: Any, *, training: bool,
              autocast: torch.dtype | None = None, own_call: bool = False,
-             outside: tuple[torch.nn.Module, ...] = ()) -> Capture:
+             outside: tuple[torch.nn.Module, ...] = (), numbers: tuple[tuple[torch.nn.Module, str], ...] = ()) -> Capture:
     """The capture of ``wrapper`` (which calls ``model``) on ``batch``: for a meta model with a deep stack of
     identical blocks, traced on three blocks and repeated (:mod:`.repeated_blocks`), else traced whole."""
     stack = find_block_stack(model) if on_meta_device(model) else None
@@ -257,7 +260,7 @@ def _capture(wrapper: torch.nn.Module, model: torch.nn.Module, batch: Any, *, tr
         try:
             with truncated(model, stack):
                 short = _capture_whole(wrapper, model, batch, training=training, autocast=autocast,
-                                       own_call=own_call, outside=outside)
+                                       own_call=own_call, outside=outside, numbers=numbers)
         except Exception as error:  # e.g. a forward that indexes the blocks by config.num_hidden_layers
             log.info("capturing %d of the %d blocks of %s failed (%s: %s); capturing them all", CAPTURED_BLOCKS,
                      stack.count, stack.path, type(error).__name__, error)
@@ -270,12 +273,13 @@ def _capture(wrapper: torch.nn.Module, model: torch.nn.Module, batch: Any, *, tr
             log.info("the blocks of %s are not one repeatable program in the trace; capturing all %d",
                      stack.path, stack.count)
     return _capture_whole(wrapper, model, batch, training=training, autocast=autocast, own_call=own_call,
-                          outside=outside)
+                          outside=outside, numbers=numbers)
 
 
 def _capture_whole(wrapper: torch.nn.Module, model: torch.nn.Module, batch: Any, *, training: bool,
                    autocast: torch.dtype | None = None, own_call: bool = False,
-                   outside: tuple[torch.nn.Module, ...] = ()) -> Capture:
+                   outside: tuple[torch.nn.Module, ...] = (),
+                   numbers: tuple[tuple[torch.nn.Module, str], ...] = ()) -> Capture:
     """One export of ``wrapper`` with the module state watched (:mod:`.module_state`); when the step calls modules
     outside the model that ``outside`` does not hold yet, it is captured again with them registered beside the model
     (``outside<i>``), so their parameters and buffers are the step's inputs rather than constants."""
@@ -304,8 +308,8 @@ def _capture_whole(wrapper: torch.nn.Module, model: torch.nn.Module, batch: Any,
         with casting, fake_cpu as (args, kwargs):
             t0 = time.perf_counter()
             with torch.no_grad() if not training else contextlib.nullcontext(), autograd_capture_guards():
-                with (capture_autograd_functions(enabled=training) as functions, tensors_as_buffers(modules) as attributes,
-                      recording(wrapper, modules) as access):
+                with (capture_autograd_functions(enabled=training) as functions, numbers_as_tensors(numbers) as fed,
+                      tensors_as_buffers(modules) as attributes, recording(wrapper, modules) as access):
                     exported = _export(wrapper, args, kwargs, model, batch, own_call=own_call)
             found = outside_modules(access.called, wrapper)
             if not found:
@@ -322,7 +326,7 @@ def _capture_whole(wrapper: torch.nn.Module, model: torch.nn.Module, batch: Any,
         log.info("the step calls %s outside the model: capturing it again with their state as inputs",
                  ", ".join(type(m).__name__ for m in found))
         return _capture_whole(wrapper, model, batch, training=training, autocast=autocast, own_call=own_call,
-                              outside=(*outside, *found))
+                              outside=(*outside, *found), numbers=numbers)
     folded = fold_static_attention_masks(exported.graph)
     if folded:
         log.info("%d attention call(s) take a constant causal / full mask: folded into is_causal", folded)
@@ -339,7 +343,9 @@ def _capture_whole(wrapper: torch.nn.Module, model: torch.nn.Module, batch: Any,
         out_spec=None if training else exported.call_spec.out_spec,
         export_s=t1 - t0,
         decompose_s=t2 - t1,
-        state=CapturedState(reads=tuple(access.reads.values()), tensor_attributes=tuple(attributes),
+        state=CapturedState(reads=tuple(access.reads.values()),
+                            tensor_attributes=tuple(a for a in attributes if (id(a[1]), a[2]) not in fed),
+                            numbers=tuple(a for a in attributes if (id(a[1]), a[2]) in fed),
                             outside=outside, copied_buffers=tuple(access.copied_buffers)),
     )
 

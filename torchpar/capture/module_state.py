@@ -269,6 +269,26 @@ def tensors_as_buffers(modules: dict[str, torch.nn.Module]) -> Iterator[list[tup
             module.__dict__[name] = tensor
 
 
+@contextlib.contextmanager
+def numbers_as_tensors(numbers: tuple[tuple[torch.nn.Module, str], ...]) -> Iterator[dict[tuple[int, str], torch.Tensor]]:
+    """Replace each Python float attribute ``(module, name)`` by a 0-d tensor of the default dtype holding its value
+    while the block runs, so that the capture reads it as an input (a tensor attribute, :func:`tensors_as_buffers`)
+    rather than baking it in; yields ``(id(module), name)`` → that tensor; puts the floats back after. A value that
+    changes between steps (an annealed loss weight) then needs no recompile. ``forward`` must use it as PyTorch uses a
+    number in tensor arithmetic: one that steers Python control flow makes the export fail (the caller then bakes it
+    in)."""
+    saved, tensors = [], {}
+    for module, name in numbers:
+        value = module.__dict__[name]
+        tensors[(id(module), name)] = module.__dict__[name] = torch.tensor(float(value))
+        saved.append((module, name, value))
+    try:
+        yield tensors
+    finally:
+        for module, name, value in saved:
+            module.__dict__[name] = value
+
+
 def outside_modules(called: dict[int, torch.nn.Module], root: torch.nn.Module) -> list[torch.nn.Module]:
     """The outermost modules among ``called`` outside ``root``'s tree (and not holding ``root``, as torch.export's
     own wrapper does) that own parameters or buffers somewhere below them, in call order: each with its submodules
@@ -293,6 +313,9 @@ class CapturedState:
     """The plain values the step baked in, to compare before each step."""
     tensor_attributes: tuple[tuple[str, torch.nn.Module, str], ...] = ()
     """``(state name, module, attribute)`` of each tensor attribute the step reads as a buffer input."""
+    numbers: tuple[tuple[str, torch.nn.Module, str], ...] = ()
+    """``(state name, module, attribute)`` of each Python float attribute captured as a step input
+    (:func:`numbers_as_tensors`)."""
     outside: tuple[torch.nn.Module, ...] = ()
     """Modules outside the model the step calls; the ``i``-th one's state is named ``outside<i>.<name>``."""
     copied_buffers: tuple[str, ...] = ()
