@@ -132,8 +132,8 @@ def main() -> None:
     print(f"checks alone: {result['checks_alone_s'] * 1e6:.0f} µs per step = "
           f"{result['checks_fraction_of_step'] * 100:.2f} % of the unchecked step")
     print(f"a pull (state_dict after a step): {result['pull_s'] * 1e3:.2f} ms = "
-          f"{result['pull_fraction_of_step'] * 100:.1f} % of a step; the push it causes: {result['push_s'] * 1e3:.2f} ms "
-          f"= {result['push_fraction_of_step'] * 100:.1f} %")
+          f"{result['pull_fraction_of_step'] * 100:.1f} % of a step; the push it causes: "
+          f"{result['push_s'] * 1e3:.2f} ms = {result['push_fraction_of_step'] * 100:.1f} %")
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as handle:
         json.dump(result, handle, indent=1)

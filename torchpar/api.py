@@ -27,6 +27,7 @@ from torchpar import metrics as _metrics
 from torchpar.capture.checkpointing import warn_if_gradient_checkpointing
 from torchpar.capture.export import ForwardFn, LossFn, StepFn, capture_train_step, check_model_fns, dtype_name
 from torchpar.capture.grad_semantics import trainable_params
+from torchpar.capture.module_state import NumberAttribute
 from torchpar.capture.optim import TorchOptimizerBridge, mark_optimizer_stepped
 from torchpar.capture.precision import autocast_dtype
 from torchpar.capture.training_setup import describe_changes, training_setup
@@ -147,7 +148,7 @@ class Engine:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, example_batch: Any,
                  loss_fn: LossFn | None, options: CompileOptions, method: Method | Plan | None = None, *,
                  step_fn: StepFn | None = None, forward_fn: ForwardFn | None = None, feed: HostFeed | None = None,
-                 _recompiled: bool = False, _numbers: tuple[tuple[torch.nn.Module, str], ...] = ()):
+                 _recompiled: bool = False, _numbers: tuple[NumberAttribute, ...] = ()):
         on_meta = next((name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta), None)
         if on_meta is not None:
             raise ValueError(f"{on_meta} is on the meta device: the model has no weights to train. torchpar.plan(...) "
@@ -194,8 +195,8 @@ class Engine:
                        if options.grad_stand_ins else None)
         self._optimizer_stale = False
         self._optimizer_loaded = False
-        self._optimizer_hooks = [optimizer.register_state_dict_pre_hook(self._on_optimizer_state_dict),
-                                 optimizer.register_load_state_dict_post_hook(self._on_optimizer_loaded)]
+        self._optimizer_hooks = [optimizer.register_state_dict_pre_hook(_weakly(self._on_optimizer_state_dict)),
+                                 optimizer.register_load_state_dict_post_hook(_weakly(self._on_optimizer_loaded))]
 
     # --- public API --------------------------------------------------------------------------------
 
@@ -296,7 +297,7 @@ class Engine:
         self._optimizer_stale = False
 
     def _recompile_for_changes(self, batch: Any, changes: list[str],
-                               floats: list[tuple[torch.nn.Module, str]] = ()) -> None:
+                               floats: list[NumberAttribute] = ()) -> None:
         """The model or optimizer changed what a step trains since compile (``changes``: modes, ``requires_grad``,
         param groups, a replaced parameter, a Python value ``forward`` read): carry the trained state into the torch
         objects, free the executor and compile again from them on ``batch`` with the same method and options,
@@ -317,11 +318,11 @@ class Engine:
                         feed=self._feed, _recompiled=True, _numbers=(*self._compiled.numbers, *fed))
         self._steps_taken, self._base_key, self._loss_scaler, self._guard.skipped_steps = carried
 
-    def _feedable_floats(self, batch: Any, floats: list[tuple[torch.nn.Module, str]]) -> list[tuple[torch.nn.Module, str]]:
+    def _feedable_floats(self, batch: Any, floats: list[NumberAttribute]) -> list[NumberAttribute]:
         """Those of ``floats`` the step can read as inputs: each is tried in a capture as a 0-d tensor; one that
         steers Python control flow in ``forward`` (``if self.w > 0``, ``F.dropout``'s range check) fails it and
         stays a constant of the step."""
-        fed: list[tuple[torch.nn.Module, str]] = []
+        fed: list[NumberAttribute] = []
         for candidate in floats:
             try:
                 capture_train_step(self.model, self._compiled.first_part(batch), self._fns["loss_fn"],
@@ -573,6 +574,18 @@ class Engine:
 
     def _check_compatible(self, signature: tuple, batch: Any) -> None:
         batches.check_compatible(signature, batch, self._example_signature, self._example_skeleton)
+
+
+def _weakly(method: Callable[..., Any]) -> Callable[..., Any]:
+    """A hook calling the engine's ``method`` while the engine lives (the optimizer must not keep it alive)."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(*args: Any) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(*args)
+
+    return hook
 
 
 class _ExecutorState(model_link.StateAccess):

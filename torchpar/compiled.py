@@ -20,7 +20,7 @@ from torchpar import batches
 from torchpar import checkpoint as _checkpoint
 from torchpar import compile_cache
 from torchpar.capture.export import Capture, ForwardFn, LossFn, StepFn, capture_forward, capture_train_step
-from torchpar.capture.module_state import CapturedState
+from torchpar.capture.module_state import CapturedState, NumberAttribute
 from torchpar.capture.grad_semantics import trainable_params
 from torchpar.capture.optim import TorchOptimizerBridge
 from torchpar.cluster import current_cluster
@@ -50,7 +50,7 @@ class CompiledTraining:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, options: CompileOptions,
                  method: Any, example_batch: Any, *, loss_fn: LossFn | None, step_fn: StepFn | None,
                  forward_fn: ForwardFn | None, guard: StepGuard, loss_scaler: Any, numerics: Any, autocast: Any,
-                 orphans_allowed: bool = False, numbers: tuple[tuple[torch.nn.Module, str], ...] = ()):
+                 orphans_allowed: bool = False, numbers: tuple[NumberAttribute, ...] = ()):
         self.model, self.optimizer, self.options, self.guard = model, optimizer, options, guard
         self._loss_fn, self._step_fn, self._forward_fn = loss_fn, step_fn, forward_fn
         self._loss_scaler, self._numerics, self._autocast = loss_scaler, numerics, autocast

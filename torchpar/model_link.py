@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-from torchpar.capture.module_state import MODULE_INTERNALS, AttributeRead, same_plain
+from torchpar.capture.module_state import MODULE_INTERNALS, AttributeRead, NumberAttribute, same_plain
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ _touches: dict[int, int] = {}
 _watchers: dict[int, weakref.WeakSet] = {}
 """``id(module)`` → the links watching it."""
 _seen: dict[int, int] = {}
-"""``id(module)`` → the epoch in which user code last reached its whole tree (later accesses in that epoch are free)."""
+"""``id(module)`` → the epoch in which user code last reached its whole tree (later accesses in it are free)."""
 _epoch = 0
 """Bumped by every step of every engine: what user code reached before it counts again after it."""
 _suspended = 0
@@ -100,11 +100,9 @@ def _own_tensors(module: torch.nn.Module) -> Iterator[torch.Tensor]:
 def _user_access(module: torch.nn.Module, name: str | None = None) -> None:
     """User code reaches ``module`` (its whole tree) or its parameter/buffer ``name``: pull what an engine holds
     newer, and count the tensors as touched."""
-    if _suspended or id(module) not in _watchers:
-        return
+    if _suspended or id(module) not in _watchers or _seen.get(id(module)) == _epoch:
+        return  # (a module whose whole tree user code reached since the last step: nothing more to do)
     if name is None:
-        if _seen.get(id(module)) == _epoch:
-            return
         modules = list(torch.nn.Module.modules(module))
         tensors = [t for m in modules for t in _own_tensors(m)]
     else:
@@ -194,17 +192,26 @@ def _watch(module: torch.nn.Module, link: "ModelLink") -> None:
     module.__class__ = _linked_class(type(module))
 
 
-def _unwatch(module: torch.nn.Module, link: "ModelLink") -> None:
+def _unwatch(module: torch.nn.Module, link: "ModelLink | None") -> None:
     watchers = _watchers.get(id(module))
     if watchers is not None:
-        watchers.discard(link)
-        if len(watchers):
+        if link is not None:
+            watchers.discard(link)
+        if any(True for _ in watchers):
             return
         del _watchers[id(module)]
     _seen.pop(id(module), None)
     base = getattr(type(module), "_torchpar_base", None)
     if base is not None:
         module.__class__ = base
+
+
+def _release(modules: list[torch.nn.Module]) -> None:
+    """A link was garbage-collected without :meth:`ModelLink.close`: give back the modules no live link watches."""
+    for module in modules:
+        watchers = _watchers.get(id(module))
+        if watchers is not None and not any(True for _ in watchers):  # (iteration skips links being collected)
+            _unwatch(module, None)
 
 
 def unlinked_class(module: torch.nn.Module) -> type:
@@ -289,6 +296,7 @@ class ModelLink:
         for module in self._modules.values():
             _watch(module, self)
         self.closed = False
+        self._finalizer = weakref.finalize(self, _release, list(self._modules.values()))
 
     # --- engine → torch ---------------------------------------------------------------------------------------
 
@@ -348,7 +356,7 @@ class ModelLink:
                                f"{read.source})")
         return changes
 
-    def changed_floats(self) -> list[tuple[torch.nn.Module, str]]:
+    def changed_floats(self) -> list[NumberAttribute]:
         """``(module, name)`` of each guarded float attribute whose value changed (a float still): candidates to be
         read as step inputs from now on (:func:`torchpar.capture.module_state.numbers_as_tensors`)."""
         changed = []
@@ -426,6 +434,7 @@ class ModelLink:
                     _holders.pop(id(t.tensor), None)
             for module in self._modules.values():
                 _unwatch(module, self)
+            self._finalizer.detach()
 
 
 # --- what an engine tracks ----------------------------------------------------------------------------------------

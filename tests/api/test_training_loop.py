@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import io
 import re
 
@@ -151,6 +152,11 @@ def test_copies_and_pickles_of_the_linked_model_are_its_own_class_with_the_curre
             assert type(clone) is Net
             assert_same_model(clone, model, "a copy")
     assert type(model) is Net  # the engine closed: the model is a plain module again
+    engine = torchpar.compile(model, sgd(model), example_batch=batch)
+    assert type(model) is not Net
+    del engine
+    gc.collect()
+    assert type(model) is Net  # an engine collected without close() gives the class back too
 
 
 # --- what user code writes reaches the next step ------------------------------------------------------------------
@@ -317,7 +323,8 @@ def test_a_manual_update_from_grad_is_an_error_naming_the_fix_not_a_silent_none(
 class Generator(torch.nn.Module):
     def __init__(self):
         super().__init__()
-        self.main = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8), torch.nn.Tanh())
+        self.main = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8),
+                                        torch.nn.Tanh())
 
     def forward(self, noise):
         return self.main(noise)
@@ -326,8 +333,8 @@ class Generator(torch.nn.Module):
 class Discriminator(torch.nn.Module):
     def __init__(self):
         super().__init__()
-        self.main = torch.nn.Sequential(torch.nn.Linear(8, 16, bias=False), torch.nn.BatchNorm1d(16), torch.nn.LeakyReLU(0.2),
-                                        torch.nn.Linear(16, 1), torch.nn.Sigmoid())
+        self.main = torch.nn.Sequential(torch.nn.Linear(8, 16, bias=False), torch.nn.BatchNorm1d(16),
+                                        torch.nn.LeakyReLU(0.2), torch.nn.Linear(16, 1), torch.nn.Sigmoid())
 
     def forward(self, x):
         return self.main(x).view(-1)

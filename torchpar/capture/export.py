@@ -33,8 +33,8 @@ from torchpar.capture.errors import CaptureError, dynamic_shape_error, translate
 from torchpar.capture.grad_semantics import (autograd_capture_guards, check_gradient_hooks, mark_stop_gradients,
                                              module_modes, restore_module_modes)
 from torchpar.capture.meta_models import as_fake_cpu, on_meta_device
-from torchpar.capture.module_state import (OUTSIDE_PREFIX, CapturedState, numbers_as_tensors, outside_modules,
-                                           recording, tensors_as_buffers, watched_modules)
+from torchpar.capture.module_state import (OUTSIDE_PREFIX, CapturedState, NumberAttribute, numbers_as_tensors,
+                                           outside_modules, recording, tensors_as_buffers, watched_modules)
 from torchpar.capture.precision import autocast_device
 from torchpar.capture.repeated_blocks import CAPTURED_BLOCKS, expand_blocks, find_block_stack, truncated
 from torchpar.capture.to_ir import decompose, dtype_name, tensor_meta, to_ir  # dtype_name: also imported from here
@@ -205,7 +205,7 @@ class _ForwardModule(torch.nn.Module):
 def capture_train_step(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None = None, *,
                        autocast: torch.dtype | None = None, step_fn: StepFn | None = None,
                        outside: tuple[torch.nn.Module, ...] = (),
-                       numbers: tuple[tuple[torch.nn.Module, str], ...] = ()) -> Capture:
+                       numbers: tuple[NumberAttribute, ...] = ()) -> Capture:
     """Export ``model`` in train mode on ``batch`` into a graph whose single output is the loss
     (plus the new values of mutated buffers). ``step_fn``: the loss is ``step_fn(model, batch)`` instead of the
     calling convention and ``loss_fn`` (not both).
@@ -218,7 +218,7 @@ def capture_train_step(model: torch.nn.Module, batch: Any, loss_fn: LossFn | Non
 
     ``outside``: modules outside ``model`` the step is known to call (a previous capture's ``state.outside``); their
     state is named ``outside<i>.<name>`` in that order, and any further one found is appended. ``numbers``: float
-    attributes ``(module, name)`` captured as step inputs (:func:`~torchpar.capture.module_state.numbers_as_tensors`)."""
+    attributes captured as step inputs (:func:`~torchpar.capture.module_state.numbers_as_tensors`)."""
     if step_fn is not None:
         if loss_fn is not None:
             raise ValueError("pass step_fn or loss_fn, not both: step_fn(model, batch) returns the loss itself")
@@ -231,7 +231,7 @@ def capture_train_step(model: torch.nn.Module, batch: Any, loss_fn: LossFn | Non
 
 def capture_forward(model: torch.nn.Module, batch: Any, *, autocast: torch.dtype | None = None,
                     forward_fn: ForwardFn | None = None, outside: tuple[torch.nn.Module, ...] = (),
-                    numbers: tuple[tuple[torch.nn.Module, str], ...] = ()) -> Capture:
+                    numbers: tuple[NumberAttribute, ...] = ()) -> Capture:
     """Export ``model`` in eval mode on ``batch``; the graph's outputs are the model's outputs (``forward_fn``:
     ``forward_fn(model, batch)``'s). ``autocast``, ``outside`` and ``numbers`` as in :func:`capture_train_step`.
 
@@ -252,7 +252,7 @@ def capture_forward(model: torch.nn.Module, batch: Any, *, autocast: torch.dtype
 
 def _capture(wrapper: torch.nn.Module, model: torch.nn.Module, batch: Any, *, training: bool,
              autocast: torch.dtype | None = None, own_call: bool = False,
-             outside: tuple[torch.nn.Module, ...] = (), numbers: tuple[tuple[torch.nn.Module, str], ...] = ()) -> Capture:
+             outside: tuple[torch.nn.Module, ...] = (), numbers: tuple[NumberAttribute, ...] = ()) -> Capture:
     """The capture of ``wrapper`` (which calls ``model``) on ``batch``: for a meta model with a deep stack of
     identical blocks, traced on three blocks and repeated (:mod:`.repeated_blocks`), else traced whole."""
     stack = find_block_stack(model) if on_meta_device(model) else None
@@ -279,7 +279,7 @@ def _capture(wrapper: torch.nn.Module, model: torch.nn.Module, batch: Any, *, tr
 def _capture_whole(wrapper: torch.nn.Module, model: torch.nn.Module, batch: Any, *, training: bool,
                    autocast: torch.dtype | None = None, own_call: bool = False,
                    outside: tuple[torch.nn.Module, ...] = (),
-                   numbers: tuple[tuple[torch.nn.Module, str], ...] = ()) -> Capture:
+                   numbers: tuple[NumberAttribute, ...] = ()) -> Capture:
     """One export of ``wrapper`` with the module state watched (:mod:`.module_state`); when the step calls modules
     outside the model that ``outside`` does not hold yet, it is captured again with them registered beside the model
     (``outside<i>``), so their parameters and buffers are the step's inputs rather than constants."""

@@ -5,8 +5,8 @@ A compiled step is a program over tensors. Every Python value ``forward`` reads 
 runs ``forward`` on fake tensors and drops Python side effects (a reassigned buffer, ``self.calls += 1``,
 ``self.hidden = ...``) without a word. :func:`recording` watches one export and returns a :class:`ModuleAccess`:
 
-- **reads** — ``(module, attribute, value)`` for every plain value (``None``, ``bool``, ``int``, ``float``, ``str``, an
-  enum, and tuples/lists of them) read from a module's instance ``__dict__``. The engine compares them before each
+- **reads** — ``(module, attribute, value)`` for every plain value (``None``, ``bool``, ``int``, ``float``, ``str``,
+  an enum, and tuples/lists of them) read from a module's instance ``__dict__``. The engine compares them before each
   step (:mod:`torchpar.model_link`): a change recompiles the step, with a warning naming the attribute.
 - **tensor attributes** — tensors held in a module's ``__dict__`` (neither parameter nor buffer) are registered as
   non-persistent buffers for the length of the export (:func:`tensors_as_buffers`), so the step reads them as inputs
@@ -45,6 +45,9 @@ MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))
 (modes have their own check, :mod:`torchpar.capture.training_setup`)."""
 
 _MAX_PLAIN_ITEMS = 64
+
+NumberAttribute = tuple[torch.nn.Module, str]
+"""A float attribute ``(module, name)`` a step reads as an input (:func:`numbers_as_tensors`)."""
 
 
 class ModuleStateError(CaptureError):
@@ -270,7 +273,7 @@ def tensors_as_buffers(modules: dict[str, torch.nn.Module]) -> Iterator[list[tup
 
 
 @contextlib.contextmanager
-def numbers_as_tensors(numbers: tuple[tuple[torch.nn.Module, str], ...]) -> Iterator[dict[tuple[int, str], torch.Tensor]]:
+def numbers_as_tensors(numbers: tuple[NumberAttribute, ...]) -> Iterator[dict[tuple[int, str], torch.Tensor]]:
     """Replace each Python float attribute ``(module, name)`` by a 0-d tensor of the default dtype holding its value
     while the block runs, so that the capture reads it as an input (a tensor attribute, :func:`tensors_as_buffers`)
     rather than baking it in; yields ``(id(module), name)`` → that tensor; puts the floats back after. A value that
