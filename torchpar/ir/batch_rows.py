@@ -26,6 +26,7 @@ Plain data in, plain data out: no torch, no JAX.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -247,11 +248,14 @@ def _rows(node: Node, operands: list[RowState], metas: dict[str, Any]) -> tuple[
 
 def _cat_rows(node: Node, operands: list[RowState], metas: dict[str, Any]) -> Rows:
     """``cat(tensors, dim)`` along a dim that holds no rows: the operands' rows (an empty operand — a cache's initial
-    ``[0]`` tensor — adds nothing); along rows, or with an untracked operand: not followed."""
+    ``[0]`` tensor — adds nothing); of one operand (an RNN's layers, one of them): its rows; along rows, or with an
+    untracked operand: not followed."""
     sizes = [metas.get(r) for r in node.refs()]
     kept = [s for s, meta in zip(operands, sizes) if not (isinstance(meta, TensorMeta) and 0 in meta.shape)]
     if not kept or any(s.rows is None for s in kept) or not isinstance(node.out, TensorMeta):
         return None
+    if len(sizes) == 1:
+        return kept[0].rows
     rows = frozenset().union(*(s.rows for s in kept))
     dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
     return None if _norm(dim, len(node.out.shape)) in rows else rows
@@ -289,12 +293,25 @@ def _elementwise_rows(node: Node, operands: list[RowState], metas: dict[str, Any
 
 def _view_rows(rows: frozenset[int], old: tuple[int, ...], out: Any) -> Rows:
     """A reshape keeps rows at dim 0 when it merges dim 0 with the dims after it or splits it into a leading dim of
-    more than one (``[B, T, C] ↔ [B·T, C]``); otherwise they are not followed."""
-    if not isinstance(out, TensorMeta) or not rows or rows != {0} or not old or not out.shape:
+    more than one (``[B, T, C] ↔ [B·T, C]``); a dim of rows it leaves whole moves to the dim of the result that has
+    its size and as many elements before it (``[1, B, H] → [B, H]``, ``[T, B, H] → [T, B, H]``); otherwise they are
+    not followed."""
+    if not isinstance(out, TensorMeta) or not rows or not old or not out.shape:
         return frozenset() if not rows else None
     new0, old0 = out.shape[0], old[0]
-    if new0 > 1 and (new0 % old0 == 0 or old0 % new0 == 0):
+    if rows == {0} and new0 > 1 and (new0 % old0 == 0 or old0 % new0 == 0):
         return frozenset({0})
+    kept = [_kept_dim(d, old, out.shape) for d in rows]
+    return None if None in kept else frozenset(kept)
+
+
+def _kept_dim(dim: int, old: tuple[int, ...], new: tuple[int, ...]) -> int | None:
+    """The dim of a reshape's result ``new`` that dim ``dim`` of ``old`` becomes when the reshape leaves it whole (the
+    same size, the same number of elements before it), else ``None``."""
+    before = math.prod(old[:dim])
+    for d, size in enumerate(new):
+        if size == old[dim] and math.prod(new[:d]) == before:
+            return d
     return None
 
 

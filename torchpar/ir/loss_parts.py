@@ -95,7 +95,7 @@ def decompose_loss(graph: Graph) -> LossReduction:
     loss = next((o.value.name for o in graph.outputs if o.kind == "loss" and o.value is not None), None)
     if loss is None:
         raise NotDecomposable("the graph has no loss output")
-    return _Analysis(graph).whole(loss)
+    return Reductions(graph).whole(loss)
 
 
 def with_loss_parts(graph: Graph) -> Graph:
@@ -119,8 +119,10 @@ def with_loss_parts(graph: Graph) -> Graph:
     return dataclasses.replace(graph, outputs=[*graph.outputs, mark])
 
 
-class _Analysis:
-    """Which values depend on the batch and on the parameters, and the reduction of a scalar value."""
+class Reductions:
+    """Which values depend on the batch (``on_batch``) and on the parameters, each value's rows (``rows``:
+    :func:`torchpar.ir.batch_rows.row_states`), and the reduction of a scalar value (:meth:`reduction`; also read by
+    :mod:`torchpar.ir.aux_parts` for a ``step_fn``'s scalar auxiliary outputs)."""
 
     def __init__(self, graph: Graph):
         self.producers: dict[str, Node] = {n.name: n for n in graph.nodes}
@@ -141,7 +143,8 @@ class _Analysis:
             return MEAN
         return self.reduction(loss, 0)
 
-    def reduction(self, name: str, depth: int) -> LossReduction:
+    def reduction(self, name: str, depth: int = 0) -> LossReduction:
+        """How the scalar value ``name`` combines over parts of the batch; :class:`NotDecomposable` says why not."""
         node = self.producers.get(name)
         if node is None:
             raise NotDecomposable(f"the loss is the input {name}")
@@ -217,5 +220,5 @@ def _where(node: Node) -> str:
     return f" at {node.source}" if node.source else ""
 
 
-__all__ = ["LOSS_DEN", "LossReduction", "MEAN", "NotDecomposable", "SUM", "decompose_loss", "loss_reduction",
-           "with_loss_parts"]
+__all__ = ["LOSS_DEN", "LossReduction", "MEAN", "NotDecomposable", "Reductions", "SUM", "decompose_loss",
+           "loss_reduction", "with_loss_parts"]
