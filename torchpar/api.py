@@ -173,10 +173,13 @@ class Engine:
 
     # --- public API --------------------------------------------------------------------------------
 
-    def step(self, batch: Any = None) -> float:
+    def step(self, batch: Any = None) -> torch.Tensor | tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """One optimizer step on ``batch`` (a batch, one from :meth:`prefetch`, or ``None``: the next batch of
-        ``compile(data=...)``'s host-loaded data); returns the loss (before the update) as a float. Its measurements
-        are then in :attr:`last_metrics`."""
+        ``compile(data=...)``'s host-loaded data); returns the whole batch's loss (before the update) as a 0-d CPU
+        tensor of the loss's dtype (``loss.item()``, ``float(loss)``, ``f"{loss:.4f}"``). A ``step_fn`` that returns
+        ``(loss, aux)`` makes it return ``(loss, aux)``: each aux value a detached CPU tensor, the whole batch's
+        (the parts' rows concatenated, or a scalar mean / sum combined as the loss is: :mod:`torchpar.ir.aux_parts`).
+        Its measurements are then in :attr:`last_metrics`."""
         started = time.perf_counter()
         batch, fed, waited = self._inputs.take(batch, self._executor)
         signature = batches.signature(batch)
@@ -209,11 +212,12 @@ class Engine:
             tokens=_metrics.count_tokens(batch), loss_scale=loss_scale, update_skipped=not result.finite,
             recompiled=recompiled, grad_norm=result.grad_norm,
             data_wait_s=waited + converting_s + self._executor.last_data_wait_s), lambda: self.last_metrics)
-        return result.loss
+        return self._compiled.returned(signature, result)
 
-    def run(self, steps: int | None = None, *, epochs: int | None = None) -> Iterator[float]:
+    def run(self, steps: int | None = None, *, epochs: int | None = None) -> Iterator[Any]:
         """Host-loaded training (``compile(data=...)``): ``for loss in engine.run(steps)`` (or ``epochs=``: to the end
-        of that many epochs from the current position) runs :meth:`step` on each next batch, yielding its loss."""
+        of that many epochs from the current position) runs :meth:`step` on each next batch, yielding what it
+        returns (the loss tensor, or ``(loss, aux)``)."""
         return self._inputs.run(self.step, steps, epochs)
 
     def prefetch(self, loader: Iterable[Any], depth: int = PREFETCH_DEPTH) -> Iterator[Any]:

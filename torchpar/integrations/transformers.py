@@ -274,7 +274,7 @@ class TorchparTrainer(transformers.Trainer):
         engine = self.engine or self._build_engine(batch)
         loss = engine.step(batch)
         self._grad_norm = engine.last_grad_norm
-        return torch.tensor(loss, dtype=torch.float32, device=self.args.device)
+        return loss.to(device=self.args.device, dtype=torch.float32)
 
     def _clip_grad_norm(self, model: torch.nn.Module) -> float | None:
         """The engine's gradient norm before clipping (the engine clipped to ``max_grad_norm`` in its step)."""
