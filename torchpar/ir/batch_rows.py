@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from torchpar.ir.graph import Graph, Node, Ref, TensorMeta, one_row_index
+from torchpar.ir.op_families import reduction_dims
 
 Rows = frozenset[int] | None
 """The dims of a value that index batch rows (empty: none; ``None``: not tracked)."""
@@ -186,12 +187,11 @@ def _rows(node: Node, operands: list[RowState], metas: dict[str, Any]) -> tuple[
     if target in _REDUCE_ALL:
         return frozenset(), bool(rows)
     if target in _REDUCE_DIMS:
-        dims = args[1] if len(args) > 1 else None
+        dims, keep = reduction_dims(target, args, node.kwargs)
         if dims is None or (isinstance(dims, (list, tuple)) and not dims):  # no dims: every dim
             dims = tuple(range(rank))
         dims = dims if isinstance(dims, (list, tuple)) else (dims,)
         dims = {_norm(d, rank) for d in dims}
-        keep = len(args) > 2 and args[2] is True or node.kwargs.get("keepdim", False)
         kept = rows - dims if keep else frozenset(d - sum(1 for r in dims if r < d) for d in rows - dims)
         return kept, bool(rows & dims)
     if target == "aten.native_layer_norm.default":
