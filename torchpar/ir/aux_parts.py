@@ -25,14 +25,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from torchpar.ir.graph import Graph, Output, TensorMeta
+from torchpar.ir.graph import Graph, Node, Output, TensorMeta
 from torchpar.ir.loss_parts import NotDecomposable, Reductions
 
 AUX = "aux"
 """The output kind of a ``step_fn``'s auxiliary values."""
-
-COMBINE_RULES = ("rows", "mean", "sum", "same")
-
 
 def aux_outputs(graph: Graph) -> list[Output]:
     """``graph``'s auxiliary outputs, in the order the ``step_fn`` returned them."""
@@ -43,17 +40,17 @@ def with_aux_parts(graph: Graph, parts: str) -> Graph:
     """``graph`` with each aux output marked with its combination rule (module docstring); raises ``ValueError``
     naming the first aux value that has none. ``parts`` says how the batch is cut, for that message (``"4
     micro-batches"``). ``graph`` itself when it has no aux output."""
-    outputs = aux_outputs(graph)
-    if not outputs:
+    if not aux_outputs(graph):
         return graph
-    analysis = Reductions(graph)
+    analysis = Reductions(graph, what="the value")
     metas = graph.metas()
-    rules = {id(o): _rule(analysis, o, metas[o.value.name], parts) for o in outputs}
-    return dataclasses.replace(graph, outputs=[dataclasses.replace(o, combine=rules[id(o)]) if id(o) in rules else o
-                                               for o in graph.outputs])
+    return dataclasses.replace(graph, outputs=[
+        dataclasses.replace(o, combine=_rule(analysis, o, metas[o.value.name], parts)) if o.kind == AUX else o
+        for o in graph.outputs])
 
 
 def _rule(analysis: Reductions, output: Output, meta: TensorMeta, parts: str) -> str:
+    """The combination rule of ``output`` (module docstring), or the ``ValueError`` saying why it has none."""
     name = output.value.name
     if name not in analysis.on_batch:
         return "same"
@@ -64,18 +61,22 @@ def _rule(analysis: Reductions, output: Output, meta: TensorMeta, parts: str) ->
         try:
             reduction = analysis.reduction(name)
         except NotDecomposable as error:
-            raise _refusal(output, meta, parts, f"it is a scalar, but not a mean or a sum of per-row terms ({error})")
+            why = f"it is a scalar, but not a mean or a sum of per-row terms ({error})"
+            raise _refusal(output, meta, parts, why) from None
         if reduction.kind == "ratio":
             raise _refusal(output, meta, parts, f"it is a sum divided by a count ({reduction.den}), which needs every "
                            "part's count; return the numerator and the count as two aux sums and divide them after "
                            "the step")
         return reduction.kind
-    raise _refusal(output, meta, parts, _why_not_rows(state))
+    raise _refusal(output, meta, parts, _why_not_rows(analysis, name))
 
 
-def _why_not_rows(state) -> str:
+def _why_not_rows(analysis: Reductions, name: str) -> str:
+    state = analysis.rows.get(name)
     if state is None or state.rows is None:
-        return ("the batch-rows analysis cannot follow the batch's rows to it (an op on the way is not one it knows), "
+        lost = _rows_lost_at(analysis, name)
+        where = f" ({lost.target} {lost.name}{' at ' + lost.source if lost.source else ''})" if lost else ""
+        return (f"the batch-rows analysis cannot follow the batch's rows to it through an op it does not know{where}, "
                 "so neither its rows nor a reduction can be told")
     if state.mixed:
         return f"its values mix the batch's rows: {state.mixed}"
@@ -89,6 +90,23 @@ def _why_not_rows(state) -> str:
     return f"dims {sorted(state.rows)} all hold the batch's rows; a per-row value holds them in dim 0 only"
 
 
+def _rows_lost_at(analysis: Reductions, name: str) -> Node | None:
+    """The first op above ``name`` whose result's rows are untracked while its operands' are: where they were lost."""
+    seen, stack, found = set(), [name], []
+    while stack:
+        value = stack.pop()
+        node = analysis.producers.get(value)
+        if node is None or value in seen or analysis.rows[value].rows is not None:
+            continue
+        seen.add(value)
+        operands = list(node.refs())
+        if all(analysis.rows[r].rows is not None for r in operands):
+            found.append(node)
+        stack.extend(operands)
+    order = {n: i for i, n in enumerate(analysis.producers)}
+    return min(found, key=lambda n: order[n.name], default=None)
+
+
 def _refusal(output: Output, meta: TensorMeta, parts: str, why: str) -> ValueError:
     return ValueError(
         f"step_fn's aux[{output.target!r}] ({meta}) cannot be combined over the {parts} each batch is cut into: {why}. "
@@ -97,4 +115,4 @@ def _refusal(output: Output, meta: TensorMeta, parts: str, why: str) -> ValueErr
         "or train with one part per batch (num_micro_batches=1, no data replicas).")
 
 
-__all__ = ["AUX", "COMBINE_RULES", "aux_outputs", "with_aux_parts"]
+__all__ = ["AUX", "aux_outputs", "with_aux_parts"]

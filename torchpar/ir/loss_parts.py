@@ -124,7 +124,9 @@ class Reductions:
     :func:`torchpar.ir.batch_rows.row_states`), and the reduction of a scalar value (:meth:`reduction`; also read by
     :mod:`torchpar.ir.aux_parts` for a ``step_fn``'s scalar auxiliary outputs)."""
 
-    def __init__(self, graph: Graph):
+    def __init__(self, graph: Graph, what: str = "the loss"):
+        self.what = what
+        """What the analysed value is, in :class:`NotDecomposable` messages."""
         self.producers: dict[str, Node] = {n.name: n for n in graph.nodes}
         self.metas = graph.metas()
         self.rows = row_states(graph)
@@ -147,7 +149,7 @@ class Reductions:
         """How the scalar value ``name`` combines over parts of the batch; :class:`NotDecomposable` says why not."""
         node = self.producers.get(name)
         if node is None:
-            raise NotDecomposable(f"the loss is the input {name}")
+            raise NotDecomposable(f"{self.what} is the input {name}")
         if depth > _MAX_DEPTH:
             raise NotDecomposable(f"the reduction chain above {node.target} is longer than {_MAX_DEPTH} ops")
         if not _is_scalar(node.out):
@@ -158,7 +160,7 @@ class Reductions:
             mixed = self.rows[summed.name].mixed if summed is not None and summed.name in self.rows else None
             if mixed:
                 raise NotDecomposable(f"the {target} ({node.name}) adds terms that already mix the batch's rows: "
-                                      f"{mixed}, so the loss is not a sum of per-row terms{_where(node)}")
+                                      f"{mixed}, so {self.what} is not a sum of per-row terms{_where(node)}")
             return MEAN if target in _MEANS else SUM
         if target in _SAME_VALUE and operands and isinstance(operands[0], Ref):
             return self.reduction(operands[0].name, depth + 1)
@@ -173,7 +175,7 @@ class Reductions:
             return self._ratio(node, num.name, den.name, depth)
         if target in _ADDS and len(operands) >= 2 and all(isinstance(o, Ref) for o in operands[:2]):
             return self._sum_of_terms(node, operands[0].name, operands[1].name, depth)
-        raise NotDecomposable(f"the loss ends in {target} ({node.name}), not a mean, a sum or a sum divided by a "
+        raise NotDecomposable(f"{self.what} ends in {target} ({node.name}), not a mean, a sum or a sum divided by a "
                               f"count{_where(node)}")
 
     def _split_factor(self, operands: tuple) -> tuple[object, Ref | None]:
