@@ -176,10 +176,8 @@ class Engine:
     def step(self, batch: Any = None) -> torch.Tensor | tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """One optimizer step on ``batch`` (a batch, one from :meth:`prefetch`, or ``None``: the next batch of
         ``compile(data=...)``'s host-loaded data); returns the whole batch's loss (before the update) as a 0-d CPU
-        tensor of the loss's dtype (``loss.item()``, ``float(loss)``, ``f"{loss:.4f}"``). A ``step_fn`` that returns
-        ``(loss, aux)`` makes it return ``(loss, aux)``: each aux value a detached CPU tensor, the whole batch's
-        (the parts' rows concatenated, or a scalar mean / sum combined as the loss is: :mod:`torchpar.ir.aux_parts`).
-        Its measurements are then in :attr:`last_metrics`."""
+        tensor, or ``(loss, aux)`` for a ``step_fn`` that returns aux values, each the whole batch's
+        (:meth:`CompiledTraining.returned`). Its measurements are then in :attr:`last_metrics`."""
         started = time.perf_counter()
         batch, fed, waited = self._inputs.take(batch, self._executor)
         signature = batches.signature(batch)
@@ -215,9 +213,8 @@ class Engine:
         return self._compiled.returned(signature, result)
 
     def run(self, steps: int | None = None, *, epochs: int | None = None) -> Iterator[Any]:
-        """Host-loaded training (``compile(data=...)``): ``for loss in engine.run(steps)`` (or ``epochs=``: to the end
-        of that many epochs from the current position) runs :meth:`step` on each next batch, yielding what it
-        returns (the loss tensor, or ``(loss, aux)``)."""
+        """Host-loaded training (``compile(data=...)``): ``for loss in engine.run(steps)`` (``epochs=``: to the end of
+        that many epochs from the current position) runs :meth:`step` on each next batch, yielding what it returns."""
         return self._inputs.run(self.step, steps, epochs)
 
     def prefetch(self, loader: Iterable[Any], depth: int = PREFETCH_DEPTH) -> Iterator[Any]:

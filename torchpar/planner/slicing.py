@@ -117,7 +117,7 @@ def slice_stages(graph: Graph, stage_of: dict[str, int]) -> list[StageGraph]:
         defined = {n.name for n in nodes}
         for name in defined:
             outputs.extend(outputs_by_value.get(name, []))
-        if s == num_stages - 1:  # buffer "mutations" and aux values that pass an input through unchanged; the loss's mark
+        if s == num_stages - 1:  # buffer "mutations" and aux values passing an input through unchanged; the loss's mark
             for out in graph.outputs:
                 passes_input = out.value is not None and out.value.name in inputs_by_name
                 if (out.kind in ("buffer", "aux") and passes_input) or out.kind == "loss_den":
