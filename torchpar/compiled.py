@@ -188,14 +188,14 @@ class CompiledTraining:
         pair ``(loss, aux)`` with every aux value a CPU tensor of the dtype it had in PyTorch (the whole batch's:
         :mod:`torchpar.ir.aux_parts`)."""
         capture = self._captures[signature]
-        metas = capture.graph.metas()
-        outputs = {o.kind if o.kind != "aux" else ("aux", o.target): o for o in capture.graph.outputs}
-        dtype = lambda output: getattr(torch, metas[output.value.name].dtype)  # noqa: E731
-        loss = torch.tensor(result.loss, dtype=dtype(outputs["loss"]))
+        graph = capture.graph
+        metas = graph.metas()
+        torch_dtype = lambda value: getattr(torch, metas[value.name].dtype)  # noqa: E731
+        loss = torch.tensor(result.loss, dtype=torch_dtype(next(o.value for o in graph.outputs if o.kind == "loss")))
         if capture.aux_keys is None:
             return loss
-        aux = {key: to_torch(result.aux[key]).to(dtype(outputs["aux", key])) for key in capture.aux_keys}
-        return loss, aux
+        values = {o.target: o.value for o in graph.outputs if o.kind == "aux"}
+        return loss, {key: to_torch(result.aux[key]).to(torch_dtype(values[key])) for key in capture.aux_keys}
 
     def forward_capture(self, signature: tuple, batch: Any) -> Capture:
         """The eval-mode forward graph on ``batch`` (captured once per signature)."""

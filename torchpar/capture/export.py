@@ -4,10 +4,10 @@ The model is wrapped so that the exported program computes exactly what the user
 ``model(**batch)`` / ``model(*batch)`` / ``model(batch)``, then the loss selected as DESIGN.md §2
 states; or, given a ``step_fn(model, batch) -> loss`` (``forward_fn(model, batch) -> outputs`` for the eval
 forward), that function, which calls the model its own way; a ``step_fn`` may return ``(loss, aux)``, ``aux`` a
-``dict[str, torch.Tensor]`` of values to report (graph outputs of kind ``"aux"``, not differentiated). Export is non-strict, then ``run_decompositions()`` reduces the graph to core ATen, except
-``scaled_dot_product_attention``, which stays one op (a fused lowering, one node for the planner); a
-mask it receives that is the same for every batch (causal or all True) becomes its ``is_causal`` flag
-(:mod:`torchpar.capture.attention_masks`).
+``dict[str, torch.Tensor]`` of values to report (graph outputs of kind ``"aux"``, not differentiated). Export is
+non-strict, then ``run_decompositions()`` reduces the graph to core ATen, except ``scaled_dot_product_attention``,
+which stays one op (a fused lowering, one node for the planner); a mask it receives that is the same for every batch
+(causal or all True) becomes its ``is_causal`` flag (:mod:`torchpar.capture.attention_masks`).
 
 Parameters and buffers are keyed by their ``named_parameters()`` / ``named_buffers()`` names. Tied
 parameters (GPT-2 ``lm_head.weight`` is ``transformer.wte.weight``) are two placeholders with one
@@ -181,8 +181,8 @@ def _describe(values: Any) -> str:
 class _StepFnModule(torch.nn.Module):
     """Calls ``step_fn(model, batch)`` and returns its scalar loss, or ``(loss, aux)`` (the exported training step of
     ``compile(step_fn=...)``; :func:`split_step_result` checks what it returned, and the exported program's output
-    spec keeps the aux dict's keys: :func:`_aux_keys`). The model is the child ``model``, so its parameters keep their names
-    once the ``model.`` prefix is stripped, as with :class:`_LossModule`."""
+    spec keeps the aux dict's keys: :func:`_aux_keys`). The model is the child ``model``, so its parameters keep their
+    names once the ``model.`` prefix is stripped, as with :class:`_LossModule`."""
 
     def __init__(self, model: torch.nn.Module, batch_type: type, step_fn: StepFn):
         super().__init__()
