@@ -190,6 +190,10 @@ def test_truncated_bptt_carries_the_lstm_state_through_aux_like_pytorch(method):
 # --- refused at compile ----------------------------------------------------------------------------------------
 
 
+def _shifted_prediction(logits: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(-1) - logits.argmax(-1).max()
+
+
 REFUSED = {
     "aux_not_a_dict": (lambda m, b: (classify(m, b)[0], [b[0].sum()]), None, TypeError,
                        ["(loss, aux) with aux a dict", "list"]),
@@ -200,6 +204,9 @@ REFUSED = {
     "mixed_rows": (lambda m, b: (classify(m, b)[0], {"mean_logit": m(b[0])[0].mean(0)}),
                    lambda: torchpar.DataParallel(mesh_shape=(1, 2), num_micro_batches=2), ValueError,
                    ["aux['mean_logit']", "2 micro-batches", "mean.dim", "mix the batch's rows"]),
+    # an integer per row that depends on the other rows (an index shifted by the batch's largest) mixes them too
+    "mixed_integers": (lambda m, b: (classify(m, b)[0], {"shifted": _shifted_prediction(m(b[0])[0])}), two_stages,
+                       ValueError, ["aux['shifted']", "aten.max.default", "mix the batch's rows"]),
     "rows_not_first": (lambda m, b: (classify(m, b)[0], {"by_column": m(b[0])[0].t()}), two_stages, ValueError,
                        ["aux['by_column']", "not dim 0", "rows first"]),
     "largest": (lambda m, b: (classify(m, b)[0], {"top": m(b[0])[0].max()}), two_stages, ValueError,

@@ -7,8 +7,8 @@ truth is the value ``A`` the whole batch gives. :func:`with_aux_parts` marks eac
 makes ``A`` of the ``a_p`` (``Output.combine``), or refuses it:
 
 - ``"rows"`` — dim 0 holds the batch's rows, in the batch's order, and no row's value depends on another row
-  (:mod:`torchpar.ir.batch_rows`: tracked, not mixed, not permuted): ``A`` is the parts' rows concatenated in batch
-  order (a per-row loss, a prediction, an RNN's batch-first hidden state);
+  (:mod:`torchpar.ir.batch_rows`: tracked, not mixed — through integer values too — not permuted): ``A`` is the
+  parts' rows concatenated in batch order (a per-row loss, a prediction, an RNN's batch-first hidden state);
 - ``"mean"`` / ``"sum"`` — a scalar that is a mean / sum of per-row terms, by the loss's own analysis
   (:class:`torchpar.ir.loss_parts.Reductions`: through casts, scalar multiples and sums of like terms): equal parts
   have equal counts, so ``A = (1/P) Σ_p a_p`` / ``A = Σ_p a_p`` (an accuracy, a count of correct predictions);
@@ -42,7 +42,7 @@ def with_aux_parts(graph: Graph, parts: str) -> Graph:
     micro-batches"``). ``graph`` itself when it has no aux output."""
     if not aux_outputs(graph):
         return graph
-    analysis = Reductions(graph, what="the value")
+    analysis = Reductions(graph, what="the value", integers=True)
     metas = graph.metas()
     return dataclasses.replace(graph, outputs=[
         dataclasses.replace(o, combine=_rule(analysis, o, metas[o.value.name], parts)) if o.kind == AUX else o

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from torchpar.ir.graph import Graph, Node, Ref, TensorMeta, one_row_index
 from torchpar.ir.op_families import reduction_dims
@@ -73,8 +73,12 @@ _VIEWS = frozenset({"aten.view.default", "aten._unsafe_view.default", "aten.resh
 _GROUPED = frozenset({"aten._grouped_mm.default", "transformers.grouped_mm_fallback.default"})
 
 
-def row_states(graph: Graph) -> dict[str, RowState]:
-    """The :class:`RowState` of every input and node of ``graph`` (module docstring)."""
+def row_states(graph: Graph, *, integers: bool = False) -> dict[str, RowState]:
+    """The :class:`RowState` of every input and node of ``graph`` (module docstring). ``integers``: integer and bool
+    values carry mixing too, as floating-point ones do — for values returned as they are (a ``step_fn``'s aux
+    outputs, :mod:`torchpar.ir.aux_parts`), where ``(x > x.mean(0))`` or an index shifted by the batch's largest one
+    is no row's own; a grouping by counts over the batch (a mixture of experts) then mixes too."""
+    carries = (lambda meta: True) if integers else _floating
     metas = graph.metas()
     states: dict[str, RowState] = {}
     for inp in graph.inputs:
@@ -82,25 +86,27 @@ def row_states(graph: Graph) -> dict[str, RowState]:
         states[inp.name] = RowState(frozenset({0}) if batch else frozenset())
     positions = set()  # values of arange: row positions, an index numbering whatever order it is used in
     for node in graph.nodes:
-        states[node.name] = _state(node, states, metas, positions)
+        states[node.name] = _state(node, states, metas, positions, carries)
         if node.target.startswith("aten.arange."):
             positions.add(node.name)
     return states
 
 
-def _state(node: Node, states: dict[str, RowState], metas: dict[str, Any], positions: set[str]) -> RowState:
+def _state(node: Node, states: dict[str, RowState], metas: dict[str, Any], positions: set[str],
+           carries: Callable[[Any], bool]) -> RowState:
+    """``node``'s state from its operands'; ``carries(meta)``: whether a value of that meta carries mixing."""
     refs = list(node.refs())
     operands = [states.get(r, RowState(None)) for r in refs]
-    inherited = next((s.mixed for s, r in zip(operands, refs) if s.mixed and _floating(metas.get(r))), None)
+    inherited = next((s.mixed for s, r in zip(operands, refs) if s.mixed and carries(metas.get(r))), None)
     if all(s.rows == frozenset() for s in operands):  # nothing from the batch
-        return RowState(frozenset(), inherited if _floating(node.out) else None)
+        return RowState(frozenset(), inherited if carries(node.out) else None)
     rows, reducing = _rows(node, operands, metas)
     order, target, paired = _order(node, operands, metas, positions, rows)
     if order is None:
         rows, order = None, ""
     what = "reduces over them" if reducing else "pairs rows sorted over the batch with rows in another order"
     mixed = inherited or (f"{node.target} ({node.name}{_where(node)}) {what}" if reducing or paired else None)
-    return RowState(rows, mixed if _floating(node.out) else None, order, target)
+    return RowState(rows, mixed if carries(node.out) else None, order, target)
 
 
 def _order(node: Node, operands: list[RowState], metas: dict[str, Any], positions: set[str], rows: Rows

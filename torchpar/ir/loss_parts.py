@@ -121,15 +121,15 @@ def with_loss_parts(graph: Graph) -> Graph:
 
 class Reductions:
     """Which values depend on the batch (``on_batch``) and on the parameters, each value's rows (``rows``:
-    :func:`torchpar.ir.batch_rows.row_states`), and the reduction of a scalar value (:meth:`reduction`; also read by
-    :mod:`torchpar.ir.aux_parts` for a ``step_fn``'s scalar auxiliary outputs)."""
+    :func:`torchpar.ir.batch_rows.row_states`, ``integers`` as there), and the reduction of a scalar value
+    (:meth:`reduction`; also read by :mod:`torchpar.ir.aux_parts` for a ``step_fn``'s aux outputs)."""
 
-    def __init__(self, graph: Graph, what: str = "the loss"):
+    def __init__(self, graph: Graph, what: str = "the loss", *, integers: bool = False):
         self.what = what
         """What the analysed value is, in :class:`NotDecomposable` messages."""
         self.producers: dict[str, Node] = {n.name: n for n in graph.nodes}
         self.metas = graph.metas()
-        self.rows = row_states(graph)
+        self.rows = row_states(graph, integers=integers)
         self.on_batch = {i.name for i in graph.inputs if i.kind == "input"}
         self.on_params = {i.name for i in graph.inputs if i.kind == "param"}
         for node in graph.nodes:
