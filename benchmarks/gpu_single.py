@@ -22,7 +22,7 @@ Precision modes (the same for every runner):
 Each (model, mode) runs in a fresh process (clean GPU memory; one crash loses one row). In it the runners are
 built one after another, then timed interleaved: every round runs one step of each runner, so drift and
 noise hit all alike; a torch step ends with ``loss.item()`` and ``torch.cuda.synchronize()``, torchpar's
-``engine.step`` returns a float (it waits for the step). Reported per runner:
+``engine.step`` returns the loss as a CPU tensor (it waits for the step). Reported per runner:
 
 - the median step time over ``--steps`` rounds after ``--warmup``, tokens/s = B·S / step, and the ratio to eager;
 - MFU = F / t / P. F = 6·N·T + 12·L·d·S·T model FLOPs per step (T = B·S tokens; N = parameters that multiply:
@@ -259,7 +259,7 @@ def torchpar_runner(model: Any, batch: dict, mode: Mode) -> Runner:
     compile_s = time.perf_counter() - start
     engine.step(batch)
     first_step_s = time.perf_counter() - start
-    return Runner(step=lambda: engine.step(batch), first_step_s=first_step_s, compile_s=compile_s,
+    return Runner(step=lambda: engine.step(batch).item(), first_step_s=first_step_s, compile_s=compile_s,
                   extra={"engine": engine, "phases": dict(engine.plan.timings), "numerics": engine.numerics,
                          "cache_hits": compile_cache.hits() - hits_before, "cache_dir": compile_cache.cache_dir()})
 

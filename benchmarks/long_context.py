@@ -144,7 +144,7 @@ def check_gpt2(length: int) -> list[dict[str, Any]]:
         copy_ = model()
         engine = torchpar.compile(copy_, torch.optim.AdamW(copy_.parameters(), lr=1e-3), example_batch=batch,
                                   method=torchpar.ShardParallel(mesh_shape=(1, 4), context=variant))
-        losses = [engine.step(batch) for _ in range(3)]
+        losses = [engine.step(batch).item() for _ in range(3)]
         forward = [c for c in collectives(engine.hlo_text()[0])
                    if (name := re.search(r'op_name="([^"]*)"', c.line)) and "transpose(" not in name.group(1)]
         attentions = sum(1 for label in engine.plan.stages[0].strategies.values() if "attention" in label)

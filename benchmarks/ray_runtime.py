@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     for round_index in range(args.warmup + args.steps):
         for name, engine in (("local", local), ("ray", remote)):
             begin = time.perf_counter()
-            loss = engine.step(batch)
+            loss = engine.step(batch).item()
             elapsed = time.perf_counter() - begin
             if round_index >= args.warmup:
                 times[name].append(elapsed)

@@ -96,7 +96,7 @@ def train_losses(name: str, batch: int, seq: int, steps: int) -> dict[str, list[
         replica = copy.deepcopy(model)
         optimizer = torch.optim.AdamW(replica.parameters(), lr=1e-4)
         with torchpar.compile(replica, optimizer, example_batch=example, remat=option) as engine:
-            losses[option] = [engine.step(example) for _ in range(steps)]
+            losses[option] = [engine.step(example).item() for _ in range(steps)]
     return losses
 
 

@@ -89,7 +89,7 @@ def measure(family: str, size: str, steps: int, warmup: int, with_torch_compile:
     start = time.perf_counter()
     engine = torchpar.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-4), example_batch=batch)
     compile_s = time.perf_counter() - start
-    runners["torchpar"] = lambda: engine.step(batch)
+    runners["torchpar"] = lambda: engine.step(batch).item()
     if with_torch_compile:
         compiled = _compiled_torch_step(compiled_model, batch, torch.optim.AdamW(compiled_model.parameters(), lr=1e-4))
         if compiled is not None:

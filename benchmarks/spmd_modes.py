@@ -70,7 +70,7 @@ def main() -> None:
         for step in range(args.warmup + args.steps):
             for mode, engine in engines.items():
                 start = time.perf_counter()
-                losses[mode] = engine.step(batch)
+                losses[mode] = engine.step(batch).item()
                 if step >= args.warmup:
                     times[mode].append(time.perf_counter() - start)
         row: dict[str, Any] = {"model": family, "method": method_name, "mesh": list(mesh)}

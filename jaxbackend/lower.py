@@ -5,7 +5,8 @@
 (batch) arrays in flattened order, ``key`` is a PRNG key (each random op draws from
 ``fold_in(key, node_index)``, so a seed reproduces a run), ``outputs`` are the graph's non-buffer
 outputs in order and ``new_buffers`` maps buffer names to their new values. A pipeline stage's graph
-also reads ``activations`` (a mapping from whole-graph value names to arrays).
+also reads ``activations`` (a mapping from whole-graph value names to arrays). A per-device program (``layouts``)
+returns buffers and a ``step_fn``'s aux outputs whole on every device.
 
 Each node's tensor results are cast to the dtype PyTorch reported for it (this is where torch's type
 promotion rules are enforced) and checked against its static shape.
@@ -210,8 +211,10 @@ def lower(graph: Graph, *, value_shardings: Mapping[str, Any] | None = None,
                 evaluate_span(segment.start, segment.stop, env, key)
         outputs = [env[o.value.name] if o.value is not None else None for o in value_outputs]
         new_buffers = {o.target: env[o.value.name] for o in buffer_outputs}
-        if local is not None:  # buffers are stored whole on every device
+        if local is not None:  # buffers are stored whole on every device; a step_fn's aux values come back whole
             new_buffers = {o.target: local.whole(env[o.value.name], local.spec(o.value.name)) for o in buffer_outputs}
+            outputs = [local.whole(v, local.spec(o.value.name)) if o.kind == "aux" else v
+                       for o, v in zip(value_outputs, outputs)]
         return outputs, new_buffers
 
     return run

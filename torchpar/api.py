@@ -200,16 +200,17 @@ class Engine:
 
     # --- public API --------------------------------------------------------------------------------
 
-    def step(self, batch: Any = None) -> float:
+    def step(self, batch: Any = None) -> torch.Tensor | tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """One optimizer step on ``batch`` (a batch, one from :meth:`prefetch`, or ``None``: the next batch of
-        ``compile(data=...)``'s host-loaded data); returns the loss (before the update) as a float. Its measurements
-        are then in :attr:`last_metrics`. Before it runs, what user code changed on the torch model since the last
-        step reaches the engine (:mod:`torchpar.model_link`); after it, the torch model shows the new weights
-        whenever user code looks."""
+        ``compile(data=...)``'s host-loaded data); returns the whole batch's loss (before the update) as a 0-d CPU
+        tensor, or ``(loss, aux)`` for a ``step_fn`` that returns aux values, each the whole batch's
+        (:meth:`CompiledTraining.returned`). Its measurements are then in :attr:`last_metrics`. Before it runs, what
+        user code changed on the torch model since the last step reaches the engine (:mod:`torchpar.model_link`);
+        after it, the torch model shows the new weights whenever user code looks."""
         with model_link.suspended():
             return self._step(batch)
 
-    def _step(self, batch: Any) -> float:
+    def _step(self, batch: Any) -> torch.Tensor | tuple[torch.Tensor, dict[str, torch.Tensor]]:
         started = time.perf_counter()
         batch, fed, waited = self._inputs.take(batch, self._executor)
         signature = batches.signature(batch)
@@ -245,11 +246,11 @@ class Engine:
             tokens=_metrics.count_tokens(batch), loss_scale=loss_scale, update_skipped=not result.finite,
             recompiled=recompiled, grad_norm=result.grad_norm,
             data_wait_s=waited + converting_s + self._executor.last_data_wait_s), lambda: self.last_metrics)
-        return result.loss
+        return self._compiled.returned(signature, result)
 
-    def run(self, steps: int | None = None, *, epochs: int | None = None) -> Iterator[float]:
-        """Host-loaded training (``compile(data=...)``): ``for loss in engine.run(steps)`` (or ``epochs=``: to the end
-        of that many epochs from the current position) runs :meth:`step` on each next batch, yielding its loss."""
+    def run(self, steps: int | None = None, *, epochs: int | None = None) -> Iterator[Any]:
+        """Host-loaded training (``compile(data=...)``): ``for loss in engine.run(steps)`` (``epochs=``: to the end of
+        that many epochs from the current position) runs :meth:`step` on each next batch, yielding what it returns."""
         return self._inputs.run(self.step, steps, epochs)
 
     def prefetch(self, loader: Iterable[Any], depth: int = PREFETCH_DEPTH) -> Iterator[Any]:

@@ -25,7 +25,8 @@ from torchpar.capture.grad_semantics import trainable_params
 from torchpar.capture.optim import TorchOptimizerBridge
 from torchpar.cluster import current_cluster
 from torchpar.guard import StepGuard
-from torchpar.host_arrays import jax_dtype
+from torchpar.host_arrays import jax_dtype, to_torch
+from torchpar.ir.aux_parts import with_aux_parts
 from torchpar.ir.graph import Graph
 from torchpar.ir.loss_parts import with_loss_parts
 from torchpar.ir.optimizer import step_scalars
@@ -199,9 +200,33 @@ class CompiledTraining:
             from torchpar.runtime.one_stage import check_replicable
 
             check_replicable(capture.graph, self.data_replicas)
-        if self.batch_parts > 1:  # mark how the parts' losses make the whole batch's (torchpar.ir.loss_parts)
-            capture = dataclasses.replace(capture, graph=with_loss_parts(capture.graph))
+        if self.batch_parts > 1:  # mark how the parts' losses and aux values make the whole batch's (before any worker
+            # starts: torchpar.ir.loss_parts, torchpar.ir.aux_parts)
+            graph = with_aux_parts(with_loss_parts(capture.graph), self._describe_parts())
+            capture = dataclasses.replace(capture, graph=graph)
         return capture
+
+    def _describe_parts(self) -> str:
+        """``"4 micro-batches"``, ``"2 data replicas"``, ``"8 parts (4 micro-batches × 2 data replicas)"``."""
+        micro, replicas = f"{self.num_micro_batches} micro-batches", f"{self.data_replicas} data replicas"
+        if self.data_replicas == 1:
+            return micro
+        return replicas if self.num_micro_batches == 1 else f"{self.batch_parts} parts ({micro} × {replicas})"
+
+    def returned(self, signature: tuple, result: Any) -> Any:
+        """What ``engine.step`` returns for the executor's ``result`` of a step on a batch of ``signature``: the whole
+        batch's loss as a 0-d CPU tensor of the loss's dtype, and, if the ``step_fn`` returned ``(loss, aux)``, the
+        pair ``(loss, aux)`` with every aux value a CPU tensor of the dtype it had in PyTorch (the whole batch's:
+        :mod:`torchpar.ir.aux_parts`)."""
+        capture = self._captures[signature]
+        graph = capture.graph
+        metas = graph.metas()
+        torch_dtype = lambda value: getattr(torch, metas[value.name].dtype)  # noqa: E731
+        loss = torch.tensor(result.loss, dtype=torch_dtype(next(o.value for o in graph.outputs if o.kind == "loss")))
+        if capture.aux_keys is None:
+            return loss
+        values = {o.target: o.value for o in graph.outputs if o.kind == "aux"}
+        return loss, {key: to_torch(result.aux[key]).to(torch_dtype(values[key])) for key in capture.aux_keys}
 
     def forward_capture(self, signature: tuple, batch: Any) -> Capture:
         """The eval-mode forward graph on ``batch`` (captured once per signature)."""

@@ -272,8 +272,9 @@ class StepInputs:
         start = time.perf_counter()
         return self._host_leaves(signature, batch), time.perf_counter() - start
 
-    def run(self, step: Callable[[], float], steps: int | None, epochs: int | None) -> Iterator[float]:
-        """``step()`` run ``steps`` times (or to the end of ``epochs`` epochs), lazily; checked at once."""
+    def run(self, step: Callable[[], Any], steps: int | None, epochs: int | None) -> Iterator[Any]:
+        """``step()`` run ``steps`` times (or to the end of ``epochs`` epochs), lazily, yielding what it returns;
+        checked at once."""
         if self.feed is None or (steps is None) == (epochs is None):
             raise TypeError("run(steps) / run(epochs=...) needs compile(..., data=torchpar.HostData(...)) and one of "
                             "steps, epochs; with batches of your own, call engine.step(batch)")

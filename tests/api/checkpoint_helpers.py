@@ -53,6 +53,6 @@ def compile(name: str) -> tuple[Any, torch.optim.Optimizer, Any]:
 def train(engine: Any, scheduler: Any, steps: range) -> list[float]:
     losses = []
     for step in steps:
-        losses.append(engine.step(batch(step)))
+        losses.append(engine.step(batch(step)).item())
         scheduler.step()
     return losses

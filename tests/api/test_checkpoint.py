@@ -220,10 +220,10 @@ def test_low_precision_state_and_the_loss_scale_round_trip(dtype, mixed_precisio
         if mixed_precision:
             engine._loss_scaler.scale = 1024.0  # as after a few overflows
         engine.save(tmp_path / "ckpt")
-        expected = [engine.step(x) for _ in range(2)]
+        expected = [engine.step(x).item() for _ in range(2)]
         scale = engine.loss_scale
     with compile_mlp() as engine:
         engine.load(tmp_path / "ckpt")
-        assert [engine.step(x) for _ in range(2)] == expected
+        assert [engine.step(x).item() for _ in range(2)] == expected
         assert engine.loss_scale == scale
         assert all(t.dtype == dtype for t in engine.export_torch_state_dict().values())

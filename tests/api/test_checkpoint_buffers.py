@@ -99,7 +99,7 @@ from tests.api import test_checkpoint_buffers as cnn
 
 with cnn.compile_cnn({name!r}) as engine:
     engine.load({checkpoint!r})
-    losses = [engine.step(cnn.batch(step)) for step in range(cnn.SAVE_AT, cnn.STEPS)]
+    losses = [engine.step(cnn.batch(step)).item() for step in range(cnn.SAVE_AT, cnn.STEPS)]
     torch.save(engine.export_torch_state_dict(), {state!r})
 print("LOSSES", json.dumps(losses), flush=True)
 """
@@ -130,10 +130,10 @@ def _assert_identical(actual: dict[str, torch.Tensor], expected: dict[str, torch
 def test_a_batchnorm_cnn_resumes_bit_for_bit_in_a_new_process(name, workdir):
     checkpoint, state = workdir / "ckpt", workdir / "resumed.pt"
     with compile_cnn(name) as engine:  # the uninterrupted run, saved after SAVE_AT steps
-        losses = [engine.step(batch(step)) for step in range(SAVE_AT)]
+        losses = [engine.step(batch(step)).item() for step in range(SAVE_AT)]
         engine.save(checkpoint)
         saved = engine.export_torch_state_dict()
-        losses += [engine.step(batch(step)) for step in range(SAVE_AT, STEPS)]
+        losses += [engine.step(batch(step)).item() for step in range(SAVE_AT, STEPS)]
         final = engine.export_torch_state_dict()
     assert saved["bn.num_batches_tracked"].shape == () and saved["bn.num_batches_tracked"].dtype == torch.int64
     assert int(saved["bn.num_batches_tracked"]) == SAVE_AT and int(final["block.bn2.num_batches_tracked"]) == STEPS
@@ -187,7 +187,7 @@ def test_buffers_and_parameters_of_every_shape_and_dtype_round_trip_exactly(dtyp
         engine.step(x)
         engine.save(workdir / "ckpt")
         saved = engine.export_torch_state_dict()
-        expected = [engine.step(x) for _ in range(2)]
+        expected = [engine.step(x).item() for _ in range(2)]
         final = engine.export_torch_state_dict()
     assert {key: value.dtype for key, value in saved.items()} == {
         "linear.weight": dtype, "linear.bias": dtype, "scale": torch.float32, "counts": torch.int64,
@@ -198,7 +198,7 @@ def test_buffers_and_parameters_of_every_shape_and_dtype_round_trip_exactly(dtyp
     with compile_buffers() as engine:
         engine.load(workdir / "ckpt")
         _assert_identical(engine.export_torch_state_dict(), saved)
-        assert [engine.step(x) for _ in range(2)] == expected
+        assert [engine.step(x).item() for _ in range(2)] == expected
         _assert_identical(engine.export_torch_state_dict(), final)
 
 

@@ -32,7 +32,7 @@ model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.L
 batch = torch.randn(8, 16)
 engine = torchpar.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), example_batch=batch,
                           loss_fn=lambda out, _: out.square().mean())
-loss = engine.step(batch)
+loss = engine.step(batch).item()
 print(json.dumps({"cache_dir": compile_cache.cache_dir(), "counts": compile_cache.counts(), "loss": loss}))
 """
 

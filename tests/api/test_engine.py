@@ -43,7 +43,7 @@ def _train_both(model, batch, make_opt, steps=5, **compile_kwargs):
             torch.nn.utils.clip_grad_norm_(reference.parameters(), compile_kwargs["grad_clip_norm"])
         ref_opt.step()
         torch_losses.append(loss.item())
-        ours.append(engine.step(batch))
+        ours.append(engine.step(batch).item())
     engine.sync_to_torch()
     return reference, engine, torch_losses, ours
 

@@ -48,7 +48,7 @@ def test_callback_sees_every_step_and_the_log_every_other(gpt2, caplog):
     _, engine, batch, seen, _ = gpt2
     before = len(seen)
     with caplog.at_level(logging.INFO, logger="torchpar.metrics"):
-        losses = [engine.step(batch) for _ in range(4)]
+        losses = [engine.step(batch).item() for _ in range(4)]
     assert [m.loss for m in seen[before:]] == losses
     assert [m.step for m in seen[before:]] == list(range(before + 1, before + 5))
     assert seen[-1] is engine.last_metrics

@@ -81,7 +81,7 @@ def test_low_precision_parameters_train_like_pytorch(family, dtype):
     ref = torch_losses(ref_model, batch, torch.optim.AdamW(ref_model.parameters(), lr=1e-3, eps=1e-4, fused=True))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-4)
     with torchpar.compile(model, optimizer, example_batch=batch) as engine:
-        ours = [engine.step(batch) for _ in range(STEPS)]
+        ours = [engine.step(batch).item() for _ in range(STEPS)]
         assert_close_per_step(ours, ref, LOW_PRECISION_RTOL[dtype], f"{family} in {dtype}")
         state = engine.state_dict()
         engine.sync_to_torch()
@@ -124,7 +124,7 @@ def test_fp16_normalization_of_small_activations():
         ref_opt.step()
         ref.append(float(loss))
     with torchpar.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), example_batch=(y,)) as engine:
-        ours = [engine.step((y,)) for _ in range(4)]  # on_nonfinite="raise": a NaN gradient raises here
+        ours = [engine.step((y,)).item() for _ in range(4)]  # on_nonfinite="raise": a NaN gradient raises here
         assert_close_per_step(ours, ref, LOW_PRECISION_RTOL[torch.float16], "fp16 norms of small activations")
         engine.sync_to_torch()
     for (name, param), expected in zip(model.named_parameters(), ref_model.parameters()):
@@ -143,7 +143,7 @@ def test_mixed_precision_matches_torch_autocast(family, mixed):
     ref = torch_losses(ref_model, batch, torch.optim.AdamW(ref_model.parameters(), lr=1e-3), mixed, scaler)
     with torchpar.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-3), example_batch=batch,
                           mixed_precision=mixed) as engine:
-        ours = [engine.step(batch) for _ in range(STEPS)]
+        ours = [engine.step(batch).item() for _ in range(STEPS)]
         assert_close_per_step(ours, ref, MIXED_RTOL[mixed], f"{family} under {mixed} autocast")
         assert engine.numerics["mixed_precision"] == mixed
         assert all(p.dtype == torch.float32 for p in engine.state_dict()["params"].values())  # fp32 master weights
@@ -197,7 +197,7 @@ def test_fp16_loss_scaling_skips_the_steps_gradscaler_skips():
                           mixed_precision="fp16") as engine:
         scales, losses = [], []
         for _ in range(8):
-            losses.append(engine.step((x, y)))
+            losses.append(engine.step((x, y)).item())
             scales.append(engine.loss_scale)
         assert scales == ref_scales
         assert engine.skipped_steps == skipped
@@ -238,7 +238,7 @@ def test_fp16_loss_scaling_in_a_pipeline_skips_the_steps_gradscaler_skips():
             assert len(engine.plan.stages) == 2
             scales, losses = [], []
             for _ in range(8):
-                losses.append(engine.step((x, y)))
+                losses.append(engine.step((x, y)).item())
                 scales.append(engine.loss_scale)
             assert scales == ref_scales
             assert engine.skipped_steps == skipped

@@ -71,7 +71,7 @@ def test_step_fn_trains_like_torch_and_forward_fn_evaluates(method):
         loss.backward()
         ref_opt.step()
         theirs.append(loss.item())
-        ours.append(engine.step(batch))
+        ours.append(engine.step(batch).item())
     torch.testing.assert_close(ours, theirs, rtol=LOSS_RTOL, atol=0)
     names = [n for n, _ in model.named_parameters()]
     assert set(engine.plan.stages[0].params) == set(names)  # the model's own names, no wrapper prefix

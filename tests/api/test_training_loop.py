@@ -391,7 +391,7 @@ def train_dcgan_in_torchpar(net_d, net_g, data, method=None) -> list[tuple[float
 
     with (torchpar.compile(net_d, adam(net_d), example_batch=data[0], step_fn=d_step, method=method) as engine_d,
           torchpar.compile(net_g, adam(net_g), example_batch=data[0][1], step_fn=g_step, method=method) as engine_g):
-        return [(float(engine_d.step((real, noise))), float(engine_g.step(noise))) for real, noise in data]
+        return [(engine_d.step((real, noise)).item(), engine_g.step(noise).item()) for real, noise in data]
 
 
 def test_a_gan_trained_by_two_engines_alternating_is_pytorchs_gan():

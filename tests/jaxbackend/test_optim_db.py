@@ -431,7 +431,7 @@ def test_compile_matches_torch_eager(config):
         loss.backward()
         ref_opt.step()
         torch_losses.append(loss.item())
-        ours.append(engine.step(batch))
+        ours.append(engine.step(batch).item())
     engine.sync_to_torch()
     torch.testing.assert_close(ours, torch_losses, rtol=1e-5, atol=0)
     for (name, p), q in zip(reference.named_parameters(), model.parameters()):

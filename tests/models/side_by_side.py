@@ -33,4 +33,4 @@ def torchpar_losses(make: Callable[[], torch.nn.Module], batch: dict, method: An
     model = make()
     engine = torchpar.compile(model, torch.optim.AdamW(model.parameters(), lr=lr), example_batch=batch,
                               method=method, **options)
-    return [engine.step(batch) for _ in range(steps)], engine
+    return [engine.step(batch).item() for _ in range(steps)], engine

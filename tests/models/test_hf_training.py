@@ -139,7 +139,7 @@ def train_both(family: str, kind: str) -> Trained:
     model = copy.deepcopy(init)
     optimizer = make_optimizer(kind, family, model)
     engine = torchpar.compile(model, optimizer, example_batch=batch)
-    ours = [engine.step(batch) for _ in range(STEPS)]
+    ours = [engine.step(batch).item() for _ in range(STEPS)]
     engine.sync_to_torch()
 
     ref_model = copy.deepcopy(init)
@@ -263,7 +263,7 @@ def test_lr_scheduler_changes_lr_without_recompiling(family):
         warnings.filterwarnings("error", message=r"Detected call of `lr_scheduler.step\(\)`")
         for _ in range(10):
             lrs.append(optimizer.param_groups[0]["lr"])
-            ours.append(engine.step(batch))
+            ours.append(engine.step(batch).item())
             scheduler.step()
             ref.append(torch_step(ref_model, ref_optimizer, batch))
             ref_scheduler.step()
@@ -288,7 +288,7 @@ def test_dropout_reproducible_per_seed_and_trains_like_pytorch(family):
     def ours(seed: int) -> list[float]:
         model = copy.deepcopy(init)
         engine = torchpar.compile(model, make_optimizer("adamw", family, model), example_batch=batch, seed=seed)
-        return [engine.step(batch) for _ in range(DROPOUT_STEPS)]
+        return [engine.step(batch).item() for _ in range(DROPOUT_STEPS)]
 
     def eager(model: torch.nn.Module) -> list[float]:
         optimizer = make_optimizer("adamw", family, model)
@@ -388,7 +388,7 @@ def test_state_dict_round_trip_is_exact(family, dropout, tmp_path):
         engine.step(batch)
     state = engine.state_dict()
     torch.save(state, tmp_path / "engine.pt")
-    continued = [engine.step(batch) for _ in range(3)]
+    continued = [engine.step(batch).item() for _ in range(3)]
     final = engine.state_dict()
 
     loaded = torch.load(tmp_path / "engine.pt", weights_only=True)
@@ -398,7 +398,7 @@ def test_state_dict_round_trip_is_exact(family, dropout, tmp_path):
     fresh = copy.deepcopy(init)
     resumed_engine = torchpar.compile(fresh, make_optimizer("adamw", family, fresh), example_batch=batch, seed=3)
     resumed_engine.load_state_dict(loaded)
-    resumed = [resumed_engine.step(batch) for _ in range(3)]
+    resumed = [resumed_engine.step(batch).item() for _ in range(3)]
     assert resumed == continued, f"{family}: resumed losses {resumed} vs uninterrupted {continued}"
     after = resumed_engine.state_dict()
     for name, value in final["params"].items():
@@ -447,7 +447,7 @@ def test_new_batch_shape_recompiles_once_and_matches(family, caplog):
     ours, recompiles = [], []
     for b in sequence:
         caplog.clear()
-        ours.append(engine.step(b))
+        ours.append(engine.step(b).item())
         recompiles.append(sum("recompil" in r.getMessage().lower() for r in caplog.records
                               if r.name.startswith("torchpar")))
     ref = [torch_step(ref_model, ref_optimizer, b) for b in sequence]

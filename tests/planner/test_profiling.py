@@ -145,7 +145,7 @@ def test_profiled_one_stage_engine_trains_as_without_profiling(profile_dir):
         fresh.load_state_dict(model.state_dict())
         with torchpar.compile(fresh, torch.optim.SGD(fresh.parameters(), lr=0.1), example_batch=batch,
                               step_fn=step_fn, method=torchpar.DataParallel(), profile=profile) as engine:
-            losses[profile] = [engine.step(batch) for _ in range(3)]
+            losses[profile] = [engine.step(batch).item() for _ in range(3)]
             if profile:
                 stage = engine.plan.stages[0]
                 assert stage.measured_cost_s is not None and stage.measured_cost_s > 0

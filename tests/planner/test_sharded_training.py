@@ -34,7 +34,7 @@ def _losses(family: str, method, steps: int = STEPS) -> tuple[list[float], str]:
     overrides = OVERRIDES[family]
     model, batch = zoo.build(family, overrides, batch_size=8, seq_len=16)
     engine = torchpar.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-3), example_batch=batch, method=method)
-    return [engine.step(batch) for _ in range(steps)], engine.spmd_mode
+    return [engine.step(batch).item() for _ in range(steps)], engine.spmd_mode
 
 
 _reference: dict[str, list[float]] = {}

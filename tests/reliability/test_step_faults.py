@@ -183,7 +183,7 @@ def test_a_diverging_run_raises_at_the_first_nonfinite_step_and_names_it(method)
     losses = []
     with pytest.raises(NonFiniteError) as info:
         for _ in range(20):
-            losses.append(engine.step(_batch()))
+            losses.append(engine.step(_batch()).item())
     message = str(info.value)
     assert re.search(rf"step {len(losses)} produced a non-finite (loss|gradients)", message), message
     assert "first culprit" in message and "lower learning rate" in message

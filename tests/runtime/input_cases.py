@@ -60,7 +60,7 @@ def driver_fed_losses(method, dataset, drop_last: bool, epochs: int = 2) -> list
     batches = loader(dataset, drop_last)  # one loader for every epoch: its generator moves on between them
     with torchpar.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), example_batch=example(dataset),
                           step_fn=step_fn, method=method) as engine:
-        return [engine.step(batch) for _ in range(epochs) for batch in batches]
+        return [engine.step(batch).item() for _ in range(epochs) for batch in batches]
 
 
 def host_loaded(method, dataset, drop_last: bool):

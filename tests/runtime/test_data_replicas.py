@@ -52,7 +52,7 @@ def test_the_plan_is_replicas_of_a_two_d_plan_and_the_step_syncs_them_once():
         again = _MLP()
         with torchpar.compile(again, torch.optim.SGD(again.parameters(), lr=0.1), example_batch=batch,
                               method=loaded) as replayed:  # a saved plan trains its replicas the same way
-            first = replayed.step(batch)
+            first = replayed.step(batch).item()
         grid = device_grid(engine.plan)  # the report's device grid: (replica, row, column)
         assert [cell.mesh_coord for cell in grid.cells][3:6] == [(0, 0, 3), (1, 0, 0), (1, 0, 1)]
         # the replicas' gradients are summed across them (device i with i + 4), once per step

@@ -30,7 +30,7 @@ def _train(model: torch.nn.Module, batch, method, steps: int = STEPS, **options)
     # gradients that are zero in exact arithmetic, e.g. attention's key bias, into full-size steps)
     engine = torchpar.compile(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), example_batch=batch,
                               method=method, **options)
-    losses = [engine.step(batch) for _ in range(steps)]
+    losses = [engine.step(batch).item() for _ in range(steps)]
     engine.sync_to_torch()
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, engine
 
@@ -140,7 +140,7 @@ def test_buffers_see_the_micro_batches_in_turn_as_in_a_pytorch_accumulation_loop
         ref_losses.append(sum(losses) / MICRO)
     engine = torchpar.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), example_batch=batch,
                               method=torchpar.DataParallel(mesh_shape=(1, 1), num_micro_batches=MICRO))
-    losses = [engine.step(batch) for _ in range(3)]
+    losses = [engine.step(batch).item() for _ in range(3)]
     engine.sync_to_torch()
     torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=0)
     for name, value in reference.state_dict().items():

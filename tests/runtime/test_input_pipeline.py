@@ -39,7 +39,7 @@ def test_host_loaded_data_follows_the_dataloader_order_over_two_epochs(method, d
 def test_step_and_run_walk_the_epochs_and_refuse_without_data():
     dataset = Points()
     with host_loaded(None, dataset, drop_last=False) as engine:
-        first = [engine.step() for _ in range(3)]
+        first = [engine.step().item() for _ in range(3)]
         rest = list(engine.run(epochs=1))  # to the end of the current epoch
         assert len(first) + len(rest) == 7
         assert len(list(engine.run(steps=2))) == 2
@@ -61,7 +61,7 @@ def test_prefetched_batches_train_exactly_as_the_loader_fed_directly(method):
     model = Classifier()
     with torchpar.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), example_batch=example(dataset),
                           step_fn=step_fn, method=METHODS[method]()) as engine:
-        losses = [engine.step(batch) for batch in engine.prefetch(loader(dataset, drop_last=False), depth=2)]
+        losses = [engine.step(batch).item() for batch in engine.prefetch(loader(dataset, drop_last=False), depth=2)]
     assert losses == reference  # bit for bit, the smaller last batch included
 
 

@@ -77,7 +77,7 @@ def test_every_batch_of_two_epochs_trains_as_pytorch(method, samples, batch_size
                 loss.backward()
                 torch_optimizer.step()
                 expected.append(loss.item())
-                losses.append(engine.step((x, y)))
+                losses.append(engine.step((x, y)).item())
         assert engine.compiled_signatures == 2  # the full batches' step and the last batch's, each compiled once
         engine.sync_to_torch()
     torch.testing.assert_close(losses, expected, rtol=RTOL, atol=ATOL)

@@ -111,7 +111,7 @@ def _assert_trains_like_the_whole_batch(loss_name, method, **options):
     engine = torchpar.compile(model, torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9), example_batch=batch,
                               method=method, **options)
     with engine:
-        losses = [engine.step(batch) for _ in range(STEPS)]
+        losses = [engine.step(batch).item() for _ in range(STEPS)]
         engine.sync_to_torch()
     torch.testing.assert_close(losses, ref_losses, rtol=RTOL, atol=0)
     for name, value in model.named_parameters():
@@ -195,7 +195,7 @@ def test_a_pipeline_divides_by_a_count_an_earlier_stage_takes_and_clips_the_whol
     with engine:
         stages = engine.executor.spec.stage_graphs
         assert loss_reduction(stages[-1].graph).kind == "ratio" and stages[0].activation_outputs
-        losses = [engine.step(batch) for _ in range(STEPS)]
+        losses = [engine.step(batch).item() for _ in range(STEPS)]
         engine.sync_to_torch()
     torch.testing.assert_close(losses, ref_losses, rtol=RTOL, atol=0)
     for name, value in model.named_parameters():
@@ -213,7 +213,7 @@ def test_fp16_loss_scaling_accumulates_like_the_whole_batch(method):
         engine = torchpar.compile(model, torch.optim.SGD(model.parameters(), lr=0.5), example_batch=batch,
                                   method=chosen, mixed_precision="fp16")
         with engine:
-            losses = [engine.step(batch) for _ in range(STEPS)]
+            losses = [engine.step(batch).item() for _ in range(STEPS)]
             engine.sync_to_torch()
         results.append((losses, {n: p.detach().clone() for n, p in model.named_parameters()}))
     (whole_losses, whole_params), (losses, params) = results

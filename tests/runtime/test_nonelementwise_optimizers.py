@@ -72,7 +72,7 @@ def test_trains_as_pytorch_on_four_devices(optimizer, method, spmd, caplog):
             loss.backward()
             torch_optimizer.step()
             expected.append(loss.item())
-            losses.append(engine.step(batch))
+            losses.append(engine.step(batch).item())
         assert engine.spmd_mode == spmd
         engine.sync_to_torch()
     fallback = [r.getMessage() for r in caplog.records if "not elementwise" in r.getMessage()]

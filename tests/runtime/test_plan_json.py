@@ -30,7 +30,7 @@ model, batch = gpt2(num_layers={layers})
 plan = torchpar.Plan.from_json(open({path!r}).read())
 with torchpar.compile(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), example_batch=batch,
                       method=plan) as engine:
-    print("RESULT", json.dumps({{"losses": [engine.step(batch) for _ in range({steps})],
+    print("RESULT", json.dumps({{"losses": [engine.step(batch).item() for _ in range({steps})],
                       "stages": [s.device_ids for s in engine.plan.stages]}}))
 torchpar.shutdown()
 """
@@ -50,7 +50,7 @@ def saved_plan(tmp_path_factory):
                                             stage_option=option)
         with torchpar.compile(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), example_batch=batch,
                               method=method) as engine:
-            losses = [engine.step(batch) for _ in range(STEPS)]
+            losses = [engine.step(batch).item() for _ in range(STEPS)]
             path = tmp_path_factory.mktemp("plan") / "gpt2_pipeline.json"
             path.write_text(engine.plan.to_json())
             return path, losses, [s.device_ids for s in engine.plan.stages]

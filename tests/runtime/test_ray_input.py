@@ -40,7 +40,7 @@ def test_each_host_receives_only_its_rows_and_trains_as_before(two_hosts_of_two,
         batches = loader(dataset, drop_last=False)
         for _ in range(2):
             for x, y in batches:
-                losses.append(engine.step((x, y)))
+                losses.append(engine.step((x, y)).item())
                 whole = x.numel() * 4 + y.numel() * 4  # int64 labels travel as int32
                 shares.append([received / whole for received in engine.executor.last_input_bytes])
     assert max(abs(a - b) for a, b in zip(losses, local_reference)) <= 1e-6  # gloo sums in another order
@@ -93,4 +93,4 @@ def test_prefetched_batches_on_host_actors_train_as_the_loader_fed_directly(two_
     with torchpar.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), example_batch=example(dataset),
                           step_fn=step_fn, method=make()) as engine:
         # one-stage plans: each actor places the next batch on its devices beside the running step (place_ahead)
-        assert [engine.step(batch) for batch in engine.prefetch(loader(dataset, drop_last=False))] == reference
+        assert [engine.step(batch).item() for batch in engine.prefetch(loader(dataset, drop_last=False))] == reference

@@ -67,7 +67,7 @@ def _train(model: torch.nn.Module, batch, remat: str, method=None, steps: int = 
     with torchpar.compile(fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-3), example_batch=batch, method=method,
                           remat=remat) as engine:
         assert engine.plan.remat == remat
-        losses = [engine.step(batch) for _ in range(steps)]
+        losses = [engine.step(batch).item() for _ in range(steps)]
         return losses, engine.memory_stats()
 
 
@@ -204,7 +204,7 @@ def test_auto_recomputes_only_when_the_memory_budget_needs_it(one_device_runs, o
     with torchpar.compile(fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-3), example_batch=batch, remat="auto",
                           method=torchpar.ShardParallel(mesh_shape=(1, 1), memory_budget=tight)) as engine:
         assert engine.plan.remat == "layers"
-        losses = [engine.step(batch) for _ in range(STEPS)]
+        losses = [engine.step(batch).item() for _ in range(STEPS)]
     assert losses == pytest.approx(one_device_runs["none"][0], rel=LOSS_RTOL)
 
 

@@ -26,7 +26,7 @@ ONE_BLOCK = {"gpt2": {"n_layer": 1}, "llama": {"num_hidden_layers": 1}, "bert": 
 def _train(model, batch, method, steps: int, **options) -> tuple[list[float], dict[str, torch.Tensor], str]:
     engine = torchpar.compile(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), example_batch=batch,
                               method=method, **options)
-    losses = [engine.step(batch) for _ in range(steps)]
+    losses = [engine.step(batch).item() for _ in range(steps)]
     engine.sync_to_torch()
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, engine.spmd_mode
 
@@ -116,7 +116,7 @@ def test_batch_norm_uses_the_whole_batchs_statistics(method):
     reference = copy.deepcopy(model)
     engine = torchpar.compile(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), example_batch=batch,
                               method=method(mesh_shape=(2, 2)), spmd="shard_map")
-    losses = [engine.step(batch) for _ in range(3)]
+    losses = [engine.step(batch).item() for _ in range(3)]
     engine.sync_to_torch()
     ref_losses, ref_params, ref_buffers = _one_device(reference, batch, 3)
     torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=0)
@@ -178,7 +178,7 @@ def test_an_embedding_split_by_rows_looks_up_only_its_rows():
     engine = torchpar.compile(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), example_batch=batch,
                               method=torchpar.MegatronParallel(mesh_shape=(2, 2)), spmd="shard_map")
     assert engine.plan.stages[0].params["transformer.wte.weight"] == [[1], None]
-    losses = [engine.step(batch) for _ in range(3)]
+    losses = [engine.step(batch).item() for _ in range(3)]
     engine.sync_to_torch()
     ref_losses, ref_params, _ = _train(reference, batch, None, 3)
     torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=0)

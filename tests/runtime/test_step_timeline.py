@@ -83,7 +83,7 @@ def test_forward_residuals_pass_the_parameters_back_and_keep_the_losses_exact(mo
 
     engine, batch = _engine()
     try:
-        losses = [engine.step(batch) for _ in range(3)]
+        losses = [engine.step(batch).item() for _ in range(3)]
         worker = engine.executor.worker
         program, state = worker.programs[1], worker.states[1]
         acts = {n: program.put_activation(n, torch.zeros(4, 16).numpy()) for n in program.stage.activation_inputs}
@@ -97,6 +97,6 @@ def test_forward_residuals_pass_the_parameters_back_and_keep_the_losses_exact(mo
     monkeypatch.setattr(stage_program, "_RECOMPUTED", frozenset())  # save every intermediate, as before
     engine, batch = _engine()
     try:
-        assert [engine.step(batch) for _ in range(3)] == losses
+        assert [engine.step(batch).item() for _ in range(3)] == losses
     finally:
         engine.shutdown()

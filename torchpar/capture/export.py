@@ -3,10 +3,11 @@
 The model is wrapped so that the exported program computes exactly what the user's loop computes:
 ``model(**batch)`` / ``model(*batch)`` / ``model(batch)``, then the loss selected as DESIGN.md §2
 states; or, given a ``step_fn(model, batch) -> loss`` (``forward_fn(model, batch) -> outputs`` for the eval
-forward), that function, which calls the model its own way. Export is non-strict, then ``run_decompositions()`` reduces the graph to core ATen, except
-``scaled_dot_product_attention``, which stays one op (a fused lowering, one node for the planner); a
-mask it receives that is the same for every batch (causal or all True) becomes its ``is_causal`` flag
-(:mod:`torchpar.capture.attention_masks`).
+forward), that function, which calls the model its own way; a ``step_fn`` may return ``(loss, aux)``, ``aux`` a
+``dict[str, torch.Tensor]`` of values to report (graph outputs of kind ``"aux"``, not differentiated). Export is
+non-strict, then ``run_decompositions()`` reduces the graph to core ATen, except ``scaled_dot_product_attention``,
+which stays one op (a fused lowering, one node for the planner); a mask it receives that is the same for every batch
+(causal or all True) becomes its ``is_causal`` flag (:mod:`torchpar.capture.attention_masks`).
 
 Parameters and buffers are keyed by their ``named_parameters()`` / ``named_buffers()`` names. Tied
 parameters (GPT-2 ``lm_head.weight`` is ``transformer.wte.weight``) are two placeholders with one
@@ -43,8 +44,9 @@ from torchpar.ir.graph import Graph, TensorMeta
 log = logging.getLogger(__name__)
 
 LossFn = Callable[[Any, Any], torch.Tensor]
-StepFn = Callable[[torch.nn.Module, Any], torch.Tensor]
-"""``step_fn(model, batch) -> scalar loss``: calls the model as it likes (``compile(step_fn=...)``)."""
+StepFn = Callable[[torch.nn.Module, Any], Any]
+"""``step_fn(model, batch) -> loss | (loss, aux)``: calls the model as it likes (``compile(step_fn=...)``); ``loss`` a
+scalar tensor, ``aux`` a ``dict[str, torch.Tensor]`` the step returns beside the loss."""
 ForwardFn = Callable[[torch.nn.Module, Any], Any]
 """``forward_fn(model, batch) -> outputs``: the eval forward's call of the model (``compile(forward_fn=...)``)."""
 
@@ -57,6 +59,8 @@ class Capture:
     ``out_spec`` unflattens the graph's user outputs (eval capture). ``export_s`` and
     ``decompose_s`` are the seconds spent in ``torch.export`` and ``run_decompositions``. ``state``: the module
     state the step reads beside the model's parameters and buffers (:mod:`torchpar.capture.module_state`).
+    ``aux_keys``: the keys of the ``aux`` dict a ``step_fn`` returned beside the loss, in its order (the graph's
+    ``"aux"`` outputs), or ``None`` where the step returned the loss alone.
     """
 
     graph: Graph
@@ -66,6 +70,7 @@ class Capture:
     export_s: float
     decompose_s: float
     state: CapturedState = dataclasses.field(default_factory=CapturedState)
+    aux_keys: tuple[str, ...] | None = None
 
 
 def batch_to_call_args(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -148,10 +153,40 @@ def _scalar_loss(loss: Any, name: str) -> torch.Tensor:
     return loss
 
 
+def split_step_result(result: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
+    """``(loss, aux)`` of what a ``step_fn`` returned: a scalar loss (``aux`` ``None``), or a pair ``(loss, aux)``
+    with ``aux`` a dict of tensors keyed by strings. Anything else is a ``TypeError`` / ``ValueError`` naming what was
+    returned."""
+    if not isinstance(result, (tuple, list)):
+        return _scalar_loss(result, "step_fn"), None
+    if len(result) != 2 or not isinstance(result[1], dict):
+        raise TypeError(f"step_fn must return the loss or a pair (loss, aux) with aux a dict of tensors, got a "
+                        f"{type(result).__name__} of {_describe(result)}")
+    loss, aux = result
+    loss = _scalar_loss(loss, "step_fn")
+    for key, value in aux.items():
+        if not isinstance(key, str):
+            raise TypeError(f"step_fn's aux dict must be keyed by strings, got the key {key!r} "
+                            f"({type(key).__name__})")
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"step_fn's aux[{key!r}] must be a torch.Tensor, got a {type(value).__name__} "
+                            f"({_describe([value])}); return tensors only (torch.stack a list, torch.tensor a number)")
+    return loss, dict(aux)
+
+
+def _describe(values: Any) -> str:
+    """``"(Tensor[], dict, int)"``: the types of ``values``, a tensor with its shape, for error messages."""
+    def one(value: Any) -> str:
+        return f"Tensor{list(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+
+    return "(" + ", ".join(one(v) for v in values) + ")"
+
+
 class _StepFnModule(torch.nn.Module):
-    """Calls ``step_fn(model, batch)`` and returns its scalar loss (the exported training step of
-    ``compile(step_fn=...)``). The model is the child ``model``, so its parameters keep their names once the
-    ``model.`` prefix is stripped, as with :class:`_LossModule`."""
+    """Calls ``step_fn(model, batch)`` and returns its scalar loss, or ``(loss, aux)`` (the exported training step of
+    ``compile(step_fn=...)``; :func:`split_step_result` checks what it returned, and the exported program's output
+    spec keeps the aux dict's keys: :func:`_aux_keys`). The model is the child ``model``, so its parameters keep their
+    names once the ``model.`` prefix is stripped, as with :class:`_LossModule`."""
 
     def __init__(self, model: torch.nn.Module, batch_type: type, step_fn: StepFn):
         super().__init__()
@@ -159,8 +194,17 @@ class _StepFnModule(torch.nn.Module):
         self._batch_type = batch_type
         self._step_fn = step_fn
 
-    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        return _scalar_loss(self._step_fn(self.model, call_args_to_batch(self._batch_type, args, kwargs)), "step_fn")
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor | tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        loss, aux = split_step_result(self._step_fn(self.model, call_args_to_batch(self._batch_type, args, kwargs)))
+        return loss if aux is None else (loss, aux)
+
+
+def _aux_keys(out_spec: pytree.TreeSpec) -> tuple[str, ...] | None:
+    """The keys of the aux dict in a training step's output spec ``(loss, aux)`` (its flattened outputs: the loss,
+    then the aux values in this order), ``None`` for a loss alone."""
+    if out_spec.type is not tuple:
+        return None
+    return tuple(out_spec.child(1).context)
 
 
 class _ForwardFnModule(torch.nn.Module):
@@ -206,9 +250,10 @@ def capture_train_step(model: torch.nn.Module, batch: Any, loss_fn: LossFn | Non
                        autocast: torch.dtype | None = None, step_fn: StepFn | None = None,
                        outside: tuple[torch.nn.Module, ...] = (),
                        numbers: tuple[NumberAttribute, ...] = ()) -> Capture:
-    """Export ``model`` in train mode on ``batch`` into a graph whose single output is the loss
-    (plus the new values of mutated buffers). ``step_fn``: the loss is ``step_fn(model, batch)`` instead of the
-    calling convention and ``loss_fn`` (not both).
+    """Export ``model`` in train mode on ``batch`` into a graph whose first output is the loss (plus the new values of
+    mutated buffers). ``step_fn``: the loss is ``step_fn(model, batch)`` instead of the calling convention and
+    ``loss_fn`` (not both); a ``(loss, aux)`` it returns adds one output of kind ``"aux"`` per aux entry, after the
+    loss (``Capture.aux_keys``).
 
     ``autocast``: export under ``torch.autocast(device, autocast)``, ``device`` the type of the device the model
     lives on (:func:`torchpar.capture.precision.autocast_device`), so PyTorch's own casting policy (which ops
@@ -330,7 +375,8 @@ def _capture_whole(wrapper: torch.nn.Module, model: torch.nn.Module, batch: Any,
     folded = fold_static_attention_masks(exported.graph)
     if folded:
         log.info("%d attention call(s) take a constant causal / full mask: folded into is_causal", folded)
-    graph = to_ir(exported, model, user_output_kind="loss" if training else "user")
+    aux_keys = _aux_keys(exported.call_spec.out_spec) if training else None
+    graph = to_ir(exported, model, user_output_kind="loss" if training else "user", aux_keys=aux_keys or ())
     if functions.calls:  # custom autograd.Function backwards, each its own graph
         graph = graph.replace(custom_backwards=functions.backward_graphs(model))
         graph.validate()
@@ -347,6 +393,7 @@ def _capture_whole(wrapper: torch.nn.Module, model: torch.nn.Module, batch: Any,
                             tensor_attributes=tuple(a for a in attributes if (id(a[1]), a[2]) not in fed),
                             numbers=tuple(a for a in attributes if (id(a[1]), a[2]) in fed),
                             outside=outside, copied_buffers=tuple(access.copied_buffers)),
+        aux_keys=aux_keys,
     )
 
 

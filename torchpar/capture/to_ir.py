@@ -30,8 +30,11 @@ def decompose(exported: ExportedProgram) -> ExportedProgram:
     return exported.run_decompositions(table)
 
 
-def to_ir(exported: ExportedProgram, model: torch.nn.Module, *, user_output_kind: str) -> Graph:
-    """Translate the exported program's graph and signature into the IR."""
+def to_ir(exported: ExportedProgram, model: torch.nn.Module, *, user_output_kind: str,
+          aux_keys: tuple[str, ...] = ()) -> Graph:
+    """Translate the exported program's graph and signature into the IR. User outputs are of ``user_output_kind``,
+    but for ``aux_keys``: the last ``len(aux_keys)`` user outputs are a ``step_fn``'s aux values (kind ``"aux"``, the
+    key as target)."""
     signature = exported.graph_signature
     canonical = _canonical_param_names(model)
     inputs: list[Input] = []
@@ -74,12 +77,16 @@ def to_ir(exported: ExportedProgram, model: torch.nn.Module, *, user_output_kind
     output_node = next(n for n in exported.graph.nodes if n.op == "output")
     results = output_node.args[0]
     outputs: list[Output] = []
+    num_user = sum(spec.kind == OutputKind.USER_OUTPUT for spec in signature.output_specs)
+    user_index = 0
     for value, spec in zip(results, signature.output_specs, strict=True):
         ref = Ref(value.name) if isinstance(value, torch.fx.Node) else None
         if spec.kind == OutputKind.BUFFER_MUTATION:
             outputs.append(Output("buffer", ref, _strip_wrapper(spec.target)))
         elif spec.kind == OutputKind.USER_OUTPUT:
-            outputs.append(Output(user_output_kind, ref))
+            aux = user_index - (num_user - len(aux_keys))
+            outputs.append(Output("aux", ref, aux_keys[aux]) if aux >= 0 else Output(user_output_kind, ref))
+            user_index += 1
         else:
             raise NotImplementedError(
                 f"torch.export output kind {spec.kind.name} ({spec.target}) is not supported: the model "

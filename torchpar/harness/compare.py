@@ -111,7 +111,7 @@ def compare_training(family: str, *, steps: int = 20, optimizer: str = "adamw", 
         loss.backward()
         torch_opt.step()
         torch_losses.append(float(loss.detach()))
-        torchpar_losses.append(engine.step(batch))
+        torchpar_losses.append(engine.step(batch).item())
     method_name = type(method).__name__ if method is not None else "one device"
     return Comparison(family, optimizer, method_name, torch_losses, torchpar_losses, tolerance)
 

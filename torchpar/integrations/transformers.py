@@ -291,7 +291,7 @@ class TorchparTrainer(transformers.Trainer):
         engine = self.engine or self._build_engine(batch)
         loss = engine.step(batch)
         self._grad_norm = engine.last_grad_norm
-        return torch.tensor(float(loss), dtype=torch.float32, device=self.args.device)
+        return loss.to(device=self.args.device, dtype=torch.float32)
 
     def _update_loss_factor(self, batch: dict[str, Any], num_items: torch.Tensor | int | None,
                             micro_batches: int) -> float:

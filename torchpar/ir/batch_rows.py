@@ -26,10 +26,12 @@ Plain data in, plain data out: no torch, no JAX.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from torchpar.ir.graph import Graph, Node, Ref, TensorMeta, one_row_index
+from torchpar.ir.op_families import reduction_dims
 
 Rows = frozenset[int] | None
 """The dims of a value that index batch rows (empty: none; ``None``: not tracked)."""
@@ -71,8 +73,12 @@ _VIEWS = frozenset({"aten.view.default", "aten._unsafe_view.default", "aten.resh
 _GROUPED = frozenset({"aten._grouped_mm.default", "transformers.grouped_mm_fallback.default"})
 
 
-def row_states(graph: Graph) -> dict[str, RowState]:
-    """The :class:`RowState` of every input and node of ``graph`` (module docstring)."""
+def row_states(graph: Graph, *, integers: bool = False) -> dict[str, RowState]:
+    """The :class:`RowState` of every input and node of ``graph`` (module docstring). ``integers``: integer and bool
+    values carry mixing too, as floating-point ones do — for values returned as they are (a ``step_fn``'s aux
+    outputs, :mod:`torchpar.ir.aux_parts`), where ``(x > x.mean(0))`` or an index shifted by the batch's largest one
+    is no row's own; a grouping by counts over the batch (a mixture of experts) then mixes too."""
+    carries = (lambda meta: True) if integers else _floating
     metas = graph.metas()
     states: dict[str, RowState] = {}
     for inp in graph.inputs:
@@ -80,25 +86,27 @@ def row_states(graph: Graph) -> dict[str, RowState]:
         states[inp.name] = RowState(frozenset({0}) if batch else frozenset())
     positions = set()  # values of arange: row positions, an index numbering whatever order it is used in
     for node in graph.nodes:
-        states[node.name] = _state(node, states, metas, positions)
+        states[node.name] = _state(node, states, metas, positions, carries)
         if node.target.startswith("aten.arange."):
             positions.add(node.name)
     return states
 
 
-def _state(node: Node, states: dict[str, RowState], metas: dict[str, Any], positions: set[str]) -> RowState:
+def _state(node: Node, states: dict[str, RowState], metas: dict[str, Any], positions: set[str],
+           carries: Callable[[Any], bool]) -> RowState:
+    """``node``'s state from its operands'; ``carries(meta)``: whether a value of that meta carries mixing."""
     refs = list(node.refs())
     operands = [states.get(r, RowState(None)) for r in refs]
-    inherited = next((s.mixed for s, r in zip(operands, refs) if s.mixed and _floating(metas.get(r))), None)
+    inherited = next((s.mixed for s, r in zip(operands, refs) if s.mixed and carries(metas.get(r))), None)
     if all(s.rows == frozenset() for s in operands):  # nothing from the batch
-        return RowState(frozenset(), inherited if _floating(node.out) else None)
+        return RowState(frozenset(), inherited if carries(node.out) else None)
     rows, reducing = _rows(node, operands, metas)
     order, target, paired = _order(node, operands, metas, positions, rows)
     if order is None:
         rows, order = None, ""
     what = "reduces over them" if reducing else "pairs rows sorted over the batch with rows in another order"
     mixed = inherited or (f"{node.target} ({node.name}{_where(node)}) {what}" if reducing or paired else None)
-    return RowState(rows, mixed if _floating(node.out) else None, order, target)
+    return RowState(rows, mixed if carries(node.out) else None, order, target)
 
 
 def _order(node: Node, operands: list[RowState], metas: dict[str, Any], positions: set[str], rows: Rows
@@ -185,12 +193,11 @@ def _rows(node: Node, operands: list[RowState], metas: dict[str, Any]) -> tuple[
     if target in _REDUCE_ALL:
         return frozenset(), bool(rows)
     if target in _REDUCE_DIMS:
-        dims = args[1] if len(args) > 1 else None
+        dims, keep = reduction_dims(target, args, node.kwargs)
         if dims is None or (isinstance(dims, (list, tuple)) and not dims):  # no dims: every dim
             dims = tuple(range(rank))
         dims = dims if isinstance(dims, (list, tuple)) else (dims,)
         dims = {_norm(d, rank) for d in dims}
-        keep = len(args) > 2 and args[2] is True or node.kwargs.get("keepdim", False)
         kept = rows - dims if keep else frozenset(d - sum(1 for r in dims if r < d) for d in rows - dims)
         return kept, bool(rows & dims)
     if target == "aten.native_layer_norm.default":
@@ -247,11 +254,14 @@ def _rows(node: Node, operands: list[RowState], metas: dict[str, Any]) -> tuple[
 
 def _cat_rows(node: Node, operands: list[RowState], metas: dict[str, Any]) -> Rows:
     """``cat(tensors, dim)`` along a dim that holds no rows: the operands' rows (an empty operand — a cache's initial
-    ``[0]`` tensor — adds nothing); along rows, or with an untracked operand: not followed."""
+    ``[0]`` tensor — adds nothing); of one operand (an RNN's layers, one of them): its rows; along rows, or with an
+    untracked operand: not followed."""
     sizes = [metas.get(r) for r in node.refs()]
     kept = [s for s, meta in zip(operands, sizes) if not (isinstance(meta, TensorMeta) and 0 in meta.shape)]
     if not kept or any(s.rows is None for s in kept) or not isinstance(node.out, TensorMeta):
         return None
+    if len(sizes) == 1:
+        return kept[0].rows
     rows = frozenset().union(*(s.rows for s in kept))
     dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
     return None if _norm(dim, len(node.out.shape)) in rows else rows
@@ -289,12 +299,25 @@ def _elementwise_rows(node: Node, operands: list[RowState], metas: dict[str, Any
 
 def _view_rows(rows: frozenset[int], old: tuple[int, ...], out: Any) -> Rows:
     """A reshape keeps rows at dim 0 when it merges dim 0 with the dims after it or splits it into a leading dim of
-    more than one (``[B, T, C] ↔ [B·T, C]``); otherwise they are not followed."""
-    if not isinstance(out, TensorMeta) or not rows or rows != {0} or not old or not out.shape:
+    more than one (``[B, T, C] ↔ [B·T, C]``); a dim of rows it leaves whole moves to the dim of the result that has
+    its size and as many elements before it (``[1, B, H] → [B, H]``, ``[T, B, H] → [T, B, H]``); otherwise they are
+    not followed."""
+    if not isinstance(out, TensorMeta) or not rows or not old or not out.shape:
         return frozenset() if not rows else None
     new0, old0 = out.shape[0], old[0]
-    if new0 > 1 and (new0 % old0 == 0 or old0 % new0 == 0):
+    if rows == {0} and new0 > 1 and (new0 % old0 == 0 or old0 % new0 == 0):
         return frozenset({0})
+    kept = [_kept_dim(d, old, out.shape) for d in rows]
+    return None if None in kept else frozenset(kept)
+
+
+def _kept_dim(dim: int, old: tuple[int, ...], new: tuple[int, ...]) -> int | None:
+    """The dim of a reshape's result ``new`` that dim ``dim`` of ``old`` becomes when the reshape leaves it whole (the
+    same size, the same number of elements before it), else ``None``."""
+    before = math.prod(old[:dim])
+    for d, size in enumerate(new):
+        if size == old[dim] and math.prod(new[:d]) == before:
+            return d
     return None
 
 

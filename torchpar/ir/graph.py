@@ -10,7 +10,8 @@ Vocabulary:
   :class:`Ref` (the value of another node or input) and :class:`DType` (a tensor dtype).
 - A node's ``out`` is a :class:`TensorMeta`, a tuple of them (multi-output ops; ``None`` for a
   non-tensor slot), or ``None`` for ops with no tensor result.
-- An *output* is the loss, a user output, or the new value of a mutated buffer.
+- An *output* is the loss, an auxiliary output of a ``step_fn`` (kind ``"aux"``), a user output, or the new value
+  of a mutated buffer.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ class TensorMeta:
 
 
 InputKind = Literal["param", "buffer", "constant", "input", "activation"]
-OutputKind = Literal["loss", "user", "buffer", "activation", "loss_den"]
+OutputKind = Literal["loss", "aux", "user", "buffer", "activation", "loss_den"]
 OutMeta = TensorMeta | tuple[TensorMeta | None, ...] | None
 
 
@@ -117,13 +118,17 @@ class Node:
 
 @dataclass(frozen=True)
 class Output:
-    """A graph result: the loss, a user output, the new value of buffer ``target``, (in a pipeline
+    """A graph result: the loss, an auxiliary output ``target`` (a key of the dict a ``step_fn`` returns beside the
+    loss; outputs only, never differentiated), a user output, the new value of buffer ``target``, (in a pipeline
     stage) an activation ``target`` that later stages read, or ``loss_den``: how micro-batch losses combine into
     the whole batch's (the loss's denominator, or ``None`` for a sum: :mod:`torchpar.ir.loss_parts`)."""
 
     kind: OutputKind
     value: Ref | None
     target: str = ""
+    combine: str = ""
+    """``"aux"``: how the values of the batch's parts make the whole batch's (:mod:`torchpar.ir.aux_parts`);
+    ``""`` where the batch is one part (returned as is)."""
 
 
 @dataclass

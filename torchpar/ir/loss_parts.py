@@ -95,7 +95,7 @@ def decompose_loss(graph: Graph) -> LossReduction:
     loss = next((o.value.name for o in graph.outputs if o.kind == "loss" and o.value is not None), None)
     if loss is None:
         raise NotDecomposable("the graph has no loss output")
-    return _Analysis(graph).whole(loss)
+    return Reductions(graph).whole(loss)
 
 
 def with_loss_parts(graph: Graph) -> Graph:
@@ -119,13 +119,17 @@ def with_loss_parts(graph: Graph) -> Graph:
     return dataclasses.replace(graph, outputs=[*graph.outputs, mark])
 
 
-class _Analysis:
-    """Which values depend on the batch and on the parameters, and the reduction of a scalar value."""
+class Reductions:
+    """Which values depend on the batch (``on_batch``) and on the parameters, each value's rows (``rows``:
+    :func:`torchpar.ir.batch_rows.row_states`, ``integers`` as there), and the reduction of a scalar value
+    (:meth:`reduction`; also read by :mod:`torchpar.ir.aux_parts` for a ``step_fn``'s aux outputs)."""
 
-    def __init__(self, graph: Graph):
+    def __init__(self, graph: Graph, what: str = "the loss", *, integers: bool = False):
+        self.what = what
+        """What the analysed value is, in :class:`NotDecomposable` messages."""
         self.producers: dict[str, Node] = {n.name: n for n in graph.nodes}
         self.metas = graph.metas()
-        self.rows = row_states(graph)
+        self.rows = row_states(graph, integers=integers)
         self.on_batch = {i.name for i in graph.inputs if i.kind == "input"}
         self.on_params = {i.name for i in graph.inputs if i.kind == "param"}
         for node in graph.nodes:
@@ -141,10 +145,11 @@ class _Analysis:
             return MEAN
         return self.reduction(loss, 0)
 
-    def reduction(self, name: str, depth: int) -> LossReduction:
+    def reduction(self, name: str, depth: int = 0) -> LossReduction:
+        """How the scalar value ``name`` combines over parts of the batch; :class:`NotDecomposable` says why not."""
         node = self.producers.get(name)
         if node is None:
-            raise NotDecomposable(f"the loss is the input {name}")
+            raise NotDecomposable(f"{self.what} is the input {name}")
         if depth > _MAX_DEPTH:
             raise NotDecomposable(f"the reduction chain above {node.target} is longer than {_MAX_DEPTH} ops")
         if not _is_scalar(node.out):
@@ -155,7 +160,7 @@ class _Analysis:
             mixed = self.rows[summed.name].mixed if summed is not None and summed.name in self.rows else None
             if mixed:
                 raise NotDecomposable(f"the {target} ({node.name}) adds terms that already mix the batch's rows: "
-                                      f"{mixed}, so the loss is not a sum of per-row terms{_where(node)}")
+                                      f"{mixed}, so {self.what} is not a sum of per-row terms{_where(node)}")
             return MEAN if target in _MEANS else SUM
         if target in _SAME_VALUE and operands and isinstance(operands[0], Ref):
             return self.reduction(operands[0].name, depth + 1)
@@ -170,7 +175,7 @@ class _Analysis:
             return self._ratio(node, num.name, den.name, depth)
         if target in _ADDS and len(operands) >= 2 and all(isinstance(o, Ref) for o in operands[:2]):
             return self._sum_of_terms(node, operands[0].name, operands[1].name, depth)
-        raise NotDecomposable(f"the loss ends in {target} ({node.name}), not a mean, a sum or a sum divided by a "
+        raise NotDecomposable(f"{self.what} ends in {target} ({node.name}), not a mean, a sum or a sum divided by a "
                               f"count{_where(node)}")
 
     def _split_factor(self, operands: tuple) -> tuple[object, Ref | None]:
@@ -217,5 +222,5 @@ def _where(node: Node) -> str:
     return f" at {node.source}" if node.source else ""
 
 
-__all__ = ["LOSS_DEN", "LossReduction", "MEAN", "NotDecomposable", "SUM", "decompose_loss", "loss_reduction",
-           "with_loss_parts"]
+__all__ = ["LOSS_DEN", "LossReduction", "MEAN", "NotDecomposable", "Reductions", "SUM", "decompose_loss",
+           "loss_reduction", "with_loss_parts"]

@@ -41,7 +41,20 @@ REDUCTIONS = frozenset({
     "aten.var.correction", "aten.std.correction", "aten.logsumexp.default", "aten.argmax.default",
     "aten.argmin.default", "aten.max.dim", "aten.min.dim", "aten.linalg_vector_norm.default",
 })
-"""Reductions over some dims (their ``dim`` argument, all dims when absent)."""
+"""Reductions over some dims (their ``dim`` argument, all dims when absent: :func:`reduction_dims`)."""
+
+DIM_POSITION = {"aten.linalg_vector_norm.default": 2, "aten.norm.ScalarOpt_dim": 2}
+"""Reductions whose ``dim`` argument is not their second (it follows the norm's order ``ord`` / ``p``): its position.
+``keepdim`` comes right after it."""
+
+
+def reduction_dims(target: str, args: tuple, kwargs: dict) -> tuple[object, bool]:
+    """``(dim argument, keepdim)`` of a reduction's call (:data:`DIM_POSITION`); the dim argument is ``None`` (or an
+    empty list) when it reduces every dim."""
+    position = DIM_POSITION.get(target, 1)
+    dims = args[position] if len(args) > position else kwargs.get("dim")
+    keepdim = args[position + 1] if len(args) > position + 1 else kwargs.get("keepdim", False)
+    return dims, keepdim is True
 
 PARTIAL_SUM_REDUCTIONS = {"aten.sum.dim_IntList": "sum", "aten.sum.default": "sum",
                           "aten.mean.dim": "mean", "aten.mean.default": "mean"}

@@ -6,7 +6,8 @@ constants and batch inputs its ops read, plus *activations*: values computed by 
 (IR input kind ``"activation"``, target = the value's name). Its outputs are the activations later
 stages read (output kind ``"activation"``), the loss and its reduction mark (``"loss_den"``,
 :mod:`torchpar.ir.loss_parts`; both in the last stage, the denominator passed on to it if an earlier stage computes
-it), and the buffer mutations it computes.
+it), the buffer mutations it computes, and the ``step_fn`` aux values it computes (an aux value that is a batch
+input as it is: the last stage's).
 Activations only move between neighbouring stages: a value read two stages later passes through the
 stage in between (an input that is also an output), so its cotangent flows back the same way.
 A parameter read by several stages (tied weights) is an input of each of them.
@@ -116,10 +117,10 @@ def slice_stages(graph: Graph, stage_of: dict[str, int]) -> list[StageGraph]:
         defined = {n.name for n in nodes}
         for name in defined:
             outputs.extend(outputs_by_value.get(name, []))
-        if s == num_stages - 1:  # buffer "mutations" that pass an input through unchanged; the loss's mark
+        if s == num_stages - 1:  # buffer "mutations" and aux values passing an input through unchanged; the loss's mark
             for out in graph.outputs:
                 passes_input = out.value is not None and out.value.name in inputs_by_name
-                if (out.kind == "buffer" and passes_input) or out.kind == "loss_den":
+                if (out.kind in ("buffer", "aux") and passes_input) or out.kind == "loss_den":
                     outputs.append(out)
                     if passes_input and out.value.name not in seen:
                         seen.add(out.value.name)

@@ -110,3 +110,8 @@ def assemble(shape: Sequence[int], dtype: Any, pieces: Sequence[Piece]) -> np.nd
 def local_scalar(array: jax.Array) -> float:
     """A replicated scalar as a float, read from this process's first copy."""
     return float(np.asarray(array.addressable_data(0)))
+
+
+def local_copy(array: jax.Array) -> np.ndarray:
+    """A replicated array as a host array, read from this process's first copy."""
+    return np.asarray(array.addressable_data(0))

@@ -9,7 +9,8 @@ optimizer spec, run options) and answers
 - ``compile(key, graph, trainable, leaves, scalars, stage_graphs)``: the step of batch signature ``key``, for
   every kind of plan (a one-stage plan's one fused step; a pipeline's stages, cut again for other batch shapes);
 - ``step(key, leaves, scalars, key_data) → StepResult``: one optimizer step on a batch (host arrays): the
-  loss, and whether the step was finite (with ``RunOptions.check_finite`` a non-finite step is skipped);
+  loss, a ``step_fn``'s aux values, and whether the step was finite (with ``RunOptions.check_finite`` a non-finite
+  step is skipped);
 - ``forward(key, graph, leaves) → outputs``: the eval forward;
 - ``hlo_text()`` (in stage order), ``memory_stats()`` (by stage index), ``describe_workers()``, ``spmd_mode``, ``last_timeline``;
 - ``close()``: free everything it started (also a context manager).
@@ -26,13 +27,14 @@ import logging
 import math
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Hashable, Sequence
 
 import numpy as np
 
 from torchpar.ir.graph import Graph
 from torchpar.runtime import gradients
+from torchpar.runtime.aux_parts import combine_blocks
 from torchpar.runtime.batch_parts import HostBatch, HostRows, cut, pipeline_leaves, rows_of
 from torchpar.runtime.micro_batch_loss import MicroBatchLoss, gradient_factor, whole_batch_loss
 from torchpar.runtime.state import HostState, collect_state
@@ -71,6 +73,8 @@ class StepResult:
     """Pipelines: how many gradient elements were inf/nan (one-stage steps do not count them on the host)."""
     grad_norm: float | None = None
     """The global L2 norm of the whole batch's gradients before clipping (``clip_grad_norm_``'s return value)."""
+    aux: dict[str, np.ndarray] = field(default_factory=dict)
+    """A ``step_fn``'s aux values, the whole batch's, as host arrays (:mod:`.aux_parts`)."""
 
 
 class ExecutorClosedError(RuntimeError):
@@ -275,9 +279,10 @@ class Executor:
 
     def step(self, key: Hashable, leaves: list[np.ndarray] | HostBatch | "Prepared", scalars: Any,
              key_data: np.ndarray) -> StepResult:
-        """One optimizer step on the batch ``leaves``: the whole batch's loss and whether it was finite. A pipeline's
-        micro-batch losses are combined here (:func:`.micro_batch_loss.whole_batch_loss`), and a ratio loss's
-        gradients multiplied by ``M·r/D`` in the update (and in the clipping norm)."""
+        """One optimizer step on the batch ``leaves``: the whole batch's loss (and aux values) and whether it was
+        finite. A pipeline's micro-batch losses are combined here (:func:`.micro_batch_loss.whole_batch_loss`), as are
+        its aux values (:func:`.aux_parts.combine_blocks`), and a ratio loss's gradients multiplied by ``M·r/D`` in
+        the update (and in the clipping norm)."""
         self._check_open()
         start = time.time()
         if isinstance(leaves, Prepared):
@@ -319,7 +324,16 @@ class Executor:
         stages = range(self._timeline_rows())  # one row per device group (fewer than stages: interleaved 1F1B)
         self._timeline = StepTimeline(blocks=[blocks.get(s, []) for s in stages], makespan=time.time() - start,
                                       spans=[spans.get(s, []) for s in stages])
-        return StepResult(loss=loss, finite=finite, nonfinite_gradients=nonfinite, grad_norm=grad_norm)
+        aux = {key: values for r in reports for key, values in r.aux.items()}
+        if self.spec.is_pipeline:
+            aux = combine_blocks(self._aux_rules(), aux)
+        else:
+            aux = {key: values[0] for key, values in aux.items()}
+        return StepResult(loss=loss, finite=finite, nonfinite_gradients=nonfinite, grad_norm=grad_norm, aux=aux)
+
+    def _aux_rules(self) -> dict[str, str]:
+        """A pipeline's aux keys → their combination rules (:mod:`torchpar.ir.aux_parts`), from its stages."""
+        return {o.target: o.combine for stage in self.spec.stage_graphs for o in stage.graph.outputs if o.kind == "aux"}
 
     def forward(self, key: Hashable, graph: Graph, leaves: list[np.ndarray]) -> list[np.ndarray | None]:
         """Eval-mode outputs of ``graph`` (a forward capture) on ``leaves``, as host arrays."""

@@ -12,7 +12,8 @@ Per instruction (micro-batch ``m``):
 - ``recv_act`` / ``recv_grad`` take ``m``'s activations / output cotangents from the neighbour;
 - ``forward`` runs the stage on its slice of the batch and the received activations, keeping the
   residuals of ``jax.vjp``; the last stage also yields the loss (and a ratio loss's denominator, which sets the
-  seed of that micro-batch's backward: :mod:`.micro_batch_loss`);
+  seed of that micro-batch's backward: :mod:`.micro_batch_loss`); a stage computing a ``step_fn``'s aux values
+  keeps them for the driver (:class:`StageRun`, :mod:`.aux_parts`);
 - ``send_act`` / ``send_grad`` hand the outputs / input cotangents to the neighbour, laid out as the
   neighbour reads them;
 - ``backward`` runs the vjp and adds the parameter gradients into the stage's accumulator in the same
@@ -37,7 +38,7 @@ import jax
 import numpy as np
 
 from torchpar.runtime.schedules import Instruction
-from torchpar.runtime.stage_program import DEN, LOSS, StageProgram
+from torchpar.runtime.stage_program import AUX_PREFIX, DEN, LOSS, StageProgram
 from torchpar.runtime.timeline import StageClock
 from torchpar.runtime.transport import Transport
 
@@ -68,6 +69,8 @@ class StageRun:
     spans: list[tuple[str, int, float, float]] = field(default_factory=list)
     dens: list[Any] = field(default_factory=list)
     reference: Any = None
+    aux: dict[str, dict[int, Any]] = field(default_factory=dict)
+    """A ``step_fn``'s aux values the group's stages computed: key → micro-batch → value (replicated on the stage)."""
 
 
 def run_instructions(index: int, programs: Mapping[int, StageProgram], states: Mapping[int, StageState],
@@ -84,6 +87,7 @@ def run_instructions(index: int, programs: Mapping[int, StageProgram], states: M
     carried: dict[tuple[int, int], Any] = {}  # split backward: what backward_input hands to backward_weight
     outputs: dict[tuple[int, int], dict] = {}
     losses: list[Any] = []
+    aux: dict[str, dict[int, Any]] = {}
     dens: list[Any] = []
     reference: Any = None
     clock = StageClock(start_time)
@@ -111,6 +115,8 @@ def run_instructions(index: int, programs: Mapping[int, StageProgram], states: M
             residuals[s, mb] = vjp
             if LOSS in diff:
                 losses.append(diff[LOSS])
+            for name in [n for n in rest if n.startswith(AUX_PREFIX)]:  # reported, not sent on
+                aux.setdefault(name.removeprefix(AUX_PREFIX), {})[mb] = rest.pop(name)
             if DEN in rest:  # a ratio loss: this micro-batch's backward seed weighs it by its denominator
                 den = rest.pop(DEN)
                 reference = program.den_reference(den) if reference is None else reference
@@ -155,4 +161,4 @@ def run_instructions(index: int, programs: Mapping[int, StageProgram], states: M
             pass  # applied by the runtime once every stage's gradients are final
         else:
             raise ValueError(f"unknown instruction {ins}")
-    return StageRun(losses=losses, blocks=clock.blocks, spans=clock.spans, dens=dens, reference=reference)
+    return StageRun(losses=losses, blocks=clock.blocks, spans=clock.spans, dens=dens, reference=reference, aux=aux)

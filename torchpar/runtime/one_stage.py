@@ -41,6 +41,7 @@ from torchpar.ir.layout import from_json, num_shards
 from torchpar.ir.optimizer import NOT_ELEMENTWISE, OptimizerSpec
 from torchpar.planner.plan import StagePlan
 from torchpar.runtime.arrays import fitting
+from torchpar.runtime.aux_parts import AuxOutputs
 from torchpar.runtime.micro_batch_loss import MicroBatchLoss
 from torchpar.runtime.placement import Placement
 from torchpar.runtime.train_step import make_fused_step, over_data_replicas, remat_groups
@@ -113,7 +114,7 @@ class OneStageProgram:
             if fitting(placement.input(i), (shape[0] // micro, *shape[1:]) if shape else shape) != placement.input(i)]
         inputs = [jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
                   for (shape, dtype), sharding in zip(leaves, input_shardings)]
-        out_shardings = (placement.replicated, placement.replicated, placement.replicated,
+        out_shardings = (placement.replicated, placement.replicated, placement.replicated, placement.replicated,
                          {n: placement.param(n) for n in params},
                          {n: {k: placement.state_of(n) for k in entries} for n, entries in opt_state.items()},
                          {n: placement.replicated for n in buffers})
@@ -165,7 +166,7 @@ class OneStageProgram:
                                       check_finite=self.check_finite, loss_scaling=self.loss_scaling,
                                       count_nonfinite=_one_collective_count(placement) if one_count else None,
                                       num_micro_batches=self.num_micro_batches, loss=MicroBatchLoss.of(graph),
-                                      data_axis=data_axis)
+                                      data_axis=data_axis, aux=AuxOutputs.of(graph))
             if data_axis is not None:
                 step_fn = over_data_replicas(step_fn, placement.mesh, len(inputs), data_axis)
             lowered = jit_step(step_fn).lower(*args)
@@ -267,7 +268,8 @@ class OneStageProgram:
                               num_inputs=num_inputs, trainable=trainable, spec=self.optimizer,
                               grad_clip_norm=self.grad_clip_norm, check_finite=self.check_finite,
                               loss_scaling=self.loss_scaling, num_micro_batches=self.num_micro_batches,
-                              micro_loss=MicroBatchLoss.of(graph), gradient_axes=gradient_axes)
+                              micro_loss=MicroBatchLoss.of(graph), gradient_axes=gradient_axes,
+                              aux=AuxOutputs.of(graph))
 
 
 

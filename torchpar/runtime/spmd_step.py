@@ -36,6 +36,7 @@ from jaxbackend import sharding as jsh
 from jaxbackend.collectives import reduce_scatter
 from jaxbackend.spmd import LocalProgram, axis_names, require_invariant
 from torchpar.planner.plan import StagePlan
+from torchpar.runtime.aux_parts import AuxOutputs
 from torchpar.runtime.micro_batch_loss import MicroBatchLoss
 from torchpar.runtime.train_step import (
     accumulate,
@@ -53,8 +54,8 @@ def make_spmd_step(run: Callable, layouts: Any, stage: StagePlan, *, mesh: Any, 
                    trainable: tuple[str, ...], spec: Any,
                    grad_clip_norm: float | None, gradient_axes: tuple[str, ...], check_finite: bool = False,
                    loss_scaling: bool = False, num_micro_batches: int = 1,
-                   micro_loss: MicroBatchLoss = MicroBatchLoss()) -> Callable:
-    """``step(params, opt_state, buffers, inputs, scalars, key) → (loss, finite, grad_norm, params, opt_state,
+                   micro_loss: MicroBatchLoss = MicroBatchLoss(), aux: AuxOutputs = AuxOutputs()) -> Callable:
+    """``step(params, opt_state, buffers, inputs, scalars, key) → (loss, aux, finite, grad_norm, params, opt_state,
     buffers)`` as
     a ``shard_map`` over ``mesh``, for ``run`` lowered per device with ``layouts`` (see the module
     docstring). Arguments and results are global arrays; ``params`` come back in their ``G`` layout.
@@ -71,7 +72,8 @@ def make_spmd_step(run: Callable, layouts: Any, stage: StagePlan, *, mesh: Any, 
     accumulation over that many micro-batches of each device's rows (:func:`.train_step.accumulate`); the partial
     sums along ``gradient_axes`` are accumulated locally and reduced once, after the last one; ``micro_loss`` says
     how the micro-batch losses make the whole batch's (:mod:`.micro_batch_loss`; a ratio's denominator, like the
-    loss, is the same on every device)."""
+    loss, is the same on every device). ``aux``: the graph's aux outputs, returned whole (the lowering gathers them)
+    and the same on every device like the loss, combined over micro-batches as :mod:`.aux_parts` says."""
     check_finite = check_finite or loss_scaling
     program = LocalProgram(layouts)
     stored = {n: _spec(stage.params.get(n)) for n in param_names}
@@ -102,12 +104,15 @@ def make_spmd_step(run: Callable, layouts: Any, stage: StagePlan, *, mesh: Any, 
                 den = micro_loss.den(outputs)
                 if den is not None:
                     den = require_invariant(den, "the loss's denominator")
-                return share(scale_loss(loss, loss_scale), num_micro_batches, micro_loss), (loss, den, new_buffers)
+                values = {k: require_invariant(v, f"step_fn's aux[{k!r}]") for k, v in aux.pick(outputs).items()}
+                return (share(scale_loss(loss, loss_scale), num_micro_batches, micro_loss),
+                        (loss, den, values, new_buffers))
 
-            (_, (loss, den, new_buffers)), grads = jax.value_and_grad(loss_of, has_aux=True)(copies)
-            return loss, den, grads, new_buffers
+            (_, (loss, den, values, new_buffers)), grads = jax.value_and_grad(loss_of, has_aux=True)(copies)
+            return loss, den, values, grads, new_buffers
 
-        loss, grads, new_buffers, _ = accumulate(grad_of, list(inputs), buffers, key, num_micro_batches, micro_loss)
+        loss, grads, new_buffers, _, whole_aux = accumulate(grad_of, list(inputs), buffers, key, num_micro_batches,
+                                                            micro_loss, aux)
         grads = unscale_grads({n: _finish_gradient(g, stored[n], grad[n]) for n, g in grads.items()}, loss_scale)
         pieces = {n: _relayout(program, p, stored[n], grad[n]) if n in grads else p for n, p in params.items()}
         # a sharded gradient's sum of squares (and non-finite count) is completed across its shards
@@ -117,10 +122,10 @@ def make_spmd_step(run: Callable, layouts: Any, stage: StagePlan, *, mesh: Any, 
                                                      norm_of=lambda g: _global_norm(g, grad))
         new_buffers = {**buffers, **new_buffers}
         if not check_finite:
-            return loss, jnp.bool_(True), norm, new_params, new_state, new_buffers
+            return loss, whole_aux, jnp.bool_(True), norm, new_params, new_state, new_buffers
         finite = jnp.isfinite(loss) & (_nonfinite_total(grads, live_axes) == 0)
-        return (loss, finite, norm, keep_if(finite, new_params, pieces), keep_if(finite, new_state, opt_state),
-                keep_if(finite, new_buffers, buffers))
+        return (loss, whole_aux, finite, norm, keep_if(finite, new_params, pieces),
+                keep_if(finite, new_state, opt_state), keep_if(finite, new_buffers, buffers))
 
     P = jsh.partition_spec
     param_out = {n: P(grad[n] or ()) if n in trainable else P(stored[n] or ()) for n in param_names}
@@ -129,7 +134,8 @@ def make_spmd_step(run: Callable, layouts: Any, stage: StagePlan, *, mesh: Any, 
     whole = jax.sharding.PartitionSpec()
     in_specs = ({n: P(stored[n] or ()) for n in param_names}, state_specs, {n: whole for n in buffer_names},
                 input_specs, whole, whole)
-    out_specs = (whole, whole, whole, param_out, state_specs, {n: whole for n in buffer_names})
+    out_specs = (whole, {k: whole for k in aux.keys}, whole, whole, param_out, state_specs,
+                 {n: whole for n in buffer_names})
     return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
 
 

@@ -1,7 +1,8 @@
 """The compiled functions of one pipeline stage, on its own devices.
 
 For micro-batch ``m`` a stage runs ``forward`` (its sub-graph, saving the residuals of ``jax.vjp`` so
-the backward pass does not recompute the forward), later ``backward`` with the cotangents of the
+the backward pass does not recompute the forward; a ``step_fn``'s aux values it computes come out beside, not
+differentiated), later ``backward`` with the cotangents of the
 activations it sent on (the last stage seeds its loss with ``1/M`` for a mean, ``1`` for a sum, and ``w_m/M``
 for a ratio loss, whose denominator it also returns: :mod:`.micro_batch_loss`), and adds the parameter gradients
 into an accumulator. After the last micro-batch, ``update`` applies the optimizer once to the stage's
@@ -36,6 +37,8 @@ DEN = "__loss_den__"
 """A ratio loss's denominator among the last stage's forward results (not differentiated)."""
 KEEP = "__keep__"
 """A ratio loss's seed entry: whether the micro-batch's denominator is nonzero (else its gradients are zeroed)."""
+AUX_PREFIX = "__aux__:"
+"""A ``step_fn``'s aux value among the forward's other (not differentiated) results: this prefix and its key."""
 
 
 def _is_float(dtype_name: str) -> bool:
@@ -66,10 +69,12 @@ class StageProgram:
                     op_options=placement.options,
                     numerics=numerics, remat=remat_groups(stage.graph, remat))
         value_outputs = [o for o in stage.graph.outputs if o.kind != "buffer"]
-        out_names = [{"loss": LOSS, "loss_den": DEN}.get(o.kind, o.target) for o in value_outputs]
+        out_names = [{"loss": LOSS, "loss_den": DEN, "aux": AUX_PREFIX + o.target}.get(o.kind, o.target)
+                     for o in value_outputs]
         node_metas = stage.graph.metas()
         float_out = {name for name, o in zip(out_names, value_outputs)
-                     if name == LOSS or (name != DEN and _is_float(node_metas[o.value.name].dtype))}
+                     if name == LOSS or (o.kind == "activation" and _is_float(node_metas[o.value.name].dtype))}
+        replicated = placement.replicated
         trainable_names = self.trainable
         self.loss = MicroBatchLoss.of(stage.graph)
         scale = self.loss.seed_share(num_micro_batches)
@@ -89,6 +94,9 @@ class StageProgram:
             diff, vjp_fn, (rest, new_buffers) = jax.vjp(
                 jax.checkpoint(f, policy=_recompute_transposes), {n: params[n] for n in trainable_names},
                 {a: acts[a] for a in self.float_acts}, has_aux=True)
+            # aux values whole on every device of the stage: its lead process reads them (a stage may span hosts)
+            rest = {n: jax.lax.with_sharding_constraint(v, replicated) if n.startswith(AUX_PREFIX) else v
+                    for n, v in rest.items()}
             # residuals that are arguments (parameters, buffers, inputs, received activations) are not outputs (the
             # executable would copy them): forward() puts the caller's arrays back in their places
             leaves, treedef = jax.tree.flatten(vjp_fn)

@@ -30,7 +30,7 @@ then backs the scale off: :mod:`torchpar.runtime.loss_scale`). The loss returned
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +41,7 @@ from torchpar.ir.graph import Graph
 from torchpar.ir.optimizer import OptimizerSpec
 from torchpar.planner.remat import check_remat, layer_groups
 from torchpar.runtime import micro_batch_loss
+from torchpar.runtime.aux_parts import AuxOutputs
 from torchpar.runtime.micro_batch_loss import MicroBatchLoss
 
 log = logging.getLogger(__name__)
@@ -115,27 +116,39 @@ def micro_batches(inputs: list[Any], num_micro_batches: int) -> list[Any]:
             for x in inputs]
 
 
-def accumulate(grad_of: Callable[[list[Any], dict, Any], tuple[Any, Any, dict, dict]], inputs: list[Any],
+class Accumulated(NamedTuple):
+    """What :func:`accumulate` returns: the whole batch's loss and (seed-scaled) gradients, the buffers after the last
+    micro-batch, a ratio loss's whole-batch denominator ``D`` (``None`` for other reductions, for combining data
+    replicas: :func:`.micro_batch_loss.combine_replicas`) and the whole batch's aux values (:mod:`.aux_parts`)."""
+
+    loss: Any
+    grads: dict
+    buffers: dict
+    den: Any
+    aux: dict
+
+
+def accumulate(grad_of: Callable[[list[Any], dict, Any], tuple[Any, Any, dict, dict, dict]], inputs: list[Any],
                buffers: dict, key: Any, num_micro_batches: int,
-               loss: MicroBatchLoss = MicroBatchLoss()) -> tuple[Any, dict, dict, Any]:
-    """Gradient accumulation: ``grad_of(micro_inputs, buffers, key) → (loss, den, grads, new buffer values)`` over
-    the ``num_micro_batches`` micro-batches of ``inputs`` (:func:`micro_batches`) in one loop, each micro-batch
-    seeing the buffers the previous one left (as a PyTorch accumulation loop does) and the key folded with its
-    index. ``grad_of`` differentiates its micro-batch's loss times ``loss.seed_share(M)`` (:func:`share`); ``den``
-    is a ratio loss's denominator (else ``None``). The result is ``(L, ∇, buffers after the last micro-batch)`` with
-    ``L`` and ``∇`` the whole batch's loss and (seed-scaled) gradient as ``loss`` combines them
-    (:mod:`.micro_batch_loss`: the mean, the sum, or ``Σ num / Σ den`` of a ratio, whose gradients are weighted by
-    ``den_m / r`` as they are added and multiplied by ``M r / D`` after the last). The first micro-batch writes the
-    accumulator, the others add to it (a ``lax.scan`` over ``M − 1``): no zero-filled buffer, and a per-device
+               loss: MicroBatchLoss = MicroBatchLoss(), aux: AuxOutputs = AuxOutputs()) -> Accumulated:
+    """Gradient accumulation: ``grad_of(micro_inputs, buffers, key) → (loss, den, aux values, grads, new buffer
+    values)`` over the ``num_micro_batches`` micro-batches of ``inputs`` (:func:`micro_batches`) in one loop, each
+    micro-batch seeing the buffers the previous one left (as a PyTorch accumulation loop does) and the key folded with
+    its index. ``grad_of`` differentiates its micro-batch's loss times ``loss.seed_share(M)`` (:func:`share`); ``den``
+    is a ratio loss's denominator (else ``None``). The result (:class:`Accumulated`) holds ``L`` and ``∇``, the whole
+    batch's loss and (seed-scaled) gradient as ``loss`` combines them (:mod:`.micro_batch_loss`: the mean, the sum, or
+    ``Σ num / Σ den`` of a ratio, whose gradients are weighted by ``den_m / r`` as they are added and multiplied by
+    ``M r / D`` after the last), and the aux values combined as ``aux`` says
+    (:meth:`.aux_parts.AuxOutputs.over_micro_batches`). The first micro-batch writes the accumulator, the others add to
+    it (a ``lax.scan`` over ``M − 1``, which stacks their aux values): no zero-filled buffer, and a per-device
     program's gradients keep their partial-sum type until the caller reduces them once. ``M = 1`` is one call of
-    ``grad_of``. The fourth result is a ratio loss's whole-batch denominator ``D`` (``None`` for other reductions),
-    for combining data replicas (:func:`.micro_batch_loss.combine_replicas`)."""
+    ``grad_of``."""
     if num_micro_batches == 1:
-        micro_loss, den, grads, changed = grad_of(inputs, buffers, key)
-        return micro_loss, grads, changed, den
+        micro_loss, den, micro_aux, grads, changed = grad_of(inputs, buffers, key)
+        return Accumulated(micro_loss, grads, changed, den, micro_aux)
     ratio = loss.is_ratio
     stacked = micro_batches(inputs, num_micro_batches)
-    first_loss, den, grads, changed = grad_of([x[0] for x in stacked], buffers, jax.random.fold_in(key, 0))
+    first_loss, den, first_aux, grads, changed = grad_of([x[0] for x in stacked], buffers, jax.random.fold_in(key, 0))
     names = tuple(changed)
     reference = micro_batch_loss.reference_of(den) if ratio else None
 
@@ -148,29 +161,33 @@ def accumulate(grad_of: Callable[[list[Any], dict, Any], tuple[Any, Any, dict, d
     def one(carry, xs):
         total, den_total, acc, state = carry
         index, micro = xs
-        micro_loss, micro_den, micro_grads, micro_changed = grad_of(list(micro), {**buffers, **state},
-                                                                    jax.random.fold_in(key, index))
+        micro_loss, micro_den, micro_aux, micro_grads, micro_changed = grad_of(
+            list(micro), {**buffers, **state}, jax.random.fold_in(key, index))
         part, part_den, part_grads = start(micro_loss, micro_den, micro_grads)
         acc = {n: acc[n] + g for n, g in part_grads.items()}
-        return (total + part, den_total + part_den, acc, {n: micro_changed[n] for n in names}), None
+        return (total + part, den_total + part_den, acc, {n: micro_changed[n] for n in names}), micro_aux
 
     rest = (jnp.arange(1, num_micro_batches), [x[1:] for x in stacked])
-    (total, den_total, grads, changed), _ = jax.lax.scan(one, (*start(first_loss, den, grads), changed), rest)
+    (total, den_total, grads, changed), rest_aux = jax.lax.scan(one, (*start(first_loss, den, grads), changed), rest)
+    whole_aux = aux.over_micro_batches({k: jnp.concatenate([v[None], rest_aux[k]]) for k, v in first_aux.items()},
+                                       num_micro_batches)
     if ratio:
         factor = num_micro_batches * reference / den_total
         grads = {n: g * factor.astype(g.dtype) for n, g in grads.items()}
-        return (total / den_total).astype(first_loss.dtype), grads, changed, den_total
+        return Accumulated((total / den_total).astype(first_loss.dtype), grads, changed, den_total, whole_aux)
     whole = total if loss.kind == "sum" else total / num_micro_batches
-    return whole.astype(first_loss.dtype), grads, changed, None
+    return Accumulated(whole.astype(first_loss.dtype), grads, changed, None, whole_aux)
 
 
 def make_fused_step(run: Callable, trainable: tuple[str, ...], spec: OptimizerSpec,
                     grad_clip_norm: float | None, grad_shardings: Mapping[str, Any],
                     check_finite: bool = False, count_nonfinite: Callable[[dict], Any] | None = None,
                     loss_scaling: bool = False, num_micro_batches: int = 1,
-                    loss: MicroBatchLoss = MicroBatchLoss(), data_axis: str | None = None) -> Callable:
-    """``step(params, opt_state, buffers, inputs, scalars, key) → (loss, finite, grad_norm, params, opt_state,
-    buffers)`` for ``run`` (a lowered graph whose first output is the loss). ``grad_shardings`` constrains gradients
+                    loss: MicroBatchLoss = MicroBatchLoss(), data_axis: str | None = None,
+                    aux: AuxOutputs = AuxOutputs()) -> Callable:
+    """``step(params, opt_state, buffers, inputs, scalars, key) → (loss, aux, finite, grad_norm, params, opt_state,
+    buffers)`` for ``run`` (a lowered graph whose first output is the loss; ``aux`` its aux values by key, the whole
+    batch's: :mod:`.aux_parts`). ``grad_shardings`` constrains gradients
     whose layout differs from their parameter's (ZeRO). ``check_finite``: skip the update (return the
     state given) unless the loss and gradients are finite; else ``finite`` is always true.
     ``count_nonfinite(grads)`` counts the gradients' inf/nan elements (default :func:`nonfinite_count`; a sharded
@@ -178,7 +195,7 @@ def make_fused_step(run: Callable, trainable: tuple[str, ...], spec: OptimizerSp
     loss scale (module docstring), and the step checks finiteness whatever ``check_finite`` says.
     ``num_micro_batches``: the gradients of that many micro-batches of ``inputs`` are accumulated
     (:func:`accumulate`, combined as ``loss`` says: :mod:`.micro_batch_loss`) before the update; ``run`` is the graph
-    of one micro-batch.
+    of one micro-batch. ``aux``: the graph's aux outputs (returned, never differentiated).
 
     ``data_axis``: the step is the body of a ``shard_map`` manual over that mesh axis of data replicas
     (:func:`over_data_replicas`), ``inputs`` being this replica's rows. Each replica's gradients are its own (the
@@ -198,14 +215,16 @@ def make_fused_step(run: Callable, trainable: tuple[str, ...], spec: OptimizerSp
             def loss_of(train_params):
                 outputs, new_buffers = run({**frozen, **train_params}, micro_buffers, micro_inputs, micro_key)
                 return (share(scale_loss(outputs[0], loss_scale), num_micro_batches, loss),
-                        (outputs[0], loss.den(outputs), new_buffers))
+                        (outputs[0], loss.den(outputs), aux.pick(outputs), new_buffers))
 
-            (_, (micro_loss, den, new_buffers)), grads = jax.value_and_grad(loss_of, has_aux=True)(train)
-            return micro_loss, den, grads, new_buffers
+            (_, (micro_loss, den, micro_aux, new_buffers)), grads = jax.value_and_grad(loss_of, has_aux=True)(train)
+            return micro_loss, den, micro_aux, grads, new_buffers
 
-        whole_loss, grads, new_buffers, den = accumulate(grad_of, list(inputs), buffers, key, num_micro_batches, loss)
+        whole_loss, grads, new_buffers, den, whole_aux = accumulate(grad_of, list(inputs), buffers, key,
+                                                                    num_micro_batches, loss, aux)
         if data_axis is not None:
             whole_loss, grads = micro_batch_loss.combine_replicas(loss, whole_loss, den, grads, data_axis)
+            whole_aux = aux.over_replicas(whole_aux, data_axis)
         grads = unscale_grads(grads, loss_scale)
         if grad_shardings:  # ZeRO: reduce-scatter the gradients instead of all-reducing them
             from jaxbackend.sharding import constrain
@@ -215,11 +234,11 @@ def make_fused_step(run: Callable, trainable: tuple[str, ...], spec: OptimizerSp
                                                      grad_clip_norm=grad_clip_norm)
         new_buffers = {**buffers, **new_buffers}
         if not check_finite:
-            return whole_loss, jnp.bool_(True), norm, new_params, new_state, new_buffers
+            return whole_loss, whole_aux, jnp.bool_(True), norm, new_params, new_state, new_buffers
         count = (count_nonfinite or nonfinite_count)(grads)
         finite = jnp.isfinite(whole_loss) & (count == 0)
-        return (whole_loss, finite, norm, keep_if(finite, new_params, params), keep_if(finite, new_state, opt_state),
-                keep_if(finite, new_buffers, buffers))
+        return (whole_loss, whole_aux, finite, norm, keep_if(finite, new_params, params),
+                keep_if(finite, new_state, opt_state), keep_if(finite, new_buffers, buffers))
 
     return step
 

@@ -37,7 +37,7 @@ from torchpar.ir.optimizer import OptimizerSpec
 from torchpar.planner.plan import Plan
 from torchpar.planner.slicing import StageGraph
 from torchpar.runtime import gradients
-from torchpar.runtime.arrays import local_scalar, put, put_batch
+from torchpar.runtime.arrays import local_copy, local_scalar, put, put_batch
 from torchpar.runtime.batch_parts import Ahead, HostRows, LeafPiece, local_box, pieces_from_rows, place
 from torchpar.runtime.checkpoint_io import KINDS, CheckpointSource, ShardReader, tensor_key, write_shards
 from torchpar.runtime.devices import DeviceMap
@@ -97,6 +97,9 @@ class StepReport:
     computing them; squared norms (when clipping) by each stage's lead."""
 
     losses: list[float] = field(default_factory=list)
+    aux: dict[str, list[np.ndarray]] = field(default_factory=dict)
+    """A ``step_fn``'s aux values by key, host copies: one-stage steps, the whole batch's (one entry, lead process);
+    pipelines, one per micro-batch in order, from the lead process of the stage computing it."""
     loss_dens: list[float] = field(default_factory=list)
     """Pipelines with a ratio loss: each micro-batch's denominator, and the reference ``r`` its seed was divided by
     (:mod:`.micro_batch_loss`), from the last stage's lead process."""
@@ -332,13 +335,14 @@ class OneStageWorker(Worker):
         compiled = self._steps[key]
         inputs, received, waited = self.step_inputs(key, leaves)
         begin = time.time()
-        loss, finite, norm, self.params, self.opt_state, self.buffers = compiled.compiled(
+        loss, aux, finite, norm, self.params, self.opt_state, self.buffers = compiled.compiled(
             self.params, self.opt_state, self.buffers, inputs, scalars, key_data)
         self._last = compiled
         self.steps_run += 1
         report = StepReport(updated=True, input_bytes=received, data_wait_s=waited)
         if self.lead:
             report.losses = [local_scalar(loss)]
+            report.aux = {key: [local_copy(value)] for key, value in aux.items()}
             report.finite = bool(local_scalar(finite))
             report.grad_norm = local_scalar(norm)
             report.blocks = {0: [("step", 0, begin - start_time, time.time() - start_time)]}
@@ -570,6 +574,8 @@ class PipelineWorker(Worker):
             if self.is_lead(s):
                 report.blocks[s] = result.blocks
                 report.spans[s] = result.spans
+                for key, values in result.aux.items():
+                    report.aux[key] = [local_copy(values[m]) for m in sorted(values)]
                 if s == last % self.num_groups:
                     report.losses = [local_scalar(loss) for loss in result.losses]
                     report.loss_dens = [local_scalar(den) for den in result.dens]

@@ -24,7 +24,7 @@ from typing import Any, Sequence
 from torchpar.ir.function_regions import MARKERS as FUNCTION_MARKERS
 from torchpar.ir.graph import Node, TensorMeta
 from torchpar.ir.layout import Multi, Spec, is_valid
-from torchpar.ir.op_families import ALONG_DIM, ALONG_DIM_DEFAULT, BATCH_NORMS, REDUCTIONS, RESHAPES
+from torchpar.ir.op_families import ALONG_DIM, ALONG_DIM_DEFAULT, BATCH_NORMS, REDUCTIONS, RESHAPES, reduction_dims
 from torchpar.planner.sharding.cost_model import LogicalMesh
 
 OutSpec = Spec | Multi | None
@@ -219,7 +219,7 @@ def _broadcast_like(out: TensorMeta, operands: Sequence[Any], main: int, main_sp
 
 def reduced_dims(node: Node, rank: int) -> set[int]:
     """The dims of its rank-``rank`` operand that the reduction ``node`` reduces over."""
-    dims_arg = node.args[1] if len(node.args) > 1 else None
+    dims_arg, _ = reduction_dims(node.target, node.args, node.kwargs)
     if node.target in ("aten.sum.default", "aten.mean.default", "aten.any.default") or dims_arg is None or dims_arg == []:
         return set(range(rank))
     return {d % rank for d in ([dims_arg] if isinstance(dims_arg, int) else dims_arg)}
