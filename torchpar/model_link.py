@@ -11,7 +11,8 @@ parameter or buffer (``model.fc.weight``), copies or pickles it (``copy.deepcopy
 ``torch.save(model)``), loads into it or moves it — each holder first copies its values into the torch tensors
 (one export of its state). Watched modules get these triggers by a class swap to a cached subclass of their class
 (as FSDP2 and ``torch.nn.utils.parametrize`` do), undone when the last engine over them closes; copies and pickles
-come out as the original class.
+come out as the original class. A class's ``device`` and ``dtype`` properties (Hugging Face's, read by loops at every
+step) read metadata only and pull nothing.
 
 **Torch → engine (pushes).** Before each step and ``engine.forward`` the engine compares every tensor it holds a
 copy of with the torch model: the object (a reassigned buffer or tensor attribute of the same shape and dtype is
@@ -42,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import copyreg
 import dataclasses
+import inspect
 import logging
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -177,12 +179,30 @@ class _Linked:
 _linked_classes: dict[type, type] = {}
 
 
+METADATA_PROPERTIES = ("device", "dtype")
+"""Properties a model class may define that read its parameters' metadata only (Hugging Face's ``model.device`` and
+``model.dtype``, read by loops at every step): evaluated without a pull."""
+
+
+def _metadata_property(prop: property) -> property:
+    def get(self: Any) -> Any:
+        with suspended():
+            return prop.fget(self)
+
+    return property(get, doc=prop.__doc__)
+
+
 def _linked_class(cls: type) -> type:
     if getattr(cls, "_torchpar_base", None) is not None:
         return cls
     if cls not in _linked_classes:
-        _linked_classes[cls] = type(cls.__name__, (_Linked, cls), {
-            "__module__": cls.__module__, "__qualname__": cls.__qualname__, "_torchpar_base": cls})
+        namespace: dict[str, Any] = {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
+                                     "_torchpar_base": cls}
+        for name in METADATA_PROPERTIES:
+            found = inspect.getattr_static(cls, name, None)
+            if isinstance(found, property) and found.fget is not None:
+                namespace[name] = _metadata_property(found)
+        _linked_classes[cls] = type(cls.__name__, (_Linked, cls), namespace)
     return _linked_classes[cls]
 
 
