@@ -330,8 +330,16 @@ class ModelLink:
         if not held:
             return
         from torchpar.host_arrays import write_into
+        from torchpar.runtime.executor import ExecutorClosedError
 
-        state = self.state.export(("param", "buffer"))
+        try:
+            state = self.state.export(("param", "buffer"))
+        except ExecutorClosedError as error:  # its workers are gone (a failure): what they held is lost
+            log.warning("torchpar: %s cannot give the torch model its newer values of %d tensors (%s); the model "
+                        "keeps the values of the last pull", self.label, len(held), error)
+            for t in held:
+                _holders.pop(id(t.tensor), None)
+            return
         with suspended():
             for t in held:
                 write_into(t.tensor, state.params[t.name] if t.kind == "param" else state.buffers[t.name])

@@ -177,6 +177,9 @@ def _by_torch(frame: Any) -> bool:
     return os.path.abspath(frame.f_code.co_filename).startswith(_TORCH_DIR)
 
 
+_PLAIN_TYPES = frozenset({type(None), bool, int, float, str, tuple, list})
+"""Types of the values :func:`is_plain` may accept (enums aside): a cheap first test on every attribute read."""
+
 _active: _Recorder | None = None
 _recording_classes: dict[type, type] = {}
 
@@ -186,8 +189,8 @@ def _recording_class(cls: type) -> type:
     if cls not in _recording_classes:
         def __getattribute__(self: Any, name: str) -> Any:
             value = object.__getattribute__(self, name)
-            if _active is not None:
-                _active.read(self, name, value)
+            if _active is not None and (type(value) in _PLAIN_TYPES or isinstance(value, enum.Enum)):
+                _active.read(self, name, value)  # (methods, submodules and tensors — most reads — skip the call)
             return value
 
         def __setattr__(self: Any, name: str, value: Any) -> None:
