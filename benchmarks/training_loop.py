@@ -36,26 +36,22 @@ BATCH, SEQ = 4, 256
 
 def _without_checks(engine: Any) -> None:
     """The engine's per-step link work replaced by no-ops (the ``unchecked`` runner)."""
-    engine._link.before_step = lambda: []
-    engine._link.after_step = lambda written: None
-    engine._grads = None
+    engine._torch.changes = lambda: []
+    engine._torch.after_step = lambda signature: None
 
 
 def _checks_alone(engine: Any, signature: tuple, calls: int = 200) -> float:
     """Median seconds of one step's link work outside the executable."""
     from torchpar import model_link
-    from torchpar.capture.training_setup import describe_changes, training_setup
 
     seconds = []
     with model_link.suspended():
         for _ in range(calls):
             start = time.perf_counter()
-            describe_changes(engine._setup, training_setup(engine.model, engine.optimizer))
-            engine._link.before_step()
-            engine._link.after_step(engine._written_by(signature))
-            engine._grads.set()
+            engine._torch.changes()
+            engine._torch.after_step(signature)
             seconds.append(time.perf_counter() - start)
-    engine._link.pull()  # the loop above left the engine holding the weights: as after a step
+    engine._torch.link.pull()  # the loop above left the engine holding the weights: as after a step
     return statistics.median(seconds)
 
 
@@ -95,7 +91,7 @@ def measure(steps: int, warmup: int) -> dict[str, Any]:
         pulls.append(time.perf_counter() - start)
         start = time.perf_counter()
         with torchpar.model_link.suspended():
-            checked._link.before_step()  # the push of what the pull handed to user code
+            checked._torch.link.before_step()  # the push of what the pull handed to user code
         pushes.append(time.perf_counter() - start)
     for engine in engines.values():
         engine.close()
@@ -106,7 +102,7 @@ def measure(steps: int, warmup: int) -> dict[str, Any]:
         "median_step_s": medians,
         "ratio_to_unchecked": {name: medians[name] / unchecked for name in medians},
         "checks_alone_s": checks_s, "checks_fraction_of_step": checks_s / unchecked,
-        "tracked_tensors": len(checked._compiled.tracked), "guarded_values": len(checked._link.reads),
+        "tracked_tensors": len(checked._compiled.tracked), "guarded_values": len(checked._torch.link.reads),
         "pull_s": statistics.median(pulls), "pull_fraction_of_step": statistics.median(pulls) / unchecked,
         "push_s": statistics.median(pushes), "push_fraction_of_step": statistics.median(pushes) / unchecked,
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__},

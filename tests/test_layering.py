@@ -158,8 +158,9 @@ def test_no_import_cycles_among_torchpar_modules():
 
 
 def test_the_engine_is_a_thin_face_that_never_asks_which_method_it_runs():
-    """``api.py`` holds ``compile``, ``plan`` and ``Engine`` only; the Engine (≤ 300 lines) names no method class and
-    no pipeline flag: every method takes one road (capture → ``plan_training`` → one executor ``compile``)."""
+    """``api.py`` holds ``compile``, ``plan`` and ``Engine`` only; the Engine (≤ 300 lines) and its read-only base
+    (``engine_readouts.py``, ≤ 150 lines) name no method class and no pipeline flag: every method takes one road
+    (capture → ``plan_training`` → one executor ``compile``)."""
     source = (PACKAGE / "api.py").read_text()
     tree = ast.parse(source)
     top = [node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.ClassDef))]
@@ -171,3 +172,8 @@ def test_the_engine_is_a_thin_face_that_never_asks_which_method_it_runs():
     branching = {"PipeshardParallel", "_pipelined", "is_pipeline", "DataParallel", "ShardParallel"}
     assert not (names | attributes) & branching
     assert "PipeshardParallel" not in source and "_pipelined" not in source
+    readouts = (PACKAGE / "engine_readouts.py").read_text()
+    (base,) = [node for node in ast.parse(readouts).body if isinstance(node, ast.ClassDef)]
+    assert engine.bases[0].id == base.name and base.end_lineno - base.lineno + 1 <= 150
+    assert not ({node.id for node in ast.walk(base) if isinstance(node, ast.Name)}
+                | {node.attr for node in ast.walk(base) if isinstance(node, ast.Attribute)}) & branching

@@ -25,26 +25,25 @@ from torchpar import checkpoint as _checkpoint
 from torchpar import diagnosis, feeding
 from torchpar import metrics as _metrics
 from torchpar.capture.checkpointing import warn_if_gradient_checkpointing
-from torchpar.capture.export import ForwardFn, LossFn, StepFn, capture_train_step, check_model_fns, dtype_name
+from torchpar.capture.export import ForwardFn, LossFn, StepFn, capture_train_step, check_model_fns
 from torchpar.capture.grad_semantics import trainable_params
 from torchpar.capture.module_state import NumberAttribute
 from torchpar.capture.optim import TorchOptimizerBridge, mark_optimizer_stepped
 from torchpar.capture.precision import autocast_dtype
-from torchpar.capture.training_setup import describe_changes, training_setup
 from torchpar.cluster import current_cluster, default_compile_cache
 from torchpar import model_link
 from torchpar.compiled import CompiledTraining
+from torchpar.engine_readouts import EngineReadouts
 from torchpar.feeding import PREFETCH_DEPTH, HostData, HostFeed
-from torchpar.grad_stand_in import GradStandIns
 from torchpar.guard import StepGuard, leaf_names
 from torchpar.host_arrays import host_value, to_torch
-from torchpar.ir.graph import Graph
 from torchpar.methods import Method, data_replicas
 from torchpar.options import (CompileOptions, MatmulPrecision, MixedPrecision, OnNonfinite, Remat, SpmdMode,
                               describe_numerics, numerics_for)
 from torchpar.planner.plan import Plan
 from torchpar.planner.remat import check_remat
 from torchpar.profiled import plan_training_profiled
+from torchpar.torch_side import TorchSide, linked
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +96,11 @@ def compile(
     if method is not None and not isinstance(method, Method | Plan):
         raise TypeError(f"method must be None, a torchpar parallel method or a Plan (e.g. torchpar.DataParallel()), "
                         f"got {method!r} of type {type(method).__name__}")
+    on_meta = next((name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta), None)
+    if on_meta is not None:
+        raise ValueError(f"{on_meta} is on the meta device: the model has no weights to train. torchpar.plan(...) "
+                         "plans such a model (python -m torchpar plan --meta); to train it, materialize the "
+                         "weights first (model.to_empty(device='cpu') and initialize them, or load a checkpoint)")
     check_model_fns(loss_fn, step_fn, forward_fn)
     example_batch, feed = feeding.example_and_feed(example_batch, data)
     options = CompileOptions(grad_clip_norm=grad_clip_norm, seed=seed, xla_library_fusions=xla_library_fusions,
@@ -142,18 +146,13 @@ def plan(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, example_ba
     return result
 
 
-class Engine:
+class Engine(EngineReadouts):
     """A compiled training step bound to a model and optimizer. Create it with :func:`torchpar.compile`."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, example_batch: Any,
                  loss_fn: LossFn | None, options: CompileOptions, method: Method | Plan | None = None, *,
                  step_fn: StepFn | None = None, forward_fn: ForwardFn | None = None, feed: HostFeed | None = None,
                  _recompiled: bool = False, _numbers: tuple[NumberAttribute, ...] = ()):
-        on_meta = next((name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta), None)
-        if on_meta is not None:
-            raise ValueError(f"{on_meta} is on the meta device: the model has no weights to train. torchpar.plan(...) "
-                             "plans such a model (python -m torchpar plan --meta); to train it, materialize the "
-                             "weights first (model.to_empty(device='cpu') and initialize them, or load a checkpoint)")
         import jax
 
         from torchpar.runtime.loss_scale import LossScaler
@@ -175,7 +174,6 @@ class Engine:
         self._capture_batch = example_batch
         """A batch to capture the step on again when it must recompile (the last step's)."""
         with model_link.suspended():
-            self._setup = training_setup(model, optimizer)  # modes, requires_grad, param groups compiled for
             self._compiled = CompiledTraining(model, optimizer, options, method, example_batch, **self._fns,
                                               guard=self._guard, loss_scaler=self._loss_scaler,
                                               numerics=self._numerics, autocast=autocast_dtype(options.mixed_precision),
@@ -187,19 +185,13 @@ class Engine:
         self._executor = self._compiled.executor
         self._finalizer = weakref.finalize(self, self._executor.close)
         self._inputs = feeding.StepInputs(feed, self._host_leaves, self._guard.bounds)
-        self._link = model_link.ModelLink(self._compiled.tracked, self._compiled.captured_state.reads,
-                                          roots=(model, *self._compiled.captured_state.outside),
-                                          state=_ExecutorState(self), label=f"the engine over {type(model).__name__}")
-        self._written: dict[tuple, set[str]] = {}
-        self._grads = (GradStandIns({n: self._param_names[n] for n in self._bridge.spec.param_names})
-                       if options.grad_stand_ins else None)
-        self._optimizer_stale = False
-        self._optimizer_loaded = False
-        self._optimizer_hooks = [optimizer.register_state_dict_pre_hook(_weakly(self._on_optimizer_state_dict)),
-                                 optimizer.register_load_state_dict_post_hook(_weakly(self._on_optimizer_loaded))]
+        engine = weakref.ref(self)
+        self._torch = TorchSide(model, optimizer, self._compiled, executor=lambda: getattr(engine(), "_executor", None),
+                                graph=lambda: engine().graph, options=options, fns=self._fns, params=self._param_names)
 
     # --- public API --------------------------------------------------------------------------------
 
+    @linked(bring_in=False)
     def step(self, batch: Any = None) -> torch.Tensor | tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """One optimizer step on ``batch`` (a batch, one from :meth:`prefetch`, or ``None``: the next batch of
         ``compile(data=...)``'s host-loaded data); returns the whole batch's loss (before the update) as a 0-d CPU
@@ -207,10 +199,6 @@ class Engine:
         (:meth:`CompiledTraining.returned`). Its measurements are then in :attr:`last_metrics`. Before it runs, what
         user code changed on the torch model since the last step reaches the engine (:mod:`torchpar.model_link`);
         after it, the torch model shows the new weights whenever user code looks."""
-        with model_link.suspended():
-            return self._step(batch)
-
-    def _step(self, batch: Any) -> torch.Tensor | tuple[torch.Tensor, dict[str, torch.Tensor]]:
         started = time.perf_counter()
         batch, fed, waited = self._inputs.take(batch, self._executor)
         signature = batches.signature(batch)
@@ -230,17 +218,11 @@ class Engine:
         step = self._steps_taken
         self._steps_taken += 1
         self._last_signature = signature
-        self._link.after_step(self._written_by(signature))
-        self._optimizer_stale = True
-        if self._grads is not None:
-            self._grads.set()
+        self._torch.after_step(signature)
         if not result.finite:  # the update was skipped: torch's optimizer.step would not have run
             self._bridge.rollback_step()
-        if self._loss_scaler is not None and self._loss_scaler.after_step(step, result.finite, result.loss):
-            self._guard.skipped_steps += 1  # a gradient overflow under fp16 scaling: expected, not a failure
-        else:
-            self._guard.after_step(step, result.loss, result.finite,
-                                   lambda: diagnosis.culprit(self._param_names, lambda: self.locate_nonfinite(batch)))
+        self._guard.after_step(step, result.loss, result.finite, self._loss_scaler,
+                               lambda: diagnosis.culprit(self._param_names, lambda: self.locate_nonfinite(batch)))
         self._recorder.record(_metrics.StepFacts(
             step=self._steps_taken, loss=result.loss, step_time_s=time.perf_counter() - started, signature=signature,
             tokens=_metrics.count_tokens(batch), loss_scale=loss_scale, update_skipped=not result.finite,
@@ -260,125 +242,29 @@ class Engine:
 
     def _bring_in(self, batch: Any) -> bool:
         """Before a step (or forward, save…) on ``batch``: what user code wrote into the torch model and optimizer
-        since the last step goes into the engine; a change the compiled step cannot take as new values (modes,
-        ``requires_grad``, param groups, a replaced parameter, a Python value ``forward`` read) recompiles it on
-        ``batch``. Returns whether it recompiled."""
-        changes = self._link.before_step() + describe_changes(self._setup, training_setup(self.model, self.optimizer))
+        since the last step goes into the engine (:meth:`TorchSide.changes`); a change the compiled step cannot take
+        as new values recompiles it on ``batch``. Returns whether it recompiled."""
+        changes = self._torch.changes()
         if changes:
-            self._recompile_for_changes(batch, changes, floats=self._link.changed_floats())
-            return True
-        if self._optimizer_loaded:
-            from torchpar.runtime.state import HostState
+            self._recompile_for_changes(batch, changes, floats=self._torch.changed_floats())
+        return bool(changes)
 
-            self._executor.update_state(HostState(opt_state=self._bridge.initial_state()))
-            self._optimizer_loaded = self._optimizer_stale = False
-        return False
-
-    def _written_by(self, signature: tuple) -> set[str]:
-        """The state the step of ``signature`` writes: the parameters it trains and the buffers it mutates."""
-        if signature not in self._written:
-            graph = self._compiled.graph(signature)
-            self._written[signature] = ({*self._compiled.trainable(graph)}
-                                        | {o.target for o in graph.outputs if o.kind == "buffer"})
-        return self._written[signature]
-
-    def _on_optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> None:
-        """``optimizer.state_dict()`` by user code: the engine's optimizer state into the torch optimizer first."""
-        if self._optimizer_stale and not self.closed:
-            self._write_optimizer_state()
-
-    def _on_optimizer_loaded(self, optimizer: torch.optim.Optimizer) -> None:
-        """``optimizer.load_state_dict(...)`` by user code: the next step starts from it."""
-        self._optimizer_loaded = True
-
-    def _write_optimizer_state(self) -> None:
-        graph = self.graph
-        state = self._executor.export_state(("state",))
-        self._bridge.write_back(state.opt_state, trained=set(self._compiled.trainable(graph)))
-        self._optimizer_stale = False
-
-    def _recompile_for_changes(self, batch: Any, changes: list[str],
-                               floats: list[NumberAttribute] = ()) -> None:
-        """The model or optimizer changed what a step trains since compile (``changes``: modes, ``requires_grad``,
-        param groups, a replaced parameter, a Python value ``forward`` read): carry the trained state into the torch
-        objects, free the executor and compile again from them on ``batch`` with the same method and options,
-        keeping the step count, PRNG stream, loss scale and skipped-step count. What PyTorch would train now is what
-        the next step trains. ``floats``: float attributes that changed; those ``forward`` uses in tensor arithmetic
-        are read as step inputs from now on, so their next changes need no recompile."""
-        fed = self._feedable_floats(batch, floats)
-        log.warning("torchpar: %s; recompiling the training step%s", "; ".join(
-            c if " changed " in c or " was " in c else f"{c} changed since compile" for c in changes),
-            f" (from now on {', '.join(name for _, name in fed)} "
-            f"{'is a step input' if len(fed) == 1 else 'are step inputs'}: a change recompiles no more)" if fed else "")
+    def _recompile_for_changes(self, batch: Any, changes: list[str], floats: list[NumberAttribute]) -> None:
+        """The model or optimizer changed what a step trains since compile (``changes``): carry the trained state into
+        the torch objects, free the executor and compile again from them on ``batch`` with the same method and
+        options, keeping the step count, PRNG stream, loss scale and skipped-step count. What PyTorch would train now
+        is what the next step trains. ``floats``: float attributes that changed; those ``forward`` uses in tensor
+        arithmetic are read as step inputs from now on, so their next changes need no recompile."""
+        fed = self._torch.feedable_floats(batch, floats)
+        self._torch.announce_recompile(changes, fed)
         self.sync_to_torch()
         carried = (self._steps_taken, self._base_key, self._loss_scaler, self._guard.skipped_steps)
-        self._release_torch_side(pull=False)
+        self._torch.close(pull=False)
         self._finalizer.detach()
         self._executor.close()
         Engine.__init__(self, self.model, self.optimizer, batch, options=self.options, method=self.method, **self._fns,
                         feed=self._feed, _recompiled=True, _numbers=(*self._compiled.numbers, *fed))
         self._steps_taken, self._base_key, self._loss_scaler, self._guard.skipped_steps = carried
-
-    def _feedable_floats(self, batch: Any, floats: list[NumberAttribute]) -> list[NumberAttribute]:
-        """Those of ``floats`` the step can read as inputs: each is tried in a capture as a 0-d tensor; one that
-        steers Python control flow in ``forward`` (``if self.w > 0``, ``F.dropout``'s range check) fails it and
-        stays a constant of the step."""
-        fed: list[NumberAttribute] = []
-        for candidate in floats:
-            try:
-                capture_train_step(self.model, self._compiled.first_part(batch), self._fns["loss_fn"],
-                                   autocast=autocast_dtype(self.options.mixed_precision), step_fn=self._fns["step_fn"],
-                                   outside=self._compiled.captured_state.outside,
-                                   numbers=(*self._compiled.numbers, *fed, candidate))
-            except Exception as error:  # noqa: BLE001 (any capture failure means: keep it a constant)
-                log.info("torchpar: %s.%s stays a constant of the step (each change recompiles): forward does not use "
-                         "it as a number in tensor arithmetic only (%s: %s)", type(candidate[0]).__name__,
-                         candidate[1], type(error).__name__, str(error).splitlines()[0][:200] if str(error) else "")
-            else:
-                fed.append(candidate)
-        return fed
-
-    def _release_torch_side(self, pull: bool) -> None:
-        """Stop linking the torch model and optimizer to this engine (pulling its newer weights first if ``pull``)."""
-        try:
-            self._link.close(pull=pull)
-        finally:
-            if self._grads is not None:
-                self._grads.clear()
-            for handle in self._optimizer_hooks:
-                handle.remove()
-
-    @property
-    def last_metrics(self) -> _metrics.StepMetrics | None:
-        """The last step's :class:`torchpar.metrics.StepMetrics` (step time, samples/s, tokens/s, model FLOPs, MFU,
-        per-device memory, compile timings, loss, loss scale); ``None`` before the first step. Derived when first
-        read (the memory once per batch signature: a pipeline compiles its stages once more to read it)."""
-        return self._recorder.last(lambda: _metrics.MetricsSource(
-            graphs=self._compiled.step_graphs, num_micro_batches=self._compiled.batch_parts, precision=_metrics.step_precision(
-                self.options.mixed_precision, self._numerics.effective().matmul,
-                [dtype_name(p.dtype) for p in self._param_names.values()]),
-            cluster=current_cluster(), plan=self.plan, memory_stats=self.memory_stats))
-
-    @property
-    def last_grad_norm(self) -> float | None:
-        """The last step's gradient norm before clipping (``last_metrics.grad_norm``, derived alone); ``None`` before."""
-        return None if self._recorder.facts is None else self._recorder.facts.grad_norm
-
-    @property
-    def loss_scale(self) -> float | None:
-        """The dynamic loss scale the next step uses (``mixed_precision="fp16"``), else ``None``."""
-        return None if self._loss_scaler is None else self._loss_scaler.scale
-
-    @property
-    def numerics(self) -> dict[str, Any]:
-        """What the step computes with: ``matmul_precision`` / ``conv_precision`` asked, ``effective`` on this
-        platform (the CPU computes fp32 products whatever is asked), ``mixed_precision`` and ``loss_scaling``."""
-        return dict(self.plan.numerics)
-
-    @property
-    def skipped_steps(self) -> int:
-        """Steps skipped for an inf/nan loss or gradient (``on_nonfinite="skip"``; ``"raise"`` raises instead)."""
-        return self._guard.skipped_steps
 
     def locate_nonfinite(self, batch: Any) -> str:
         """Re-run one step on ``batch`` eagerly on this process (the whole state exported) and say where the first
@@ -391,14 +277,10 @@ class Engine:
                                 trainable=self._compiled.trainable(graph),
                                 num_micro_batches=self._compiled.batch_parts)
 
+    @linked()
     def forward(self, batch: Any) -> Any:
         """The model's eval-mode outputs on ``batch``, as torch tensors in the model's output structure (with the
         torch model's current weights: what user code wrote into it since the last step is taken in first)."""
-        with model_link.suspended():
-            self._bring_in(self._capture_batch)
-            return self._forward(batch)
-
-    def _forward(self, batch: Any) -> Any:
         signature = batches.signature(batch)
         self._check_compatible(signature, batch)
         capture = self._compiled.forward_capture(signature, batch)
@@ -409,14 +291,15 @@ class Engine:
         tensors = [to_torch(o) if o is not None else None for o in outputs]
         return pytree.tree_unflatten(tensors, capture.out_spec)
 
+    @linked(bring_in=False)
     def sync_to_torch(self) -> None:
         """Copy parameters, buffers and optimizer state into the torch model and optimizer now. Not needed for the
         model (it is pulled whenever user code looks at it, :mod:`torchpar.model_link`) nor for
         ``optimizer.state_dict()`` (pulled then too); kept for loops that read the optimizer's ``state`` directly."""
-        with model_link.suspended():
-            self._link.pull()
-            self._write_optimizer_state()
+        self._torch.pull()
+        self._torch.write_optimizer_state()
 
+    @linked()
     def state_dict(self) -> dict[str, Any]:
         """A checkpoint of parameters, buffers, optimizer state, step count and PRNG position.
 
@@ -424,45 +307,40 @@ class Engine:
         ``int64`` buffer JAX holds as ``int32`` comes back ``int64``); ``load_state_dict`` restores them. Save it
         with ``torch.save`` and read it back with ``torch.load(path, weights_only=True)``: tensors, numbers and
         dicts only, so nothing is unpickled that could run code."""
-        with model_link.suspended():
-            self._bring_in(self._capture_batch)
-            return _checkpoint.state_dict(self._training_state())
+        return _checkpoint.state_dict(self._training_state())
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a checkpoint made by :meth:`state_dict` (same model and optimizer structure)."""
         self._restore(_checkpoint.load_state_dict, state)
 
+    @linked()
     def save(self, path: str, *, scheduler: Any = None) -> Any:
         """Write a sharded checkpoint at ``path`` (a directory): every process writes the shards it holds (safetensors
         files) and an ``index.json`` maps each tensor to its pieces; atomic (a save killed midway leaves the previous
         checkpoint at ``path``). Holds the state, optimizer counters and ``param_groups`` hyper-parameters, step
         count, PRNG key, loss scale and ``scheduler``'s state. Returns the path. See :mod:`torchpar.checkpoint`."""
-        with model_link.suspended():
-            self._bring_in(self._capture_batch)
-            return _checkpoint.save(self._training_state(), path, scheduler=scheduler)
+        return _checkpoint.save(self._training_state(), path, scheduler=scheduler)
 
     def load(self, path: str, *, scheduler: Any = None) -> None:
         """Restore a checkpoint written by :meth:`save` by an engine of any plan (another method, mesh, pipeline or
         runtime): each process reads only the slices its devices hold under this engine's plan."""
         self._restore(_checkpoint.load, path, scheduler=scheduler)
 
+    @linked()
     def export_torch_state_dict(self) -> dict[str, torch.Tensor]:
         """The model's weights as ``model.state_dict()`` keys them (CPU tensors, the model's dtypes), for
         ``model.load_state_dict``; gathers the whole model (not the optimizer state) to this process."""
-        with model_link.suspended():
-            self._bring_in(self._capture_batch)
-            return _checkpoint.export_torch_state_dict(self._training_state())
+        return _checkpoint.export_torch_state_dict(self._training_state())
 
+    @linked()
     def save_pretrained(self, directory: str, **kwargs: Any) -> None:
         """A HuggingFace model's ``save_pretrained(directory, **kwargs)`` with the engine's current weights (copied
         into the torch model first): ``config.json`` + ``model.safetensors``, loadable with ``from_pretrained``."""
         if not callable(getattr(self.model, "save_pretrained", None)):
             raise TypeError(f"{type(self.model).__name__} has no save_pretrained (not a HuggingFace PreTrainedModel): "
                             "save model.state_dict() (it holds the engine's weights) with torch.save or safetensors")
-        with model_link.suspended():
-            self._bring_in(self._capture_batch)
-            self._link.pull()
-            self.model.save_pretrained(directory, **kwargs)
+        self._torch.pull()
+        self.model.save_pretrained(directory, **kwargs)
 
     def _training_state(self) -> _checkpoint.TrainingState:
         return _checkpoint.TrainingState(
@@ -471,18 +349,17 @@ class Engine:
             loss_scaler=self._loss_scaler, steps_taken=self._steps_taken, base_key=self._base_key,
             translating_failures=self._compiled.translating_failures)
 
+    @linked(bring_in=False)
     def _restore(self, restore: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
         """``restore(training_state, *args, **kwargs)``, then take back the step count and PRNG key it restored; the
         engine now holds the model's weights newer than the torch model (pulled when user code looks), and the
         modules outside the model the step calls are read from torch again at the next step."""
         training = self._training_state()
-        with model_link.suspended():
-            try:
-                restore(training, *args, **kwargs)
-            finally:
-                self._steps_taken, self._base_key = training.steps_taken, training.base_key
-                self._link.restored()
-                self._optimizer_stale = True
+        try:
+            restore(training, *args, **kwargs)
+        finally:
+            self._steps_taken, self._base_key = training.steps_taken, training.base_key
+            self._torch.restored()
 
     def close(self) -> None:
         """Copy the engine's newer weights into the torch model, then free the engine's workers (Ray actors and what
@@ -491,8 +368,8 @@ class Engine:
         if self._executor is None:
             return
         try:
-            if not self._link.closed:
-                self._release_torch_side(pull=not self._executor.closed)
+            if not self._torch.closed:
+                self._torch.close(pull=not self._executor.closed)
         finally:
             self._executor.close()
 
@@ -509,61 +386,6 @@ class Engine:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def hlo_text(self) -> list[str]:
-        """Optimized HLO of each compiled stage of the most recently used step (a pipeline stage's: its forward)."""
-        return self._executor.hlo_text()
-
-    @property
-    def last_timeline(self) -> Any:
-        """Measured compute blocks of each pipeline stage in the last step (``None`` before one)."""
-        return self._executor.last_timeline
-
-    def memory_stats(self) -> dict[int, dict[str, int]]:
-        """XLA's per-device memory analysis of each compiled stage, ``{stage: {field: bytes}}`` (``docs/api.md``: a
-        one-stage plan is stage 0; a pipeline's fields are prefixed ``forward_`` / ``backward_``)."""
-        return self._executor.memory_stats()
-
-    def measured(self) -> dict[str, Any]:
-        """The last step's wall seconds and each stage's per-device memory (:func:`metrics.measured_figures`)."""
-        return _metrics.measured_figures(self.plan, self.memory_stats(), self._last_step_s)
-
-    def save_report(self, path: str, **options: Any) -> Any:
-        """The plan's HTML report with the engine's measurements beside the estimates (:func:`metrics.save_report`)."""
-        return _metrics.save_report(self.plan, path, self.measured(), self.last_timeline, self.model, **options)
-
-    def describe_workers(self, programs: bool = False) -> list[dict[str, Any]]:
-        """Each worker process's own account (rank, pid, devices, stages, steps run, devices holding state; with
-        ``programs=True`` the HLO it runs per stage and its device assignment)."""
-        return self._executor.describe_workers(programs)
-
-    @property
-    def executor(self) -> Any:
-        """The :class:`torchpar.runtime.executor.Executor` running the plan."""
-        return self._executor
-
-    @property
-    def spmd_mode(self) -> str:
-        """How the most recently compiled step runs: ``"shard_map"`` (a per-device program with explicit collectives)
-        or ``"gspmd"`` (XLA partitions it); ``"single_device"`` (one device); ``"pipeline"`` for a pipeline plan."""
-        return self._executor.spmd_mode
-
-    @property
-    def compiled_signatures(self) -> int:
-        """How many batch signatures have a compiled training step (a new batch shape compiles once)."""
-        return len(self._compiled.step_graphs)
-
-    @property
-    def plan(self) -> Plan:
-        """The execution plan, with every compile phase's seconds in ``timings``."""
-        plan = self._compiled.plan
-        plan.timings.update(self._compiled.timings)
-        return plan
-
-    @property
-    def graph(self) -> Graph:
-        """The captured training graph (IR) of the most recent batch signature, on one micro-batch."""
-        return self._compiled.graph(self._last_signature or self._example_signature)
-
     # --- checks and failures ------------------------------------------------------------------------------
 
     def _step_key_data(self, step: int) -> np.ndarray:
@@ -576,32 +398,3 @@ class Engine:
     def _check_compatible(self, signature: tuple, batch: Any) -> None:
         batches.check_compatible(signature, batch, self._example_signature, self._example_skeleton)
 
-
-def _weakly(method: Callable[..., Any]) -> Callable[..., Any]:
-    """A hook calling the engine's ``method`` while the engine lives (the optimizer must not keep it alive)."""
-    ref = weakref.WeakMethod(method)
-
-    def hook(*args: Any) -> None:
-        bound = ref()
-        if bound is not None:
-            bound(*args)
-
-    return hook
-
-
-class _ExecutorState(model_link.StateAccess):
-    """The engine's executor state as its :class:`~torchpar.model_link.ModelLink` reads and writes it."""
-
-    def __init__(self, engine: Engine):
-        self._engine = weakref.ref(engine)
-
-    def _executor(self) -> Any:
-        engine = self._engine()
-        assert engine is not None, "a link outlived its engine"
-        return engine._executor
-
-    def export(self, kinds: tuple[str, ...]) -> Any:
-        return self._executor().export_state(kinds)
-
-    def update(self, state: Any) -> None:
-        self._executor().update_state(state)

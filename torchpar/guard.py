@@ -76,11 +76,16 @@ class StepGuard:
                 raise translated from error
             raise
 
-    def after_step(self, step: int, loss: float, finite: bool, locate: Callable[[], str]) -> None:
+    def after_step(self, step: int, loss: float, finite: bool, loss_scaler: Any, locate: Callable[[], str]) -> None:
         """Apply the policy to step ``step``: a finite one feeds the divergence watch; a skipped one is counted
-        (``"skip"``) or raised with ``locate()``'s culprit (``"raise"``)."""
+        (``"skip"``) or raised with ``locate()``'s culprit (``"raise"``). Under fp16 loss scaling (``loss_scaler``, a
+        :class:`~torchpar.runtime.loss_scale.LossScaler` or ``None``) a gradient overflow is expected: it adjusts the
+        scale and counts as skipped, no failure."""
         from torchpar.runtime.nonfinite import NonFiniteError
 
+        if loss_scaler is not None and loss_scaler.after_step(step, finite, loss):
+            self.skipped_steps += 1
+            return
         if finite or self.on_nonfinite == "ignore":
             self._watch_divergence(step, loss)
             return

@@ -146,7 +146,7 @@ def test_copies_and_pickles_of_the_linked_model_are_its_own_class_with_the_curre
     batch = batches(1)[0]
     with torchpar.compile(model, sgd(model), example_batch=batch) as engine:
         engine.step(batch)
-        assert model.device == torch.device("cpu") and engine._link.holds()  # metadata pulls nothing
+        assert model.device == torch.device("cpu") and engine._torch.link.holds()  # metadata pulls nothing
         assert type(model).__name__ == "Net" and isinstance(model, Net)
         copied = copy.deepcopy(model)
         buffer = io.BytesIO()
