@@ -130,12 +130,17 @@ class PreparedStage:
     """Every root at its cheapest strategy and no resharding (edges cost ≥ 0): no solution costs less."""
     sequence_parallel: bool = False
     """The ``megatron`` restrictions with Megatron's sequence parallelism (the module docstring)."""
+    amortized_over: int = 1
+    """A pipeline stage's ``num_micro_batches`` B: the ILP prices the stage's whole step (B micro-batches, each weight
+    gradient synchronized once) and its estimates are that ÷ B, seconds per micro-batch with the step's gradient
+    sync amortized, as the pipeline formula (:func:`.stages.pipeline_latency`) and the stage DP take them."""
 
     @property
     def lower_bound_s(self) -> float:
         """A bound no solution beats: :attr:`cheapest_s`, or the bound a :meth:`probe` proved; for ``"shard"`` the
-        stage's estimated seconds are the ILP objective, so this bounds ``estimated_cost_s``."""
-        return max(self.cheapest_s, self.probed_bound_s)
+        stage's estimated seconds are the ILP objective (÷ :attr:`amortized_over`), so this bounds
+        ``estimated_cost_s``."""
+        return max(self.cheapest_s, self.probed_bound_s) / self.amortized_over
 
     probed_bound_s: float = 0.0
     """The lower bound a :meth:`probe` proved (CP-SAT's, :attr:`.sharding.ilp.Solution.lower_bound_s`)."""
@@ -168,6 +173,12 @@ class PreparedStage:
     def _result(self, solution: Solution) -> IntraOpResult:
         stage, communication_s, extra = _stage_from_solution(self.kind, self.graph, self.solver_graph, solution,
                                                              self.mesh, self.trainable, self.optimizer_state_copies)
+        if self.amortized_over > 1:
+            share = 1.0 / self.amortized_over
+            stage.estimated_cost_s *= share
+            stage.estimated_compute_s *= share
+            stage.estimated_communication_s *= share
+            communication_s *= share
         stage.crosses_hosts = list(axes_crossing_hosts(
             self.submesh or submesh_of(self.mesh.num_devices, self.cluster.devices_per_host), self.mesh.shape))
         return IntraOpResult(stage, self.solver_graph, solution, communication_s, self.build_s, rebuild=self.rebuild,
@@ -177,8 +188,11 @@ class PreparedStage:
 def prepare_stage(graph: Graph, *, kind: PlanKind, mesh_shape: tuple[int, int], cluster: ClusterSpec,
                   trainable: set[str], optimizer_state_copies: float, submesh: tuple[int, int] | None = None,
                   num_micro_batches: int = 1, remat: str = "none", in_flight: int = 1,
-                  experts: str = "auto", context: str = "auto", sequence_parallel: bool = False) -> PreparedStage:
-    """The solver graph of one stage (:func:`plan_stage`'s arguments), to bound or solve."""
+                  experts: str = "auto", context: str = "auto", sequence_parallel: bool = False,
+                  per_micro_batch: bool = False) -> PreparedStage:
+    """The solver graph of one stage (:func:`plan_stage`'s arguments), to bound or solve. ``per_micro_batch``: a
+    pipeline stage whose step runs ``num_micro_batches`` micro-batches; its estimates are per micro-batch
+    (:attr:`PreparedStage.amortized_over`)."""
     if kind not in PLAN_KINDS:
         raise ValueError(f"unknown plan kind {kind!r}")
     mesh = logical_mesh(mesh_shape, cluster, submesh)
@@ -201,7 +215,8 @@ def prepare_stage(graph: Graph, *, kind: PlanKind, mesh_shape: tuple[int, int], 
     solver_graph = rebuild(mesh)
     cheapest = float(sum(min(root.cost) for root in solver_graph.roots if len(root.cost)))
     return PreparedStage(graph, kind, mesh, cluster, submesh, trainable, optimizer_state_copies, solver_graph,
-                         batch_axes, time.perf_counter() - start, rebuild, cheapest, sequence_parallel)
+                         batch_axes, time.perf_counter() - start, rebuild, cheapest, sequence_parallel,
+                         amortized_over=num_micro_batches if per_micro_batch else 1)
 
 
 def plan_best_mesh(graph: Graph, *, kind: PlanKind, mesh_shapes: list[tuple[int, int]], cluster: ClusterSpec,

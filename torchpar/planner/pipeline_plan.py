@@ -25,7 +25,7 @@ from torchpar.methods import ManualStageOption, PipeshardParallel
 from torchpar.planner import layers as layers_mod
 from torchpar.planner.interleaved_stages import interleaved_stage_dp
 from torchpar.planner.intra_op import prepare_stage
-from torchpar.planner.sharding.ilp import SOLVE_COUNTS
+from torchpar.planner.sharding.ilp import SOLVE_COUNTS, SolveTimeout
 from torchpar.planner.plan import Plan
 from torchpar.planner.profiling import StageTimer, rank_candidates, record_profile
 from torchpar.planner.remat import check_remat
@@ -203,7 +203,7 @@ def _plan_screened(screened: _Screened, graph: Graph, method: PipeshardParallel,
             pruned.append((candidate, bound.step_s, beat))
             log.info("stage partition %s: its step is at least %.4g s, no better than %.4g s: not refined further",
                      candidate, bound.step_s, beat)
-        except ValueError as error:  # no sharding fits the memory budget
+        except (ValueError, SolveTimeout) as error:  # no sharding fits the memory budget, or none found in time
             failures.append((position, candidate, error))
             log.info("stage partition %s: the ILP found no plan (%s)", candidate, error)
     refined = [r for _, r in sorted(refined, key=lambda item: item[0])]  # candidates' order: ties go to the first
@@ -363,7 +363,7 @@ def _prepare(graph: Graph, layering, partition, cluster: ClusterSpec, num_micro_
     problems = [prepare_stage(stage.graph, kind="shard", mesh_shape=mesh_shape, cluster=cluster,
                               trainable=trainable & set(stage.params), optimizer_state_copies=optimizer_state_copies,
                               submesh=submeshes[index], remat=remat, in_flight=in_flight[index], experts=experts,
-                              context=context)
+                              context=context, num_micro_batches=num_micro_batches, per_micro_batch=True)
                 for index, (stage, mesh_shape) in enumerate(zip(stage_graphs, logical))]
 
     def step(latencies: list[float]) -> float:

@@ -116,6 +116,10 @@ def solve(graph: SolverGraph, *, memory_budget: float | None = None, time_limit_
     return solution
 
 
+class SolveTimeout(RuntimeError):
+    """CP-SAT found no layout within its time limit (neither one that fits nor a proof that none does)."""
+
+
 SOLUTION_CACHE_SIZE = 512
 """Solved problems kept in this process (:func:`problem_key` → :class:`Solution`), oldest dropped first."""
 _SOLVED: dict[str, Solution] = {}
@@ -183,8 +187,8 @@ def _solve_cp_sat(graph: SolverGraph, memory_budget: float | None, time_limit_s:
             _raise_over_budget(graph, memory_budget)
         if none_if_unsolved and status == cp_model.UNKNOWN:
             return None
-        raise RuntimeError(f"the sharding ILP ended with status {solver.status_name(status)} after {elapsed:.1f}s; "
-                           "raise the time limit")
+        raise SolveTimeout(f"the sharding ILP ended with status {solver.status_name(status)} after {elapsed:.1f}s "
+                           f"(time limit {time_limit_s:g} s) with no layout found; raise the time limit")
     choice = [next(k for k, var in enumerate(vars_) if solver.value(var)) for vars_ in x]
     memory = memory_of(graph, choice)
     solution = Solution(choice=choice, objective_s=evaluate(graph, choice), bound_s=solver.best_objective_bound / _SCALE,
