@@ -1,0 +1,159 @@
+"""The automatic plan against published hand configurations, priced by the same cost model in the same run.
+
+    python benchmarks/plan_vs_hand.py [--cases gpt3-175b-512,gpt3-175b-1024,gpt-39b-v100,mixtral-64] [--timeout 900]
+
+Every case builds its model on the meta device (no weights) and plans it with ``torchpar.plan`` twice or more: once
+``stage_option="auto"`` with ``remat="auto"`` (what a new user gets), and once per hand configuration — the stage
+layers, submeshes and logical meshes of the published recipe given with ``ManualStageOption`` (the sharding inside
+each stage is still the ILP's, which on these meshes puts tensor parallelism on the in-host axis and data
+parallelism across hosts, as Megatron-LM does: ``tests/planner/test_megatron_layer_cost.py``). Each plan runs in its
+own process (no solver cache carries over) under ``--timeout`` seconds.
+
+The table gives per plan: the estimated step (seconds, priced at the preset's peak FLOP/s and link constants — an
+estimate, not a measured GPU time), the estimated MFU (model FLOPs / (step × devices × peak): 3 × the captured
+forward FLOPs × micro-batches), the stages (layers, submesh, logical mesh), each stage's seconds per micro-batch
+(compute + communication), remat, and the planning seconds; then auto ÷ best hand. Writes JSON (``--json``).
+
+Cases (bf16 mixed precision, AdamW, 1F1B):
+
+- ``gpt3-175b-512`` / ``gpt3-175b-1024``: GPT-3 175B (96 layers, 12,288 hidden, 96 heads, sequence 2,048), batch
+  1,536 in 192 micro-batches, on 64 / 128 hosts × 8 A100-80G, 16 layer clusters. Hand: Megatron-LM's (Narayanan
+  et al. 2021, Table 1: tensor 8 × pipeline 16 × data 8 on 1,024 GPUs; data 4 on 512): 16 stages of one cluster,
+  each on (hosts/16) × 8 GPUs with logical mesh (hosts/16, 8), remat selective and full ("layers").
+- ``gpt-39b-v100``: GPT-3 39B (48 layers, 8,192 hidden, 64 heads, sequence 1,024), batch 1,024 in 64 micro-batches,
+  on 8 hosts × 8 V100-16G (Alpa's evaluation), 16 layer clusters. Hand: Megatron-style pipeline 8 × tensor 8 (8
+  stages of two clusters on one host each) and pipeline 16 × tensor 4 (two stages per host), remat "layers".
+- ``mixtral-64``: Mixtral-8×7B, batch 1,024 × 2,048 in 128 micro-batches, on 8 hosts × 8 A100-80G, 16 layer clusters.
+  Hand: expert parallelism 8 inside a host, pipeline 8 across hosts (8 stages of two clusters on (1, 8)), remat
+  selective and "layers".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from plan_scaling import build  # noqa: E402  (the same meta models as the scaling benchmark)
+
+
+def _stages(count: int, clusters: int, submesh: tuple[int, int], logical: tuple[int, int] | None = None) -> dict:
+    """``count`` stages of ``clusters // count`` consecutive layer clusters each, all on ``submesh``."""
+    per = clusters // count
+    return {"layers": [list(range(i * per, (i + 1) * per)) for i in range(count)],
+            "submesh": [list(submesh)] * count, "logical": [list(logical or submesh)] * count}
+
+
+CASES: dict[str, dict] = {
+    "gpt3-175b-512": {"model": "175b", "hosts": 64, "per_host": 8, "preset": "a100-80g", "clusters": 16, "hand": {
+        "megatron t8 p16 d4, remat selective": {**_stages(16, 16, (4, 8)), "remat": "selective"},
+        "megatron t8 p16 d4, remat layers": {**_stages(16, 16, (4, 8)), "remat": "layers"}}},
+    "gpt3-175b-1024": {"model": "175b", "hosts": 128, "per_host": 8, "preset": "a100-80g", "clusters": 16, "hand": {
+        "megatron t8 p16 d8, remat selective": {**_stages(16, 16, (8, 8)), "remat": "selective"},
+        "megatron t8 p16 d8, remat layers": {**_stages(16, 16, (8, 8)), "remat": "layers"}}},
+    "gpt-39b-v100": {"model": "39b", "hosts": 8, "per_host": 8, "preset": "v100-16g", "clusters": 16, "hand": {
+        "p8 t8, remat layers": {**_stages(8, 16, (1, 8)), "remat": "layers"},
+        "p16 t4, remat layers": {**_stages(16, 16, (1, 4)), "remat": "layers"}}},
+    "mixtral-64": {"model": "mixtral", "hosts": 8, "per_host": 8, "preset": "a100-80g", "clusters": 16, "hand": {
+        "ep8 p8, remat selective": {**_stages(8, 16, (1, 8)), "remat": "selective"},
+        "ep8 p8, remat layers": {**_stages(8, 16, (1, 8)), "remat": "layers"}}},
+}
+
+
+def plan_one(case: str, config: str) -> dict:
+    """Plan ``case`` with ``config`` (``"auto"`` or a hand configuration's name) in this process."""
+    import torch
+
+    import torchpar
+
+    spec = CASES[case]
+    torchpar.init(cluster="local", num_hosts=spec["hosts"], devices_per_host=spec["per_host"], preset=spec["preset"])
+    model, batch, micro = build(spec["model"])
+    layers = torchpar.AutoLayerOption(layer_num=spec["clusters"])
+    if config == "auto":
+        method = torchpar.PipeshardParallel(num_micro_batches=micro, layer_option=layers)
+        remat = "auto"
+    else:
+        hand = spec["hand"][config]
+        stages = torchpar.ManualStageOption(
+            forward_stage_layer_ids=tuple(tuple(ids) for ids in hand["layers"]),
+            submesh_physical_shapes=tuple(tuple(s) for s in hand["submesh"]),
+            submesh_logical_shapes=tuple(tuple(s) for s in hand["logical"]))
+        method = torchpar.PipeshardParallel(num_micro_batches=micro, layer_option=layers, stage_option=stages)
+        remat = hand["remat"]
+    start = time.perf_counter()
+    plan = torchpar.plan(model, torch.optim.AdamW(model.parameters()), example_batch=batch, method=method,
+                         mixed_precision="bf16", remat=remat, explain=False)
+    seconds = time.perf_counter() - start
+    devices = spec["hosts"] * spec["per_host"]
+    model_flops = 3.0 * sum(layer["flops"] for layer in plan.layers) * micro
+    peak = plan.cluster["device_flops"]
+    memory = plan.cluster["device_memory_bytes"]
+    return {"case": case, "config": config, "devices": devices, "plan_s": seconds, "remat": plan.remat,
+            "estimated_step_s": plan.estimated_step_s,
+            "estimated_mfu": model_flops / (plan.estimated_step_s * devices * peak),
+            "ideal_step_s": model_flops / (devices * peak),
+            "least_headroom": min(1 - s.estimated_memory_bytes / memory for s in plan.stages),
+            "stages": [{"layers": list(s.layers), "submesh": list(s.submesh_shape),
+                        "logical": list(s.logical_mesh_shape), "per_micro_batch_s": s.estimated_cost_s,
+                        "compute_s": s.estimated_compute_s, "communication_s": s.estimated_communication_s}
+                       for s in plan.stages]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--timeout", type=float, default=900.0)
+    parser.add_argument("--json", default="benchmarks/results/plan_vs_hand.json")
+    parser.add_argument("--one", nargs=2, metavar=("CASE", "CONFIG"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.one:  # a child process: one plan, its figures as the last line of stdout
+        print(json.dumps(plan_one(*args.one)))
+        return 0
+    rows = []
+    for case in args.cases.split(","):
+        for config in ["auto", *CASES[case]["hand"]]:
+            try:
+                done = subprocess.run([sys.executable, __file__, "--one", case, config], capture_output=True,
+                                      text=True, timeout=args.timeout)
+                row = (json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else
+                       {"case": case, "config": config, "error": done.stderr.strip().splitlines()[-1][:300]})
+            except subprocess.TimeoutExpired:
+                row = {"case": case, "config": config, "error": f"no plan within {args.timeout:.0f} s"}
+            rows.append(row)
+            print(_line(row), flush=True)
+    print("\nauto ÷ best hand (estimated step; ≤ 1.00: the automatic plan is at least as fast):")
+    for case in dict.fromkeys(r["case"] for r in rows):
+        auto = next((r for r in rows if r["case"] == case and r["config"] == "auto" and "error" not in r), None)
+        hand = [r for r in rows if r["case"] == case and r["config"] != "auto" and "error" not in r]
+        if auto and hand:
+            best = min(hand, key=lambda r: r["estimated_step_s"])
+            print(f"  {case}: {auto['estimated_step_s'] / best['estimated_step_s']:.3f} (auto "
+                  f"{auto['estimated_step_s']:.2f} s, {best['config']} {best['estimated_step_s']:.2f} s)")
+    if args.json:
+        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+        with open(args.json, "w") as handle:
+            json.dump({"machine": {"cpus": os.cpu_count()}, "rows": rows}, handle, indent=2)
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _line(row: dict) -> str:
+    if "error" in row:
+        return f"{row['case']:>15} {row['config']:<38} {row['error']}"
+    shapes = sorted({(tuple(s["submesh"]), tuple(s["logical"])) for s in row["stages"]})
+    slowest = max(row["stages"], key=lambda s: s["per_micro_batch_s"])
+    return (f"{row['case']:>15} {row['config']:<38} est. step {row['estimated_step_s']:7.2f} s  MFU "
+            f"{row['estimated_mfu']:5.1%} (ideal {row['ideal_step_s']:.2f} s)  {len(row['stages'])} stages "
+            f"{', '.join(f'{list(p)}→{list(q)}' for p, q in shapes)}  slowest stage {slowest['per_micro_batch_s']:.4f} "
+            f"s/mb (comm {slowest['communication_s']:.4f})  remat {row['remat']}  headroom "
+            f"{row['least_headroom']:.0%}  planned in {row['plan_s']:.0f} s")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
