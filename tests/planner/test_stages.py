@@ -199,9 +199,14 @@ def test_manual_stages_validation():
 
 @pytest.fixture(scope="module")
 def gpt2():
-    model, batch = zoo.build("gpt2", {"n_layer": 2}, batch_size=2, seq_len=16)
+    model, batch = zoo.build("gpt2", {"n_layer": 2}, batch_size=8, seq_len=16)
     graph = capture_train_step(model, batch).graph
     return graph, cluster_layers(graph, 4)
+
+
+def model_width(graph) -> int:
+    """GPT-2's hidden size, from its token embedding's shape."""
+    return next(i.meta.shape[1] for i in graph.inputs if i.target == "transformer.wte.weight")
 
 
 def test_analytic_cost_formulas(gpt2):
@@ -225,6 +230,17 @@ def test_analytic_cost_formulas(gpt2):
     assert data.compute_s == pytest.approx(one.compute_s / 8)
     assert data.communication_s == pytest.approx(fewer.communication_s / 4)
     assert data.activation_bytes == pytest.approx(one.activation_bytes / 8)
+    # tensor parallel: one all-reduce of the hidden states per weight matmul (4 per GPT-2 block, 1 for the LM head)
+    tensor = cost(0, last, (1, 8), (1, 8))
+    hidden = next(i.meta.nbytes for i in graph.inputs if i.kind == "input") // 8 * 4 * model_width(graph)
+    from torchpar.planner.mesh_links import stage_mesh
+    ar = stage_mesh((1, 8), cluster, (1, 8)).all_reduce(hidden, [1])
+    parts = AnalyticStageCost(layering, graph, cluster, num_micro_batches=10**9, optimizer_state_copies=2)
+    assert parts(0, last, (1, 8), (1, 8)).communication_s == pytest.approx((2 * 4 + 1) * ar, rel=1e-6)
+    assert tensor.communication_s > (2 * 4 + 1) * ar
+    # a data axis the micro-batch's 8 rows do not divide is no data parallelism: not a candidate
+    assert cost.micro_batch_rows == 8
+    assert cost(0, last, (2, 8), (16, 1)).latency_s == math.inf and cost(0, last, (2, 8), (8, 2)).latency_s < math.inf
     # tensor parallel shards the state, data parallel replicates it; both shard the backward's working set
     from torchpar.planner.remat import BACKWARD_WORKING_COPIES, materialized
 

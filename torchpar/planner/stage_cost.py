@@ -6,6 +6,7 @@ alone with the cluster's alpha-beta constants (its docstring has the formulas).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Protocol
@@ -53,12 +54,12 @@ class AnalyticStageCost:
     A logical mesh ``(a, b)`` is read as ``a``-way data parallel (axis 0) × ``b``-way tensor parallel
     (axis 1). For layers ``k..i`` with forward FLOPs ``F``, parameter bytes ``P`` (every parameter the
     stage reads, so a tied weight counts in each stage that uses it), buffer bytes ``Q``, activation bytes
-    ``A`` (the outputs a compiled step materializes: :func:`torchpar.planner.remat.materialized`) and entering bytes ``E_l`` per layer (:class:`Layering`):
+    ``A`` (the outputs a compiled step materializes: :func:`torchpar.planner.remat.materialized`):
 
         compute_s       = 3·F / (a·b · device_flops)                    (backward ≈ 2× forward)
         data-parallel   = AR_0(P / b) / num_micro_batches               (gradient sync once per step)
-        tensor-parallel = Σ_l 4 · AR_1(E_l / a)                         (Megatron: one all-reduce per
-                                                                         attention/MLP half, fwd and bwd)
+        tensor-parallel = Σ_w AR_1(X_w / a)                             (Megatron: per weight matmul ``w``
+                                                                         one all-reduce of X_w, fwd or bwd)
         latency_s       = compute_s + data-parallel + tensor-parallel
         memory_bytes    = (P·(2 + optimizer_state_copies) + Q) / b      (weights, grads, optimizer state
                           + (R + 2·W) / (a·b)                            replicated over axis 0; one layer
@@ -73,6 +74,15 @@ class AnalyticStageCost:
     prices it) ``A`` counts only the outputs kept for the backward, ``R`` is the largest model layer's dropped
     outputs within the stage (``0`` without remat), and ``compute_s`` adds one forward of the recomputed ops'
     FLOPs ``F_r``: ``(3·F + F_r) / (a·b · device_flops)``.
+
+    ``X_w`` is the smaller of the weight matmul's activation operand and its output (a column-split matmul
+    all-reduces its input's gradient in the backward, a row-split one its output in the forward: a GPT block's QKV,
+    projection and two MLP matmuls give Megatron's four all-reduces of the hidden states per micro-batch).
+
+    A data axis that does not divide the micro-batch's rows ``R`` (the batch inputs' leading dim: ``R mod a ≠ 0``)
+    cannot be read as data parallelism; such a logical mesh is priced ``latency_s = ∞`` (not a candidate), so the DP
+    does not choose a mesh whose data parallelism only exists on paper (GPT-3 175B on 128 × 8 GPUs: 8-row
+    micro-batches on (16, 8) stages, which the ILP then had to split across hosts at 19× the communication).
 
     with ``AR_x`` the all-reduce cost on logical axis ``x`` priced with the links that axis crosses on the
     submesh (:func:`torchpar.planner.mesh_links.stage_mesh`: in-host or between hosts), as the ILP prices it. ``(n, 1)`` is pure data parallelism and ``(1, n)`` pure tensor parallelism; the DP picks
@@ -97,6 +107,8 @@ class AnalyticStageCost:
         self._recomputed_flops: list[float] = []
         self._dropped: list[dict[int, float]] = []  # per layer: bytes each remat group does not keep
         self._largest: list[float] = []  # per layer: its largest materialized output (the backward's working set)
+        self._tensor_parallel: list[tuple[int, float]] = []  # per layer: (weight matmuls, Σ X_w bytes)
+        of_weight = _weight_values(graph)
         kept = remat_memory(graph, remat)
         live = materialized(graph)
         metas = graph.metas()
@@ -117,11 +129,17 @@ class AnalyticStageCost:
                     dropped[group_of[n.name]] = dropped.get(group_of[n.name], 0.0) + held[n.name]
             self._dropped.append(dropped)
             self._largest.append(float(max((held[n.name] for n in nodes if n.name in live), default=0)))
+            exchanged = [_all_reduced_bytes(n, metas, of_weight) for n in nodes if n.target in _WEIGHT_MATMULS]
+            exchanged = [nbytes for nbytes in exchanged if nbytes is not None]
+            self._tensor_parallel.append((len(exchanged), float(sum(exchanged))))
         self._entering = _entering_values(graph, layering)
+        leading = [i.meta.shape[0] for i in graph.inputs if i.kind == "input" and i.meta.shape]
+        self.micro_batch_rows: int | None = math.gcd(*leading) if leading else None
+        """Rows of one micro-batch (the gcd of the batch inputs' leading dims); ``None``: no batch input."""
         self._range = lru_cache(maxsize=None)(self._range_totals)
 
     def _range_totals(self, first: int, last: int
-                      ) -> tuple[float, float, float, float, tuple[int, ...], float, float, float, float]:
+                      ) -> tuple[float, float, float, float, tuple[int, float], float, float, float, float]:
         layers = range(first, last + 1)
         params = frozenset().union(*(self._params[l] for l in layers))
         buffers = frozenset().union(*(self._buffers[l] for l in layers)) - params
@@ -133,7 +151,7 @@ class AnalyticStageCost:
                 float(sum(self._state_bytes[t] for t in params)),
                 float(sum(self._state_bytes[t] for t in buffers)),
                 float(sum(self._activation[l] for l in layers)),
-                tuple(self.layering.boundary_bytes[l] for l in layers),
+                (sum(self._tensor_parallel[l][0] for l in layers), sum(self._tensor_parallel[l][1] for l in layers)),
                 float(sum(self._recomputed_flops[l] for l in layers)),
                 max(dropped.values(), default=0.0),
                 float(sum(nbytes for defined, readers, nbytes in self._entering
@@ -149,12 +167,15 @@ class AnalyticStageCost:
         data, tensor = logical
         if data * tensor != devices:
             raise ValueError(f"logical mesh {logical} does not have the {devices} devices of submesh {submesh}")
-        (flops, params, buffers, activations, entering, recomputed, recomputed_peak,
+        if data > 1 and self.micro_batch_rows is not None and self.micro_batch_rows % data:
+            return StageCost(latency_s=math.inf, memory_bytes=math.inf)
+        (flops, params, buffers, activations, (matmuls, exchanged), recomputed, recomputed_peak,
          received, largest) = self._range(first_layer, last_layer)
         mesh = stage_mesh((data, tensor), self.cluster, submesh)
         compute = (3.0 * flops + recomputed) / (devices * self.cluster.device_flops)
-        communication = (mesh.all_reduce(params / tensor, [0]) / self.num_micro_batches
-                         + sum(4.0 * mesh.all_reduce(e / data, [1]) for e in entering))
+        latency_1 = mesh.all_reduce(0.0, [1])  # AR_1 is affine in its bytes: α + slope·bytes
+        tensor_parallel = matmuls * latency_1 + (mesh.all_reduce(1.0, [1]) - latency_1) * exchanged / data
+        communication = mesh.all_reduce(params / tensor, [0]) / self.num_micro_batches + tensor_parallel
         return StageCost(
             latency_s=compute + communication,
             memory_bytes=((params * (2.0 + self.optimizer_state_copies) + buffers) / tensor
@@ -163,6 +184,29 @@ class AnalyticStageCost:
             compute_s=compute,
             communication_s=communication,
         )
+
+
+_WEIGHT_MATMULS = frozenset({"aten.mm.default", "aten.addmm.default"})
+_SAME_VALUES = VIEWS | {"aten._to_copy.default", "aten.clone.default", "aten.alias.default"}
+"""Ops whose output is their first operand's values (viewed or cast: mixed precision casts each weight)."""
+
+
+def _weight_values(graph: Graph) -> set[str]:
+    """The parameters and the views and casts of them (a ``Linear``'s transposed bf16 weight) by name."""
+    found = {i.name for i in graph.inputs if i.kind == "param"}
+    for node in graph.nodes:
+        if node.target in _SAME_VALUES and next(node.refs(), None) in found:
+            found.add(node.name)
+    return found
+
+
+def _all_reduced_bytes(node, metas: dict, of_weight: set[str]) -> float | None:
+    """``X_w`` of a matmul ``node`` reading a weight (the class docstring); ``None`` if it reads none."""
+    refs = list(node.refs())[1:] if node.target == "aten.addmm.default" else list(node.refs())
+    if not any(r in of_weight for r in refs):
+        return None
+    activations = [metas[r].nbytes for r in refs if r not in of_weight and r in metas]
+    return float(min([node.out_bytes, *activations]))
 
 
 def _entering_values(graph: Graph, layering: Layering) -> list[tuple[int, tuple[int, ...], int]]:
