@@ -14,7 +14,7 @@ estimate, not a measured GPU time), the estimated MFU (model FLOPs / (step × de
 forward FLOPs × micro-batches), the stages (layers, submesh, logical mesh), each stage's seconds per micro-batch
 (compute + communication), remat, and the planning seconds; then auto ÷ best hand. Writes JSON (``--json``).
 
-Cases (bf16 mixed precision, AdamW, 1F1B):
+Cases (bf16 mixed precision — fp16 on the V100, which has no bf16 —, AdamW, 1F1B):
 
 - ``gpt3-175b-512`` / ``gpt3-175b-1024``: GPT-3 175B (96 layers, 12,288 hidden, 96 heads, sequence 2,048), batch
   1,536 in 192 micro-batches, on 64 / 128 hosts × 8 A100-80G, 16 layer clusters. Hand: Megatron-LM's (Narayanan
@@ -56,7 +56,8 @@ CASES: dict[str, dict] = {
     "gpt3-175b-1024": {"model": "175b", "hosts": 128, "per_host": 8, "preset": "a100-80g", "clusters": 16, "hand": {
         "megatron t8 p16 d8, remat selective": {**_stages(16, 16, (8, 8)), "remat": "selective"},
         "megatron t8 p16 d8, remat layers": {**_stages(16, 16, (8, 8)), "remat": "layers"}}},
-    "gpt-39b-v100": {"model": "39b", "hosts": 8, "per_host": 8, "preset": "v100-16g", "clusters": 16, "hand": {
+    "gpt-39b-v100": {"model": "39b", "hosts": 8, "per_host": 8, "preset": "v100-16g", "clusters": 16,
+                     "precision": "fp16", "hand": {
         "p8 t8, remat layers": {**_stages(8, 16, (1, 8)), "remat": "layers"},
         "p16 t4, remat layers": {**_stages(16, 16, (1, 4)), "remat": "layers"}}},
     "mixtral-64": {"model": "mixtral", "hosts": 8, "per_host": 8, "preset": "a100-80g", "clusters": 16, "hand": {
@@ -88,7 +89,7 @@ def plan_one(case: str, config: str) -> dict:
         remat = hand["remat"]
     start = time.perf_counter()
     plan = torchpar.plan(model, torch.optim.AdamW(model.parameters()), example_batch=batch, method=method,
-                         mixed_precision="bf16", remat=remat, explain=False)
+                         mixed_precision=spec.get("precision", "bf16"), remat=remat, explain=False)
     seconds = time.perf_counter() - start
     devices = spec["hosts"] * spec["per_host"]
     model_flops = 3.0 * sum(layer["flops"] for layer in plan.layers) * micro
@@ -99,6 +100,7 @@ def plan_one(case: str, config: str) -> dict:
             "estimated_mfu": model_flops / (plan.estimated_step_s * devices * peak),
             "ideal_step_s": model_flops / (devices * peak),
             "least_headroom": min(1 - s.estimated_memory_bytes / memory for s in plan.stages),
+            "timings": dict(plan.timings),
             "stages": [{"layers": list(s.layers), "submesh": list(s.submesh_shape),
                         "logical": list(s.logical_mesh_shape), "per_micro_batch_s": s.estimated_cost_s,
                         "compute_s": s.estimated_compute_s, "communication_s": s.estimated_communication_s}
