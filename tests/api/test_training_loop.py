@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 import torchpar
+from tests.runtime.ray_helpers import local_cluster
 from torchpar.capture.module_state import ModuleStateError
-from torchpar.cluster import current_cluster, shutdown
 
 TOL = 1e-6
 METHODS = ["one_device", "data_parallel", "pipeline"]
@@ -64,13 +64,8 @@ def cluster_for(name: str):
     if name != "pipeline":
         yield
         return
-    before = current_cluster()
-    shutdown()
-    try:
-        yield torchpar.init(cluster="local", num_hosts=2, devices_per_host=1)
-    finally:
-        shutdown()
-        torchpar.init(cluster="local", num_hosts=before.num_hosts, devices_per_host=before.devices_per_host)
+    with local_cluster(num_hosts=2, devices_per_host=1) as cluster:
+        yield cluster
 
 
 def batches(n: int, width: int = 8) -> list[tuple[torch.Tensor, torch.Tensor]]:

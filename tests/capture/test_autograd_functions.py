@@ -17,9 +17,9 @@ import torch
 from torch.testing._internal.autograd_function_db import autograd_function_db
 
 import torchpar
+from tests.runtime.ray_helpers import local_cluster
 from torchpar.capture.errors import CaptureError
 from torchpar.capture.export import capture_train_step
-from torchpar.cluster import current_cluster, shutdown
 from torchpar.ir.function_regions import FUNCTION_INPUT, FUNCTION_OUTPUT, function_regions
 
 TOL = 1e-6
@@ -126,18 +126,6 @@ def _method(name: str):
     return torchpar.PipeshardParallel(num_micro_batches=2, layer_option="manual", stage_option=stage_option)
 
 
-@contextlib.contextmanager
-def _two_one_device_hosts():
-    """A local cluster of 2 hosts × 1 device for the block (a 2-stage pipeline, one device per stage)."""
-    before = current_cluster()
-    shutdown()
-    try:
-        yield torchpar.init(cluster="local", num_hosts=2, devices_per_host=1)
-    finally:
-        shutdown()
-        torchpar.init(cluster="local", num_hosts=before.num_hosts, devices_per_host=before.devices_per_host)
-
-
 @pytest.mark.parametrize("method", ["one_device", "data_parallel", "pipeline"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_custom_backward_trains_like_pytorch(kind, method):
@@ -147,7 +135,7 @@ def test_custom_backward_trains_like_pytorch(kind, method):
     batch = (torch.randn(8, 8), torch.randn(8, 8))
     make_opt = lambda m: torch.optim.SGD(m.parameters(), lr=0.1)  # noqa: E731
     ref_opt = make_opt(reference)
-    cluster = _two_one_device_hosts() if method == "pipeline" else contextlib.nullcontext()
+    cluster = local_cluster(num_hosts=2, devices_per_host=1) if method == "pipeline" else contextlib.nullcontext()
     with cluster, torchpar.compile(model, make_opt(model), example_batch=batch, method=_method(method)) as engine:
         assert len(engine.plan.stages) == (2 if method == "pipeline" else 1)
         _train_beside(engine, reference, ref_opt, batch)

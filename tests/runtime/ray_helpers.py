@@ -18,6 +18,21 @@ PARAM_RTOL, PARAM_ATOL = 1e-4, 1e-6
 
 
 @contextlib.contextmanager
+def local_cluster(**init_kwargs: Any) -> Iterator[torchpar.ClusterSpec]:
+    """``torchpar.init(cluster="local", ...)`` for the block (e.g. 2 hosts × 1 device: a 2-stage pipeline, one device
+    per stage), then the local cluster shape in force before it."""
+    from torchpar.cluster import current_cluster
+
+    before = current_cluster()
+    torchpar.shutdown()
+    try:
+        yield torchpar.init(cluster="local", **init_kwargs)
+    finally:
+        torchpar.shutdown()
+        torchpar.init(cluster="local", num_hosts=before.num_hosts, devices_per_host=before.devices_per_host)
+
+
+@contextlib.contextmanager
 def ray_cluster(*, fresh: bool = False, **init_kwargs: Any) -> Iterator[torchpar.ClusterSpec]:
     """``torchpar.init(cluster="ray", ...)`` for the block; afterwards every engine is closed (its host actors
     gone, their CPUs free) and the test session's local 8-device cluster is back.

@@ -3,7 +3,6 @@ parameters against PyTorch on the full batch, and failures that must surface as 
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import threading
 import time
@@ -12,8 +11,8 @@ import pytest
 import torch
 
 import torchpar
-from tests.runtime.ray_helpers import ray_cluster
-from torchpar.cluster import current_cluster, shutdown
+from tests.runtime.ray_helpers import local_cluster, ray_cluster
+from torchpar.cluster import shutdown
 from torchpar.harness import zoo
 
 LOSS_RTOL = 1e-4
@@ -284,21 +283,9 @@ class DropoutBoundaryMLP(BoundaryMLP):
         return torch.nn.functional.mse_loss(x, y)
 
 
-@contextlib.contextmanager
-def _local_cluster(**init_kwargs):
-    """``torchpar.init(cluster="local", ...)`` for the block, then the cluster shape in force before it."""
-    before = current_cluster()
-    shutdown()
-    try:
-        yield torchpar.init(cluster="local", **init_kwargs)
-    finally:
-        shutdown()
-        torchpar.init(cluster="local", num_hosts=before.num_hosts, devices_per_host=before.devices_per_host)
-
-
 def test_memory_stats_and_hlo_of_stages_on_one_device_each():
     # stage 1 runs on device 1, not on the process's default device, and reads the (uncommitted) step key
-    with _local_cluster(num_hosts=2, devices_per_host=1):
+    with local_cluster(num_hosts=2, devices_per_host=1):
         torch.manual_seed(0)
         model = DropoutBoundaryMLP(width=16, depth=2)
         batch = (torch.randn(8, 16), torch.randn(8, 16))
@@ -319,7 +306,7 @@ def test_memory_stats_and_hlo_of_stages_on_one_device_each():
 
 
 def test_a_smaller_last_batch_recompiles_the_stages_and_matches_pytorch():
-    with _local_cluster(num_hosts=2, devices_per_host=1):
+    with local_cluster(num_hosts=2, devices_per_host=1):
         torch.manual_seed(0)
         model = BoundaryMLP(width=16, depth=2)
         reference = copy.deepcopy(model)
