@@ -208,12 +208,26 @@ def test_auto_recomputes_only_when_the_memory_budget_needs_it(one_device_runs, o
     assert losses == pytest.approx(one_device_runs["none"][0], rel=LOSS_RTOL)
 
 
-def test_auto_in_a_pipeline_plans_each_option_and_keeps_the_fastest_that_fits():
+def test_auto_in_a_pipeline_plans_each_option_and_keeps_the_fastest_that_fits(monkeypatch):
+    """Each option is planned, or bounded: an option whose candidates' proven lower bounds cannot beat the best plan
+    so far is not solved to the end, and the choice is the one planning every option to the end makes."""
+    from torchpar.planner import pipeline_plan
+
     model, batch = _stack()
     method = torchpar.PipeshardParallel(num_micro_batches=2, layer_option=torchpar.AutoLayerOption(layer_num=4))
-    plan = torchpar.plan(model, torch.optim.AdamW(model.parameters()), example_batch=batch, method=method,
-                         explain=False, remat="auto")
+
+    def auto():
+        return torchpar.plan(model, torch.optim.AdamW(model.parameters()), example_batch=batch, method=method,
+                             explain=False, remat="auto")
+
+    plan = auto()
     candidates = plan.solver["remat"]["candidates"]
-    assert [row["remat"] for row in candidates] == ["none", "selective", "layers"] and all(r["fits"] for r in candidates)
+    assert [row["remat"] for row in candidates] == ["none", "selective", "layers"]
     assert plan.remat == "none"  # everything fits: recomputing only adds compute
-    assert candidates[0]["estimated_step_s"] < candidates[2]["estimated_step_s"]
+    for row in candidates:
+        assert row["fits"] or (row["pruned"] and row["step_at_least_s"] >= plan.estimated_step_s), row
+    monkeypatch.setattr(pipeline_plan, "PRUNE_CANDIDATES", False)  # every option and candidate solved to the end
+    every = auto()
+    assert every.remat == plan.remat and every.estimated_step_s == pytest.approx(plan.estimated_step_s, rel=1e-9)
+    rows = every.solver["remat"]["candidates"]
+    assert all(r["fits"] for r in rows) and rows[0]["estimated_step_s"] < rows[2]["estimated_step_s"]

@@ -29,7 +29,7 @@ from torchpar.planner.sharding.ilp import SOLVE_COUNTS, SolveTimeout
 from torchpar.planner.plan import Plan
 from torchpar.planner.profiling import StageTimer, rank_candidates, record_profile
 from torchpar.planner.remat import check_remat
-from torchpar.planner.remat_choice import choose_remat
+from torchpar.planner.remat_choice import ORDER, PIPELINE_ORDER, NoFasterPlan, choose_remat
 from torchpar.planner.slicing import StageGraph, slice_stages, stage_of_nodes
 
 log = logging.getLogger(__name__)
@@ -71,21 +71,29 @@ def plan_pipeline(graph: Graph, method: PipeshardParallel, cluster: ClusterSpec,
 def _plan_auto_remat(graph: Graph, method: PipeshardParallel, cluster: ClusterSpec, *, trainable: set[str],
                      optimizer_state_copies: float, stage_timer: StageTimer | None) -> PipelinePlan:
     """``remat="auto"`` (:mod:`.remat_choice`): the whole pipeline planned once per option (stage DP, ILP refinement
-    of its best partition and runners-up), the fastest that fits kept."""
+    of its best partition and runners-up), the fastest that fits kept. The options are planned in
+    :data:`.remat_choice.PIPELINE_ORDER`, each bounded by the best step so far: one whose candidates' proven lower
+    bounds cannot beat it is not solved to the end (:class:`.remat_choice.NoFasterPlan`; ties go to the option first
+    in :data:`.remat_choice.ORDER`, as :func:`.remat_choice.choose_remat` breaks them). Exact, as the candidates'
+    branch and bound is: a pruned option could not have been chosen."""
     planned: dict[str, PipelinePlan] = {}
     seconds: dict[str, float] = {}
 
     def make(option: str) -> Plan:
         started = time.perf_counter()
+        best = min(planned, key=lambda o: (planned[o].plan.estimated_step_s, ORDER.index(o)), default=None)
+        bound = (planned[best].plan.estimated_step_s, ORDER.index(option) > ORDER.index(best)) if best else (math.inf,
+                                                                                                          True)
         try:
             screened = _screen(graph, method, cluster, optimizer_state_copies, option)
             planned[option] = _plan_screened(screened, graph, method, cluster, trainable, optimizer_state_copies,
-                                             option, [screened.partition, *screened.runners_up], stage_timer)
+                                             option, [screened.partition, *screened.runners_up], stage_timer,
+                                             beat=bound)
         finally:
             seconds[option] = time.perf_counter() - started
         return planned[option].plan
 
-    chosen = planned[choose_remat(make, cluster.device_memory_bytes).remat]
+    chosen = planned[choose_remat(make, cluster.device_memory_bytes, order=PIPELINE_ORDER).remat]
     # the chosen option's own phases, then what planning every option took
     chosen.plan.timings.update({f"remat_{option}": s for option, s in seconds.items()})
     chosen.plan.timings["remat_choice"] = sum(seconds.values())
@@ -165,9 +173,12 @@ def _screen(graph: Graph, method: PipeshardParallel, cluster: ClusterSpec, optim
 
 def _plan_screened(screened: _Screened, graph: Graph, method: PipeshardParallel, cluster: ClusterSpec,
                    trainable: set[str], optimizer_state_copies: float, remat: str, candidates: list,
-                   stage_timer: StageTimer | None) -> PipelinePlan:
+                   stage_timer: StageTimer | None, beat: tuple[float, bool] = (math.inf, True)) -> PipelinePlan:
     """The plan of the best of ``candidates`` (stage partitions of ``screened``) refined by the sharding ILP. Raises
-    the first candidate's ``ValueError`` when none fits."""
+    the first candidate's ``ValueError`` when none fits. ``beat``: ``(step, loses_ties)`` of a plan made before
+    (another remat option's); a candidate that cannot beat it is not refined, and if none can,
+    :class:`.remat_choice.NoFasterPlan` is raised."""
+    bounded = stage_timer is None and PRUNE_CANDIDATES  # a measured profile ranks every candidate: none left out
     from torchpar.planner import stages as stages_mod
 
     layering, timings = screened.layering, dict(screened.timings)
@@ -185,24 +196,27 @@ def _plan_screened(screened: _Screened, graph: Graph, method: PipeshardParallel,
                                                 method.experts, method.context)))
         except ValueError as error:  # e.g. a batch that does not divide a stage's mesh
             failures.append((position, candidate, error))
-    if stage_timer is None and PRUNE_CANDIDATES and len(prepared) > 1:
+    if bounded and (len(prepared) > 1 or math.isfinite(beat[0])):
         probing = time.perf_counter()
-        prepared = _probe(prepared, cluster.device_memory_bytes / virtual, failures)
+        prepared = _probe(prepared, cluster.device_memory_bytes / virtual, failures,
+                          reached=beat[0] if bounded else math.inf)
         timings["ilp_probe"] = time.perf_counter() - probing
     for position, problem in prepared:
         candidate = problem.partition
         # a measured profile ranks every candidate by its timing, so none may be left out by the estimate
         leader = min(refined, key=lambda item: (item[1].step_s, item[0]), default=None)
-        beat = leader[1].step_s if leader is not None and stage_timer is None and PRUNE_CANDIDATES else math.inf
+        beat_s, loses_ties = beat if bounded else (math.inf, True)
+        if bounded and leader is not None and leader[1].step_s < beat_s:
+            beat_s, loses_ties = leader[1].step_s, position > leader[0]
         try:
             refined.append((position, _refine(
                 problem, cluster.device_memory_bytes / virtual,
                 STAGE_TIME_LIMIT_S if candidate is screened.partition else RUNNER_UP_STAGE_TIME_LIMIT_S,
-                beat_s=beat, loses_ties=leader is not None and position > leader[0])))
+                beat_s=beat_s, loses_ties=loses_ties)))
         except _CannotWin as bound:
-            pruned.append((candidate, bound.step_s, beat))
+            pruned.append((candidate, bound.step_s, beat_s))
             log.info("stage partition %s: its step is at least %.4g s, no better than %.4g s: not refined further",
-                     candidate, bound.step_s, beat)
+                     candidate, bound.step_s, beat_s)
         except (ValueError, SolveTimeout) as error:  # no sharding fits the memory budget, or none found in time
             failures.append((position, candidate, error))
             log.info("stage partition %s: the ILP found no plan (%s)", candidate, error)
@@ -213,6 +227,8 @@ def _plan_screened(screened: _Screened, graph: Graph, method: PipeshardParallel,
     timings["ilp_solves"] = sum(r.solution.solve_s for refinement in refined for r in refinement.results)
     ilp_counts = {kind: SOLVE_COUNTS[kind] - counts_before[kind] for kind in SOLVE_COUNTS}
     if not refined:
+        if pruned:  # every candidate that fits is provably no faster than the plan ``beat`` describes
+            raise NoFasterPlan(min(bound for _, bound, _ in pruned), beat[0])
         raise failures[0][1]
     best = min(refined, key=lambda r: r.step_s)
     profile = None
@@ -293,13 +309,13 @@ class _Refined:
 
 
 def _probe(prepared: list[tuple[int, _Prepared]], memory_budget: float,
-           failures: list[tuple[int, object, ValueError]]) -> list[tuple[int, _Prepared]]:
+           failures: list[tuple[int, object, ValueError]], reached: float = math.inf) -> list[tuple[int, _Prepared]]:
     """Every candidate's stages solved under :data:`PROBE_STAGE_TIME_LIMIT_S` first (:meth:`.PreparedStage.probe`):
     most stage problems are solved to optimality at once; a hard one leaves a proven lower bound and a layout. A
     candidate stops being probed once its bound exceeds the best step a probed candidate reached. Returns the
     candidates that fit, likeliest winner first (least probed step, then least bound), so that its step prunes the
-    others in :func:`_refine`; a candidate with no layout that fits goes to ``failures``."""
-    reached = math.inf
+    others in :func:`_refine`; a candidate with no layout that fits goes to ``failures``. ``reached``: a step already
+    reached elsewhere (another remat option's plan), which stops probing as the candidates' own steps do."""
     kept: list[tuple[int, _Prepared]] = []
     for position, candidate in sorted(prepared, key=lambda item: item[1].lower_bound_s):
         try:

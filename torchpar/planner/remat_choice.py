@@ -6,6 +6,8 @@ recomputed FLOPs in the step time: :func:`torchpar.planner.remat.remat_memory`).
 
     argmin over the options whose plan fits of  (estimated step seconds, position in that order)
 
+(an option whose planning proves its step no better than an option planned before it — :class:`NoFasterPlan` — is
+not planned to the end: a pipeline plans the options in :data:`PIPELINE_ORDER` and bounds each by the best so far)
 so remat is taken only when it is needed to fit, or when it lets the ILP pick a faster sharding than the one that
 fits without it (e.g. data parallelism instead of sharded activations). ``plan.solver["remat"]`` records every
 candidate (its step and memory estimates, or why it did not fit) and the reason in words; ``plan.remat`` is the
@@ -26,19 +28,38 @@ log = logging.getLogger(__name__)
 ORDER = ("none", "selective", "layers")
 """Candidates, cheapest in compute first: ties go to the earlier one."""
 assert set(ORDER) == set(REMAT_OPTIONS)
+PIPELINE_ORDER = ("selective", "none", "layers")
+"""The order a pipeline plans the options in: the likeliest winner at scale first, so that its step bounds the others
+(GPT-3 175B on 64 × 8: "none" is tight on memory and its ILP slow; "layers" recomputes every layer)."""
 
 
-def choose_remat(make_plan: Callable[[str], Plan], budget_bytes: float) -> Plan:
+class NoFasterPlan(ValueError):
+    """An option's plan was proven no faster than ``beat_s`` (another option's step) before it was solved to the end:
+    its step is at least ``step_at_least_s``."""
+
+    def __init__(self, step_at_least_s: float, beat_s: float):
+        super().__init__(f"its step is at least {step_at_least_s:.6g} s by the ILP's lower bounds, no better than "
+                         f"{beat_s:.6g} s: not solved to the end")
+        self.step_at_least_s, self.beat_s = step_at_least_s, beat_s
+
+
+def choose_remat(make_plan: Callable[[str], Plan], budget_bytes: float,
+                 order: tuple[str, ...] = ORDER) -> Plan:
     """The plan of the best option (module docstring). ``make_plan(remat)`` plans with one option and raises
-    ``ValueError`` when nothing fits; a plan whose estimated per-device memory exceeds ``budget_bytes`` (the
-    single-device plan, which has no solver to refuse it) does not fit either. Raises ``ValueError`` listing each
-    option's reason when none fits."""
+    ``ValueError`` when nothing fits (:class:`NoFasterPlan` when it proved the option slower than one planned before);
+    a plan whose estimated per-device memory exceeds ``budget_bytes`` (the single-device plan, which has no solver to
+    refuse it) does not fit either. ``order``: the order the options are planned in (the record lists them in
+    :data:`ORDER`). Raises ``ValueError`` listing each option's reason when none fits."""
     plans: dict[str, Plan] = {}
     candidates: list[dict] = []
     errors: list[ValueError] = []
-    for remat in ORDER:
+    for remat in order:
         try:
             plan = make_plan(remat)
+        except NoFasterPlan as slower:
+            candidates.append({"remat": remat, "fits": None, "pruned": True, "step_at_least_s": slower.step_at_least_s,
+                               "error": str(slower)})
+            continue
         except ValueError as error:
             candidates.append({"remat": remat, "fits": False, "error": str(error).splitlines()[0]})
             errors.append(error)
@@ -52,6 +73,7 @@ def choose_remat(make_plan: Callable[[str], Plan], budget_bytes: float) -> Plan:
         else:
             plans[remat] = plan
         candidates.append(row)
+    candidates.sort(key=lambda row: ORDER.index(row["remat"]))
     if not plans and len(errors) == len(ORDER) and len({str(e) for e in errors}) == 1:
         raise errors[0]  # the same error whatever remat does (a mesh larger than the cluster, a batch that does not split)
     if not plans:
@@ -76,6 +98,10 @@ def _reason(chosen: str, candidates: list[dict], budget_bytes: float) -> str:
         return (f"without remat the step fits ({format_bytes(none['estimated_memory_bytes'])} of "
                 f"{format_bytes(budget_bytes)} per device, est. {format_seconds(step)}); recomputing would only add "
                 "compute")
+    if none.get("pruned"):
+        return (f"{chosen!r} is the fastest plan that fits ({format_bytes(by_name[chosen]['estimated_memory_bytes'])} "
+                f"per device, est. {format_seconds(step)}); without remat the step is at least "
+                f"{format_seconds(none['step_at_least_s'])} (bounded, not solved to the end)")
     if not none["fits"]:
         return (f"without remat nothing fits {format_bytes(budget_bytes)} per device ({none['error']}); "
                 f"{chosen!r} fits ({format_bytes(by_name[chosen]['estimated_memory_bytes'])}) at the lowest "
