@@ -226,6 +226,8 @@ def test_auto_in_a_pipeline_plans_each_option_and_keeps_the_fastest_that_fits(mo
     assert plan.remat == "none"  # everything fits: recomputing only adds compute
     for row in candidates:
         assert row["fits"] or (row["pruned"] and row["step_at_least_s"] >= plan.estimated_step_s), row
+        if row.get("pruned"):
+            assert f"{row['remat']:<10} not planned to the end: its step is at least" in plan.summary()
     monkeypatch.setattr(pipeline_plan, "PRUNE_CANDIDATES", False)  # every option and candidate solved to the end
     every = auto()
     assert every.remat == plan.remat and every.estimated_step_s == pytest.approx(plan.estimated_step_s, rel=1e-9)

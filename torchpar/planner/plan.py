@@ -231,7 +231,8 @@ class Plan:
                 priced = (f"est. step {format_seconds(row['estimated_step_s'])}, "
                           f"{format_bytes(row['estimated_memory_bytes'])} per device"
                           if "estimated_step_s" in row else "")
-                verdict = "fits" if row.get("fits") else f"does not fit: {row.get('error', '')}"
+                verdict = ("fits" if row.get("fits") else f"not planned to the end: {row.get('error', '')}"
+                           if row.get("pruned") else f"does not fit: {row.get('error', '')}")
                 lines.append(f"    {row['remat']:<10} {priced}{'; ' if priced else ''}{verdict}")
         if self.remat != "none":
             lines.append(f"  remat: {self.remat} ({_REMAT_MEANING[self.remat]})")
