@@ -110,11 +110,16 @@ def main(argv: list[str] | None = None) -> int:
             print(_line(row), flush=True)
     _growth(rows)
     if args.json:
-        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-        with open(args.json, "w") as handle:
-            json.dump({"machine": {"cpus": os.cpu_count()}, "rows": rows}, handle, indent=2)
-        print(f"wrote {args.json}")
+        write_rows(args.json, rows)
     return 0
+
+
+def write_rows(path: str, rows: list[dict]) -> None:
+    """The benchmark's JSON: this machine's CPU count and one object per case."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as handle:
+        json.dump({"machine": {"cpus": os.cpu_count()}, "rows": rows}, handle, indent=2)
+    print(f"wrote {path}")
 
 
 def _line(row: dict) -> str:

@@ -39,7 +39,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from plan_scaling import build  # noqa: E402  (the same meta models as the scaling benchmark)
+from plan_scaling import build, write_rows  # noqa: E402  (the scaling benchmark's meta models and JSON)
 
 
 def _stages(count: int, clusters: int, submesh: tuple[int, int], logical: tuple[int, int] | None = None) -> dict:
@@ -138,10 +138,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {case}: {auto['estimated_step_s'] / best['estimated_step_s']:.3f} (auto "
                   f"{auto['estimated_step_s']:.2f} s, {best['config']} {best['estimated_step_s']:.2f} s)")
     if args.json:
-        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-        with open(args.json, "w") as handle:
-            json.dump({"machine": {"cpus": os.cpu_count()}, "rows": rows}, handle, indent=2)
-        print(f"wrote {args.json}")
+        write_rows(args.json, rows)
     return 0
 
 
