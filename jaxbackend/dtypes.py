@@ -26,7 +26,3 @@ def to_jax(name: str) -> jnp.dtype:
     except KeyError:
         raise NotImplementedError(f"torch dtype {name} has no JAX equivalent in torchpar") from None
     return jax.dtypes.canonicalize_dtype(dtype)
-
-
-def is_floating(name: str) -> bool:
-    return name in ("float16", "bfloat16", "float32", "float64")

@@ -74,7 +74,7 @@ def compile(
     """Capture ``model``'s training step on ``example_batch`` and compile it with ``method``.
 
     ``method=None`` runs on one device; a :class:`Plan` (e.g. loaded with ``Plan.from_dict``) runs as given,
-    without solving. See DESIGN.md §2 for the calling convention and the loss rule. With
+    without solving. The calling convention and the loss rule: ``docs/user_guide.md``, "Compile and train". With
     ``torchpar.init(cluster="ray", ...)`` every method runs on the Ray host actors. The engine holds workers
     until ``engine.close()``; ``with torchpar.compile(...) as engine:`` closes it on exit. The keyword options
     are the fields of :class:`CompileOptions` (each documented there). ``data``: host-loaded training

@@ -238,10 +238,6 @@ class CompiledTraining:
             self._eval[signature] = capture
         return self._eval[signature]
 
-    def forget_forward_captures(self) -> None:
-        """Capture the eval forward again at its next use (a value it baked in changed)."""
-        self._eval.clear()
-
     def _check_state_known(self, capture: Capture) -> None:
         """A later capture (another batch shape, the eval forward) may read no state the engine does not hold."""
         if not self.tracked:

@@ -46,7 +46,7 @@ import dataclasses
 import inspect
 import logging
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -232,11 +232,6 @@ def _release(modules: list[torch.nn.Module]) -> None:
         watchers = _watchers.get(id(module))
         if watchers is not None and not any(True for _ in watchers):  # (iteration skips links being collected)
             _unwatch(module, None)
-
-
-def unlinked_class(module: torch.nn.Module) -> type:
-    """``module``'s own class (its class before an engine watched it)."""
-    return getattr(type(module), "_torchpar_base", None) or type(module)
 
 
 # --- one engine's link ------------------------------------------------------------------------------------------

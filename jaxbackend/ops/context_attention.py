@@ -428,11 +428,6 @@ def _core_bwd(split, residuals, d_out):
 _context_core.defvjp(_core_fwd, _core_bwd)
 
 
-def context_devices(mesh_shape: Sequence[int], axes: Sequence[int]) -> int:
-    """``P``: the devices along the mesh ``axes`` (ints)."""
-    return math.prod(mesh_shape[a] for a in axes)
-
-
 # --- under GSPMD ----------------------------------------------------------------------------------------------------
 
 def pinned_context_split(shardings, variant: str | None, causal: bool, scale: float) -> ContextSplit | None:

@@ -1,6 +1,6 @@
 """Training the tiny HuggingFace families of ``hf_configs`` with torchpar against PyTorch eager (fp32).
 
-The single-device engine's acceptance checks (DESIGN.md §1 "PyTorch semantics are the truth"):
+The single-device engine's acceptance checks (PyTorch semantics are the truth: ``docs/semantics.md``):
 
 1. 20 AdamW and 20 SGD (Nesterov) steps give PyTorch's loss at every step (1e-4 relative);
 2. after ``sync_to_torch`` the parameters are PyTorch's (SGD: every element; AdamW: per tensor, and

@@ -1,9 +1,9 @@
 """torch.export capture: ``nn.Module`` + example batch → :class:`torchpar.ir.Graph`.
 
-The model is wrapped so that the exported program computes exactly what the user's loop computes:
-``model(**batch)`` / ``model(*batch)`` / ``model(batch)``, then the loss selected as DESIGN.md §2
-states; or, given a ``step_fn(model, batch) -> loss`` (``forward_fn(model, batch) -> outputs`` for the eval
-forward), that function, which calls the model its own way; a ``step_fn`` may return ``(loss, aux)``, ``aux`` a
+The model is wrapped so that the exported program computes exactly what the user's loop computes: ``model(**batch)``
+/ ``model(*batch)`` / ``model(batch)``, then the loss selected as ``docs/user_guide.md`` ("Compile and train",
+``loss_fn``) states; or, given a ``step_fn(model, batch) -> loss`` (``forward_fn(model, batch) -> outputs`` for the
+eval forward), that function, which calls the model its own way; a ``step_fn`` may return ``(loss, aux)``, ``aux`` a
 ``dict[str, torch.Tensor]`` of values to report (graph outputs of kind ``"aux"``, not differentiated). Export is
 non-strict, then ``run_decompositions()`` reduces the graph to core ATen, except ``scaled_dot_product_attention``,
 which stays one op (a fused lowering, one node for the planner); a mask it receives that is the same for every batch

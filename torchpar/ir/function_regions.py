@@ -86,6 +86,3 @@ def function_regions(graph: Graph) -> list[FunctionRegion]:
     return regions
 
 
-def region_of_nodes(graph: Graph) -> dict[int, FunctionRegion]:
-    """Node index → the region it belongs to, for the nodes inside a region."""
-    return {index: region for region in function_regions(graph) for index in region.node_range()}

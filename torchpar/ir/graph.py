@@ -152,9 +152,6 @@ class Graph:
         metas.update({n.name: n.out for n in self.nodes})
         return metas
 
-    def inputs_of_kind(self, kind: InputKind) -> list[Input]:
-        return [i for i in self.inputs if i.kind == kind]
-
     @property
     def total_flops(self) -> float:
         return float(sum(n.flops for n in self.nodes))

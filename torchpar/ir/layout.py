@@ -2,7 +2,7 @@
 
 A spec has one entry per tensor dim: ``None`` (replicated along that dim) or a tuple of the logical
 mesh axes (0 and/or 1, in major-to-minor order) the dim is split over. Every mesh axis splits at
-most one dim. The JSON form (DESIGN.md §2) uses lists: ``[[1], None]``.
+most one dim. The JSON form (``docs/api.md``, ``Plan``) uses lists: ``[[1], None]``.
 """
 
 from __future__ import annotations
@@ -26,10 +26,6 @@ def make_spec(rank: int, splits: dict[int, Sequence[int]]) -> Spec:
     if len(used) != len(set(used)):
         raise ValueError(f"a mesh axis splits two dims in {splits}")
     return tuple(tuple(splits[d]) if splits.get(d) else None for d in range(rank))
-
-
-def axes_used(spec: Spec) -> frozenset[int]:
-    return frozenset(axis for entry in spec if entry for axis in entry)
 
 
 def dim_shards(spec: Spec, mesh: MeshShape) -> list[int]:

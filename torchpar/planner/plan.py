@@ -1,4 +1,4 @@
-"""The Plan: what runs where. Plain data with a JSON round trip (DESIGN.md §2).
+"""The Plan: what runs where. Plain data with a JSON round trip (its fields: ``docs/api.md``, ``Plan``).
 
 A spec is a list with one entry per tensor dim: ``None`` if replicated along it, else the list of
 logical mesh axes (0 and/or 1) the dim is split over.
@@ -98,7 +98,7 @@ class StagePlan:
 
 @dataclass(kw_only=True)
 class Plan:
-    """A parallel execution plan; see DESIGN.md §2 for the serialized format."""
+    """A parallel execution plan; ``docs/api.md`` (``Plan``) lists the fields of its serialized form."""
 
     method: str
     """The method's one name (:data:`torchpar.methods.METHOD_NAMES`): ``single_device``, ``data_parallel``,

@@ -1,4 +1,5 @@
-"""The check of a plan's JSON form (DESIGN.md §2) that :meth:`Plan.from_dict` runs before it builds anything.
+"""The check of a plan's JSON form (``docs/api.md``, ``Plan``) that :meth:`Plan.from_dict` runs before it builds
+anything.
 
 A plan file is untrusted input: it is read with ``json`` only (never pickle or ``eval``), and every field is
 checked here against the format ``Plan.to_dict()`` writes. A bad field raises :class:`PlanFormatError`, whose

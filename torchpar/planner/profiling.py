@@ -33,7 +33,6 @@ constants stay as given (one process measures only the links between its own dev
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable, Protocol, Sequence
 
@@ -167,11 +166,6 @@ def record_profile(ranked: Sequence[RankedCandidate], chosen: RankedCandidate,
             "candidates": [r.to_dict() for r in ranked], "links": [],
             "cached_stages": sum(t.cached for r in ranked for t in r.timings),
             "timed_stages": sum(not t.cached for r in ranked for t in r.timings)}
-
-
-def relative_error(estimate: float, measured: float) -> float:
-    """``estimate / measured − 1`` (``nan`` when nothing was measured)."""
-    return estimate / measured - 1.0 if measured > 0 and math.isfinite(measured) else math.nan
 
 
 def profile_one_stage(plan: Any, graph: Any, timer: StageTimer) -> None:

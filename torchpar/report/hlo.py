@@ -132,11 +132,3 @@ def _loop_computations(hlo: str) -> dict[str, int]:
 def count(hlo: str) -> Counter[str]:
     """Number of collective instructions of each kind."""
     return Counter(c.kind for c in collectives(hlo))
-
-
-def bytes_by_kind(hlo: str) -> Counter[str]:
-    """Bytes of collective results, by kind."""
-    totals: Counter[str] = Counter()
-    for c in collectives(hlo):
-        totals[c.kind] += c.bytes
-    return totals

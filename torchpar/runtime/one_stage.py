@@ -180,9 +180,6 @@ class OneStageProgram:
         return CompiledStep(compiled=compiled, spmd=spmd, num_inputs=len(inputs), lower_s=lowered_at - start,
                             compile_s=done - lowered_at, input_shardings=input_shardings)
 
-    def input_sharding(self, index: int) -> Any:
-        return self.placement.input(index)
-
     def compile_forward(self, graph: Graph) -> Callable:
         """The eval forward of ``graph``: ``(params, buffers, inputs) → outputs``; shardings propagate from the
         parameters' layouts."""

@@ -182,9 +182,6 @@ class StageProgram:
     def put_param(self, name: str, value: Any) -> Any:
         return put(value, self.placement.param(name))
 
-    def put_state(self, name: str, value: Any) -> Any:
-        return put(value, self.placement.state_of(name))
-
     def put_input(self, index: int, value: Any) -> Any:
         return put_batch(value, self.placement.input(index))
 

@@ -14,11 +14,10 @@ size 1 cost nothing.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from torchpar.ir.layout import MeshShape, Spec, dim_shards, num_shards
+from torchpar.ir.layout import MeshShape, Spec, num_shards
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -117,6 +116,3 @@ def _without(entry: tuple[int, ...] | None, axis: int) -> tuple[int, ...] | None
     return rest or None
 
 
-def local_bytes(nbytes: float, spec: Spec, mesh: MeshShape) -> float:
-    """Bytes one device holds of a tensor of ``nbytes`` laid out as ``spec``."""
-    return nbytes / math.prod(dim_shards(spec, mesh))
