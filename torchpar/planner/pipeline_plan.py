@@ -82,8 +82,8 @@ def _plan_auto_remat(graph: Graph, method: PipeshardParallel, cluster: ClusterSp
     def make(option: str) -> Plan:
         started = time.perf_counter()
         best = min(planned, key=lambda o: (planned[o].plan.estimated_step_s, ORDER.index(o)), default=None)
-        bound = (planned[best].plan.estimated_step_s, ORDER.index(option) > ORDER.index(best)) if best else (math.inf,
-                                                                                                          True)
+        bound = (math.inf, True) if best is None else (planned[best].plan.estimated_step_s,
+                                                        ORDER.index(option) > ORDER.index(best))
         try:
             screened = _screen(graph, method, cluster, optimizer_state_copies, option)
             planned[option] = _plan_screened(screened, graph, method, cluster, trainable, optimizer_state_copies,
@@ -198,8 +198,7 @@ def _plan_screened(screened: _Screened, graph: Graph, method: PipeshardParallel,
             failures.append((position, candidate, error))
     if bounded and (len(prepared) > 1 or math.isfinite(beat[0])):
         probing = time.perf_counter()
-        prepared = _probe(prepared, cluster.device_memory_bytes / virtual, failures,
-                          reached=beat[0] if bounded else math.inf)
+        prepared = _probe(prepared, cluster.device_memory_bytes / virtual, failures, reached=beat[0])
         timings["ilp_probe"] = time.perf_counter() - probing
     for position, problem in prepared:
         candidate = problem.partition
