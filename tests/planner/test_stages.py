@@ -412,3 +412,112 @@ def test_the_bounded_t_max_search_finds_the_scans_optimum_with_fewer_dps(seed, s
         assert exact.cost_s == pytest.approx(scan.cost_s, rel=1e-12)
         assert scan.cost_s <= loose.cost_s <= scan.cost_s * 1.01
         assert loose.num_t_max_tried <= exact.num_t_max_tried <= exact.num_t_max_candidates
+
+
+# --- mixture-of-experts stages: the token exchange and the replicated-dense option (issue 47) ----------------
+
+@pytest.fixture(scope="module")
+def mixtral():
+    model, batch = zoo.build("mixtral", {"num_hidden_layers": 2, "num_local_experts": 8}, batch_size=16, seq_len=16)
+    graph = capture_train_step(model, batch).graph
+    return graph, cluster_layers(graph, 2)
+
+
+def _routed_layer(layering, graph) -> int:
+    from torchpar.ir.op_families import GROUPED_MATMULS
+
+    return next(layering.layer_of[n.name] for n in graph.nodes if n.target in GROUPED_MATMULS)
+
+
+def test_analytic_cost_prices_the_expert_exchange(mixtral):
+    """A routed layer on ``(1, 8)`` pays at least one grouped matmul's cheapest exchange or all-reduce per
+    micro-batch (before: nothing); on ``(8, 1)`` (weights replicated, rows split) only the once-per-step sync."""
+    from torchpar.ir.op_families import GROUPED_MATMULS
+    from torchpar.planner.mesh_links import stage_mesh
+    from torchpar.planner.sharding.strategies import expert_strategies
+
+    graph, layering = mixtral
+    layer = _routed_layer(layering, graph)
+    cluster = ClusterSpec(num_hosts=1, devices_per_host=8)
+    per_step = AnalyticStageCost(layering, graph, cluster, num_micro_batches=10**9, optimizer_state_copies=2)
+    assert per_step(layer, layer, (1, 8), (8, 1)).communication_s < 1e-10  # the sync, over 10⁹ micro-batches
+    metas = graph.metas()
+    node = next(n for n in graph.nodes if n.target in GROUPED_MATMULS and layering.layer_of[n.name] == layer)
+    shapes = [metas[r].shape for r in list(node.refs())[:3]]
+    mesh = stage_mesh((1, 8), cluster, (1, 8))
+    exchange = min(s.comm_s for s in expert_strategies(shapes, node.flops, 4, (True, False, False), mesh))
+    all_reduce = mesh.all_reduce(min(node.out_bytes, metas[next(node.refs())].nbytes), [1])
+    assert per_step(layer, layer, (1, 8), (1, 8)).communication_s > min(exchange, all_reduce) > 0
+
+
+def test_analytic_cost_offers_experts_split_beside_replicated_dense_weights(mixtral):
+    """``options``: on ``(1, 8)`` a routed stage also offers its other weights replicated — no tensor-parallel
+    all-reduce, their weights, gradients and Adam moments whole on every device (``(2 + 2)·(1 − 1/8)`` more bytes
+    of each); ``(8, 1)`` offers one cost."""
+    graph, layering = mixtral
+    layer = _routed_layer(layering, graph)
+    cluster = ClusterSpec(num_hosts=1, devices_per_host=8)
+    cost = AnalyticStageCost(layering, graph, cluster, num_micro_batches=4, optimizer_state_copies=2)
+    plain, replicated = cost.options(layer, layer, (1, 8), (1, 8))
+    assert plain == cost(layer, layer, (1, 8), (1, 8))
+    assert replicated.communication_s < plain.communication_s
+    assert replicated.compute_s == pytest.approx(plain.compute_s)
+    read = {r for n in graph.nodes if layering.layer_of[n.name] == layer for r in n.refs()}
+    params = {i.target: i.meta.nbytes for i in graph.inputs if i.kind == "param" and i.name in read}
+    experts = sum(nbytes for target, nbytes in params.items() if target.endswith(("gate_up_proj", "down_proj")))
+    assert 0 < experts < cost.parameter_bytes(layer, layer) == sum(params.values())
+    dense = sum(params.values()) - experts
+    assert replicated.memory_bytes - plain.memory_bytes == pytest.approx(dense * 4 * (1 - 1 / 8))
+    assert len(cost.options(layer, layer, (1, 8), (8, 1))) == 1
+
+
+def test_close_logical_meshes_offers_the_meshes_within_the_tolerance_that_fit():
+    """The stage's own mesh first, then the others within ``1 + tolerance`` of its latency that fit, fastest first."""
+    from torchpar.planner.stages import StageChoice, close_logical_meshes
+
+    latency = {(1, 8): 1.00, (2, 4): 1.04, (4, 2): 1.02, (8, 1): 0.90}
+    memory = {(1, 8): 1.0, (2, 4): 2.0, (4, 2): 4.0, (8, 1): 8.0}
+
+    def cost(first, last, submesh, logical):
+        return StageCost(latency_s=latency[logical], memory_bytes=memory[logical], activation_bytes=0.5)
+
+    stage = StageChoice(0, 1, (1, 8), (1, 8), 1.0, 1.5)
+    assert close_logical_meshes(stage, cost, memory_budget=5.0, in_flight=2) == [(1, 8), (4, 2), (2, 4)]
+    assert close_logical_meshes(stage, cost, memory_budget=4.5, in_flight=2) == [(1, 8), (2, 4)]  # (4, 2): 5 bytes
+    assert close_logical_meshes(stage, cost, memory_budget=5.0, in_flight=2, tolerance=0.03) == [(1, 8), (4, 2)]
+    assert close_logical_meshes(stage, cost, memory_budget=9.0, in_flight=2, tolerance=0.0) == [(1, 8), (8, 1)]
+
+
+class _Problem:
+    """A stand-in for :class:`torchpar.planner.intra_op.PreparedStage`: a bound, and the cost its solve returns."""
+
+    def __init__(self, bound, cost, fits=True):
+        self.lower_bound_s, self.cost, self.fits, self.solved, self.probed_s, self.build_s = bound, cost, fits, 0, \
+            math.inf, 1.0
+
+    def probe(self, memory_budget, time_limit_s):
+        if not self.fits:
+            raise ValueError(f"no layout of the {self.cost} s problem fits")
+        self.probed_s = self.cost
+
+    def solve(self, memory_budget, time_limit_s):
+        from types import SimpleNamespace
+
+        self.solved += 1
+        return SimpleNamespace(stage=SimpleNamespace(estimated_cost_s=self.cost))
+
+
+def test_a_stage_takes_the_cheapest_logical_mesh_the_ilp_finds():
+    from torchpar.planner.pipeline_plan import _MeshChoice
+
+    screened, other, hopeless, too_big = _Problem(0.8, 1.0), _Problem(0.7, 0.9), _Problem(0.95, 2.0), \
+        _Problem(0.1, 0.2, fits=False)
+    choice = _MeshChoice([screened, other, hopeless, too_big])
+    assert choice.lower_bound_s == 0.1 and choice.build_s == 4.0
+    choice.probe(1.0, 2.0)
+    assert choice.alternatives == [screened, other, hopeless]  # the one that does not fit is dropped
+    assert choice.probed_s == 0.9 and choice.lower_bound_s == 0.7
+    assert choice.solve(1.0, 30.0).stage.estimated_cost_s == 0.9
+    assert hopeless.solved == 0  # its bound, 0.95, cannot beat the 0.9 s found: not solved
+    with pytest.raises(ValueError, match="fits"):
+        _MeshChoice([_Problem(0.1, 0.2, fits=False)]).probe(1.0, 2.0)

@@ -108,6 +108,8 @@ class _Screened:
     partition: object
     runners_up: list
     timings: dict[str, float]
+    cost: object | None = None
+    """The stage DP's cost model (``None``: stages given by hand or uniform, their logical meshes kept as given)."""
 
 
 def _screen(graph: Graph, method: PipeshardParallel, cluster: ClusterSpec, optimizer_state_copies: float,
@@ -123,6 +125,7 @@ def _screen(graph: Graph, method: PipeshardParallel, cluster: ClusterSpec, optim
     option = method.stage_option
     start = time.perf_counter()
     runners_up: list = []
+    cost = None
     from torchpar.planner import stages as stages_mod
 
     hosts, per_host = cluster.num_hosts, cluster.devices_per_host
@@ -168,7 +171,7 @@ def _screen(graph: Graph, method: PipeshardParallel, cluster: ClusterSpec, optim
         timings["stage_dp_search"] = result.dp_s
         timings["stage_table"] = result.table_s
     timings["stage_dp"] = time.perf_counter() - start
-    return _Screened(layering, partition, runners_up, timings)
+    return _Screened(layering, partition, runners_up, timings, cost)
 
 
 def _plan_screened(screened: _Screened, graph: Graph, method: PipeshardParallel, cluster: ClusterSpec,
@@ -193,7 +196,7 @@ def _plan_screened(screened: _Screened, graph: Graph, method: PipeshardParallel,
         try:
             prepared.append((position, _prepare(graph, layering, candidate, cluster, method.num_micro_batches,
                                                 trainable, optimizer_state_copies, remat, method.schedule, virtual,
-                                                method.experts, method.context)))
+                                                method.experts, method.context, screened.cost)))
         except ValueError as error:  # e.g. a batch that does not divide a stage's mesh
             failures.append((position, candidate, error))
     if bounded and (len(prepared) > 1 or math.isfinite(beat[0])):
@@ -363,7 +366,9 @@ class _Prepared:
 
 def _prepare(graph: Graph, layering, partition, cluster: ClusterSpec, num_micro_batches: int, trainable: set[str],
              optimizer_state_copies: float, remat: str, schedule: str, virtual_stages: int,
-             experts: str = "auto", context: str = "auto") -> _Prepared:
+             experts: str = "auto", context: str = "auto", cost=None) -> _Prepared:
+    """``partition``'s stage problems; with the stage DP's ``cost``, each stage's on every logical mesh
+    :func:`.stages.close_logical_meshes` offers (:class:`_MeshChoice`), else on its own."""
     from torchpar.planner import stages as stages_mod
 
     stage_layers = [list(ids) for ids in partition.forward_stage_layer_ids]
@@ -375,16 +380,76 @@ def _prepare(graph: Graph, layering, partition, cluster: ClusterSpec, num_micro_
     devices = [list(group_devices[s % groups]) for s in range(len(submeshes))]
     # micro-batches each stage holds at once, as the stage DP counts them (1F1B: the stages from it to the last)
     in_flight = stages_mod.micro_batches_in_flight(len(stage_graphs), num_micro_batches, schedule, virtual_stages)
-    problems = [prepare_stage(stage.graph, kind="shard", mesh_shape=mesh_shape, cluster=cluster,
-                              trainable=trainable & set(stage.params), optimizer_state_copies=optimizer_state_copies,
-                              submesh=submeshes[index], remat=remat, in_flight=in_flight[index], experts=experts,
-                              context=context, num_micro_batches=num_micro_batches, per_micro_batch=True)
-                for index, (stage, mesh_shape) in enumerate(zip(stage_graphs, logical))]
+    if cost is None:
+        meshes = [[mesh] for mesh in logical]
+    else:
+        budget = cluster.device_memory_bytes / virtual_stages
+        meshes = [stages_mod.close_logical_meshes(choice, cost, budget, in_flight[index])
+                  for index, choice in enumerate(partition.stages)]
+    problems = [_MeshChoice([prepare_stage(stage.graph, kind="shard", mesh_shape=mesh_shape, cluster=cluster,
+                                           trainable=trainable & set(stage.params),
+                                           optimizer_state_copies=optimizer_state_copies, submesh=submeshes[index],
+                                           remat=remat, in_flight=in_flight[index], experts=experts, context=context,
+                                           num_micro_batches=num_micro_batches, per_micro_batch=True)
+                             for mesh_shape in meshes[index]])
+                for index, stage in enumerate(stage_graphs)]
 
     def step(latencies: list[float]) -> float:
         return stages_mod.pipeline_latency(latencies, num_micro_batches, schedule, virtual_stages)
 
     return _Prepared(partition, stage_graphs, stage_layers, submeshes, devices, problems, step)
+
+
+@dataclass
+class _MeshChoice:
+    """One stage's sharding problems on the logical meshes the ILP prices for it, the screened one first: the stage
+    takes the cheapest solution. Probed and solved as a :class:`.intra_op.PreparedStage` is (its bound: the least
+    alternative's)."""
+
+    alternatives: list
+
+    @property
+    def build_s(self) -> float:
+        return sum(problem.build_s for problem in self.alternatives)
+
+    @property
+    def lower_bound_s(self) -> float:
+        return min(problem.lower_bound_s for problem in self.alternatives)
+
+    @property
+    def probed_s(self) -> float:
+        return min(problem.probed_s for problem in self.alternatives)
+
+    def probe(self, memory_budget: float, time_limit_s: float) -> None:
+        """Probe every alternative; those with no layout that fits are dropped (the first one's error is raised
+        when none fits)."""
+        fitting, errors = [], []
+        for problem in self.alternatives:
+            try:
+                problem.probe(memory_budget, time_limit_s)
+                fitting.append(problem)
+            except ValueError as error:
+                errors.append(error)
+        if not fitting:
+            raise errors[0]
+        self.alternatives = fitting
+
+    def solve(self, memory_budget: float, time_limit_s: float):
+        """The cheapest alternative's result; an alternative whose bound cannot beat a solved one is not solved."""
+        best, failure = None, None
+        for problem in sorted(self.alternatives, key=lambda p: p.lower_bound_s):
+            if best is not None and problem.lower_bound_s >= best.stage.estimated_cost_s:
+                continue
+            try:
+                result = problem.solve(memory_budget, time_limit_s)
+            except (ValueError, SolveTimeout) as error:
+                failure = failure or error
+                continue
+            if best is None or result.stage.estimated_cost_s < best.stage.estimated_cost_s:
+                best = result
+        if best is None:
+            raise failure
+        return best
 
 
 def _refine(prepared: _Prepared, memory_budget: float, time_limit_s: float, beat_s: float = math.inf,

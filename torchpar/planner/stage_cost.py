@@ -13,11 +13,14 @@ from typing import Protocol
 
 from torchpar.cluster import ClusterSpec
 from torchpar.ir.graph import Graph
-from torchpar.ir.op_families import VIEWS
+from torchpar.ir.graph import DTYPE_BYTES
+from torchpar.ir.op_families import GROUPED_MATMULS, VIEWS
 from torchpar.planner.layers import Layering
 from torchpar.planner.mesh_links import stage_mesh
 from torchpar.planner.remat import BACKWARD_WORKING_COPIES, materialized, remat_memory
+from torchpar.planner.sharding.cost_model import LogicalMesh
 from torchpar.planner.sharding.solver_graph import attention_probabilities_bytes
+from torchpar.planner.sharding.strategies import expert_strategies
 
 Shape = tuple[int, int]
 
@@ -47,6 +50,16 @@ class StageCostModel(Protocol):
     def __call__(self, first_layer: int, last_layer: int, submesh: Shape, logical: Shape) -> StageCost: ...
 
 
+def stage_options(cost: StageCostModel, first_layer: int, last_layer: int, submesh: Shape,
+                  logical: Shape) -> tuple[StageCost, ...]:
+    """The costs ``cost`` offers for a stage: those of its ``options`` method when it has one (layout families
+    with different memory, of which the DP takes the fastest that fits), else its one ``cost(...)``."""
+    options = getattr(cost, "options", None)
+    if options is None:
+        return (cost(first_layer, last_layer, submesh, logical),)
+    return tuple(options(first_layer, last_layer, submesh, logical))
+
+
 class AnalyticStageCost:
     """The alpha-beta stage cost model, from the IR alone (no compilation, no profiling).
 
@@ -74,6 +87,14 @@ class AnalyticStageCost:
     prices it) ``A`` counts only the outputs kept for the backward, ``R`` is the largest model layer's dropped
     outputs within the stage (``0`` without remat), and ``compute_s`` adds one forward of the recomputed ops'
     FLOPs ``F_r``: ``(3·F + F_r) / (a·b · device_flops)``.
+
+    A mixture-of-experts grouped matmul ``x [S, K] · w [E, K, N]`` (``X_g``: the smaller of ``x`` and its output) is
+    priced as the stage ILP prices it, its cheapest of: the experts split over axis 1 with the tokens exchanged by
+    all-to-all (:func:`torchpar.planner.sharding.strategies.expert_strategies`, forward and backward, on the
+    stage's micro-batch; its weight-gradient sync is the data-parallel term above), or the hidden dims split over
+    axis 1 at one all-reduce of ``X_g / a`` as a dense weight matmul. Its compute beyond ``3·F_g / (a·b)`` (an
+    exchange whose rows are not split over every device) is added to ``compute_s``. On ``(a, 1)`` it costs nothing
+    beyond its FLOPs (weights replicated, as the memory term has them).
 
     ``X_w`` is the smaller of the weight matmul's activation operand and its output (a column-split matmul
     all-reduces its input's gradient in the backward, a row-split one its output in the forward: a GPT block's QKV,
@@ -108,6 +129,8 @@ class AnalyticStageCost:
         self._dropped: list[dict[int, float]] = []  # per layer: bytes each remat group does not keep
         self._largest: list[float] = []  # per layer: its largest materialized output (the backward's working set)
         self._tensor_parallel: list[tuple[int, float]] = []  # per layer: (weight matmuls, Σ X_w bytes)
+        self._grouped: list[tuple[_GroupedMatmul, ...]] = []  # per layer: its MoE grouped matmuls
+        self._expert_params: list[frozenset[str]] = []  # per layer: the parameters its grouped matmuls read as w
         of_weight = _weight_values(graph)
         kept = remat_memory(graph, remat)
         live = materialized(graph)
@@ -132,16 +155,22 @@ class AnalyticStageCost:
             exchanged = [_all_reduced_bytes(n, metas, of_weight) for n in nodes if n.target in _WEIGHT_MATMULS]
             exchanged = [nbytes for nbytes in exchanged if nbytes is not None]
             self._tensor_parallel.append((len(exchanged), float(sum(exchanged))))
+            grouped = (_grouped_matmul(n, metas) for n in nodes if n.target in GROUPED_MATMULS)
+            self._grouped.append(tuple(g for g in grouped if g is not None))
+            self._expert_params.append(frozenset(of_weight[ref] for n in nodes if n.target in GROUPED_MATMULS
+                                                 for ref in list(n.refs())[1:2] if ref in of_weight))
         self._entering = _entering_values(graph, layering)
         leading = [i.meta.shape[0] for i in graph.inputs if i.kind == "input" and i.meta.shape]
         self.micro_batch_rows: int | None = math.gcd(*leading) if leading else None
         """Rows of one micro-batch (the gcd of the batch inputs' leading dims); ``None``: no batch input."""
         self._range = lru_cache(maxsize=None)(self._range_totals)
+        self._experts = lru_cache(maxsize=None)(self._layer_expert_costs)
 
     def _range_totals(self, first: int, last: int
-                      ) -> tuple[float, float, float, float, tuple[int, float], float, float, float, float]:
+                      ) -> tuple[float, float, float, float, tuple[int, float], float, float, float, float, float]:
         layers = range(first, last + 1)
         params = frozenset().union(*(self._params[l] for l in layers))
+        experts = frozenset().union(*(self._expert_params[l] for l in layers)) & params
         buffers = frozenset().union(*(self._buffers[l] for l in layers)) - params
         dropped: dict[int, float] = {}
         for l in layers:
@@ -156,29 +185,67 @@ class AnalyticStageCost:
                 max(dropped.values(), default=0.0),
                 float(sum(nbytes for defined, readers, nbytes in self._entering
                           if defined < first and any(first <= r <= last for r in readers))),
-                max(self._largest[l] for l in layers))
+                max(self._largest[l] for l in layers),
+                float(sum(self._state_bytes[t] for t in experts)))
+
+    def _layer_expert_costs(self, layer: int, submesh: Shape, logical: Shape) -> tuple[float, float]:
+        """``(compute_s, communication_s)`` layer ``layer``'s grouped matmuls add per micro-batch beyond their
+        FLOPs over every device (class docstring)."""
+        if not self._grouped[layer] or logical[1] == 1:
+            return 0.0, 0.0
+        mesh = stage_mesh(logical, self.cluster, submesh)
+        compute = communication = 0.0
+        for matmul in self._grouped[layer]:
+            extra_compute, extra_communication = _grouped_matmul_cost(matmul, mesh)
+            compute += extra_compute
+            communication += extra_communication
+        return compute, communication
 
     def parameter_bytes(self, first_layer: int, last_layer: int) -> float:
         """Bytes of the distinct parameters layers ``first_layer..last_layer`` read."""
         return self._range(first_layer, last_layer)[1]
 
     def __call__(self, first_layer: int, last_layer: int, submesh: Shape, logical: Shape) -> StageCost:
+        return self._price(first_layer, last_layer, submesh, logical, dense_replicated=False)
+
+    def options(self, first_layer: int, last_layer: int, submesh: Shape, logical: Shape) -> tuple[StageCost, ...]:
+        """The stage's costs under each layout family the screening knows (the DP takes the fastest that fits):
+        the class docstring's, and for a stage with experts on ``(a, b > 1)`` the other weights replicated too
+        (their matmuls data parallel over both axes, no tensor-parallel all-reduce)."""
+        plain = self._price(first_layer, last_layer, submesh, logical, dense_replicated=False)
+        if logical[1] == 1 or not self._range(first_layer, last_layer)[9]:
+            return (plain,)
+        return plain, self._price(first_layer, last_layer, submesh, logical, dense_replicated=True)
+
+    def _price(self, first_layer: int, last_layer: int, submesh: Shape, logical: Shape, *,
+               dense_replicated: bool) -> StageCost:
         devices = submesh[0] * submesh[1]
         data, tensor = logical
         if data * tensor != devices:
             raise ValueError(f"logical mesh {logical} does not have the {devices} devices of submesh {submesh}")
-        if data > 1 and self.micro_batch_rows is not None and self.micro_batch_rows % data:
+        rows_split = devices if dense_replicated else data
+        if rows_split > 1 and self.micro_batch_rows is not None and self.micro_batch_rows % rows_split:
             return StageCost(latency_s=math.inf, memory_bytes=math.inf)
         (flops, params, buffers, activations, (matmuls, exchanged), recomputed, recomputed_peak,
-         received, largest) = self._range(first_layer, last_layer)
+         received, largest, expert_params) = self._range(first_layer, last_layer)
         mesh = stage_mesh((data, tensor), self.cluster, submesh)
         compute = (3.0 * flops + recomputed) / (devices * self.cluster.device_flops)
-        latency_1 = mesh.all_reduce(0.0, [1])  # AR_1 is affine in its bytes: α + slope·bytes
-        tensor_parallel = matmuls * latency_1 + (mesh.all_reduce(1.0, [1]) - latency_1) * exchanged / data
-        communication = mesh.all_reduce(params / tensor, [0]) / self.num_micro_batches + tensor_parallel
+        experts = [self._experts(l, submesh, logical) for l in range(first_layer, last_layer + 1)]
+        compute += sum(c for c, _ in experts)
+        communication = sum(c for _, c in experts)
+        if dense_replicated:
+            split, whole = expert_params, params - expert_params
+            communication += (mesh.all_reduce(split / tensor, [0]) + mesh.all_reduce(whole, [0, 1])) \
+                / self.num_micro_batches
+        else:
+            split, whole = params, 0.0
+            latency_1 = mesh.all_reduce(0.0, [1])  # AR_1 is affine in its bytes: α + slope·bytes
+            communication += (mesh.all_reduce(params / tensor, [0]) / self.num_micro_batches
+                              + matmuls * latency_1 + (mesh.all_reduce(1.0, [1]) - latency_1) * exchanged / data)
+        state_copies = 2.0 + self.optimizer_state_copies
         return StageCost(
             latency_s=compute + communication,
-            memory_bytes=((params * (2.0 + self.optimizer_state_copies) + buffers) / tensor
+            memory_bytes=((split * state_copies + buffers) / tensor + whole * state_copies
                           + (recomputed_peak + BACKWARD_WORKING_COPIES * largest) / devices),
             activation_bytes=(activations + received) / devices,
             compute_s=compute,
@@ -186,21 +253,64 @@ class AnalyticStageCost:
         )
 
 
+@dataclass(frozen=True)
+class _GroupedMatmul:
+    """A grouped matmul ``x [S, K] · w [E, K, N]`` as the screening prices it."""
+
+    shapes: tuple[tuple[int, ...], ...]
+    """``x``, ``w`` and the offsets' shapes."""
+    flops: float
+    itemsize: int
+    exchanged_bytes: float
+    """``X_g``: the smaller of ``x`` and the output, the tensor-parallel all-reduce's buffer."""
+
+
+def _grouped_matmul(node, metas: dict) -> _GroupedMatmul | None:
+    """``node``'s :class:`_GroupedMatmul`, ``None`` unless it has the ``x [S, K], w [E, K, N], offs [E]`` form."""
+    refs = list(node.refs())
+    if len(refs) < 2 or any(r not in metas for r in refs[:3]):
+        return None
+    shapes = tuple(tuple(metas[r].shape) for r in refs[:3])
+    if len(shapes[0]) != 2 or len(shapes[1]) != 3:
+        return None
+    return _GroupedMatmul(shapes=shapes, flops=float(node.flops), itemsize=DTYPE_BYTES.get(metas[refs[0]].dtype, 4),
+                          exchanged_bytes=float(min(node.out_bytes, metas[refs[0]].nbytes)))
+
+
+def _grouped_matmul_cost(matmul: _GroupedMatmul, mesh: LogicalMesh) -> tuple[float, float]:
+    """``(compute_s, communication_s)`` ``matmul`` adds per micro-batch on ``mesh`` beyond ``3·F_g / (a·b)``: the
+    cheaper of its expert-parallel strategies over axis 1 and a tensor-parallel all-reduce over axis 1."""
+    data, tensor = mesh.shape
+    base = mesh.compute(3.0 * matmul.flops, data * tensor)
+    options = [(0.0, mesh.all_reduce(matmul.exchanged_bytes / data, [1]))]
+    # rows split over both axes, the experts' axis major, are not the rows of the stage's other ops (the batch over
+    # axis 0): the tokens are re-laid by an all-to-all over both axes, forward and backward
+    relayout = 2.0 * mesh.all_to_all(matmul.exchanged_bytes / (data * tensor), [0, 1]) if data > 1 else 0.0
+    # the weight's gradient sync is the stage's data-parallel term: not priced again here
+    for strategy in expert_strategies(matmul.shapes, matmul.flops, matmul.itemsize, (True, False, False), mesh):
+        if 1 in strategy.in_specs[1][0]:
+            rows_both = len(strategy.in_specs[0][0]) == 2
+            options.append((max(strategy.compute_s - base, 0.0), strategy.comm_s + (relayout if rows_both else 0.0)))
+    return min(options, key=sum)
+
+
 _WEIGHT_MATMULS = frozenset({"aten.mm.default", "aten.addmm.default"})
 _SAME_VALUES = VIEWS | {"aten._to_copy.default", "aten.clone.default", "aten.alias.default"}
 """Ops whose output is their first operand's values (viewed or cast: mixed precision casts each weight)."""
 
 
-def _weight_values(graph: Graph) -> set[str]:
-    """The parameters and the views and casts of them (a ``Linear``'s transposed bf16 weight) by name."""
-    found = {i.name for i in graph.inputs if i.kind == "param"}
+def _weight_values(graph: Graph) -> dict[str, str]:
+    """The parameters and the views and casts of them (a ``Linear``'s transposed bf16 weight) by name → the
+    parameter's target."""
+    found = {i.name: i.target for i in graph.inputs if i.kind == "param"}
     for node in graph.nodes:
-        if node.target in _SAME_VALUES and next(node.refs(), None) in found:
-            found.add(node.name)
+        source = next(node.refs(), None)
+        if node.target in _SAME_VALUES and source in found:
+            found[node.name] = found[source]
     return found
 
 
-def _all_reduced_bytes(node, metas: dict, of_weight: set[str]) -> float | None:
+def _all_reduced_bytes(node, metas: dict, of_weight: dict[str, str]) -> float | None:
     """``X_w`` of a matmul ``node`` reading a weight (the class docstring); ``None`` if it reads none."""
     refs = list(node.refs())[1:] if node.target == "aten.addmm.default" else list(node.refs())
     if not any(r in of_weight for r in refs):

@@ -76,7 +76,7 @@ def replicated_put(operand_shapes: Sequence[Sequence[int]], out_bytes: float) ->
 def exchange_strategies(form: str, operand_shapes: Sequence[Sequence[int]], itemsize: int, needs_grad: Sequence[bool],
                         mesh: LogicalMesh, *, num_micro_batches: int = 1) -> list[Strategy]:
     """The exchange strategies of a ``form`` (:func:`row_exchange_form`) op: rows split over one live axis or both
-    (major first), and with one axis for the rows, the dim after them optionally split over the other (columns:
+    (either major: a grouped matmul's rows split ``(experts' axis, other)`` read them without a reshuffle), and with one axis for the rows, the dim after them optionally split over the other (columns:
     each row moves in pieces). Module docstring: costs."""
     data = operand_shapes[0] if form == "gather" else operand_shapes[2]      # the rows that move
     dest_rows = operand_shapes[1][0] if form == "gather" else operand_shapes[0][0]
@@ -87,8 +87,8 @@ def exchange_strategies(form: str, operand_shapes: Sequence[Sequence[int]], item
     choices: list[tuple[tuple[int, ...], tuple[int, ...]]] = [((a,), ()) for a in live]
     if len(data) >= 2:
         choices += [((a,), (b,)) for a in live for b in live if b != a]
-    if len(live) == 2:
-        choices.append(((0, 1), ()))
+    if len(live) == 2:  # either major: the expert strategies' rows run (experts' axis, the other)
+        choices += [((0, 1), ()), ((1, 0), ())]
     size = lambda axes: math.prod(mesh.shape[x] for x in axes)  # noqa: E731
     grad = bool(needs_grad[0] if form == "gather" else len(needs_grad) > 2 and needs_grad[2])
     strategies = []
