@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Literal
 
@@ -53,7 +54,7 @@ class TensorMeta:
 
     @property
     def numel(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
+        return math.prod(self.shape)  # exact Python ints (the planner calls this a million times: not numpy's)
 
     @property
     def nbytes(self) -> int:

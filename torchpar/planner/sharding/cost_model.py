@@ -14,6 +14,7 @@ size 1 cost nothing.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -70,10 +71,13 @@ class LogicalMesh:
 
         Per mesh axis: split → replicated is an all-gather, replicated → split a free local slice,
         split on one dim → split on another an all-to-all. All-gathers run first, on the local size
-        they produce.
+        they produce. (Memoized: a solver graph asks for the same few millions of times.)
         """
         if src == dst:
             return 0.0
+        return _resharding(self, nbytes, tuple(src), tuple(dst))
+
+    def _resharding(self, nbytes: float, src: Spec, dst: Spec) -> float:
         src_dim = _axis_dims(src)
         dst_dim = _axis_dims(dst)
         cost = 0.0
@@ -93,6 +97,11 @@ class LogicalMesh:
             else:
                 cost += self.all_to_all(local, [axis])
         return cost
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _resharding(mesh: LogicalMesh, nbytes: float, src: Spec, dst: Spec) -> float:
+    return mesh._resharding(nbytes, src, dst)
 
 
 def _ar(nbytes: float, n: int, alpha: float, beta: float) -> float:
