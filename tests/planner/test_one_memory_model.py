@@ -60,7 +60,8 @@ def _mixtral() -> tuple[torch.nn.Module, dict]:
 MODELS = {"gpt2": _gpt2, "llama": _llama, "mixtral": _mixtral}
 
 
-def _combinations(models: tuple[str, ...] = ("gpt2", "llama"), count: int = COMBINATIONS, seed: int = 11) -> list[dict]:
+def _combinations(models: tuple[str, ...] = ("gpt2", "llama"), count: int = COMBINATIONS,
+                  seed: int = 11) -> list[dict]:
     rng = np.random.default_rng(seed)
     return [dict(model=str(rng.choice(list(models))), mixed=rng.choice([None, "bf16"]),
                  remat=str(rng.choice(["none", "layers", "selective"])), micro_batches=int(rng.choice([2, 4])),

@@ -76,8 +76,9 @@ def replicated_put(operand_shapes: Sequence[Sequence[int]], out_bytes: float) ->
 def exchange_strategies(form: str, operand_shapes: Sequence[Sequence[int]], itemsize: int, needs_grad: Sequence[bool],
                         mesh: LogicalMesh, *, num_micro_batches: int = 1) -> list[Strategy]:
     """The exchange strategies of a ``form`` (:func:`row_exchange_form`) op: rows split over one live axis or both
-    (either major: a grouped matmul's rows split ``(experts' axis, other)`` read them without a reshuffle), and with one axis for the rows, the dim after them optionally split over the other (columns:
-    each row moves in pieces). Module docstring: costs."""
+    (either major: a grouped matmul's rows split ``(experts' axis, other)`` read them without a reshuffle), and
+    with one axis for the rows, the dim after them optionally split over the other (columns: each row moves in
+    pieces). Module docstring: costs."""
     data = operand_shapes[0] if form == "gather" else operand_shapes[2]      # the rows that move
     dest_rows = operand_shapes[1][0] if form == "gather" else operand_shapes[0][0]
     source_rows = operand_shapes[0][0] if form == "gather" else operand_shapes[1][0]
