@@ -139,3 +139,27 @@ def test_an_identical_problem_is_answered_from_the_first_solve():
     assert ilp.SOLVE_COUNTS["solved"] == counts["solved"] + 1 and ilp.SOLVE_COUNTS["reused"] == counts["reused"] + 1
     assert reused.choice == solved.choice and reused.objective_s == solved.objective_s
     assert reused.status.endswith("(reused)")
+
+
+def test_a_solve_given_up_above_a_cutoff_proves_its_bound():
+    """``give_up`` sees the bounds CP-SAT proves: one it never accepts leaves the solve as it was; one that accepts any
+    bound either stops the search (:class:`AboveCutoff` with a bound no layout beats) or sees the solve end first."""
+    from torchpar.planner.sharding import ilp
+
+    graph, trainable = _mlp_graph(256, 32)
+    solver_graph = build_solver_graph(graph, LogicalMesh(shape=(2, 4)), trainable=trainable,
+                                      optimizer_state_copies=ADAM_STATE)
+    ilp._SOLVED.clear()
+    plain = solve(solver_graph, memory_budget=1e9)
+    ilp._SOLVED.clear()
+    seen: list[float] = []
+    never = solve(solver_graph, memory_budget=1e9, give_up=lambda bound: seen.append(bound) or False)
+    assert never.objective_s == pytest.approx(plain.objective_s) and never.status == plain.status == "OPTIMAL"
+    assert seen and max(seen) <= plain.objective_s + 1e-12
+    ilp._SOLVED.clear()
+    try:
+        early = solve(solver_graph, memory_budget=1e9, give_up=lambda bound: True)
+    except ilp.AboveCutoff as stopped:
+        assert stopped.bound_s <= plain.objective_s + 1e-12
+    else:
+        assert early.objective_s == pytest.approx(plain.objective_s) and early.status == "OPTIMAL"

@@ -35,7 +35,8 @@ from torchpar.planner.plan import StagePlan
 from torchpar.planner.sharding.comm_bytes import collective_bytes
 from torchpar.planner.sharding.cost_model import LogicalMesh
 from torchpar.planner.sharding.exchange_strategies import is_exchange
-from torchpar.planner.sharding.ilp import Solution, evaluate, gathered_memory, solve, transient_peak
+from torchpar.planner.sharding.ilp import (AboveCutoff, Solution, evaluate, gathered_memory, solve,
+                                          transient_peak)
 from torchpar.planner.sharding.solver_graph import SolverGraph, build_solver_graph
 
 log = logging.getLogger(__name__)
@@ -163,12 +164,23 @@ class PreparedStage:
         if solution.status.startswith(("OPTIMAL", "FORCED")):  # "OPTIMAL (reused)" too
             self.final = result
 
-    def solve(self, memory_budget: float | None = None, time_limit_s: float = 30.0) -> IntraOpResult:
+    def solve(self, memory_budget: float | None = None, time_limit_s: float = 30.0,
+              give_up: Callable[[float], bool] | None = None) -> IntraOpResult:
+        """The stage solved to the end (or to ``time_limit_s``). ``give_up``: called with every lower bound the solver
+        proves on ``estimated_cost_s`` (the objective ÷ :attr:`amortized_over`; ``"shard"`` plans, whose estimate is
+        the objective); once it returns true, :class:`.sharding.ilp.AboveCutoff` is raised with that bound (in the
+        same units) and the bound is kept in :attr:`lower_bound_s`."""
         if self.final is not None:
             return self.final
         allowed = _restrictions(self.kind, self.solver_graph, self.batch_axes, self.sequence_parallel)
-        return self._result(solve(self.solver_graph, memory_budget=memory_budget, time_limit_s=time_limit_s,
-                                  allowed=allowed))
+        per_objective = None if give_up is None else (lambda bound_s: give_up(bound_s / self.amortized_over))
+        try:
+            solution = solve(self.solver_graph, memory_budget=memory_budget, time_limit_s=time_limit_s,
+                             allowed=allowed, give_up=per_objective)
+        except AboveCutoff as stopped:
+            self.probed_bound_s = max(self.probed_bound_s, stopped.bound_s)
+            raise AboveCutoff(stopped.bound_s / self.amortized_over) from None
+        return self._result(solution)
 
     def _result(self, solution: Solution) -> IntraOpResult:
         stage, communication_s, extra = _stage_from_solution(self.kind, self.graph, self.solver_graph, solution,

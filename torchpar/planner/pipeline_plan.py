@@ -25,7 +25,7 @@ from torchpar.methods import ManualStageOption, PipeshardParallel
 from torchpar.planner import layers as layers_mod
 from torchpar.planner.interleaved_stages import interleaved_stage_dp
 from torchpar.planner.intra_op import prepare_stage
-from torchpar.planner.sharding.ilp import SOLVE_COUNTS, SolveTimeout
+from torchpar.planner.sharding.ilp import SOLVE_COUNTS, AboveCutoff, SolveTimeout
 from torchpar.planner.plan import Plan
 from torchpar.planner.profiling import StageTimer, rank_candidates, record_profile
 from torchpar.planner.remat import check_remat
@@ -434,19 +434,32 @@ class _MeshChoice:
             raise errors[0]
         self.alternatives = fitting
 
-    def solve(self, memory_budget: float, time_limit_s: float):
-        """The cheapest alternative's result; an alternative whose bound cannot beat a solved one is not solved."""
-        best, failure = None, None
-        for problem in sorted(self.alternatives, key=lambda p: p.lower_bound_s):
-            if best is not None and problem.lower_bound_s >= best.stage.estimated_cost_s:
+    def solve(self, memory_budget: float, time_limit_s: float, give_up: Callable[[float], bool] | None = None):
+        """The cheapest alternative's result. Alternatives already solved (by a probe) are taken first; another one is
+        solved only while its bound can beat the best so far, and stops as soon as its proven bound cannot. ``give_up``
+        as :meth:`.intra_op.PreparedStage.solve`'s: :class:`.sharding.ilp.AboveCutoff` (the least bound proven) when
+        every alternative's bound was given up."""
+        best, failure, bounds = None, None, []
+        for problem in sorted(self.alternatives, key=lambda p: (p.final is None, p.lower_bound_s)):
+            least = math.inf if best is None else best.stage.estimated_cost_s
+            if problem.lower_bound_s >= least:
                 continue
+
+            def stop(bound_s: float, least: float = least) -> bool:
+                return bound_s >= least or (give_up is not None and give_up(bound_s))
+
             try:
-                result = problem.solve(memory_budget, time_limit_s)
+                result = problem.solve(memory_budget, time_limit_s, give_up=stop)
+            except AboveCutoff as stopped:
+                bounds.append(stopped.bound_s)
+                continue
             except (ValueError, SolveTimeout) as error:
                 failure = failure or error
                 continue
-            if best is None or result.stage.estimated_cost_s < best.stage.estimated_cost_s:
+            if result.stage.estimated_cost_s < least:
                 best = result
+        if best is None and bounds:
+            raise AboveCutoff(min(bounds))
         if best is None:
             raise failure
         return best
@@ -471,7 +484,15 @@ def _refine(prepared: _Prepared, memory_budget: float, time_limit_s: float, beat
     results: list = [None] * len(problems)
     order = sorted(range(len(problems)), key=lambda i: -bounds[i]) if math.isfinite(beat_s) else range(len(problems))
     for count, index in enumerate(order, start=1):
-        result = problems[index].solve(memory_budget, time_limit_s)
+        def give_up(bound_s: float, index: int = index) -> bool:  # this stage at bound_s loses the partition
+            return cannot_win(step([bound_s if i == index else b for i, b in enumerate(bounds)]))
+
+        try:
+            result = problems[index].solve(memory_budget, time_limit_s,
+                                           give_up=give_up if math.isfinite(beat_s) else None)
+        except AboveCutoff as stopped:
+            bounds[index] = stopped.bound_s
+            raise _CannotWin(step(bounds)) from None
         result.stage.layers = prepared.stage_layers[index]
         result.stage.submesh_shape = prepared.submeshes[index]
         result.stage.device_ids = prepared.devices[index]

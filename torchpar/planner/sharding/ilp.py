@@ -42,6 +42,7 @@ import hashlib
 import logging
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -94,9 +95,13 @@ SUBSOLVERS = ("max_lp", "core")
 
 def solve(graph: SolverGraph, *, memory_budget: float | None = None, time_limit_s: float = 30.0,
           workers: int = len(SUBSOLVERS), allowed: dict[int, set[int]] | None = None, relative_gap: float = 1e-4,
-          none_if_unsolved: bool = False) -> Solution | None:
+          none_if_unsolved: bool = False, give_up: Callable[[float], bool] | None = None) -> Solution | None:
     """Solve the ILP on ``graph``; raises :class:`MemoryBudgetError` if no layout fits ``memory_budget``.
     ``none_if_unsolved``: return ``None`` instead of raising when the time limit passes before any solution.
+    ``give_up``: called with every lower bound CP-SAT proves (seconds, as :attr:`Solution.lower_bound_s`); once it
+    returns true the search stops and :class:`AboveCutoff` is raised with that bound (a caller that only needs to
+    know whether the optimum can be below some threshold need not solve to the end). It does not change the search:
+    a solve it never stops returns what it would have returned without it.
 
     ``allowed`` restricts roots to some strategy indices (hand plans are restrictions of the same ILP,
     so the automatic plan is never worse than them by the cost model). The solver stops once the
@@ -115,7 +120,7 @@ def solve(graph: SolverGraph, *, memory_budget: float | None = None, time_limit_
         return dataclasses.replace(cached, choice=list(cached.choice), status=f"{cached.status} (reused)",
                                    solve_s=time.perf_counter() - start)
     solution = _solve_cp_sat(graph, memory_budget, time_limit_s, workers, allowed, relative_gap, start,
-                             none_if_unsolved)
+                             none_if_unsolved, give_up)
     SOLVE_COUNTS["solved"] += 1
     if solution is None:
         return None
@@ -129,11 +134,20 @@ class SolveTimeout(RuntimeError):
     """CP-SAT found no layout within its time limit (neither one that fits nor a proof that none does)."""
 
 
+class AboveCutoff(Exception):
+    """The caller's ``give_up`` accepted a lower bound CP-SAT proved: no layout costs less than ``bound_s`` seconds."""
+
+    def __init__(self, bound_s: float):
+        super().__init__(f"every layout costs at least {bound_s:.6g} s")
+        self.bound_s = bound_s
+
+
 SOLUTION_CACHE_SIZE = 512
 """Solved problems kept in this process (:func:`problem_key` → :class:`Solution`), oldest dropped first."""
 _SOLVED: dict[str, Solution] = {}
-SOLVE_COUNTS: dict[str, int] = {"solved": 0, "reused": 0}
-"""CP-SAT solves run and answers reused from identical problems, in this process (``plan.timings`` reads them)."""
+SOLVE_COUNTS: dict[str, int] = {"solved": 0, "reused": 0, "given_up": 0}
+"""CP-SAT solves run to the end, answers reused from identical problems, and solves stopped by their ``give_up``, in
+this process (``plan.solver["ilp_problems"]`` reads them)."""
 
 
 def problem_key(graph: SolverGraph, memory_budget: float | None, allowed: dict[int, set[int]] | None,
@@ -167,7 +181,7 @@ def problem_key(graph: SolverGraph, memory_budget: float | None, allowed: dict[i
 
 def _solve_cp_sat(graph: SolverGraph, memory_budget: float | None, time_limit_s: float, workers: int,
                   allowed: dict[int, set[int]] | None, relative_gap: float, start: float,
-                  none_if_unsolved: bool = False) -> Solution | None:
+                  none_if_unsolved: bool = False, give_up: Callable[[float], bool] | None = None) -> Solution | None:
     from ortools.sat.python import cp_model
 
     model = cp_model.CpModel()
@@ -189,8 +203,21 @@ def _solve_cp_sat(graph: SolverGraph, memory_budget: float | None, time_limit_s:
     solver.parameters.num_workers = workers
     solver.parameters.subsolvers.extend(SUBSOLVERS)
     solver.parameters.relative_gap_limit = relative_gap
+    given_up: list[float] = []
+    if give_up is not None:
+        rounding = 0.5 * len(objective) / _SCALE  # as Solution.lower_bound_s
+
+        def on_bound(bound: float) -> None:
+            if not given_up and give_up(bound / _SCALE - rounding):
+                given_up.append(bound / _SCALE - rounding)
+                solver.stop_search()
+
+        solver.best_bound_callback = on_bound
     status = solver.solve(model)
     elapsed = time.perf_counter() - start
+    if given_up and status != cp_model.OPTIMAL:
+        SOLVE_COUNTS["given_up"] += 1
+        raise AboveCutoff(given_up[0])
     proto = model.proto
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         if status == cp_model.INFEASIBLE and memory_budget is not None:
