@@ -11,6 +11,7 @@ from torchpar.capture.export import capture_train_step
 from torchpar.cluster import ClusterSpec
 from torchpar.harness import zoo
 from torchpar.planner.layers import cluster_layers
+from torchpar.planner.sharding.ilp import AboveCutoff
 from torchpar.planner.stages import (
     AnalyticStageCost,
     StageCost,
@@ -453,7 +454,7 @@ def test_analytic_cost_prices_the_expert_exchange(mixtral):
 def test_analytic_cost_offers_experts_split_beside_replicated_dense_weights(mixtral):
     """``options``: on ``(1, 8)`` a routed stage also offers its other weights replicated — no tensor-parallel
     all-reduce, their weights, gradients and Adam moments whole on every device (``(2 + 2)·(1 − 1/8)`` more bytes
-    of each); ``(8, 1)`` offers one cost."""
+    of each); ``(8, 1)`` offers no such variant."""
     graph, layering = mixtral
     layer = _routed_layer(layering, graph)
     cluster = ClusterSpec(num_hosts=1, devices_per_host=8)
@@ -468,7 +469,9 @@ def test_analytic_cost_offers_experts_split_beside_replicated_dense_weights(mixt
     assert 0 < experts < cost.parameter_bytes(layer, layer) == sum(params.values())
     dense = sum(params.values()) - experts
     assert replicated.memory_bytes - plain.memory_bytes == pytest.approx(dense * 4 * (1 - 1 / 8))
-    assert len(cost.options(layer, layer, (1, 8), (8, 1))) == 1
+    data_parallel = cost.options(layer, layer, (1, 8), (8, 1))  # no replicated-dense variant: only split weights
+    assert data_parallel[0] == cost(layer, layer, (1, 8), (8, 1))
+    assert all(option.memory_bytes < data_parallel[0].memory_bytes for option in data_parallel[1:])
 
 
 def test_close_logical_meshes_offers_the_meshes_within_the_tolerance_that_fit():
@@ -500,11 +503,15 @@ class _Problem:
             raise ValueError(f"no layout of the {self.cost} s problem fits")
         self.probed_s = self.cost
 
-    def solve(self, memory_budget, time_limit_s):
+    final = None
+
+    def solve(self, memory_budget, time_limit_s, give_up=None):
         from types import SimpleNamespace
 
         self.solved += 1
-        return SimpleNamespace(stage=SimpleNamespace(estimated_cost_s=self.cost))
+        if give_up is not None and give_up(self.cost):  # the solver's bound reaches the optimum at last
+            raise AboveCutoff(self.cost)
+        return SimpleNamespace(stage=SimpleNamespace(estimated_cost_s=self.cost), solver_stats=dict)
 
 
 def test_a_stage_takes_the_cheapest_logical_mesh_the_ilp_finds():
@@ -519,5 +526,59 @@ def test_a_stage_takes_the_cheapest_logical_mesh_the_ilp_finds():
     assert choice.probed_s == 0.9 and choice.lower_bound_s == 0.7
     assert choice.solve(1.0, 30.0).stage.estimated_cost_s == 0.9
     assert hopeless.solved == 0  # its bound, 0.95, cannot beat the 0.9 s found: not solved
+    with pytest.raises(AboveCutoff) as stopped:  # the caller gives up above 0.85 s: every alternative is above it
+        _MeshChoice([_Problem(0.7, 0.9), _Problem(0.8, 1.0)]).solve(1.0, 30.0, give_up=lambda bound: bound > 0.85)
+    assert stopped.value.bound_s == 0.9
+
+
+def test_a_stage_whose_bound_loses_the_partition_stops_its_solve():
+    """``_refine`` gives every stage's solve the test "with this bound the partition's step cannot beat the best":
+    a solve that proves it stops (:class:`AboveCutoff`) and the partition is pruned with that bound in its step."""
+    from torchpar.planner.pipeline_plan import _CannotWin, _MeshChoice, _Prepared, _refine
+
+    slow, fast = _Problem(0.4, 0.6), _Problem(0.1, 0.5)
+    prepared = _Prepared(partition=None, stage_graphs=[None, None], stage_layers=[[0], [1]], submeshes=[(1, 1)] * 2,
+                         devices=[[0], [1]], problems=[_MeshChoice([slow]), _MeshChoice([fast])], step=sum)
+    with pytest.raises(_CannotWin) as pruned:  # 0.6 + 0.5 > 1.0
+        _refine(prepared, memory_budget=1.0, time_limit_s=30.0, beat_s=1.0)
+    assert pruned.value.step_s == pytest.approx(1.1) and (slow.solved, fast.solved) == (1, 1)
+    assert _refine(prepared, memory_budget=1.0, time_limit_s=30.0, beat_s=1.2).step_s == pytest.approx(1.1)
     with pytest.raises(ValueError, match="fits"):
         _MeshChoice([_Problem(0.1, 0.2, fits=False)]).probe(1.0, 2.0)
+
+
+@pytest.fixture(scope="module")
+def resnet():
+    model, batch = zoo.build("resnet", batch_size=8)
+    graph = capture_train_step(model, batch).graph
+    return graph, cluster_layers(graph, 2)
+
+
+def test_analytic_cost_prices_convolutions_as_weight_matmuls(resnet):
+    """A convolution's weight split over axis 1 costs an all-reduce of its smaller activation, as a weight matmul's
+    does (it priced none, and a Wide-ResNet screened as 64-way tensor parallel for free); on ``(8, 1)`` the stage is
+    also offered with weights split over all devices, the cheapest per byte saved first: memory falls by ``P_w·(2 +
+    optimizer_state_copies)·(1 − 1/8)`` per weight split, and here (every activation larger than its weight's share
+    of the gradient sync) the step gets slower with each."""
+    from torchpar.planner.mesh_links import stage_mesh
+    from torchpar.planner.stage_cost import _WEIGHT_MATMULS, _weight_of, _weight_values
+
+    graph, layering = resnet
+    cluster = ClusterSpec(num_hosts=1, devices_per_host=8)
+    cost = AnalyticStageCost(layering, graph, cluster, num_micro_batches=4, optimizer_state_copies=2)
+    metas = graph.metas()
+    convolutions = [n for n in graph.nodes if n.target == "aten.convolution.default"]
+    last = layering.num_layers - 1
+    mesh = stage_mesh((1, 8), cluster, (1, 8))
+    exchanged = sum(min(n.out_bytes, metas[next(n.refs())].nbytes) for n in convolutions)
+    assert cost(0, last, (1, 8), (1, 8)).communication_s > mesh.all_reduce(exchanged, [1]) - mesh.all_reduce(0.0, [1])
+    plain, *split = cost.options(0, last, (1, 8), (8, 1))
+    assert plain == cost(0, last, (1, 8), (8, 1)) and len(split) == 4
+    memories = [plain.memory_bytes] + [option.memory_bytes for option in split]
+    latencies = [plain.latency_s] + [option.latency_s for option in split]
+    assert memories == sorted(memories, reverse=True) and latencies == sorted(latencies)
+    of_weight = _weight_values(graph)
+    split_weights = {of_weight[_weight_of(n, of_weight)] for n in graph.nodes if n.target in _WEIGHT_MATMULS}
+    split_bytes = sum(i.meta.nbytes for i in graph.inputs if i.kind == "param" and i.target in split_weights)
+    assert len(split_weights) == len(convolutions) + 1  # and the classifier's weight
+    assert plain.memory_bytes - split[-1].memory_bytes == pytest.approx(split_bytes * 4 * (1 - 1 / 8))

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Protocol
 
+import numpy as np
+
 from torchpar.cluster import ClusterSpec
 from torchpar.ir.graph import Graph
 from torchpar.ir.graph import DTYPE_BYTES
@@ -98,7 +100,15 @@ class AnalyticStageCost:
 
     ``X_w`` is the smaller of the weight matmul's activation operand and its output (a column-split matmul
     all-reduces its input's gradient in the backward, a row-split one its output in the forward: a GPT block's QKV,
-    projection and two MLP matmuls give Megatron's four all-reduces of the hidden states per micro-batch).
+    projection and two MLP matmuls give Megatron's four all-reduces of the hidden states per micro-batch). A
+    convolution is a weight matmul over its channels (a ResNet bottleneck's 1×1 and 3×3 convolutions split as an
+    MLP's matmuls are).
+
+    :meth:`options` offers more layouts of the same stage, the DP taking the fastest that fits: on a ``(n, 1)`` mesh
+    the stage with weight matmuls split over all ``n`` devices, in order of cost per byte saved (each split saves
+    its weight's state but costs an all-reduce of ``X_w`` per micro-batch: :meth:`_split_weight_options`; a wide
+    convolution does not fit replicated, and the ILP splits its channels over axis 0 while the rest stays data
+    parallel); with experts on ``(a, b > 1)``, the dense weights replicated (below).
 
     A data axis that does not divide the micro-batch's rows ``R`` (the batch inputs' leading dim: ``R mod a ≠ 0``)
     cannot be read as data parallelism; such a logical mesh is priced ``latency_s = ∞`` (not a candidate), so the DP
@@ -129,6 +139,7 @@ class AnalyticStageCost:
         self._dropped: list[dict[int, float]] = []  # per layer: bytes each remat group does not keep
         self._largest: list[float] = []  # per layer: its largest materialized output (the backward's working set)
         self._tensor_parallel: list[tuple[int, float]] = []  # per layer: (weight matmuls, Σ X_w bytes)
+        self._weight_matmuls: list[tuple[tuple[float, float], ...]] = []  # per layer: (X_w, weight bytes) of each
         self._grouped: list[tuple[_GroupedMatmul, ...]] = []  # per layer: its MoE grouped matmuls
         self._expert_params: list[frozenset[str]] = []  # per layer: the parameters its grouped matmuls read as w
         of_weight = _weight_values(graph)
@@ -152,7 +163,12 @@ class AnalyticStageCost:
                     dropped[group_of[n.name]] = dropped.get(group_of[n.name], 0.0) + held[n.name]
             self._dropped.append(dropped)
             self._largest.append(float(max((held[n.name] for n in nodes if n.name in live), default=0)))
-            exchanged = [_all_reduced_bytes(n, metas, of_weight) for n in nodes if n.target in _WEIGHT_MATMULS]
+            weight_matmuls = [n for n in nodes if n.target in _WEIGHT_MATMULS]
+            exchanged = [_all_reduced_bytes(n, metas, of_weight) for n in weight_matmuls]
+            self._weight_matmuls.append(tuple(
+                (nbytes, float(self._state_bytes[of_weight[weight]]))
+                for n, nbytes in zip(weight_matmuls, exchanged) if nbytes is not None
+                for weight in [_weight_of(n, of_weight)] if of_weight[weight] in self._state_bytes))
             exchanged = [nbytes for nbytes in exchanged if nbytes is not None]
             self._tensor_parallel.append((len(exchanged), float(sum(exchanged))))
             grouped = (_grouped_matmul(n, metas) for n in nodes if n.target in GROUPED_MATMULS)
@@ -165,6 +181,8 @@ class AnalyticStageCost:
         """Rows of one micro-batch (the gcd of the batch inputs' leading dims); ``None``: no batch input."""
         self._range = lru_cache(maxsize=None)(self._range_totals)
         self._experts = lru_cache(maxsize=None)(self._layer_expert_costs)
+        self._weight_arrays = lru_cache(maxsize=None)(self._weight_matmul_arrays)
+        self._mesh = lru_cache(maxsize=None)(lambda logical, submesh: stage_mesh(logical, cluster, submesh))
 
     def _range_totals(self, first: int, last: int
                       ) -> tuple[float, float, float, float, tuple[int, float], float, float, float, float, float]:
@@ -193,7 +211,7 @@ class AnalyticStageCost:
         FLOPs over every device (class docstring)."""
         if not self._grouped[layer] or logical[1] == 1:
             return 0.0, 0.0
-        mesh = stage_mesh(logical, self.cluster, submesh)
+        mesh = self._mesh(tuple(logical), tuple(submesh))
         compute = communication = 0.0
         for matmul in self._grouped[layer]:
             extra_compute, extra_communication = _grouped_matmul_cost(matmul, mesh)
@@ -210,12 +228,51 @@ class AnalyticStageCost:
 
     def options(self, first_layer: int, last_layer: int, submesh: Shape, logical: Shape) -> tuple[StageCost, ...]:
         """The stage's costs under each layout family the screening knows (the DP takes the fastest that fits):
-        the class docstring's, and for a stage with experts on ``(a, b > 1)`` the other weights replicated too
-        (their matmuls data parallel over both axes, no tensor-parallel all-reduce)."""
+        the class docstring's; on ``(n, 1)`` with weights split over the devices (:meth:`_split_weight_options`); and
+        for a stage with experts on ``(a, b > 1)`` the other weights replicated too (their matmuls data parallel over
+        both axes, no tensor-parallel all-reduce)."""
         plain = self._price(first_layer, last_layer, submesh, logical, dense_replicated=False)
-        if logical[1] == 1 or not self._range(first_layer, last_layer)[9]:
+        if logical[1] == 1:
+            return (plain, *self._split_weight_options(plain, first_layer, last_layer, submesh, logical))
+        if not self._range(first_layer, last_layer)[9]:
             return (plain,)
         return plain, self._price(first_layer, last_layer, submesh, logical, dense_replicated=True)
+
+    def _split_weight_options(self, plain: StageCost, first_layer: int, last_layer: int, submesh: Shape,
+                              logical: Shape, fractions: tuple[float, ...] = (0.25, 0.5, 0.75, 1.0)
+                              ) -> tuple[StageCost, ...]:
+        """On a data-parallel ``(n, 1)`` mesh, the stage with some weight matmuls split over all ``n`` devices (the
+        ILP may split a weight over axis 0 too, e.g. a wide convolution's channels, when replicating it does not
+        fit): weight ``w`` split saves ``P_w·(2 + optimizer_state_copies)·(1 − 1/n)`` bytes and its gradient sync,
+        and costs one all-reduce of ``X_w`` per micro-batch. Weights are split in order of cost per byte saved; one
+        option per ``fractions`` of the bytes all of them would save (the DP takes the fastest that fits)."""
+        devices = logical[0]
+        exchanged, weights = self._weight_arrays(first_layer, last_layer)
+        if devices == 1 or not len(weights):
+            return ()
+        mesh = self._mesh(tuple(logical), tuple(submesh))
+        latency = mesh.all_reduce(0.0, [0])
+        slope = mesh.all_reduce(1.0, [0]) - latency
+        saved = weights * (2.0 + self.optimizer_state_copies) * (1 - 1 / devices)
+        cost = latency + slope * (exchanged - weights / self.num_micro_batches)
+        order = np.argsort(cost / saved, kind="stable")
+        saved_so_far, cost_so_far = np.cumsum(saved[order]), np.cumsum(cost[order])
+        options = []
+        for fraction in fractions:  # the fewest cheapest splits that save this fraction of all the bytes
+            last = min(int(np.searchsorted(saved_so_far, fraction * saved_so_far[-1] * (1 - 1e-9))), len(order) - 1)
+            added = float(cost_so_far[last])
+            options.append(StageCost(latency_s=plain.latency_s + added,
+                                     memory_bytes=plain.memory_bytes - float(saved_so_far[last]),
+                                     activation_bytes=plain.activation_bytes, compute_s=plain.compute_s,
+                                     communication_s=plain.communication_s + added))
+        return tuple(options)
+
+    def _weight_matmul_arrays(self, first_layer: int, last_layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(X_w, weight bytes)`` of layers ``first_layer..last_layer``'s weight matmuls with a weight of their own
+        (bytes > 0), as arrays."""
+        pairs = [pair for layer in range(first_layer, last_layer + 1) for pair in self._weight_matmuls[layer]
+                 if pair[1] > 0]
+        return (np.array([x for x, _ in pairs], dtype=np.float64), np.array([w for _, w in pairs], dtype=np.float64))
 
     def _price(self, first_layer: int, last_layer: int, submesh: Shape, logical: Shape, *,
                dense_replicated: bool) -> StageCost:
@@ -228,7 +285,7 @@ class AnalyticStageCost:
             return StageCost(latency_s=math.inf, memory_bytes=math.inf)
         (flops, params, buffers, activations, (matmuls, exchanged), recomputed, recomputed_peak,
          received, largest, expert_params) = self._range(first_layer, last_layer)
-        mesh = stage_mesh((data, tensor), self.cluster, submesh)
+        mesh = self._mesh((data, tensor), tuple(submesh))
         compute = (3.0 * flops + recomputed) / (devices * self.cluster.device_flops)
         experts = [self._experts(l, submesh, logical) for l in range(first_layer, last_layer + 1)]
         compute += sum(c for c, _ in experts)
@@ -294,7 +351,8 @@ def _grouped_matmul_cost(matmul: _GroupedMatmul, mesh: LogicalMesh) -> tuple[flo
     return min(options, key=sum)
 
 
-_WEIGHT_MATMULS = frozenset({"aten.mm.default", "aten.addmm.default"})
+_WEIGHT_MATMULS = frozenset({"aten.mm.default", "aten.addmm.default", "aten.convolution.default"})
+"""Ops that read a weight and are split as Megatron splits a matmul (a convolution over its channels)."""
 _SAME_VALUES = VIEWS | {"aten._to_copy.default", "aten.clone.default", "aten.alias.default"}
 """Ops whose output is their first operand's values (viewed or cast: mixed precision casts each weight)."""
 
@@ -310,9 +368,19 @@ def _weight_values(graph: Graph) -> dict[str, str]:
     return found
 
 
+def _operands(node) -> list[str]:
+    """A weight matmul's operand names, an ``addmm``'s bias left out."""
+    return list(node.refs())[1:] if node.target == "aten.addmm.default" else list(node.refs())
+
+
+def _weight_of(node, of_weight: dict[str, str]) -> str:
+    """The operand of weight matmul ``node`` that is a weight (or a view or cast of one)."""
+    return next(r for r in _operands(node) if r in of_weight)
+
+
 def _all_reduced_bytes(node, metas: dict, of_weight: dict[str, str]) -> float | None:
     """``X_w`` of a matmul ``node`` reading a weight (the class docstring); ``None`` if it reads none."""
-    refs = list(node.refs())[1:] if node.target == "aten.addmm.default" else list(node.refs())
+    refs = _operands(node)
     if not any(r in of_weight for r in refs):
         return None
     activations = [metas[r].nbytes for r in refs if r not in of_weight and r in metas]
