@@ -29,10 +29,15 @@ MODELS = {  # layers, hidden, heads, sequence, global batch, micro-batches (GPT-
     "39b": (48, 8192, 64, 1024, 1024, 64),
     "175b": (96, 12288, 96, 2048, 1536, 192),
 }
-MIXTRAL = {  # Mixtral-8×7B (46.7B): layers, hidden, heads, KV heads, expert hidden, experts, top-k, vocab
+MIXTRAL = {  # Mixtral-8×7B (46.7B) and a GShard MoE: layers, hidden, heads, KV heads, expert hidden, experts,
+    #          top-k, vocab
     "mixtral": (32, 4096, 32, 8, 14336, 8, 2, 32000),
+    "gshard-70b": (32, 2048, 32, 32, 5504, 64, 2, 32000),  # Alpa's largest MoE shape (examples/plan_moe.py)
 }
 MIXTRAL_BATCH = (2048, 1024, 128)  # sequence, global batch, micro-batches (2M tokens per step)
+LLAMA = {  # Llama-3 70B: layers, hidden, heads, KV heads, MLP hidden, vocab, sequence, global batch, micro-batches
+    "llama3-70b": (80, 8192, 64, 8, 28672, 128256, 8192, 256, 1),  # torchtitan's: 2M tokens per step, 8 rows per
+}                                                                    # data-parallel rank of 32, no accumulation
 
 
 def build(model: str) -> tuple:
@@ -41,7 +46,13 @@ def build(model: str) -> tuple:
     import transformers
 
     transformers.logging.set_verbosity_error()
-    if model in MIXTRAL:
+    if model in LLAMA:
+        layers, hidden, heads, kv_heads, mlp_hidden, vocab, seq, batch, micro = LLAMA[model]
+        config = transformers.LlamaConfig(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                                          num_key_value_heads=kv_heads, intermediate_size=mlp_hidden,
+                                          vocab_size=vocab, max_position_embeddings=seq)
+        make = transformers.LlamaForCausalLM
+    elif model in MIXTRAL:
         layers, hidden, heads, kv_heads, expert_hidden, experts, top_k, vocab = MIXTRAL[model]
         seq, batch, micro = MIXTRAL_BATCH
         config = transformers.MixtralConfig(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
