@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
@@ -116,8 +116,9 @@ class AnalyticStageCost:
     micro-batches on (16, 8) stages, which the ILP then had to split across hosts at 19× the communication).
 
     with ``AR_x`` the all-reduce cost on logical axis ``x`` priced with the links that axis crosses on the
-    submesh (:func:`torchpar.planner.mesh_links.stage_mesh`: in-host or between hosts), as the ILP prices it. ``(n, 1)`` is pure data parallelism and ``(1, n)`` pure tensor parallelism; the DP picks
-    the cheapest shape that fits memory. Cross-stage transfers are not priced (as in Alpa).
+    submesh (:func:`torchpar.planner.mesh_links.stage_mesh`: in-host or between hosts), as the ILP prices it.
+    ``(n, 1)`` is pure data parallelism and ``(1, n)`` pure tensor parallelism; the DP picks the cheapest shape that
+    fits memory. Cross-stage transfers are not priced (as in Alpa).
     """
 
     def __init__(self, layering: Layering, graph: Graph, cluster: ClusterSpec, num_micro_batches: int,
@@ -184,8 +185,7 @@ class AnalyticStageCost:
         self._weight_arrays = lru_cache(maxsize=None)(self._weight_matmul_arrays)
         self._mesh = lru_cache(maxsize=None)(lambda logical, submesh: stage_mesh(logical, cluster, submesh))
 
-    def _range_totals(self, first: int, last: int
-                      ) -> tuple[float, float, float, float, tuple[int, float], float, float, float, float, float]:
+    def _range_totals(self, first: int, last: int) -> _RangeTotals:
         layers = range(first, last + 1)
         params = frozenset().union(*(self._params[l] for l in layers))
         experts = frozenset().union(*(self._expert_params[l] for l in layers)) & params
@@ -194,17 +194,19 @@ class AnalyticStageCost:
         for l in layers:
             for group, nbytes in self._dropped[l].items():
                 dropped[group] = dropped.get(group, 0.0) + nbytes
-        return (float(sum(self.layering.flops[l] for l in layers)),
-                float(sum(self._state_bytes[t] for t in params)),
-                float(sum(self._state_bytes[t] for t in buffers)),
-                float(sum(self._activation[l] for l in layers)),
-                (sum(self._tensor_parallel[l][0] for l in layers), sum(self._tensor_parallel[l][1] for l in layers)),
-                float(sum(self._recomputed_flops[l] for l in layers)),
-                max(dropped.values(), default=0.0),
-                float(sum(nbytes for defined, readers, nbytes in self._entering
-                          if defined < first and any(first <= r <= last for r in readers))),
-                max(self._largest[l] for l in layers),
-                float(sum(self._state_bytes[t] for t in experts)))
+        return _RangeTotals(
+            flops=float(sum(self.layering.flops[l] for l in layers)),
+            param_bytes=float(sum(self._state_bytes[t] for t in params)),
+            buffer_bytes=float(sum(self._state_bytes[t] for t in buffers)),
+            activation_bytes=float(sum(self._activation[l] for l in layers)),
+            weight_matmuls=sum(self._tensor_parallel[l][0] for l in layers),
+            exchanged_bytes=float(sum(self._tensor_parallel[l][1] for l in layers)),
+            recomputed_flops=float(sum(self._recomputed_flops[l] for l in layers)),
+            recomputed_peak_bytes=max(dropped.values(), default=0.0),
+            received_bytes=float(sum(nbytes for defined, readers, nbytes in self._entering
+                                     if defined < first and any(first <= r <= last for r in readers))),
+            largest_bytes=max(self._largest[l] for l in layers),
+            expert_param_bytes=float(sum(self._state_bytes[t] for t in experts)))
 
     def _layer_expert_costs(self, layer: int, submesh: Shape, logical: Shape) -> tuple[float, float]:
         """``(compute_s, communication_s)`` layer ``layer``'s grouped matmuls add per micro-batch beyond their
@@ -221,7 +223,7 @@ class AnalyticStageCost:
 
     def parameter_bytes(self, first_layer: int, last_layer: int) -> float:
         """Bytes of the distinct parameters layers ``first_layer..last_layer`` read."""
-        return self._range(first_layer, last_layer)[1]
+        return self._range(first_layer, last_layer).param_bytes
 
     def __call__(self, first_layer: int, last_layer: int, submesh: Shape, logical: Shape) -> StageCost:
         return self._price(first_layer, last_layer, submesh, logical, dense_replicated=False)
@@ -234,7 +236,7 @@ class AnalyticStageCost:
         plain = self._price(first_layer, last_layer, submesh, logical, dense_replicated=False)
         if logical[1] == 1:
             return (plain, *self._split_weight_options(plain, first_layer, last_layer, submesh, logical))
-        if not self._range(first_layer, last_layer)[9]:
+        if not self._range(first_layer, last_layer).expert_param_bytes:
             return (plain,)
         return plain, self._price(first_layer, last_layer, submesh, logical, dense_replicated=True)
 
@@ -283,10 +285,10 @@ class AnalyticStageCost:
         rows_split = devices if dense_replicated else data
         if rows_split > 1 and self.micro_batch_rows is not None and self.micro_batch_rows % rows_split:
             return StageCost(latency_s=math.inf, memory_bytes=math.inf)
-        (flops, params, buffers, activations, (matmuls, exchanged), recomputed, recomputed_peak,
-         received, largest, expert_params) = self._range(first_layer, last_layer)
+        totals = self._range(first_layer, last_layer)
+        params, expert_params, matmuls = totals.param_bytes, totals.expert_param_bytes, totals.weight_matmuls
         mesh = self._mesh((data, tensor), tuple(submesh))
-        compute = (3.0 * flops + recomputed) / (devices * self.cluster.device_flops)
+        compute = (3.0 * totals.flops + totals.recomputed_flops) / (devices * self.cluster.device_flops)
         experts = [self._experts(l, submesh, logical) for l in range(first_layer, last_layer + 1)]
         compute += sum(c for c, _ in experts)
         communication = sum(c for _, c in experts)
@@ -298,16 +300,44 @@ class AnalyticStageCost:
             split, whole = params, 0.0
             latency_1 = mesh.all_reduce(0.0, [1])  # AR_1 is affine in its bytes: α + slope·bytes
             communication += (mesh.all_reduce(params / tensor, [0]) / self.num_micro_batches
-                              + matmuls * latency_1 + (mesh.all_reduce(1.0, [1]) - latency_1) * exchanged / data)
+                              + matmuls * latency_1
+                              + (mesh.all_reduce(1.0, [1]) - latency_1) * totals.exchanged_bytes / data)
         state_copies = 2.0 + self.optimizer_state_copies
         return StageCost(
             latency_s=compute + communication,
-            memory_bytes=((split * state_copies + buffers) / tensor + whole * state_copies
-                          + (recomputed_peak + BACKWARD_WORKING_COPIES * largest) / devices),
-            activation_bytes=(activations + received) / devices,
+            memory_bytes=((split * state_copies + totals.buffer_bytes) / tensor + whole * state_copies
+                          + (totals.recomputed_peak_bytes + BACKWARD_WORKING_COPIES * totals.largest_bytes) / devices),
+            activation_bytes=(totals.activation_bytes + totals.received_bytes) / devices,
             compute_s=compute,
             communication_s=communication,
         )
+
+
+class _RangeTotals(NamedTuple):
+    """What a stage of layers ``k..i`` holds and does, summed over its layers (the class docstring's symbols)."""
+
+    flops: float
+    """F: forward FLOPs."""
+    param_bytes: float
+    """P: the distinct parameters read (a tied weight in each stage that reads it)."""
+    buffer_bytes: float
+    """Q: buffers read that are not parameters."""
+    activation_bytes: float
+    """A: outputs kept for the backward pass, per micro-batch."""
+    weight_matmuls: int
+    """Weight matmuls (each one tensor-parallel all-reduce's latency)."""
+    exchanged_bytes: float
+    """Σ X_w over the weight matmuls."""
+    recomputed_flops: float
+    """F_r: FLOPs recomputed under remat."""
+    recomputed_peak_bytes: float
+    """R: the largest remat group's dropped outputs."""
+    received_bytes: float
+    """I: the stage's inputs (activations from earlier stages and batch inputs)."""
+    largest_bytes: float
+    """W: the largest materialized output (the backward's working set)."""
+    expert_param_bytes: float
+    """The parameters grouped matmuls read as their experts' weights."""
 
 
 @dataclass(frozen=True)
