@@ -21,9 +21,11 @@ Cases (bf16 mixed precision — fp16 on the V100, which has no bf16 —, AdamW, 
   1,536 in 192 micro-batches, on 64 / 128 hosts × 8 A100-80G, 16 layer clusters. Hand: Megatron-LM's (Narayanan
   et al. 2021, Table 1: tensor 8 × pipeline 16 × data 8 on 1,024 GPUs; data 4 on 512): 16 stages of one cluster,
   each on (hosts/16) × 8 GPUs with logical mesh (hosts/16, 8), remat selective and full ("layers").
-- ``gpt-39b-v100``: GPT-3 39B (48 layers, 8,192 hidden, 64 heads, sequence 1,024), batch 1,024 in 64 micro-batches,
-  on 8 hosts × 8 V100-16G (Alpa's evaluation), 16 layer clusters. Hand: Megatron-style pipeline 8 × tensor 8 (8
-  stages of two clusters on one host each) and pipeline 16 × tensor 4 (two stages per host), remat "layers".
+- ``gpt-39b-v100``: GPT-3 39B (48 layers, 8,192 hidden, 64 heads, sequence 1,024), batch 1,024, on 8 hosts × 8
+  V100-16G (Alpa's evaluation), 16 layer clusters. The automatic plan chooses its micro-batch count
+  (``num_micro_batches="auto"``; Alpa grid-searched it). Hand: Megatron-style pipeline 8 × tensor 8 (8 stages of two
+  clusters on one host each) and pipeline 16 × tensor 4 (two stages per host), remat "layers", at 64 micro-batches
+  of 16 rows and at Megatron-LM's micro-batch of one row (1,024 micro-batches).
 - ``mixtral-64``: Mixtral-8×7B, batch 1,024 × 2,048 in 128 micro-batches, on 8 hosts × 8 A100-80G, 16 layer clusters.
   Hand: expert parallelism 8 inside a host, pipeline 8 across hosts (8 stages of two clusters on (1, 8)), remat
   selective and "layers".
@@ -75,9 +77,11 @@ CASES: dict[str, dict] = {
         "megatron t8 p16 d8, remat selective": {**_stages(16, 16, (8, 8)), "remat": "selective"},
         "megatron t8 p16 d8, remat layers": {**_stages(16, 16, (8, 8)), "remat": "layers"}}},
     "gpt-39b-v100": {"model": "39b", "hosts": 8, "per_host": 8, "preset": "v100-16g", "clusters": 16,
-                     "precision": "fp16", "hand": {
+                     "precision": "fp16", "auto_micro": "auto", "hand": {
         "p8 t8, remat layers": {**_stages(8, 16, (1, 8)), "remat": "layers"},
-        "p16 t4, remat layers": {**_stages(16, 16, (1, 4)), "remat": "layers"}}},
+        "p16 t4, remat layers": {**_stages(16, 16, (1, 4)), "remat": "layers"},
+        "p8 t8, 1-row micro-batches, remat layers": {**_stages(8, 16, (1, 8)), "remat": "layers", "micro": 1024},
+        "p16 t4, 1-row micro-batches, remat layers": {**_stages(16, 16, (1, 4)), "remat": "layers", "micro": 1024}}},
     "mixtral-64": {"model": "mixtral", "hosts": 8, "per_host": 8, "preset": "a100-80g", "clusters": 16, "hand": {
         "ep8 p8, remat selective": {**_stages(8, 16, (1, 8)), "remat": "selective"},
         "ep8 p8, remat layers": {**_stages(8, 16, (1, 8)), "remat": "layers"}}},
@@ -105,7 +109,7 @@ SETTINGS_VARIANTS: dict[str, dict] = {  # the same models at other settings: pla
     "gpt3-175b-512-mb96-c24": {**CASES["gpt3-175b-512"], "micro": 96, "clusters": 24, "hand": {}},
     "gpt3-13b-64-b512-mb32-c8": {"model": "13b", "hosts": 8, "per_host": 8, "preset": "a100-80g", "clusters": 8,
                                  "batch": 512, "micro": 32, "hand": {}},
-    "gpt-39b-v100-mb128": {**CASES["gpt-39b-v100"], "micro": 128, "hand": {}},
+    "gpt-39b-v100-mb128": {**CASES["gpt-39b-v100"], "micro": 128, "auto_micro": 128, "hand": {}},
     "wresnet-13b-v100-mb48": {**CASES["wresnet-13b-v100"], "micro": 48, "hand": {}},
 }
 CASES.update(SETTINGS_VARIANTS)
@@ -134,10 +138,11 @@ def plan_one(case: str, config: str) -> dict:
         micro = spec.get("micro", micro)
     layers = torchpar.AutoLayerOption(layer_num=spec["clusters"])
     if config == "auto":
-        method = torchpar.PipeshardParallel(num_micro_batches=micro, layer_option=layers)
+        method = torchpar.PipeshardParallel(num_micro_batches=spec.get("auto_micro", micro), layer_option=layers)
         remat = "auto"
     else:
         hand = spec["hand"][config]
+        micro = hand.get("micro", micro)
         stages = torchpar.ManualStageOption(
             forward_stage_layer_ids=tuple(tuple(ids) for ids in hand["layers"]),
             submesh_physical_shapes=tuple(tuple(s) for s in hand["submesh"]),
@@ -149,10 +154,11 @@ def plan_one(case: str, config: str) -> dict:
                          mixed_precision=spec.get("precision", "bf16"), remat=remat, explain=False)
     seconds = time.perf_counter() - start
     devices = spec["hosts"] * spec["per_host"]
-    model_flops = 3.0 * sum(layer["flops"] for layer in plan.layers) * micro
+    model_flops = 3.0 * sum(layer["flops"] for layer in plan.layers) * plan.num_micro_batches
     peak = plan.cluster["device_flops"]
     memory = plan.cluster["device_memory_bytes"]
     return {"case": case, "config": config, "devices": devices, "plan_s": seconds, "remat": plan.remat,
+            "micro_batches": plan.num_micro_batches,
             "estimated_step_s": plan.estimated_step_s,
             "estimated_mfu": model_flops / (plan.estimated_step_s * devices * peak),
             "ideal_step_s": model_flops / (devices * peak),
@@ -207,11 +213,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def _line(row: dict) -> str:
     if "error" in row:
-        return f"{row['case']:>15} {row['config']:<38} {row['error']}"
+        return f"{row['case']:>15} {row['config']:<42} {row['error']}"
     shapes = sorted({(tuple(s["submesh"]), tuple(s["logical"])) for s in row["stages"]})
     slowest = max(row["stages"], key=lambda s: s["per_micro_batch_s"])
-    return (f"{row['case']:>15} {row['config']:<38} est. step {row['estimated_step_s']:7.2f} s  MFU "
-            f"{row['estimated_mfu']:5.1%} (ideal {row['ideal_step_s']:.2f} s)  {len(row['stages'])} stages "
+    return (f"{row['case']:>15} {row['config']:<42} est. step {row['estimated_step_s']:7.2f} s  MFU "
+            f"{row['estimated_mfu']:5.1%} (ideal {row['ideal_step_s']:.2f} s)  {row.get('micro_batches', '?')} mb  "
+            f"{len(row['stages'])} stages "
             f"{', '.join(f'{list(p)}→{list(q)}' for p, q in shapes)}  slowest stage {slowest['per_micro_batch_s']:.4f} "
             f"s/mb (comm {slowest['communication_s']:.4f})  remat {row['remat']}  headroom "
             f"{row['least_headroom']:.0%}  planned in {row['plan_s']:.0f} s")

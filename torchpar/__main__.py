@@ -96,7 +96,9 @@ def _common_arguments(parser: argparse.ArgumentParser, *, method: str, batch_siz
     parser.add_argument("--mesh", default=None, help="logical mesh 'd0xd1' for dp/zero2/zero3/megatron/shard "
                         "(default: all devices; shard tries every factorization); shard also takes 'dataxd0xd1': "
                         "that many data replicas of a d0 x d1 plan")
-    parser.add_argument("--micro-batches", type=int, default=4, help="pipeshard: micro-batches per step")
+    parser.add_argument("--micro-batches", type=_micro_batches, default=4,
+                        help="pipeshard: micro-batches per step, or 'auto' (the planner tries the counts that divide "
+                             "the batch and keeps the fastest)")
     parser.add_argument("--experts", choices=EXPERTS_OPTIONS, default="auto",
                         help="shard/pipeshard: MoE grouped matmuls — auto (the ILP decides), split (experts over a "
                              "mesh axis), tensor (each expert's hidden dims), replicated")
@@ -174,6 +176,19 @@ def _method(args: argparse.Namespace) -> Any:
     if args.sequence_parallel:
         raise ValueError(f"--sequence-parallel applies to megatron, not {args.method}")
     return METHODS[args.method](mesh_shape=mesh)
+
+
+def _micro_batches(text: str) -> int | str:
+    """``--micro-batches``: a positive int or ``auto``."""
+    if text == "auto":
+        return text
+    try:
+        count = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive int or 'auto', got {text!r}") from None
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive int or 'auto', got {count}")
+    return count
 
 
 def _mesh(text: str | None) -> tuple[int, ...] | None:

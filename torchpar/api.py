@@ -11,6 +11,7 @@ and optimizer. ``close()`` (or leaving a ``with`` block) frees the executor's wo
 from __future__ import annotations
 
 import logging
+import math
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -37,9 +38,10 @@ from torchpar.engine_readouts import EngineReadouts
 from torchpar.feeding import PREFETCH_DEPTH, HostData, HostFeed
 from torchpar.guard import StepGuard, leaf_names
 from torchpar.host_arrays import host_value, to_torch
-from torchpar.methods import Method, data_replicas
+from torchpar.methods import Method, data_replicas, searches_micro_batches
 from torchpar.options import (CompileOptions, MatmulPrecision, MixedPrecision, OnNonfinite, Remat, SpmdMode,
                               describe_numerics, numerics_for)
+from torchpar.planner.micro_batch_counts import plan_micro_batch_count
 from torchpar.planner.plan import Plan
 from torchpar.planner.remat import check_remat
 from torchpar.profiled import plan_training_profiled
@@ -131,19 +133,32 @@ def plan(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, example_ba
     check_remat(remat, allow_auto=True)
     check_model_fns(loss_fn, step_fn, None)
     warn_if_gradient_checkpointing(model, stacklevel=3)  # the caller of torchpar.plan
-    start = time.perf_counter()
-    batch = batches.first_micro_batch(example_batch, getattr(method, "num_micro_batches", 1), data_replicas(method))
-    capture = capture_train_step(model, batch, loss_fn, autocast=autocast_dtype(mixed_precision), step_fn=step_fn)
-    capture_s = time.perf_counter() - start
     names = dict(model.named_parameters())
     spec = TorchOptimizerBridge(optimizer, {id(p): n for n, p in names.items()}).spec
-    result = plan_training_profiled(capture.graph, method, current_cluster(), profile=profile, spec=spec,
-                                    trainable=set(trainable_params(capture.graph, names, spec.param_names)),
-                                    remat=remat, explain=explain, numerics=numerics_for(None),
-                                    library_fusions=True).plan
-    result.timings = {"capture": capture_s, **result.timings}
+
+    def plan_with(concrete: Method | None, beat_s: float = math.inf) -> Plan:
+        start = time.perf_counter()
+        batch = batches.first_micro_batch(example_batch, getattr(concrete, "num_micro_batches", 1),
+                                          data_replicas(concrete))
+        capture = capture_train_step(model, batch, loss_fn, autocast=autocast_dtype(mixed_precision), step_fn=step_fn)
+        capture_s = time.perf_counter() - start
+        planned = plan_training_profiled(capture.graph, concrete, current_cluster(), profile=profile, spec=spec,
+                                         trainable=set(trainable_params(capture.graph, names, spec.param_names)),
+                                         remat=remat, explain=explain, numerics=numerics_for(None),
+                                         library_fusions=True, beat_s=beat_s).plan
+        planned.timings = {"capture": capture_s, **planned.timings}
+        return planned
+
+    if searches_micro_batches(method):
+        start = time.perf_counter()
+        _, result = plan_micro_batch_count(method, batches.splittable_rows(example_batch), plan_with,
+                                           lambda planned: planned)
+        result.timings["micro_batch_search"] = time.perf_counter() - start
+    else:
+        result = plan_with(method)
     result.numerics = describe_numerics(numerics_for(None), mixed_precision)
     return result
+
 
 
 class Engine(EngineReadouts):

@@ -3,6 +3,7 @@ compiled step per signature), the check that a batch fits the example batch's, a
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -87,6 +88,17 @@ def first_micro_batch(batch: Any, num_micro_batches: int, data_replicas: int = 1
     sliced = [leaf[: leaf.shape[0] // parts] for leaf in leaves]
     args, kwargs = pytree.tree_unflatten(sliced, spec)
     return call_args_to_batch(type(batch), args, kwargs)
+
+
+def splittable_rows(batch: Any) -> int:
+    """The greatest number of equal parts every leaf of ``batch`` splits into along dim 0 (the gcd of their batch
+    sizes): what a searched micro-batch count must divide. A ``ValueError`` naming a leaf with no batch dim."""
+    leaves = call_leaves(batch)
+    for index, leaf in enumerate(leaves):
+        if leaf.dim() == 0:
+            raise ValueError(f"batch leaf {index} is a scalar: num_micro_batches='auto' cuts every leaf into "
+                             "micro-batches along dim 0, so each needs a batch dim")
+    return math.gcd(*(int(leaf.shape[0]) for leaf in leaves)) if leaves else 1
 
 
 def split_leaves(leaves: list[np.ndarray], parts: int) -> list[list[np.ndarray]]:

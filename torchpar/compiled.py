@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from typing import Any
 
@@ -31,8 +32,9 @@ from torchpar.ir.graph import Graph
 from torchpar.ir.loss_parts import with_loss_parts
 from torchpar.ir.optimizer import step_scalars
 from torchpar.model_link import Tracked, pull_holders, suspended, tracked_state
-from torchpar.methods import data_replicas
+from torchpar.methods import data_replicas, searches_micro_batches
 from torchpar.options import CompileOptions, describe_numerics
+from torchpar.planner.micro_batch_counts import candidate_counts, plan_micro_batch_count
 from torchpar.planner.plan import Plan
 from torchpar.planner.training_plan import TrainingPlan
 from torchpar.profiled import plan_training_profiled
@@ -55,7 +57,10 @@ class CompiledTraining:
         self.model, self.optimizer, self.options, self.guard = model, optimizer, options, guard
         self._loss_fn, self._step_fn, self._forward_fn = loss_fn, step_fn, forward_fn
         self._loss_scaler, self._numerics, self._autocast = loss_scaler, numerics, autocast
-        self.num_micro_batches = int(getattr(method, "num_micro_batches", 1))
+        self._searching = searches_micro_batches(method)
+        """``num_micro_batches="auto"``: the count is searched while building (the largest candidate first)."""
+        self.num_micro_batches = (candidate_counts(batches.splittable_rows(example_batch))[0] if self._searching
+                                  else int(getattr(method, "num_micro_batches", 1)))
         self.data_replicas = data_replicas(method)
         self.batch_parts = self.num_micro_batches * self.data_replicas
         """Equal parts of dim 0 each batch is cut into (micro-batches × data replicas): the graphs are one part's."""
@@ -99,10 +104,10 @@ class CompiledTraining:
                                                        orphans_allowed=self._orphans_allowed)
                 with phases.phase("plan"):
                     cluster = current_cluster()
-                    self.planned = plan_training_profiled(
-                        capture.graph, method, cluster, profile=self.options.profile, spec=self.bridge.spec,
-                        trainable=set(self.trainable(capture.graph)), remat=self.options.remat,
-                        numerics=self._numerics, library_fusions=self.options.xla_library_fusions)
+                    if self._searching:
+                        capture, self.planned = self._plan_micro_batch_count(method, example_batch, capture, cluster)
+                    else:
+                        self.planned = self._plan(capture, method, cluster)
                     self.plan.numerics = describe_numerics(self._numerics, self.options.mixed_precision)
                     log.info("torchpar plan:\n%s", self.plan.summary())
                 with phases.phase("start workers"):
@@ -120,6 +125,36 @@ class CompiledTraining:
                     self._compile(self.example_signature, capture)
         finally:
             phases.close()
+
+    def _plan(self, capture: Capture, method: Any, cluster: Any, beat_s: float = math.inf) -> TrainingPlan:
+        assert self.bridge is not None
+        return plan_training_profiled(
+            capture.graph, method, cluster, profile=self.options.profile, spec=self.bridge.spec,
+            trainable=set(self.trainable(capture.graph)), remat=self.options.remat, numerics=self._numerics,
+            library_fusions=self.options.xla_library_fusions, beat_s=beat_s)
+
+    def _plan_micro_batch_count(self, method: Any, example_batch: Any, first: Capture,
+                                cluster: Any) -> tuple[Capture, TrainingPlan]:
+        """``num_micro_batches="auto"``: each candidate count captured and planned
+        (:func:`torchpar.planner.micro_batch_counts.plan_micro_batch_count`; ``first`` is the capture at the largest);
+        the chosen count's capture and plan, this object's counts set to it."""
+        captures = {self.num_micro_batches: first}
+
+        def plan_with(concrete: Any, beat_s: float) -> tuple[Capture, TrainingPlan]:
+            self._set_micro_batches(concrete.num_micro_batches)
+            if concrete.num_micro_batches not in captures:
+                captures[concrete.num_micro_batches] = self.capture(self.first_part(example_batch))
+            capture = captures[concrete.num_micro_batches]
+            return capture, self._plan(capture, concrete, cluster, beat_s)
+
+        count, (capture, planned) = plan_micro_batch_count(
+            method, batches.splittable_rows(example_batch), plan_with, lambda result: result[1].plan)
+        self._set_micro_batches(count)
+        return capture, planned
+
+    def _set_micro_batches(self, count: int) -> None:
+        self.num_micro_batches = count
+        self.batch_parts = count * self.data_replicas
 
     def _run_options(self) -> Any:
         from torchpar.runtime.worker import RunOptions

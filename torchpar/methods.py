@@ -189,8 +189,10 @@ class PipeshardParallel:
     name: ClassVar[str] = "pipeshard"
     """This method's name in ``Plan.method`` and on the command line."""
 
-    num_micro_batches: int = 1
-    """Micro-batches per step; the batch dim must divide evenly."""
+    num_micro_batches: int | Literal["auto"] = 1
+    """Micro-batches per step; the batch dim must divide evenly. ``"auto"``: the planner tries the counts that divide
+    the example batch's rows (powers of two, and one row per micro-batch), planning each, and keeps the fastest
+    (:mod:`torchpar.planner.micro_batch_counts`; ``plan.num_micro_batches``, ``plan.solver["micro_batches"]``)."""
     layer_option: AutoLayerOption | Literal["manual"] = AutoLayerOption(layer_num=2)
     """How ops are grouped into layers; ``"manual"`` cuts at ``mark_pipeline_boundary``."""
     stage_option: Literal["auto", "uniform"] | ManualStageOption = "auto"
@@ -209,7 +211,8 @@ class PipeshardParallel:
     """Attention's sequence split inside each stage: as :attr:`ShardParallel.context`."""
 
     def __post_init__(self) -> None:
-        _check_micro_batches(self.num_micro_batches)
+        if self.num_micro_batches != "auto":
+            _check_micro_batches(self.num_micro_batches, "or 'auto'")
         _check_experts(self.experts)
         _check_context(self.context)
         if self.schedule not in PIPELINE_SCHEDULES:
@@ -271,9 +274,15 @@ def _check_mesh_shape(mesh_shape: tuple[int, ...] | None, data_axis: bool = Fals
         raise ValueError(f"mesh_shape must be {what}, got {mesh_shape}")
 
 
-def _check_micro_batches(num_micro_batches: int) -> None:
+def _check_micro_batches(num_micro_batches: int, alternative: str = "") -> None:
     if isinstance(num_micro_batches, bool) or not isinstance(num_micro_batches, int) or num_micro_batches < 1:
-        raise ValueError(f"num_micro_batches must be an int ≥ 1, got {num_micro_batches!r}")
+        also = f" {alternative}" if alternative else ""
+        raise ValueError(f"num_micro_batches must be an int ≥ 1{also}, got {num_micro_batches!r}")
+
+
+def searches_micro_batches(method: Any) -> bool:
+    """Whether ``method`` leaves its micro-batch count to the planner (``PipeshardParallel(num_micro_batches="auto")``)."""
+    return isinstance(method, PipeshardParallel) and method.num_micro_batches == "auto"
 
 
 def data_replicas(method: Any) -> int:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -108,11 +109,12 @@ def finish_profiling(profiling: Profiling | None, plan: Plan) -> None:
 
 def plan_training_profiled(graph: Graph, method: Any, cluster: ClusterSpec, *, profile: bool, spec: OptimizerSpec,
                            trainable: set[str], remat: str | None, explain: bool = False, numerics: Any,
-                           library_fusions: bool) -> TrainingPlan:
+                           library_fusions: bool, beat_s: float = math.inf) -> TrainingPlan:
     """:func:`torchpar.planner.training_plan.plan_training` of ``graph``, with measured profiling when ``profile``
     (links timed first, the candidates compiled and timed while planning; a saved :class:`Plan` is taken as it is
     and measures nothing). ``spec``: the optimizer's, for its state copies and the timed steps' update. A cluster
-    with the nominal cost constants is priced with this machine's measured ones (:mod:`torchpar.machine_constants`)."""
+    with the nominal cost constants is priced with this machine's measured ones (:mod:`torchpar.machine_constants`).
+    ``beat_s``: as :func:`~torchpar.planner.training_plan.plan_training`'s."""
     measure = profile and not isinstance(method, Plan)
     micro = int(getattr(method, "num_micro_batches", 1)) if isinstance(method, PipeshardParallel) else 1
     cluster, constants = priced_cluster(cluster, method, graph, trainable=trainable,
@@ -121,7 +123,7 @@ def plan_training_profiled(graph: Graph, method: Any, cluster: ClusterSpec, *, p
                       library_fusions=library_fusions) as profiling:
         planned = plan_training(graph, method, profiling.cluster if profiling else cluster, trainable=trainable,
                                 optimizer_state_copies=state_copies(spec), remat=remat, explain=explain,
-                                stage_timer=profiling.timer if profiling else None)
+                                stage_timer=profiling.timer if profiling else None, beat_s=beat_s)
         finish_profiling(profiling, planned.plan)
     if not isinstance(method, Plan):  # a saved plan keeps the record of what priced it
         planned.plan.solver["cost_constants"] = constants

@@ -331,3 +331,44 @@ def test_a_smaller_last_batch_recompiles_the_stages_and_matches_pytorch():
             engine.sync_to_torch()
         for (name, p), q in zip(reference.named_parameters(), model.parameters()):
             torch.testing.assert_close(q, p, rtol=PARAM_RTOL, atol=PARAM_ATOL, msg=name)
+
+
+def test_a_searched_micro_batch_count_trains_as_pytorch():
+    """``num_micro_batches="auto"``: compile plans the counts dividing the batch's 256 rows and keeps the fastest that
+    fits. Under a memory budget one micro-batch of 256 rows cannot have (an eighth of the way from what 8
+    micro-batches need to what 1 needs) the count chosen is above 1, and the step cuts every batch into that many
+    micro-batches: the losses and weights are PyTorch's on the whole batch."""
+    torch.manual_seed(0)
+    model = BoundaryMLP(width=64, depth=2)
+    reference = copy.deepcopy(model)
+    # SGD: Adam's update of an element whose gradient is ~0 is ±lr whatever its size, so 256 micro-batches' summation
+    # order would decide its sign
+    make_opt = lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)  # noqa: E731
+    batch = (torch.randn(256, 64), torch.randn(256, 64))
+
+    def method(count):
+        return torchpar.PipeshardParallel(num_micro_batches=count, layer_option="manual")
+
+    def peak(count) -> float:
+        plan = torchpar.plan(model, make_opt(model), example_batch=batch, method=method(count), explain=False)
+        return max(stage.estimated_memory_bytes for stage in plan.stages)
+
+    with local_cluster(num_hosts=2, devices_per_host=2):
+        one, eight = peak(1), peak(8)
+    with local_cluster(num_hosts=2, devices_per_host=2, device_memory_bytes=int(eight + (one - eight) / 8)):
+        ref_opt = make_opt(reference)
+        with torchpar.compile(model, make_opt(model), example_batch=batch, method=method("auto")) as engine:
+            record = engine.plan.solver["micro_batches"]
+            assert [row["count"] for row in record["tried"]][:2] == [256, 128]  # the most micro-batches first
+            assert engine.plan.num_micro_batches == record["chosen"] > 1
+            chosen = next(row for row in record["tried"] if row["count"] == record["chosen"])
+            assert chosen["estimated_step_s"] == pytest.approx(engine.plan.estimated_step_s, rel=1e-9)
+            for _ in range(3):
+                ref_opt.zero_grad()
+                loss = reference(*batch)
+                loss.backward()
+                ref_opt.step()
+                assert engine.step(batch) == pytest.approx(loss.item(), rel=LOSS_RTOL)
+            engine.sync_to_torch()
+    for (name, p), q in zip(reference.named_parameters(), model.parameters()):
+        torch.testing.assert_close(q, p, rtol=PARAM_RTOL, atol=PARAM_ATOL, msg=name)

@@ -361,6 +361,8 @@ class TorchparTrainer(transformers.Trainer):
         else:
             micro = getattr(_engine_method(self.torchpar_method, self.args.gradient_accumulation_steps),
                             "num_micro_batches", 1)
+        if micro == "auto":  # the count is searched among those that divide the first batch's rows
+            return
         rows = next(iter(batch.values())).shape[0]
         if rows % micro:
             raise ValueError(

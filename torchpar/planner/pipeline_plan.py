@@ -53,47 +53,62 @@ class PipelinePlan:
 
 
 def plan_pipeline(graph: Graph, method: PipeshardParallel, cluster: ClusterSpec, *, trainable: set[str],
-                  optimizer_state_copies: float, remat: str = "none",
-                  stage_timer: StageTimer | None = None) -> PipelinePlan:
+                  optimizer_state_copies: float, remat: str = "none", stage_timer: StageTimer | None = None,
+                  beat_s: float = math.inf) -> PipelinePlan:
     """Plan ``graph`` (captured on one micro-batch) with ``method`` on ``cluster``, every stage running with
     activation checkpointing ``remat`` (one of ``planner.remat.REMAT_OPTIONS``; the stage DP and each stage's ILP
     price it), or ``"auto"`` (:func:`_plan_auto_remat`). With a ``stage_timer`` (measured profiling,
     :mod:`.profiling`) every ILP-refined candidate's stages are compiled and timed, and the candidate with the least
-    measured step wins (``plan.solver["profile"]``)."""
+    measured step wins (``plan.solver["profile"]``). ``beat_s``: a step reached elsewhere (another micro-batch
+    count's plan, :mod:`.micro_batch_counts`): a plan whose step is provably no less is not solved to the end, and if
+    no plan can beat it :class:`.remat_choice.NoFasterPlan` is raised."""
     if check_remat(remat, allow_auto=True) == "auto":
         return _plan_auto_remat(graph, method, cluster, trainable=trainable,
-                                optimizer_state_copies=optimizer_state_copies, stage_timer=stage_timer)
+                                optimizer_state_copies=optimizer_state_copies, stage_timer=stage_timer, beat_s=beat_s)
     screened = _screen(graph, method, cluster, optimizer_state_copies, remat)
     return _plan_screened(screened, graph, method, cluster, trainable, optimizer_state_copies, remat,
-                          [screened.partition, *screened.runners_up], stage_timer)
+                          [screened.partition, *screened.runners_up], stage_timer, beat=(beat_s, True))
 
 
 def _plan_auto_remat(graph: Graph, method: PipeshardParallel, cluster: ClusterSpec, *, trainable: set[str],
-                     optimizer_state_copies: float, stage_timer: StageTimer | None) -> PipelinePlan:
+                     optimizer_state_copies: float, stage_timer: StageTimer | None,
+                     beat_s: float = math.inf) -> PipelinePlan:
     """``remat="auto"`` (:mod:`.remat_choice`): the whole pipeline planned once per option (stage DP, ILP refinement
     of its best partition and runners-up), the fastest that fits kept. The options are planned in
-    :data:`.remat_choice.PIPELINE_ORDER`, each bounded by the best step so far: one whose candidates' proven lower
-    bounds cannot beat it is not solved to the end (:class:`.remat_choice.NoFasterPlan`; ties go to the option first
-    in :data:`.remat_choice.ORDER`, as :func:`.remat_choice.choose_remat` breaks them). Exact, as the candidates'
-    branch and bound is: a pruned option could not have been chosen."""
+    :data:`.remat_choice.PIPELINE_ORDER`, each bounded by the best step so far (or ``beat_s``, a step reached
+    elsewhere, which loses no tie): one whose candidates' proven lower bounds cannot beat it is not solved to the end
+    (:class:`.remat_choice.NoFasterPlan`; ties go to the option first in :data:`.remat_choice.ORDER`, as
+    :func:`.remat_choice.choose_remat` breaks them). Exact, as the candidates' branch and bound is: a pruned option
+    could not have been chosen. Raises :class:`.remat_choice.NoFasterPlan` when every option that fits was pruned by
+    ``beat_s``."""
     planned: dict[str, PipelinePlan] = {}
     seconds: dict[str, float] = {}
+    pruned: list[float] = []  # proven lower bounds of the options ``beat_s`` pruned
 
     def make(option: str) -> Plan:
         started = time.perf_counter()
         best = min(planned, key=lambda o: (planned[o].plan.estimated_step_s, ORDER.index(o)), default=None)
-        bound = (math.inf, True) if best is None else (planned[best].plan.estimated_step_s,
-                                                        ORDER.index(option) > ORDER.index(best))
+        bound = (beat_s, True) if best is None or planned[best].plan.estimated_step_s > beat_s else (
+            planned[best].plan.estimated_step_s, ORDER.index(option) > ORDER.index(best))
         try:
             screened = _screen(graph, method, cluster, optimizer_state_copies, option)
             planned[option] = _plan_screened(screened, graph, method, cluster, trainable, optimizer_state_copies,
                                              option, [screened.partition, *screened.runners_up], stage_timer,
                                              beat=bound)
+        except NoFasterPlan as slower:
+            if not planned:
+                pruned.append(slower.step_at_least_s)
+            raise
         finally:
             seconds[option] = time.perf_counter() - started
         return planned[option].plan
 
-    chosen = planned[choose_remat(make, cluster.device_memory_bytes, order=PIPELINE_ORDER).remat]
+    try:
+        chosen = planned[choose_remat(make, cluster.device_memory_bytes, order=PIPELINE_ORDER).remat]
+    except ValueError:
+        if pruned and not planned:  # every option that fits is provably no faster than ``beat_s``
+            raise NoFasterPlan(min(pruned), beat_s) from None
+        raise
     # the chosen option's own phases, then what planning every option took
     chosen.plan.timings.update({f"remat_{option}": s for option, s in seconds.items()})
     chosen.plan.timings["remat_choice"] = sum(seconds.values())

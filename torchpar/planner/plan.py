@@ -224,6 +224,15 @@ class Plan:
             lines.append(f"  numerics: {self.numerics.get('effective', '')}; mixed precision "
                          f"{self.numerics.get('mixed_precision', 'none')}, loss scaling "
                          f"{self.numerics.get('loss_scaling', 'none')}")
+        counts = self.solver.get("micro_batches")
+        if counts:
+            lines.append(f"  micro-batches: auto → {self.num_micro_batches} of {counts['rows'] // counts['chosen']} "
+                         f"row(s) (counts tried, most micro-batches first; the scan stops after two that do not win)")
+            for row in counts.get("tried", []):
+                verdict = (f"est. step {format_seconds(row['estimated_step_s'])}" if row["outcome"] == "planned" else
+                           f"step at least {format_seconds(row['step_at_least_s'])}: not planned to the end"
+                           if row["outcome"] == "pruned" else f"does not fit: {row.get('error', '')}")
+                lines.append(f"    {row['count']:>6}  {verdict}")
         choice = self.solver.get("remat")
         if choice:
             lines.append(f"  remat: auto → {self.remat}: {choice.get('reason', '')}")

@@ -12,6 +12,8 @@ The graph is captured on one micro-batch (``num_micro_batches > 1``: pipelines a
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 from torchpar.cluster import ClusterSpec
@@ -55,7 +57,7 @@ class TrainingPlan:
 
 def plan_training(graph: Graph, method: object, cluster: ClusterSpec, *, trainable: set[str],
                   optimizer_state_copies: float, remat: str | None = None, explain: bool = False,
-                  stage_timer: StageTimer | None = None) -> TrainingPlan:
+                  stage_timer: StageTimer | None = None, beat_s: float = math.inf) -> TrainingPlan:
     """The plan ``method`` gives ``graph`` on ``cluster`` (see the module docstring for the methods).
 
     ``trainable``: the parameters the optimizer updates; ``optimizer_state_copies``: optimizer tensors per
@@ -64,6 +66,7 @@ def plan_training(graph: Graph, method: object, cluster: ClusterSpec, *, trainab
     ``explain``: also count collective bytes and price the other one-stage methods (for reports; a few more
     solves). ``stage_timer`` (measured profiling): time the candidates on real devices — a pipeline's refined
     partitions, choosing the fastest measured; a one-stage plan's single stage, reported beside its estimate.
+    ``beat_s`` (pipelines): a step reached elsewhere; :class:`.remat_choice.NoFasterPlan` when no plan can beat it.
     Raises ``ValueError`` when no plan fits the memory budget or a saved plan does not fit the cluster."""
     if isinstance(method, Plan):
         check_plan_fits(method, cluster)
@@ -74,7 +77,8 @@ def plan_training(graph: Graph, method: object, cluster: ClusterSpec, *, trainab
     remat = remat or "none"
     if isinstance(method, PipeshardParallel):
         pipeline = plan_pipeline(graph, method, cluster, trainable=trainable,
-                                 optimizer_state_copies=optimizer_state_copies, remat=remat, stage_timer=stage_timer)
+                                 optimizer_state_copies=optimizer_state_copies, remat=remat, stage_timer=stage_timer,
+                                 beat_s=beat_s)
         if explain:
             pipeline.explain()
         return TrainingPlan(pipeline.plan, graph, pipeline.stages, frozenset(trainable))
