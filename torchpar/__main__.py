@@ -52,9 +52,19 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+_EXAMPLES = """examples:
+  python -m torchpar plan --model gpt2 --devices 8 --method shard --out plan.html
+  python -m torchpar plan --meta --model gpt2 --config '{"n_layer": 48, "n_embd": 8192, "n_head": 64}' \\
+      --preset v100-16g --hosts 8 --devices 64 --method pipeshard --micro-batches auto --layers 16 \\
+      --mixed-precision fp16 --remat auto --batch-size 1024 --seq-len 1024
+  python -m torchpar compare --model llama --devices 4 --method data_parallel --steps 20
+(python -m torchpar plan --help / compare --help: every option)"""
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m torchpar", description="torchpar: plan and compare parallel "
-                                     "training of PyTorch models on JAX.")
+    parser = argparse.ArgumentParser(
+        prog="python -m torchpar", description="torchpar: plan and compare parallel training of PyTorch models on JAX.",
+        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_EXAMPLES)
     commands = parser.add_subparsers(dest="command", required=True)
 
     plan = commands.add_parser("plan", help="plan a training step and write an HTML report")
@@ -77,7 +87,7 @@ def _parser() -> argparse.ArgumentParser:
 
     compare = commands.add_parser("compare", help="train with PyTorch and torchpar, compare losses")
     _common_arguments(compare, method=SINGLE_DEVICE, batch_size=4, seq_len=32)
-    compare.add_argument("--steps", type=int, default=20)
+    compare.add_argument("--steps", type=int, default=20, help="training steps of each side (default 20)")
     compare.add_argument("--tolerance", type=float, default=1e-4, help="max relative loss difference")
     compare.add_argument("--plot", default=None, help="PNG of both loss curves")
     compare.set_defaults(run=_compare_command)
@@ -113,9 +123,13 @@ def _common_arguments(parser: argparse.ArgumentParser, *, method: str, batch_siz
                         help="pipeshard: schedule (interleaved_1f1b: 2 stages per device group)")
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="zoo models: the optimizer")
     parser.add_argument("--lr", type=float, default=None, help="learning rate (default 1e-3, SGD 0.02)")
-    parser.add_argument("--batch-size", type=int, default=batch_size)
-    parser.add_argument("--seq-len", type=int, default=seq_len)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--batch-size", type=int, default=batch_size,
+                        help=f"rows of the zoo model's batch: the whole step's, cut into micro-batches and data "
+                             f"replicas (default {batch_size})")
+    parser.add_argument("--seq-len", type=int, default=seq_len,
+                        help=f"tokens per row of a zoo language model's batch (default {seq_len})")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the model's initialization and of the batch's random data (default 0)")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="-v: INFO logs, -vv: DEBUG")
 
 

@@ -76,6 +76,24 @@ def test_user_errors(tmp_path, capsys):
     assert "JSON object" in capsys.readouterr().err
 
 
+def test_every_flag_says_what_it_does_and_the_help_shows_examples(capsys):
+    import argparse
+
+    import pytest
+
+    from torchpar.__main__ import _parser
+
+    top = _parser()
+    commands = next(a for a in top._actions if isinstance(a, argparse._SubParsersAction)).choices
+    for name, parser in commands.items():
+        silent = sorted(action.option_strings[0] for action in parser._actions if action.option_strings and
+                        not action.help and action.dest != "help")
+        assert not silent, f"`python -m torchpar {name}` flags without help text: {silent}"
+    with pytest.raises(SystemExit):
+        top.parse_args(["--help"])
+    assert "examples:\n  python -m torchpar plan " in capsys.readouterr().out
+
+
 def test_the_docs_synopsis_names_every_flag_of_each_command():
     """docs/api.md's "Command line" synopsis of ``plan`` and ``compare`` lists every flag their ``--help`` shows."""
     import argparse
