@@ -160,7 +160,6 @@ def plan(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, example_ba
     return result
 
 
-
 class Engine(EngineReadouts):
     """A compiled training step bound to a model and optimizer. Create it with :func:`torchpar.compile`."""
 

@@ -138,13 +138,12 @@ class CompiledTraining:
         """``num_micro_batches="auto"``: each candidate count captured and planned
         (:func:`torchpar.planner.micro_batch_counts.plan_micro_batch_count`; ``first`` is the capture at the largest);
         the chosen count's capture and plan, this object's counts set to it."""
-        captures = {self.num_micro_batches: first}
+        first_count = self.num_micro_batches
 
         def plan_with(concrete: Any, beat_s: float) -> tuple[Capture, TrainingPlan]:
             self._set_micro_batches(concrete.num_micro_batches)
-            if concrete.num_micro_batches not in captures:
-                captures[concrete.num_micro_batches] = self.capture(self.first_part(example_batch))
-            capture = captures[concrete.num_micro_batches]
+            capture = first if concrete.num_micro_batches == first_count else self.capture(
+                self.first_part(example_batch))
             return capture, self._plan(capture, concrete, cluster, beat_s)
 
         count, (capture, planned) = plan_micro_batch_count(
