@@ -180,6 +180,10 @@ def test_measured_timeline(tmp_path):
     assert [float(r.attrs["data-measured-time-s"]) for r in rows] == pytest.approx([3e-3, 3e-3])
     with pytest.raises(ValueError, match="stage"):
         timeline_view(plan, measured[:1])
+    # a stage nothing was timed on reads n/a, not "0 s" and "0.00×"
+    page = Page(render_html(plan, timeline=[measured[0], []], cluster=ClusterSpec(num_hosts=2, devices_per_host=4)))
+    rows = page.rows("stages")
+    assert "data-measured-time-s" not in rows[1].attrs and "n/a" in rows[1].text and "0.00×" not in rows[1].text
 
 
 def test_save_png(gpt2, tmp_path):

@@ -235,9 +235,11 @@ def _stage_table(plan: Plan, grid: DeviceGrid, numbers: PlanNumbers, view: Timel
         if view is not None and len(view.blocks) == len(numbers.stages):  # one row per stage (not interleaved)
             blocks = [b for b in view.blocks[s.index] if b[0] in ("forward", "backward", "backward_input",
                                                                    "backward_weight")]
-            micro = len({b[1] for b in blocks}) or 1
-            per_micro = sum(b[3] - b[2] for b in blocks) / micro
-            cells += [(e(format_seconds(per_micro)), per_micro), (ratio(per_micro, s.cost_s), None)]
+            busy = sum(b[3] - b[2] for b in blocks)
+            # no block timed on this stage (a timeline of other stages, or one recorded without clocks): n/a, not 0 s
+            per_micro = busy / len({b[1] for b in blocks}) if busy > 0 else None
+            cells += [(e(format_seconds(per_micro)) if per_micro is not None else "n/a", per_micro),
+                      (ratio(per_micro, s.cost_s), None)]
         elif profiled:
             per_micro = stage.measured_cost_s
             cells += [(e(format_seconds(per_micro)) if per_micro is not None else "–", per_micro),
