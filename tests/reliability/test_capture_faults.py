@@ -87,6 +87,13 @@ class Regression(_Linear):
         return ((self.lin(input_ids) - labels) ** 2).mean()
 
 
+class Classifier(_Linear):
+    """A model that returns logits: the loss is the caller's (``step_fn``)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
+
 class WrongCallInside(_Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.lin(x, 3).mean()
@@ -147,6 +154,10 @@ FAULTS = [
           (r"does not take the argument 'label'", r"rename the batch key 'label' to 'labels'"), None, TypeError),
     Fault("too-few-tuple-entries", Regression, lambda: (_x(),),
           (r"missing the required argument 'labels'", r"model\(\*batch\)", r"1 entry"), None, TypeError),
+    Fault("logits-model-given-targets", Classifier, lambda: (_x(), torch.tensor([0, 3])),
+          (r"takes 2 positional arguments but 3 were given", r"model\(\*batch\)",
+           re.escape("step_fn=lambda model, batch: torch.nn.functional.cross_entropy(model(*batch[:-1]), batch[-1])")),
+          None, TypeError),
 ]
 
 
@@ -162,6 +173,14 @@ def test_export_failure_says_what_to_do(fault: Fault) -> None:
     else:
         assert type(info.value.__cause__) is fault.cause, repr(info.value.__cause__)
     assert "TreeSpec" not in str(info.value)
+
+
+def test_a_model_returning_logits_is_told_to_pass_a_step_fn() -> None:
+    """The commonest first mistake: ``forward`` returns logits and no ``step_fn`` says how to make the loss."""
+    with pytest.raises(ValueError, match=r"(?s)returned a tensor of shape \[2, 4\], not a scalar loss.*step_fn=lambda "
+                                         r"model, batch: torch\.nn\.functional\.cross_entropy") as info:
+        capture_train_step(Classifier(), _x())
+    assert len(str(info.value).splitlines()) <= 15
 
 
 @pytest.mark.parametrize(("model", "error", "match"), [

@@ -340,6 +340,12 @@ def _signature_fix(problem: str, names: list[str], forward: Any, batch: Any) -> 
     if extra:
         fixes.append(f"remove {_quoted(extra)} from the batch, or accept {'them' if len(extra) > 1 else 'it'} in "
                      "forward (as a parameter or **kwargs)")
+    if not fixes and "were given" in problem and isinstance(batch, (tuple, list)):
+        # forward takes fewer entries than the batch holds: most often (inputs, targets) for a model returning logits
+        return ("if the batch's last entries are targets, compute the loss in a step_fn, e.g. torchpar.compile(model, "
+                "optimizer, example_batch=batch, step_fn=lambda model, batch: "
+                "torch.nn.functional.cross_entropy(model(*batch[:-1]), batch[-1])); otherwise make the batch's "
+                "entries match forward's parameters.")
     if not fixes:
         return "make the batch's entries match forward's parameters, in order for a tuple or list batch."
     return "; ".join(fixes) + "."

@@ -112,6 +112,12 @@ def select_loss(outputs: Any, batch: Any, loss_fn: LossFn | None) -> torch.Tenso
             "loss_fn=lambda outputs, batch: ... to torchpar.compile")
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
         shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        if loss_fn is None and isinstance(outputs, torch.Tensor):  # not a loss: e.g. a classifier's logits
+            raise ValueError(
+                f"the model returned a tensor of shape {list(shape)}, not a scalar loss: compile with a step_fn that "
+                "calls the model and returns the loss, e.g. step_fn=lambda model, batch: "
+                "torch.nn.functional.cross_entropy(model(batch[0]), batch[1]) for a batch (inputs, targets), or "
+                "loss_fn=lambda outputs, batch: ... for a loss of the model's outputs")
         raise ValueError(f"the loss must be a scalar tensor, got {shape}; reduce it (e.g. .mean()) in loss_fn")
     return loss
 
@@ -436,7 +442,10 @@ def _export(wrapper: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
         translated = translate_export_error(e, model, batch=batch)
         if translated is None:
             raise
-        raise translated from e
+        # the torch error stays the cause (its type and text), without the ~150 frames of torch.export under it
+        # that bury the explanation; those are logged at DEBUG
+        log.debug("torch.export failed (translated into the CaptureError that follows):", exc_info=e)
+        raise translated from e.with_traceback(None)
     dynamic = dynamic_shape_error(exported, model)
     if dynamic is not None:
         raise dynamic
