@@ -5,6 +5,7 @@ backward of each custom ``autograd.Function`` (:mod:`.autograd_functions`)."""
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any
 
 import numpy as np
@@ -27,7 +28,10 @@ def decompose(exported: ExportedProgram) -> ExportedProgram:
     for op in list(table):
         if str(op).removeprefix("aten.") in KEEP_UNDECOMPOSED:
             del table[op]
-    return exported.run_decompositions(table)
+    with warnings.catch_warnings():  # torch's own deprecation inside run_decompositions (torch 2.13), not the user's
+        warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+                                category=FutureWarning)
+        return exported.run_decompositions(table)
 
 
 def to_ir(exported: ExportedProgram, model: torch.nn.Module, *, user_output_kind: str,
