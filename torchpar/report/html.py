@@ -189,7 +189,8 @@ def _grid_html(plan: Plan, grid: DeviceGrid, numbers: PlanNumbers) -> str:
                    f"coordinate {cell.mesh_coord}")
             cells.append(f"<div class='device' data-device='{cell.device}' data-stage='{cell.stage}' "
                          f"style='background:{color};color:{text_on(color)}' title='{e(tip)}'>"
-                         f"<b>d{cell.device}</b><span>stage {cell.stage}</span><span>{e(coord(cell.mesh_coord))}</span></div>")
+                         f"<b>d{cell.device}</b><span>stage {cell.stage}</span>"
+                         f"<span>{e(coord(cell.mesh_coord))}</span></div>")
         rows.append(f"<div class='host'><div class='hostlabel'>host {host}</div>{''.join(cells)}</div>")
     legend = "".join(f"<span><i class='swatch' style='background:{stage_color(s.index)}'></i>stage {s.index}: "
                      f"{e(mesh_text(s.submesh_shape))} submesh, logical mesh {e(mesh_text(s.logical_mesh_shape))}"
