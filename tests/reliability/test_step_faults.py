@@ -101,6 +101,17 @@ def test_ignore_index_labels_and_the_off_switch_pass(gpt2_engine):
         gpt2_engine.forward(_batch(input_ids=((0, 0), 4096)))
 
 
+def test_a_batch_that_counts_no_token_says_so():
+    """Every label -100: PyTorch's token-mean cross-entropy is 0 / 0 = nan; the error names the division and why."""
+    model = _gpt2()
+    batch = _batch(labels=((slice(None), slice(None)), -100))
+    assert torch.isnan(model(**batch).loss)  # PyTorch's own answer
+    with torchpar.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), example_batch=_batch()) as engine:
+        with pytest.raises(NonFiniteError, match=r"(?s)aten\.div\.Tensor.*0 / 0.*counts no token.*ignore_index, "
+                                                 r"-100.*PyTorch's loss is nan.*on_nonfinite='skip'"):
+            engine.step(batch)
+
+
 def test_check_inputs_false_turns_the_check_off_and_the_nonfinite_check_still_names_the_embedding():
     model = _gpt2()
     engine = torchpar.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), example_batch=_batch(),

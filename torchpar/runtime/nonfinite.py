@@ -157,7 +157,19 @@ def _describe_op(node: Node, what: str, array: np.ndarray, operands: list[np.nda
     where = f" in {node.module_path}" if node.module_path else ""
     line = f"\n    at {node.source}" if node.source else ""
     return (f"{node.target} ({node.name}){where} produced {bad} {what} value(s) of {array.size} from finite "
-            f"operands (ranges {ranges or 'n/a'}){line}")
+            f"operands (ranges {ranges or 'n/a'}){line}{_zero_over_zero(node, what, operands)}")
+
+
+def _zero_over_zero(node: Node, what: str, operands: list[np.ndarray]) -> str:
+    """For a nan made by 0 / 0: what usually divides by a zero count, and that PyTorch gives nan there too."""
+    if what != "nan" or not node.target.startswith("aten.div") or len(operands) < 2:
+        return ""
+    numerator, denominator = operands[0], operands[1]
+    if not (np.any(numerator == 0) and np.any(denominator == 0)):
+        return ""
+    return ("\n    0 / 0: a mean over nothing — most often a token-mean loss on a batch that counts no token (every "
+            "label is ignore_index, -100, e.g. padding only); PyTorch's loss is nan on such a batch too. Skip such "
+            "batches (check (labels != -100).any()), or compile with on_nonfinite='skip' to drop their steps")
 
 
 def _describe_bad(array: np.ndarray) -> str:
