@@ -11,7 +11,6 @@ and optimizer. ``close()`` (or leaving a ``with`` block) frees the executor's wo
 from __future__ import annotations
 
 import logging
-import math
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -26,25 +25,23 @@ from torchpar import checkpoint as _checkpoint
 from torchpar import diagnosis, feeding
 from torchpar import metrics as _metrics
 from torchpar.capture.checkpointing import warn_if_gradient_checkpointing
-from torchpar.capture.export import ForwardFn, LossFn, StepFn, capture_train_step, check_model_fns
-from torchpar.capture.grad_semantics import trainable_params
+from torchpar.capture.export import ForwardFn, LossFn, StepFn, check_model_fns
 from torchpar.capture.module_state import NumberAttribute
-from torchpar.capture.optim import TorchOptimizerBridge, mark_optimizer_stepped
+from torchpar.capture.optim import mark_optimizer_stepped
 from torchpar.capture.precision import autocast_dtype
-from torchpar.cluster import current_cluster, default_compile_cache
+from torchpar.cluster import default_compile_cache
 from torchpar import model_link
 from torchpar.compiled import CompiledTraining
 from torchpar.engine_readouts import EngineReadouts
 from torchpar.feeding import PREFETCH_DEPTH, HostData, HostFeed
 from torchpar.guard import StepGuard, leaf_names
 from torchpar.host_arrays import host_value, to_torch
-from torchpar.methods import Method, data_replicas, searches_micro_batches
+from torchpar.methods import Method
 from torchpar.options import (CompileOptions, MatmulPrecision, MixedPrecision, OnNonfinite, Remat, SpmdMode,
-                              describe_numerics, numerics_for)
-from torchpar.planner.micro_batch_counts import plan_micro_batch_count
+                              numerics_for)
+from torchpar.plan_model import plan_model
 from torchpar.planner.plan import Plan
 from torchpar.planner.remat import check_remat
-from torchpar.profiled import plan_training_profiled
 from torchpar.torch_side import TorchSide, linked
 
 log = logging.getLogger(__name__)
@@ -133,31 +130,8 @@ def plan(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, example_ba
     check_remat(remat, allow_auto=True)
     check_model_fns(loss_fn, step_fn, None)
     warn_if_gradient_checkpointing(model, stacklevel=3)  # the caller of torchpar.plan
-    names = dict(model.named_parameters())
-    spec = TorchOptimizerBridge(optimizer, {id(p): n for n, p in names.items()}).spec
-
-    def plan_with(concrete: Method | None, beat_s: float = math.inf) -> Plan:
-        start = time.perf_counter()
-        batch = batches.first_micro_batch(example_batch, getattr(concrete, "num_micro_batches", 1),
-                                          data_replicas(concrete))
-        capture = capture_train_step(model, batch, loss_fn, autocast=autocast_dtype(mixed_precision), step_fn=step_fn)
-        capture_s = time.perf_counter() - start
-        planned = plan_training_profiled(capture.graph, concrete, current_cluster(), profile=profile, spec=spec,
-                                         trainable=set(trainable_params(capture.graph, names, spec.param_names)),
-                                         remat=remat, explain=explain, numerics=numerics_for(None),
-                                         library_fusions=True, beat_s=beat_s).plan
-        planned.timings = {"capture": capture_s, **planned.timings}
-        return planned
-
-    if searches_micro_batches(method):
-        start = time.perf_counter()
-        _, result = plan_micro_batch_count(method, batches.splittable_rows(example_batch), plan_with,
-                                           lambda planned: planned)
-        result.timings["micro_batch_search"] = time.perf_counter() - start
-    else:
-        result = plan_with(method)
-    result.numerics = describe_numerics(numerics_for(None), mixed_precision)
-    return result
+    return plan_model(model, optimizer, example_batch=example_batch, loss_fn=loss_fn, step_fn=step_fn, method=method,
+                      explain=explain, mixed_precision=mixed_precision, remat=remat, profile=profile)
 
 
 class Engine(EngineReadouts):

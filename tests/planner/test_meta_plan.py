@@ -56,7 +56,7 @@ def test_a_meta_model_plans_as_the_model_with_weights(method):
 def test_a_meta_model_is_captured_under_the_autocast_policy_of_the_model_with_weights(mixed_precision):
     """Meta tensors have no autocast dispatch: without the fake-CPU capture a meta model's matmuls stayed fp32 and
     its plan priced twice the activation bytes of the model it stands for."""
-    from torchpar.api import capture_train_step
+    from torchpar.capture.export import capture_train_step
     from torchpar.capture.precision import autocast_dtype
 
     def op_dtypes(device: str) -> list[tuple[str, str]]:

@@ -18,7 +18,7 @@ import torch
 import transformers
 
 import torchpar
-from torchpar.api import capture_train_step
+from torchpar.capture.export import capture_train_step
 from torchpar.capture.precision import autocast_dtype
 from torchpar.cluster import ClusterSpec
 from torchpar.planner import layers as layers_mod

@@ -47,7 +47,7 @@ def test_tighter_budgets_bring_sequence_then_context_parallelism(plan_under):
 def test_data_parallel_and_zero_never_take_a_rows_scattered_matmul():
     """A ``…>m@A`` matmul splits its contracted dim (then scatters the rows): not a data-parallel layout, though every
     axis it uses splits its output. (A profiled DataParallel plan once chose it: other arithmetic, other losses.)"""
-    from torchpar.api import capture_train_step
+    from torchpar.capture.export import capture_train_step
     from torchpar.cluster import ClusterSpec
     from torchpar.planner.intra_op import _restrictions, prepare_stage
 
