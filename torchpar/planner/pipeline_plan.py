@@ -83,7 +83,6 @@ def _plan_auto_remat(graph: Graph, method: PipeshardParallel, cluster: ClusterSp
     ``beat_s``."""
     planned: dict[str, PipelinePlan] = {}
     seconds: dict[str, float] = {}
-    pruned: list[float] = []  # proven lower bounds of the options ``beat_s`` pruned
 
     def make(option: str) -> Plan:
         started = time.perf_counter()
@@ -95,20 +94,11 @@ def _plan_auto_remat(graph: Graph, method: PipeshardParallel, cluster: ClusterSp
             planned[option] = _plan_screened(screened, graph, method, cluster, trainable, optimizer_state_copies,
                                              option, [screened.partition, *screened.runners_up], stage_timer,
                                              beat=bound)
-        except NoFasterPlan as slower:
-            if not planned:
-                pruned.append(slower.step_at_least_s)
-            raise
         finally:
             seconds[option] = time.perf_counter() - started
         return planned[option].plan
 
-    try:
-        chosen = planned[choose_remat(make, cluster.device_memory_bytes, order=PIPELINE_ORDER).remat]
-    except ValueError:
-        if pruned and not planned:  # every option that fits is provably no faster than ``beat_s``
-            raise NoFasterPlan(min(pruned), beat_s) from None
-        raise
+    chosen = planned[choose_remat(make, cluster.device_memory_bytes, order=PIPELINE_ORDER).remat]
     # the chosen option's own phases, then what planning every option took
     chosen.plan.timings.update({f"remat_{option}": s for option, s in seconds.items()})
     chosen.plan.timings["remat_choice"] = sum(seconds.values())

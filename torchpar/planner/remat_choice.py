@@ -46,17 +46,20 @@ class NoFasterPlan(ValueError):
 def choose_remat(make_plan: Callable[[str], Plan], budget_bytes: float,
                  order: tuple[str, ...] = ORDER) -> Plan:
     """The plan of the best option (module docstring). ``make_plan(remat)`` plans with one option and raises
-    ``ValueError`` when nothing fits (:class:`NoFasterPlan` when it proved the option slower than one planned before);
+    ``ValueError`` when nothing fits (:class:`NoFasterPlan` when it proved the option slower than one planned before or
+    elsewhere; if every option that fits was, :class:`NoFasterPlan` is raised here too);
     a plan whose estimated per-device memory exceeds ``budget_bytes`` (the single-device plan, which has no solver to
     refuse it) does not fit either. ``order``: the order the options are planned in (the record lists them in
     :data:`ORDER`). Raises ``ValueError`` listing each option's reason when none fits."""
     plans: dict[str, Plan] = {}
     candidates: list[dict] = []
     errors: list[ValueError] = []
+    slower_than: list[NoFasterPlan] = []
     for remat in order:
         try:
             plan = make_plan(remat)
         except NoFasterPlan as slower:
+            slower_than.append(slower)
             candidates.append({"remat": remat, "fits": None, "pruned": True, "step_at_least_s": slower.step_at_least_s,
                                "error": str(slower)})
             continue
@@ -74,6 +77,8 @@ def choose_remat(make_plan: Callable[[str], Plan], budget_bytes: float,
             plans[remat] = plan
         candidates.append(row)
     candidates.sort(key=lambda row: ORDER.index(row["remat"]))
+    if not plans and slower_than:  # every option that fits is provably no faster than a plan made elsewhere
+        raise NoFasterPlan(min(s.step_at_least_s for s in slower_than), min(s.beat_s for s in slower_than))
     if not plans and len(errors) == len(ORDER) and len({str(e) for e in errors}) == 1:
         raise errors[0]  # the same error whatever remat does (a mesh larger than the cluster, a batch that does not split)
     if not plans:

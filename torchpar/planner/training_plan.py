@@ -13,7 +13,6 @@ The graph is captured on one micro-batch (``num_micro_batches > 1``: pipelines a
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass
 
 from torchpar.cluster import ClusterSpec
