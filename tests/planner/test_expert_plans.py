@@ -13,6 +13,7 @@ from tests.models.routed_experts import RoutedExperts
 from torchpar.harness import zoo
 from torchpar.planner.sharding.cost_model import LogicalMesh
 from torchpar.planner.sharding.strategies import anchor_einsum, einsum_strategies, expert_strategies
+from torchpar.report.html import render_html
 
 
 @pytest.fixture(autouse=True)
@@ -158,3 +159,33 @@ def test_a_dense_einsum_moe_layer_splits_its_experts():
     assert not [c.line for c in found if any(shape in expert_shapes for _, shape in c.shapes)]
     assert [c.kind for c in found].count("all-to-all") == 0
     assert any(c.kind == "all-reduce" and any(shape == (256, 64, 1) for _, shape in c.shapes) for c in found)
+
+
+def test_the_summary_says_which_expert_layouts_lost_and_by_how_much():
+    """``torchpar.plan`` (explain) prices the stage with its grouped matmuls forced to each other layout family on
+    the chosen logical mesh; the summary names them with their estimates, each no faster than the chosen one and
+    equal to the plan that forces that family (``ShardParallel(experts=...)``)."""
+    torchpar.init(cluster="local", num_devices=4)
+    model, batch = _mixtral(8, 64, (8, 32), device="cpu")
+    plan = torchpar.plan(model, torch.optim.AdamW(model.parameters()), example_batch=batch,
+                         method=torchpar.ShardParallel())
+    rows = plan.solver["expert_layouts"]
+    chosen = [row for row in rows if row.get("chosen")]
+    others = {row["experts"]: row for row in rows if not row.get("chosen")}
+    assert chosen and all(row["estimated_step_s"] == plan.estimated_step_s for row in chosen)
+    assert {row["experts"] for row in rows} >= {"split", "tensor", "replicated"}
+    mesh = tuple(plan.stages[0].logical_mesh_shape)
+    for family, row in others.items():
+        assert row["estimated_step_s"] >= plan.estimated_step_s
+        assert f"expert layout {family} (" in plan.summary()
+    runner_up = min(others, key=lambda family: others[family]["estimated_step_s"])
+    # the tuning guide's words: a near tie between splitting the experts and splitting their hidden dims here
+    assert {runner_up, *(row["experts"] for row in chosen)} == {"split", "tensor"}
+    assert others[runner_up]["estimated_step_s"] < 1.05 * plan.estimated_step_s
+    forced = torchpar.plan(model, torch.optim.AdamW(model.parameters()), example_batch=batch, explain=False,
+                           method=torchpar.ShardParallel(mesh_shape=mesh, experts=runner_up))
+    assert others[runner_up]["estimated_step_s"] == pytest.approx(forced.estimated_step_s, rel=1e-6)
+    summary = plan.summary()
+    assert "(chosen)" in next(line for line in summary.splitlines() if line.startswith("  expert layout "))
+    html = render_html(plan)
+    assert "Expert layouts priced" in html and html.count("data-experts=") == len(rows)

@@ -18,7 +18,8 @@ from torchpar.methods import (
 )
 from torchpar.planner.intra_op import logical_mesh, memory_breakdown, mesh_shapes_for, plan_best_mesh, plan_stage
 from torchpar.planner.mesh_links import submesh_of
-from torchpar.planner.plan import Plan, StagePlan
+from torchpar.planner.plan import EXPERT_FAMILIES, Plan, StagePlan, expert_family, expert_layouts
+from torchpar.planner.sharding.ilp import SolveTimeout
 from torchpar.planner.remat import check_remat, remat_memory
 from torchpar.planner.remat_choice import choose_remat
 from torchpar.planner.sharding.solver_graph import build_solver_graph
@@ -127,6 +128,8 @@ def plan_for_method(graph: Graph, method: Any, cluster: ClusterSpec, *, trainabl
         # the hand plans are priced on the whole cluster; a replica's graph holds 1/replicas of the rows
         stats["method_comparison"] = [] if replicas > 1 else _compare_methods(
             graph, kind, result.stage, cluster, trainable, optimizer_state_copies, budget, time_limit, micro)
+        if replicas == 1 and common["experts"] == "auto" and expert_layouts(result.stage):
+            stats["expert_layouts"] = _compare_expert_layouts(graph, result.stage, common)
         timings["explain"] = time.perf_counter() - start
     return Plan(method=kind, stages=[result.stage], estimated_step_s=result.stage.estimated_cost_s,
                 num_micro_batches=micro, solver=stats, timings=timings, cluster=cluster.cost_constants(), remat=remat)
@@ -176,6 +179,27 @@ def _compare_methods(graph: Graph, kind: str, stage: StagePlan, cluster: Cluster
                      "estimated_step_s": chosen.estimated_cost_s, "estimated_compute_s": chosen.estimated_compute_s,
                      "estimated_communication_s": chosen.estimated_communication_s,
                      "estimated_memory_bytes": chosen.estimated_memory_bytes})
+    return rows
+
+
+def _compare_expert_layouts(graph: Graph, stage: StagePlan, common: dict[str, Any]) -> list[dict[str, Any]]:
+    """The stage re-planned on its own logical mesh with its grouped matmuls forced to each other family of
+    :data:`.plan.EXPERT_FAMILIES` (``ShardParallel.experts``), beside the chosen one: what the expert layout the
+    ILP chose won against, on the same cost model. A family the plan already uses everywhere is its own row."""
+    chosen = {expert_family(strategy) for _, strategy, _ in expert_layouts(stage)}
+    rows = [{"experts": family, "meaning": EXPERT_FAMILIES[family], "chosen": True,
+             "estimated_step_s": stage.estimated_cost_s, "estimated_memory_bytes": stage.estimated_memory_bytes}
+            for family in sorted(chosen)]
+    for family in ("split", "tensor", "replicated"):
+        if chosen == {family}:
+            continue
+        try:
+            other = plan_stage(graph, mesh_shape=tuple(stage.logical_mesh_shape), **{**common, "experts": family}).stage
+        except (ValueError, SolveTimeout) as error:  # does not fit the memory budget, or no layout in time
+            rows.append({"experts": family, "meaning": EXPERT_FAMILIES[family], "error": str(error)})
+            continue
+        rows.append({"experts": family, "meaning": EXPERT_FAMILIES[family], "estimated_step_s": other.estimated_cost_s,
+                     "estimated_memory_bytes": other.estimated_memory_bytes})
     return rows
 
 

@@ -162,6 +162,12 @@ class Plan:
             raise PlanFormatError(f"plan is not valid JSON: {error or type(error).__name__}") from error
         return cls.from_dict(data)
 
+    def headline(self) -> str:
+        """The plan in one line: method, stages and their meshes, micro-batches, estimated step."""
+        meshes = ", ".join(stage.mesh_text() for stage in self.stages)
+        return (f"{method_title(self.method)}: {len(self.stages)} stage(s) on {meshes}, {self.num_micro_batches} "
+                f"micro-batch(es), estimated step {format_seconds(self.estimated_step_s)}")
+
     def summary(self) -> str:
         """The plan as text: the estimate and what priced it, each stage with its costs, memory by part, the
         collectives it sends, every parameter's layout; the alternatives weighed; solver and compile phases."""
@@ -276,8 +282,8 @@ class Plan:
 
 _REMAT_MEANING = {"layers": "each layer's forward recomputed in its backward; its input kept",
                   "selective": "each layer's input and linear-layer outputs kept; the rest recomputed"}
-_EXPLAINED_SOLVER_KEYS = ("estimate", "stage_partition", "runners_up", "mesh_shapes", "method_comparison", "remat",
-                          "profile")
+_EXPLAINED_SOLVER_KEYS = ("estimate", "stage_partition", "runners_up", "mesh_shapes", "expert_layouts",
+                          "method_comparison", "remat", "profile")
 """``Plan.solver`` entries :meth:`Plan.summary` shows in their own lines."""
 
 
@@ -294,6 +300,12 @@ def _alternatives(solver: dict[str, Any]) -> list[str]:
         shape = tuple(row["logical_mesh_shape"])
         lines.append(f"  mesh {shape}: " + (f"not possible: {row['error'].splitlines()[0]}" if "error" in row else
                                               f"est. step {format_seconds(row['estimated_step_s'])}"
+                                              + (" (chosen)" if row.get("chosen") else "")))
+    for row in solver.get("expert_layouts", []):
+        what = f"{row['experts']} ({row.get('meaning', EXPERT_FAMILIES.get(row['experts'], ''))})"
+        lines.append(f"  expert layout {what}: " + (f"not possible: {row['error'].splitlines()[0]}" if "error" in row else
+                                              f"est. step {format_seconds(row['estimated_step_s'])}, memory "
+                                              f"{format_bytes(row['estimated_memory_bytes'])}"
                                               + (" (chosen)" if row.get("chosen") else "")))
     for row in solver.get("runners_up", []):
         stages = " | ".join(f"layers {st['layers']} on {tuple(st['submesh_shape'])} mesh "
@@ -354,6 +366,23 @@ def expert_layouts(stage: "StagePlan") -> list[tuple[str, str, str]]:
             meaning = f"experts on every device ({strategy})"
         layouts.append((module or target, strategy, meaning))
     return layouts
+
+
+EXPERT_FAMILIES = {"split": "each device holds a block of experts, tokens exchanged by all-to-all",
+                   "tensor": "every expert's hidden dims split", "replicated": "every expert whole on every device",
+                   "rows": "every expert whole, token rows split"}
+"""The families of a grouped matmul's layouts (``ShardParallel.experts`` forces one of the first three)."""
+
+
+def expert_family(strategy: str) -> str:
+    """The :data:`EXPERT_FAMILIES` key of a grouped matmul's strategy name (``experts@1,s@1`` → ``"split"``)."""
+    if strategy.startswith("experts@"):
+        return "split"
+    if strategy == "replicated":
+        return "replicated"
+    if all(part.split("@")[0] in ("k", "n") for part in strategy.split(",")):
+        return "tensor"
+    return "rows"
 
 
 def _expert_lines(stage: "StagePlan") -> list[str]:

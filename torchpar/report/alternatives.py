@@ -42,6 +42,9 @@ def why_html(plan: Plan, numbers: PlanNumbers) -> str | None:
     meshes = plan.solver.get("mesh_shapes") if plan.solver else None
     if isinstance(meshes, list) and meshes:
         parts.append(mesh_shapes_html(plan, numbers, meshes))
+    experts = plan.solver.get("expert_layouts") if plan.solver else None
+    if isinstance(experts, list) and experts:
+        parts.append(expert_layouts_html(experts))
     return "".join(parts) or None
 
 
@@ -192,3 +195,30 @@ def mesh_shapes_html(plan: Plan, numbers: PlanNumbers, meshes: Sequence[Any]) ->
                     numeric={2, 3, 4}, css="meshes", row_attrs=row_attrs)
             + f"<p class='sub'>The same devices ({e(mesh_text(submesh))} submesh) laid out as each logical mesh; the "
               "sharding ILP solved each.</p>")
+
+
+def expert_layouts_html(experts: Sequence[Any]) -> str:
+    """The grouped matmuls' layout families priced on the plan's logical mesh (``plan.solver["expert_layouts"]``)."""
+    chosen_step = next((r.get("estimated_step_s") for r in experts if isinstance(r, Mapping) and r.get("chosen")), None)
+    rows, row_attrs = [], []
+    for row in experts:
+        if not isinstance(row, Mapping):
+            continue
+        family = str(row.get("experts", ""))
+        label = f"{e(family)} <span class='sub'>{e(str(row.get('meaning', '')))}</span>"
+        if "error" in row:
+            rows.append([(label, None), (f"<span class='bad'>{e(str(row['error']).splitlines()[0])}</span>", None),
+                         ("", None), ("", None), ("", None)])
+            row_attrs.append(attrs(data_experts=family))
+            continue
+        step = row.get("estimated_step_s")
+        rows.append([(label, None), (format_seconds(step), step), (relative(step, chosen_step), None),
+                     (format_bytes(row.get("estimated_memory_bytes", 0)), None),
+                     ("<b>chosen</b>" if row.get("chosen") else "", None)])
+        row_attrs.append((" class='chosen'" if row.get("chosen") else "")
+                         + attrs(data_experts=family, data_step_s=float(step)))
+    return ("<h3>Expert layouts priced</h3>"
+            + table(["experts", "est. step", "vs chosen", "memory / device", ""], rows, numeric={1, 2, 3},
+                    css="experts", row_attrs=row_attrs)
+            + "<p class='sub'>The same stage on the same logical mesh with its grouped matmuls restricted to each "
+              "layout family (<code>ShardParallel(experts=...)</code>); the sharding ILP solved each.</p>")

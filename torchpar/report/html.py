@@ -64,7 +64,8 @@ from torchpar.units import format_bytes, format_seconds
 if TYPE_CHECKING:
     from torchpar.planner.plan import Plan
 
-EXPLAINED_SOLVER_KEYS = ("estimate", "stage_partition", "runners_up", "mesh_shapes", "method_comparison", "profile")
+EXPLAINED_SOLVER_KEYS = ("estimate", "stage_partition", "runners_up", "mesh_shapes", "expert_layouts",
+                         "method_comparison", "profile")
 """``Plan.solver`` entries shown in their own sections rather than in the solver statistics."""
 
 
