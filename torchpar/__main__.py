@@ -249,6 +249,18 @@ def _build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     return model, make_optimizer(args.optimizer, model.parameters(), lr), batch
 
 
+def _build_with_progress(args: argparse.Namespace) -> tuple[Any, Any, Any]:
+    """:func:`_build` under a progress bar (importing torch and transformers and building the model take seconds)."""
+    from torchpar.progress import CompilePhases
+
+    phases = CompilePhases(("build",), f"{args.command}: building {Path(args.model).name}")
+    try:
+        with phases.phase("importing torch, transformers and the model"):
+            return _build(args)
+    finally:
+        phases.close()
+
+
 def _config(args: argparse.Namespace) -> dict:
     try:
         config = json.loads(args.config)
@@ -266,7 +278,7 @@ def _config(args: argparse.Namespace) -> dict:
 def _plan_command(args: argparse.Namespace) -> int:
     import torchpar
 
-    model, optimizer, batch = _build(args)
+    model, optimizer, batch = _build_with_progress(args)
     method = _method(args)
     log.info("planning %s with %s", args.model, type(method).__name__ if method else "one device")
     if args.profile and args.meta:
@@ -291,12 +303,17 @@ def _compare_command(args: argparse.Namespace) -> int:
 
     if args.model.endswith(".py"):
         raise ValueError("compare takes a zoo model family (it builds the model twice from the same seed)")
+    from torchpar.harness.compare import Comparison
+
+    method = _method(args)
+    where = type(method).__name__ if method is not None else "one device"
+    print(f"{args.model} with {args.optimizer}, {args.steps} steps, torchpar on {where} (compiling first)", flush=True)
+    print(Comparison.HEADER, flush=True)
     result = compare_training(args.model, steps=args.steps, optimizer=args.optimizer, lr=args.lr,
-                              method=_method(args), overrides=_config(args), batch_size=args.batch_size,
-                              seq_len=args.seq_len, seed=args.seed, tolerance=args.tolerance,
-                              progress=sys.stderr.isatty())
-    print(f"{args.model} with {args.optimizer}, {args.steps} steps, torchpar on {result.method}")
-    print(result.table())
+                              method=method, overrides=_config(args), batch_size=args.batch_size,
+                              seq_len=args.seq_len, seed=args.seed, tolerance=args.tolerance, progress=False,
+                              on_step=lambda *row: print(Comparison.row(*row), flush=True))
+    print(result.verdict())
     if args.plot:
         result.plot(args.plot)
         print(f"plot written to {args.plot}")

@@ -93,7 +93,7 @@ class CompiledTraining:
         from torchpar.runtime.devices import DeviceMap
         from torchpar.runtime.worker import ExecutionSpec
 
-        phases = CompilePhases(("capture", "plan", "start workers", "XLA compile"), "the training step")
+        phases = CompilePhases(("capture", "plan", "start workers", "XLA compile"), "compiling the training step")
         try:
             with self.translating_failures("compiling the training step"):
                 with phases.phase("capture"):
@@ -109,7 +109,8 @@ class CompiledTraining:
                     else:
                         self.planned = self._plan(capture, method, cluster)
                     self.plan.numerics = describe_numerics(self._numerics, self.options.mixed_precision)
-                    log.info("torchpar plan:\n%s", self.plan.summary())
+                    log.info("torchpar: plan %s (engine.plan.summary() lists every layout)", self.plan.headline())
+                    log.debug("torchpar plan:\n%s", self.plan.summary())
                 with phases.phase("start workers"):
                     start = time.perf_counter()
                     spec = ExecutionSpec(plan=self.plan, optimizer=self.bridge.spec,

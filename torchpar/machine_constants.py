@@ -30,6 +30,7 @@ from torchpar.cluster import ClusterSpec
 from torchpar.ir.graph import Graph
 from torchpar.ir.op_families import FREE
 from torchpar.planner.plan import Plan
+from torchpar import progress
 from torchpar.planner.profiling import calibrated_cluster
 
 log = logging.getLogger(__name__)
@@ -88,6 +89,7 @@ def priced_cluster(cluster: ClusterSpec, method: Any, graph: Graph, *, trainable
         return cluster, {"source": f"nominal defaults (the plan's {busy} devices are not in this process: "
                                    f"{len(jax.devices())} here)"}
     devices = jax.devices()[:busy]
+    progress.note(f"this machine's cost constants on {busy} device(s) (measured once, then cached)")
     measured = measure_machine(ProfileCache(profile_dir()), devices)
     ops = sum(1 for node in graph.nodes if node.target not in FREE)
     params = float(sum(i.meta.numel for i in graph.inputs

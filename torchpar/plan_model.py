@@ -21,6 +21,7 @@ from torchpar.options import MixedPrecision, Remat, describe_numerics, numerics_
 from torchpar.planner.micro_batch_counts import plan_micro_batch_count
 from torchpar.planner.plan import Plan
 from torchpar.profiled import plan_training_profiled
+from torchpar.progress import CompilePhases
 
 
 def plan_model(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, example_batch: Any,
@@ -31,25 +32,34 @@ def plan_model(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, exam
     names = dict(model.named_parameters())
     spec = TorchOptimizerBridge(optimizer, {id(p): n for n, p in names.items()}).spec
 
+    searching = searches_micro_batches(method)
+    phases = CompilePhases(() if searching else ("capture", "plan"), "planning the training step")
+
     def plan_with(concrete: Method | None, beat_s: float = math.inf) -> Plan:
+        count = getattr(concrete, "num_micro_batches", 1)
         start = time.perf_counter()
-        batch = batches.first_micro_batch(example_batch, getattr(concrete, "num_micro_batches", 1),
-                                          data_replicas(concrete))
-        capture = capture_train_step(model, batch, loss_fn, autocast=autocast_dtype(mixed_precision), step_fn=step_fn)
+        with phases.phase(f"capture ({count} micro-batches)" if searching else "capture"):
+            batch = batches.first_micro_batch(example_batch, count, data_replicas(concrete))
+            capture = capture_train_step(model, batch, loss_fn, autocast=autocast_dtype(mixed_precision),
+                                         step_fn=step_fn)
         capture_s = time.perf_counter() - start
-        planned = plan_training_profiled(capture.graph, concrete, current_cluster(), profile=profile, spec=spec,
-                                         trainable=set(trainable_params(capture.graph, names, spec.param_names)),
-                                         remat=remat, explain=explain, numerics=numerics_for(None),
-                                         library_fusions=True, beat_s=beat_s).plan
+        with phases.phase(f"plan ({count} micro-batches)" if searching else "plan"):
+            planned = plan_training_profiled(capture.graph, concrete, current_cluster(), profile=profile, spec=spec,
+                                             trainable=set(trainable_params(capture.graph, names, spec.param_names)),
+                                             remat=remat, explain=explain, numerics=numerics_for(None),
+                                             library_fusions=True, beat_s=beat_s).plan
         planned.timings = {"capture": capture_s, **planned.timings}
         return planned
 
-    if searches_micro_batches(method):
-        start = time.perf_counter()
-        _, result = plan_micro_batch_count(method, batches.splittable_rows(example_batch), plan_with,
-                                           lambda planned: planned)
-        result.timings["micro_batch_search"] = time.perf_counter() - start
-    else:
-        result = plan_with(method)
+    try:
+        if searching:
+            start = time.perf_counter()
+            _, result = plan_micro_batch_count(method, batches.splittable_rows(example_batch), plan_with,
+                                               lambda planned: planned)
+            result.timings["micro_batch_search"] = time.perf_counter() - start
+        else:
+            result = plan_with(method)
+    finally:
+        phases.close()
     result.numerics = describe_numerics(numerics_for(None), mixed_precision)
     return result

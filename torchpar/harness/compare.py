@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -44,13 +44,21 @@ class Comparison:
     def passed(self) -> bool:
         return self.max_relative_diff <= self.tolerance
 
-    def table(self) -> str:
-        lines = [f"{'step':>4}  {'torch loss':>12}  {'torchpar loss':>13}  {'rel. diff':>9}"]
-        for step, (a, b, d) in enumerate(zip(self.torch_losses, self.torchpar_losses, self.relative_diffs)):
-            lines.append(f"{step:>4}  {a:>12.6f}  {b:>13.6f}  {d:>9.2e}")
+    HEADER = f"{'step':>4}  {'torch loss':>12}  {'torchpar loss':>13}  {'rel. diff':>9}"
+
+    @staticmethod
+    def row(step: int, torch_loss: float, torchpar_loss: float) -> str:
+        """One line of :meth:`table` (what ``compare_training``'s ``on_step`` callers print as the run goes)."""
+        diff = abs(torchpar_loss - torch_loss) / max(abs(torch_loss), 1e-12)
+        return f"{step:>4}  {torch_loss:>12.6f}  {torchpar_loss:>13.6f}  {diff:>9.2e}"
+
+    def verdict(self) -> str:
         verdict = "OK" if self.passed else "DIVERGED"
-        lines.append(f"max rel. diff {self.max_relative_diff:.2e} (tolerance {self.tolerance:.0e}): {verdict}")
-        return "\n".join(lines)
+        return f"max rel. diff {self.max_relative_diff:.2e} (tolerance {self.tolerance:.0e}): {verdict}"
+
+    def table(self) -> str:
+        rows = [self.row(step, a, b) for step, (a, b) in enumerate(zip(self.torch_losses, self.torchpar_losses))]
+        return "\n".join([self.HEADER, *rows, self.verdict()])
 
     def plot(self, path: str) -> None:
         """Write a PNG with both loss curves and the relative difference."""
@@ -90,8 +98,11 @@ def make_optimizer(name: str, params: Any, lr: float) -> torch.optim.Optimizer:
 def compare_training(family: str, *, steps: int = 20, optimizer: str = "adamw", lr: float | None = None,
                      method: Any = None, overrides: dict[str, Any] | None = None, batch_size: int = 4,
                      seq_len: int = 32, seed: int = 0, tolerance: float = 1e-4,
-                     progress: bool = True) -> Comparison:
-    """Run ``steps`` training steps of ``family`` in PyTorch and in torchpar and collect both loss curves."""
+                     progress: bool = True,
+                     on_step: Callable[[int, float, float], None] | None = None) -> Comparison:
+    """Run ``steps`` training steps of ``family`` in PyTorch and in torchpar and collect both loss curves.
+    ``on_step(step, torch_loss, torchpar_loss)`` is called after each step (the CLI prints the table's rows as they
+    come); ``progress``: a tqdm bar over the steps."""
     from tqdm.auto import tqdm
 
     import torchpar
@@ -112,6 +123,8 @@ def compare_training(family: str, *, steps: int = 20, optimizer: str = "adamw", 
         torch_opt.step()
         torch_losses.append(float(loss.detach()))
         torchpar_losses.append(engine.step(batch).item())
+        if on_step is not None:
+            on_step(len(torch_losses) - 1, torch_losses[-1], torchpar_losses[-1])
     method_name = type(method).__name__ if method is not None else "one device"
     return Comparison(family, optimizer, method_name, torch_losses, torchpar_losses, tolerance)
 
