@@ -450,13 +450,29 @@ def _describe_out(out: OutMeta) -> str:
     return str(out)
 
 
-def to_numpy_input(array: np.ndarray) -> np.ndarray:
-    """A host array in the dtype JAX will hold it in (int64 → int32 when x64 is off)."""
+class IntegerRangeError(ValueError):
+    """An integer array holds values its 32-bit JAX dtype cannot (JAX runs with x64 off): they would wrap."""
+
+
+def to_numpy_input(array: np.ndarray, what: str = "an input array") -> np.ndarray:
+    """A host array in the dtype JAX will hold it in (int64 → int32 when x64 is off). Raises
+    :class:`IntegerRangeError` naming ``what`` when an integer array holds a value the narrower dtype cannot: a cast
+    would wrap it silently (a hashed id of 2**33 + 7 would read row 7)."""
     want = jax.dtypes.canonicalize_dtype(array.dtype)
-    return array if array.dtype == want else array.astype(want)
+    if array.dtype == want:
+        return array
+    if np.issubdtype(array.dtype, np.integer) and array.size:
+        low, high, limits = array.min(), array.max(), np.iinfo(want)
+        if low < limits.min or high > limits.max:
+            raise IntegerRangeError(
+                f"{what} ({array.dtype}, shape {tuple(array.shape)}) holds values in [{low}, {high}], outside "
+                f"{want}'s range [{limits.min}, {limits.max}]: JAX runs 64-bit integers as 32-bit (x64 off), so they "
+                "would wrap. Bring them into range before the batch (e.g. hash ids modulo the table size in the "
+                "data pipeline), or keep such values as floats.")
+    return array.astype(want)
 
 
 __all__ = [
-    "LoweringError", "StepFn", "UnsupportedOpsError", "check_supported", "lower", "unsupported_ops",
-    "to_numpy_input",
+    "IntegerRangeError", "LoweringError", "StepFn", "UnsupportedOpsError", "check_supported", "lower",
+    "unsupported_ops", "to_numpy_input",
 ]

@@ -59,7 +59,15 @@ class StepGuard:
         raw = [leaf.detach().cpu().numpy() if leaf.dtype != torch.bfloat16 else None for leaf in leaves]
         if self.check_inputs and self._bounds.get(key):
             check_index_inputs(self._bounds[key], raw, names)
-        return [to_host(r if r is not None else leaf) for r, leaf in zip(raw, leaves)]
+        from jaxbackend.lower import IntegerRangeError
+
+        hosted = []
+        for r, leaf, name in zip(raw, leaves, names):
+            try:
+                hosted.append(to_host(r if r is not None else leaf))
+            except IntegerRangeError as error:
+                raise IntegerRangeError(str(error).replace("an input array", f"batch leaf {name}", 1)) from None
+        return hosted
 
     @contextlib.contextmanager
     def translating_failures(self, what: str, plan: Any, device_memory_bytes: int) -> Iterator[None]:

@@ -337,19 +337,24 @@ def _arange_dtype(values, dtype):
 
 @lowers("aten.arange.default")
 def arange(end, dtype=None, layout=None, device=None, pin_memory=None):
-    return jnp.arange(end, dtype=_arange_dtype([end], dtype))
+    return arange_start_step(0, end, 1, dtype)
 
 
 @lowers("aten.arange.start")
 def arange_start(start, end, dtype=None, layout=None, device=None, pin_memory=None):
-    return jnp.arange(start, end, dtype=_arange_dtype([start, end], dtype))
+    return arange_start_step(start, end, 1, dtype)
 
 
 @lowers("aten.arange.start_step")
 def arange_start_step(start, end, step=1, dtype=None, layout=None, device=None, pin_memory=None):
+    """PyTorch's ``arange``: ``ceil((end − start) / step)`` elements counted in float64; for an integer dtype the
+    values are ``int(start) + i·int(step)`` (start and step truncated first, as ATen's integer accumulator does:
+    ``arange(5, 0, -0.5, dtype=int64)`` is ten 5s), for a floating one ``start + i·step``."""
     dtype = _arange_dtype([start, end, step], dtype)
-    count = max(int(np.ceil((end - start) / step)), 0)
-    return (start + step * jnp.arange(count, dtype=jnp.float32 if jnp.issubdtype(dtype, jnp.floating) else dtype)).astype(dtype)
+    count = max(int(np.ceil((float(end) - float(start)) / float(step))), 0)
+    if jnp.issubdtype(dtype, jnp.floating):
+        return (start + step * jnp.arange(count, dtype=jnp.float32)).astype(dtype)
+    return (int(start) + int(step) * jnp.arange(count, dtype=dtype)).astype(dtype)
 
 
 @lowers("aten.tril_indices.default")

@@ -34,7 +34,7 @@ import torch.utils._pytree as pytree
 from torch.testing._internal.common_methods_invocations import op_db
 
 from jaxbackend import dtypes
-from jaxbackend.lower import lower, to_numpy_input
+from jaxbackend.lower import IntegerRangeError, lower, to_numpy_input
 from torchpar.capture.export import capture_forward, dtype_name
 
 RTOL, ATOL = 1e-5, 1e-5
@@ -391,12 +391,22 @@ def _check_random(case: _Case, got: torch.Tensor) -> None:
 
 # --- the test --------------------------------------------------------------------------------------
 
+_INT32 = torch.iinfo(torch.int32)
+
+
+def _outside_int32(case: _Case) -> bool:
+    """An integer input holds a value JAX's int32 (x64 off) cannot: feeding it must be refused, not wrapped."""
+    return any(not t.dtype.is_floating_point and t.dtype != torch.bool and t.numel()
+               and (t.min() < _INT32.min or t.max() > _INT32.max) for t in case.tensors)
+
+
 @functools.lru_cache(maxsize=None)
 def _prepared(name: str):
-    """``(cases, skipped, wants, grad_cases)`` of one OpInfo: the samples to run with eager torch's
-    outputs and whether their gradients are checked, and the skipped samples as ``(label, reason)``."""
+    """``(cases, skipped, wants, grad_cases, refused)`` of one OpInfo: the samples to run with eager torch's
+    outputs and whether their gradients are checked, the skipped samples as ``(label, reason)``, and the samples
+    whose integer inputs leave int32's range (:func:`_outside_int32`), which feeding must refuse."""
     op = _BY_NAME[name]
-    cases, skipped = [], []
+    cases, skipped, refused = [], [], []
     for dtype in (torch.float32, torch.int64):
         if dtype not in op.supported_dtypes("cpu"):
             continue
@@ -405,12 +415,14 @@ def _prepared(name: str):
             reason = SKIPS.get(f"{name}@{dtype_name(dtype)}") or sample_skip_reason(name, sample)
             if reason:
                 skipped.append((case.label, reason))
+            elif _outside_int32(case):
+                refused.append(case)
             else:
                 cases.append(case)
     wants = [c.expected() for c in cases]
     grad_cases = [name not in RANDOM and any(t.requires_grad for t in c.tensors)
                   and any(w.dtype.is_floating_point and w.requires_grad for w in ws) for c, ws in zip(cases, wants)]
-    return cases, skipped, wants, grad_cases
+    return cases, skipped, wants, grad_cases, refused
 
 
 # OpInfos are captured and compiled GROUP_SIZE at a time: export + decomposition and the XLA compile
@@ -445,10 +457,13 @@ def test_opinfo(name: str, subtests) -> None:
     If the group's joint capture or run fails, the OpInfo's samples run together, then each alone, so
     the report names the samples at fault.
     """
-    cases, skipped, wants, grad_cases = _prepared(name)
+    cases, skipped, wants, grad_cases, refused = _prepared(name)
     for label, reason in skipped:
         with subtests.test(msg=label):
             pytest.skip(reason)
+    for case in refused:  # x64 is off: an int64 value beyond int32 is refused by name, never wrapped
+        with subtests.test(msg=case.label), pytest.raises(IntegerRangeError, match="outside int32's range"):
+            _run_lowered([case], [case.expected()], [False])
     if not cases:
         return
     results = (_group_results(_GROUP_OF[name]) or {}).get(name)

@@ -112,6 +112,28 @@ def test_a_batch_that_counts_no_token_says_so():
             engine.step(batch)
 
 
+class _Counts(torch.nn.Module):
+    """Reads an int64 leaf as numbers (not as indices): the index-range check does not see it."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(()))
+
+    def forward(self, counts, target):
+        return ((counts.float() * 1e-9 * self.scale - target) ** 2).mean()
+
+
+def test_an_int64_leaf_beyond_int32_is_refused_not_wrapped():
+    """JAX runs int64 as int32 (x64 off): 2**33 + 7 would silently become 7; the step refuses it naming the leaf."""
+    model = _Counts()
+    example = (torch.arange(4, dtype=torch.int64), torch.zeros(4))
+    with torchpar.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), example_batch=example) as engine:
+        assert np.isfinite(engine.step(example))
+        with pytest.raises(ValueError, match=r"(?s)batch leaf .*int64.*\[0, 8589934599\], outside int32's range.*"
+                                             r"x64 off.*wrap"):
+            engine.step((torch.tensor([0, 1, 2, 2**33 + 7]), torch.zeros(4)))
+
+
 def test_check_inputs_false_turns_the_check_off_and_the_nonfinite_check_still_names_the_embedding():
     model = _gpt2()
     engine = torchpar.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), example_batch=_batch(),
