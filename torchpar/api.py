@@ -311,8 +311,13 @@ class Engine(EngineReadouts):
 
     def load(self, path: str, *, scheduler: Any = None) -> None:
         """Restore a checkpoint written by :meth:`save` by an engine of any plan (another method, mesh, pipeline or
-        runtime): each process reads only the slices its devices hold under this engine's plan."""
-        self._restore(_checkpoint.load, path, scheduler=scheduler)
+        runtime): each process reads only the slices its devices hold under this engine's plan. Host-loaded data
+        (``compile(data=...)``) continues after the checkpoint's last batch."""
+        cursor = _checkpoint.read_index(path).get("data") if self._feed is not None else None
+        if cursor is not None:
+            self._feed.check(cursor)  # before anything changes
+        restored = self._restore(_checkpoint.load, path, scheduler=scheduler)
+        self._inputs.restore_cursor(restored.data_cursor)
 
     @linked()
     def export_torch_state_dict(self) -> dict[str, torch.Tensor]:
@@ -335,10 +340,11 @@ class Engine(EngineReadouts):
             executor=self._executor, model=self.model, optimizer=self.optimizer, params=self._param_names,
             buffers=self._buffer_names, bridge=self._bridge, plan=self.plan, seed=self.options.seed,
             loss_scaler=self._loss_scaler, steps_taken=self._steps_taken, base_key=self._base_key,
-            translating_failures=self._compiled.translating_failures)
+            translating_failures=self._compiled.translating_failures,
+            data_cursor=self._feed.cursor() if self._feed is not None else None)
 
     @linked(bring_in=False)
-    def _restore(self, restore: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+    def _restore(self, restore: Callable[..., Any], *args: Any, **kwargs: Any) -> _checkpoint.TrainingState:
         """``restore(training_state, *args, **kwargs)``, then take back the step count and PRNG key it restored; the
         engine now holds the model's weights newer than the torch model (pulled when user code looks), and the
         modules outside the model the step calls are read from torch again at the next step."""
@@ -348,6 +354,7 @@ class Engine(EngineReadouts):
         finally:
             self._steps_taken, self._base_key = training.steps_taken, training.base_key
             self._torch.restored()
+        return training
 
     def close(self) -> None:
         """Copy the engine's newer weights into the torch model, then free the engine's workers (Ray actors and what

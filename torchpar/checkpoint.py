@@ -100,6 +100,9 @@ class TrainingState:
     """The PRNG key each step's key is folded from."""
     translating_failures: Callable[[str], contextlib.AbstractContextManager[None]]
     """Turns a worker's failure while doing ``what`` into the engine's error."""
+    data_cursor: dict[str, Any] | None = None
+    """Host-loaded data's position (:meth:`torchpar.feeding.HostFeed.cursor`), else ``None``; restoring replaces it
+    with the checkpoint's."""
 
 
 # --- between the torch objects and the executor --------------------------------------------------------------
@@ -222,6 +225,7 @@ def _host_state(training: TrainingState, scheduler: Any) -> dict[str, Any]:
                                        for group in training.optimizer.param_groups]},
         "loss_scaler": training.loss_scaler.state_dict() if training.loss_scaler is not None else None,
         "scheduler": _plain(scheduler.state_dict()) if scheduler is not None else None,
+        "data": training.data_cursor,
         "model": {"class": f"{type(model).__module__}.{type(model).__qualname__}",
                   "torch_dtypes": {**{f"param/{n}": str(p.dtype) for n, p in training.params.items()},
                                    **{f"buffer/{n}": str(b.dtype) for n, b in training.buffers.items()}},
@@ -389,6 +393,7 @@ def load(training: TrainingState, path: str | os.PathLike, *, scheduler: Any = N
     training.bridge.load_state_dict(index["optimizer"]["counters"])
     _restore_param_groups(training.optimizer, index["optimizer"]["param_groups"])
     training.steps_taken = int(index["steps_taken"])
+    training.data_cursor = index.get("data")
     prng = index["prng"]
     training.base_key = jax.random.wrap_key_data(np.asarray(prng["base_key_data"], dtype=np.uint32), impl=prng["impl"])
     if prng["seed"] != training.seed:

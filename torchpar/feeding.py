@@ -20,6 +20,7 @@ loaded arrays, in its state).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import queue
 import threading
 import time
@@ -33,6 +34,8 @@ from torchpar import batches
 from torchpar.guard import leaf_names
 from torchpar.host_arrays import host_value
 from torchpar.runtime.batch_parts import HostBatch
+
+log = logging.getLogger(__name__)
 
 PREFETCH_DEPTH = 2
 """Batches prepared ahead of the step (``engine.prefetch``) and steps loaded ahead by each host (host-loaded data)."""
@@ -159,6 +162,34 @@ class HostFeed:
         """The data as the processes get it: with the index-range checks of the step's batch leaves."""
         return dataclasses.replace(self.data, index_bounds=tuple(bounds), leaf_names=tuple(names))
 
+    def cursor(self) -> dict[str, Any]:
+        """Where the data stands, for a checkpoint: the next batch (``epoch``, ``position`` in it), the steps taken,
+        and what fixes the order (dataset size, batch size, shuffle, seed, drop_last) — the sampler's state is the
+        seeded generator walked epoch by epoch, so these recreate it."""
+        return {"epoch": self.epoch, "position": self.position, "steps": self.steps, **self._order()}
+
+    def _order(self) -> dict[str, Any]:
+        data = self.data
+        return {"samples": len(data.dataset), "batch_size": data.batch_size, "shuffle": data.shuffle,
+                "seed": data.seed, "drop_last": data.drop_last}
+
+    def restore(self, cursor: dict[str, Any]) -> None:
+        """Continue from a :meth:`cursor` saved by another run over the same data: the next step loads the batch
+        after the saved one, in the same order (checked first: :meth:`check`)."""
+        self.check(cursor)
+        self.epoch, self.position, self.steps = int(cursor["epoch"]), int(cursor["position"]), int(cursor["steps"])
+        self._batches(self.epoch)
+
+    def check(self, cursor: dict[str, Any]) -> None:
+        """Raises ``ValueError`` naming what differs when ``cursor`` was saved over data whose order is not this
+        one's (another dataset size, batch size, shuffle, seed or drop_last)."""
+        saved = {key: cursor.get(key) for key in self._order()}
+        if saved != self._order():
+            differs = ", ".join(f"{key} {saved[key]!r} in the checkpoint, {value!r} here"
+                                for key, value in self._order().items() if saved[key] != value)
+            raise ValueError(f"the checkpoint's data cursor was saved over other data ({differs}): the order would "
+                             "not continue; compile with the same HostData settings, or load without data=")
+
     def steps_in_epochs(self, epochs: int) -> int:
         """Steps from the cursor to the end of the epoch ``epochs - 1`` epochs after the current one."""
         current = len(self._batches(self.epoch)) - self.position
@@ -271,6 +302,19 @@ class StepInputs:
             return fed, 0.0
         start = time.perf_counter()
         return self._host_leaves(signature, batch), time.perf_counter() - start
+
+    def restore_cursor(self, cursor: dict[str, Any] | None) -> None:
+        """After ``engine.load``: host-loaded data continues from the checkpoint's cursor (the hosts' loaders are
+        attached again, so nothing loaded ahead of the old position is used)."""
+        if self.feed is None:
+            return
+        if cursor is None:
+            log.warning("torchpar: the checkpoint holds no data cursor (saved without host-loaded data); the data "
+                        "continues from where this engine's stands (epoch %d, batch %d)", self.feed.epoch,
+                        self.feed.position)
+            return
+        self.feed.restore(cursor)
+        self._attached_to = None
 
     def run(self, step: Callable[[], Any], steps: int | None, epochs: int | None) -> Iterator[Any]:
         """``step()`` run ``steps`` times (or to the end of ``epochs`` epochs), lazily, yielding what it returns;

@@ -4,14 +4,21 @@ batch dropped or kept, and the step's data wait is measured. The same on 2 Ray h
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 import torchpar
-from tests.runtime.input_cases import (BATCH, Classifier, Points, driver_fed_losses, example, host_loaded, loader,
-                                       step_fn, two_stage_pipeline)
+from tests.runtime.input_cases import (BATCH, SEED, Classifier, Points, driver_fed_losses, example, host_loaded,
+                                       loader, step_fn, two_stage_pipeline)
+
+ROOT = Path(__file__).resolve().parents[2]
 
 METHODS = {"one_device": lambda: None, "data_parallel": lambda: torchpar.DataParallel(mesh_shape=(1, 4)),
            "pipeline": lambda: two_stage_pipeline(2)}
@@ -134,3 +141,37 @@ def test_a_batchnorm_cnn_trained_from_host_loaded_data_is_pytorchs_step(method):
     assert max(abs(a - b) for a, b in zip(losses, reference)) <= 1e-5 and len(losses) == len(reference) == 3
     for name, value in eager.state_dict().items():
         assert torch.allclose(model.state_dict()[name].float(), value.float(), rtol=1e-4, atol=1e-6), name
+
+
+RESUME = """
+import json, sys
+import torchpar
+from tests.runtime.input_cases import Points, host_loaded
+torchpar.init(cluster="local", num_devices=1)
+with host_loaded(None, Points(), drop_last=False) as engine:
+    engine.load(sys.argv[1])
+    print(json.dumps([loss.item() for loss in engine.run(epochs=1)]))
+"""
+
+
+def test_a_host_loaded_run_resumed_in_a_new_process_continues_the_same_order(tmp_path):
+    """Saved after epoch 1's batch 3 (the 11th step of 7 per epoch), resumed in a new process: the data continues
+    with batch 4 of epoch 1 — the checkpoint holds the cursor — and the losses are the uninterrupted run's."""
+    dataset = Points()
+    reference = driver_fed_losses(None, dataset, drop_last=False)  # 2 epochs of 7 batches, one process
+    with host_loaded(None, dataset, drop_last=False) as engine:
+        before = list(engine.run(steps=11))
+        engine.save(tmp_path / "ckpt")
+    assert max(abs(a.item() - b) for a, b in zip(before, reference[:11])) <= 1e-6
+    done = subprocess.run([sys.executable, "-c", RESUME, str(tmp_path / "ckpt")], capture_output=True, text=True,
+                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    resumed = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(resumed) == 3  # batches 4, 5 and 6 of epoch 1
+    assert max(abs(a - b) for a, b in zip(resumed, reference[11:])) <= 1e-6
+    model = Classifier()
+    other_order = torchpar.HostData(dataset, batch_size=BATCH, seed=SEED + 1)
+    with torchpar.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), step_fn=step_fn,
+                          data=other_order) as engine:
+        with pytest.raises(ValueError, match=r"seed 3 in the checkpoint, 4 here"):
+            engine.load(tmp_path / "ckpt")
