@@ -249,9 +249,13 @@ class _Builder:
                     per_step = (f" (one of num_micro_batches={micro} micro-batches: the batch's {meta.shape[0] * micro} "
                                 f"rows must be a multiple of {micro} micro-batches × {shards} devices = {micro * shards};"
                                 f" use fewer micro-batches or a batch size that divides)" if micro > 1 else "")
+                    rows = ("" if micro > 1 else f" ({meta.shape[0]} rows over {shards} devices: give an example "
+                                                       f"batch of a multiple of {shards} rows, or use fewer devices, "
+                                                       f"e.g. mesh_shape=(1, {math.gcd(meta.shape[0], shards)}); "
+                                                       "later batches may be uneven)")
                     raise ValueError(f"batch input {inp.target} of shape {list(meta.shape)} cannot be split over mesh "
                                      f"axes {self.batch_dim_axes} of {self.mesh.shape}: the batch size must divide "
-                                     f"evenly{per_step}")
+                                     f"evenly{per_step}{rows}")
             self._new_root(inp.name, "input", f"input {inp.target}", strategies, None)
         else:  # buffers and constants stay replicated
             spec = (None,) * len(meta.shape)
