@@ -17,10 +17,12 @@ Hosts are ordered with the driver's node first, then by address; host ``h`` owns
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
 from dataclasses import dataclass
+from collections.abc import Iterator
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -87,9 +89,11 @@ def connect(*, address: str | None, num_hosts: int | None, devices_per_host: int
             # program's, or a test's), whose resources and lifetime are not ours
             # simulated hosts are this machine's compute: Ray's default worker niceness (15) would give them only what
             # every other process leaves, and a pipeline, which needs all its hosts at once, loses most (issue 12)
-            ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=True, configure_logging=False,
-                     runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}},
-                     _system_config={"worker_niceness": EMBEDDED_WORKER_NICENESS})
+            with _quiet_token_notice():
+                ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=True,
+                         configure_logging=False,
+                         runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}},
+                         _system_config={"worker_niceness": EMBEDDED_WORKER_NICENESS})
             embedded = True
         _current = _simulated(num_hosts, devices_per_host, accelerator, embedded)
     else:
@@ -111,6 +115,24 @@ def disconnect() -> None:
     _current = None
     if ray.is_initialized():
         ray.shutdown()
+
+
+TOKEN_NOTICE_LOGGER = "ray._private.authentication.authentication_token_setup"
+"""Ray's logger of "Token authentication is enabled for this Ray cluster …", a notice about clusters others may
+reach: an embedded cluster of simulated hosts lives and dies with this process."""
+
+
+@contextlib.contextmanager
+def _quiet_token_notice() -> Iterator[None]:
+    """Ray's token-authentication notice (a WARNING) left out while torchpar starts its own embedded cluster; its
+    errors still show. The user's own ``ray.init`` is untouched."""
+    notices = logging.getLogger(TOKEN_NOTICE_LOGGER)
+    level = notices.level
+    notices.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        notices.setLevel(level)
 
 
 def _simulated(num_hosts: int, devices_per_host: int, accelerator: str, embedded: bool) -> RayCluster:
