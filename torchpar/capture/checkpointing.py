@@ -1,6 +1,9 @@
 """HuggingFace gradient checkpointing, which torchpar does not apply as such: detected at compile time and
 refused with a warning that names torchpar's own option.
 
+Also: a reentrant ``torch.utils.checkpoint.checkpoint(..., use_reentrant=True)`` runs inline while a step is captured
+(:func:`reentrant_checkpoints_inline`), so its no-grad forward does not stop the gradient.
+
 ``model.gradient_checkpointing_enable()`` makes HF blocks call ``torch.utils.checkpoint`` in train mode.
 ``torch.export`` traces through it (the captured step computes the same loss and gradients), but the
 recompute-in-backward it asks for does not survive capture: XLA keeps every activation the backward reads,
@@ -10,7 +13,10 @@ so the option would be silently ignored. ``compile(remat="layers"|"selective"|"a
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -49,3 +55,30 @@ def warn_if_gradient_checkpointing(model: torch.nn.Module, *, stacklevel: int = 
         "Zero3Parallel also free memory. Call model.gradient_checkpointing_disable() to silence this warning.",
         GradientCheckpointingIgnoredWarning, stacklevel=stacklevel + 1)
     return True
+
+
+class _InlineCheckpoint:
+    """``torch.utils.checkpoint.CheckpointFunction`` while a training step is captured: the checkpointed function
+    run inline. The reentrant checkpoint (``checkpoint(f, *args, use_reentrant=True)``) runs ``f`` under
+    ``torch.no_grad()`` and recomputes it in its backward with grad enabled; traced as it is, the capture would see a
+    no-grad region and stop the gradient there. Its values and gradients are ``f``'s, which running it inline gives;
+    the recomputation is torchpar's ``remat`` option, as for the non-reentrant checkpoint."""
+
+    @staticmethod
+    def apply(function: Any, preserve_rng_state: bool, *args: Any) -> Any:
+        return function(*args)
+
+
+@contextlib.contextmanager
+def reentrant_checkpoints_inline() -> Iterator[None]:
+    """Within the block, reentrant activation checkpoints run their function inline (:class:`_InlineCheckpoint`);
+    ``checkpoint`` looks ``CheckpointFunction`` up in its module at each call, so a ``checkpoint`` imported by name
+    before the block is covered too."""
+    import torch.utils.checkpoint as checkpoint_module
+
+    original = checkpoint_module.CheckpointFunction
+    checkpoint_module.CheckpointFunction = _InlineCheckpoint
+    try:
+        yield
+    finally:
+        checkpoint_module.CheckpointFunction = original

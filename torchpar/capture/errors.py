@@ -245,6 +245,45 @@ def dynamic_shape_error(exported: ExportedProgram, model: torch.nn.Module) -> Ca
     return None
 
 
+_ALIASING = frozenset({"detach", "alias", "view", "_unsafe_view", "t", "transpose", "permute", "select", "slice",
+                       "expand", "as_strided", "unsqueeze", "squeeze", "reshape", "flatten", "unflatten",
+                       "diagonal", "narrow", "split", "chunk", "unbind"})
+"""ATen ops whose result may share a tensor's storage: writing into it writes the parameter."""
+
+
+def parameter_write_error(exported: ExportedProgram, model: torch.nn.Module) -> CaptureError | None:
+    """A :class:`CaptureError` naming the first op of ``exported`` that writes into a parameter through an alias
+    (``nn.Embedding(max_norm=...)``'s ``embedding_renorm_`` on ``weight.detach()``, a ``p.data.clamp_()`` in
+    ``forward``), with its source line; ``None`` if no parameter is written. torch.export keeps such a write out of
+    the program's outputs, so the compiled step would silently skip it."""
+    aliases = {name: param for name, param in exported.graph_signature.inputs_to_parameters.items()}
+    for node in exported.graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        schema = node.target._schema
+        sources = [a for a in node.args if isinstance(a, torch.fx.Node) and a.name in aliases]
+        if node.target._opname in _ALIASING and sources:
+            aliases[node.name] = aliases[sources[0].name]
+            continue
+        for argument, value in zip(schema.arguments, node.args):
+            written = argument.alias_info is not None and argument.alias_info.is_write
+            if written and isinstance(value, torch.fx.Node) and value.name in aliases:
+                source = _source_line_in_text(node.meta.get("stack_trace") or "")
+                where = str(source) if source is not None else f"  (op {node.name}; its source line is unknown)"
+                name = aliases[value.name].removeprefix("model.")  # the capture wrapper's prefix
+                return CaptureError(
+                    f"{type(model).__name__}'s forward writes into the parameter {name!r} "
+                    f"in place\n{where}\n"
+                    f"Why: {_op_name(node.target)} changes the parameter's values inside forward (through "
+                    f"{'a detached alias' if value.name not in exported.graph_signature.inputs_to_parameters else 'itself'}"
+                    "); torch.export leaves such writes out of the program, so torchpar would train without them "
+                    "and silently differ from PyTorch.\n"
+                    "Fix: do the write outside the step (e.g. renormalise the embedding between steps: "
+                    "with torch.no_grad(): w.copy_(torch.renorm(w, 2, 0, max_norm)), then the engine reads the "
+                    "model's new weights), or drop it (nn.Embedding without max_norm).")
+    return None
+
+
 def _op_name(target: Any) -> str:
     """``aten.nonzero.default`` for an ATen overload, else the target's name."""
     if isinstance(target, torch._ops.OpOverload):

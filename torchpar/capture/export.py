@@ -30,7 +30,9 @@ from torch.export import ExportedProgram
 
 from torchpar.capture.attention_masks import fold_static_attention_masks
 from torchpar.capture.autograd_functions import capture_autograd_functions
-from torchpar.capture.errors import CaptureError, dynamic_shape_error, translate_export_error
+from torchpar.capture.batch_norm import cumulative_batch_norms
+from torchpar.capture.checkpointing import reentrant_checkpoints_inline
+from torchpar.capture.errors import CaptureError, dynamic_shape_error, parameter_write_error, translate_export_error
 from torchpar.capture.grad_semantics import (autograd_capture_guards, check_gradient_hooks, mark_stop_gradients,
                                              module_modes, restore_module_modes)
 from torchpar.capture.meta_models import as_fake_cpu, on_meta_device
@@ -360,7 +362,9 @@ def _capture_whole(wrapper: torch.nn.Module, model: torch.nn.Module, batch: Any,
             t0 = time.perf_counter()
             with torch.no_grad() if not training else contextlib.nullcontext(), autograd_capture_guards():
                 with (capture_autograd_functions(enabled=training) as functions, numbers_as_tensors(numbers) as fed,
-                      tensors_as_buffers(modules) as attributes, recording(wrapper, modules) as access):
+                      tensors_as_buffers(modules) as attributes, recording(wrapper, modules) as access,
+                      cumulative_batch_norms(wrapper) if training else contextlib.nullcontext(),
+                      reentrant_checkpoints_inline()):
                     exported = _export(wrapper, args, kwargs, model, batch, own_call=own_call)
             found = outside_modules(access.called, wrapper)
             if not found:
@@ -446,9 +450,9 @@ def _export(wrapper: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
         # that bury the explanation; those are logged at DEBUG
         log.debug("torch.export failed (translated into the CaptureError that follows):", exc_info=e)
         raise translated from e.with_traceback(None)
-    dynamic = dynamic_shape_error(exported, model)
-    if dynamic is not None:
-        raise dynamic
+    for error in (dynamic_shape_error(exported, model), parameter_write_error(exported, model)):
+        if error is not None:
+            raise error
     return exported
 
 
