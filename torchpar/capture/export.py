@@ -32,6 +32,8 @@ from torchpar.capture.attention_masks import fold_static_attention_masks
 from torchpar.capture.autograd_functions import capture_autograd_functions
 from torchpar.capture.batch_norm import cumulative_batch_norms
 from torchpar.capture.checkpointing import reentrant_checkpoints_inline
+from torchpar.capture.distributions import unvalidated_distributions
+from torchpar.capture.inner_gradients import refusing_inner_gradients
 from torchpar.capture.errors import CaptureError, dynamic_shape_error, parameter_write_error, translate_export_error
 from torchpar.capture.grad_semantics import (autograd_capture_guards, check_gradient_hooks, mark_stop_gradients,
                                              module_modes, restore_module_modes)
@@ -364,7 +366,7 @@ def _capture_whole(wrapper: torch.nn.Module, model: torch.nn.Module, batch: Any,
                 with (capture_autograd_functions(enabled=training) as functions, numbers_as_tensors(numbers) as fed,
                       tensors_as_buffers(modules) as attributes, recording(wrapper, modules) as access,
                       cumulative_batch_norms(wrapper) if training else contextlib.nullcontext(),
-                      reentrant_checkpoints_inline()):
+                      reentrant_checkpoints_inline(), refusing_inner_gradients(model), unvalidated_distributions()):
                     exported = _export(wrapper, args, kwargs, model, batch, own_call=own_call)
             found = outside_modules(access.called, wrapper)
             if not found:
