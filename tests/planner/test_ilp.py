@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import torchpar
 from torchpar.capture.export import capture_train_step
 from torchpar.cluster import ClusterSpec
 from torchpar.harness import zoo
@@ -163,3 +164,32 @@ def test_a_solve_given_up_above_a_cutoff_proves_its_bound():
         assert stopped.bound_s <= plain.objective_s + 1e-12
     else:
         assert early.objective_s == pytest.approx(plain.objective_s) and early.status == "OPTIMAL"
+
+
+def test_a_planner_defect_names_the_op_its_shapes_and_the_line(monkeypatch):
+    """A planner helper broken on purpose for one op (as ``linalg_vector_norm``'s ``ord`` once was read as its dims):
+    the error names the op, its shapes and the model's line, not a bare ``TypeError``."""
+    from torchpar.planner.sharding import solver_graph
+
+    add_node = solver_graph._Builder._add_node
+
+    def broken(self, node):
+        if node.target == "aten.tanh.default":
+            raise TypeError("'float' object is not iterable")
+        return add_node(self, node)
+
+    monkeypatch.setattr(solver_graph._Builder, "_add_node", broken)
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return torch.tanh(self.fc(x)).mean()
+
+    model = Net()
+    with pytest.raises(solver_graph.PlannerOpError, match=r"failed on aten.tanh.default \(float32\[8, 8\] → "
+                                                          r"float32\[8, 8\]\) at .*test_ilp.py:\d+.*TypeError"):
+        torchpar.plan(model, torch.optim.SGD(model.parameters(), lr=0.1), example_batch=torch.randn(8, 8),
+                      method=torchpar.ShardParallel(mesh_shape=(1, 2)))

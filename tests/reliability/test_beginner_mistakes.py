@@ -74,3 +74,11 @@ def test_backward_and_optimizer_step_after_the_engine_step_are_named():
         with pytest.raises(RuntimeError, match=r"read the .grad of .*applied inside engine.step.*remove an "
                                                r"optimizer.step\(\)"):
             optimizer.step()
+
+
+def test_a_float64_model_is_refused_with_the_reason():
+    """JAX runs with 64-bit types off: a ``model.double()`` would train in float32 and come back rounded."""
+    model = _linear().double()
+    with pytest.raises(ValueError, match=r"holds float64 tensors \(weight, bias\).*64-bit types off.*model.float\(\)"):
+        torchpar.compile(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                         example_batch=torch.randn(8, 4, dtype=torch.float64), loss_fn=_mean)

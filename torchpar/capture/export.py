@@ -40,7 +40,7 @@ from torchpar.capture.grad_semantics import (autograd_capture_guards, check_grad
 from torchpar.capture.meta_models import as_fake_cpu, on_meta_device
 from torchpar.capture.module_state import (OUTSIDE_PREFIX, CapturedState, NumberAttribute, numbers_as_tensors,
                                            outside_modules, recording, tensors_as_buffers, watched_modules)
-from torchpar.capture.precision import autocast_device
+from torchpar.capture.precision import autocast_device, check_no_float64
 from torchpar.capture.repeated_blocks import CAPTURED_BLOCKS, expand_blocks, find_block_stack, truncated
 from torchpar.capture.to_ir import decompose, dtype_name, tensor_meta, to_ir  # dtype_name: also imported from here
 from torchpar.ir.graph import Graph, TensorMeta
@@ -274,6 +274,7 @@ def capture_train_step(model: torch.nn.Module, batch: Any, loss_fn: LossFn | Non
     ``outside``: modules outside ``model`` the step is known to call (a previous capture's ``state.outside``); their
     state is named ``outside<i>.<name>`` in that order, and any further one found is appended. ``numbers``: float
     attributes captured as step inputs (:func:`~torchpar.capture.module_state.numbers_as_tensors`)."""
+    check_no_float64(model)
     if step_fn is not None:
         if loss_fn is not None:
             raise ValueError("pass step_fn or loss_fn, not both: step_fn(model, batch) returns the loss itself")

@@ -60,3 +60,18 @@ def autocast_device(model: torch.nn.Module, batch_leaves: list[torch.Tensor]) ->
     tensors = [*model.parameters(), *model.buffers(), *batch_leaves]
     device_type = tensors[0].device.type if tensors else "cpu"
     return device_type if device_type != "meta" and torch.amp.is_autocast_available(device_type) else "cpu"
+
+
+_WIDE = (torch.float64, torch.complex128)
+
+
+def check_no_float64(model: torch.nn.Module) -> None:
+    """Raise ``ValueError`` naming the parameters and buffers of ``model`` held in float64 (or complex128): JAX runs
+    with 64-bit types off, so they would train in float32 and be written back rounded, differing from PyTorch."""
+    wide = [name for name, tensor in (*model.named_parameters(), *model.named_buffers()) if tensor.dtype in _WIDE]
+    if wide:
+        shown = ", ".join(wide[:3]) + (f" and {len(wide) - 3} more" if len(wide) > 3 else "")
+        raise ValueError(
+            f"{type(model).__name__} holds float64 tensors ({shown}): torchpar runs JAX with 64-bit types off, so they "
+            "would train in float32 and come back rounded, unlike PyTorch. Train the model in float32 "
+            "(model.float(), and float32 batches), or keep a float64 model in PyTorch.")

@@ -121,6 +121,14 @@ def build_solver_graph(graph: Graph, mesh: LogicalMesh, *, trainable: set[str], 
     return builder.build()
 
 
+class PlannerOpError(RuntimeError):
+    """The planner failed on one op of the graph (a defect, not the user's): names the op, its shapes and line."""
+
+
+_INTERNAL_ERRORS = (TypeError, KeyError, IndexError, AttributeError, AssertionError, ZeroDivisionError)
+"""What a planner defect raises, as opposed to the ``ValueError`` s that tell the user what does not fit."""
+
+
 class _Builder:
     def __init__(self, graph: Graph, mesh: LogicalMesh, trainable: set[str], state_copies: float,
                  batch_dim_axes: tuple[int, ...] | None, num_micro_batches: int = 1,
@@ -183,7 +191,15 @@ class _Builder:
         for node in self.graph.nodes:
             if node.target in ASSERTS or node.out is None:
                 continue
-            self._add_node(node)
+            try:
+                self._add_node(node)
+            except _INTERNAL_ERRORS as error:  # a planner defect on this op: say which op, shapes and line
+                raise PlannerOpError(
+                    f"torchpar's planner failed on {node.target} ({node.describe_inputs(self.metas)} → {node.out}) "
+                    f"{'at ' + node.source if node.source else '(its source line is unknown)'}: "
+                    f"{type(error).__name__}: {error}. This is a torchpar defect, please report it with this "
+                    "message; meanwhile a hand method (DataParallel, Zero2Parallel) or rewriting that line with "
+                    "other ops may avoid it.") from error
         for out in self.graph.outputs:
             if out.kind == "buffer" and out.value is not None and out.value.name in self.values:
                 meta = self.metas[out.value.name]
