@@ -142,6 +142,11 @@ def lower(graph: Graph, *, value_shardings: Mapping[str, Any] | None = None,
             fn, args, kwargs, finish = local.prepare(node, fn, args, kwargs)
         try:
             result = fn(*args, **kwargs)
+        except OverflowError as error:  # a Python int beyond int32 meeting an int32 array (an int64 tensor's)
+            raise LoweringError(_context(node, graph, (
+                f"an integer constant is outside int32's range ({error}): JAX runs int64 tensors as int32 (x64 off), "
+                "so this arithmetic cannot be done exactly. Do it in the data pipeline, in 64 bits (e.g. hash ids "
+                "there and pass the hashed ids), or keep its values within int32"))) from None
         except Exception as error:
             raise LoweringError(_context(node, graph, f"lowering raised {type(error).__name__}: {error}")) from error
         if finish is not None:

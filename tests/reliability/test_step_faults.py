@@ -19,6 +19,7 @@ import torch
 import transformers
 
 import torchpar
+from jaxbackend.lower import LoweringError
 from torchpar.ir.index_inputs import InputRangeError
 from torchpar.runtime.nonfinite import NonFiniteError
 from torchpar.runtime.resources import DeviceMemoryError
@@ -132,6 +133,25 @@ def test_an_int64_leaf_beyond_int32_is_refused_not_wrapped():
         with pytest.raises(ValueError, match=r"(?s)batch leaf .*int64.*\[0, 8589934599\], outside int32's range.*"
                                              r"x64 off.*wrap"):
             engine.step((torch.tensor([0, 1, 2, 2**33 + 7]), torch.zeros(4)))
+
+
+class _Hashed(torch.nn.Module):
+    """The hashing trick with a multiplier beyond int32 (Knuth's 2654435761): int64 arithmetic JAX cannot hold."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(97, 4)
+
+    def forward(self, ids):
+        return self.emb((ids * 2654435761 + 12345) % 97).pow(2).mean()
+
+
+def test_an_int64_constant_beyond_int32_names_the_op_and_the_line():
+    model = _Hashed()
+    ids = torch.randint(0, 100000, (8, 3))
+    with pytest.raises(LoweringError, match=r"(?s)aten.mul.Tensor\(int64\[8, 3\]\).*integer constant is outside int32's "
+                                        r"range.*x64 off.*data pipeline.*test_step_faults.py:\d+"):
+        torchpar.compile(model, torch.optim.SGD(model.parameters(), lr=0.1), example_batch=ids)
 
 
 def test_check_inputs_false_turns_the_check_off_and_the_nonfinite_check_still_names_the_embedding():
