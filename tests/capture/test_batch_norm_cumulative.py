@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-import torchpar
+from tests.capture.beside_pytorch import trained_beside_pytorch
 
 
 
@@ -34,17 +34,10 @@ def test_a_cumulative_batch_norm_trains_and_tracks_as_pytorch(dims, method):
     generator = torch.Generator().manual_seed(1)
     shape = (8, 6) if dims == 1 else (8, 3, 5, 5)
     batches = [torch.randn(*shape, generator=generator) for _ in range(3)]
-    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
-    method = torchpar.DataParallel(mesh_shape=(1, 4)) if method else None
-    with torchpar.compile(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), example_batch=batches[0],
-                          loss_fn=_loss, method=method) as engine:
-        for batch in batches:
-            optimizer.zero_grad()
-            expected = _loss(reference(batch), batch)
-            expected.backward()
-            optimizer.step()
-            # the convolution's XLA arithmetic drifts 2e-6 from ATen's by the third step, with momentum=0.1 alike
-            assert engine.step(batch).item() == pytest.approx(expected.item(), rel=1e-6 if dims == 1 else 1e-5)
+    # the convolution's XLA arithmetic drifts 2e-6 from ATen's by the third step, with momentum=0.1 alike
+    with trained_beside_pytorch(model, reference, batches, lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+                                data_parallel=method == "data_parallel", loss_fn=_loss,
+                                rel=1e-6 if dims == 1 else 1e-5) as engine:
         norm, torch_norm = model[1], reference[1]
         assert int(norm.num_batches_tracked) == int(torch_norm.num_batches_tracked) == 3
         torch.testing.assert_close(norm.running_mean, torch_norm.running_mean, rtol=1e-6, atol=1e-6)

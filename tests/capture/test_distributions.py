@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 
 import torchpar
+from tests.capture.beside_pytorch import assert_trains_as_pytorch
 
 
 class Encoder(nn.Module):
@@ -43,18 +44,8 @@ def test_the_deterministic_part_of_a_vae_step_is_pytorchs(method):
     reference = copy.deepcopy(model)
     generator = torch.Generator().manual_seed(1)
     batches = [torch.randn(8, 4, generator=generator) for _ in range(3)]
-    optimizer = torch.optim.SGD(reference.parameters(), lr=0.05)
-    method = torchpar.DataParallel(mesh_shape=(1, 4)) if method else None
-    with torchpar.compile(model, torch.optim.SGD(model.parameters(), lr=0.05), example_batch=batches[0],
-                          method=method) as engine:
-        for batch in batches:
-            optimizer.zero_grad()
-            expected = reference(batch)
-            expected.backward()
-            optimizer.step()
-            assert engine.step(batch).item() == pytest.approx(expected.item(), rel=1e-6)
-    for got, want in zip(model.parameters(), reference.parameters()):
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert_trains_as_pytorch(model, reference, batches, lambda params: torch.optim.SGD(params, lr=0.05),
+                             data_parallel=method == "data_parallel")
 
 
 class Standardized(Encoder):

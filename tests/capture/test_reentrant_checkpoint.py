@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-import torchpar
+from tests.capture.beside_pytorch import assert_trains_as_pytorch
 
 CHECKPOINT_FUNCTION = torch.utils.checkpoint.CheckpointFunction
 
@@ -34,17 +34,8 @@ def test_checkpointed_blocks_train_as_the_uncheckpointed_model(reentrant, method
     model, reference = Blocks(reentrant), Blocks(None)
     generator = torch.Generator().manual_seed(1)
     batches = [torch.randn(8, 8, generator=generator) for _ in range(3)]
-    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
-    method = torchpar.DataParallel(mesh_shape=(1, 4)) if method else None
-    with torchpar.compile(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), example_batch=batches[0],
-                          method=method) as engine:
-        for batch in batches:
-            optimizer.zero_grad()
-            expected = reference(batch)
-            expected.backward()
-            optimizer.step()
-            assert engine.step(batch).item() == pytest.approx(expected.item(), rel=1e-6)
-    for got, want in zip(model.parameters(), reference.parameters()):
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert_trains_as_pytorch(model, reference, batches,
+                             lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+                             data_parallel=method == "data_parallel")
     # only the capture ran the checkpoint inline: PyTorch's reentrant checkpoint is back in place
     assert torch.utils.checkpoint.CheckpointFunction is CHECKPOINT_FUNCTION
