@@ -29,6 +29,14 @@ def mm(a, b, *, shardings=None, scatter=None):
     return jnp.matmul(a, b, precision=dot_precision(a, b))
 
 
+@lowers("aten.linalg_matrix_exp.default")
+def linalg_matrix_exp(x):
+    """The matrix exponential of every ``[..., n, n]`` matrix (``torch.linalg.matrix_exp``: what
+    ``nn.utils.parametrizations.orthogonal`` maps a skew-symmetric matrix with)."""
+    flat = x.reshape(-1, *x.shape[-2:])
+    return jax.vmap(jax.scipy.linalg.expm)(flat).reshape(x.shape)
+
+
 @lowers("aten.bmm.default")
 def bmm(a, b):
     return jnp.matmul(a, b, precision=dot_precision(a, b))

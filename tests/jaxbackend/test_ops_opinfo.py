@@ -46,6 +46,10 @@ ATOL_OVERRIDES: dict[str, tuple[float, str]] = {
     "nn.functional.scaled_dot_product_attention": (5e-5, "scores of 8 products of magnitude ≤ 81"),
     "nn.functional.group_norm": (5e-5, "grads of a 2-element group cancel"),
 }
+RTOL_OVERRIDES: dict[str, tuple[float, str]] = {
+    "matrix_exp": (5e-5, "ATen's Taylor series and JAX's Padé approximant, both scaled and squared, in float32 on "
+                         "entries up to ~300: 2.4e-5 apart"),
+}
 FLOAT_SAMPLES, INT_SAMPLES = 3, 2
 # Float32 sample counts other than FLOAT_SAMPLES: more for what training leans on (losses, attention,
 # normalization, pooling), fewer where one sample decomposes into a large graph.
@@ -131,7 +135,7 @@ OPINFOS: tuple[str, ...] = (
     # reductions
     "sum", "mean", "prod", "amax", "amin", "max.reduction_no_dim", "max.reduction_with_dim",
     "min.reduction_no_dim", "min.reduction_with_dim", "argmax", "argmin", "var", "var.unbiased",
-    "var_mean", "std", "std_mean", "all", "any", "logsumexp", "cumsum", "cumprod", "linalg.vector_norm",
+    "var_mean", "std", "std_mean", "all", "any", "logsumexp", "cumsum", "cumprod", "linalg.vector_norm", "matrix_exp",
     "norm", "count_nonzero", "nansum", "aminmax", "logcumsumexp", "histc",
     # softmax family
     "softmax", "softmax.with_dtype", "log_softmax", "log_softmax.with_dtype", "nn.functional.softmin",
@@ -347,7 +351,8 @@ def _check_case(case: _Case, want: list[torch.Tensor], got: list[Any], grads: li
             torch.testing.assert_close(picked, torch.take_along_dim(x, w, dim), rtol=0, atol=0,
                                        msg=lambda m: f"output {i} (indices, ties allowed): {m}")
         else:
-            _assert_close(g, w.detach(), RTOL, _atol(case.name, ATOL), f"output {i}")
+            rtol = max(RTOL, RTOL_OVERRIDES.get(case.name, (RTOL, ""))[0])
+            _assert_close(g, w.detach(), rtol, _atol(case.name, ATOL), f"output {i}")
     if check_grads:
         for i, (g, w) in enumerate(zip(grads, _torch_grads(case, want))):
             if g is not None:
