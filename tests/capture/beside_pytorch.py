@@ -13,16 +13,29 @@ import torch
 import torchpar
 
 
+def _two_stages() -> torchpar.PipeshardParallel:
+    stages = torchpar.ManualStageOption(forward_stage_layer_ids=((0,), (1,)), submesh_physical_shapes=((1, 4),) * 2,
+                                        submesh_logical_shapes=((1, 4),) * 2)
+    return torchpar.PipeshardParallel(num_micro_batches=1, layer_option=torchpar.AutoLayerOption(layer_num=2),
+                                      stage_option=stages)
+
+
+METHODS: dict[str | None, Callable[[], Any]] = {None: lambda: None,
+                                                 "data_parallel": lambda: torchpar.DataParallel(mesh_shape=(1, 4)),
+                                                 "pipeline": _two_stages}
+
+
 @contextlib.contextmanager
 def trained_beside_pytorch(model: torch.nn.Module, reference: torch.nn.Module, batches: Sequence[Any],
-                           make_optimizer: Callable[[Any], torch.optim.Optimizer], *, data_parallel: bool,
+                           make_optimizer: Callable[[Any], torch.optim.Optimizer], *, method: str | None,
                            loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
                            rel: float = 1e-6) -> Iterator[Any]:
-    """Compile ``model`` (one device, or ``DataParallel`` on 4 devices), then for each batch step it and
-    ``reference`` (a copy, trained by PyTorch with the same optimizer) and assert the losses equal within ``rel``;
-    yields the engine, still open, for checks of the state."""
+    """Compile ``model`` under ``method`` (:data:`METHODS`: one device, ``DataParallel`` on 4 devices, or a pipeline
+    of two stages on 4 devices each), then for each batch step it and ``reference`` (a copy, trained by PyTorch with
+    the same optimizer) and assert the losses equal within ``rel``; yields the engine, still open, for checks of the
+    state."""
     optimizer = make_optimizer(reference.parameters())
-    method = torchpar.DataParallel(mesh_shape=(1, 4)) if data_parallel else None
+    method = METHODS[method]()
     with torchpar.compile(model, make_optimizer(model.parameters()), example_batch=batches[0], loss_fn=loss_fn,
                           method=method) as engine:
         for batch in batches:
@@ -40,9 +53,9 @@ def assert_same_parameters(model: torch.nn.Module, reference: torch.nn.Module, t
 
 
 def assert_trains_as_pytorch(model: torch.nn.Module, reference: torch.nn.Module, batches: Sequence[Any],
-                             make_optimizer: Callable[[Any], torch.optim.Optimizer], *, data_parallel: bool,
+                             make_optimizer: Callable[[Any], torch.optim.Optimizer], *, method: str | None,
                              rel: float = 1e-6) -> None:
     """:func:`trained_beside_pytorch` to the end, then the parameters compared (within 1e-6)."""
-    with trained_beside_pytorch(model, reference, batches, make_optimizer, data_parallel=data_parallel, rel=rel):
+    with trained_beside_pytorch(model, reference, batches, make_optimizer, method=method, rel=rel):
         pass
     assert_same_parameters(model, reference)

@@ -27,7 +27,7 @@ def _loss(outputs, batch):
 
 
 @pytest.mark.parametrize("dims", [1, 2])
-@pytest.mark.parametrize("method", [None, "data_parallel"])
+@pytest.mark.parametrize("method", [None, "data_parallel", "pipeline"])
 def test_a_cumulative_batch_norm_trains_and_tracks_as_pytorch(dims, method):
     model = _net(dims)
     reference = copy.deepcopy(model)
@@ -36,7 +36,7 @@ def test_a_cumulative_batch_norm_trains_and_tracks_as_pytorch(dims, method):
     batches = [torch.randn(*shape, generator=generator) for _ in range(3)]
     # the convolution's XLA arithmetic drifts 2e-6 from ATen's by the third step, with momentum=0.1 alike
     with trained_beside_pytorch(model, reference, batches, lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
-                                data_parallel=method == "data_parallel", loss_fn=_loss,
+                                method=method, loss_fn=_loss,
                                 rel=1e-6 if dims == 1 else 1e-5) as engine:
         norm, torch_norm = model[1], reference[1]
         assert int(norm.num_batches_tracked) == int(torch_norm.num_batches_tracked) == 3

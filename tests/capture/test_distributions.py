@@ -45,7 +45,7 @@ def test_the_deterministic_part_of_a_vae_step_is_pytorchs(method):
     generator = torch.Generator().manual_seed(1)
     batches = [torch.randn(8, 4, generator=generator) for _ in range(3)]
     assert_trains_as_pytorch(model, reference, batches, lambda params: torch.optim.SGD(params, lr=0.05),
-                             data_parallel=method == "data_parallel")
+                             method=method)
 
 
 class Standardized(Encoder):

@@ -48,4 +48,4 @@ def test_parametrized_layers_and_embedding_losses_train_as_pytorch(parametrize, 
     generator = torch.Generator().manual_seed(1)
     batches = [torch.randn(12, 6, generator=generator) for _ in range(3)]
     assert_trains_as_pytorch(model, reference, batches, lambda params: torch.optim.SGD(params, lr=0.1),
-                             data_parallel=method == "data_parallel")
+                             method=method)

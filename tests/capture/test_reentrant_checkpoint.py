@@ -29,13 +29,13 @@ class Blocks(nn.Module):
 
 
 @pytest.mark.parametrize("reentrant", [True, False])
-@pytest.mark.parametrize("method", [None, "data_parallel"])
+@pytest.mark.parametrize("method", [None, "data_parallel", "pipeline"])
 def test_checkpointed_blocks_train_as_the_uncheckpointed_model(reentrant, method):
     model, reference = Blocks(reentrant), Blocks(None)
     generator = torch.Generator().manual_seed(1)
     batches = [torch.randn(8, 8, generator=generator) for _ in range(3)]
     assert_trains_as_pytorch(model, reference, batches,
                              lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
-                             data_parallel=method == "data_parallel")
+                             method=method)
     # only the capture ran the checkpoint inline: PyTorch's reentrant checkpoint is back in place
     assert torch.utils.checkpoint.CheckpointFunction is CHECKPOINT_FUNCTION
