@@ -44,3 +44,32 @@ def test_a_cumulative_batch_norm_trains_and_tracks_as_pytorch(dims, method):
         torch.testing.assert_close(norm.running_var, torch_norm.running_var, rtol=1e-6, atol=1e-6)
         reference.eval()
         torch.testing.assert_close(engine.forward(batches[0]), reference(batches[0]), rtol=1e-5, atol=1e-6)
+
+
+def _module_db_cumulative_norms() -> list:
+    """PyTorch's own ``module_db`` instances of BatchNorm1d/2d/3d built with ``momentum=None``."""
+    from torch.testing._internal.common_modules import module_db
+
+    cases = []
+    for info in module_db:
+        if not info.name.startswith("nn.BatchNorm"):
+            continue
+        for number, sample in enumerate(info.module_inputs_func(info, device="cpu", dtype=torch.float32,
+                                                                requires_grad=False, training=True)):
+            args, kwargs = sample.constructor_input.args, sample.constructor_input.kwargs
+            if (args[2] if len(args) > 2 else kwargs.get("momentum", 0.1)) is None:
+                cases.append(pytest.param(info, sample, id=f"{info.name}-{number}"))
+    return cases
+
+
+@pytest.mark.parametrize("info, sample", _module_db_cumulative_norms())
+def test_module_db_cumulative_batch_norms_train_as_pytorch(info, sample):
+    torch.manual_seed(0)
+    model = info.module_cls(*sample.constructor_input.args, **sample.constructor_input.kwargs)
+    reference = copy.deepcopy(model)
+    x = sample.forward_input.args[0]
+    batches = [x * (k + 1) + k for k in range(3)]  # statistics that move from step to step
+    with trained_beside_pytorch(model, reference, batches, lambda params: torch.optim.SGD(params, lr=0.1),
+                                method=None, loss_fn=_loss):
+        for buffer in ("running_mean", "running_var", "num_batches_tracked"):
+            torch.testing.assert_close(getattr(model, buffer), getattr(reference, buffer), rtol=1e-6, atol=1e-6)
