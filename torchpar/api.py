@@ -313,9 +313,6 @@ class Engine(EngineReadouts):
         """Restore a checkpoint written by :meth:`save` by an engine of any plan (another method, mesh, pipeline or
         runtime): each process reads only the slices its devices hold under this engine's plan. Host-loaded data
         (``compile(data=...)``) continues after the checkpoint's last batch."""
-        cursor = _checkpoint.read_index(path).get("data") if self._feed is not None else None
-        if cursor is not None:
-            self._feed.check(cursor)  # before anything changes
         restored = self._restore(_checkpoint.load, path, scheduler=scheduler)
         self._inputs.restore_cursor(restored.data_cursor)
 
@@ -341,7 +338,7 @@ class Engine(EngineReadouts):
             buffers=self._buffer_names, bridge=self._bridge, plan=self.plan, seed=self.options.seed,
             loss_scaler=self._loss_scaler, steps_taken=self._steps_taken, base_key=self._base_key,
             translating_failures=self._compiled.translating_failures,
-            data_cursor=self._feed.cursor() if self._feed is not None else None)
+            data_cursor=self._inputs.cursor(), check_data_cursor=self._inputs.check_cursor)
 
     @linked(bring_in=False)
     def _restore(self, restore: Callable[..., Any], *args: Any, **kwargs: Any) -> _checkpoint.TrainingState:

@@ -103,6 +103,8 @@ class TrainingState:
     data_cursor: dict[str, Any] | None = None
     """Host-loaded data's position (:meth:`torchpar.feeding.HostFeed.cursor`), else ``None``; restoring replaces it
     with the checkpoint's."""
+    check_data_cursor: Callable[[dict[str, Any] | None], None] | None = None
+    """Raises when a checkpoint's data cursor cannot continue this engine's data; called before anything loads."""
 
 
 # --- between the torch objects and the executor --------------------------------------------------------------
@@ -383,6 +385,8 @@ def load(training: TrainingState, path: str | os.PathLike, *, scheduler: Any = N
 
     index = read_index(path)
     _check_fits(training, index)
+    if training.check_data_cursor is not None:
+        training.check_data_cursor(index.get("data"))
     if index["scheduler"] is not None and scheduler is None:
         log.warning("torchpar: the checkpoint %s holds an LR scheduler's state; pass scheduler= to engine.load to "
                     "restore it", path)

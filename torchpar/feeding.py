@@ -303,6 +303,15 @@ class StepInputs:
         start = time.perf_counter()
         return self._host_leaves(signature, batch), time.perf_counter() - start
 
+    def cursor(self) -> dict[str, Any] | None:
+        """Host-loaded data's position for a checkpoint (:meth:`HostFeed.cursor`), ``None`` without it."""
+        return self.feed.cursor() if self.feed is not None else None
+
+    def check_cursor(self, cursor: dict[str, Any] | None) -> None:
+        """Before a checkpoint loads: its cursor must continue this engine's data (:meth:`HostFeed.check`)."""
+        if self.feed is not None and cursor is not None:
+            self.feed.check(cursor)
+
     def restore_cursor(self, cursor: dict[str, Any] | None) -> None:
         """After ``engine.load``: host-loaded data continues from the checkpoint's cursor (the hosts' loaders are
         attached again, so nothing loaded ahead of the old position is used)."""
