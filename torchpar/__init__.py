@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 _LAZY = {  # public name → module defining it (imported on first use)
     "Plan": "torchpar.planner.plan",
     "InputRangeError": "torchpar.ir.index_inputs",
+    "IntegerOverflowError": "torchpar.ir.integer_ranges",
     "NonFiniteError": "torchpar.runtime.nonfinite",
     "DeviceMemoryError": "torchpar.runtime.resources",
     "HostFailure": "torchpar.runtime.ray_executor",
@@ -129,7 +130,8 @@ def compile(
       DataParallel/Zero2/Zero3 when it can run them, else GSPMD), ``"gspmd"`` (XLA's partitioner inserts the
       collectives) or ``"shard_map"`` (per-device step for any one-stage plan; an error if it cannot run it).
     - ``check_inputs``: check before each step and forward that integer batch values used as indices are in
-      the range PyTorch accepts (XLA would clamp them silently).
+      the range PyTorch accepts (XLA would clamp them silently), and that int64 arithmetic on them stays in
+      int32's range (JAX would wrap it: ``IntegerOverflowError``).
     - ``on_nonfinite``: a step with an inf/nan loss or gradient never updates the state; ``"raise"``: then
       raise ``NonFiniteError`` naming the first culprit, ``"skip"``: log and count it in
       ``engine.skipped_steps``, ``"ignore"``: apply the update as PyTorch does.

@@ -172,7 +172,7 @@ class Engine(EngineReadouts):
         self._buffer_names = self._compiled.buffers
         self._executor = self._compiled.executor
         self._finalizer = weakref.finalize(self, self._executor.close)
-        self._inputs = feeding.StepInputs(feed, self._host_leaves, self._guard.bounds)
+        self._inputs = feeding.StepInputs(feed, self._host_leaves, self._guard.input_checks)
         engine = weakref.ref(self)
         self._torch = TorchSide(model, optimizer, self._compiled, executor=lambda: getattr(engine(), "_executor", None),
                                 graph=lambda: engine().graph, options=options, fns=self._fns, params=self._param_names)

@@ -60,6 +60,8 @@ class HostData:
     drop_last: bool = False
     index_bounds: tuple[Any, ...] = ()
     """Set by the engine: the index-range checks of the batch leaves (``compile(check_inputs=True)``)."""
+    integer_ranges: Any = None
+    """Set by the engine: the check of the step's int64 arithmetic (:mod:`torchpar.ir.integer_ranges`), or ``None``."""
     leaf_names: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -103,11 +105,15 @@ class HostData:
         batch = self.collate(indices)
         leaves = batches.call_leaves(batch)
         raw = [leaf.detach().cpu().numpy() if leaf.dtype != torch.bfloat16 else None for leaf in leaves]
+        names = list(self.leaf_names) or [f"leaf {i}" for i in range(len(raw))]
         if self.index_bounds:
             from torchpar.ir.index_inputs import check_index_inputs
 
-            check_index_inputs(self.index_bounds, raw, list(self.leaf_names) or [f"leaf {i}" for i in range(len(raw))])
-        return [host_value(r if r is not None else leaf) for r, leaf in zip(raw, leaves)]
+            check_index_inputs(self.index_bounds, raw, names)
+        hosted = [host_value(r if r is not None else leaf) for r, leaf in zip(raw, leaves)]
+        if self.integer_ranges is not None:
+            self.integer_ranges.check(raw, names)
+        return hosted
 
 
 class HostFeed:
@@ -158,9 +164,12 @@ class HostFeed:
         self.steps += 1
         return self.template(len(indices)), step
 
-    def checked(self, bounds: Iterable[Any], names: Iterable[str]) -> HostData:
-        """The data as the processes get it: with the index-range checks of the step's batch leaves."""
-        return dataclasses.replace(self.data, index_bounds=tuple(bounds), leaf_names=tuple(names))
+    def checked(self, checks: tuple[Iterable[Any], Any], names: Iterable[str]) -> HostData:
+        """The data as the processes get it: with the checks of the step's batch leaves (``checks``: the index
+        bounds and the integer-arithmetic check, :meth:`torchpar.guard.StepGuard.input_checks`)."""
+        bounds, ranges = checks
+        return dataclasses.replace(self.data, index_bounds=tuple(bounds), integer_ranges=ranges,
+                                   leaf_names=tuple(names))
 
     def cursor(self) -> dict[str, Any]:
         """Where the data stands, for a checkpoint: the next batch (``epoch``, ``position`` in it), the steps taken,
@@ -265,11 +274,12 @@ class Prefetcher(Iterator[Prefetched]):
 class StepInputs:
     """The engine's source of each step's inputs: ``take`` says what the step trains on, ``leaves`` what the
     executor gets (converting a batch, or attaching the host-loaded data to the executor's processes first);
-    ``host_leaves(key, batch)`` is the engine's conversion, ``bounds(key)`` its index-range checks."""
+    ``host_leaves(key, batch)`` is the engine's conversion, ``checks(key)`` its input checks (index bounds, integer
+    arithmetic)."""
 
     def __init__(self, feed: HostFeed | None, host_leaves: Callable[[Any, Any], list[np.ndarray]],
-                 bounds: Callable[[Any], list[Any]]):
-        self.feed, self._host_leaves, self._bounds = feed, host_leaves, bounds
+                 checks: Callable[[Any], tuple[list[Any], Any]]):
+        self.feed, self._host_leaves, self._checks = feed, host_leaves, checks
         self._attached_to: Any = None
 
     def take(self, batch: Any, executor: Any) -> tuple[Any, Any, float]:
@@ -295,7 +305,7 @@ class StepInputs:
             fed = ready if made_for is executor else None
         if isinstance(fed, HostBatch):
             if self._attached_to is not executor:
-                executor.attach_data(self.feed.checked(self._bounds(signature), leaf_names(batch)), self.feed.depth)
+                executor.attach_data(self.feed.checked(self._checks(signature), leaf_names(batch)), self.feed.depth)
                 self._attached_to = executor
             return fed, 0.0
         if fed is not None:

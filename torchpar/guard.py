@@ -1,8 +1,8 @@
 """The checks an :class:`~torchpar.api.Engine` runs around each step, where eager PyTorch would have stopped.
 
 A :class:`StepGuard` holds, per batch signature, what the batch's integer inputs index
-(:mod:`torchpar.ir.index_inputs`) and checks every batch against it before it leaves the host
-(``check_inputs``); after each step it applies the ``on_nonfinite`` policy to a step the executable skipped
+(:mod:`torchpar.ir.index_inputs`) and the graph's integer arithmetic (:mod:`torchpar.ir.integer_ranges`), and
+checks every batch against both before it leaves the host (``check_inputs``); after each step it applies the ``on_nonfinite`` policy to a step the executable skipped
 (count it, or raise :class:`~torchpar.runtime.nonfinite.NonFiniteError` with the diagnostic re-run's culprit),
 logs once when the loss diverges, and turns XLA's out-of-memory into a
 :class:`~torchpar.runtime.resources.DeviceMemoryError`. It also validates checkpoints before they are loaded.
@@ -20,6 +20,7 @@ import torch.utils._pytree as pytree
 
 from torchpar.ir.graph import Graph
 from torchpar.ir.index_inputs import IndexBound, check_index_inputs, index_bounds
+from torchpar.ir.integer_ranges import IntegerRanges, integer_ranges
 
 log = logging.getLogger(__name__)
 
@@ -38,16 +39,24 @@ class StepGuard:
         self.skipped_steps = 0
         self.first_loss: float | None = None
         self._bounds: dict[Any, list[IndexBound]] = {}
+        self._ranges: dict[Any, IntegerRanges] = {}
         self._warned_divergence = False
 
     def learn(self, key: Any, graph: Graph) -> None:
-        """Record what the integer inputs of ``graph`` (the program run for signature ``key``) index."""
+        """Record what the integer inputs of ``graph`` (the program run for signature ``key``) index, and its integer
+        arithmetic."""
         if key not in self._bounds:
             self._bounds[key] = index_bounds(graph)
+            self._ranges[key] = integer_ranges(graph)
 
     def bounds(self, key: Any) -> list[IndexBound]:
         """The index-range checks of signature ``key``'s batch leaves (empty if none, or before it compiled)."""
         return list(self._bounds.get(key) or []) if self.check_inputs else []
+
+    def input_checks(self, key: Any) -> tuple[list[IndexBound], IntegerRanges | None]:
+        """Signature ``key``'s index-range checks and integer-arithmetic check, for processes that load the batch
+        themselves (empty and ``None`` if checks are off, or before it compiled)."""
+        return self.bounds(key), self._ranges.get(key) if self.check_inputs else None
 
     def knows(self, key: Any) -> bool:
         return key in self._bounds
@@ -55,7 +64,8 @@ class StepGuard:
     def host_leaves(self, key: Any, leaves: list[torch.Tensor], names: list[str],
                     to_host: Callable[[Any], np.ndarray]) -> list[np.ndarray]:
         """The batch ``leaves`` as host arrays (``to_host``), after the index-range check of the values as the
-        user passed them (before an ``int64 → int32`` cast could wrap a huge id into range)."""
+        user passed them (before an ``int64 → int32`` cast could wrap a huge id into range); the graph's int64
+        arithmetic is checked against them once they are known to fit int32 themselves."""
         raw = [leaf.detach().cpu().numpy() if leaf.dtype != torch.bfloat16 else None for leaf in leaves]
         if self.check_inputs and self._bounds.get(key):
             check_index_inputs(self._bounds[key], raw, names)
@@ -67,6 +77,8 @@ class StepGuard:
                 hosted.append(to_host(r if r is not None else leaf))
             except IntegerRangeError as error:
                 raise IntegerRangeError(str(error).replace("an input array", f"batch leaf {name}", 1)) from None
+        if self.check_inputs and key in self._ranges:
+            self._ranges[key].check(raw, names)
         return hosted
 
     @contextlib.contextmanager

@@ -41,7 +41,9 @@ class CompileOptions:
     check_inputs: bool = True
     """Check, before each step and forward, that integer batch values used as indices (token ids, labels,
     gathered positions) are in the range PyTorch accepts (:mod:`torchpar.ir.index_inputs`); XLA would clamp them
-    silently. Costs a min/max per checked input on the host."""
+    silently. Also that the graph's int64 arithmetic on the batch's integers cannot leave int32's range
+    (:mod:`torchpar.ir.integer_ranges`; JAX holds int64 as int32 and would wrap). Costs a min/max per checked input
+    on the host."""
     on_nonfinite: OnNonfinite = "raise"
     """A step whose loss or gradients are inf/nan never updates the state (the update is skipped inside the
     executable, as ``torch.amp.GradScaler`` skips ``optimizer.step``). ``"raise"``: then raise

@@ -8,7 +8,7 @@ the step runs (a min/max per checked input: microseconds next to a training step
 
 Value flow. A batch input *reaches* an op's index operand when the operand is the input passed through
 value-preserving ops only (views, slices, padding, concatenation, copies, integer casts; see
-``_PASS_THROUGH``). ``where(ne(x, k), x, c)`` passes ``x`` on with ``k`` replaced (HF's loss replaces
+``VALUE_PRESERVING``). ``where(ne(x, k), x, c)`` passes ``x`` on with ``k`` replaced (HF's loss replaces
 ``ignore_index`` so); then ``k`` is an allowed value of ``x``. Any other op (arithmetic, clamp, a ``where``
 with another condition) ends the flow, so a model that maps its ids itself is never checked against a
 range it does not use: the check has false negatives, never false positives.
@@ -29,7 +29,7 @@ from torchpar.ir.graph import Graph, Node, Ref, TensorMeta
 
 _INT_DTYPES = frozenset({"int8", "uint8", "int16", "int32", "int64"})
 
-_PASS_THROUGH = frozenset({
+VALUE_PRESERVING = frozenset({
     "aten.view.default", "aten._unsafe_view.default", "aten.reshape.default", "aten.expand.default",
     "aten.slice.Tensor", "aten.select.int", "aten.unsqueeze.default", "aten.squeeze.dim", "aten.squeeze.dims",
     "aten.squeeze.default", "aten.permute.default", "aten.transpose.int", "aten.t.default", "aten.clone.default",
@@ -175,7 +175,7 @@ def _bound(node: Node, position: int | tuple[int, int], flowing: tuple[int, froz
 def _passed_value(node: Node, flow: dict[str, tuple[int, frozenset[int]]],
                   producers: dict[str, Node]) -> tuple[int, frozenset[int]] | None:
     """The flowing batch value ``node``'s result carries unchanged, if any."""
-    if node.target in _PASS_THROUGH:
+    if node.target in VALUE_PRESERVING:
         data = node.args[0] if node.args else None
         candidates = data if isinstance(data, (list, tuple)) and node.target == "aten.cat.default" else [data]
         flowing = [flow[c.name] for c in candidates if isinstance(c, Ref) and c.name in flow]
