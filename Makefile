@@ -7,7 +7,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-fast install benchmark clean
+.PHONY: demo test test-fast lint install benchmark clean
 
 # pip prints what it collects and downloads (no --quiet): a fresh install takes minutes and should not look hung.
 $(VENV)/.installed: pyproject.toml
@@ -33,7 +33,7 @@ demo: install
 # its 300 s guard in CI — 45 s alone.) The Ray part's output follows the other part's. One XLA compilation cache is
 # shared. Exit status 5 ("nothing collected", e.g. PYTEST_ARGS naming one file) is not a failure. Each part reports
 # its ten slowest tests (--durations=10).
-test: install
+test: install lint
 	@cache=$$(mktemp -d); ray_log=$$(mktemp); export JAX_COMPILATION_CACHE_DIR=$$cache; \
 	$(PY) -m pytest -q -m ray --durations=10 $(PYTEST_ARGS) > $$ray_log 2>&1 & ray=$$!; \
 	trap 'kill $$ray 2>/dev/null; rm -rf $$cache $$ray_log; exit 130' INT TERM; \
@@ -52,6 +52,12 @@ FAST_TESTS = tests/capture/test_grad_semantics.py tests/capture/test_autograd_fu
 	tests/jaxbackend/test_spmd.py tests/planner/test_ilp.py tests/planner/test_layers.py tests/planner/test_stages.py \
 	tests/planner/test_sharded_training.py tests/runtime/test_schedules.py tests/runtime/test_grad_accumulation.py \
 	tests/runtime/test_loss_reduction.py tests/runtime/test_last_batch.py tests/runtime/test_grad_norm.py tests/planner/test_training_plan.py tests/test_layering.py
+
+# Style as a machine checks it (configuration: pyproject.toml's [tool.ruff]); `ruff format torchpar jaxbackend` fixes
+# the layout, `ruff check --fix` what it can of the rest. Part of `make test`.
+lint: install
+	$(PY) -m ruff check torchpar jaxbackend
+	$(PY) -m ruff format --check torchpar jaxbackend
 
 test-fast: install
 	$(PY) -m pytest -q -n 2 --dist worksteal -m "not ray" --durations=10 $(FAST_TESTS) $(PYTEST_ARGS)

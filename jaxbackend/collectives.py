@@ -13,7 +13,7 @@ CPU meshes (in-process rendezvous) keep the one reduce-scatter.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 

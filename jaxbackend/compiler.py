@@ -19,8 +19,7 @@ from typing import Any
 import jax
 
 CPU_LIBRARY_FUSIONS: dict[str, Any] = {
-    "xla_cpu_experimental_ynn_fusion_type":
-        "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT,LIBRARY_FUSION_TYPE_REDUCE",
+    "xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT,LIBRARY_FUSION_TYPE_REDUCE",
 }
 
 

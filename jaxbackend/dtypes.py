@@ -12,10 +12,21 @@ import jax.numpy as jnp
 import numpy as np
 
 _BY_NAME: dict[str, jnp.dtype] = {
-    "bool": jnp.bool_, "uint8": jnp.uint8, "int8": jnp.int8, "int16": jnp.int16, "int32": jnp.int32,
-    "int64": jnp.int64, "uint16": jnp.uint16, "uint32": jnp.uint32, "uint64": jnp.uint64,
-    "float16": jnp.float16, "bfloat16": jnp.bfloat16, "float32": jnp.float32, "float64": jnp.float64,
-    "complex64": jnp.complex64, "complex128": jnp.complex128,
+    "bool": jnp.bool_,
+    "uint8": jnp.uint8,
+    "int8": jnp.int8,
+    "int16": jnp.int16,
+    "int32": jnp.int32,
+    "int64": jnp.int64,
+    "uint16": jnp.uint16,
+    "uint32": jnp.uint32,
+    "uint64": jnp.uint64,
+    "float16": jnp.float16,
+    "bfloat16": jnp.bfloat16,
+    "float32": jnp.float32,
+    "float64": jnp.float64,
+    "complex64": jnp.complex64,
+    "complex128": jnp.complex128,
 }
 
 

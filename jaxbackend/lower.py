@@ -15,7 +15,8 @@ promotion rules are enforced) and checked against its static shape.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -30,8 +31,9 @@ from jaxbackend.sharding import constrain
 from torchpar.ir.function_regions import FunctionRegion, function_regions
 from torchpar.ir.graph import DType, Graph, Node, OutMeta, Ref, TensorMeta
 
-StepFn = Callable[[dict[str, jax.Array], dict[str, jax.Array], Sequence[jax.Array], jax.Array],
-                  tuple[list[Any], dict[str, jax.Array]]]
+StepFn = Callable[
+    [dict[str, jax.Array], dict[str, jax.Array], Sequence[jax.Array], jax.Array], tuple[list[Any], dict[str, jax.Array]]
+]
 
 
 class UnsupportedOpsError(NotImplementedError):
@@ -58,16 +60,24 @@ def check_supported(graph: Graph) -> None:
         lines.append(f"  - {node.target}({node.describe_inputs(metas)}) -> {_describe_out(node.out)}")
         if node.source:
             lines.append(f"      at {node.source}")
-    lines.append("Try: rewrite that line with supported ops, or register a lowering with "
-                 "@jaxbackend.ops.registry.lowers(<target>) (see docs/debugging.md).")
+    lines.append(
+        "Try: rewrite that line with supported ops, or register a lowering with "
+        "@jaxbackend.ops.registry.lowers(<target>) (see docs/debugging.md)."
+    )
     raise UnsupportedOpsError("\n".join(lines))
 
 
-def lower(graph: Graph, *, value_shardings: Mapping[str, Any] | None = None,
-          operand_shardings: Mapping[str, Sequence[Any]] | None = None,
-          op_options: Mapping[str, Mapping[str, Any]] | None = None, layouts: Any = None,
-          observe: Callable[[Node, Any, dict[str, Any]], None] | None = None,
-          numerics: Numerics | None = None, remat: Remat | None = None) -> StepFn:
+def lower(
+    graph: Graph,
+    *,
+    value_shardings: Mapping[str, Any] | None = None,
+    operand_shardings: Mapping[str, Sequence[Any]] | None = None,
+    op_options: Mapping[str, Mapping[str, Any]] | None = None,
+    layouts: Any = None,
+    observe: Callable[[Node, Any, dict[str, Any]], None] | None = None,
+    numerics: Numerics | None = None,
+    remat: Remat | None = None,
+) -> StepFn:
     """The pure JAX function computing ``graph`` (see the module docstring for its signature).
 
     ``value_shardings`` maps input or node names to a sharding their value is constrained to
@@ -109,8 +119,13 @@ def lower(graph: Graph, *, value_shardings: Mapping[str, Any] | None = None,
     buffer_outputs = [o for o in graph.outputs if o.kind == "buffer"]
     value_outputs = [o for o in graph.outputs if o.kind != "buffer"]
 
-    def run(params: dict[str, jax.Array], buffers: dict[str, jax.Array], inputs: Sequence[jax.Array],
-            key: jax.Array, activations: Mapping[str, jax.Array] | None = None) -> tuple[list[Any], dict[str, jax.Array]]:
+    def run(
+        params: dict[str, jax.Array],
+        buffers: dict[str, jax.Array],
+        inputs: Sequence[jax.Array],
+        key: jax.Array,
+        activations: Mapping[str, jax.Array] | None = None,
+    ) -> tuple[list[Any], dict[str, jax.Array]]:
         with precision.using(numerics):
             return trace(params, buffers, inputs, key, activations)
 
@@ -143,10 +158,17 @@ def lower(graph: Graph, *, value_shardings: Mapping[str, Any] | None = None,
         try:
             result = fn(*args, **kwargs)
         except OverflowError as error:  # a Python int beyond int32 meeting an int32 array (an int64 tensor's)
-            raise LoweringError(_context(node, graph, (
-                f"an integer constant is outside int32's range ({error}): JAX runs int64 tensors as int32 (x64 off), "
-                "so this arithmetic cannot be done exactly. Do it in the data pipeline, in 64 bits (e.g. hash ids "
-                "there and pass the hashed ids), or keep its values within int32"))) from None
+            raise LoweringError(
+                _context(
+                    node,
+                    graph,
+                    (
+                        f"an integer constant is outside int32's range ({error}): JAX runs int64 tensors as int32 "
+                        "(x64 off), so this arithmetic cannot be done exactly. Do it in the data pipeline, in 64 bits "
+                        "(e.g. hash ids there and pass the hashed ids), or keep its values within int32"
+                    ),
+                )
+            ) from None
         except Exception as error:
             raise LoweringError(_context(node, graph, f"lowering raised {type(error).__name__}: {error}")) from error
         if finish is not None:
@@ -218,8 +240,10 @@ def lower(graph: Graph, *, value_shardings: Mapping[str, Any] | None = None,
         new_buffers = {o.target: env[o.value.name] for o in buffer_outputs}
         if local is not None:  # buffers are stored whole on every device; a step_fn's aux values come back whole
             new_buffers = {o.target: local.whole(env[o.value.name], local.spec(o.value.name)) for o in buffer_outputs}
-            outputs = [local.whole(v, local.spec(o.value.name)) if o.kind == "aux" else v
-                       for o, v in zip(value_outputs, outputs)]
+            outputs = [
+                local.whole(v, local.spec(o.value.name)) if o.kind == "aux" else v
+                for o, v in zip(value_outputs, outputs)
+            ]
         return outputs, new_buffers
 
     return run
@@ -274,8 +298,13 @@ def _segments(graph: Graph, remat: Remat | None, regions: Sequence[FunctionRegio
     return segments
 
 
-def _function_vjp(region: FunctionRegion, graph: Graph, backward: StepFn, read_after: dict[str, int],
-                  forward: Callable[[dict[str, Any], jax.Array], None]) -> Callable[[dict[str, Any], jax.Array], None]:
+def _function_vjp(
+    region: FunctionRegion,
+    graph: Graph,
+    backward: StepFn,
+    read_after: dict[str, int],
+    forward: Callable[[dict[str, Any], jax.Array], None],
+) -> Callable[[dict[str, Any], jax.Array], None]:
     """``run(env, key)``: computes the region's nodes (``forward(scope, key)`` evaluates them into ``scope``)
     and stores its results in ``env``, as a ``jax.custom_vjp`` function of the arrays it reads whose backward
     is the Function's backward graph, lowered as ``backward``.
@@ -288,18 +317,23 @@ def _function_vjp(region: FunctionRegion, graph: Graph, backward: StepFn, read_a
     the forward reads other than through its arguments (PyTorch runs the forward without autograd)."""
     inside = [graph.nodes[index].name for index in region.node_range()]
     inside_set = set(inside)
-    reads = list(dict.fromkeys(ref for index in region.node_range() for ref in graph.nodes[index].refs()
-                               if ref not in inside_set))
+    reads = list(
+        dict.fromkeys(
+            ref for index in region.node_range() for ref in graph.nodes[index].refs() if ref not in inside_set
+        )
+    )
     outputs = [name for _, name in region.outputs]
     leaks = [name for name in inside if read_after.get(name, -1) >= region.stop and name not in outputs]
     if leaks:
         node = graph.nodes[region.start]
-        raise LoweringError(f"the forward of a custom autograd.Function (at {node.source or 'an unknown line'}) "
-                            f"makes values used outside it other than its results ({', '.join(leaks[:4])}): their "
-                            "gradient would bypass the Function's backward")
+        raise LoweringError(
+            f"the forward of a custom autograd.Function (at {node.source or 'an unknown line'}) "
+            f"makes values used outside it other than its results ({', '.join(leaks[:4])}): their "
+            "gradient would bypass the Function's backward"
+        )
     metas = graph.metas()
     backward_inputs = [i.meta for i in graph.custom_backwards[region.call].inputs if i.kind == "input"]
-    cotangent_metas = backward_inputs[len(region.saved):]
+    cotangent_metas = backward_inputs[len(region.saved) :]
     argument_of: dict[str, list[int]] = {}
     for position, name in region.inputs:
         argument_of.setdefault(name, []).append(position)
@@ -372,15 +406,19 @@ def _check_replicated(region: FunctionRegion, graph: Graph, local: Any) -> None:
     names = [ref for index in region.node_range() for ref in graph.nodes[index].refs()]
     names += [graph.nodes[index].name for index in region.node_range()]
     if any(_is_split(local.spec(name)) for name in names):
-        raise LocalModeError(f"a custom autograd.Function (at {graph.nodes[region.start].source or 'an unknown line'}) "
-                             "reads or makes values split across devices; its backward graph computes whole tensors")
+        raise LocalModeError(
+            f"a custom autograd.Function (at {graph.nodes[region.start].source or 'an unknown line'}) "
+            "reads or makes values split across devices; its backward graph computes whole tensors"
+        )
 
 
 def _is_split(spec: Any) -> bool:
     if spec is None:
         return False
-    return any(_is_split(entry) if isinstance(entry, tuple) and entry and isinstance(entry[0], tuple) else bool(entry)
-               for entry in spec)
+    return any(
+        _is_split(entry) if isinstance(entry, tuple) and entry and isinstance(entry[0], tuple) else bool(entry)
+        for entry in spec
+    )
 
 
 def _last_reads(graph: Graph) -> dict[str, int]:
@@ -437,9 +475,16 @@ def _conform_one(value: Any, meta: TensorMeta, node: Node, graph: Graph, local: 
         if local is not None:
             from jaxbackend.spmd import LocalModeError
 
-            raise LocalModeError(_context(node, graph, f"per device it produced shape {list(value.shape)}, the "
-                                                       f"plan's layout gives {list(meta.shape)}"))
-        raise LoweringError(_context(node, graph, f"produced shape {list(value.shape)}, PyTorch says {list(meta.shape)}"))
+            raise LocalModeError(
+                _context(
+                    node,
+                    graph,
+                    f"per device it produced shape {list(value.shape)}, the plan's layout gives {list(meta.shape)}",
+                )
+            )
+        raise LoweringError(
+            _context(node, graph, f"produced shape {list(value.shape)}, PyTorch says {list(meta.shape)}")
+        )
     want = dtypes.to_jax(meta.dtype)
     return value if value.dtype == want else value.astype(want)
 
@@ -473,11 +518,18 @@ def to_numpy_input(array: np.ndarray, what: str = "an input array") -> np.ndarra
                 f"{what} ({array.dtype}, shape {tuple(array.shape)}) holds values in [{low}, {high}], outside "
                 f"{want}'s range [{limits.min}, {limits.max}]: JAX runs 64-bit integers as 32-bit (x64 off), so they "
                 "would wrap. Bring them into range before the batch (e.g. hash ids modulo the table size in the "
-                "data pipeline), or keep such values as floats.")
+                "data pipeline), or keep such values as floats."
+            )
     return array.astype(want)
 
 
 __all__ = [
-    "IntegerRangeError", "LoweringError", "StepFn", "UnsupportedOpsError", "check_supported", "lower",
-    "unsupported_ops", "to_numpy_input",
+    "IntegerRangeError",
+    "LoweringError",
+    "StepFn",
+    "UnsupportedOpsError",
+    "check_supported",
+    "lower",
+    "unsupported_ops",
+    "to_numpy_input",
 ]

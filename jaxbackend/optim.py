@@ -135,8 +135,10 @@ def init_state(spec: OptimizerSpec, params: Mapping[str, Array]) -> State:
     if missing:
         raise ValueError(f"init_state: params lack optimizer parameters {missing}")
     return {
-        name: {key: jnp.zeros(state_shape(spec, key, params[name].shape), params[name].dtype)
-               for key in state_keys(spec, group, params[name].ndim)}
+        name: {
+            key: jnp.zeros(state_shape(spec, key, params[name].shape), params[name].dtype)
+            for key in state_keys(spec, group, params[name].ndim)
+        }
         for name, group in zip(spec.param_names, spec.group_of_param)
     }
 
@@ -161,9 +163,7 @@ def apply_updates(
         if name not in grads:  # no gradient this step (PyTorch: .grad is None): leave it alone
             new_state[name] = dict(state[name])
             continue
-        new_params[name], new_state[name] = update(
-            spec, group, params[name], grads[name], state[name], scalars[group]
-        )
+        new_params[name], new_state[name] = update(spec, group, params[name], grads[name], state[name], scalars[group])
     return new_params, new_state
 
 
@@ -272,8 +272,10 @@ def _adamax_update(spec, group, p, g, state, s):
     m = _lerp(state["exp_avg"].astype(dt), g, s["beta1_weight"].astype(dt))
     u = jnp.maximum(state["exp_inf"].astype(dt) * s["beta2"].astype(dt), jnp.abs(g) + s["eps"].astype(dt))
     new_p = p + (s["neg_clr"].astype(dt) * m) / u
-    return new_p.astype(p_dtype), {"exp_avg": m.astype(state["exp_avg"].dtype),
-                                   "exp_inf": u.astype(state["exp_inf"].dtype)}
+    return new_p.astype(p_dtype), {
+        "exp_avg": m.astype(state["exp_avg"].dtype),
+        "exp_inf": u.astype(state["exp_inf"].dtype),
+    }
 
 
 def _adam_moments(p, g, state, s, dt):
@@ -292,8 +294,10 @@ def _nadam_update(spec, group, p, g, state, s):
     denom = jnp.sqrt(v / s["bias_correction2"].astype(dt)) + s["eps"].astype(dt)
     new_p = p + (s["grad_coef"].astype(dt) * g) / denom
     new_p = new_p + (s["exp_avg_coef"].astype(dt) * m) / denom
-    return new_p.astype(p_dtype), {"exp_avg": m.astype(state["exp_avg"].dtype),
-                                   "exp_avg_sq": v.astype(state["exp_avg_sq"].dtype)}
+    return new_p.astype(p_dtype), {
+        "exp_avg": m.astype(state["exp_avg"].dtype),
+        "exp_avg_sq": v.astype(state["exp_avg_sq"].dtype),
+    }
 
 
 def _radam_update(spec, group, p, g, state, s):
@@ -305,8 +309,10 @@ def _radam_update(spec, group, p, g, state, s):
     adaptive = s["bias_correction2_sqrt"].astype(dt) * (1 / (jnp.sqrt(v) + s["eps"].astype(dt)))  # x.reciprocal() * c
     rectified = (corrected * adaptive) * s["rect"].astype(dt)
     new_p = p - jnp.where(s["rectify"], rectified, corrected)
-    return new_p.astype(p_dtype), {"exp_avg": m.astype(state["exp_avg"].dtype),
-                                   "exp_avg_sq": v.astype(state["exp_avg_sq"].dtype)}
+    return new_p.astype(p_dtype), {
+        "exp_avg": m.astype(state["exp_avg"].dtype),
+        "exp_avg_sq": v.astype(state["exp_avg_sq"].dtype),
+    }
 
 
 def _adadelta_update(spec, group, p, g, state, s):
@@ -320,8 +326,10 @@ def _adadelta_update(spec, group, p, g, state, s):
     delta = (jnp.sqrt(acc + eps) / std) * g
     acc = (one_minus_rho * delta) * delta + acc * rho
     new_p = p + (-s["lr"].astype(dt)) * delta
-    return new_p.astype(p_dtype), {"square_avg": sq.astype(state["square_avg"].dtype),
-                                   "acc_delta": acc.astype(state["acc_delta"].dtype)}
+    return new_p.astype(p_dtype), {
+        "square_avg": sq.astype(state["square_avg"].dtype),
+        "acc_delta": acc.astype(state["acc_delta"].dtype),
+    }
 
 
 def _asgd_update(spec, group, p, g, state, s):
@@ -347,8 +355,9 @@ def _rprop_update(spec, group, p, g, state, s):
     factor = jnp.where(factor > 0, etaplus, factor)  # torch assigns the three in this order
     factor = jnp.where(factor < 0, etaminus, factor)
     factor = jnp.where(factor == 0, jnp.ones((), dt), factor)
-    step_size = jnp.clip((step_size * factor).astype(size_dtype).astype(dt), s["step_size_min"].astype(dt),
-                         s["step_size_max"].astype(dt))
+    step_size = jnp.clip(
+        (step_size * factor).astype(size_dtype).astype(dt), s["step_size_min"].astype(dt), s["step_size_max"].astype(dt)
+    )
     g = jnp.where(factor == etaminus, jnp.zeros((), dt), g)  # no step where the gradient changed sign
     new_p = p + -jnp.sign(g) * step_size
     return new_p.astype(p_dtype), {"prev": g.astype(state["prev"].dtype), "step_size": step_size.astype(size_dtype)}
@@ -372,8 +381,10 @@ def _adafactor_update(spec, group, p, g, state, s):
         col_mean = jnp.square(jnp.sqrt(jnp.sum(g * g, axis=-2, keepdims=True))) / g.shape[-2]
         row_var = _lerp(state["row_var"].astype(dt), row_mean, one_minus_beta2)
         col_var = _lerp(state["col_var"].astype(dt), col_mean, one_minus_beta2)
-        new_state = {"row_var": row_var.astype(state["row_var"].dtype),
-                     "col_var": col_var.astype(state["col_var"].dtype)}
+        new_state = {
+            "row_var": row_var.astype(state["row_var"].dtype),
+            "col_var": col_var.astype(state["col_var"].dtype),
+        }
         var_estimate = (row_var * col_var) / jnp.maximum(jnp.mean(row_var, axis=-2, keepdims=True), eps1)
     else:
         var_estimate = _lerp(state["variance"].astype(dt), g * g, one_minus_beta2)
@@ -456,8 +467,9 @@ def global_norm(grads: Mapping[str, Array], complete_sum: Callable[[str, Array],
     return jnp.sqrt(jnp.sum(jnp.square(jnp.stack([n.astype(jnp.float32) for n in norms]))))
 
 
-def clip_grads_by_global_norm(grads: Mapping[str, Array], max_norm: float | Array,
-                              complete_sum: Callable[[str, Array], Array] | None = None) -> tuple[dict[str, Array], Array]:
+def clip_grads_by_global_norm(
+    grads: Mapping[str, Array], max_norm: float | Array, complete_sum: Callable[[str, Array], Array] | None = None
+) -> tuple[dict[str, Array], Array]:
     """torch.nn.utils.clip_grad_norm_(…, max_norm, norm_type=2): returns (clipped grads, total norm).
 
     Like torch, always multiplies by the clamped coefficient (1 when the norm is below max_norm),

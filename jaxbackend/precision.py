@@ -56,7 +56,7 @@ class Numerics:
             if value not in MATMUL_PRECISIONS:
                 raise ValueError(f"{field} precision must be one of {MATMUL_PRECISIONS}, got {value!r}")
 
-    def effective(self) -> "Numerics":
+    def effective(self) -> Numerics:
         """What the products really use on this platform (CPU: always ``"highest"``)."""
         platform = self.platform or jax.default_backend()
         if platform == "cpu":

@@ -40,30 +40,42 @@ class PrivateUse:
 
 PRIVATE_USES: tuple[PrivateUse, ...] = (
     PrivateUse(
-        module="jax._src.xla_bridge", name="backends_are_initialized", call=(0, ()),
+        module="jax._src.xla_bridge",
+        name="backends_are_initialized",
+        call=(0, ()),
         used_in="torchpar/cluster.py",
         why="_keep_driver_off_accelerators: the Ray driver may pin its own JAX to the CPU only before JAX created "
-            "a backend; no public function says whether it has",
+        "a backend; no public function says whether it has",
         if_moved="find the new home of backends_are_initialized in jax/_src/xla_bridge.py (or compare "
-                 "jax.config.jax_platforms with the devices in use)"),
+        "jax.config.jax_platforms with the devices in use)",
+    ),
     PrivateUse(
-        module="jax._src.lax.parallel", name="all_gather_invariant", call=(2, ("axis", "tiled")),
+        module="jax._src.lax.parallel",
+        name="all_gather_invariant",
+        call=(2, ("axis", "tiled")),
         used_in="jaxbackend/spmd.py",
         why="an all-gather whose result is typed invariant along the gathered mesh axes (its transpose is a local "
-            "slice), for per-device shard_map programs",
+        "slice), for per-device shard_map programs",
         if_moved="JAX 0.10 also exposes it publicly as jax.lax.all_gather(x, axes, axis=..., tiled=..., "
-                 "to='invarying'): switch spmd._all_gather_invariant to that and drop this entry"),
+        "to='invarying'): switch spmd._all_gather_invariant to that and drop this entry",
+    ),
     PrivateUse(
-        module="jax._src.core", name="ShapedArray.manual_axis_type", call=None,
+        module="jax._src.core",
+        name="ShapedArray.manual_axis_type",
+        call=None,
         used_in="jaxbackend/spmd.py",
         why="require_invariant reads jax.typeof(loss).manual_axis_type.varying to refuse a loss that is not "
-            "reduced across devices; were the attribute gone, the check would pass silently",
+        "reduced across devices; were the attribute gone, the check would pass silently",
         if_moved="read the mesh axes a value varies along from wherever jax.typeof(x) now keeps them (the "
-                 "'vma' of shard_map's docs)"),
+        "'vma' of shard_map's docs)",
+    ),
     PrivateUse(
-        module="jax._src.core", name="ManualAxisType.varying", call=None,
+        module="jax._src.core",
+        name="ManualAxisType.varying",
+        call=None,
         used_in="jaxbackend/spmd.py",
         why="the mesh axes along which a value inside shard_map differs between devices (see the entry above)",
-        if_moved="as for ShapedArray.manual_axis_type"),
+        if_moved="as for ShapedArray.manual_axis_type",
+    ),
 )
 """The private JAX names torchpar relies on."""

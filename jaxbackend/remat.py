@@ -22,7 +22,8 @@ losses and gradients are those of the run without remat, up to XLA's reassociati
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -76,8 +77,10 @@ def checkpoint(fn: Callable[..., Any], policy: str) -> Callable[..., Any]:
     return call
 
 
-_SAVEABLE = {"layers": jax.checkpoint_policies.nothing_saveable,
-             "selective": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+_SAVEABLE = {
+    "layers": jax.checkpoint_policies.nothing_saveable,
+    "selective": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
 
 
 def _first_float(tree: Any) -> jax.Array | None:

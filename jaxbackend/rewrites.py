@@ -25,13 +25,16 @@ from jaxbackend.ops.expert_parallel import swap_weight_dims
 from torchpar.ir.graph import Graph, Node, Ref
 from torchpar.ir.op_families import GROUPED_MATMULS
 
-_SWAPS_LAST_TWO = {"aten.permute.default": lambda args: [d % 3 for d in args[1]] == [0, 2, 1],
-                   "aten.transpose.int": lambda args: {d % 3 for d in args[1:3]} == {1, 2}}
+_SWAPS_LAST_TWO = {
+    "aten.permute.default": lambda args: [d % 3 for d in args[1]] == [0, 2, 1],
+    "aten.transpose.int": lambda args: {d % 3 for d in args[1:3]} == {1, 2},
+}
 """For each op that can swap dims: whether its arguments (a 3-D input) swap exactly the last two."""
 
 
-def fold_transposed_weights(graph: Graph, operand_shardings: Mapping[str, Sequence[Any]] | None = None
-                            ) -> tuple[Graph, dict[str, Sequence[Any]]]:
+def fold_transposed_weights(
+    graph: Graph, operand_shardings: Mapping[str, Sequence[Any]] | None = None
+) -> tuple[Graph, dict[str, Sequence[Any]]]:
     """``graph`` with every grouped matmul whose weight is a swap of the last two dims of a 3-D value reading that
     value with ``weight_transposed=True`` (``graph`` itself if there is none), and ``operand_shardings`` with those
     ops' weight shardings permuted to the stored value's dims."""
@@ -63,6 +66,10 @@ def _transposed_source(node: Node, producers: dict[str, Node]) -> Ref | None:
     if producer is None or producer.target not in _SWAPS_LAST_TWO or not isinstance(producer.args[0], Ref):
         return None
     out = producer.out
-    if getattr(out, "shape", None) is None or len(out.shape) != 3 or not _SWAPS_LAST_TWO[producer.target](producer.args):
+    if (
+        getattr(out, "shape", None) is None
+        or len(out.shape) != 3
+        or not _SWAPS_LAST_TWO[producer.target](producer.args)
+    ):
         return None
     return producer.args[0]

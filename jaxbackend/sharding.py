@@ -11,7 +11,8 @@ the abstract mesh with the data axis manual (:func:`region_mesh`, :func:`constra
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -30,8 +31,10 @@ def make_mesh(shape: tuple[int, int], devices: Sequence[Any] | None = None, data
     count = data_replicas * shape[0] * shape[1]
     if len(devices) < count:
         mesh = f"{data_replicas}×" if data_replicas > 1 else ""
-        raise ValueError(f"a {mesh}{shape[0]}×{shape[1]} mesh needs {count} devices, JAX has {len(devices)}; "
-                         "call torchpar.init(num_devices=...) before JAX is imported")
+        raise ValueError(
+            f"a {mesh}{shape[0]}×{shape[1]} mesh needs {count} devices, JAX has {len(devices)}; "
+            "call torchpar.init(num_devices=...) before JAX is imported"
+        )
     if data_replicas > 1:
         return Mesh(np.array(devices[:count]).reshape(data_replicas, *shape), (DATA_AXIS, *AXIS_NAMES))
     return Mesh(np.array(devices[:count]).reshape(shape), AXIS_NAMES)
@@ -95,8 +98,9 @@ def shard_map(body: Any, mesh: Any, in_specs: Any, out_specs: Any) -> Any:
     region = region_mesh(mesh)
     manual = set(getattr(region, "manual_axes", ()) or ())
     free = {name for name in region.axis_names if name not in manual}
-    return jax.shard_map(body, mesh=region, in_specs=in_specs, out_specs=out_specs, axis_names=free,
-                         check_vma=not manual)
+    return jax.shard_map(
+        body, mesh=region, in_specs=in_specs, out_specs=out_specs, axis_names=free, check_vma=not manual
+    )
 
 
 def constrain(value: Any, sharding: NamedSharding | None) -> Any:

@@ -29,7 +29,8 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -97,8 +98,9 @@ class LocalProgram:
                 x = jax.lax.dynamic_slice_in_dim(x, start, size, axis=dim)
         return x
 
-    def prepare(self, node: Node, fn: Callable, args: list[Any], kwargs: dict[str, Any]
-                ) -> tuple[Callable, list[Any], dict[str, Any], Callable[[Any], Any]]:
+    def prepare(
+        self, node: Node, fn: Callable, args: list[Any], kwargs: dict[str, Any]
+    ) -> tuple[Callable, list[Any], dict[str, Any], Callable[[Any], Any]]:
         """The per-device call of ``node``: its lowering (or a replacement), arguments (local sizes, extra
         keywords, a per-shard random key, a held-back bias) and what finishes its result."""
         args = self.rewrite_args(node, args)
@@ -158,15 +160,17 @@ class LocalProgram:
         if self.layouts.options.get(node.name, {}).get("rows") == "exchange":
             if node.target == "aten.index.Tensor":
                 return lambda table, indices: gather_rows_local(table, indices[0], names, peers)
-            return lambda base, indices, values, accumulate=False: put_rows_local(base, indices[0], values, names,
-                                                                                  peers, accumulate)
+            return lambda base, indices, values, accumulate=False: put_rows_local(
+                base, indices[0], values, names, peers, accumulate
+            )
         if node.name not in self.layouts.partial:
             return None
         if node.target == "aten.embedding.default":
             return functools.partial(_embedding_rows, names=names)
         if node.target == "aten.index.Tensor":
-            return lambda table, indices: _embedding_rows(table, rows_from_end(indices[0], table.shape[0] * peers),
-                                                          names=names)
+            return lambda table, indices: _embedding_rows(
+                table, rows_from_end(indices[0], table.shape[0] * peers), names=names
+            )
         return None
 
     def hold_back_bias(self, node: Node, args: list[Any], kwargs: dict[str, Any]) -> tuple[list[Any], Any]:
@@ -175,8 +179,13 @@ class LocalProgram:
         add it). ``(args, None)`` for every other op."""
         position = BIAS_ARGUMENT.get(node.target)
         partial = self.layouts.partial.get(node.name)
-        if position is None or partial is None or partial[0] != "contract" or len(args) <= position \
-                or args[position] is None:
+        if (
+            position is None
+            or partial is None
+            or partial[0] != "contract"
+            or len(args) <= position
+            or args[position] is None
+        ):
             return args, None
         args = list(args)
         bias = args[position]
@@ -211,8 +220,15 @@ def _all_gather_invariant(x: jax.Array, axes: tuple[str, ...], *, axis: int, til
     return all_gather_invariant(x, axes, axis=axis, tiled=tiled)
 
 
-def _embedding_rows(weight: jax.Array, indices: jax.Array, padding_idx: int = -1, scale_grad_by_freq: bool = False,
-                    sparse: bool = False, *, names: tuple[str, ...]) -> jax.Array:
+def _embedding_rows(
+    weight: jax.Array,
+    indices: jax.Array,
+    padding_idx: int = -1,
+    scale_grad_by_freq: bool = False,
+    sparse: bool = False,
+    *,
+    names: tuple[str, ...],
+) -> jax.Array:
     """``aten.embedding`` on this device's block of table rows (global row ``i`` is local row
     ``i - axis_index·rows``): rows held elsewhere give zeros, so a ``psum`` over ``names`` completes it."""
     if scale_grad_by_freq:

@@ -6,7 +6,8 @@ still set the number of (fake CPU) devices before JAX starts, and Ray host actor
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Literal
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Literal
 
 from torchpar import plan_writers as _plan_writers
 from torchpar.cluster import ClusterSpec, init, shutdown
@@ -26,8 +27,8 @@ if TYPE_CHECKING:
 
     from torchpar.api import Engine
     from torchpar.feeding import HostData
-    from torchpar.metrics import StepMetrics
     from torchpar.methods import Method
+    from torchpar.metrics import StepMetrics
     from torchpar.planner.plan import Plan
 
 
@@ -160,12 +161,29 @@ def compile(
     """
     from torchpar import api
 
-    return api.compile(model, optimizer, example_batch=example_batch, data=data, loss_fn=loss_fn, step_fn=step_fn,
-                       forward_fn=forward_fn, method=method, grad_clip_norm=grad_clip_norm, seed=seed,
-                       xla_library_fusions=xla_library_fusions, spmd=spmd, check_inputs=check_inputs,
-                       on_nonfinite=on_nonfinite, matmul_precision=matmul_precision, mixed_precision=mixed_precision,
-                       remat=remat, profile=profile, log_every=log_every, on_metrics=on_metrics,
-                       grad_stand_ins=grad_stand_ins)
+    return api.compile(
+        model,
+        optimizer,
+        example_batch=example_batch,
+        data=data,
+        loss_fn=loss_fn,
+        step_fn=step_fn,
+        forward_fn=forward_fn,
+        method=method,
+        grad_clip_norm=grad_clip_norm,
+        seed=seed,
+        xla_library_fusions=xla_library_fusions,
+        spmd=spmd,
+        check_inputs=check_inputs,
+        on_nonfinite=on_nonfinite,
+        matmul_precision=matmul_precision,
+        mixed_precision=mixed_precision,
+        remat=remat,
+        profile=profile,
+        log_every=log_every,
+        on_metrics=on_metrics,
+        grad_stand_ins=grad_stand_ins,
+    )
 
 
 def plan(
@@ -193,8 +211,18 @@ def plan(
     """
     from torchpar import api
 
-    return api.plan(model, optimizer, example_batch=example_batch, loss_fn=loss_fn, step_fn=step_fn, method=method,
-                    explain=explain, mixed_precision=mixed_precision, remat=remat, profile=profile)
+    return api.plan(
+        model,
+        optimizer,
+        example_batch=example_batch,
+        loss_fn=loss_fn,
+        step_fn=step_fn,
+        method=method,
+        explain=explain,
+        mixed_precision=mixed_precision,
+        remat=remat,
+        profile=profile,
+    )
 
 
 def load_checkpoint(path: str) -> dict[str, torch.Tensor]:

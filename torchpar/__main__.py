@@ -13,8 +13,8 @@
 writes the HTML report (and a PNG / the plan's JSON). ``--model`` is a model family of
 :mod:`torchpar.harness.zoo` (random weights, tiny default config, ``--config`` overrides) or a Python file whose
 ``build()`` returns ``(model, optimizer, batch)``; ``--meta`` builds a zoo model and its batch on the meta device
-(no weights: GPT-3 39B plans on a laptop; ``docs/tuning_guide.md``). ``compare`` trains a zoo model with PyTorch and with
-torchpar side by side (:func:`torchpar.harness.compare.compare_training`) and exits 1 if the losses diverge.
+(no weights: GPT-3 39B plans on a laptop; ``docs/tuning_guide.md``). ``compare`` trains a zoo model with PyTorch and
+with torchpar side by side (:func:`torchpar.harness.compare.compare_training`) and exits 1 if the losses diverge.
 
 The simulated cluster (``--devices``, ``--hosts``) is set with ``torchpar.init`` before anything imports JAX.
 Output is quiet by default; ``-v`` logs INFO, ``-vv`` DEBUG.
@@ -63,8 +63,11 @@ _EXAMPLES = """examples:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m torchpar", description="torchpar: plan and compare parallel training of PyTorch models on JAX.",
-        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_EXAMPLES)
+        prog="python -m torchpar",
+        description="torchpar: plan and compare parallel training of PyTorch models on JAX.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=_EXAMPLES,
+    )
     commands = parser.add_subparsers(dest="command", required=True)
 
     plan = commands.add_parser("plan", help="plan a training step and write an HTML report")
@@ -72,17 +75,36 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--out", default="plan.html", help="HTML report path")
     plan.add_argument("--png", default=None, help="also write a PNG of the device grid and the timeline")
     plan.add_argument("--json", default=None, help="also write the plan as JSON (Plan.from_json reads it back)")
-    plan.add_argument("--meta", action="store_true", help="build the zoo model and batch on the meta device: no "
-                      "weights are allocated, so models far larger than this machine's memory can be planned")
-    plan.add_argument("--mixed-precision", choices=("bf16", "fp16"), default=None,
-                      help="plan the step under torch.autocast in this dtype (fp32 master weights)")
-    plan.add_argument("--remat", choices=REMAT_CHOICES, default="none",
-                      help="activation checkpointing to price, or 'auto' for the planner to choose")
-    plan.add_argument("--memory-gib", type=float, default=None,
-                      help="device memory in GiB (overrides the preset's), the budget every stage must fit")
-    plan.add_argument("--profile", action="store_true",
-                      help="measured profiling: time all-reduces and the candidate stages on these devices and keep "
-                           "the fastest measured plan (cached in TORCHPAR_PROFILE_DIR); not with --meta")
+    plan.add_argument(
+        "--meta",
+        action="store_true",
+        help="build the zoo model and batch on the meta device: no "
+        "weights are allocated, so models far larger than this machine's memory can be planned",
+    )
+    plan.add_argument(
+        "--mixed-precision",
+        choices=("bf16", "fp16"),
+        default=None,
+        help="plan the step under torch.autocast in this dtype (fp32 master weights)",
+    )
+    plan.add_argument(
+        "--remat",
+        choices=REMAT_CHOICES,
+        default="none",
+        help="activation checkpointing to price, or 'auto' for the planner to choose",
+    )
+    plan.add_argument(
+        "--memory-gib",
+        type=float,
+        default=None,
+        help="device memory in GiB (overrides the preset's), the budget every stage must fit",
+    )
+    plan.add_argument(
+        "--profile",
+        action="store_true",
+        help="measured profiling: time all-reduces and the candidate stages on these devices and keep "
+        "the fastest measured plan (cached in TORCHPAR_PROFILE_DIR); not with --meta",
+    )
     plan.set_defaults(run=_plan_command)
 
     compare = commands.add_parser("compare", help="train with PyTorch and torchpar, compare losses")
@@ -95,41 +117,84 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _common_arguments(parser: argparse.ArgumentParser, *, method: str, batch_size: int, seq_len: int) -> None:
-    parser.add_argument("--model", default="gpt2", help="zoo family (gpt2, llama, bert, vit, resnet, mlp, moe, mixtral) or a "
-                        "Python file defining build() -> (model, optimizer, batch)")
-    parser.add_argument("--config", default="{}", help='JSON config overrides of a zoo model, e.g. \'{"n_layer": 12}\'')
+    parser.add_argument(
+        "--model",
+        default="gpt2",
+        help="zoo family (gpt2, llama, bert, vit, resnet, mlp, moe, mixtral) or a "
+        "Python file defining build() -> (model, optimizer, batch)",
+    )
+    parser.add_argument("--config", default="{}", help="JSON config overrides of a zoo model, e.g. '{\"n_layer\": 12}'")
     parser.add_argument("--devices", type=int, default=8, help="number of (fake CPU) devices")
     parser.add_argument("--hosts", type=int, default=1, help="simulated hosts; --devices must be a multiple")
-    parser.add_argument("--preset", default=None, help="price the plan with the constants of real hardware: "
-                        "h100-nvlink, a100-80g, a100-40g, v100-16g (torchpar.hardware; default: the simulated CPU cluster's)")
+    parser.add_argument(
+        "--preset",
+        default=None,
+        help="price the plan with the constants of real hardware: "
+        "h100-nvlink, a100-80g, a100-40g, v100-16g (torchpar.hardware; default: the simulated CPU cluster's)",
+    )
     parser.add_argument("--method", choices=METHOD_NAMES, default=method, help=f"parallel method (default {method})")
-    parser.add_argument("--mesh", default=None, help="logical mesh 'd0xd1' for dp/zero2/zero3/megatron/shard "
-                        "(default: all devices; shard tries every factorization); shard also takes 'dataxd0xd1': "
-                        "that many data replicas of a d0 x d1 plan")
-    parser.add_argument("--micro-batches", type=_micro_batches, default=4,
-                        help="pipeshard: micro-batches per step, or 'auto' (the planner tries the counts that divide "
-                             "the batch and keeps the fastest)")
-    parser.add_argument("--experts", choices=EXPERTS_OPTIONS, default="auto",
-                        help="shard/pipeshard: MoE grouped matmuls — auto (the ILP decides), split (experts over a "
-                             "mesh axis), tensor (each expert's hidden dims), replicated")
-    parser.add_argument("--context", choices=CONTEXT_OPTIONS, default="auto",
-                        help="shard/pipeshard: attention's sequence split — auto (the ILP decides), ring or allgather "
-                             "(context parallelism wherever the sequence divides), off")
-    parser.add_argument("--sequence-parallel", action="store_true",
-                        help="megatron: reduce-scatter the row-split layers' outputs by tokens (sequence parallelism)")
+    parser.add_argument(
+        "--mesh",
+        default=None,
+        help="logical mesh 'd0xd1' for dp/zero2/zero3/megatron/shard "
+        "(default: all devices; shard tries every factorization); shard also takes 'dataxd0xd1': "
+        "that many data replicas of a d0 x d1 plan",
+    )
+    parser.add_argument(
+        "--micro-batches",
+        type=_micro_batches,
+        default=4,
+        help="pipeshard: micro-batches per step, or 'auto' (the planner tries the counts that divide "
+        "the batch and keeps the fastest)",
+    )
+    parser.add_argument(
+        "--experts",
+        choices=EXPERTS_OPTIONS,
+        default="auto",
+        help="shard/pipeshard: MoE grouped matmuls — auto (the ILP decides), split (experts over a "
+        "mesh axis), tensor (each expert's hidden dims), replicated",
+    )
+    parser.add_argument(
+        "--context",
+        choices=CONTEXT_OPTIONS,
+        default="auto",
+        help="shard/pipeshard: attention's sequence split — auto (the ILP decides), ring or allgather "
+        "(context parallelism wherever the sequence divides), off",
+    )
+    parser.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="megatron: reduce-scatter the row-split layers' outputs by tokens (sequence parallelism)",
+    )
     parser.add_argument("--layers", type=int, default=4, help="pipeshard: layers formed by operator clustering")
     parser.add_argument("--stages", choices=("auto", "uniform"), default="auto", help="pipeshard: stage option")
-    parser.add_argument("--schedule", choices=("1f1b", "gpipe", "interleaved_1f1b", "zb_h1"), default="1f1b",
-                        help="pipeshard: schedule (interleaved_1f1b: 2 stages per device group)")
+    parser.add_argument(
+        "--schedule",
+        choices=("1f1b", "gpipe", "interleaved_1f1b", "zb_h1"),
+        default="1f1b",
+        help="pipeshard: schedule (interleaved_1f1b: 2 stages per device group)",
+    )
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="zoo models: the optimizer")
     parser.add_argument("--lr", type=float, default=None, help="learning rate (default 1e-3, SGD 0.02)")
-    parser.add_argument("--batch-size", type=int, default=batch_size,
-                        help=f"rows of the zoo model's batch: the whole step's, cut into micro-batches and data "
-                             f"replicas (default {batch_size})")
-    parser.add_argument("--seq-len", type=int, default=seq_len,
-                        help=f"tokens per row of a zoo language model's batch (default {seq_len})")
-    parser.add_argument("--seed", type=int, default=0,
-                        help="seed of the model's initialization and of the batch's random data (default 0)")
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=batch_size,
+        help=f"rows of the zoo model's batch: the whole step's, cut into micro-batches and data "
+        f"replicas (default {batch_size})",
+    )
+    parser.add_argument(
+        "--seq-len",
+        type=int,
+        default=seq_len,
+        help=f"tokens per row of a zoo language model's batch (default {seq_len})",
+    )
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the model's initialization and of the batch's random data (default 0)",
+    )
     parser.add_argument("-v", "--verbose", action="count", default=0, help="-v: INFO logs, -vv: DEBUG")
 
 
@@ -154,8 +219,13 @@ def _init_cluster(args: argparse.Namespace) -> None:
             raise ValueError(f"--memory-gib must be positive, got {args.memory_gib}")
         constants["device_memory_bytes"] = int(args.memory_gib * 2**30)
     if args.hosts > 1:
-        torchpar.init(cluster="local", num_hosts=args.hosts, devices_per_host=args.devices // args.hosts,
-                      preset=args.preset, **constants)
+        torchpar.init(
+            cluster="local",
+            num_hosts=args.hosts,
+            devices_per_host=args.devices // args.hosts,
+            preset=args.preset,
+            **constants,
+        )
     else:
         torchpar.init(cluster="local", num_devices=args.devices, preset=args.preset, **constants)
     try:
@@ -174,10 +244,14 @@ def _method(args: argparse.Namespace) -> Any:
     if args.method == "pipeshard":
         if mesh is not None:
             raise ValueError("--mesh applies to one-stage methods; pipeshard picks each stage's mesh")
-        return torchpar.PipeshardParallel(num_micro_batches=args.micro_batches,
-                                          layer_option=torchpar.AutoLayerOption(layer_num=args.layers),
-                                          stage_option=args.stages, schedule=args.schedule, experts=args.experts,
-                                          context=args.context)
+        return torchpar.PipeshardParallel(
+            num_micro_batches=args.micro_batches,
+            layer_option=torchpar.AutoLayerOption(layer_num=args.layers),
+            stage_option=args.stages,
+            schedule=args.schedule,
+            experts=args.experts,
+            context=args.context,
+        )
     if args.method == SINGLE_DEVICE:
         return None
     if args.method == "shard":
@@ -226,8 +300,10 @@ def _build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
         if _config(args):
             raise ValueError(f"--config overrides the config of a zoo model; {path}'s build() makes its own model")
         if getattr(args, "meta", False):
-            raise ValueError(f"--meta builds a zoo model on the meta device; {path}'s build() can do it itself "
-                             "(with torch.device('meta'): ...)")
+            raise ValueError(
+                f"--meta builds a zoo model on the meta device; {path}'s build() can do it itself "
+                "(with torch.device('meta'): ...)"
+            )
         spec = importlib.util.spec_from_file_location(f"_torchpar_model_{path.stem}", path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
@@ -283,8 +359,15 @@ def _plan_command(args: argparse.Namespace) -> int:
     log.info("planning %s with %s", args.model, type(method).__name__ if method else "one device")
     if args.profile and args.meta:
         raise ValueError("--profile times the stages on real weights and devices; it cannot run with --meta")
-    plan = torchpar.plan(model, optimizer, example_batch=batch, method=method, mixed_precision=args.mixed_precision,
-                         remat=args.remat, profile=args.profile)
+    plan = torchpar.plan(
+        model,
+        optimizer,
+        example_batch=batch,
+        method=method,
+        mixed_precision=args.mixed_precision,
+        remat=args.remat,
+        profile=args.profile,
+    )
     print(plan.summary())
     shapes = {name: list(p.shape) for name, p in model.named_parameters()}
     plan.save_html(args.out, param_shapes=shapes, title=f"torchpar plan: {Path(args.model).stem} ({args.method})")
@@ -309,10 +392,20 @@ def _compare_command(args: argparse.Namespace) -> int:
     where = type(method).__name__ if method is not None else "one device"
     print(f"{args.model} with {args.optimizer}, {args.steps} steps, torchpar on {where} (compiling first)", flush=True)
     print(Comparison.HEADER, flush=True)
-    result = compare_training(args.model, steps=args.steps, optimizer=args.optimizer, lr=args.lr,
-                              method=method, overrides=_config(args), batch_size=args.batch_size,
-                              seq_len=args.seq_len, seed=args.seed, tolerance=args.tolerance, progress=False,
-                              on_step=lambda *row: print(Comparison.row(*row), flush=True))
+    result = compare_training(
+        args.model,
+        steps=args.steps,
+        optimizer=args.optimizer,
+        lr=args.lr,
+        method=method,
+        overrides=_config(args),
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        seed=args.seed,
+        tolerance=args.tolerance,
+        progress=False,
+        on_step=lambda *row: print(Comparison.row(*row), flush=True),
+    )
     print(result.verdict())
     if args.plot:
         result.plot(args.plot)

@@ -20,9 +20,7 @@ import numpy as np
 import torch
 import torch.utils._pytree as pytree
 
-from torchpar import batches
-from torchpar import checkpoint as _checkpoint
-from torchpar import diagnosis, feeding
+from torchpar import batches, diagnosis, feeding, model_link
 from torchpar import metrics as _metrics
 from torchpar.capture.checkpointing import warn_if_gradient_checkpointing
 from torchpar.capture.export import ForwardFn, LossFn, StepFn, check_model_fns
@@ -30,21 +28,21 @@ from torchpar.capture.module_state import NumberAttribute
 from torchpar.capture.optim import mark_optimizer_stepped
 from torchpar.capture.precision import autocast_dtype
 from torchpar.cluster import default_compile_cache
-from torchpar import model_link
 from torchpar.compiled import CompiledTraining
+from torchpar.engine_checkpoints import EngineCheckpoints
 from torchpar.engine_readouts import EngineReadouts
 from torchpar.feeding import PREFETCH_DEPTH, HostData, HostFeed
 from torchpar.guard import StepGuard, leaf_names
 from torchpar.host_arrays import host_value, to_torch
 from torchpar.methods import Method
-from torchpar.options import (CompileOptions, MatmulPrecision, MixedPrecision, OnNonfinite, Remat, SpmdMode,
-                              numerics_for)
+from torchpar.options import CompileOptions, MatmulPrecision, MixedPrecision, OnNonfinite, Remat, SpmdMode, numerics_for
 from torchpar.plan_model import plan_model
 from torchpar.planner.plan import Plan
 from torchpar.planner.remat import check_remat
 from torchpar.torch_side import TorchSide, linked
 
 log = logging.getLogger(__name__)
+
 
 def compile(
     model: torch.nn.Module,
@@ -69,7 +67,7 @@ def compile(
     log_every: int = 0,
     on_metrics: Callable[[_metrics.StepMetrics], None] | None = None,
     grad_stand_ins: bool = True,
-) -> "Engine":
+) -> Engine:
     """Capture ``model``'s training step on ``example_batch`` and compile it with ``method``.
 
     ``method=None`` runs on one device; a :class:`Plan` (e.g. loaded with ``Plan.from_dict``) runs as given,
@@ -86,37 +84,64 @@ def compile(
             f"compile takes one optimizer, got {len(optimizer)}. Optimizers stepping on different losses (a GAN's D "
             "and G, actor and critic): compile one engine per model and optimizer, each with its step_fn; engines "
             "over models that call each other read each other's latest weights (docs/porting.md, 'Several "
-            "optimizers'). Several optimizers stepping on the same loss are not supported yet")
+            "optimizers'). Several optimizers stepping on the same loss are not supported yet"
+        )
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if isinstance(method, type) and issubclass(method, Method):
-        raise TypeError(f"method=torchpar.{method.__name__} is the class; pass an instance: "
-                        f"method=torchpar.{method.__name__}() (its options, if any, inside the parentheses)")
+        raise TypeError(
+            f"method=torchpar.{method.__name__} is the class; pass an instance: "
+            f"method=torchpar.{method.__name__}() (its options, if any, inside the parentheses)"
+        )
     if method is not None and not isinstance(method, Method | Plan):
-        raise TypeError(f"method must be None, a torchpar parallel method or a Plan (e.g. torchpar.DataParallel()), "
-                        f"got {method!r} of type {type(method).__name__}")
+        raise TypeError(
+            f"method must be None, a torchpar parallel method or a Plan (e.g. torchpar.DataParallel()), "
+            f"got {method!r} of type {type(method).__name__}"
+        )
     on_meta = next((name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta), None)
     if on_meta is not None:
-        raise ValueError(f"{on_meta} is on the meta device: the model has no weights to train. torchpar.plan(...) "
-                         "plans such a model (python -m torchpar plan --meta); to train it, materialize the "
-                         "weights first (model.to_empty(device='cpu') and initialize them, or load a checkpoint)")
+        raise ValueError(
+            f"{on_meta} is on the meta device: the model has no weights to train. torchpar.plan(...) "
+            "plans such a model (python -m torchpar plan --meta); to train it, materialize the "
+            "weights first (model.to_empty(device='cpu') and initialize them, or load a checkpoint)"
+        )
     check_model_fns(loss_fn, step_fn, forward_fn)
     example_batch, feed = feeding.example_and_feed(example_batch, data)
-    options = CompileOptions(grad_clip_norm=grad_clip_norm, seed=seed, xla_library_fusions=xla_library_fusions,
-                             spmd=spmd, check_inputs=check_inputs, on_nonfinite=on_nonfinite,
-                             matmul_precision=matmul_precision, mixed_precision=mixed_precision, remat=remat,
-                             profile=profile, log_every=log_every, on_metrics=on_metrics,
-                             grad_stand_ins=grad_stand_ins)
+    options = CompileOptions(
+        grad_clip_norm=grad_clip_norm,
+        seed=seed,
+        xla_library_fusions=xla_library_fusions,
+        spmd=spmd,
+        check_inputs=check_inputs,
+        on_nonfinite=on_nonfinite,
+        matmul_precision=matmul_precision,
+        mixed_precision=mixed_precision,
+        remat=remat,
+        profile=profile,
+        log_every=log_every,
+        on_metrics=on_metrics,
+        grad_stand_ins=grad_stand_ins,
+    )
     warn_if_gradient_checkpointing(model, stacklevel=3)  # the caller of torchpar.compile
     default_compile_cache()
-    return Engine(model, optimizer, example_batch, loss_fn, options, method, step_fn=step_fn, forward_fn=forward_fn,
-                  feed=feed)
+    return Engine(
+        model, optimizer, example_batch, loss_fn, options, method, step_fn=step_fn, forward_fn=forward_fn, feed=feed
+    )
 
 
-def plan(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, example_batch: Any,
-         loss_fn: LossFn | None = None, step_fn: StepFn | None = None, method: Method | None = None,
-         explain: bool = True, mixed_precision: MixedPrecision | None = None, remat: Remat = "none",
-         profile: bool = False) -> Plan:
+def plan(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    example_batch: Any,
+    loss_fn: LossFn | None = None,
+    step_fn: StepFn | None = None,
+    method: Method | None = None,
+    explain: bool = True,
+    mixed_precision: MixedPrecision | None = None,
+    remat: Remat = "none",
+    profile: bool = False,
+) -> Plan:
     """The plan ``method`` gives the model's training step, without XLA compilation or a step (for inspecting
     and comparing plans). Capture and planning phases are timed in ``plan.timings``.
 
@@ -130,17 +155,38 @@ def plan(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, example_ba
     check_remat(remat, allow_auto=True)
     check_model_fns(loss_fn, step_fn, None)
     warn_if_gradient_checkpointing(model, stacklevel=3)  # the caller of torchpar.plan
-    return plan_model(model, optimizer, example_batch=example_batch, loss_fn=loss_fn, step_fn=step_fn, method=method,
-                      explain=explain, mixed_precision=mixed_precision, remat=remat, profile=profile)
+    return plan_model(
+        model,
+        optimizer,
+        example_batch=example_batch,
+        loss_fn=loss_fn,
+        step_fn=step_fn,
+        method=method,
+        explain=explain,
+        mixed_precision=mixed_precision,
+        remat=remat,
+        profile=profile,
+    )
 
 
-class Engine(EngineReadouts):
+class Engine(EngineReadouts, EngineCheckpoints):
     """A compiled training step bound to a model and optimizer. Create it with :func:`torchpar.compile`."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, example_batch: Any,
-                 loss_fn: LossFn | None, options: CompileOptions, method: Method | Plan | None = None, *,
-                 step_fn: StepFn | None = None, forward_fn: ForwardFn | None = None, feed: HostFeed | None = None,
-                 _recompiled: bool = False, _numbers: tuple[NumberAttribute, ...] = ()):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        example_batch: Any,
+        loss_fn: LossFn | None,
+        options: CompileOptions,
+        method: Method | Plan | None = None,
+        *,
+        step_fn: StepFn | None = None,
+        forward_fn: ForwardFn | None = None,
+        feed: HostFeed | None = None,
+        _recompiled: bool = False,
+        _numbers: tuple[NumberAttribute, ...] = (),
+    ):
         import jax
 
         from torchpar.runtime.loss_scale import LossScaler
@@ -162,10 +208,20 @@ class Engine(EngineReadouts):
         self._capture_batch = example_batch
         """A batch to capture the step on again when it must recompile (the last step's)."""
         with model_link.suspended():
-            self._compiled = CompiledTraining(model, optimizer, options, method, example_batch, **self._fns,
-                                              guard=self._guard, loss_scaler=self._loss_scaler,
-                                              numerics=self._numerics, autocast=autocast_dtype(options.mixed_precision),
-                                              orphans_allowed=_recompiled, numbers=_numbers)
+            self._compiled = CompiledTraining(
+                model,
+                optimizer,
+                options,
+                method,
+                example_batch,
+                **self._fns,
+                guard=self._guard,
+                loss_scaler=self._loss_scaler,
+                numerics=self._numerics,
+                autocast=autocast_dtype(options.mixed_precision),
+                orphans_allowed=_recompiled,
+                numbers=_numbers,
+            )
         assert self._compiled.bridge is not None
         self._bridge = self._compiled.bridge
         self._param_names = self._compiled.params  # tied tensors keep their first name; modules outside included
@@ -174,8 +230,16 @@ class Engine(EngineReadouts):
         self._finalizer = weakref.finalize(self, self._executor.close)
         self._inputs = feeding.StepInputs(feed, self._host_leaves, self._guard.input_checks)
         engine = weakref.ref(self)
-        self._torch = TorchSide(model, optimizer, self._compiled, executor=lambda: getattr(engine(), "_executor", None),
-                                graph=lambda: engine().graph, options=options, fns=self._fns, params=self._param_names)
+        self._torch = TorchSide(
+            model,
+            optimizer,
+            self._compiled,
+            executor=lambda: getattr(engine(), "_executor", None),
+            graph=lambda: engine().graph,
+            options=options,
+            fns=self._fns,
+            params=self._param_names,
+        )
 
     # --- public API --------------------------------------------------------------------------------
 
@@ -209,13 +273,28 @@ class Engine(EngineReadouts):
         self._torch.after_step(signature)
         if not result.finite:  # the update was skipped: torch's optimizer.step would not have run
             self._bridge.rollback_step()
-        self._guard.after_step(step, result.loss, result.finite, self._loss_scaler,
-                               lambda: diagnosis.culprit(self._param_names, lambda: self.locate_nonfinite(batch)))
-        self._recorder.record(_metrics.StepFacts(
-            step=self._steps_taken, loss=result.loss, step_time_s=time.perf_counter() - started, signature=signature,
-            tokens=_metrics.count_tokens(batch), loss_scale=loss_scale, update_skipped=not result.finite,
-            recompiled=recompiled, grad_norm=result.grad_norm,
-            data_wait_s=waited + converting_s + self._executor.last_data_wait_s), lambda: self.last_metrics)
+        self._guard.after_step(
+            step,
+            result.loss,
+            result.finite,
+            self._loss_scaler,
+            lambda: diagnosis.culprit(self._param_names, lambda: self.locate_nonfinite(batch)),
+        )
+        self._recorder.record(
+            _metrics.StepFacts(
+                step=self._steps_taken,
+                loss=result.loss,
+                step_time_s=time.perf_counter() - started,
+                signature=signature,
+                tokens=_metrics.count_tokens(batch),
+                loss_scale=loss_scale,
+                update_skipped=not result.finite,
+                recompiled=recompiled,
+                grad_norm=result.grad_norm,
+                data_wait_s=waited + converting_s + self._executor.last_data_wait_s,
+            ),
+            lambda: self.last_metrics,
+        )
         return self._compiled.returned(signature, result)
 
     def run(self, steps: int | None = None, *, epochs: int | None = None) -> Iterator[Any]:
@@ -250,8 +329,18 @@ class Engine(EngineReadouts):
         self._torch.close(pull=False)
         self._finalizer.detach()
         self._executor.close()
-        Engine.__init__(self, self.model, self.optimizer, batch, options=self.options, method=self.method, **self._fns,
-                        feed=self._feed, _recompiled=True, _numbers=(*self._compiled.numbers, *fed))
+        Engine.__init__(
+            self,
+            self.model,
+            self.optimizer,
+            batch,
+            options=self.options,
+            method=self.method,
+            **self._fns,
+            feed=self._feed,
+            _recompiled=True,
+            _numbers=(*self._compiled.numbers, *fed),
+        )
         self._steps_taken, self._base_key, self._loss_scaler, self._guard.skipped_steps = carried
 
     def locate_nonfinite(self, batch: Any) -> str:
@@ -260,10 +349,14 @@ class Engine(EngineReadouts):
         signature = batches.signature(batch)
         self._check_compatible(signature, batch)
         graph = self._compiled.diagnosis_graph(signature, batch)
-        return diagnosis.locate(graph, state=self._executor.export_state(), batch=batch,
-                                key=self._jax.random.wrap_key_data(self._step_key_data(self._steps_taken)),
-                                trainable=self._compiled.trainable(graph),
-                                num_micro_batches=self._compiled.batch_parts)
+        return diagnosis.locate(
+            graph,
+            state=self._executor.export_state(),
+            batch=batch,
+            key=self._jax.random.wrap_key_data(self._step_key_data(self._steps_taken)),
+            trainable=self._compiled.trainable(graph),
+            num_micro_batches=self._compiled.batch_parts,
+        )
 
     @linked()
     def forward(self, batch: Any) -> Any:
@@ -287,72 +380,6 @@ class Engine(EngineReadouts):
         self._torch.pull()
         self._torch.write_optimizer_state()
 
-    @linked()
-    def state_dict(self) -> dict[str, Any]:
-        """A checkpoint of parameters, buffers, optimizer state, step count and PRNG position.
-
-        Arrays are CPU torch tensors holding the exact values, parameters and buffers in the model's dtypes (an
-        ``int64`` buffer JAX holds as ``int32`` comes back ``int64``); ``load_state_dict`` restores them. Save it
-        with ``torch.save`` and read it back with ``torch.load(path, weights_only=True)``: tensors, numbers and
-        dicts only, so nothing is unpickled that could run code."""
-        return _checkpoint.state_dict(self._training_state())
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a checkpoint made by :meth:`state_dict` (same model and optimizer structure)."""
-        self._restore(_checkpoint.load_state_dict, state)
-
-    @linked()
-    def save(self, path: str, *, scheduler: Any = None) -> Any:
-        """Write a sharded checkpoint at ``path`` (a directory): every process writes the shards it holds (safetensors
-        files) and an ``index.json`` maps each tensor to its pieces; atomic (a save killed midway leaves the previous
-        checkpoint at ``path``). Holds the state, optimizer counters and ``param_groups`` hyper-parameters, step
-        count, PRNG key, loss scale and ``scheduler``'s state. Returns the path. See :mod:`torchpar.checkpoint`."""
-        return _checkpoint.save(self._training_state(), path, scheduler=scheduler)
-
-    def load(self, path: str, *, scheduler: Any = None) -> None:
-        """Restore a checkpoint written by :meth:`save` by an engine of any plan (another method, mesh, pipeline or
-        runtime): each process reads only the slices its devices hold under this engine's plan. Host-loaded data
-        (``compile(data=...)``) continues after the checkpoint's last batch."""
-        restored = self._restore(_checkpoint.load, path, scheduler=scheduler)
-        self._inputs.restore_cursor(restored.data_cursor)
-
-    @linked()
-    def export_torch_state_dict(self) -> dict[str, torch.Tensor]:
-        """The model's weights as ``model.state_dict()`` keys them (CPU tensors, the model's dtypes), for
-        ``model.load_state_dict``; gathers the whole model (not the optimizer state) to this process."""
-        return _checkpoint.export_torch_state_dict(self._training_state())
-
-    @linked()
-    def save_pretrained(self, directory: str, **kwargs: Any) -> None:
-        """A HuggingFace model's ``save_pretrained(directory, **kwargs)`` with the engine's current weights (copied
-        into the torch model first): ``config.json`` + ``model.safetensors``, loadable with ``from_pretrained``."""
-        if not callable(getattr(self.model, "save_pretrained", None)):
-            raise TypeError(f"{type(self.model).__name__} has no save_pretrained (not a HuggingFace PreTrainedModel): "
-                            "save model.state_dict() (it holds the engine's weights) with torch.save or safetensors")
-        self._torch.pull()
-        self.model.save_pretrained(directory, **kwargs)
-
-    def _training_state(self) -> _checkpoint.TrainingState:
-        return _checkpoint.TrainingState(
-            executor=self._executor, model=self.model, optimizer=self.optimizer, params=self._param_names,
-            buffers=self._buffer_names, bridge=self._bridge, plan=self.plan, seed=self.options.seed,
-            loss_scaler=self._loss_scaler, steps_taken=self._steps_taken, base_key=self._base_key,
-            translating_failures=self._compiled.translating_failures,
-            data_cursor=self._inputs.cursor(), check_data_cursor=self._inputs.check_cursor)
-
-    @linked(bring_in=False)
-    def _restore(self, restore: Callable[..., Any], *args: Any, **kwargs: Any) -> _checkpoint.TrainingState:
-        """``restore(training_state, *args, **kwargs)``, then take back the step count and PRNG key it restored; the
-        engine now holds the model's weights newer than the torch model (pulled when user code looks), and the
-        modules outside the model the step calls are read from torch again at the next step."""
-        training = self._training_state()
-        try:
-            restore(training, *args, **kwargs)
-        finally:
-            self._steps_taken, self._base_key = training.steps_taken, training.base_key
-            self._torch.restored()
-        return training
-
     def close(self) -> None:
         """Copy the engine's newer weights into the torch model, then free the engine's workers (Ray actors and what
         they hold); idempotent; also on leaving a ``with`` block and by ``torchpar.shutdown()`` (a garbage-collected
@@ -372,7 +399,7 @@ class Engine(EngineReadouts):
     def closed(self) -> bool:
         return self._executor is None or self._executor.closed
 
-    def __enter__(self) -> "Engine":
+    def __enter__(self) -> Engine:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -389,4 +416,3 @@ class Engine(EngineReadouts):
 
     def _check_compatible(self, signature: tuple, batch: Any) -> None:
         batches.check_compatible(signature, batch, self._example_signature, self._example_skeleton)
-

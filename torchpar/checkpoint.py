@@ -116,9 +116,11 @@ def torch_state(params: Mapping[str, torch.Tensor], buffers: Mapping[str, torch.
     executor to start from."""
     from torchpar.runtime.state import HostState
 
-    return HostState(params={n: host_copy(p) for n, p in params.items()},
-                     buffers={n: host_copy(b) for n, b in buffers.items()},
-                     opt_state={n: {k: host_array(v) for k, v in e.items()} for n, e in bridge.initial_state().items()})
+    return HostState(
+        params={n: host_copy(p) for n, p in params.items()},
+        buffers={n: host_copy(b) for n, b in buffers.items()},
+        opt_state={n: {k: host_array(v) for k, v in e.items()} for n, e in bridge.initial_state().items()},
+    )
 
 
 def sync_to_torch(training: TrainingState, trained: Callable[[], set[str]]) -> None:
@@ -163,20 +165,27 @@ def load_state_dict(training: TrainingState, state: dict[str, Any]) -> None:
     from torchpar.runtime.state import HostState
 
     spec = training.bridge.spec
-    keys = {n: list(state_keys(spec, g, training.params[n].ndim))
-            for n, g in zip(spec.param_names, spec.group_of_param)}
+    keys = {
+        n: list(state_keys(spec, g, training.params[n].ndim)) for n, g in zip(spec.param_names, spec.group_of_param)
+    }
     validate_checkpoint(state, training.params, training.buffers, keys)
-    training.executor.load_state(HostState(
-        params={n: host_tensor(v) for n, v in state["params"].items()},
-        buffers={n: host_tensor(v) for n, v in state["buffers"].items()},
-        opt_state={n: {k: host_tensor(v) for k, v in e.items()} for n, e in state["optimizer"].items()}))
+    training.executor.load_state(
+        HostState(
+            params={n: host_tensor(v) for n, v in state["params"].items()},
+            buffers={n: host_tensor(v) for n, v in state["buffers"].items()},
+            opt_state={n: {k: host_tensor(v) for k, v in e.items()} for n, e in state["optimizer"].items()},
+        )
+    )
     training.bridge.load_state_dict(state["optimizer_counters"])
     training.steps_taken = int(state["steps_taken"])
     if training.loss_scaler is not None and "loss_scaler" in state:
         training.loss_scaler.load_state_dict(state["loss_scaler"])
     if int(state["seed"]) != training.seed:
-        log.warning("checkpoint seed %s differs from this engine's seed %s; using the checkpoint's",
-                    state["seed"], training.seed)
+        log.warning(
+            "checkpoint seed %s differs from this engine's seed %s; using the checkpoint's",
+            state["seed"],
+            training.seed,
+        )
         training.base_key = jax.random.key(int(state["seed"]))
 
 
@@ -196,8 +205,14 @@ def save(training: TrainingState, path: str | os.PathLike, *, scheduler: Any = N
     try:
         with training.translating_failures("saving a checkpoint"):
             manifest = training.executor.save_shards(str(temporary))
-        index = {"format": FORMAT, "version": VERSION, **_host_state(training, scheduler), **manifest,
-                 "write_s": time.perf_counter() - start, "complete": True}
+        index = {
+            "format": FORMAT,
+            "version": VERSION,
+            **_host_state(training, scheduler),
+            **manifest,
+            "write_s": time.perf_counter() - start,
+            "complete": True,
+        }
         _check_files(temporary, index["files"])
         _write_json_durably(temporary / INDEX, index)
         _fsync(temporary)
@@ -205,8 +220,13 @@ def save(training: TrainingState, path: str | os.PathLike, *, scheduler: Any = N
     except BaseException:
         shutil.rmtree(temporary, ignore_errors=True)
         raise
-    log.info("torchpar: saved checkpoint %s (%d files, %.1f MiB) in %.2fs", target, len(index["files"]),
-             sum(f["bytes"] for f in index["files"].values()) / 2**20, time.perf_counter() - start)
+    log.info(
+        "torchpar: saved checkpoint %s (%d files, %.1f MiB) in %.2fs",
+        target,
+        len(index["files"]),
+        sum(f["bytes"] for f in index["files"].values()) / 2**20,
+        time.perf_counter() - start,
+    )
     return target
 
 
@@ -220,21 +240,35 @@ def _host_state(training: TrainingState, scheduler: Any) -> dict[str, Any]:
     by_id.update({id(t): ("buffer", n) for n, t in training.buffers.items()})
     return {
         "steps_taken": training.steps_taken,
-        "prng": {"seed": training.seed, "impl": str(jax.random.key_impl(training.base_key)),
-                 "base_key_data": [int(x) for x in jax.random.key_data(training.base_key)]},
-        "optimizer": {"counters": training.bridge.state_dict(),
-                      "param_groups": [{k: _plain(v) for k, v in group.items() if k != "params"}
-                                       for group in training.optimizer.param_groups]},
+        "prng": {
+            "seed": training.seed,
+            "impl": str(jax.random.key_impl(training.base_key)),
+            "base_key_data": [int(x) for x in jax.random.key_data(training.base_key)],
+        },
+        "optimizer": {
+            "counters": training.bridge.state_dict(),
+            "param_groups": [
+                {k: _plain(v) for k, v in group.items() if k != "params"} for group in training.optimizer.param_groups
+            ],
+        },
         "loss_scaler": training.loss_scaler.state_dict() if training.loss_scaler is not None else None,
         "scheduler": _plain(scheduler.state_dict()) if scheduler is not None else None,
         "data": training.data_cursor,
-        "model": {"class": f"{type(model).__module__}.{type(model).__qualname__}",
-                  "torch_dtypes": {**{f"param/{n}": str(p.dtype) for n, p in training.params.items()},
-                                   **{f"buffer/{n}": str(b.dtype) for n, b in training.buffers.items()}},
-                  "state_dict_keys": {key: "/".join(by_id[id(t)])
-                                      for key, t in model.state_dict(keep_vars=True).items() if id(t) in by_id}},
-        "plan": {"method": plan.method, "stages": len(plan.stages),
-                 "devices": sorted({d for s in plan.stages for d in s.devices()})},
+        "model": {
+            "class": f"{type(model).__module__}.{type(model).__qualname__}",
+            "torch_dtypes": {
+                **{f"param/{n}": str(p.dtype) for n, p in training.params.items()},
+                **{f"buffer/{n}": str(b.dtype) for n, b in training.buffers.items()},
+            },
+            "state_dict_keys": {
+                key: "/".join(by_id[id(t)]) for key, t in model.state_dict(keep_vars=True).items() if id(t) in by_id
+            },
+        },
+        "plan": {
+            "method": plan.method,
+            "stages": len(plan.stages),
+            "devices": sorted({d for s in plan.stages for d in s.devices()}),
+        },
     }
 
 
@@ -248,8 +282,10 @@ def _plain(value: Any) -> Any:
         return [_plain(v) for v in value]
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
-    raise TypeError(f"cannot save {type(value).__name__} {value!r} in a checkpoint's index (JSON): the scheduler's "
-                    "or optimizer's state must be numbers, strings, lists and dicts")
+    raise TypeError(
+        f"cannot save {type(value).__name__} {value!r} in a checkpoint's index (JSON): the scheduler's "
+        "or optimizer's state must be numbers, strings, lists and dicts"
+    )
 
 
 def _check_replaceable(target: Path) -> None:
@@ -258,8 +294,10 @@ def _check_replaceable(target: Path) -> None:
         return
     if target.is_dir() and (not any(target.iterdir()) or _is_checkpoint(target)):
         return
-    raise CheckpointError(f"{target} exists and is not a torchpar checkpoint: refusing to replace it (save to a new "
-                          "path, or remove it first)")
+    raise CheckpointError(
+        f"{target} exists and is not a torchpar checkpoint: refusing to replace it (save to a new "
+        "path, or remove it first)"
+    )
 
 
 def _is_checkpoint(path: Path) -> bool:
@@ -273,7 +311,7 @@ def _remove_stale_temporaries(target: Path) -> None:
     """Remove half-written directories of earlier saves of ``target`` whose process (on this host) is gone."""
     prefix = f".{target.name}.tmp-{socket.gethostname()}-"
     for candidate in target.parent.glob(f"{prefix}*"):
-        pid = candidate.name[len(prefix):].split("-")[0]
+        pid = candidate.name[len(prefix) :].split("-")[0]
         if pid.isdigit() and not _alive(int(pid)):
             shutil.rmtree(candidate, ignore_errors=True)
 
@@ -294,10 +332,12 @@ def _check_files(directory: Path, files: dict[str, Any]) -> None:
         path = directory / name
         size = path.stat().st_size if path.exists() else None
         if size != info["bytes"]:
-            raise CheckpointError(f"shard file {path} written by {info['writer']} (pid {info['pid']} on "
-                                  f"{info['host']}) is {'missing' if size is None else f'{size} bytes'} here, "
-                                  f"{info['bytes']} bytes where it was written: is {directory.parent} on a file "
-                                  "system every host shares?")
+            raise CheckpointError(
+                f"shard file {path} written by {info['writer']} (pid {info['pid']} on "
+                f"{info['host']}) is {'missing' if size is None else f'{size} bytes'} here, "
+                f"{info['bytes']} bytes where it was written: is {directory.parent} on a file "
+                "system every host shares?"
+            )
 
 
 def _write_json_durably(path: Path, data: dict[str, Any]) -> None:
@@ -351,28 +391,41 @@ def read_index(path: str | os.PathLike) -> dict[str, Any]:
     path = Path(path)
     if not path.is_dir():
         previous = sorted(path.parent.glob(f".{path.name}.old-*"))
-        hint = (f"; {previous[-1]} holds the checkpoint a save was replacing when it was interrupted: rename it to "
-                f"{path.name}") if previous else ""
+        hint = (
+            (
+                f"; {previous[-1]} holds the checkpoint a save was replacing when it was interrupted: rename it to "
+                f"{path.name}"
+            )
+            if previous
+            else ""
+        )
         raise CheckpointError(f"no checkpoint at {path}{hint}")
     if not (path / INDEX).exists():
-        raise CheckpointError(f"{path} is not a complete torchpar checkpoint: it has no {INDEX} (the index is written "
-                              "last, so the save that wrote this directory was interrupted, or it is not a "
-                              "checkpoint); load an earlier checkpoint")
+        raise CheckpointError(
+            f"{path} is not a complete torchpar checkpoint: it has no {INDEX} (the index is written "
+            "last, so the save that wrote this directory was interrupted, or it is not a "
+            "checkpoint); load an earlier checkpoint"
+        )
     try:
         index = json.loads((path / INDEX).read_text())
     except ValueError as error:
         raise CheckpointError(f"{path / INDEX} is not valid JSON ({error}): the checkpoint is damaged") from None
     if index.get("format") != FORMAT or index.get("complete") is not True:
-        raise CheckpointError(f"{path / INDEX} is not the index of a complete torchpar checkpoint "
-                              f"(format {index.get('format')!r}, complete={index.get('complete')!r})")
+        raise CheckpointError(
+            f"{path / INDEX} is not the index of a complete torchpar checkpoint "
+            f"(format {index.get('format')!r}, complete={index.get('complete')!r})"
+        )
     if index.get("version") != VERSION:
-        raise CheckpointError(f"{path} is a version {index.get('version')} checkpoint; this torchpar reads version "
-                              f"{VERSION}")
+        raise CheckpointError(
+            f"{path} is a version {index.get('version')} checkpoint; this torchpar reads version {VERSION}"
+        )
     for name, info in index["files"].items():
         size = (path / name).stat().st_size if (path / name).exists() else None
         if size != info["bytes"]:
-            raise CheckpointError(f"{path} is damaged: shard file {name} is "
-                                  f"{'missing' if size is None else f'{size} bytes'}, the index says {info['bytes']}")
+            raise CheckpointError(
+                f"{path} is damaged: shard file {name} is "
+                f"{'missing' if size is None else f'{size} bytes'}, the index says {info['bytes']}"
+            )
     return index
 
 
@@ -388,8 +441,10 @@ def load(training: TrainingState, path: str | os.PathLike, *, scheduler: Any = N
     if training.check_data_cursor is not None:
         training.check_data_cursor(index.get("data"))
     if index["scheduler"] is not None and scheduler is None:
-        log.warning("torchpar: the checkpoint %s holds an LR scheduler's state; pass scheduler= to engine.load to "
-                    "restore it", path)
+        log.warning(
+            "torchpar: the checkpoint %s holds an LR scheduler's state; pass scheduler= to engine.load to restore it",
+            path,
+        )
     if scheduler is not None and index["scheduler"] is None:
         raise CheckpointError(f"{path} holds no LR scheduler state (it was saved without scheduler=)")
     with training.translating_failures("loading a checkpoint"):
@@ -401,8 +456,11 @@ def load(training: TrainingState, path: str | os.PathLike, *, scheduler: Any = N
     prng = index["prng"]
     training.base_key = jax.random.wrap_key_data(np.asarray(prng["base_key_data"], dtype=np.uint32), impl=prng["impl"])
     if prng["seed"] != training.seed:
-        log.info("torchpar: checkpoint seed %s differs from this engine's seed %s; its PRNG stream continues",
-                 prng["seed"], training.seed)
+        log.info(
+            "torchpar: checkpoint seed %s differs from this engine's seed %s; its PRNG stream continues",
+            prng["seed"],
+            training.seed,
+        )
     if training.loss_scaler is not None and index["loss_scaler"] is not None:
         training.loss_scaler.load_state_dict(index["loss_scaler"])
     if scheduler is not None:
@@ -420,29 +478,39 @@ def _check_fits(training: TrainingState, index: dict[str, Any]) -> None:
         saved = {k.partition("/")[2] for k in tensors if k.startswith(kind + "/")}
         absent, extra = sorted(set(current) - saved), sorted(saved - set(current))
         if absent or extra:
-            raise CheckpointError(f"the checkpoint's {kind}s differ from the model's: missing {absent[:5]}, not in the "
-                                  f"model {extra[:5]} (a checkpoint of another model?)")
+            raise CheckpointError(
+                f"the checkpoint's {kind}s differ from the model's: missing {absent[:5]}, not in the "
+                f"model {extra[:5]} (a checkpoint of another model?)"
+            )
         for name, tensor in current.items():
             entry = tensors[f"{kind}/{name}"]
             if tuple(entry["shape"]) != tuple(tensor.shape) or dtypes[f"{kind}/{name}"] != str(tensor.dtype):
-                raise CheckpointError(f"checkpoint {kind} {name} is {dtypes[f'{kind}/{name}']}{entry['shape']}, the "
-                                      f"model's is {tensor.dtype}{list(tensor.shape)}")
+                raise CheckpointError(
+                    f"checkpoint {kind} {name} is {dtypes[f'{kind}/{name}']}{entry['shape']}, the "
+                    f"model's is {tensor.dtype}{list(tensor.shape)}"
+                )
     spec = training.bridge.spec
     counters = index["optimizer"]["counters"]
     if counters["kind"] != spec.kind:
-        raise CheckpointError(f"the checkpoint was saved with a {counters['kind']!r} optimizer, this engine's is "
-                              f"{spec.kind!r}: build the engine with the optimizer the checkpoint was made with")
+        raise CheckpointError(
+            f"the checkpoint was saved with a {counters['kind']!r} optimizer, this engine's is "
+            f"{spec.kind!r}: build the engine with the optimizer the checkpoint was made with"
+        )
     for name, group in zip(spec.param_names, spec.group_of_param):
         param = training.params[name]
         for key in state_keys(spec, group, param.ndim):
             entry = tensors.get(f"state/{name}/{key}")
             if entry is None or tuple(entry["shape"]) != state_shape(spec, key, param.shape):
-                raise CheckpointError(f"the checkpoint's optimizer state of {name} lacks {key!r} (saved with another "
-                                      "optimizer, or other param groups?)")
+                raise CheckpointError(
+                    f"the checkpoint's optimizer state of {name} lacks {key!r} (saved with another "
+                    "optimizer, or other param groups?)"
+                )
     groups = index["optimizer"]["param_groups"]
     if len(groups) != len(training.optimizer.param_groups):
-        raise CheckpointError(f"the checkpoint's optimizer has {len(groups)} param groups, this one "
-                              f"{len(training.optimizer.param_groups)}")
+        raise CheckpointError(
+            f"the checkpoint's optimizer has {len(groups)} param groups, this one "
+            f"{len(training.optimizer.param_groups)}"
+        )
 
 
 def _restore_param_groups(optimizer: torch.optim.Optimizer, saved: list[dict[str, Any]]) -> None:
@@ -513,8 +581,10 @@ def save_pretrained(training: TrainingState, directory: str | os.PathLike, **kwa
     one transient copy of the weights while they are gathered."""
     model = training.model
     if not callable(getattr(model, "save_pretrained", None)):
-        raise TypeError(f"{type(model).__name__} has no save_pretrained (not a HuggingFace PreTrainedModel): use "
-                        "engine.export_torch_state_dict() and torch.save or safetensors.torch.save_file")
+        raise TypeError(
+            f"{type(model).__name__} has no save_pretrained (not a HuggingFace PreTrainedModel): use "
+            "engine.export_torch_state_dict() and torch.save or safetensors.torch.save_file"
+        )
     state = export_torch_state_dict(training)
     with torch.no_grad():
         model.load_state_dict(state)

@@ -10,8 +10,9 @@ import logging
 import os
 import re
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -54,16 +55,21 @@ class ClusterSpec:
 
     def __post_init__(self) -> None:
         if self.num_hosts < 1 or self.devices_per_host < 1:
-            raise ValueError(f"a cluster needs ≥1 host and ≥1 device per host, got {self.num_hosts}×{self.devices_per_host}")
+            raise ValueError(
+                f"a cluster needs ≥1 host and ≥1 device per host, got {self.num_hosts}×{self.devices_per_host}"
+            )
         if self.device_flops <= 0 or self.device_memory_bytes <= 0:
             raise ValueError("device_flops and device_memory_bytes must be positive")
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
         if len(self.alpha) != 2 or len(self.beta) != 2 or min(*self.alpha, *self.beta) < 0:
-            raise ValueError(f"alpha and beta are two non-negative numbers (axis 0, axis 1), got {self.alpha}, {self.beta}")
+            raise ValueError(
+                f"alpha and beta are two non-negative numbers (axis 0, axis 1), got {self.alpha}, {self.beta}"
+            )
         if min(self.inter_host_alpha, self.inter_host_beta) < 0:
-            raise ValueError(f"inter_host_alpha and inter_host_beta must be ≥ 0, got {self.inter_host_alpha}, "
-                             f"{self.inter_host_beta}")
+            raise ValueError(
+                f"inter_host_alpha and inter_host_beta must be ≥ 0, got {self.inter_host_alpha}, {self.inter_host_beta}"
+            )
         object.__setattr__(self, "alpha", tuple(float(a) for a in self.alpha))  # a plan's JSON gives lists
         object.__setattr__(self, "beta", tuple(float(b) for b in self.beta))
 
@@ -78,10 +84,17 @@ class ClusterSpec:
 
     def cost_constants(self) -> dict[str, Any]:
         """The fields the planner prices with (a plan stores them: ``Plan.cluster``), as JSON values."""
-        return {"num_hosts": self.num_hosts, "devices_per_host": self.devices_per_host,
-                "device_flops": self.device_flops, "device_memory_bytes": self.device_memory_bytes,
-                "alpha": list(self.alpha), "beta": list(self.beta), "inter_host_alpha": self.inter_host_alpha,
-                "inter_host_beta": self.inter_host_beta, "preset": self.preset}
+        return {
+            "num_hosts": self.num_hosts,
+            "devices_per_host": self.devices_per_host,
+            "device_flops": self.device_flops,
+            "device_memory_bytes": self.device_memory_bytes,
+            "alpha": list(self.alpha),
+            "beta": list(self.beta),
+            "inter_host_alpha": self.inter_host_alpha,
+            "inter_host_beta": self.inter_host_beta,
+            "preset": self.preset,
+        }
 
     @property
     def num_devices(self) -> int:
@@ -91,10 +104,20 @@ class ClusterSpec:
 _cluster: ClusterSpec | None = None
 
 
-def init(cluster: str = "local", num_devices: int | None = None, *, num_hosts: int | None = None,
-         devices_per_host: int | None = None, address: str | None = None, accelerator: str = "auto",
-         cores_per_host: int | None = None, timeout_s: float = 60.0, preset: str | None = None,
-         compile_cache: bool | str = True, **constants: Any) -> ClusterSpec:
+def init(
+    cluster: str = "local",
+    num_devices: int | None = None,
+    *,
+    num_hosts: int | None = None,
+    devices_per_host: int | None = None,
+    address: str | None = None,
+    accelerator: str = "auto",
+    cores_per_host: int | None = None,
+    timeout_s: float = 60.0,
+    preset: str | None = None,
+    compile_cache: bool | str = True,
+    **constants: Any,
+) -> ClusterSpec:
     """Declare the cluster torchpar plans for and runs on; call it before anything imports JAX.
 
     - ``cluster="local", num_devices=N``: one process with N (fake CPU) devices, seen as one host; or
@@ -122,14 +145,18 @@ def init(cluster: str = "local", num_devices: int | None = None, *, num_hosts: i
     _check_constants(preset, constants)
     if not isinstance(compile_cache, bool | str):
         raise TypeError(f"compile_cache must be True, False or a directory, got {compile_cache!r}")
-    spec = _init_devices(cluster, num_devices, num_hosts, devices_per_host, address, accelerator, cores_per_host,
-                         timeout_s)
+    spec = _init_devices(
+        cluster, num_devices, num_hosts, devices_per_host, address, accelerator, cores_per_host, timeout_s
+    )
     _init_compile_cache(compile_cache)
     if preset is None and spec.runtime == "local" and spec.accelerator == "gpu":
         preset = _detected_preset()
     if preset is not None:
-        spec = replace(spec, **ClusterSpec.from_preset(preset).cost_constants() | {
-            "num_hosts": spec.num_hosts, "devices_per_host": spec.devices_per_host})
+        spec = replace(
+            spec,
+            **ClusterSpec.from_preset(preset).cost_constants()
+            | {"num_hosts": spec.num_hosts, "devices_per_host": spec.devices_per_host},
+        )
     global _cluster
     _cluster = replace(spec, **constants) if constants else spec
     return _cluster
@@ -144,8 +171,11 @@ def _detected_preset() -> str | None:
     kind = jax.devices()[0].device_kind
     found = detect(kind)
     if found is None:
-        log.warning("torchpar: no hardware preset describes %s; plans are priced with the default constants "
-                    "(pass init(preset=...) or the constants)", kind)
+        log.warning(
+            "torchpar: no hardware preset describes %s; plans are priced with the default constants "
+            "(pass init(preset=...) or the constants)",
+            kind,
+        )
     else:
         log.info("torchpar: %s found: plans are priced with the %r preset", kind, found)
     return found
@@ -178,16 +208,25 @@ _COST_FIELDS = ("device_flops", "device_memory_bytes", "alpha", "beta", "inter_h
 def _check_constants(preset_name: str | None, constants: dict[str, Any]) -> None:
     unknown = sorted(set(constants) - set(_COST_FIELDS))
     if unknown:
-        raise TypeError(f"torchpar.init got unknown option(s) {unknown}; the cost constants it takes are "
-                        f"{', '.join(_COST_FIELDS)}")
+        raise TypeError(
+            f"torchpar.init got unknown option(s) {unknown}; the cost constants it takes are {', '.join(_COST_FIELDS)}"
+        )
     if preset_name is not None:
         from torchpar.hardware import preset
 
         preset(preset_name)  # unknown names fail before any device is set up
 
 
-def _init_devices(cluster: str, num_devices: int | None, num_hosts: int | None, devices_per_host: int | None,
-                  address: str | None, accelerator: str, cores_per_host: int | None, timeout_s: float) -> ClusterSpec:
+def _init_devices(
+    cluster: str,
+    num_devices: int | None,
+    num_hosts: int | None,
+    devices_per_host: int | None,
+    address: str | None,
+    accelerator: str,
+    cores_per_host: int | None,
+    timeout_s: float,
+) -> ClusterSpec:
     if cluster not in ("local", "ray"):
         raise ValueError(f"cluster must be 'local' or 'ray', got {cluster!r}")
     if cores_per_host is not None and cores_per_host < 1:
@@ -215,27 +254,49 @@ def _init_devices(cluster: str, num_devices: int | None, num_hosts: int | None, 
         raise RuntimeError(
             f"torchpar.init asked for {num_devices} devices but JAX has {available}: JAX was imported before "
             "torchpar.init; call torchpar.init first, or set XLA_FLAGS="
-            f"{_DEVICE_COUNT_FLAG}={num_devices} before starting Python")
+            f"{_DEVICE_COUNT_FLAG}={num_devices} before starting Python"
+        )
     hosts = num_hosts or 1
     per_host = devices_per_host or (num_devices or available)
     accelerator_found = "gpu" if jax.devices()[0].platform == "gpu" else "cpu"
     log.info("torchpar cluster: local, %d host(s) × %d device(s) of %s", hosts, per_host, jax.devices()[0].platform)
-    return ClusterSpec(num_hosts=hosts, devices_per_host=per_host, runtime="local", cores_per_host=cores_per_host,
-                       accelerator=accelerator_found, timeout_s=timeout_s)
+    return ClusterSpec(
+        num_hosts=hosts,
+        devices_per_host=per_host,
+        runtime="local",
+        cores_per_host=cores_per_host,
+        accelerator=accelerator_found,
+        timeout_s=timeout_s,
+    )
 
 
-def _init_ray(address: str | None, num_hosts: int | None, devices_per_host: int | None, accelerator: str,
-              cores_per_host: int | None, timeout_s: float) -> ClusterSpec:
+def _init_ray(
+    address: str | None,
+    num_hosts: int | None,
+    devices_per_host: int | None,
+    accelerator: str,
+    cores_per_host: int | None,
+    timeout_s: float,
+) -> ClusterSpec:
     from torchpar.runtime import ray_cluster
 
     if address is None and (num_hosts is None or devices_per_host is None):
-        raise ValueError("cluster='ray' needs num_hosts and devices_per_host (simulated hosts on this machine), or "
-                         "address='auto' / 'ip:port' to join a running Ray cluster")
+        raise ValueError(
+            "cluster='ray' needs num_hosts and devices_per_host (simulated hosts on this machine), or "
+            "address='auto' / 'ip:port' to join a running Ray cluster"
+        )
     _keep_driver_off_accelerators()
-    connected = ray_cluster.connect(address=address, num_hosts=num_hosts, devices_per_host=devices_per_host,
-                                    accelerator=accelerator)
-    return ClusterSpec(num_hosts=len(connected.hosts), devices_per_host=connected.devices_per_host, runtime="ray",
-                       cores_per_host=cores_per_host, accelerator=connected.accelerator, timeout_s=timeout_s)
+    connected = ray_cluster.connect(
+        address=address, num_hosts=num_hosts, devices_per_host=devices_per_host, accelerator=accelerator
+    )
+    return ClusterSpec(
+        num_hosts=len(connected.hosts),
+        devices_per_host=connected.devices_per_host,
+        runtime="ray",
+        cores_per_host=cores_per_host,
+        accelerator=connected.accelerator,
+        timeout_s=timeout_s,
+    )
 
 
 def _keep_driver_off_accelerators() -> None:
@@ -247,9 +308,11 @@ def _keep_driver_off_accelerators() -> None:
 
     if xla_bridge.backends_are_initialized():
         if jax.default_backend() != "cpu":
-            log.warning("torchpar: this process already uses JAX on %s; as the driver of a Ray cluster it keeps it "
-                        "(call torchpar.init before using JAX to keep the driver off the accelerators)",
-                        jax.default_backend())
+            log.warning(
+                "torchpar: this process already uses JAX on %s; as the driver of a Ray cluster it keeps it "
+                "(call torchpar.init before using JAX to keep the driver off the accelerators)",
+                jax.default_backend(),
+            )
         return
     jax.config.update("jax_platforms", "cpu")
 

@@ -43,15 +43,20 @@ ENV_VAR = "TORCHPAR_CACHE_DIR"
 OFF_VALUES = ("off", "0", "")
 MIN_COMPILE_TIME_S = 0.0
 """Executables that compiled faster than this are not written to the cache (JAX's default: 1 s)."""
-JAX_VARIABLES = ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
-                 "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES")
+JAX_VARIABLES = (
+    "JAX_COMPILATION_CACHE_DIR",
+    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
+    "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES",
+)
 """JAX's environment variables for its cache; a process JAX starts in reads them when it imports JAX."""
 
 _JAX_DEFAULT_MIN_COMPILE_TIME_S = 1.0
 _JAX_DEFAULT_MIN_ENTRY_SIZE = 0
-_EVENTS = {"/jax/compilation_cache/compile_requests_use_cache": "requests",
-           "/jax/compilation_cache/cache_hits": "hits",
-           "/jax/compilation_cache/cache_misses": "writes"}  # JAX records a "miss" when it writes the entry
+_EVENTS = {
+    "/jax/compilation_cache/compile_requests_use_cache": "requests",
+    "/jax/compilation_cache/cache_hits": "hits",
+    "/jax/compilation_cache/cache_misses": "writes",
+}  # JAX records a "miss" when it writes the entry
 
 _ours: str | None = None  # the directory torchpar gave JAX (None: JAX's setting, if any, is not ours)
 _logged: str | None = None
@@ -90,8 +95,12 @@ def enable(directory: str | None = None) -> str | None:
     current = jax.config.jax_compilation_cache_dir
     if current and current != _ours:
         if directory is not None and os.path.abspath(directory) != os.path.abspath(current):
-            log.warning("torchpar: compile cache %s ignored: JAX's jax_compilation_cache_dir is set to %s, which "
-                        "torchpar keeps", directory, current)
+            log.warning(
+                "torchpar: compile cache %s ignored: JAX's jax_compilation_cache_dir is set to %s, which "
+                "torchpar keeps",
+                directory,
+                current,
+            )
         _log_once(current, "set through JAX")
         return current
     wanted = directory if directory is not None else requested_dir()
@@ -102,8 +111,12 @@ def enable(directory: str | None = None) -> str | None:
     try:
         os.makedirs(wanted, mode=0o700, exist_ok=True)
     except OSError as error:
-        log.warning("torchpar: compile cache off: cannot create %s (%s); set %s to a writable directory or 'off'",
-                    wanted, error, ENV_VAR)
+        log.warning(
+            "torchpar: compile cache off: cannot create %s (%s); set %s to a writable directory or 'off'",
+            wanted,
+            error,
+            ENV_VAR,
+        )
         disable()
         return None
     _set_thresholds(jax.config)
@@ -145,9 +158,11 @@ def environment() -> dict[str, str]:
     directory = jax.config.jax_compilation_cache_dir
     if not directory:
         return {}
-    return {"JAX_COMPILATION_CACHE_DIR": directory,
-            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": repr(jax.config.jax_persistent_cache_min_compile_time_secs),
-            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": str(jax.config.jax_persistent_cache_min_entry_size_bytes)}
+    return {
+        "JAX_COMPILATION_CACHE_DIR": directory,
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": repr(jax.config.jax_persistent_cache_min_compile_time_secs),
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": str(jax.config.jax_persistent_cache_min_entry_size_bytes),
+    }
 
 
 def hits() -> int:
@@ -164,11 +179,15 @@ def counts() -> dict[str, int]:
 
 def _set_thresholds(config: Any) -> None:
     """torchpar's write thresholds in ``jax.config``, where neither the environment nor the program set them."""
-    if ("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ
-            and config.jax_persistent_cache_min_compile_time_secs == _JAX_DEFAULT_MIN_COMPILE_TIME_S):
+    if (
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ
+        and config.jax_persistent_cache_min_compile_time_secs == _JAX_DEFAULT_MIN_COMPILE_TIME_S
+    ):
         config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_TIME_S)
-    if ("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES" not in os.environ
-            and config.jax_persistent_cache_min_entry_size_bytes == _JAX_DEFAULT_MIN_ENTRY_SIZE):
+    if (
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES" not in os.environ
+        and config.jax_persistent_cache_min_entry_size_bytes == _JAX_DEFAULT_MIN_ENTRY_SIZE
+    ):
         config.update("jax_persistent_cache_min_entry_size_bytes", -1)  # -1: no size threshold
 
 

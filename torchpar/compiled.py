@@ -17,12 +17,11 @@ from typing import Any
 
 import torch
 
-from torchpar import batches
+from torchpar import batches, compile_cache
 from torchpar import checkpoint as _checkpoint
-from torchpar import compile_cache
 from torchpar.capture.export import Capture, ForwardFn, LossFn, StepFn, capture_forward, capture_train_step
-from torchpar.capture.module_state import CapturedState, NumberAttribute
 from torchpar.capture.grad_semantics import trainable_params
+from torchpar.capture.module_state import CapturedState, NumberAttribute
 from torchpar.capture.optim import TorchOptimizerBridge
 from torchpar.cluster import current_cluster
 from torchpar.guard import StepGuard
@@ -31,8 +30,8 @@ from torchpar.ir.aux_parts import with_aux_parts
 from torchpar.ir.graph import Graph
 from torchpar.ir.loss_parts import with_loss_parts
 from torchpar.ir.optimizer import step_scalars
-from torchpar.model_link import Tracked, pull_holders, suspended, tracked_state
 from torchpar.methods import data_replicas, searches_micro_batches
+from torchpar.model_link import Tracked, pull_holders, suspended, tracked_state
 from torchpar.options import CompileOptions, describe_numerics
 from torchpar.planner.micro_batch_counts import candidate_counts, plan_micro_batch_count
 from torchpar.planner.plan import Plan
@@ -50,17 +49,34 @@ class CompiledTraining:
     one micro-batch of it (``num_micro_batches`` per step: pipelines, gradient accumulation). ``timings`` gathers
     each phase's seconds for ``plan.timings``. On failure while building, the workers already started are freed."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, options: CompileOptions,
-                 method: Any, example_batch: Any, *, loss_fn: LossFn | None, step_fn: StepFn | None,
-                 forward_fn: ForwardFn | None, guard: StepGuard, loss_scaler: Any, numerics: Any, autocast: Any,
-                 orphans_allowed: bool = False, numbers: tuple[NumberAttribute, ...] = ()):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        options: CompileOptions,
+        method: Any,
+        example_batch: Any,
+        *,
+        loss_fn: LossFn | None,
+        step_fn: StepFn | None,
+        forward_fn: ForwardFn | None,
+        guard: StepGuard,
+        loss_scaler: Any,
+        numerics: Any,
+        autocast: Any,
+        orphans_allowed: bool = False,
+        numbers: tuple[NumberAttribute, ...] = (),
+    ):
         self.model, self.optimizer, self.options, self.guard = model, optimizer, options, guard
         self._loss_fn, self._step_fn, self._forward_fn = loss_fn, step_fn, forward_fn
         self._loss_scaler, self._numerics, self._autocast = loss_scaler, numerics, autocast
         self._searching = searches_micro_batches(method)
         """``num_micro_batches="auto"``: the count is searched while building (the largest candidate first)."""
-        self.num_micro_batches = (candidate_counts(batches.splittable_rows(example_batch))[0] if self._searching
-                                  else int(getattr(method, "num_micro_batches", 1)))
+        self.num_micro_batches = (
+            candidate_counts(batches.splittable_rows(example_batch))[0]
+            if self._searching
+            else int(getattr(method, "num_micro_batches", 1))
+        )
         self.data_replicas = data_replicas(method)
         self.batch_parts = self.num_micro_batches * self.data_replicas
         """Equal parts of dim 0 each batch is cut into (micro-batches × data replicas): the graphs are one part's."""
@@ -100,8 +116,11 @@ class CompiledTraining:
                     capture = self.capture(self.first_part(example_batch))
                     self.captured_state = capture.state
                     self.tracked = tracked_state(self.model, capture.state)
-                    self.bridge = TorchOptimizerBridge(self.optimizer, {id(p): n for n, p in self.params.items()},
-                                                       orphans_allowed=self._orphans_allowed)
+                    self.bridge = TorchOptimizerBridge(
+                        self.optimizer,
+                        {id(p): n for n, p in self.params.items()},
+                        orphans_allowed=self._orphans_allowed,
+                    )
                 with phases.phase("plan"):
                     cluster = current_cluster()
                     if self._searching:
@@ -113,10 +132,14 @@ class CompiledTraining:
                     log.debug("torchpar plan:\n%s", self.plan.summary())
                 with phases.phase("start workers"):
                     start = time.perf_counter()
-                    spec = ExecutionSpec(plan=self.plan, optimizer=self.bridge.spec,
-                                         devices=DeviceMap(cluster.devices_per_host), options=self._run_options(),
-                                         stage_graphs=self.planned.stage_graphs,
-                                         trainable=tuple(sorted(self.planned.trainable)))
+                    spec = ExecutionSpec(
+                        plan=self.plan,
+                        optimizer=self.bridge.spec,
+                        devices=DeviceMap(cluster.devices_per_host),
+                        options=self._run_options(),
+                        stage_graphs=self.planned.stage_graphs,
+                        trainable=tuple(sorted(self.planned.trainable)),
+                    )
                     self.executor = build_executor(spec, cluster, label=self.plan.method)
                     self.timings.update(self.executor.timings)
                     pull_holders(t.tensor for t in self.tracked.values())  # what other engines trained newer
@@ -130,12 +153,21 @@ class CompiledTraining:
     def _plan(self, capture: Capture, method: Any, cluster: Any, beat_s: float = math.inf) -> TrainingPlan:
         assert self.bridge is not None
         return plan_training_profiled(
-            capture.graph, method, cluster, profile=self.options.profile, spec=self.bridge.spec,
-            trainable=set(self.trainable(capture.graph)), remat=self.options.remat, numerics=self._numerics,
-            library_fusions=self.options.xla_library_fusions, beat_s=beat_s)
+            capture.graph,
+            method,
+            cluster,
+            profile=self.options.profile,
+            spec=self.bridge.spec,
+            trainable=set(self.trainable(capture.graph)),
+            remat=self.options.remat,
+            numerics=self._numerics,
+            library_fusions=self.options.xla_library_fusions,
+            beat_s=beat_s,
+        )
 
-    def _plan_micro_batch_count(self, method: Any, example_batch: Any, first: Capture,
-                                cluster: Any) -> tuple[Capture, TrainingPlan]:
+    def _plan_micro_batch_count(
+        self, method: Any, example_batch: Any, first: Capture, cluster: Any
+    ) -> tuple[Capture, TrainingPlan]:
         """``num_micro_batches="auto"``: each candidate count captured and planned
         (:func:`torchpar.planner.micro_batch_counts.plan_micro_batch_count`; ``first`` is the capture at the largest);
         the chosen count's capture and plan, this object's counts set to it."""
@@ -143,12 +175,14 @@ class CompiledTraining:
 
         def plan_with(concrete: Any, beat_s: float) -> tuple[Capture, TrainingPlan]:
             self._set_micro_batches(concrete.num_micro_batches)
-            capture = first if concrete.num_micro_batches == first_count else self.capture(
-                self.first_part(example_batch))
+            capture = (
+                first if concrete.num_micro_batches == first_count else self.capture(self.first_part(example_batch))
+            )
             return capture, self._plan(capture, concrete, cluster, beat_s)
 
         count, (capture, planned) = plan_micro_batch_count(
-            method, batches.splittable_rows(example_batch), plan_with, lambda result: result[1].plan)
+            method, batches.splittable_rows(example_batch), plan_with, lambda result: result[1].plan
+        )
         self._set_micro_batches(count)
         return capture, planned
 
@@ -159,10 +193,16 @@ class CompiledTraining:
     def _run_options(self) -> Any:
         from torchpar.runtime.worker import RunOptions
 
-        return RunOptions(grad_clip_norm=self.options.grad_clip_norm, library_fusions=self.options.xla_library_fusions,
-                          spmd=self.options.spmd, timeout_s=current_cluster().timeout_s,
-                          check_finite=self.options.on_nonfinite != "ignore" or self._loss_scaler is not None,
-                          numerics=self._numerics, loss_scaling=self._loss_scaler is not None, remat=self.plan.remat)
+        return RunOptions(
+            grad_clip_norm=self.options.grad_clip_norm,
+            library_fusions=self.options.xla_library_fusions,
+            spmd=self.options.spmd,
+            timeout_s=current_cluster().timeout_s,
+            check_finite=self.options.on_nonfinite != "ignore" or self._loss_scaler is not None,
+            numerics=self._numerics,
+            loss_scaling=self._loss_scaler is not None,
+            remat=self.plan.remat,
+        )
 
     @property
     def plan(self) -> Plan:
@@ -196,20 +236,32 @@ class CompiledTraining:
         try:
             stage_graphs = self.planned.stage_graphs_for(capture.graph)
         except ValueError as error:
-            raise ValueError(f"batch shapes {batches.describe(signature)}: {error} "
-                             f"{batches.describe(self.example_signature)}") from None
+            raise ValueError(
+                f"batch shapes {batches.describe(signature)}: {error} {batches.describe(self.example_signature)}"
+            ) from None
         # the graph is one part's (micro-batch of a data replica); the step takes the whole batch (parts along dim 0)
         leaves = [((m.shape[0] * self.batch_parts, *m.shape[1:]), jax_dtype(m.dtype)) for m in capture.input_metas]
         hits = compile_cache.hits()
         with self.translating_failures("compiling the training step"):
-            timings = self.executor.compile(signature, capture.graph, self.trainable(capture.graph), leaves,
-                                            self.with_loss_scale(self.first_step_scalars()), stage_graphs)
+            timings = self.executor.compile(
+                signature,
+                capture.graph,
+                self.trainable(capture.graph),
+                leaves,
+                self.with_loss_scale(self.first_step_scalars()),
+                stage_graphs,
+            )
         self.timings.update(timings)
         loaded = compile_cache.hits() - hits  # this process's executables only (Ray host actors count their own)
         if loaded:
-            log.info("torchpar: %d executable(s) of the step for batch shapes %s loaded from the compile cache %s "
-                     "(XLA compile %.2fs)", loaded, batches.describe(signature), compile_cache.cache_dir(),
-                     timings.get("xla_compile", 0.0))
+            log.info(
+                "torchpar: %d executable(s) of the step for batch shapes %s loaded from the compile cache %s "
+                "(XLA compile %.2fs)",
+                loaded,
+                batches.describe(signature),
+                compile_cache.cache_dir(),
+                timings.get("xla_compile", 0.0),
+            )
         self._captures[signature] = capture
         self.guard.learn(signature, capture.graph)
         self.step_graphs[signature] = capture.graph
@@ -225,9 +277,15 @@ class CompiledTraining:
 
         start = time.perf_counter()
         with suspended():
-            capture = capture_train_step(self.model, batch, self._loss_fn, autocast=self._autocast,
-                                         step_fn=self._step_fn, outside=self.captured_state.outside,
-                                         numbers=self.numbers)
+            capture = capture_train_step(
+                self.model,
+                batch,
+                self._loss_fn,
+                autocast=self._autocast,
+                step_fn=self._step_fn,
+                outside=self.captured_state.outside,
+                numbers=self.numbers,
+            )
         self.timings["capture"] = time.perf_counter() - start
         self._check_state_known(capture)
         check_supported(capture.graph)
@@ -256,7 +314,7 @@ class CompiledTraining:
         capture = self._captures[signature]
         graph = capture.graph
         metas = graph.metas()
-        torch_dtype = lambda value: getattr(torch, metas[value.name].dtype)  # noqa: E731
+        torch_dtype = lambda value: getattr(torch, metas[value.name].dtype)
         loss = torch.tensor(result.loss, dtype=torch_dtype(next(o.value for o in graph.outputs if o.kind == "loss")))
         if capture.aux_keys is None:
             return loss
@@ -267,8 +325,14 @@ class CompiledTraining:
         """The eval-mode forward graph on ``batch`` (captured once per signature)."""
         if signature not in self._eval:
             with suspended():
-                capture = capture_forward(self.model, batch, autocast=self._autocast, forward_fn=self._forward_fn,
-                                          outside=self.captured_state.outside, numbers=self.numbers)
+                capture = capture_forward(
+                    self.model,
+                    batch,
+                    autocast=self._autocast,
+                    forward_fn=self._forward_fn,
+                    outside=self.captured_state.outside,
+                    numbers=self.numbers,
+                )
             self._check_state_known(capture)
             self._eval[signature] = capture
         return self._eval[signature]
@@ -277,12 +341,14 @@ class CompiledTraining:
         """A later capture (another batch shape, the eval forward) may read no state the engine does not hold."""
         if not self.tracked:
             return
-        unknown = sorted(i.target for i in capture.graph.inputs if i.kind in ("param", "buffer")
-                         and i.target not in self.tracked)
+        unknown = sorted(
+            i.target for i in capture.graph.inputs if i.kind in ("param", "buffer") and i.target not in self.tracked
+        )
         if unknown:
             raise NotImplementedError(
                 f"this capture reads state the engine does not hold: {unknown} (modules or tensor attributes the "
-                "first training step did not read); compile the engine with a step that reads them all")
+                "first training step did not read); compile the engine with a step that reads them all"
+            )
 
     def graph(self, signature: tuple) -> Graph:
         """The training graph compiled for ``signature``."""
@@ -315,8 +381,9 @@ class CompiledTraining:
 
     def translating_failures(self, what: str) -> Any:
         """A context manager: failures inside become errors that name ``what`` and the plan (:class:`StepGuard`)."""
-        return self.guard.translating_failures(what, self.planned.plan if self.planned else None,
-                                               current_cluster().device_memory_bytes)
+        return self.guard.translating_failures(
+            what, self.planned.plan if self.planned else None, current_cluster().device_memory_bytes
+        )
 
     def close(self) -> None:
         if self.executor is not None:

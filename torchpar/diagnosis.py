@@ -35,6 +35,8 @@ def culprit(params: Mapping[str, torch.Tensor], rerun: Callable[[], str]) -> str
     the driver; else how to ask for it."""
     state_bytes = sum(p.numel() * p.element_size() for p in params.values())
     if state_bytes > AUTO_DIAGNOSIS_BYTES:
-        return (f"the state ({state_bytes / 2**30:.1f} GiB) is too large for an automatic re-run on the driver: "
-                "call engine.locate_nonfinite(batch) to find the first op")
+        return (
+            f"the state ({state_bytes / 2**30:.1f} GiB) is too large for an automatic re-run on the driver: "
+            "call engine.locate_nonfinite(batch) to find the first op"
+        )
     return rerun()

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from torchpar import metrics as _metrics
-from torchpar.capture.export import dtype_name
+from torchpar.capture.to_ir import dtype_name
 from torchpar.cluster import current_cluster
 from torchpar.ir.graph import Graph
 from torchpar.planner.plan import Plan
@@ -27,15 +27,25 @@ class EngineReadouts:
         """The last step's :class:`torchpar.metrics.StepMetrics` (step time, samples/s, tokens/s, model FLOPs, MFU,
         per-device memory, compile timings, loss, loss scale); ``None`` before the first step. Derived when first
         read (the memory once per batch signature: a pipeline compiles its stages once more to read it)."""
-        return self._recorder.last(lambda: _metrics.MetricsSource(
-            graphs=self._compiled.step_graphs, num_micro_batches=self._compiled.batch_parts, precision=_metrics.step_precision(
-                self.options.mixed_precision, self._numerics.effective().matmul,
-                [dtype_name(p.dtype) for p in self._param_names.values()]),
-            cluster=current_cluster(), plan=self.plan, memory_stats=self.memory_stats))
+        return self._recorder.last(
+            lambda: _metrics.MetricsSource(
+                graphs=self._compiled.step_graphs,
+                num_micro_batches=self._compiled.batch_parts,
+                precision=_metrics.step_precision(
+                    self.options.mixed_precision,
+                    self._numerics.effective().matmul,
+                    [dtype_name(p.dtype) for p in self._param_names.values()],
+                ),
+                cluster=current_cluster(),
+                plan=self.plan,
+                memory_stats=self.memory_stats,
+            )
+        )
 
     @property
     def last_grad_norm(self) -> float | None:
-        """The last step's gradient norm before clipping (``last_metrics.grad_norm``, derived alone); ``None`` before."""
+        """The last step's gradient norm before clipping (``last_metrics.grad_norm``, derived alone); ``None``
+        before."""
         return None if self._recorder.facts is None else self._recorder.facts.grad_norm
 
     @property

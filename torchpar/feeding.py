@@ -66,19 +66,28 @@ class HostData:
 
     def __post_init__(self) -> None:
         if not (hasattr(self.dataset, "__getitem__") and hasattr(self.dataset, "__len__")):
-            raise TypeError(f"HostData needs a map-style dataset (with __len__ and __getitem__), got a "
-                            f"{type(self.dataset).__name__}")
+            raise TypeError(
+                f"HostData needs a map-style dataset (with __len__ and __getitem__), got a "
+                f"{type(self.dataset).__name__}"
+            )
         if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:
             raise ValueError(f"batch_size must be an int ≥ 1, got {self.batch_size!r}")
         if len(self.dataset) == 0 or (self.drop_last and len(self.dataset) < self.batch_size):
-            raise ValueError(f"the dataset of {len(self.dataset)} samples gives no batch of {self.batch_size}"
-                             + (" with drop_last=True" if self.drop_last else ""))
+            raise ValueError(
+                f"the dataset of {len(self.dataset)} samples gives no batch of {self.batch_size}"
+                + (" with drop_last=True" if self.drop_last else "")
+            )
 
     def index_loader(self) -> torch.utils.data.DataLoader:
         """The ``DataLoader`` above over the dataset's indices: each pass over it is the next epoch's batches."""
-        return torch.utils.data.DataLoader(range(len(self.dataset)), batch_size=self.batch_size, shuffle=self.shuffle,
-                                           drop_last=self.drop_last, generator=torch.Generator().manual_seed(self.seed),
-                                           collate_fn=lambda indices: tuple(int(i) for i in indices))
+        return torch.utils.data.DataLoader(
+            range(len(self.dataset)),
+            batch_size=self.batch_size,
+            shuffle=self.shuffle,
+            drop_last=self.drop_last,
+            generator=torch.Generator().manual_seed(self.seed),
+            collate_fn=lambda indices: tuple(int(i) for i in indices),
+        )
 
     def epoch_batches(self, epoch: int) -> list[tuple[int, ...]]:
         """The dataset indices of each batch of epoch ``epoch`` (0-based), as the ``DataLoader`` above yields them."""
@@ -157,8 +166,10 @@ class HostFeed:
         """The next step's template batch and its HostBatch; the cursor moves past it (epochs roll over)."""
         upcoming = self._upcoming(1 + self.depth)
         epoch, position, indices = upcoming[0]
-        ahead = tuple((self.steps + k, batches.signature(self.template(len(i))), i)
-                      for k, (_, _, i) in enumerate(upcoming[1:], start=1))
+        ahead = tuple(
+            (self.steps + k, batches.signature(self.template(len(i))), i)
+            for k, (_, _, i) in enumerate(upcoming[1:], start=1)
+        )
         self.epoch, self.position = epoch, position + 1
         step = HostBatch(step=self.steps, indices=indices, ahead=ahead)
         self.steps += 1
@@ -168,8 +179,9 @@ class HostFeed:
         """The data as the processes get it: with the checks of the step's batch leaves (``checks``: the index
         bounds and the integer-arithmetic check, :meth:`torchpar.guard.StepGuard.input_checks`)."""
         bounds, ranges = checks
-        return dataclasses.replace(self.data, index_bounds=tuple(bounds), integer_ranges=ranges,
-                                   leaf_names=tuple(names))
+        return dataclasses.replace(
+            self.data, index_bounds=tuple(bounds), integer_ranges=ranges, leaf_names=tuple(names)
+        )
 
     def cursor(self) -> dict[str, Any]:
         """Where the data stands, for a checkpoint: the next batch (``epoch``, ``position`` in it), the steps taken,
@@ -179,8 +191,13 @@ class HostFeed:
 
     def _order(self) -> dict[str, Any]:
         data = self.data
-        return {"samples": len(data.dataset), "batch_size": data.batch_size, "shuffle": data.shuffle,
-                "seed": data.seed, "drop_last": data.drop_last}
+        return {
+            "samples": len(data.dataset),
+            "batch_size": data.batch_size,
+            "shuffle": data.shuffle,
+            "seed": data.seed,
+            "drop_last": data.drop_last,
+        }
 
     def restore(self, cursor: dict[str, Any]) -> None:
         """Continue from a :meth:`cursor` saved by another run over the same data: the next step loads the batch
@@ -194,10 +211,15 @@ class HostFeed:
         one's (another dataset size, batch size, shuffle, seed or drop_last)."""
         saved = {key: cursor.get(key) for key in self._order()}
         if saved != self._order():
-            differs = ", ".join(f"{key} {saved[key]!r} in the checkpoint, {value!r} here"
-                                for key, value in self._order().items() if saved[key] != value)
-            raise ValueError(f"the checkpoint's data cursor was saved over other data ({differs}): the order would "
-                             "not continue; compile with the same HostData settings, or load without data=")
+            differs = ", ".join(
+                f"{key} {saved[key]!r} in the checkpoint, {value!r} here"
+                for key, value in self._order().items()
+                if saved[key] != value
+            )
+            raise ValueError(
+                f"the checkpoint's data cursor was saved over other data ({differs}): the order would "
+                "not continue; compile with the same HostData settings, or load without data="
+            )
 
     def steps_in_epochs(self, epochs: int) -> int:
         """Steps from the cursor to the end of the epoch ``epochs - 1`` epochs after the current one."""
@@ -227,8 +249,9 @@ class Prefetcher(Iterator[Prefetched]):
             raise ValueError(f"depth must be an int ≥ 1, got {depth!r}")
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._fill, args=(iter(loader), prepare), daemon=True,
-                                        name="torchpar-prefetch")
+        self._thread = threading.Thread(
+            target=self._fill, args=(iter(loader), prepare), daemon=True, name="torchpar-prefetch"
+        )
         self._thread.start()
 
     def _fill(self, source: Iterator[Any], prepare: Callable[[Any], tuple[Any, Any]]) -> None:
@@ -277,8 +300,12 @@ class StepInputs:
     ``host_leaves(key, batch)`` is the engine's conversion, ``checks(key)`` its input checks (index bounds, integer
     arithmetic)."""
 
-    def __init__(self, feed: HostFeed | None, host_leaves: Callable[[Any, Any], list[np.ndarray]],
-                 checks: Callable[[Any], tuple[list[Any], Any]]):
+    def __init__(
+        self,
+        feed: HostFeed | None,
+        host_leaves: Callable[[Any, Any], list[np.ndarray]],
+        checks: Callable[[Any], tuple[list[Any], Any]],
+    ):
         self.feed, self._host_leaves, self._checks = feed, host_leaves, checks
         self._attached_to: Any = None
 
@@ -289,8 +316,10 @@ class StepInputs:
         ``None``, and the seconds already waited for it."""
         if batch is None:
             if self.feed is None:
-                raise TypeError("engine.step() without a batch needs compile(..., data=torchpar.HostData(...)); "
-                                "otherwise pass the batch: engine.step(batch)")
+                raise TypeError(
+                    "engine.step() without a batch needs compile(..., data=torchpar.HostData(...)); "
+                    "otherwise pass the batch: engine.step(batch)"
+                )
             template, host_batch = self.feed.next()
             return template, host_batch, 0.0
         if isinstance(batch, Prefetched):
@@ -328,9 +357,12 @@ class StepInputs:
         if self.feed is None:
             return
         if cursor is None:
-            log.warning("torchpar: the checkpoint holds no data cursor (saved without host-loaded data); the data "
-                        "continues from where this engine's stands (epoch %d, batch %d)", self.feed.epoch,
-                        self.feed.position)
+            log.warning(
+                "torchpar: the checkpoint holds no data cursor (saved without host-loaded data); the data "
+                "continues from where this engine's stands (epoch %d, batch %d)",
+                self.feed.epoch,
+                self.feed.position,
+            )
             return
         self.feed.restore(cursor)
         self._attached_to = None
@@ -339,14 +371,17 @@ class StepInputs:
         """``step()`` run ``steps`` times (or to the end of ``epochs`` epochs), lazily, yielding what it returns;
         checked at once."""
         if self.feed is None or (steps is None) == (epochs is None):
-            raise TypeError("run(steps) / run(epochs=...) needs compile(..., data=torchpar.HostData(...)) and one of "
-                            "steps, epochs; with batches of your own, call engine.step(batch)")
+            raise TypeError(
+                "run(steps) / run(epochs=...) needs compile(..., data=torchpar.HostData(...)) and one of "
+                "steps, epochs; with batches of your own, call engine.step(batch)"
+            )
         count = steps if steps is not None else self.feed.steps_in_epochs(epochs)
         return (step() for _ in range(count))
 
     def prefetch(self, loader: Iterable[Any], executor: Callable[[], Any], compiled: Any, depth: int) -> Prefetcher:
         """``engine.prefetch``: on the prefetch thread each batch's payloads are made for the current executor if its
         signature is compiled (``compiled``: the compiled signatures), else left to the step to convert."""
+
         def prepare(batch: Any) -> tuple[Any, Any]:
             signature, made_for = batches.signature(batch), executor()
             if signature not in compiled:
@@ -363,7 +398,9 @@ def example_and_feed(example_batch: Any, data: HostData | None) -> tuple[Any, Ho
     feed = HostFeed(data, depth=PREFETCH_DEPTH) if data is not None else None
     if example_batch is None:
         if feed is None:
-            raise TypeError("compile needs example_batch= (a batch as the training loop passes it) or data="
-                            "torchpar.HostData(...) (its first batch is the example)")
+            raise TypeError(
+                "compile needs example_batch= (a batch as the training loop passes it) or data="
+                "torchpar.HostData(...) (its first batch is the example)"
+            )
         example_batch = feed.example
     return example_batch, feed

@@ -25,7 +25,7 @@ class GradStandIn(torch.Tensor):
     param_name: str
 
     @staticmethod
-    def __new__(cls, param: torch.Tensor, name: str) -> "GradStandIn":
+    def __new__(cls, param: torch.Tensor, name: str) -> GradStandIn:
         stand_in = torch.Tensor._make_wrapper_subclass(cls, param.shape, dtype=param.dtype, device=param.device)
         stand_in.param_name = name
         return stand_in
@@ -43,7 +43,8 @@ class GradStandIn(torch.Tensor):
             "applied inside engine.step, and no torch gradient exists. Give the update to torchpar as a "
             "torch.optim optimizer (p.data.add_(p.grad, alpha=-lr) is torch.optim.SGD(params, lr=lr)); clip with "
             "compile(grad_clip_norm=...) and read engine.last_grad_norm; and remove an optimizer.step() or "
-            "clip_grad_norm_() left after engine.step (docs/porting.md)")
+            "clip_grad_norm_() left after engine.step (docs/porting.md)"
+        )
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:
         return f"GradStandIn({self.param_name}: computed and applied inside the torchpar engine)"

@@ -2,17 +2,19 @@
 
 A :class:`StepGuard` holds, per batch signature, what the batch's integer inputs index
 (:mod:`torchpar.ir.index_inputs`) and the graph's integer arithmetic (:mod:`torchpar.ir.integer_ranges`), and
-checks every batch against both before it leaves the host (``check_inputs``); after each step it applies the ``on_nonfinite`` policy to a step the executable skipped
-(count it, or raise :class:`~torchpar.runtime.nonfinite.NonFiniteError` with the diagnostic re-run's culprit),
-logs once when the loss diverges, and turns XLA's out-of-memory into a
-:class:`~torchpar.runtime.resources.DeviceMemoryError`. It also validates checkpoints before they are loaded.
+checks every batch against both before it leaves the host (``check_inputs``); after each step it applies the
+``on_nonfinite`` policy to a step the executable skipped (count it, or raise
+:class:`~torchpar.runtime.nonfinite.NonFiniteError` with the diagnostic re-run's culprit), logs once when the loss
+diverges, and turns XLA's out-of-memory into a :class:`~torchpar.runtime.resources.DeviceMemoryError`. It also validates
+checkpoints before they are loaded.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -58,11 +60,9 @@ class StepGuard:
         themselves (empty and ``None`` if checks are off, or before it compiled)."""
         return self.bounds(key), self._ranges.get(key) if self.check_inputs else None
 
-    def knows(self, key: Any) -> bool:
-        return key in self._bounds
-
-    def host_leaves(self, key: Any, leaves: list[torch.Tensor], names: list[str],
-                    to_host: Callable[[Any], np.ndarray]) -> list[np.ndarray]:
+    def host_leaves(
+        self, key: Any, leaves: list[torch.Tensor], names: list[str], to_host: Callable[[Any], np.ndarray]
+    ) -> list[np.ndarray]:
         """The batch ``leaves`` as host arrays (``to_host``), after the index-range check of the values as the
         user passed them (before an ``int64 → int32`` cast could wrap a huge id into range); the graph's int64
         arithmetic is checked against them once they are known to fit int32 themselves."""
@@ -90,8 +90,11 @@ class StepGuard:
         try:
             yield
         except Exception as error:
-            translated = None if plan is None else as_device_memory_error(
-                error, plan, what=what, device_memory_bytes=device_memory_bytes)
+            translated = (
+                None
+                if plan is None
+                else as_device_memory_error(error, plan, what=what, device_memory_bytes=device_memory_bytes)
+            )
             if translated is not None:
                 raise translated from error
             raise
@@ -112,8 +115,13 @@ class StepGuard:
         what = "loss" if not np.isfinite(loss) else "gradients"
         self.skipped_steps += 1
         if self.on_nonfinite == "skip":
-            log.warning("torchpar: step %d produced a non-finite %s (loss %s); its update was skipped (%d skipped so "
-                        "far)", step, what, loss, self.skipped_steps)
+            log.warning(
+                "torchpar: step %d produced a non-finite %s (loss %s); its update was skipped (%d skipped so far)",
+                step,
+                what,
+                loss,
+                self.skipped_steps,
+            )
             return
         culprit = locate()
         history = f"; the first step's loss was {self.first_loss:.4g}" if self.first_loss is not None else ""
@@ -123,7 +131,11 @@ class StepGuard:
             f"  first culprit: {culprit}\n"
             "Try: a lower learning rate, gradient clipping (torchpar.compile(..., grad_clip_norm=1.0)), checking the "
             "batch for inf/nan; on_nonfinite='skip' skips such steps and goes on (as torch.amp.GradScaler does), "
-            "'ignore' applies them as PyTorch would.", step=step, loss=loss, culprit=culprit)
+            "'ignore' applies them as PyTorch would.",
+            step=step,
+            loss=loss,
+            culprit=culprit,
+        )
 
     def _watch_divergence(self, step: int, loss: float) -> None:
         """Log once when the loss has grown ``DIVERGENCE_FACTOR``-fold over the first step's."""
@@ -133,8 +145,13 @@ class StepGuard:
         first = abs(self.first_loss)
         if not self._warned_divergence and first > 0 and abs(loss) > DIVERGENCE_FACTOR * first:
             self._warned_divergence = True
-            log.warning("torchpar: the loss grew from %.4g (first step) to %.4g at step %d: the run looks divergent "
-                        "(lower the learning rate or clip gradients with grad_clip_norm)", self.first_loss, loss, step)
+            log.warning(
+                "torchpar: the loss grew from %.4g (first step) to %.4g at step %d: the run looks divergent "
+                "(lower the learning rate or clip gradients with grad_clip_norm)",
+                self.first_loss,
+                loss,
+                step,
+            )
 
 
 def leaf_names(batch: Any) -> list[str]:
@@ -145,8 +162,12 @@ def leaf_names(batch: Any) -> list[str]:
     return [f"batch{pytree.keystr(path)}" for path, _ in paths]
 
 
-def validate_checkpoint(state: Any, params: Mapping[str, torch.Tensor], buffers: Mapping[str, torch.Tensor],
-                        state_keys: Mapping[str, list[str]]) -> None:
+def validate_checkpoint(
+    state: Any,
+    params: Mapping[str, torch.Tensor],
+    buffers: Mapping[str, torch.Tensor],
+    state_keys: Mapping[str, list[str]],
+) -> None:
     """Raise ``ValueError`` naming the first way ``state`` is not a checkpoint of this model and optimizer
     (``Engine.state_dict``'s form): a missing section, parameters or buffers missing, extra or of another shape
     or dtype, optimizer entries missing. ``state_keys`` maps each trained parameter to its optimizer state keys."""
@@ -154,22 +175,29 @@ def validate_checkpoint(state: Any, params: Mapping[str, torch.Tensor], buffers:
         raise ValueError(f"a checkpoint is the dict engine.state_dict() returns, got a {type(state).__name__}")
     missing = [k for k in CHECKPOINT_KEYS if k not in state]
     if missing:
-        raise ValueError(f"the checkpoint lacks {missing}: it was not made by engine.state_dict() (its keys: "
-                         f"{sorted(state)[:8]})")
+        raise ValueError(
+            f"the checkpoint lacks {missing}: it was not made by engine.state_dict() (its keys: {sorted(state)[:8]})"
+        )
     for kind, current in (("parameters", params), ("buffers", buffers)):
         saved = state["params" if kind == "parameters" else "buffers"]
         absent, extra = sorted(set(current) - set(saved)), sorted(set(saved) - set(current))
         if absent or extra:
-            raise ValueError(f"the checkpoint's {kind} differ from the model's: missing {absent[:5]}, not in the "
-                             f"model {extra[:5]} (a checkpoint of another model?)")
+            raise ValueError(
+                f"the checkpoint's {kind} differ from the model's: missing {absent[:5]}, not in the "
+                f"model {extra[:5]} (a checkpoint of another model?)"
+            )
         for name, tensor in current.items():
             value = saved[name]
             if tuple(value.shape) != tuple(tensor.shape) or value.dtype != tensor.dtype:
-                raise ValueError(f"checkpoint {kind[:-1]} {name} is {value.dtype}{list(value.shape)}, the model's is "
-                                 f"{tensor.dtype}{list(tensor.shape)}")
+                raise ValueError(
+                    f"checkpoint {kind[:-1]} {name} is {value.dtype}{list(value.shape)}, the model's is "
+                    f"{tensor.dtype}{list(tensor.shape)}"
+                )
     for name, keys in state_keys.items():
         entries = state["optimizer"].get(name, {})
         lacking = [k for k in keys if k not in entries]
         if lacking:
-            raise ValueError(f"the checkpoint's optimizer state of {name} lacks {lacking}: it was saved with another "
-                             "optimizer (or none); build the engine with the optimizer the checkpoint was made with")
+            raise ValueError(
+                f"the checkpoint's optimizer state of {name} lacks {lacking}: it was saved with another "
+                "optimizer (or none); build the engine with the optimizer the checkpoint was made with"
+            )

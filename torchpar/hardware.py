@@ -51,36 +51,84 @@ class HardwarePreset:
 
     def cluster_constants(self) -> dict[str, object]:
         """The :class:`~torchpar.cluster.ClusterSpec` fields this preset sets."""
-        return {"device_flops": self.device_flops, "device_memory_bytes": self.device_memory_bytes,
-                "alpha": self.in_host_alpha, "beta": self.in_host_beta, "inter_host_alpha": self.inter_host_alpha,
-                "inter_host_beta": self.inter_host_beta, "preset": self.name}
+        return {
+            "device_flops": self.device_flops,
+            "device_memory_bytes": self.device_memory_bytes,
+            "alpha": self.in_host_alpha,
+            "beta": self.in_host_beta,
+            "inter_host_alpha": self.inter_host_alpha,
+            "inter_host_beta": self.inter_host_beta,
+            "preset": self.name,
+        }
 
 
-def _gpu(name: str, description: str, peaks: tuple[float | None, ...], memory_gib: int, nvlink_gbs: float,
-         network_gbs: float) -> HardwarePreset:
+def _gpu(
+    name: str, description: str, peaks: tuple[float | None, ...], memory_gib: int, nvlink_gbs: float, network_gbs: float
+) -> HardwarePreset:
     peak_flops = dict(zip(("fp32", "tf32", "bf16", "fp16"), peaks, strict=True))
     training = peak_flops["bf16"] or peak_flops["fp16"]
-    return HardwarePreset(name=name, description=description, device_flops=training, peak_flops=peak_flops,
-                          device_memory_bytes=memory_gib * _GIB, in_host_alpha=(1e-5, 1e-5),
-                          in_host_beta=(1 / (nvlink_gbs * 1e9),) * 2, inter_host_alpha=3e-5,
-                          inter_host_beta=1 / (network_gbs * 1e9))
+    return HardwarePreset(
+        name=name,
+        description=description,
+        device_flops=training,
+        peak_flops=peak_flops,
+        device_memory_bytes=memory_gib * _GIB,
+        in_host_alpha=(1e-5, 1e-5),
+        in_host_beta=(1 / (nvlink_gbs * 1e9),) * 2,
+        inter_host_alpha=3e-5,
+        inter_host_beta=1 / (network_gbs * 1e9),
+    )
 
 
 _A100_PEAKS = (19.5e12, 156e12, 312e12, 312e12)
-PRESETS: dict[str, HardwarePreset] = {preset.name: preset for preset in (
-    _gpu("h100-nvlink", "NVIDIA H100 SXM 80 GB, NVLink 4 in a host, 400 Gb/s InfiniBand per GPU between hosts",
-         (67e12, 494.7e12, 989.4e12, 989.4e12), 80, 450.0, 50.0),
-    _gpu("a100-80g", "NVIDIA A100 SXM 80 GB, NVLink 3 in a host, 200 Gb/s InfiniBand per GPU between hosts",
-         _A100_PEAKS, 80, 300.0, 25.0),
-    _gpu("a100-40g", "NVIDIA A100 SXM 40 GB, NVLink 3 in a host, 200 Gb/s InfiniBand per GPU between hosts",
-         _A100_PEAKS, 40, 300.0, 25.0),
-    _gpu("v100-16g", "NVIDIA V100 SXM2 16 GB (AWS p3.16xlarge), NVLink 2 in a host, 25 Gb/s Ethernet between hosts",
-         (15.7e12, None, None, 125e12), 16, 150.0, 25 / 8 / 8),
-    HardwarePreset(name="cpu-sim", description="simulated hosts of fake JAX CPU devices (the defaults)",
-                   device_flops=5e10, peak_flops={"fp32": 5e10, "tf32": None, "bf16": None, "fp16": None},
-                   device_memory_bytes=8 * _GIB, in_host_alpha=(1e-4, 1e-5), in_host_beta=(1e-9, 1e-10),
-                   inter_host_alpha=1e-4, inter_host_beta=1e-9),
-)}
+PRESETS: dict[str, HardwarePreset] = {
+    preset.name: preset
+    for preset in (
+        _gpu(
+            "h100-nvlink",
+            "NVIDIA H100 SXM 80 GB, NVLink 4 in a host, 400 Gb/s InfiniBand per GPU between hosts",
+            (67e12, 494.7e12, 989.4e12, 989.4e12),
+            80,
+            450.0,
+            50.0,
+        ),
+        _gpu(
+            "a100-80g",
+            "NVIDIA A100 SXM 80 GB, NVLink 3 in a host, 200 Gb/s InfiniBand per GPU between hosts",
+            _A100_PEAKS,
+            80,
+            300.0,
+            25.0,
+        ),
+        _gpu(
+            "a100-40g",
+            "NVIDIA A100 SXM 40 GB, NVLink 3 in a host, 200 Gb/s InfiniBand per GPU between hosts",
+            _A100_PEAKS,
+            40,
+            300.0,
+            25.0,
+        ),
+        _gpu(
+            "v100-16g",
+            "NVIDIA V100 SXM2 16 GB (AWS p3.16xlarge), NVLink 2 in a host, 25 Gb/s Ethernet between hosts",
+            (15.7e12, None, None, 125e12),
+            16,
+            150.0,
+            25 / 8 / 8,
+        ),
+        HardwarePreset(
+            name="cpu-sim",
+            description="simulated hosts of fake JAX CPU devices (the defaults)",
+            device_flops=5e10,
+            peak_flops={"fp32": 5e10, "tf32": None, "bf16": None, "fp16": None},
+            device_memory_bytes=8 * _GIB,
+            in_host_alpha=(1e-4, 1e-5),
+            in_host_beta=(1e-9, 1e-10),
+            inter_host_alpha=1e-4,
+            inter_host_beta=1e-9,
+        ),
+    )
+}
 """Every preset by name."""
 
 ALIASES = {"h100-sxm": "h100-nvlink", "a100-sxm": "a100-80g", "v100-p3": "v100-16g"}
@@ -93,8 +141,10 @@ def preset(name: str) -> HardwarePreset:
     try:
         return PRESETS[ALIASES.get(name, name)]
     except KeyError:
-        raise ValueError(f"unknown hardware preset {name!r}; the presets are {', '.join(sorted(PRESETS))} "
-                         "(or set ClusterSpec's constants yourself)") from None
+        raise ValueError(
+            f"unknown hardware preset {name!r}; the presets are {', '.join(sorted(PRESETS))} "
+            "(or set ClusterSpec's constants yourself)"
+        ) from None
 
 
 def detect(device_kind: str) -> str | None:

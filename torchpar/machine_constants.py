@@ -26,11 +26,11 @@ import os
 from dataclasses import fields, replace
 from typing import Any
 
+from torchpar import progress
 from torchpar.cluster import ClusterSpec
 from torchpar.ir.graph import Graph
 from torchpar.ir.op_families import FREE
 from torchpar.planner.plan import Plan
-from torchpar import progress
 from torchpar.planner.profiling import calibrated_cluster
 
 log = logging.getLogger(__name__)
@@ -62,8 +62,14 @@ def busy_devices(method: Any, cluster: ClusterSpec) -> int:
     return 1 if method is None else cluster.num_devices
 
 
-def priced_cluster(cluster: ClusterSpec, method: Any, graph: Graph, *, trainable: set[str] | None = None,
-                   optimizer_state_copies: float = 2.0) -> tuple[ClusterSpec, dict[str, Any]]:
+def priced_cluster(
+    cluster: ClusterSpec,
+    method: Any,
+    graph: Graph,
+    *,
+    trainable: set[str] | None = None,
+    optimizer_state_copies: float = 2.0,
+) -> tuple[ClusterSpec, dict[str, Any]]:
     """``(the cluster to plan ``graph`` with, the record of its constants)`` by the module docstring's rules; the
     record goes to ``plan.solver["cost_constants"]``. ``trainable`` (default: every parameter) and
     ``optimizer_state_copies`` price the optimizer update. A saved :class:`Plan` is not planned again: nothing is
@@ -76,8 +82,10 @@ def priced_cluster(cluster: ClusterSpec, method: Any, graph: Graph, *, trainable
     if chosen_source() == "nominal":
         return cluster, {"source": f"nominal defaults ({ENV_VAR}=nominal)"}
     if cluster.runtime != "local":
-        log.info("torchpar: the Ray runtime's driver holds no devices to measure: plans are priced with the nominal "
-                 "cost constants (give init(preset=...) or the constants by hand)")
+        log.info(
+            "torchpar: the Ray runtime's driver holds no devices to measure: plans are priced with the nominal "
+            "cost constants (give init(preset=...) or the constants by hand)"
+        )
         return cluster, {"source": "nominal defaults (Ray runtime: nothing to measure in the driver)"}
     import jax
 
@@ -86,14 +94,16 @@ def priced_cluster(cluster: ClusterSpec, method: Any, graph: Graph, *, trainable
 
     busy = busy_devices(method, cluster)
     if len(jax.devices()) < busy:  # planning for devices this process does not have (a meta-device model, say)
-        return cluster, {"source": f"nominal defaults (the plan's {busy} devices are not in this process: "
-                                   f"{len(jax.devices())} here)"}
+        return cluster, {
+            "source": f"nominal defaults (the plan's {busy} devices are not in this process: {len(jax.devices())} here)"
+        }
     devices = jax.devices()[:busy]
     progress.note(f"this machine's cost constants on {busy} device(s) (measured once, then cached)")
     measured = measure_machine(ProfileCache(profile_dir()), devices)
     ops = sum(1 for node in graph.nodes if node.target not in FREE)
-    params = float(sum(i.meta.numel for i in graph.inputs
-                       if i.kind == "param" and (trainable is None or i.target in trainable)))
+    params = float(
+        sum(i.meta.numel for i in graph.inputs if i.kind == "param" and (trainable is None or i.target in trainable))
+    )
     device_flops = measured.effective_flops(graph.total_flops, ops, params, optimizer_state_copies)
     priced = replace(calibrated_cluster(cluster, measured.links), device_flops=device_flops)
     return priced, {**measured.to_dict(), "device_flops": device_flops, "graph_ops": ops, "graph_params": params}

@@ -174,8 +174,10 @@ class ManualStageOption:
     def __post_init__(self) -> None:
         n = len(self.forward_stage_layer_ids)
         if n == 0 or len(self.submesh_physical_shapes) != n or len(self.submesh_logical_shapes) != n:
-            raise ValueError("forward_stage_layer_ids, submesh_physical_shapes and submesh_logical_shapes "
-                             "must be non-empty and of equal length")
+            raise ValueError(
+                "forward_stage_layer_ids, submesh_physical_shapes and submesh_logical_shapes "
+                "must be non-empty and of equal length"
+            )
 
 
 PIPELINE_SCHEDULES: tuple[str, ...] = ("1f1b", "gpipe", "interleaved_1f1b", "zb_h1")
@@ -223,21 +225,30 @@ class PipeshardParallel:
             raise ValueError(f"virtual_stages must be an int ≥ 1, got {v!r}")
         if self.schedule == "interleaved_1f1b":
             if v == 1:
-                raise ValueError("schedule='interleaved_1f1b' with virtual_stages=1 is schedule='1f1b'; give "
-                                 "virtual_stages ≥ 2 (the default, None, means 2)")
+                raise ValueError(
+                    "schedule='interleaved_1f1b' with virtual_stages=1 is schedule='1f1b'; give "
+                    "virtual_stages ≥ 2 (the default, None, means 2)"
+                )
             object.__setattr__(self, "virtual_stages", 2 if v is None else v)
         elif v not in (None, 1):
             raise ValueError(f"virtual_stages={v} needs schedule='interleaved_1f1b' (got {self.schedule!r})")
         if not isinstance(self.layer_option, AutoLayerOption) and self.layer_option != "manual":
             raise ValueError(f"layer_option must be AutoLayerOption(...) or 'manual', got {self.layer_option!r}")
         if not isinstance(self.stage_option, ManualStageOption) and self.stage_option not in ("auto", "uniform"):
-            raise ValueError(f"stage_option must be 'auto', 'uniform' or ManualStageOption(...), got {self.stage_option!r}")
+            raise ValueError(
+                f"stage_option must be 'auto', 'uniform' or ManualStageOption(...), got {self.stage_option!r}"
+            )
 
 
 Method = DataParallel | Zero2Parallel | Zero3Parallel | MegatronParallel | ShardParallel | PipeshardParallel
 
-METHODS: dict[str, type | None] = {SINGLE_DEVICE: None, **{m.name: m for m in (
-    DataParallel, Zero2Parallel, Zero3Parallel, MegatronParallel, ShardParallel, PipeshardParallel)}}
+METHODS: dict[str, type | None] = {
+    SINGLE_DEVICE: None,
+    **{
+        m.name: m
+        for m in (DataParallel, Zero2Parallel, Zero3Parallel, MegatronParallel, ShardParallel, PipeshardParallel)
+    },
+}
 """Every method by its name (``"single_device"`` is ``method=None``)."""
 METHOD_NAMES: tuple[str, ...] = tuple(METHODS)
 
@@ -281,7 +292,8 @@ def _check_micro_batches(num_micro_batches: int, alternative: str = "") -> None:
 
 
 def searches_micro_batches(method: Any) -> bool:
-    """Whether ``method`` leaves its micro-batch count to the planner (``PipeshardParallel(num_micro_batches="auto")``)."""
+    """Whether ``method`` leaves its micro-batch count to the planner
+    (``PipeshardParallel(num_micro_batches="auto")``)."""
     return isinstance(method, PipeshardParallel) and method.num_micro_batches == "auto"
 
 
@@ -293,7 +305,6 @@ def data_replicas(method: Any) -> int:
         return int(getattr(stages[0], "data_replicas", 1)) if len(stages) == 1 else 1
     shape = getattr(method, "mesh_shape", None)
     return int(shape[0]) if shape is not None and len(shape) == 3 else 1
-
 
 
 def method_title(name: str) -> str:

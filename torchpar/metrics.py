@@ -106,9 +106,7 @@ class StepMetrics:
         flat: dict[str, float] = {}
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if isinstance(value, bool):
-                flat[field.name] = float(value)
-            elif isinstance(value, (int, float)):
+            if isinstance(value, (bool, int, float)):
                 flat[field.name] = float(value)
         flat.update({f"memory_bytes/{stage}": float(b) for stage, b in (self.memory_bytes or {}).items()})
         flat.update({f"compile_s/{phase}": float(s) for phase, s in self.compile_timings.items()})
@@ -134,8 +132,13 @@ def count_tokens(batch: Any) -> int | None:
     import torch.utils._pytree as pytree
 
     def is_ids(value: Any) -> bool:
-        return (isinstance(value, torch.Tensor) and value.dim() == 2 and not value.is_floating_point()
-                and not value.is_complex() and value.dtype != torch.bool)
+        return (
+            isinstance(value, torch.Tensor)
+            and value.dim() == 2
+            and not value.is_floating_point()
+            and not value.is_complex()
+            and value.dtype != torch.bool
+        )
 
     if isinstance(batch, Mapping) and is_ids(batch.get("input_ids")):
         return int(batch["input_ids"].numel())
@@ -184,23 +187,51 @@ def mfu(flops_per_step: float, step_time_s: float, peak_per_device: float | None
     return flops_per_step / step_time_s / (peak_per_device * num_devices)
 
 
-def step_metrics(*, step: int, loss: float, step_time_s: float, samples: int | None, tokens: int | None,
-                 flops_per_step: float, precision: str, peak_per_device: float | None, num_devices: int,
-                 memory_bytes: dict[int, int] | None, compile_timings: Mapping[str, float],
-                 loss_scale: float | None = None, update_skipped: bool = False,
-                 recompiled: bool = False, grad_norm: float | None = None, data_wait_s: float = 0.0) -> StepMetrics:
+def step_metrics(
+    *,
+    step: int,
+    loss: float,
+    step_time_s: float,
+    samples: int | None,
+    tokens: int | None,
+    flops_per_step: float,
+    precision: str,
+    peak_per_device: float | None,
+    num_devices: int,
+    memory_bytes: dict[int, int] | None,
+    compile_timings: Mapping[str, float],
+    loss_scale: float | None = None,
+    update_skipped: bool = False,
+    recompiled: bool = False,
+    grad_norm: float | None = None,
+    data_wait_s: float = 0.0,
+) -> StepMetrics:
     """The :class:`StepMetrics` of one step from what the engine measured and knows."""
+
     def rate(count: int | None) -> float | None:
         return None if count is None else count / step_time_s
 
-    return StepMetrics(step=step, loss=float(loss), step_time_s=step_time_s, samples=samples,
-                       samples_per_s=rate(samples), tokens=tokens, tokens_per_s=rate(tokens),
-                       model_flops_per_step=flops_per_step, precision=precision, num_devices=num_devices,
-                       peak_flops_per_device=peak_per_device,
-                       mfu=mfu(flops_per_step, step_time_s, peak_per_device, num_devices),
-                       memory_bytes=None if memory_bytes is None else dict(memory_bytes),
-                       compile_timings=dict(compile_timings), loss_scale=loss_scale, update_skipped=update_skipped,
-                       recompiled=recompiled, grad_norm=grad_norm, data_wait_s=data_wait_s)
+    return StepMetrics(
+        step=step,
+        loss=float(loss),
+        step_time_s=step_time_s,
+        samples=samples,
+        samples_per_s=rate(samples),
+        tokens=tokens,
+        tokens_per_s=rate(tokens),
+        model_flops_per_step=flops_per_step,
+        precision=precision,
+        num_devices=num_devices,
+        peak_flops_per_device=peak_per_device,
+        mfu=mfu(flops_per_step, step_time_s, peak_per_device, num_devices),
+        memory_bytes=None if memory_bytes is None else dict(memory_bytes),
+        compile_timings=dict(compile_timings),
+        loss_scale=loss_scale,
+        update_skipped=update_skipped,
+        recompiled=recompiled,
+        grad_norm=grad_norm,
+        data_wait_s=data_wait_s,
+    )
 
 
 def measured_figures(plan: Any, memory_stats: Mapping[int, Mapping[str, int]], last_step_s: float | None) -> dict:
@@ -229,8 +260,8 @@ def save_report(plan: Any, path: str, measured: dict[str, Any], timeline: Any, m
 
 
 def format_line(metrics: StepMetrics) -> str:
-    """One log line: ``step 10 | loss 2.3456 | grad norm 0.8123 | 12.3 ms | 325 samples/s | 1.04e+04 tokens/s | 1.2 GFLOP | MFU
-    12.3% (bf16 × 8) | memory 32 MiB``."""
+    """One log line: ``step 10 | loss 2.3456 | grad norm 0.8123 | 12.3 ms | 325 samples/s | 1.04e+04 tokens/s | 1.2
+    GFLOP | MFU 12.3% (bf16 × 8) | memory 32 MiB``."""
     parts = [f"step {metrics.step}", f"loss {metrics.loss:.6g}", format_seconds(metrics.step_time_s)]
     if metrics.grad_norm is not None:
         parts.insert(2, f"grad norm {metrics.grad_norm:.4g}")
@@ -330,30 +361,40 @@ class StepRecorder:
             given = source()
             signature = facts.signature
             self._metrics = step_metrics(
-                step=facts.step, loss=facts.loss, step_time_s=facts.step_time_s,
-                samples=count_samples([shape for shape, _ in signature[1]]), tokens=facts.tokens,
+                step=facts.step,
+                loss=facts.loss,
+                step_time_s=facts.step_time_s,
+                samples=count_samples([shape for shape, _ in signature[1]]),
+                tokens=facts.tokens,
                 flops_per_step=model_flops_per_step(given.graphs[signature], given.num_micro_batches),
-                precision=given.precision, peak_per_device=peak_flops_per_device(given.cluster, given.precision),
+                precision=given.precision,
+                peak_per_device=peak_flops_per_device(given.cluster, given.precision),
                 num_devices=len({d for stage in given.plan.stages for d in stage.devices()}),
                 memory_bytes=self._memory_bytes(signature, given.memory_stats),
-                compile_timings=given.plan.timings, loss_scale=facts.loss_scale,
-                update_skipped=facts.update_skipped, recompiled=facts.recompiled, grad_norm=facts.grad_norm,
-                data_wait_s=facts.data_wait_s)
+                compile_timings=given.plan.timings,
+                loss_scale=facts.loss_scale,
+                update_skipped=facts.update_skipped,
+                recompiled=facts.recompiled,
+                grad_norm=facts.grad_norm,
+                data_wait_s=facts.data_wait_s,
+            )
         return self._metrics
 
-    def _memory_bytes(self, signature: tuple, memory_stats: Callable[[], dict[int, dict[str, int]]]
-                      ) -> dict[int, int] | None:
+    def _memory_bytes(
+        self, signature: tuple, memory_stats: Callable[[], dict[int, dict[str, int]]]
+    ) -> dict[int, int] | None:
         """Per-device bytes of each stage's executables for ``signature`` (read once), ``None`` if unavailable."""
         from torchpar.runtime.resources import executable_peak_bytes
 
         if signature not in self._memory_by_signature:
             try:
                 stats = memory_stats()
-            except Exception as error:  # noqa: BLE001 (metrics must not fail a step; the reason is logged)
+            except Exception as error:
                 log.warning("torchpar: no memory statistics for the step's metrics: %s", error)
                 stats = None
             self._memory_by_signature[signature] = (
-                None if stats is None else {stage: executable_peak_bytes(s) for stage, s in stats.items()})
+                None if stats is None else {stage: executable_peak_bytes(s) for stage, s in stats.items()}
+            )
         return self._memory_by_signature[signature]
 
 

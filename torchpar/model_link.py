@@ -84,7 +84,7 @@ def suspended() -> Iterator[None]:
         _suspended -= 1
 
 
-def holder_of(tensor: torch.Tensor) -> "ModelLink | None":
+def holder_of(tensor: torch.Tensor) -> ModelLink | None:
     """The link whose engine holds newer values than ``tensor``, if any."""
     entry = _holders.get(id(tensor))
     if entry is None or entry[0]() is not tensor:
@@ -118,7 +118,7 @@ def _user_access(module: torch.nn.Module, name: str | None = None) -> None:
         _seen.update((id(m), _epoch) for m in modules)
 
 
-def pull_holders(tensors: Iterable[torch.Tensor], *, but: "ModelLink | None" = None) -> None:
+def pull_holders(tensors: Iterable[torch.Tensor], *, but: ModelLink | None = None) -> None:
     """Every engine holding newer values than one of ``tensors`` (other than ``but``'s) copies its values into
     torch."""
     for holder in {h for t in tensors if (h := holder_of(t)) is not None and h is not but}:
@@ -196,8 +196,11 @@ def _linked_class(cls: type) -> type:
     if getattr(cls, "_torchpar_base", None) is not None:
         return cls
     if cls not in _linked_classes:
-        namespace: dict[str, Any] = {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
-                                     "_torchpar_base": cls}
+        namespace: dict[str, Any] = {
+            "__module__": cls.__module__,
+            "__qualname__": cls.__qualname__,
+            "_torchpar_base": cls,
+        }
         for name in METADATA_PROPERTIES:
             found = inspect.getattr_static(cls, name, None)
             if isinstance(found, property) and found.fget is not None:
@@ -206,13 +209,13 @@ def _linked_class(cls: type) -> type:
     return _linked_classes[cls]
 
 
-def _watch(module: torch.nn.Module, link: "ModelLink") -> None:
+def _watch(module: torch.nn.Module, link: ModelLink) -> None:
     watchers = _watchers.setdefault(id(module), weakref.WeakSet())
     watchers.add(link)
     module.__class__ = _linked_class(type(module))
 
 
-def _unwatch(module: torch.nn.Module, link: "ModelLink | None") -> None:
+def _unwatch(module: torch.nn.Module, link: ModelLink | None) -> None:
     watchers = _watchers.get(id(module))
     if watchers is not None:
         if link is not None:
@@ -298,8 +301,14 @@ class ModelLink:
     capture's guards; ``roots``: the modules whose trees are watched (the model and the modules outside it the step
     calls); ``label`` names the engine in messages."""
 
-    def __init__(self, tracked: dict[str, Tracked], reads: Iterable[AttributeRead], roots: Iterable[torch.nn.Module],
-                 state: StateAccess, label: str = "the engine"):
+    def __init__(
+        self,
+        tracked: dict[str, Tracked],
+        reads: Iterable[AttributeRead],
+        roots: Iterable[torch.nn.Module],
+        state: StateAccess,
+        label: str = "the engine",
+    ):
         self.tracked = tracked
         self.reads = tuple(reads)
         self.state = state
@@ -330,8 +339,13 @@ class ModelLink:
         try:
             state = self.state.export(("param", "buffer"))
         except ExecutorClosedError as error:  # its workers are gone (a failure): what they held is lost
-            log.warning("torchpar: %s cannot give the torch model its newer values of %d tensors (%s); the model "
-                        "keeps the values of the last pull", self.label, len(held), error)
+            log.warning(
+                "torchpar: %s cannot give the torch model its newer values of %d tensors (%s); the model "
+                "keeps the values of the last pull",
+                self.label,
+                len(held),
+                error,
+            )
             for t in held:
                 _holders.pop(id(t.tensor), None)
             return
@@ -363,7 +377,8 @@ class ModelLink:
                     f"{t.slots[0].path} was written in place while {self.label} held newer values of it (a reference "
                     "kept from before the last step?): the write applied to stale values. Read the tensor through the "
                     "model after each step (model.parameters(), model.<name>, state_dict()), or call "
-                    "engine.sync_to_torch() before writing")
+                    "engine.sync_to_torch() before writing"
+                )
             push.append(t)
         if push:
             self._push(push)
@@ -375,8 +390,9 @@ class ModelLink:
             now = read.module.__dict__.get(read.name, _MISSING)
             if not same_plain(now, read.value):
                 shown = "deleted" if now is _MISSING else repr(now)
-                changes.append(f"{read.describe()} changed from {read.value!r} to {shown} (forward read it at "
-                               f"{read.source})")
+                changes.append(
+                    f"{read.describe()} changed from {read.value!r} to {shown} (forward read it at {read.source})"
+                )
         return changes
 
     def changed_floats(self) -> list[NumberAttribute]:
@@ -403,23 +419,34 @@ class ModelLink:
                     continue
                 if now is t.tensor:
                     continue
-                if (slot.where != "parameter" and len(t.slots) == 1 and isinstance(now, torch.Tensor)
-                        and tuple(now.shape) == t.shape and now.dtype == t.dtype):
+                if (
+                    slot.where != "parameter"
+                    and len(t.slots) == 1
+                    and isinstance(now, torch.Tensor)
+                    and tuple(now.shape) == t.shape
+                    and now.dtype == t.dtype
+                ):
                     t.tensor, t.reassigned = now, True  # a new buffer / attribute object: its values are pushed
                     continue
                 what = "removed" if now is _MISSING else "replaced by another tensor"
                 changes.append(f"{slot.path} ({slot.where}) was {what}")
             if t.tensor.dtype != t.dtype or tuple(t.tensor.shape) != t.shape:
-                changes.append(f"{t.slots[0].path} changed from {t.dtype} {list(t.shape)} to {t.tensor.dtype} "
-                               f"{list(t.tensor.shape)}")
+                changes.append(
+                    f"{t.slots[0].path} changed from {t.dtype} {list(t.shape)} to {t.tensor.dtype} "
+                    f"{list(t.tensor.shape)}"
+                )
         return changes
 
     def _push(self, push: list[Tracked]) -> None:
         from torchpar.host_arrays import host_copy
         from torchpar.runtime.state import HostState
 
-        self.state.update(HostState(params={t.name: host_copy(t.tensor) for t in push if t.kind == "param"},
-                                    buffers={t.name: host_copy(t.tensor) for t in push if t.kind == "buffer"}))
+        self.state.update(
+            HostState(
+                params={t.name: host_copy(t.tensor) for t in push if t.kind == "param"},
+                buffers={t.name: host_copy(t.tensor) for t in push if t.kind == "buffer"},
+            )
+        )
         for t in push:
             t.synced_version, t.synced_touch, t.reassigned = t.tensor._version, _touches.get(id(t.tensor), 0), False
         log.debug("torchpar: %d tensors of the torch model pushed into %s", len(push), self.label)
@@ -477,8 +504,15 @@ def tracked_state(model: torch.nn.Module, captured: Any) -> dict[str, Tracked]:
     def add(tensor: torch.Tensor, kind: str, slot: Slot, outside: bool) -> None:
         name = first.setdefault(id(tensor), slot.path)
         if name not in found:
-            found[name] = Tracked(name=name, kind=kind, slots=(), tensor=tensor, shape=tuple(tensor.shape),
-                                  dtype=tensor.dtype, outside=outside)
+            found[name] = Tracked(
+                name=name,
+                kind=kind,
+                slots=(),
+                tensor=tensor,
+                shape=tuple(tensor.shape),
+                dtype=tensor.dtype,
+                outside=outside,
+            )
         tracked = found[name]
         if all(s.module is not slot.module or s.attribute != slot.attribute for s in tracked.slots):
             tracked.slots = (*tracked.slots, slot)
@@ -486,8 +520,10 @@ def tracked_state(model: torch.nn.Module, captured: Any) -> dict[str, Tracked]:
     def add_tree(root: torch.nn.Module, prefix: str, outside: bool) -> None:
         for path, module in torch.nn.Module.named_modules(root, remove_duplicate=False):
             base = f"{prefix}{path}." if path else prefix
-            for where, kind, entries in (("parameter", "param", module.__dict__["_parameters"]),
-                                         ("buffer", "buffer", module.__dict__["_buffers"])):
+            for where, kind, entries in (
+                ("parameter", "param", module.__dict__["_parameters"]),
+                ("buffer", "buffer", module.__dict__["_buffers"]),
+            ):
                 for attr, tensor in entries.items():
                     if tensor is not None:
                         add(tensor, kind, Slot(module, attr, where, base + attr), outside)
@@ -495,11 +531,19 @@ def tracked_state(model: torch.nn.Module, captured: Any) -> dict[str, Tracked]:
     with suspended():
         add_tree(model, "", outside=False)
         for name, module, attr in captured.tensor_attributes:
-            add(module.__dict__[attr], "buffer", Slot(module, attr, "attribute", name),
-                outside=name.startswith(f"{OUTSIDE_PREFIX}"))
+            add(
+                module.__dict__[attr],
+                "buffer",
+                Slot(module, attr, "attribute", name),
+                outside=name.startswith(f"{OUTSIDE_PREFIX}"),
+            )
         for name, module, attr in captured.numbers:  # the engine's copy of a float: a 0-d tensor of its own
-            add(torch.tensor(float(module.__dict__[attr])), "buffer", Slot(module, attr, "number", name),
-                outside=name.startswith(f"{OUTSIDE_PREFIX}"))
+            add(
+                torch.tensor(float(module.__dict__[attr])),
+                "buffer",
+                Slot(module, attr, "number", name),
+                outside=name.startswith(f"{OUTSIDE_PREFIX}"),
+            )
         for i, module in enumerate(captured.outside):
             add_tree(module, f"{OUTSIDE_PREFIX}{i}.", outside=True)
     return found

@@ -94,15 +94,18 @@ class CompileOptions:
 
     def __post_init__(self) -> None:
         if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)):
-            raise TypeError(f"seed must be an int (the PRNG stream's seed, like torch.manual_seed's), got {self.seed!r} "
-                            f"of type {type(self.seed).__name__}")
+            raise TypeError(
+                f"seed must be an int (the PRNG stream's seed, like torch.manual_seed's), got {self.seed!r} "
+                f"of type {type(self.seed).__name__}"
+            )
         if not -(2**63) <= self.seed < 2**64:
             raise ValueError(f"seed must fit in 64 bits, got {self.seed}")
         if isinstance(self.log_every, bool) or not isinstance(self.log_every, int) or self.log_every < 0:
             raise ValueError(f"log_every must be an int ≥ 0 (0 = off), got {self.log_every!r}")
         if self.on_metrics is not None and not callable(self.on_metrics):
-            raise TypeError(f"on_metrics must be a callable taking the step's metrics, got a "
-                            f"{type(self.on_metrics).__name__}")
+            raise TypeError(
+                f"on_metrics must be a callable taking the step's metrics, got a {type(self.on_metrics).__name__}"
+            )
         if self.grad_clip_norm is not None and not self.grad_clip_norm > 0:
             raise ValueError(f"grad_clip_norm must be positive or None, got {self.grad_clip_norm}")
         if self.spmd not in SPMD_MODES:
@@ -129,6 +132,10 @@ def numerics_for(matmul_precision: str | None) -> Any:
 def describe_numerics(numerics: Any, mixed_precision: str | None) -> dict[str, Any]:
     """``Plan.numerics``: the precisions asked and what this platform computes with (see ``Engine.numerics``)."""
     effective = numerics.effective()
-    return {"matmul_precision": numerics.matmul, "conv_precision": numerics.conv,
-            "effective": f"{effective.describe()} on {effective.platform}",
-            "mixed_precision": mixed_precision or "none", "loss_scaling": "dynamic" if mixed_precision == "fp16" else "none"}
+    return {
+        "matmul_precision": numerics.matmul,
+        "conv_precision": numerics.conv,
+        "effective": f"{effective.describe()} on {effective.platform}",
+        "mixed_precision": mixed_precision or "none",
+        "loss_scaling": "dynamic" if mixed_precision == "fp16" else "none",
+    }

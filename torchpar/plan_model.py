@@ -24,9 +24,19 @@ from torchpar.profiled import plan_training_profiled
 from torchpar.progress import CompilePhases
 
 
-def plan_model(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, example_batch: Any,
-               loss_fn: LossFn | None, step_fn: StepFn | None, method: Method | None, explain: bool,
-               mixed_precision: MixedPrecision | None, remat: Remat, profile: bool) -> Plan:
+def plan_model(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    example_batch: Any,
+    loss_fn: LossFn | None,
+    step_fn: StepFn | None,
+    method: Method | None,
+    explain: bool,
+    mixed_precision: MixedPrecision | None,
+    remat: Remat,
+    profile: bool,
+) -> Plan:
     """The plan of :func:`torchpar.plan` (its arguments, already checked); ``plan.timings`` has the capture's
     seconds (the chosen count's) and, for a searched count, ``micro_batch_search``."""
     names = dict(model.named_parameters())
@@ -40,22 +50,33 @@ def plan_model(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, exam
         start = time.perf_counter()
         with phases.phase(f"capture ({count} micro-batches)" if searching else "capture"):
             batch = batches.first_micro_batch(example_batch, count, data_replicas(concrete))
-            capture = capture_train_step(model, batch, loss_fn, autocast=autocast_dtype(mixed_precision),
-                                         step_fn=step_fn)
+            capture = capture_train_step(
+                model, batch, loss_fn, autocast=autocast_dtype(mixed_precision), step_fn=step_fn
+            )
         capture_s = time.perf_counter() - start
         with phases.phase(f"plan ({count} micro-batches)" if searching else "plan"):
-            planned = plan_training_profiled(capture.graph, concrete, current_cluster(), profile=profile, spec=spec,
-                                             trainable=set(trainable_params(capture.graph, names, spec.param_names)),
-                                             remat=remat, explain=explain, numerics=numerics_for(None),
-                                             library_fusions=True, beat_s=beat_s).plan
+            planned = plan_training_profiled(
+                capture.graph,
+                concrete,
+                current_cluster(),
+                profile=profile,
+                spec=spec,
+                trainable=set(trainable_params(capture.graph, names, spec.param_names)),
+                remat=remat,
+                explain=explain,
+                numerics=numerics_for(None),
+                library_fusions=True,
+                beat_s=beat_s,
+            ).plan
         planned.timings = {"capture": capture_s, **planned.timings}
         return planned
 
     try:
         if searching:
             start = time.perf_counter()
-            _, result = plan_micro_batch_count(method, batches.splittable_rows(example_batch), plan_with,
-                                               lambda planned: planned)
+            _, result = plan_micro_batch_count(
+                method, batches.splittable_rows(example_batch), plan_with, lambda planned: planned
+            )
             result.timings["micro_batch_search"] = time.perf_counter() - start
         else:
             result = plan_with(method)

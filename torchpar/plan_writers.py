@@ -23,9 +23,12 @@ def register(kind: str, writer: Writer) -> None:
 
 
 def writer(kind: str) -> Writer:
-    """The ``kind`` report writer; a ``RuntimeError`` if none is registered (``torchpar/__init__.py`` registers them)."""
+    """The ``kind`` report writer; a ``RuntimeError`` if none is registered (``torchpar/__init__.py`` registers
+    them)."""
     try:
         return _writers[kind]
     except KeyError:
-        raise RuntimeError(f"no {kind!r} report writer is registered (registered: {sorted(_writers)}); "
-                           "torchpar/__init__.py registers torchpar.report's writers") from None
+        raise RuntimeError(
+            f"no {kind!r} report writer is registered (registered: {sorted(_writers)}); "
+            "torchpar/__init__.py registers torchpar.report's writers"
+        ) from None

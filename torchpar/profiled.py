@@ -52,14 +52,23 @@ class Profiling:
         self.bar.close()
 
 
-def start_profiling(cluster: ClusterSpec, *, spec: OptimizerSpec, trainable: set[str], num_micro_batches: int,
-                    numerics: Any, library_fusions: bool) -> Profiling:
+def start_profiling(
+    cluster: ClusterSpec,
+    *,
+    spec: OptimizerSpec,
+    trainable: set[str],
+    num_micro_batches: int,
+    numerics: Any,
+    library_fusions: bool,
+) -> Profiling:
     """Time the links of this process's devices (or read them from the profile cache) and make the stage timer.
     Raises ``ValueError`` on the Ray runtime, whose driver has no devices to measure on."""
     if cluster.runtime != "local":
-        raise ValueError("profile=True measures on this process's devices, and the Ray runtime's driver holds none: "
-                         "profile with torchpar.init(cluster='local', num_devices=...) on one host of the same "
-                         "hardware, save plan.to_json() and compile with method=torchpar.Plan.from_json(text) on the cluster")
+        raise ValueError(
+            "profile=True measures on this process's devices, and the Ray runtime's driver holds none: "
+            "profile with torchpar.init(cluster='local', num_devices=...) on one host of the same "
+            "hardware, save plan.to_json() and compile with method=torchpar.Plan.from_json(text) on the cluster"
+        )
     import jax
 
     from torchpar.runtime.profile_cache import ProfileCache, profile_dir
@@ -67,30 +76,59 @@ def start_profiling(cluster: ClusterSpec, *, spec: OptimizerSpec, trainable: set
 
     devices = jax.devices()
     if len(devices) < cluster.num_devices:
-        raise ValueError(f"profile=True needs the cluster's {cluster.num_devices} devices in this process; JAX has "
-                         f"{len(devices)} (torchpar.init(num_devices=...) before JAX is imported)")
+        raise ValueError(
+            f"profile=True needs the cluster's {cluster.num_devices} devices in this process; JAX has "
+            f"{len(devices)} (torchpar.init(num_devices=...) before JAX is imported)"
+        )
     cache = ProfileCache(profile_dir())
     bar = tqdm(desc="torchpar: profiling", unit="stage", leave=False, disable=None)
-    links = time_links(cache, devices[:cluster.devices_per_host])
-    timer = StageProfiler(spec=spec, trainable=trainable, num_micro_batches=num_micro_batches, numerics=numerics,
-                          library_fusions=library_fusions, cache=cache, devices=devices,
-                          on_stage=lambda what: bar.update(1))
+    links = time_links(cache, devices[: cluster.devices_per_host])
+    timer = StageProfiler(
+        spec=spec,
+        trainable=trainable,
+        num_micro_batches=num_micro_batches,
+        numerics=numerics,
+        library_fusions=library_fusions,
+        cache=cache,
+        devices=devices,
+        on_stage=lambda what: bar.update(1),
+    )
     calibrated = calibrated_cluster(cluster, links) if links else cluster
-    log.info("profiling: link constants alpha %s, beta %s (were %s, %s); profile cache %s", calibrated.alpha,
-             calibrated.beta, cluster.alpha, cluster.beta, cache.directory or "off")
+    log.info(
+        "profiling: link constants alpha %s, beta %s (were %s, %s); profile cache %s",
+        calibrated.alpha,
+        calibrated.beta,
+        cluster.alpha,
+        cluster.beta,
+        cache.directory or "off",
+    )
     return Profiling(cluster=calibrated, timer=timer, links=links, bar=bar)
 
 
 @contextlib.contextmanager
-def profiling_if(profile: bool, cluster: ClusterSpec, *, spec: OptimizerSpec, trainable: set[str],
-                 num_micro_batches: int, numerics: Any, library_fusions: bool) -> Iterator[Profiling | None]:
+def profiling_if(
+    profile: bool,
+    cluster: ClusterSpec,
+    *,
+    spec: OptimizerSpec,
+    trainable: set[str],
+    num_micro_batches: int,
+    numerics: Any,
+    library_fusions: bool,
+) -> Iterator[Profiling | None]:
     """``profile=True``: the :class:`Profiling` to plan with inside the ``with`` block (links timed on entering,
     :func:`start_profiling`; its progress bar closed on leaving); else ``None``."""
     if not profile:
         yield None
         return
-    profiling = start_profiling(cluster, spec=spec, trainable=trainable, num_micro_batches=num_micro_batches,
-                                numerics=numerics, library_fusions=library_fusions)
+    profiling = start_profiling(
+        cluster,
+        spec=spec,
+        trainable=trainable,
+        num_micro_batches=num_micro_batches,
+        numerics=numerics,
+        library_fusions=library_fusions,
+    )
     try:
         yield profiling
     finally:
@@ -103,13 +141,26 @@ def finish_profiling(profiling: Profiling | None, plan: Plan) -> None:
     if profiling is None:
         return
     profiling.record_links(plan)
-    log.info("torchpar: profiled plan:\n%s", "\n".join(line for line in plan.summary().splitlines()
-                                                        if "measured" in line or "profiled" in line))
+    log.info(
+        "torchpar: profiled plan:\n%s",
+        "\n".join(line for line in plan.summary().splitlines() if "measured" in line or "profiled" in line),
+    )
 
 
-def plan_training_profiled(graph: Graph, method: Any, cluster: ClusterSpec, *, profile: bool, spec: OptimizerSpec,
-                           trainable: set[str], remat: str | None, explain: bool = False, numerics: Any,
-                           library_fusions: bool, beat_s: float = math.inf) -> TrainingPlan:
+def plan_training_profiled(
+    graph: Graph,
+    method: Any,
+    cluster: ClusterSpec,
+    *,
+    profile: bool,
+    spec: OptimizerSpec,
+    trainable: set[str],
+    remat: str | None,
+    explain: bool = False,
+    numerics: Any,
+    library_fusions: bool,
+    beat_s: float = math.inf,
+) -> TrainingPlan:
     """:func:`torchpar.planner.training_plan.plan_training` of ``graph``, with measured profiling when ``profile``
     (links timed first, the candidates compiled and timed while planning; a saved :class:`Plan` is taken as it is
     and measures nothing). ``spec``: the optimizer's, for its state copies and the timed steps' update. A cluster
@@ -117,13 +168,29 @@ def plan_training_profiled(graph: Graph, method: Any, cluster: ClusterSpec, *, p
     ``beat_s``: as :func:`~torchpar.planner.training_plan.plan_training`'s."""
     measure = profile and not isinstance(method, Plan)
     micro = int(getattr(method, "num_micro_batches", 1)) if isinstance(method, PipeshardParallel) else 1
-    cluster, constants = priced_cluster(cluster, method, graph, trainable=trainable,
-                                         optimizer_state_copies=state_copies(spec))
-    with profiling_if(measure, cluster, spec=spec, trainable=trainable, num_micro_batches=micro, numerics=numerics,
-                      library_fusions=library_fusions) as profiling:
-        planned = plan_training(graph, method, profiling.cluster if profiling else cluster, trainable=trainable,
-                                optimizer_state_copies=state_copies(spec), remat=remat, explain=explain,
-                                stage_timer=profiling.timer if profiling else None, beat_s=beat_s)
+    cluster, constants = priced_cluster(
+        cluster, method, graph, trainable=trainable, optimizer_state_copies=state_copies(spec)
+    )
+    with profiling_if(
+        measure,
+        cluster,
+        spec=spec,
+        trainable=trainable,
+        num_micro_batches=micro,
+        numerics=numerics,
+        library_fusions=library_fusions,
+    ) as profiling:
+        planned = plan_training(
+            graph,
+            method,
+            profiling.cluster if profiling else cluster,
+            trainable=trainable,
+            optimizer_state_copies=state_copies(spec),
+            remat=remat,
+            explain=explain,
+            stage_timer=profiling.timer if profiling else None,
+            beat_s=beat_s,
+        )
         finish_profiling(profiling, planned.plan)
     if not isinstance(method, Plan):  # a saved plan keeps the record of what priced it
         planned.plan.solver["cost_constants"] = constants

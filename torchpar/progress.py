@@ -35,8 +35,9 @@ class CompilePhases:
     """``with phases.phase("capture"): ...`` advances one bar whose label names the running phase."""
 
     def __init__(self, names: Sequence[str], what: str):
-        self._bar = tqdm(total=len(names) or None, desc=f"torchpar: {what}", unit="phase", leave=False,
-                         disable=_disabled())
+        self._bar = tqdm(
+            total=len(names) or None, desc=f"torchpar: {what}", unit="phase", leave=False, disable=_disabled()
+        )
         self._name = ""
         self._stop = threading.Event()
         self._ticker: threading.Thread | None = None

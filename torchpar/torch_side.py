@@ -38,25 +38,40 @@ class TorchSide:
     optimizer's hooks keep no engine alive); ``fns``: the user's ``loss_fn``, ``step_fn``, ``forward_fn`` (the trial
     captures of :meth:`feedable_floats` use them); ``params``: the engine's parameter names → torch parameters."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, compiled: Any,
-                 executor: Callable[[], Any], graph: Callable[[], Any], options: Any, fns: dict[str, Any],
-                 params: dict[str, torch.Tensor]):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        compiled: Any,
+        executor: Callable[[], Any],
+        graph: Callable[[], Any],
+        options: Any,
+        fns: dict[str, Any],
+        params: dict[str, torch.Tensor],
+    ):
         self.model, self.optimizer, self._compiled = model, optimizer, compiled
         self._executor, self._graph = executor, graph
         self._options, self._fns = options, fns
         with model_link.suspended():
             self._setup = training_setup(model, optimizer)  # modes, requires_grad, param groups compiled for
-        self.link = model_link.ModelLink(compiled.tracked, compiled.captured_state.reads,
-                                         roots=(model, *compiled.captured_state.outside),
-                                         state=_ExecutorState(executor), label=f"the engine over {type(model).__name__}")
+        self.link = model_link.ModelLink(
+            compiled.tracked,
+            compiled.captured_state.reads,
+            roots=(model, *compiled.captured_state.outside),
+            state=_ExecutorState(executor),
+            label=f"the engine over {type(model).__name__}",
+        )
         self._written: dict[tuple, set[str]] = {}
-        self._grads = (GradStandIns({n: params[n] for n in compiled.bridge.spec.param_names})
-                       if options.grad_stand_ins else None)
+        self._grads = (
+            GradStandIns({n: params[n] for n in compiled.bridge.spec.param_names}) if options.grad_stand_ins else None
+        )
         self.optimizer_stale = False
         """The torch optimizer's ``state`` is older than the engine's (pulled by ``optimizer.state_dict()``)."""
         self._optimizer_loaded = False
-        self._hooks = [optimizer.register_state_dict_pre_hook(_weakly(self._on_optimizer_state_dict)),
-                       optimizer.register_load_state_dict_post_hook(_weakly(self._on_optimizer_loaded))]
+        self._hooks = [
+            optimizer.register_state_dict_pre_hook(_weakly(self._on_optimizer_state_dict)),
+            optimizer.register_load_state_dict_post_hook(_weakly(self._on_optimizer_loaded)),
+        ]
 
     def changes(self) -> list[str]:
         """Before a step (or forward, save…): push what user code wrote into the torch model since the last step into
@@ -99,10 +114,14 @@ class TorchSide:
 
     def announce_recompile(self, changes: list[str], fed: list[NumberAttribute]) -> None:
         """Log why the step recompiles (``changes``) and which float attributes (``fed``) become step inputs."""
-        log.warning("torchpar: %s; recompiling the training step%s", "; ".join(
-            c if " changed " in c or " was " in c else f"{c} changed since compile" for c in changes),
+        log.warning(
+            "torchpar: %s; recompiling the training step%s",
+            "; ".join(c if " changed " in c or " was " in c else f"{c} changed since compile" for c in changes),
             f" (from now on {', '.join(name for _, name in fed)} "
-            f"{'is a step input' if len(fed) == 1 else 'are step inputs'}: a change recompiles no more)" if fed else "")
+            f"{'is a step input' if len(fed) == 1 else 'are step inputs'}: a change recompiles no more)"
+            if fed
+            else "",
+        )
 
     def feedable_floats(self, batch: Any, floats: Iterable[NumberAttribute]) -> list[NumberAttribute]:
         """Those of ``floats`` the step can read as inputs: each is tried in a capture on ``batch`` as a 0-d tensor; one
@@ -111,14 +130,24 @@ class TorchSide:
         fed: list[NumberAttribute] = []
         for candidate in floats:
             try:
-                capture_train_step(self.model, self._compiled.first_part(batch), self._fns["loss_fn"],
-                                   autocast=autocast_dtype(self._options.mixed_precision), step_fn=self._fns["step_fn"],
-                                   outside=self._compiled.captured_state.outside,
-                                   numbers=(*self._compiled.numbers, *fed, candidate))
-            except Exception as error:  # noqa: BLE001 (any capture failure means: keep it a constant)
-                log.info("torchpar: %s.%s stays a constant of the step (each change recompiles): forward does not use "
-                         "it as a number in tensor arithmetic only (%s: %s)", type(candidate[0]).__name__,
-                         candidate[1], type(error).__name__, str(error).splitlines()[0][:200] if str(error) else "")
+                capture_train_step(
+                    self.model,
+                    self._compiled.first_part(batch),
+                    self._fns["loss_fn"],
+                    autocast=autocast_dtype(self._options.mixed_precision),
+                    step_fn=self._fns["step_fn"],
+                    outside=self._compiled.captured_state.outside,
+                    numbers=(*self._compiled.numbers, *fed, candidate),
+                )
+            except Exception as error:
+                log.info(
+                    "torchpar: %s.%s stays a constant of the step (each change recompiles): forward does not use "
+                    "it as a number in tensor arithmetic only (%s: %s)",
+                    type(candidate[0]).__name__,
+                    candidate[1],
+                    type(error).__name__,
+                    str(error).splitlines()[0][:200] if str(error) else "",
+                )
             else:
                 fed.append(candidate)
         return fed
@@ -141,8 +170,9 @@ class TorchSide:
         """The state the step of ``signature`` writes: the parameters it trains and the buffers it mutates."""
         if signature not in self._written:
             graph = self._compiled.graph(signature)
-            self._written[signature] = ({*self._compiled.trainable(graph)}
-                                        | {o.target for o in graph.outputs if o.kind == "buffer"})
+            self._written[signature] = {*self._compiled.trainable(graph)} | {
+                o.target for o in graph.outputs if o.kind == "buffer"
+            }
         return self._written[signature]
 
     def _on_optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> None:
@@ -160,6 +190,7 @@ def linked(bring_in: bool = True) -> Callable[[Callable[..., Any]], Callable[...
     """Decorate an engine method that reads or writes the engine's state: it runs with the torch link suspended (its
     own reads of the torch model pull nothing), after — with ``bring_in`` — what user code wrote into the torch model
     since the last step was brought in (the engine's ``_bring_in(_capture_batch)``)."""
+
     def decorate(method: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(method)
         def run(engine: Any, *args: Any, **kwargs: Any) -> Any:
@@ -167,7 +198,9 @@ def linked(bring_in: bool = True) -> Callable[[Callable[..., Any]], Callable[...
                 if bring_in:
                     engine._bring_in(engine._capture_batch)
                 return method(engine, *args, **kwargs)
+
         return run
+
     return decorate
 
 

@@ -72,8 +72,20 @@ _CUDNN_REFUSALS = (NotImplementedError, ValueError, RuntimeError)
 
 
 @lowers("aten.scaled_dot_product_attention.default", random=True, sharded=True)
-def scaled_dot_product_attention(query, key_, value, attn_mask=None, dropout_p=0.0, is_causal=False,
-                                 scale=None, enable_gqa=False, *, key, shardings=None, context=None):
+def scaled_dot_product_attention(
+    query,
+    key_,
+    value,
+    attn_mask=None,
+    dropout_p=0.0,
+    is_causal=False,
+    scale=None,
+    enable_gqa=False,
+    *,
+    key,
+    shardings=None,
+    context=None,
+):
     """``softmax(Q Kᵀ·scale + mask) V``; see the module docstring for shapes and paths. With ``context`` (the plan's
     ``"allgather"``/``"ring"``) and pinned ``shardings`` splitting the sequence: context parallelism
     (:mod:`.context_attention`)."""
@@ -81,8 +93,9 @@ def scaled_dot_product_attention(query, key_, value, attn_mask=None, dropout_p=0
     split = pinned_context_split(shardings, context, bool(is_causal), scale)
     if split is not None:
         if attn_mask is not None or dropout_p > 0.0:
-            raise NotImplementedError("context-parallel attention with a mask operand or dropout: plan it with "
-                                      "ShardParallel(context='off')")
+            raise NotImplementedError(
+                "context-parallel attention with a mask operand or dropout: plan it with ShardParallel(context='off')"
+            )
         return split_attention(query, key_, value, shardings, split)
     path = _path(query, key_, value, attn_mask, dropout_p, is_causal, enable_gqa)
     if path == "cudnn":
@@ -101,8 +114,12 @@ def _path(query, key_, value, attn_mask, dropout_p, is_causal, enable_gqa) -> st
     if not _fused_applies(query, key_, value, attn_mask, dropout_p, enable_gqa):
         return "composition"
     aligned = not is_causal or query.shape[-2] == key_.shape[-2]
-    if (query.dtype in _HALF_DTYPES and attn_mask is None and aligned
-            and precision.current().platform in _CUDNN_PLATFORMS):
+    if (
+        query.dtype in _HALF_DTYPES
+        and attn_mask is None
+        and aligned
+        and precision.current().platform in _CUDNN_PLATFORMS
+    ):
         return "cudnn"
     return "composition"
 
@@ -139,8 +156,9 @@ def _fused(query, key_, value, attn_mask, is_causal, scale, implementation):
         return out[0]
     rank, q_len, k_len = query.ndim, query.shape[-2], key_.shape[-2]
     mask_NLS = None if attn_mask is None else attn_mask.reshape((1,) * (rank - attn_mask.ndim) + attn_mask.shape)
-    batch_shape = jnp.broadcast_shapes(query.shape[:-3], key_.shape[:-3], value.shape[:-3],
-                                       () if mask_NLS is None else mask_NLS.shape[:-3])
+    batch_shape = jnp.broadcast_shapes(
+        query.shape[:-3], key_.shape[:-3], value.shape[:-3], () if mask_NLS is None else mask_NLS.shape[:-3]
+    )
 
     def to_btnh(x):  # [..., N, T, H] → [B, T, N, H]
         x = jnp.broadcast_to(x, batch_shape + x.shape[-3:])
@@ -160,8 +178,9 @@ def _fused(query, key_, value, attn_mask, is_causal, scale, implementation):
         if is_causal:
             live_BNTS = live_BNTS & jnp.tril(jnp.ones((q_len, k_len), jnp.bool_))
 
-    out_BTNH = jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, bias, mask, scale=scale, is_causal=is_causal,
-                                            implementation=implementation)
+    out_BTNH = jax.nn.dot_product_attention(
+        q_BTNH, k_BSKH, v_BSKH, bias, mask, scale=scale, is_causal=is_causal, implementation=implementation
+    )
     if live_BNTS is not None:  # rows with no key left: zeros, as PyTorch's safe softmax gives
         dead_BTN1 = jnp.swapaxes(~jnp.any(live_BNTS, axis=-1), 1, 2)[..., None]
         out_BTNH = jnp.where(dead_BTN1, jnp.zeros((), out_BTNH.dtype), out_BTNH)

@@ -43,7 +43,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -98,6 +98,7 @@ def context_attention(q: jax.Array, k: jax.Array, v: jax.Array, split: ContextSp
 
 # --- zig-zag layout ------------------------------------------------------------------------------------------------
 
+
 def _owner(chunk: int, devices: int) -> int:
     return chunk if chunk < devices else 2 * devices - 1 - chunk
 
@@ -116,7 +117,7 @@ def _zigzag_in(tensors: Sequence[jax.Array], split: ContextSplit) -> list[jax.Ar
     both = jnp.stack([first, second])  # [2, C, Σ widths]
     out, start = [], 0
     for t, width in zip(tensors, widths):
-        part = both[..., start:start + width].reshape((2 * half,) + t.shape[:2] + t.shape[3:])
+        part = both[..., start : start + width].reshape((2 * half,) + t.shape[:2] + t.shape[3:])
         out.append(jnp.moveaxis(part, 0, 2).astype(t.dtype))
         start += width
     return out
@@ -128,8 +129,7 @@ def _zigzag_exchange(first_half: jax.Array, second_half: jax.Array, split: Conte
     p = split.devices
     to_even = [(i, _owner(2 * i, p)) for i in range(p)]
     to_odd = [(i, _owner(2 * i + 1, p)) for i in range(p)]
-    return (jax.lax.ppermute(first_half, split.axes, to_even),
-            jax.lax.ppermute(second_half, split.axes, to_odd))
+    return (jax.lax.ppermute(first_half, split.axes, to_even), jax.lax.ppermute(second_half, split.axes, to_odd))
 
 
 def _zigzag_out(out: jax.Array, split: ContextSplit) -> jax.Array:
@@ -141,17 +141,18 @@ def _zigzag_out(out: jax.Array, split: ContextSplit) -> jax.Array:
     odd = jnp.where(d % 2 == 0, slots[1], slots[0])
     back_even = [(_owner(2 * i, p), i) for i in range(p)]
     back_odd = [(_owner(2 * i + 1, p), i) for i in range(p)]
-    halves = jnp.stack([jax.lax.ppermute(even, split.axes, back_even),
-                        jax.lax.ppermute(odd, split.axes, back_odd)])
+    halves = jnp.stack([jax.lax.ppermute(even, split.axes, back_even), jax.lax.ppermute(odd, split.axes, back_odd)])
     return jnp.moveaxis(halves.reshape((2 * half,) + out.shape[:2] + out.shape[3:]), 0, 2)
 
 
 # --- blocks ---------------------------------------------------------------------------------------------------------
 
+
 def _scores(q, k, scale):
     """``q [B, Hk, G, Lq, E] · k [B, Hk, Sk, E]`` → float32 scores ``[B, Hk, G, Lq, Sk]``."""
-    s = jnp.einsum("bkgle,bkse->bkgls", q, k, precision=precision.dot_precision(q, k),
-                   preferred_element_type=jnp.float32)
+    s = jnp.einsum(
+        "bkgle,bkse->bkgls", q, k, precision=precision.dot_precision(q, k), preferred_element_type=jnp.float32
+    )
     return s * scale
 
 
@@ -187,8 +188,13 @@ def _block_rows(q, k, v, scale, offset, first):
     total = jnp.sum(e, axis=-1, keepdims=True)
     lse = jnp.where(total > 0, jnp.log(jnp.where(total > 0, total, 1.0)) + peak, -jnp.inf)[..., 0]
     p = e / jnp.where(total > 0, total, 1.0)
-    o = jnp.einsum("bkgls,bksf->bkglf", p.astype(v.dtype), v, precision=precision.dot_precision(v),
-                   preferred_element_type=jnp.float32)
+    o = jnp.einsum(
+        "bkgls,bksf->bkglf",
+        p.astype(v.dtype),
+        v,
+        precision=precision.dot_precision(v),
+        preferred_element_type=jnp.float32,
+    )
     return o, lse
 
 
@@ -273,6 +279,7 @@ def _block_grads_rows(q, k, v, do, lse, rowdot, scale, offset, first):
 
 # --- the step schedule -------------------------------------------------------------------------------------------
 
+
 def _step_forward(qg, k, v, own: bool, source, d, split: ContextSplit):
     """One step's ``(o, lse)`` for all of this device's query rows against the key/value block of device ``source``
     (``own``: this device's, the first step); rows a block does not reach get ``lse = −inf``."""
@@ -303,24 +310,38 @@ def _step_grads(qg, k, v, do, lse, rowdot, own: bool, source, d, split: ContextS
     if not split.causal:
         return _block_grads(qg, k, v, do, lse, rowdot, scale, None)
     c = qg.shape[3] // 2
-    rows = lambda x, part: x[..., :c, :] if part == 0 else x[..., c:, :]  # noqa: E731
-    row_stats = lambda x, part: x[..., :c] if part == 0 else x[..., c:]  # noqa: E731
+    rows = lambda x, part: x[..., :c, :] if part == 0 else x[..., c:, :]
+    row_stats = lambda x, part: x[..., :c] if part == 0 else x[..., c:]
     if own:
-        dq_a, dk_a, dv_a = _block_grads(rows(qg, 0), k[..., :c, :], v[..., :c, :], rows(do, 0), row_stats(lse, 0),
-                                        row_stats(rowdot, 0), scale, 0)
-        dq_b, dk_b, dv_b = _block_grads(rows(qg, 1), k, v, rows(do, 1), row_stats(lse, 1), row_stats(rowdot, 1),
-                                        scale, c)
-        pad = lambda x: jnp.concatenate([x, jnp.zeros_like(x)], axis=2)  # noqa: E731
+        dq_a, dk_a, dv_a = _block_grads(
+            rows(qg, 0), k[..., :c, :], v[..., :c, :], rows(do, 0), row_stats(lse, 0), row_stats(rowdot, 0), scale, 0
+        )
+        dq_b, dk_b, dv_b = _block_grads(
+            rows(qg, 1), k, v, rows(do, 1), row_stats(lse, 1), row_stats(rowdot, 1), scale, c
+        )
+        pad = lambda x: jnp.concatenate([x, jnp.zeros_like(x)], axis=2)
         return jnp.concatenate([dq_a, dq_b], axis=3), pad(dk_a) + dk_b, pad(dv_a) + dv_b
 
     earlier = source < d  # the two products of :func:`_step_forward`
     k_a, k_b, v_a, v_b = k[..., :c, :], k[..., c:, :], v[..., :c, :], v[..., c:, :]
-    pick = lambda x, stats: jnp.where(earlier, (row_stats if stats else rows)(x, 0),  # noqa: E731
-                                      (row_stats if stats else rows)(x, 1))
-    dq0, dk0, dv0 = _block_grads(pick(qg, False), k_a, v_a, pick(do, False), pick(lse, True), pick(rowdot, True),
-                                 scale, None)
-    dq1, dk1, dv1 = _block_grads(rows(qg, 1), jnp.where(earlier, k_a, k_b), jnp.where(earlier, v_a, v_b), rows(do, 1),
-                                 row_stats(lse, 1), row_stats(rowdot, 1), scale, None)
+    pick = lambda x, stats: jnp.where(
+        earlier,
+        (row_stats if stats else rows)(x, 0),
+        (row_stats if stats else rows)(x, 1),
+    )
+    dq0, dk0, dv0 = _block_grads(
+        pick(qg, False), k_a, v_a, pick(do, False), pick(lse, True), pick(rowdot, True), scale, None
+    )
+    dq1, dk1, dv1 = _block_grads(
+        rows(qg, 1),
+        jnp.where(earlier, k_a, k_b),
+        jnp.where(earlier, v_a, v_b),
+        rows(do, 1),
+        row_stats(lse, 1),
+        row_stats(rowdot, 1),
+        scale,
+        None,
+    )
     dq = jnp.concatenate([jnp.where(earlier, dq0, 0.0), jnp.where(earlier, dq1, dq0 + dq1)], axis=3)
     dk = jnp.concatenate([jnp.where(earlier, dk0 + dk1, dk0), jnp.where(earlier, 0.0, dk1)], axis=2)
     dv = jnp.concatenate([jnp.where(earlier, dv0 + dv1, dv0), jnp.where(earlier, 0.0, dv1)], axis=2)
@@ -329,9 +350,10 @@ def _step_grads(qg, k, v, do, lse, rowdot, own: bool, source, d, split: ContextS
 
 # --- the ring / all-gather loop (custom_vjp) -----------------------------------------------------------------------
 
+
 def _grouped(q, kv_heads):
-    b, h, l, e = q.shape
-    return q.reshape(b, kv_heads, h // kv_heads, l, e)
+    b, h, length, e = q.shape
+    return q.reshape(b, kv_heads, h // kv_heads, length, e)
 
 
 def _pack(k, v):
@@ -358,6 +380,7 @@ def _forward(q, k, v, split: ContextSplit):
 
     o, lse = step(kv, True, d)
     if p > 1:
+
         def body(index, carry):
             o, lse, kv = carry
             source = (d - index) % p
@@ -392,12 +415,14 @@ def _core_bwd(split, residuals, d_out):
     kv = _pack(k, v)
 
     def step(kv, own, source):
-        dq, dk, dv = _step_grads(qg, kv[..., :width], kv[..., width:].astype(v.dtype), dog, lse, rowdot, own,
-                                 source, d, split)
+        dq, dk, dv = _step_grads(
+            qg, kv[..., :width], kv[..., width:].astype(v.dtype), dog, lse, rowdot, own, source, d, split
+        )
         return dq, jnp.concatenate([dk, dv], axis=-1)
 
     dq, d_kv = step(kv, True, d)
     if p > 1 and split.variant == "ring":
+
         def ring_body(index, carry):  # the block's gradient travels with the block
             dq, d_kv, kv = carry
             kv, d_kv = _ring_shift(kv, split), _ring_shift(d_kv, split)
@@ -409,7 +434,8 @@ def _core_bwd(split, residuals, d_out):
     elif p > 1:
         gathered = jax.lax.all_gather(kv, split.axes)
         d_gathered = jax.lax.dynamic_update_index_in_dim(
-            varying_like(jnp.zeros(gathered.shape, jnp.float32), d_kv), d_kv, d, axis=0)
+            varying_like(jnp.zeros(gathered.shape, jnp.float32), d_kv), d_kv, d, axis=0
+        )
 
         def gather_body(index, carry):
             dq, d_gathered = carry
@@ -421,14 +447,18 @@ def _core_bwd(split, residuals, d_out):
         dq, d_gathered = jax.lax.fori_loop(1, p, gather_body, (dq, d_gathered))
         d_kv = reduce_scatter(d_gathered, split.axes, dim=0, tiled=False)
     dq = dq.reshape(q.shape).astype(q.dtype)
-    return (varying_like(dq, q), varying_like(d_kv[..., :width].astype(k.dtype), k),
-            varying_like(d_kv[..., width:].astype(v.dtype), v))
+    return (
+        varying_like(dq, q),
+        varying_like(d_kv[..., :width].astype(k.dtype), k),
+        varying_like(d_kv[..., width:].astype(v.dtype), v),
+    )
 
 
 _context_core.defvjp(_core_fwd, _core_bwd)
 
 
 # --- under GSPMD ----------------------------------------------------------------------------------------------------
+
 
 def pinned_context_split(shardings, variant: str | None, causal: bool, scale: float) -> ContextSplit | None:
     """The split that an attention's pinned operand shardings (``q, k, v`` as the plan reads them) and its
@@ -441,8 +471,10 @@ def pinned_context_split(shardings, variant: str | None, causal: bool, scale: fl
     if axes is None:
         return None
     if specs[1][2] != axes or specs[2][2] != axes or any(spec[3] for spec in specs):
-        raise ValueError(f"context attention ({variant}) needs q, k, v split alike along the sequence and whole "
-                         f"along the head dim; the plan reads them as {specs}")
+        raise ValueError(
+            f"context attention ({variant}) needs q, k, v split alike along the sequence and whole "
+            f"along the head dim; the plan reads them as {specs}"
+        )
     mesh = shardings[0].mesh
     names = tuple(AXIS_NAMES[a] for a in axes)
     return ContextSplit(names, math.prod(mesh.shape[n] for n in names), variant, causal, scale)

@@ -116,22 +116,54 @@ def _digamma_jvp(primals, tangents):
 
 # Value-preserving on integers (torch keeps the input dtype).
 for _name, _fn in {
-    "neg": jnp.negative, "abs": jnp.abs, "floor": _float_only(jnp.floor), "ceil": _float_only(jnp.ceil),
-    "trunc": _float_only(jnp.trunc), "round": _float_only(jnp.round), "sign": jnp.sign, "sgn": jnp.sign,
-    "logical_not": jnp.logical_not, "bitwise_not": jnp.invert, "isnan": jnp.isnan, "isinf": jnp.isinf,
-    "relu": jax.nn.relu, "frac": lambda x: x - jnp.trunc(x), "signbit": jnp.signbit,
+    "neg": jnp.negative,
+    "abs": jnp.abs,
+    "floor": _float_only(jnp.floor),
+    "ceil": _float_only(jnp.ceil),
+    "trunc": _float_only(jnp.trunc),
+    "round": _float_only(jnp.round),
+    "sign": jnp.sign,
+    "sgn": jnp.sign,
+    "logical_not": jnp.logical_not,
+    "bitwise_not": jnp.invert,
+    "isnan": jnp.isnan,
+    "isinf": jnp.isinf,
+    "relu": jax.nn.relu,
+    "frac": lambda x: x - jnp.trunc(x),
+    "signbit": jnp.signbit,
 }.items():
     _unary(f"aten.{_name}.default", _fn)
 
 # Float-valued math: integer inputs compute in float32.
 for _name, _fn in {
-    "exp": jnp.exp, "exp2": jnp.exp2, "expm1": jnp.expm1, "log": jnp.log, "log2": jnp.log2,
-    "log10": jnp.log10, "log1p": jnp.log1p, "sqrt": jnp.sqrt, "rsqrt": jax.lax.rsqrt,
-    "reciprocal": jnp.reciprocal, "sin": jnp.sin, "cos": jnp.cos, "tan": jnp.tan, "asin": jnp.arcsin,
-    "acos": jnp.arccos, "atan": jnp.arctan, "sinh": jnp.sinh, "cosh": jnp.cosh, "tanh": jnp.tanh,
-    "asinh": jnp.arcsinh, "acosh": jnp.arccosh, "atanh": jnp.arctanh, "erf": jax.scipy.special.erf,
-    "erfc": jax.scipy.special.erfc, "erfinv": jax.scipy.special.erfinv, "sigmoid": jax.nn.sigmoid,
-    "lgamma": jax.scipy.special.gammaln, "digamma": _digamma,
+    "exp": jnp.exp,
+    "exp2": jnp.exp2,
+    "expm1": jnp.expm1,
+    "log": jnp.log,
+    "log2": jnp.log2,
+    "log10": jnp.log10,
+    "log1p": jnp.log1p,
+    "sqrt": jnp.sqrt,
+    "rsqrt": jax.lax.rsqrt,
+    "reciprocal": jnp.reciprocal,
+    "sin": jnp.sin,
+    "cos": jnp.cos,
+    "tan": jnp.tan,
+    "asin": jnp.arcsin,
+    "acos": jnp.arccos,
+    "atan": jnp.arctan,
+    "sinh": jnp.sinh,
+    "cosh": jnp.cosh,
+    "tanh": jnp.tanh,
+    "asinh": jnp.arcsinh,
+    "acosh": jnp.arccosh,
+    "atanh": jnp.arctanh,
+    "erf": jax.scipy.special.erf,
+    "erfc": jax.scipy.special.erfc,
+    "erfinv": jax.scipy.special.erfinv,
+    "sigmoid": jax.nn.sigmoid,
+    "lgamma": jax.scipy.special.gammaln,
+    "digamma": _digamma,
 }.items():
     _unary(f"aten.{_name}.default", lambda x, fn=_fn: fn(_float(x)))
 
@@ -161,15 +193,24 @@ def _binary(target: str, fn) -> None:
 
 
 for _name, _fn in {
-    "eq": jnp.equal, "ne": jnp.not_equal, "lt": jnp.less, "le": jnp.less_equal, "gt": jnp.greater,
+    "eq": jnp.equal,
+    "ne": jnp.not_equal,
+    "lt": jnp.less,
+    "le": jnp.less_equal,
+    "gt": jnp.greater,
     "ge": jnp.greater_equal,
 }.items():
     _binary(f"aten.{_name}.Tensor", _fn)
     _binary(f"aten.{_name}.Scalar", _fn)
 
 for _name, _fn in {
-    "logical_and": jnp.logical_and, "logical_or": jnp.logical_or, "logical_xor": jnp.logical_xor,
-    "maximum": jnp.maximum, "minimum": jnp.minimum, "fmax": jnp.fmax, "fmin": jnp.fmin,
+    "logical_and": jnp.logical_and,
+    "logical_or": jnp.logical_or,
+    "logical_xor": jnp.logical_xor,
+    "maximum": jnp.maximum,
+    "minimum": jnp.minimum,
+    "fmax": jnp.fmax,
+    "fmin": jnp.fmin,
     "nextafter": jnp.nextafter,
 }.items():
     _binary(f"aten.{_name}.default", _fn)
@@ -181,20 +222,32 @@ def copysign(x, other):
 
 
 for _name, _fn in {
-    "bitwise_and": jnp.bitwise_and, "bitwise_or": jnp.bitwise_or, "bitwise_xor": jnp.bitwise_xor,
+    "bitwise_and": jnp.bitwise_and,
+    "bitwise_or": jnp.bitwise_or,
+    "bitwise_xor": jnp.bitwise_xor,
 }.items():
     _binary(f"aten.{_name}.Tensor", _fn)
     _binary(f"aten.{_name}.Scalar", _fn)
 
 
-@lowers("aten.bitwise_left_shift.Tensor", "aten.bitwise_left_shift.Tensor_Scalar",
-        "aten.bitwise_left_shift.Scalar_Tensor", "aten.__lshift__.Scalar", "aten.__lshift__.Tensor")
+@lowers(
+    "aten.bitwise_left_shift.Tensor",
+    "aten.bitwise_left_shift.Tensor_Scalar",
+    "aten.bitwise_left_shift.Scalar_Tensor",
+    "aten.__lshift__.Scalar",
+    "aten.__lshift__.Tensor",
+)
 def bitwise_left_shift(x, other):
     return jnp.left_shift(x, other)
 
 
-@lowers("aten.bitwise_right_shift.Tensor", "aten.bitwise_right_shift.Tensor_Scalar",
-        "aten.bitwise_right_shift.Scalar_Tensor", "aten.__rshift__.Scalar", "aten.__rshift__.Tensor")
+@lowers(
+    "aten.bitwise_right_shift.Tensor",
+    "aten.bitwise_right_shift.Tensor_Scalar",
+    "aten.bitwise_right_shift.Scalar_Tensor",
+    "aten.__rshift__.Scalar",
+    "aten.__rshift__.Tensor",
+)
 def bitwise_right_shift(x, other):
     return jnp.right_shift(x, other)
 

@@ -45,7 +45,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -76,8 +77,10 @@ class GroupedMatmulSplit:
         if not self.expert_axes and not self.row_axes:
             raise ValueError("a split grouped matmul splits its rows, its experts or both")
         if not set(self.expert_axes) <= set(self.row_axes):
-            raise ValueError(f"an expert split needs x's rows split over its expert axes {self.expert_axes}; "
-                             f"they are split over {self.row_axes}")
+            raise ValueError(
+                f"an expert split needs x's rows split over its expert axes {self.expert_axes}; "
+                f"they are split over {self.row_axes}"
+            )
         if set(self.column_axes) & set(self.row_axes):
             raise ValueError(f"columns and rows split over one axis: {self.column_axes}, {self.row_axes}")
         if self.expert_axes and not _contiguous(self.expert_axes, self.row_axes):
@@ -91,22 +94,25 @@ class GroupedMatmulSplit:
     def chunk_stride(self) -> int:
         """How far apart (in row chunks) two neighbours along the expert axes are."""
         last = self.row_axes.index(self.expert_axes[-1])
-        return math.prod(self.mesh_shape[a] for a in self.row_axes[last + 1:])
+        return math.prod(self.mesh_shape[a] for a in self.row_axes[last + 1 :])
 
     def slot_rows(self, local_rows: int) -> int:
         """Rows of one peer's slot on the fast path: ``⌈capacity · L / P⌉``, the capacity defaulting to
         :data:`torchpar.ir.costs.EXPERT_EXCHANGE_HEADROOM` (at most ``L``)."""
         return expert_slot_rows(local_rows, self.expert_devices, self.capacity)
 
-    def specs(self, weight_transposed: bool = False) -> tuple[PartitionSpec, PartitionSpec, PartitionSpec,
-                                                              PartitionSpec]:
+    def specs(
+        self, weight_transposed: bool = False
+    ) -> tuple[PartitionSpec, PartitionSpec, PartitionSpec, PartitionSpec]:
         """``shard_map`` specs of ``x``, ``w`` (``[E, K, N]``, or ``[E, N, K]`` with ``weight_transposed``),
         ``offs`` and the output."""
         weight = (_names(self.expert_axes), None, _names(self.column_axes))
-        return (PartitionSpec(_names(self.row_axes), None),
-                PartitionSpec(*(swap_weight_dims(weight) if weight_transposed else weight)),
-                PartitionSpec(),
-                PartitionSpec(_names(self.row_axes), _names(self.column_axes)))
+        return (
+            PartitionSpec(_names(self.row_axes), None),
+            PartitionSpec(*(swap_weight_dims(weight) if weight_transposed else weight)),
+            PartitionSpec(),
+            PartitionSpec(_names(self.row_axes), _names(self.column_axes)),
+        )
 
 
 def swap_weight_dims(spec: Sequence[Any]) -> tuple:
@@ -117,7 +123,7 @@ def swap_weight_dims(spec: Sequence[Any]) -> tuple:
 
 def _contiguous(inner: Sequence[int], outer: Sequence[int]) -> bool:
     start = outer.index(inner[0]) if inner[0] in outer else -1
-    return start >= 0 and tuple(outer[start:start + len(inner)]) == tuple(inner)
+    return start >= 0 and tuple(outer[start : start + len(inner)]) == tuple(inner)
 
 
 def _names(axes: Sequence[int]) -> Any:
@@ -135,8 +141,16 @@ def _overlaps(chunk_starts: jax.Array, chunk_rows: int, offs: jax.Array) -> jax.
     return jnp.maximum(hi - lo, 0)
 
 
-def split_grouped_mm_local(x: jax.Array, weight: jax.Array, offs: jax.Array, split: GroupedMatmulSplit, *,
-                          weight_transposed: bool = False, precision=None, preferred_element_type=None) -> jax.Array:
+def split_grouped_mm_local(
+    x: jax.Array,
+    weight: jax.Array,
+    offs: jax.Array,
+    split: GroupedMatmulSplit,
+    *,
+    weight_transposed: bool = False,
+    precision=None,
+    preferred_element_type=None,
+) -> jax.Array:
     """This device's part of a split grouped matmul, inside a ``shard_map`` over the mesh axes ``split`` names:
     ``x [L, K]`` its row chunk, ``weight [E_l, K, N_l]`` its experts (all ``E`` when ``split`` has no expert
     axes; ``[E_l, N_l, K]`` with ``weight_transposed``), ``offs [E]`` whole. Returns its rows' outputs ``[L, N_l]``
@@ -147,8 +161,10 @@ def split_grouped_mm_local(x: jax.Array, weight: jax.Array, offs: jax.Array, spl
     experts = local_experts * peers
     dot = dict(precision=precision, preferred_element_type=preferred_element_type, weight_transposed=weight_transposed)
     if offs.shape[0] != experts:
-        raise ValueError(f"grouped_mm offsets name {offs.shape[0]} experts; the split weight holds {local_experts} "
-                         f"on each of {peers} devices")
+        raise ValueError(
+            f"grouped_mm offsets name {offs.shape[0]} experts; the split weight holds {local_experts} "
+            f"on each of {peers} devices"
+        )
     chunk = jax.lax.axis_index(_names(split.row_axes))
     if not split.expert_axes:  # rows split, every expert here: this chunk's part of each group, no exchange
         sizes = _overlaps(chunk[None] * rows, rows, offs)[0]
@@ -158,13 +174,13 @@ def split_grouped_mm_local(x: jax.Array, weight: jax.Array, offs: jax.Array, spl
     peer_chunks = chunk + (peer - me) * split.chunk_stride
     counts = _overlaps(peer_chunks * rows, rows, offs).reshape(peers, peers, local_experts)  # [source, owner, e_l]
     routing = _Routing(me=me, sent=counts[me].sum(axis=1), received=counts[:, me, :])
-    exchange = lambda slot: lambda x, w: _exchange(x, w, routing, slot, split, **dot)  # noqa: E731
+    exchange = lambda slot: lambda x, w: _exchange(x, w, routing, slot, split, **dot)
     fast, exact = split.slot_rows(rows), rows  # exact: every row of the chunk may go to one peer
     if fast == exact or split.capacity is not None:
         return exchange(fast)(x, weight)
     # every device of the mesh takes the same branch: the collectives inside a branch complete
     spill = jnp.where(peer == me, 0, routing.sent).max()
-    overflow = jax.lax.pmax(spill, AXIS_NAMES[:len(split.mesh_shape)]) > fast
+    overflow = jax.lax.pmax(spill, AXIS_NAMES[: len(split.mesh_shape)]) > fast
     return jax.lax.cond(overflow, exchange(exact), exchange(fast), x, weight)
 
 
@@ -178,8 +194,9 @@ class _Routing:
     received: jax.Array
 
 
-def _exchange(x: jax.Array, weight: jax.Array, routing: _Routing, slot: int, split: GroupedMatmulSplit,
-              **dot: Any) -> jax.Array:
+def _exchange(
+    x: jax.Array, weight: jax.Array, routing: _Routing, slot: int, split: GroupedMatmulSplit, **dot: Any
+) -> jax.Array:
     """Rows to their experts' devices, multiplied there, and back (module docstring): the rows for this device's
     own experts stay (``L`` of them at most), the others travel in slots of ``slot`` rows per peer. Rows past a
     slot's end come back zero (only with a ``capacity``: the other callers size slots to fit)."""
@@ -192,12 +209,12 @@ def _exchange(x: jax.Array, weight: jax.Array, routing: _Routing, slot: int, spl
     send_start = jnp.cumsum(routing.sent) - routing.sent
     slot_row = jnp.arange(slot, dtype=jnp.int32)
     peer = jnp.arange(peers, dtype=jnp.int32)
-    taken = (slot_row[None, :] < routing.sent[:, None]) & (peer != me)[:, None]         # [P, slot]
+    taken = (slot_row[None, :] < routing.sent[:, None]) & (peer != me)[:, None]  # [P, slot]
     source_row = jnp.clip(send_start[:, None] + slot_row[None, :], 0, rows - 1)
     x_send = jnp.where(taken[..., None], x[source_row], jnp.zeros((), x.dtype))
     x_recv = jax.lax.all_to_all(x_send, axes, 0, 0, tiled=True)
     own_row = jnp.clip(send_start[me] + jnp.arange(rows, dtype=jnp.int32), 0, rows - 1)
-    buffer = jnp.concatenate([x[own_row], x_recv.reshape(peers * slot, -1)])       # [L + P·slot, K]
+    buffer = jnp.concatenate([x[own_row], x_recv.reshape(peers * slot, -1)])  # [L + P·slot, K]
 
     # my experts' rows: my own (the first L rows of the buffer), then slot s of peer s; reorder expert-major
     # (each expert's rows from every source together), so the matmul has E_l groups, not P·E_l (each pads a block)
@@ -232,14 +249,14 @@ class _ExpertMajor:
     def __init__(self, received: jax.Array, me: jax.Array, rows: int, slot: int):
         peers, local_experts = received.shape
         part = jnp.arange(peers, dtype=jnp.int32)
-        length = jnp.where(part == me, rows, slot)                                   # [P]
-        base = jnp.where(part == me, 0, rows + part * slot)                           # [P]
-        within = jnp.cumsum(received, axis=1) - received                            # [P, E_l] start in the part
+        length = jnp.where(part == me, rows, slot)  # [P]
+        base = jnp.where(part == me, 0, rows + part * slot)  # [P]
+        within = jnp.cumsum(received, axis=1) - received  # [P, E_l] start in the part
         taken = jnp.minimum(within + received, length[:, None]) - jnp.minimum(within, length[:, None])
         self.sizes = taken.sum(axis=0)
         # expert-major start of group (e, s): rows of the experts before e, then of e from the parts before s
         sorted_start = (jnp.cumsum(self.sizes) - self.sizes)[:, None] + jnp.cumsum(taken.T, axis=1) - taken.T
-        flat_start = sorted_start.reshape(-1)                                          # [E_l·P], increasing
+        flat_start = sorted_start.reshape(-1)  # [E_l·P], increasing
         size = rows + peers * slot
         position = jnp.arange(size, dtype=jnp.int32)
         group = jnp.clip(jnp.searchsorted(flat_start, position, side="right") - 1, 0, flat_start.shape[0] - 1)
@@ -249,26 +266,31 @@ class _ExpertMajor:
         in_slots = position >= rows
         part_of = jnp.where(in_slots, (position - rows) // slot, me)
         row_in = jnp.where(in_slots, (position - rows) % slot, position)
-        ends = jnp.cumsum(taken, axis=1)                                               # [P, E_l]
-        expert_of = jnp.clip(jax.vmap(lambda e, r: jnp.searchsorted(e, r, side="right"))(ends[part_of], row_in),
-                             0, local_experts - 1)
+        ends = jnp.cumsum(taken, axis=1)  # [P, E_l]
+        expert_of = jnp.clip(
+            jax.vmap(lambda e, r: jnp.searchsorted(e, r, side="right"))(ends[part_of], row_in), 0, local_experts - 1
+        )
         self.buffer_used = (row_in < ends[part_of, -1]) & ~(in_slots & (part_of == me))
-        self.sorted_row = jnp.clip(sorted_start[expert_of, part_of] + row_in - within[part_of, expert_of],
-                                   0, size - 1)
+        self.sorted_row = jnp.clip(sorted_start[expert_of, part_of] + row_in - within[part_of, expert_of], 0, size - 1)
 
 
-def split_grouped_mm(x: jax.Array, weight: jax.Array, offs: jax.Array, mesh: Mesh, split: GroupedMatmulSplit,
-                     **dot_options: Any) -> jax.Array:
+def split_grouped_mm(
+    x: jax.Array, weight: jax.Array, offs: jax.Array, mesh: Mesh, split: GroupedMatmulSplit, **dot_options: Any
+) -> jax.Array:
     """The split grouped matmul of global arrays (under ``jit``/GSPMD): a ``shard_map`` over ``mesh`` of
     :func:`split_grouped_mm_local`. ``x [S, K]``, ``weight [E, K, N]`` (``[E, N, K]`` with
     ``weight_transposed=True`` among ``dot_options``), ``offs [E]`` → ``[S, N]``."""
     x_spec, w_spec, offs_spec, out_spec = split.specs(dot_options.get("weight_transposed", False))
-    body = lambda x, w, o: split_grouped_mm_local(x, w, o, split, **dot_options)  # noqa: E731
+    body = lambda x, w, o: split_grouped_mm_local(x, w, o, split, **dot_options)
     return shard_map(body, mesh, in_specs=(x_spec, w_spec, offs_spec), out_specs=out_spec)(x, weight, offs)
 
 
-def grouped_mm_split_of(x_spec: Sequence[Any] | None, weight_spec: Sequence[Any] | None,
-                        mesh_shape: Sequence[int], capacity: float | None = None) -> GroupedMatmulSplit | None:
+def grouped_mm_split_of(
+    x_spec: Sequence[Any] | None,
+    weight_spec: Sequence[Any] | None,
+    mesh_shape: Sequence[int],
+    capacity: float | None = None,
+) -> GroupedMatmulSplit | None:
     """The :class:`GroupedMatmulSplit` that the operand layouts ``x_spec`` (``[S, K]``) and ``weight_spec``
     (``[E, K, N]``) describe (spec entries: tuples of mesh axes or ``None``), or ``None`` when neither the rows nor
     the experts are split (GSPMD partitions the plain lowering: replicated, or columns split). Raises

@@ -54,10 +54,20 @@ def block_count(sizes: jax.Array, block_rows: int) -> jax.Array:
     return ((sizes.astype(jnp.int32) + block_rows - 1) // block_rows).sum()
 
 
-def blocked_ragged_dot(x: jax.Array, weight: jax.Array, sizes: jax.Array, *, block_rows: int | None = None,
-                       starts: jax.Array | None = None, weight_index: jax.Array | None = None,
-                       run_blocks: int | None = None, method: str | None = None, weight_transposed: bool = False,
-                       precision=None, preferred_element_type=None) -> jax.Array:
+def blocked_ragged_dot(
+    x: jax.Array,
+    weight: jax.Array,
+    sizes: jax.Array,
+    *,
+    block_rows: int | None = None,
+    starts: jax.Array | None = None,
+    weight_index: jax.Array | None = None,
+    run_blocks: int | None = None,
+    method: str | None = None,
+    weight_transposed: bool = False,
+    precision=None,
+    preferred_element_type=None,
+) -> jax.Array:
     """``jax.lax.ragged_dot(x, weight, sizes)`` for ``x [S, K]``, ``weight [E, K, N]``, ``sizes [E]`` (rows per
     group, in order; ``Σ sizes ≤ S``), computed block by block (module docstring). Returns ``[S, N]``.
 
@@ -93,8 +103,9 @@ def blocked_ragged_dot(x: jax.Array, weight: jax.Array, sizes: jax.Array, *, blo
     grouping = (sizes, starts.astype(jnp.int32), weight_index.astype(jnp.int32))
     x, weight = varying_like(x, weight, *grouping), varying_like(weight, x, *grouping)
     if method == "gathered":
-        return _gathered_product(x, weight, *grouping, block, run_blocks, weight_transposed, precision,
-                                 preferred_element_type)
+        return _gathered_product(
+            x, weight, *grouping, block, run_blocks, weight_transposed, precision, preferred_element_type
+        )
     out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(x, weight))
     return _grouped_product(x, weight, *grouping, block, weight_transposed, precision, out_dtype)
 
@@ -121,9 +132,14 @@ def _blocks(rows: int, sizes: jax.Array, starts: jax.Array, weight_index: jax.Ar
     index = jnp.arange(-(-rows // block) + groups, dtype=jnp.int32)
     group = jnp.minimum(jnp.searchsorted(block_ends, index, side="right"), groups - 1).astype(jnp.int32)
     first = starts[group] + (index - block_starts[group]) * block
-    return _Blocks(slice_start=jnp.clip(first, 0, rows - block), row_lo=first,
-                   row_hi=jnp.minimum(starts[group] + sizes[group], first + block),
-                   expert=weight_index[group], used=block_ends[-1], group_first_block=block_starts)
+    return _Blocks(
+        slice_start=jnp.clip(first, 0, rows - block),
+        row_lo=first,
+        row_hi=jnp.minimum(starts[group] + sizes[group], first + block),
+        expert=weight_index[group],
+        used=block_ends[-1],
+        group_first_block=block_starts,
+    )
 
 
 def _block_mask(blocks: _Blocks, b: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
@@ -134,8 +150,9 @@ def _block_mask(blocks: _Blocks, b: jax.Array, block: int) -> tuple[jax.Array, j
 
 def _dot(a: jax.Array, b: jax.Array, contract: tuple[int, int], precision, dtype) -> jax.Array:
     """``a`` and ``b`` (2-D) contracted over ``a``'s dim ``contract[0]`` and ``b``'s ``contract[1]``."""
-    return jax.lax.dot_general(a, b, (((contract[0],), (contract[1],)), ((), ())), precision=precision,
-                               preferred_element_type=dtype).astype(dtype)
+    return jax.lax.dot_general(
+        a, b, (((contract[0],), (contract[1],)), ((), ())), precision=precision, preferred_element_type=dtype
+    ).astype(dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
@@ -145,10 +162,16 @@ def _grouped_product(x, weight, sizes, starts, weight_index, block, transposed, 
     def body(b, y):
         start, mask = _block_mask(blocks, b, block)
         # y = x @ w[e] ([K, N]: contract x's dim 1 with w's dim 0) or x @ w[e]ᵀ ([N, K]: with its dim 1)
-        y_block = _dot(jax.lax.dynamic_slice_in_dim(x, start, block), weight[blocks.expert[b]],
-                       (1, 1 if transposed else 0), precision, out_dtype)
+        y_block = _dot(
+            jax.lax.dynamic_slice_in_dim(x, start, block),
+            weight[blocks.expert[b]],
+            (1, 1 if transposed else 0),
+            precision,
+            out_dtype,
+        )
         return jax.lax.dynamic_update_slice_in_dim(
-            y, jnp.where(mask[:, None], y_block, jax.lax.dynamic_slice_in_dim(y, start, block)), start, 0)
+            y, jnp.where(mask[:, None], y_block, jax.lax.dynamic_slice_in_dim(y, start, block)), start, 0
+        )
 
     columns = weight.shape[1] if transposed else weight.shape[2]
     y = varying_like(jnp.zeros((x.shape[0], columns), out_dtype), x, weight, blocks.used)
@@ -156,8 +179,10 @@ def _grouped_product(x, weight, sizes, starts, weight_index, block, transposed, 
 
 
 def _grouped_product_forward(x, weight, sizes, starts, weight_index, block, transposed, precision, out_dtype):
-    return (_grouped_product(x, weight, sizes, starts, weight_index, block, transposed, precision, out_dtype),
-            (x, weight, sizes, starts, weight_index))
+    return (
+        _grouped_product(x, weight, sizes, starts, weight_index, block, transposed, precision, out_dtype),
+        (x, weight, sizes, starts, weight_index),
+    )
 
 
 def _grouped_product_backward(block, transposed, precision, out_dtype, residuals, dy):
@@ -174,14 +199,20 @@ def _grouped_product_backward(block, transposed, precision, out_dtype, residuals
         # dx = dy @ w[e]ᵀ (w[e] [K, N]: contract dy's dim 1 with its dim 1) or dy @ w[e] ([N, K]: with its dim 0)
         dx_block = _dot(dy_block, weight[expert], (1, 0 if transposed else 1), precision, x.dtype)
         dx = jax.lax.dynamic_update_slice_in_dim(
-            dx, jnp.where(mask[:, None], dx_block, jax.lax.dynamic_slice_in_dim(dx, start, block)), start, 0)
+            dx, jnp.where(mask[:, None], dx_block, jax.lax.dynamic_slice_in_dim(dx, start, block)), start, 0
+        )
         # dw[e] += xᵀ @ dy ([K, N]) or dyᵀ @ x ([N, K]): the rows contracted
-        dw_block = (_dot(dy_block, x_block, (0, 0), precision, accumulate) if transposed
-                    else _dot(x_block, dy_block, (0, 0), precision, accumulate))
+        dw_block = (
+            _dot(dy_block, x_block, (0, 0), precision, accumulate)
+            if transposed
+            else _dot(x_block, dy_block, (0, 0), precision, accumulate)
+        )
         return dx, dw.at[expert].add(dw_block)
 
-    carry = (varying_like(jnp.zeros_like(x), x, weight, dy, blocks.used),
-             varying_like(jnp.zeros(weight.shape, accumulate), x, weight, dy, blocks.used))
+    carry = (
+        varying_like(jnp.zeros_like(x), x, weight, dy, blocks.used),
+        varying_like(jnp.zeros(weight.shape, accumulate), x, weight, dy, blocks.used),
+    )
     dx, dw = jax.lax.fori_loop(0, blocks.used, body, carry)
     return dx, dw.astype(weight.dtype), None, None, None
 
@@ -189,8 +220,9 @@ def _grouped_product_backward(block, transposed, precision, out_dtype, residuals
 _grouped_product.defvjp(_grouped_product_forward, _grouped_product_backward)
 
 
-def _gathered_product(x, weight, sizes, starts, weight_index, block, run_blocks, transposed, precision,
-                      preferred_element_type) -> jax.Array:
+def _gathered_product(
+    x, weight, sizes, starts, weight_index, block, run_blocks, transposed, precision, preferred_element_type
+) -> jax.Array:
     """The ``"gathered"`` path: every block's product in one batched matmul (module docstring)."""
     rows = x.shape[0]
     groups = sizes.shape[0]
@@ -203,8 +235,9 @@ def _gathered_product(x, weight, sizes, starts, weight_index, block, run_blocks,
     if run_blocks is None or run_blocks >= num_blocks:
         y_blocks = _block_products(x_blocks, weight, block_weight, transposed, precision, preferred_element_type)
     else:
-        y_blocks = _runs_of_block_products(x_blocks, weight, block_weight, blocks.used, run_blocks, transposed,
-                                           precision, preferred_element_type)
+        y_blocks = _runs_of_block_products(
+            x_blocks, weight, block_weight, blocks.used, run_blocks, transposed, precision, preferred_element_type
+        )
 
     position = jnp.arange(rows, dtype=jnp.int32)
     # the last group starting at or before the row (an empty group sharing a start with the next is skipped)
@@ -218,18 +251,36 @@ def _gathered_product(x, weight, sizes, starts, weight_index, block, run_blocks,
 
 
 @functools.partial(jax.checkpoint, static_argnums=(3, 4, 5), policy=jax.checkpoint_policies.nothing_saveable)
-def _block_products(x_blocks: jax.Array, weight: jax.Array, block_weight: jax.Array, transposed: bool = False,
-                    precision=None, preferred_element_type=None) -> jax.Array:
+def _block_products(
+    x_blocks: jax.Array,
+    weight: jax.Array,
+    block_weight: jax.Array,
+    transposed: bool = False,
+    precision=None,
+    preferred_element_type=None,
+) -> jax.Array:
     """``x_blocks [n_b, B, K] @ weight[block_weight] [n_b, K, N]``. The gathered weights (``n_b ≈ S/B + E`` copies
     of ``[K, N]``: about twice the experts' weights) are gathered again in the backward rather than kept from the
     forward: only the operands stay live."""
-    return jnp.einsum("bik,bnk->bin" if transposed else "bik,bkn->bin", x_blocks, weight[block_weight],
-                      precision=precision, preferred_element_type=preferred_element_type)
+    return jnp.einsum(
+        "bik,bnk->bin" if transposed else "bik,bkn->bin",
+        x_blocks,
+        weight[block_weight],
+        precision=precision,
+        preferred_element_type=preferred_element_type,
+    )
 
 
-def _runs_of_block_products(x_blocks: jax.Array, weight: jax.Array, block_weight: jax.Array, used: jax.Array,
-                            run_blocks: int, transposed: bool = False, precision=None,
-                            preferred_element_type=None) -> jax.Array:
+def _runs_of_block_products(
+    x_blocks: jax.Array,
+    weight: jax.Array,
+    block_weight: jax.Array,
+    used: jax.Array,
+    run_blocks: int,
+    transposed: bool = False,
+    precision=None,
+    preferred_element_type=None,
+) -> jax.Array:
     """:func:`_block_products` in consecutive runs of ``run_blocks`` blocks, a run past the first ``used`` blocks
     (a prefix: groups' blocks are packed from block 0) skipped with zeros."""
     num_blocks = x_blocks.shape[0]
@@ -241,14 +292,27 @@ def _runs_of_block_products(x_blocks: jax.Array, weight: jax.Array, block_weight
     for lo, hi in zip(bounds, bounds[1:]):
         if hi <= lo:
             continue
-        run = lambda lo=lo, hi=hi: _block_products(x_blocks[lo:hi], weight, block_weight[lo:hi],  # noqa: E731
-                                                   transposed, precision, preferred_element_type)
+        run = lambda lo=lo, hi=hi: _block_products(
+            x_blocks[lo:hi],
+            weight,
+            block_weight[lo:hi],
+            transposed,
+            precision,
+            preferred_element_type,
+        )
         if lo == 0:
             parts.append(run())
             continue
         shape = jax.eval_shape(run)
-        parts.append(jax.lax.cond(lo < used, run, lambda shape=shape: varying_like(
-            jnp.zeros(shape.shape, shape.dtype), x_blocks, block_weight, used, weight)))
+        parts.append(
+            jax.lax.cond(
+                lo < used,
+                run,
+                lambda shape=shape: varying_like(
+                    jnp.zeros(shape.shape, shape.dtype), x_blocks, block_weight, used, weight
+                ),
+            )
+        )
     return jnp.concatenate(parts)
 
 

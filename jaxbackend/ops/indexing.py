@@ -7,7 +7,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxbackend.ops.registry import lowers
 from jaxbackend.ops.row_exchange import gather_rows, put_rows
@@ -31,7 +30,7 @@ def gather(x, dim, index, sparse_grad=False):
     if x.ndim == 0:
         return x
     dim = _dim(dim, x.ndim)
-    if index.shape[:dim] == x.shape[:dim] and index.shape[dim + 1:] == x.shape[dim + 1:]:
+    if index.shape[:dim] == x.shape[:dim] and index.shape[dim + 1 :] == x.shape[dim + 1 :]:
         if index.shape[dim] == 1 and in_data_replica():
             return _select_along_axis(x, index, dim)
         return jnp.take_along_axis(x, index, axis=dim)
@@ -149,8 +148,7 @@ def _scatter_prod_bwd(include_self, residuals, grad):
     zeros_at_target = jnp.zeros_like(x).at[where].add(src_zero.astype(x.dtype))[where]
     single_zero = src_zero & (zeros_at_target == 1)
     without_zero = _scatter_prod(x, where, jnp.where(single_zero, 1, src), include_self)
-    grad_src = jnp.where(single_zero, (grad * without_zero)[where],
-                         (grad * out)[where] / jnp.where(src_zero, 1, src))
+    grad_src = jnp.where(single_zero, (grad * without_zero)[where], (grad * out)[where] / jnp.where(src_zero, 1, src))
     if not include_self:
         grad_x = grad_x.at[where].set(0)
     return grad_x, None, grad_src
@@ -177,7 +175,7 @@ def index(x, indices, *, shardings=None, rows=None):
     if any(i is not None and i.dtype == jnp.bool_ for i in indices):
         raise NotImplementedError("boolean-mask indexing has a data-dependent shape; use torch.where instead")
     if rows == "exchange" and shardings and shardings[0] is not None:
-        spec = (tuple(shardings[0].spec) + (None,) * x.ndim)[:x.ndim]
+        spec = (tuple(shardings[0].spec) + (None,) * x.ndim)[: x.ndim]
         return gather_rows(x, indices[0], shardings[0].mesh, spec)
     return x[_index_tuple(indices)]
 
@@ -189,7 +187,7 @@ def index_put(x, indices, values, accumulate=False, *, shardings=None, rows=None
     if any(i is not None and i.dtype == jnp.bool_ for i in indices):
         return _index_put_mask(x, indices, values, accumulate)
     if rows == "exchange" and shardings and shardings[0] is not None:
-        spec = (tuple(shardings[0].spec) + (None,) * x.ndim)[:x.ndim]
+        spec = (tuple(shardings[0].spec) + (None,) * x.ndim)[: x.ndim]
         return put_rows(x, indices[0], values, shardings[0].mesh, spec, accumulate)
     where = _index_tuple(indices)
     return x.at[where].add(values.astype(x.dtype)) if accumulate else x.at[where].set(values.astype(x.dtype))
@@ -199,13 +197,19 @@ def _index_put_mask(x, indices, values, accumulate):
     """``x[mask] = values`` for a leading boolean mask over ``x``'s first dims, when ``values`` does not
     depend on how many entries are selected (it broadcasts over the trailing dims): a ``where``."""
     mask = indices[0]
-    trailing = x.shape[mask.ndim:]
-    if len(indices) != 1 or mask.shape != x.shape[:mask.ndim] or (
-            values.ndim > len(trailing) and any(s != 1 for s in values.shape[:values.ndim - len(trailing)])):
+    trailing = x.shape[mask.ndim :]
+    if (
+        len(indices) != 1
+        or mask.shape != x.shape[: mask.ndim]
+        or (values.ndim > len(trailing) and any(s != 1 for s in values.shape[: values.ndim - len(trailing)]))
+    ):
         raise NotImplementedError(
             "index_put with a boolean mask whose values depend on the number of selected entries has a "
-            "data-dependent shape; use torch.where(mask, values, x) instead")
-    values = values.reshape(values.shape[values.ndim - len(trailing):] if values.ndim > len(trailing) else values.shape)
+            "data-dependent shape; use torch.where(mask, values, x) instead"
+        )
+    values = values.reshape(
+        values.shape[values.ndim - len(trailing) :] if values.ndim > len(trailing) else values.shape
+    )
     values = jnp.broadcast_to(values.astype(x.dtype), x.shape)
     mask = mask.reshape(mask.shape + (1,) * len(trailing))
     return jnp.where(mask, x + values if accumulate else values, x)
@@ -295,7 +299,7 @@ def searchsorted(sorted_sequence, values, *, out_int32=False, right=False, side=
     flat_seq = sorted_sequence.reshape((-1, sorted_sequence.shape[-1]))
     flat_values = values.reshape((flat_seq.shape[0], -1))
     out = jax.vmap(lambda seq, v: jnp.searchsorted(seq, v, side=side))(flat_seq, flat_values)
-    return out.reshape(lead + values.shape[len(lead):])
+    return out.reshape(lead + values.shape[len(lead) :])
 
 
 @lowers("aten.one_hot.default")
@@ -303,6 +307,3 @@ def one_hot(x, num_classes=-1):
     if num_classes < 0:
         raise NotImplementedError("one_hot without num_classes has a data-dependent shape")
     return jax.nn.one_hot(x, num_classes, dtype=jnp.int32)
-
-
-

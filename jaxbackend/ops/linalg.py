@@ -12,8 +12,13 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from jaxbackend.collectives import reduce_scatter
-from jaxbackend.ops.expert_parallel import (GroupedMatmulSplit, grouped_mm_split_of, split_grouped_mm,
-                                           split_grouped_mm_local, swap_weight_dims)
+from jaxbackend.ops.expert_parallel import (
+    GroupedMatmulSplit,
+    grouped_mm_split_of,
+    split_grouped_mm,
+    split_grouped_mm_local,
+    swap_weight_dims,
+)
 from jaxbackend.ops.grouped_matmul import blocked_ragged_dot
 from jaxbackend.ops.registry import lowers
 from jaxbackend.precision import conv_precision, dot_precision
@@ -65,9 +70,11 @@ def row_scattered_matmul(a, b, shardings):
     rows, contracted = axes_of(shardings[0].spec, 2)
     contracted_b, columns = axes_of(shardings[1].spec, 2)
     if not contracted or contracted != contracted_b:
-        raise ValueError(f"a row-scattered matmul splits its contracted dim alike in both operands; the plan reads "
-                         f"them as {shardings[0].spec} and {shardings[1].spec}")
-    names = lambda axes: tuple(AXIS_NAMES[x] for x in axes) or None  # noqa: E731
+        raise ValueError(
+            f"a row-scattered matmul splits its contracted dim alike in both operands; the plan reads "
+            f"them as {shardings[0].spec} and {shardings[1].spec}"
+        )
+    names = lambda axes: tuple(AXIS_NAMES[x] for x in axes) or None
     scattered = names(contracted)
 
     def body(a_local, b_local):
@@ -116,8 +123,9 @@ def trilinear(i1, i2, i3, expand1, expand2, expand3, sumdim, unroll_dim=1):
         return "".join(letters[d] for d in range(rank) if d not in expand)
 
     out = "".join(letters[d] for d in range(rank) if d not in sumdim)
-    return jnp.einsum(f"{spec(expand1)},{spec(expand2)},{spec(expand3)}->{out}", i1, i2, i3,
-                      precision=dot_precision(i1, i2, i3))
+    return jnp.einsum(
+        f"{spec(expand1)},{spec(expand2)},{spec(expand3)}->{out}", i1, i2, i3, precision=dot_precision(i1, i2, i3)
+    )
 
 
 @lowers("aten.dot.default", "aten.vdot.default")
@@ -136,8 +144,9 @@ GROUPED_MM = "blocked"
 
 
 @lowers("aten._grouped_mm.default", "transformers.grouped_mm_fallback.default", sharded=True)
-def grouped_mm(x, weight, offs=None, bias=None, out_dtype=None, *, weight_transposed=False, shardings=None,
-               local_split=None):
+def grouped_mm(
+    x, weight, offs=None, bias=None, out_dtype=None, *, weight_transposed=False, shardings=None, local_split=None
+):
     """Mixture-of-experts matmul: rows ``offs[e-1]:offs[e]`` of ``x [S, K]`` times ``weight[e] [K, N]``.
 
     ``offs`` holds cumulative row counts, so the shape is static and only the grouping is data: a ragged
@@ -166,18 +175,22 @@ def grouped_mm(x, weight, offs=None, bias=None, out_dtype=None, *, weight_transp
         if local_split is not None:
             out = split_grouped_mm_local(x, weight, offs, local_split, **dot)
         elif split is not None:
-            out = split_grouped_mm(x, weight, offs, shardings[0].mesh, split, weight_transposed=weight_transposed,
-                                   **dot)
+            out = split_grouped_mm(
+                x, weight, offs, shardings[0].mesh, split, weight_transposed=weight_transposed, **dot
+            )
         elif GROUPED_MM == "blocked":
-            out = blocked_ragged_dot(x, weight, jnp.diff(offs.astype(jnp.int32), prepend=0),
-                                     weight_transposed=weight_transposed, **dot)
+            out = blocked_ragged_dot(
+                x, weight, jnp.diff(offs.astype(jnp.int32), prepend=0), weight_transposed=weight_transposed, **dot
+            )
         else:
             out = jax.lax.ragged_dot(x, weight, jnp.diff(offs.astype(jnp.int32), prepend=0), **dot)
     elif x.ndim == 3 and weight.ndim == 3 and offs is None:
         out = jnp.matmul(x, weight, precision=dot_precision(x, weight))
     else:
-        raise NotImplementedError(f"_grouped_mm of a {x.ndim}-d by a {weight.ndim}-d operand"
-                                  f"{' with' if offs is not None else ' without'} offsets")
+        raise NotImplementedError(
+            f"_grouped_mm of a {x.ndim}-d by a {weight.ndim}-d operand"
+            f"{' with' if offs is not None else ' without'} offsets"
+        )
     if bias is not None:
         out = out + bias
     return out if out_dtype is None else out.astype(out_dtype)
@@ -209,7 +222,7 @@ def cdist(x1, x2, p, compute_mode=None):
         return jnp.max(diff, axis=-1)
     if p == 1:
         return jnp.sum(diff, axis=-1)
-    powered = jnp.sum(diff ** p, axis=-1)
+    powered = jnp.sum(diff**p, axis=-1)
     positive = powered > 0
     return jnp.where(positive, jnp.where(positive, powered, 1.0) ** (1.0 / p), 0.0)
 
@@ -224,8 +237,15 @@ def convolution(x, weight, bias, stride, padding, dilation, transposed, output_p
     numbers = ("NC" + letters, "OI" + letters, "NC" + letters)
     if not transposed:
         out = jax.lax.conv_general_dilated(
-            x, weight, window_strides=stride, padding=[(p, p) for p in padding], rhs_dilation=dilation,
-            dimension_numbers=numbers, feature_group_count=groups, precision=conv_precision(x, weight))
+            x,
+            weight,
+            window_strides=stride,
+            padding=[(p, p) for p in padding],
+            rhs_dilation=dilation,
+            dimension_numbers=numbers,
+            feature_group_count=groups,
+            precision=conv_precision(x, weight),
+        )
     else:
         out = _conv_transpose(x, weight, stride, padding, dilation, _expand(output_padding, spatial), groups, numbers)
     if bias is not None:
@@ -245,8 +265,16 @@ def _conv_transpose(x, weight, stride, padding, dilation, output_padding, groups
     w = jnp.flip(w, axis=tuple(range(2, w.ndim)))
     pads = [(d * (k - 1) - p, d * (k - 1) - p + op) for k, p, d, op in zip(kernel, padding, dilation, output_padding)]
     return jax.lax.conv_general_dilated(
-        x, w, window_strides=(1,) * len(kernel), padding=pads, lhs_dilation=stride, rhs_dilation=dilation,
-        dimension_numbers=numbers, feature_group_count=groups, precision=conv_precision(x, w))
+        x,
+        w,
+        window_strides=(1,) * len(kernel),
+        padding=pads,
+        lhs_dilation=stride,
+        rhs_dilation=dilation,
+        dimension_numbers=numbers,
+        feature_group_count=groups,
+        precision=conv_precision(x, w),
+    )
 
 
 def _expand(value, n):

@@ -35,10 +35,12 @@ def _in_opmath(fn):
 
     return wrapper
 
+
 # Softmax over rows that may be entirely -inf (a fully masked attention row). Such a "dead" row is
 # shifted by the most negative float instead of its max (-inf), so its exponentials are 0, not NaN;
 # clamping its sum to the smallest normal float then gives a zero softmax. The clamps are no-ops on live
 # rows (their sum is at least 1) and, unlike ``where``, keep XLA's reduce + exp fusion intact.
+
 
 def _exp_and_sum(x, axis):
     shift = jnp.maximum(jnp.max(x, axis=axis, keepdims=True), jnp.finfo(x.dtype).min)
@@ -170,8 +172,9 @@ def _batch_norm_train(x, weight, bias, eps, across: tuple[str, ...] = ()):
 
 @lowers("aten._native_batch_norm_legit_functional.default")
 @_in_opmath
-def batch_norm_functional(x, weight, bias, running_mean, running_var, training, momentum, eps,
-                          across: tuple[str, ...] = ()):
+def batch_norm_functional(
+    x, weight, bias, running_mean, running_var, training, momentum, eps, across: tuple[str, ...] = ()
+):
     """Returns ``(out, save_mean, save_rstd, new_running_mean, new_running_var)``; running stats
     update with the unbiased batch variance, as PyTorch does. ``across``: see :func:`_batch_norm_train`."""
     if not training:
@@ -214,4 +217,3 @@ def embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=
         is_pad = (indices == padding_idx)[..., None]
         out = jnp.where(is_pad, jax.lax.stop_gradient(out), out)
     return out
-

@@ -57,8 +57,10 @@ def _lowest(dtype) -> np.ndarray:
 
 
 def _out_sizes(in_sizes, kernel, stride, dilation, pads) -> list[int]:
-    return [(size + lo + hi - d * (k - 1) - 1) // s + 1
-            for size, (lo, hi), k, s, d in zip(in_sizes, pads, kernel, stride, dilation)]
+    return [
+        (size + lo + hi - d * (k - 1) - 1) // s + 1
+        for size, (lo, hi), k, s, d in zip(in_sizes, pads, kernel, stride, dilation)
+    ]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
@@ -70,14 +72,16 @@ def _routed_max_pool(x, kernel, stride, dilation, pads, shape):
     reduce-window over (value, s32 position) pairs of the padded input: four int32 tensors of the padded input's
     size live at once in the backward, which doubled a ResNet's compiled step memory. This backward is ``k``
     strided pads and adds of the output-sized gradient, fused by XLA into one pass over the input."""
-    values, indices, _ = _window_argmax(x, kernel, stride, dilation, pads,
-                                        _out_sizes(x.shape[-len(kernel):], kernel, stride, dilation, pads))
+    values, indices, _ = _window_argmax(
+        x, kernel, stride, dilation, pads, _out_sizes(x.shape[-len(kernel) :], kernel, stride, dilation, pads)
+    )
     return values, indices
 
 
 def _routed_max_pool_forward(x, kernel, stride, dilation, pads, shape):
-    values, indices, offsets = _window_argmax(x, kernel, stride, dilation, pads,
-                                              _out_sizes(x.shape[-len(kernel):], kernel, stride, dilation, pads))
+    values, indices, offsets = _window_argmax(
+        x, kernel, stride, dilation, pads, _out_sizes(x.shape[-len(kernel) :], kernel, stride, dilation, pads)
+    )
     return (values, indices), offsets
 
 
@@ -95,8 +99,9 @@ def _routed_max_pool_backward(kernel, stride, dilation, pads, shape, offsets, co
         for start, s, n, total in zip((o * d for o, d in zip(offset, dilation)), stride, out_sizes, padded_sizes):
             placement.append((start, total - start - (n - 1) * s - 1, s - 1))
         grad = grad + jax.lax.pad(routed, zero, placement)
-    window = tuple(slice(None) for _ in range(lead)) + tuple(slice(lo, lo + size)
-                                                             for (lo, _), size in zip(pads, shape[-spatial:]))
+    window = tuple(slice(None) for _ in range(lead)) + tuple(
+        slice(lo, lo + size) for (lo, _), size in zip(pads, shape[-spatial:])
+    )
     return (grad[window],)
 
 
@@ -176,8 +181,7 @@ def _adaptive_windows(size: int, out_size: int) -> np.ndarray:
     return np.minimum(starts[:, None] + np.arange(width)[None, :], ends[:, None] - 1)
 
 
-@lowers("aten.adaptive_max_pool2d.default", "aten.adaptive_max_pool3d.default",
-        "aten.adaptive_max_pool1d.default")
+@lowers("aten.adaptive_max_pool2d.default", "aten.adaptive_max_pool3d.default", "aten.adaptive_max_pool1d.default")
 def adaptive_max_pool(x, output_size):
     """Returns ``(values, indices)``: each window gathered into a trailing dim, then max/argmax there
     (the value is read at the argmax, so the gradient goes to the first maximum, as in PyTorch)."""
@@ -191,7 +195,7 @@ def adaptive_max_pool(x, output_size):
         windows = jnp.take(windows, jnp.asarray(table, jnp.int32), axis=lead + 2 * axis)
     k_axes = tuple(lead + 2 * a + 1 for a in range(spatial))
     windows = jnp.moveaxis(windows, k_axes, tuple(range(x.ndim, x.ndim + spatial)))
-    windows = windows.reshape(windows.shape[:x.ndim] + (-1,))
+    windows = windows.reshape(windows.shape[: x.ndim] + (-1,))
     best = jnp.argmax(jax.lax.stop_gradient(windows), axis=-1)
     values = jnp.take_along_axis(windows, best[..., None], axis=-1)[..., 0]
     # Flat in-plane index of the winner: its coordinate along each spatial dim, row-major.
@@ -203,8 +207,12 @@ def adaptive_max_pool(x, output_size):
     return values, flat
 
 
-@lowers("aten._adaptive_avg_pool2d.default", "aten.adaptive_avg_pool2d.default",
-        "aten._adaptive_avg_pool3d.default", "aten.adaptive_avg_pool1d.default")
+@lowers(
+    "aten._adaptive_avg_pool2d.default",
+    "aten.adaptive_avg_pool2d.default",
+    "aten._adaptive_avg_pool3d.default",
+    "aten.adaptive_avg_pool1d.default",
+)
 def adaptive_avg_pool(x, output_size):
     spatial = len(output_size)
     out = x

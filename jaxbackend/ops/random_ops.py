@@ -96,8 +96,7 @@ def normal_float_tensor(mean, std, generator=None, *, key):
 
 
 @lowers("aten.normal.float_float", random=True)
-def normal_float_float(mean, std, size, generator=None, dtype=None, layout=None, device=None, pin_memory=None, *,
-                       key):
+def normal_float_float(mean, std, size, generator=None, dtype=None, layout=None, device=None, pin_memory=None, *, key):
     return mean + std * _sample(key, jax.random.normal, size, dtype or jnp.float32)
 
 

@@ -166,4 +166,4 @@ def vector_norm(x, ord=2, dim=None, keepdim=False, dtype=None):
         return jnp.sum(x != 0, axis=axes, keepdims=keepdim).astype(x.dtype)
     if ord == 2:
         return jnp.sqrt(jnp.sum(x * x, axis=axes, keepdims=keepdim))
-    return jnp.sum(x ** ord, axis=axes, keepdims=keepdim) ** (1.0 / ord)
+    return jnp.sum(x**ord, axis=axes, keepdims=keepdim) ** (1.0 / ord)

@@ -51,11 +51,6 @@ def get(target: str) -> Lowering | None:
     return _REGISTRY.get(target)
 
 
-def supported_targets() -> frozenset[str]:
-    _load_all()
-    return frozenset(_REGISTRY)
-
-
 _loaded = False
 
 

@@ -30,7 +30,8 @@ as PyTorch does (which one is unspecified in both).
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -93,17 +94,17 @@ def gather_rows_local(table: jax.Array, idx: jax.Array, axes: Any, peers: int, s
     rows = table.shape[0]
     out_rows = idx.shape[0] // peers
     me = jax.lax.axis_index(axes)
-    idx = rows_from_end(idx, rows * peers).reshape(peers, out_rows)                  # [dst chunk, row]
-    owner = idx // rows                                                            # the source device of each pair
+    idx = rows_from_end(idx, rows * peers).reshape(peers, out_rows)  # [dst chunk, row]
+    owner = idx // rows  # the source device of each pair
     peer = jnp.arange(peers, dtype=jnp.int32)
     dst = jnp.broadcast_to(peer[:, None], owner.shape)
-    mine = jax.lax.dynamic_index_in_dim(idx, me, keepdims=False)                     # my output rows' table rows
+    mine = jax.lax.dynamic_index_in_dim(idx, me, keepdims=False)  # my output rows' table rows
     keys = jax.lax.dynamic_index_in_dim(owner, me, keepdims=False)
     rank = _rank_by_key(keys, peers)
     own = table[jnp.clip(mine - me * rows, 0, rows - 1)]
 
     def run(slot: int) -> jax.Array:
-        taken, valid = _kth_in_rows(owner == me, slot)                              # slot c: my rows chunk c needs
+        taken, valid = _kth_in_rows(owner == me, slot)  # slot c: my rows chunk c needs
         valid = valid & (peer != me)[:, None]
         source = jnp.clip(jnp.take_along_axis(idx, taken, axis=1) - me * rows, 0, rows - 1)
         received = jax.lax.all_to_all(_masked(valid, table[source]), axes, 0, 0, tiled=True)
@@ -116,8 +117,15 @@ def gather_rows_local(table: jax.Array, idx: jax.Array, axes: Any, peers: int, s
     return _exact_or_fast(spill, out_rows, expert_slot_rows(out_rows, peers), run)
 
 
-def put_rows_local(base: jax.Array, idx: jax.Array, values: jax.Array, axes: Any, peers: int,
-                   accumulate: bool = False, slot: int | None = None) -> jax.Array:
+def put_rows_local(
+    base: jax.Array,
+    idx: jax.Array,
+    values: jax.Array,
+    axes: Any,
+    peers: int,
+    accumulate: bool = False,
+    slot: int | None = None,
+) -> jax.Array:
     """This device's rows of ``base.index_put([idx], values, accumulate)`` inside a ``shard_map`` manual over
     ``axes`` (``peers`` devices): ``base [L_dst, …]`` and ``values [S/P, …]`` its row chunks, ``idx [S]`` whole.
     Returns ``[L_dst, …]`` (module docstring). ``slot``: as for :func:`gather_rows_local` (rows past a slot are not
@@ -125,9 +133,9 @@ def put_rows_local(base: jax.Array, idx: jax.Array, values: jax.Array, axes: Any
     rows = base.shape[0]
     value_rows = values.shape[0]
     me = jax.lax.axis_index(axes)
-    idx = rows_from_end(idx, rows * peers).reshape(peers, value_rows)                 # [src chunk, row]
+    idx = rows_from_end(idx, rows * peers).reshape(peers, value_rows)  # [src chunk, row]
     dest = idx // rows
-    local = idx - me * rows                                                        # row on me, where dest == me
+    local = idx - me * rows  # row on me, where dest == me
     peer = jnp.arange(peers, dtype=jnp.int32)
     src = jnp.broadcast_to(peer[:, None], dest.shape)
     my_dest = jax.lax.dynamic_index_in_dim(dest, me, keepdims=False)
@@ -135,10 +143,10 @@ def put_rows_local(base: jax.Array, idx: jax.Array, values: jax.Array, axes: Any
     own_target = jnp.where(my_dest == me, jax.lax.dynamic_index_in_dim(local, me, keepdims=False), rows)
 
     def run(slot: int) -> jax.Array:
-        taken, valid = _kth_in_rows(my_dest[None, :] == peer[:, None], slot)        # slot c: my rows bound for c
+        taken, valid = _kth_in_rows(my_dest[None, :] == peer[:, None], slot)  # slot c: my rows bound for c
         valid = valid & (peer != me)[:, None]
         received = jax.lax.all_to_all(_masked(valid, values[taken]), axes, 0, 0, tiled=True)
-        arrived, present = _kth_in_rows(dest == me, slot)                           # slot s: chunk s's rows for me
+        arrived, present = _kth_in_rows(dest == me, slot)  # slot s: chunk s's rows for me
         present = present & (peer != me)[:, None]
         target = jnp.where(present, jnp.take_along_axis(local, arrived, axis=1), rows)
         rows_in = jnp.concatenate([values, received.reshape((peers * slot,) + values.shape[1:])])
@@ -167,17 +175,18 @@ def gather_rows(table: jax.Array, idx: jax.Array, mesh: Mesh, table_spec: Sequen
     ``idx`` whole; the result laid out as ``table_spec`` too. A ``shard_map`` of :func:`gather_rows_local`."""
     axes = row_axes_of(table_spec)
     spec = PartitionSpec(*table_spec)
-    body = lambda t, i: gather_rows_local(t, i, axes, _peers(mesh, axes))  # noqa: E731
+    body = lambda t, i: gather_rows_local(t, i, axes, _peers(mesh, axes))
     return shard_map(body, mesh, in_specs=(spec, PartitionSpec()), out_specs=spec)(table, idx)
 
 
-def put_rows(base: jax.Array, idx: jax.Array, values: jax.Array, mesh: Mesh, base_spec: Sequence[Any],
-             accumulate: bool = False) -> jax.Array:
+def put_rows(
+    base: jax.Array, idx: jax.Array, values: jax.Array, mesh: Mesh, base_spec: Sequence[Any], accumulate: bool = False
+) -> jax.Array:
     """``base.index_put([idx], values, accumulate)`` of global arrays under ``jit``: ``base`` and ``values`` laid
     out as ``base_spec`` (dim 0 split), ``idx`` whole. A ``shard_map`` of :func:`put_rows_local`."""
     axes = row_axes_of(base_spec)
     spec = PartitionSpec(*base_spec)
-    body = lambda b, i, v: put_rows_local(b, i, v, axes, _peers(mesh, axes), accumulate)  # noqa: E731
+    body = lambda b, i, v: put_rows_local(b, i, v, axes, _peers(mesh, axes), accumulate)
     return shard_map(body, mesh, in_specs=(spec, PartitionSpec(), spec), out_specs=spec)(base, idx, values)
 
 

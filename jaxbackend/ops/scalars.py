@@ -15,7 +15,11 @@ _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 
 def fit(value):
     """``value`` unchanged, unless it is a Python int outside int32 while x64 is off: then clipped."""
-    if (isinstance(value, int) and not isinstance(value, bool) and not jax.config.jax_enable_x64
-            and not _INT32_MIN <= value <= _INT32_MAX):
+    if (
+        isinstance(value, int)
+        and not isinstance(value, bool)
+        and not jax.config.jax_enable_x64
+        and not _INT32_MIN <= value <= _INT32_MAX
+    ):
         return max(_INT32_MIN, min(_INT32_MAX, value))
     return value

@@ -152,8 +152,9 @@ def unfold(x, dimension, size, step):
 def repeat_interleave(repeats, output_size=None):
     """``[0]*repeats[0] + [1]*repeats[1] + ...``; the static ``output_size`` must be given."""
     if output_size is None:
-        raise NotImplementedError("repeat_interleave with tensor repeats and no output_size has a "
-                                  "data-dependent shape; pass output_size=")
+        raise NotImplementedError(
+            "repeat_interleave with tensor repeats and no output_size has a data-dependent shape; pass output_size="
+        )
     return jnp.repeat(jnp.arange(repeats.shape[0]), repeats, total_repeat_length=output_size)
 
 
@@ -208,9 +209,15 @@ def constant_pad_nd(x, pad, value=0):
 
 # --- identity-like -----------------------------------------------------------------------------------
 
-@lowers("aten.clone.default", "aten.alias.default", "aten.lift_fresh_copy.default",
-        "aten.alias_copy.default", "aten.contiguous.default",
-        "torchpar.pipeline_boundary")
+
+@lowers(
+    "aten.clone.default",
+    "aten.alias.default",
+    "aten.lift_fresh_copy.default",
+    "aten.alias_copy.default",
+    "aten.contiguous.default",
+    "torchpar.pipeline_boundary",
+)
 def identity(x, memory_format=None):
     return x
 
@@ -239,8 +246,13 @@ def copy(x, src, non_blocking=False):
     return jnp.broadcast_to(src.astype(x.dtype), x.shape)
 
 
-@lowers("aten._assert_tensor_metadata.default", "aten._assert_scalar.default",
-        "aten.sym_constrain_range_for_size.default", "aten._assert_async.msg", "aten._assert_async.default")
+@lowers(
+    "aten._assert_tensor_metadata.default",
+    "aten._assert_scalar.default",
+    "aten.sym_constrain_range_for_size.default",
+    "aten._assert_async.msg",
+    "aten._assert_async.default",
+)
 def assert_metadata(*args, **kwargs):
     return None
 
@@ -252,6 +264,7 @@ def getitem(values, index):
 
 # --- creation -----------------------------------------------------------------------------------------
 
+
 def _float_default(dtype):
     return jnp.float32 if dtype is None else dtype
 
@@ -259,8 +272,9 @@ def _float_default(dtype):
 @lowers("aten.full.default")
 def full(size, fill_value, dtype=None, layout=None, device=None, pin_memory=None):
     if dtype is None:
-        dtype = jnp.bool_ if isinstance(fill_value, bool) else (
-            jnp.int32 if isinstance(fill_value, int) else jnp.float32)
+        dtype = (
+            jnp.bool_ if isinstance(fill_value, bool) else (jnp.int32 if isinstance(fill_value, int) else jnp.float32)
+        )
     return jnp.full(tuple(size), fit(fill_value), dtype)
 
 

@@ -59,6 +59,8 @@ def upsample_linear(x, output_size, align_corners, scale_factors):
         shape = [1] * x.ndim
         shape[axis] = out
         lam = jnp.asarray(lam.reshape(shape), x.dtype)
-        x = (jnp.take(x, jnp.asarray(low, jnp.int32), axis=axis) * (1 - lam)
-             + jnp.take(x, jnp.asarray(high, jnp.int32), axis=axis) * lam)
+        x = (
+            jnp.take(x, jnp.asarray(low, jnp.int32), axis=axis) * (1 - lam)
+            + jnp.take(x, jnp.asarray(high, jnp.int32), axis=axis) * lam
+        )
     return x

@@ -26,7 +26,8 @@ import transformers
 
 from jaxbackend import dtypes
 from jaxbackend.lower import lower, to_numpy_input
-from torchpar.capture.export import batch_to_call_args, capture_forward, capture_train_step, dtype_name
+from torchpar.capture.export import batch_to_call_args, capture_forward, capture_train_step
+from torchpar.capture.to_ir import dtype_name
 
 RTOL, ATOL = 1e-5, 1e-5
 GRAD_RTOL, GRAD_ATOL = 1e-4, 1e-5

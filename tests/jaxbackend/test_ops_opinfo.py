@@ -35,7 +35,8 @@ from torch.testing._internal.common_methods_invocations import op_db
 
 from jaxbackend import dtypes
 from jaxbackend.lower import IntegerRangeError, lower, to_numpy_input
-from torchpar.capture.export import capture_forward, dtype_name
+from torchpar.capture.export import capture_forward
+from torchpar.capture.to_ir import dtype_name
 
 RTOL, ATOL = 1e-5, 1e-5
 GRAD_RTOL, GRAD_ATOL = 1e-4, 1e-5

@@ -47,15 +47,32 @@ _MASK_POSITION = 3
 _CAUSAL_POSITION = 5
 _MAX_FOLD_ELEMENTS = 1 << 26  # materialize values of at most 64 Mi entries at capture time (a 8k × 8k mask is 64 Mi)
 _EXPAND = torch.ops.aten.expand.default
-_BROADCASTING = {torch.ops.aten.le.Tensor, torch.ops.aten.lt.Tensor, torch.ops.aten.ge.Tensor, torch.ops.aten.gt.Tensor,
-                 torch.ops.aten.eq.Tensor, torch.ops.aten.ne.Tensor, torch.ops.aten.le.Scalar, torch.ops.aten.lt.Scalar,
-                 torch.ops.aten.ge.Scalar, torch.ops.aten.gt.Scalar, torch.ops.aten.eq.Scalar, torch.ops.aten.ne.Scalar,
-                 torch.ops.aten.logical_and.default, torch.ops.aten.logical_or.default,
-                 torch.ops.aten.logical_not.default, torch.ops.aten.bitwise_and.Tensor,
-                 torch.ops.aten.bitwise_or.Tensor,
-                 torch.ops.aten.bitwise_not.default, torch.ops.aten.__and__.Tensor, torch.ops.aten.__or__.Tensor,
-                 torch.ops.aten.add.Tensor, torch.ops.aten.sub.Tensor, torch.ops.aten.mul.Tensor,
-                 torch.ops.aten.where.self}
+_BROADCASTING = {
+    torch.ops.aten.le.Tensor,
+    torch.ops.aten.lt.Tensor,
+    torch.ops.aten.ge.Tensor,
+    torch.ops.aten.gt.Tensor,
+    torch.ops.aten.eq.Tensor,
+    torch.ops.aten.ne.Tensor,
+    torch.ops.aten.le.Scalar,
+    torch.ops.aten.lt.Scalar,
+    torch.ops.aten.ge.Scalar,
+    torch.ops.aten.gt.Scalar,
+    torch.ops.aten.eq.Scalar,
+    torch.ops.aten.ne.Scalar,
+    torch.ops.aten.logical_and.default,
+    torch.ops.aten.logical_or.default,
+    torch.ops.aten.logical_not.default,
+    torch.ops.aten.bitwise_and.Tensor,
+    torch.ops.aten.bitwise_or.Tensor,
+    torch.ops.aten.bitwise_not.default,
+    torch.ops.aten.__and__.Tensor,
+    torch.ops.aten.__or__.Tensor,
+    torch.ops.aten.add.Tensor,
+    torch.ops.aten.sub.Tensor,
+    torch.ops.aten.mul.Tensor,
+    torch.ops.aten.where.self,
+}
 _FILLS = {torch.ops.aten.zeros.default, torch.ops.aten.ones.default, torch.ops.aten.full.default}
 _BLOCKWISE = _BROADCASTING | _FILLS | {_EXPAND}
 """Ops whose result, past the size limit, is kept as row blocks (:class:`_RowBlocks`): elementwise with
@@ -83,15 +100,14 @@ def fold_static_attention_masks(graph: torch.fx.Graph) -> int:
             continue
         _rewrite(node, causal=kind == "causal" or _is_causal_arg(node))
         folded += 1
-        log.debug("attention %s: constant %s mask %s folded into the call's flags", node.name, kind,
-                  tuple(value.shape))
+        log.debug("attention %s: constant %s mask %s folded into the call's flags", node.name, kind, tuple(value.shape))
     if folded:
         _remove_unused(graph, values)
         graph.lint()
     return folded
 
 
-def classify_mask(mask: "torch.Tensor | _RowBlocks", q_len: int, k_len: int) -> str | None:
+def classify_mask(mask: torch.Tensor | _RowBlocks, q_len: int, k_len: int) -> str | None:
     """``"full"`` if every query attends every key, ``"causal"`` if exactly ``tril(ones(q_len, k_len))``
     attends (for each leading index), ``None`` for any other mask or one that does not broadcast to
     ``[..., q_len, k_len]``, or a mask without data (a model on the meta device: planning only). A
@@ -204,7 +220,7 @@ def _depends_on_placeholder(node: torch.fx.Node) -> bool:
     return False
 
 
-def _evaluate(node: torch.fx.Node, values: dict[torch.fx.Node, Any]) -> "torch.Tensor | _RowBlocks | None":
+def _evaluate(node: torch.fx.Node, values: dict[torch.fx.Node, Any]) -> torch.Tensor | _RowBlocks | None:
     """The node's value computed with torch on the CPU, its inputs first — past the size limit, a broadcasting
     elementwise op or ``expand`` as :class:`_RowBlocks` (``None`` if a node on the way is random, too large for
     either, or fails to run: the mask is then left as data)."""
@@ -231,7 +247,7 @@ def _evaluate(node: torch.fx.Node, values: dict[torch.fx.Node, Any]) -> "torch.T
     try:
         with torch.no_grad():
             result = node.target(*args, **kwargs)
-    except Exception as error:  # noqa: BLE001 (an op that cannot run eagerly leaves the mask as data)
+    except Exception as error:
         log.debug("attention mask not folded: %s (%s) raised %r", node.name, node.target, error)
         return None
     if not isinstance(result, torch.Tensor):

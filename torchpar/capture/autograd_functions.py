@@ -123,8 +123,9 @@ class _ForwardContext:
 class _BackwardContext:
     """The ``ctx`` a Function's backward sees while it is traced: the saved tensors, the forward's attributes."""
 
-    def __init__(self, saved: tuple[Any, ...], attributes: dict[str, Any], needs_input_grad: tuple[bool, ...],
-                 materialize: bool):
+    def __init__(
+        self, saved: tuple[Any, ...], attributes: dict[str, Any], needs_input_grad: tuple[bool, ...], materialize: bool
+    ):
         self.__dict__.update(attributes)
         self.saved_tensors = saved
         self.saved_variables = saved
@@ -182,11 +183,20 @@ def describe_function(cls: type, where: str) -> str:
 _BASE = torch.autograd.function.Function
 _ORIGINAL_APPLY = _BASE.__dict__["apply"]
 _BASE_SETUP_CONTEXT = _BASE.setup_context
-_ACTIVE: "FunctionCalls | None" = None
+_ACTIVE: FunctionCalls | None = None
 _MISSING = object()
 
-_TORCH_MACHINERY = ("torch._library", "torch.utils.checkpoint", "torch._functorch", "torch._dynamo",
-                    "torch._higher_order_ops", "torch.export", "torch.fx", "torch._subclasses", "torch.autograd")
+_TORCH_MACHINERY = (
+    "torch._library",
+    "torch.utils.checkpoint",
+    "torch._functorch",
+    "torch._dynamo",
+    "torch._higher_order_ops",
+    "torch.export",
+    "torch.fx",
+    "torch._subclasses",
+    "torch.autograd",
+)
 """Modules whose Functions are torch's own machinery (custom ops' autograd, reentrant checkpointing): their
 backward is the forward's derivative, which the lowering derives."""
 
@@ -219,6 +229,7 @@ class FunctionCalls:
         calls = self
 
         if setup_style:
+
             @functools.wraps(forward)
             def patched_forward(*args: Any) -> Any:
                 if calls._depth > 0:
@@ -241,6 +252,7 @@ class FunctionCalls:
             cls.forward = staticmethod(patched_forward)
             cls.setup_context = staticmethod(patched_setup_context)
         else:
+
             @functools.wraps(forward)
             def patched_forward(ctx: Any, *args: Any) -> Any:
                 if calls._depth > 0:
@@ -273,8 +285,9 @@ class FunctionCalls:
         ctx = _ForwardContext(tuple(isinstance(a, torch.Tensor) and a.requires_grad for a in args))
         self._depth += 1
         try:
-            marked = tuple(_function_input(a, call, i) if isinstance(a, torch.Tensor) else a
-                           for i, a in enumerate(args))
+            marked = tuple(
+                _function_input(a, call, i) if isinstance(a, torch.Tensor) else a for i, a in enumerate(args)
+            )
             if setup_context is not None:
                 output = forward(*marked)
                 setup_context(ctx, marked, output)
@@ -287,12 +300,15 @@ class FunctionCalls:
                 f"{describe_function(cls, where)}: its forward cannot be traced by torch.export "
                 f"({type(error).__name__}: {_first_line(error)}). torchpar runs a Function's own backward, so it "
                 "must capture both: write the forward with torch operations (no NumPy, .item() or data-dependent "
-                "Python), or drop the custom backward") from error
+                "Python), or drop the custom backward"
+            ) from error
         finally:
             self._depth -= 1
         if ctx._torchpar_dirty:
-            raise CaptureError(f"{describe_function(cls, where)} marks an input dirty (ctx.mark_dirty, an in-place "
-                               "Function): torchpar cannot capture in-place Functions; return a new tensor instead")
+            raise CaptureError(
+                f"{describe_function(cls, where)} marks an input dirty (ctx.mark_dirty, an in-place "
+                "Function): torchpar cannot capture in-place Functions; return a new tensor instead"
+            )
         results = output if isinstance(output, tuple) else (output,)
         residuals: list[torch.Tensor] = []
 
@@ -321,21 +337,36 @@ class FunctionCalls:
                     marked_results.append(result)
         finally:
             self._depth -= 1
-        self.calls.append(FunctionCall(
-            call=call, cls=cls, where=where, num_args=len(args), needs_input_grad=ctx.needs_input_grad,
-            saved_layout=saved_layout, attributes=attributes,
-            residuals=tuple((tuple(int(s) for s in r.shape), r.dtype) for r in residuals),
-            results=tuple((tuple(int(s) for s in r.shape), r.dtype) if isinstance(r, torch.Tensor) else None
-                          for r in results),
-            materialize=ctx._torchpar_materialize))
+        self.calls.append(
+            FunctionCall(
+                call=call,
+                cls=cls,
+                where=where,
+                num_args=len(args),
+                needs_input_grad=ctx.needs_input_grad,
+                saved_layout=saved_layout,
+                attributes=attributes,
+                residuals=tuple((tuple(int(s) for s in r.shape), r.dtype) for r in residuals),
+                results=tuple(
+                    (tuple(int(s) for s in r.shape), r.dtype) if isinstance(r, torch.Tensor) else None for r in results
+                ),
+                materialize=ctx._torchpar_materialize,
+            )
+        )
         return (tuple(marked_results) if isinstance(output, tuple) else marked_results[0]), non_differentiable
 
     def backward_graphs(self, model: torch.nn.Module | None = None) -> dict[int, Any]:
         """The IR backward graph of every intercepted call, by call id; a backward that reads ``model``'s parameters
         or buffers other than through ``ctx`` is refused (:func:`_refuse_read_parameters`)."""
-        model_tensors = {} if model is None else {
-            t.untyped_storage().data_ptr(): name
-            for name, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type != "meta"}
+        model_tensors = (
+            {}
+            if model is None
+            else {
+                t.untyped_storage().data_ptr(): name
+                for name, t in [*model.named_parameters(), *model.named_buffers()]
+                if t.device.type != "meta"
+            }
+        )
         self._depth += 1  # a Function the backward calls runs as PyTorch runs it there
         try:
             return {call.call: _trace_backward(call, model_tensors) for call in self.calls}
@@ -389,7 +420,10 @@ def _unpatched(cls: type, name: str) -> Any:
 
 def has_custom_backward(cls: type) -> bool:
     """Whether ``cls`` defines its own ``backward`` (or ``vjp``)."""
-    return getattr(cls, "backward", _BASE.backward) is not _BASE.backward or getattr(cls, "vjp", _BASE.vjp) is not _BASE.vjp
+    return (
+        getattr(cls, "backward", _BASE.backward) is not _BASE.backward
+        or getattr(cls, "vjp", _BASE.vjp) is not _BASE.vjp
+    )
 
 
 def _user_backward(cls: type) -> Any:
@@ -434,22 +468,25 @@ class _Backward(torch.nn.Module):
 
     def forward(self, *values: torch.Tensor) -> tuple[torch.Tensor, ...]:
         call = self.call
-        residuals, cotangents = values[:len(call.residuals)], iter(values[len(call.residuals):])
+        residuals, cotangents = values[: len(call.residuals)], iter(values[len(call.residuals) :])
 
         def fill(value: Any) -> Any:
             return residuals[value.index] if isinstance(value, _SavedSlot) else value
 
         saved = tuple(fill(v) for v in call.saved_layout)
-        attributes = {k: pytree.tree_map(fill, v, is_leaf=lambda x: isinstance(x, _SavedSlot))
-                      for k, v in call.attributes.items()}
+        attributes = {
+            k: pytree.tree_map(fill, v, is_leaf=lambda x: isinstance(x, _SavedSlot)) for k, v in call.attributes.items()
+        }
         ctx = _BackwardContext(saved, attributes, call.needs_input_grad, call.materialize)
         grads = [next(cotangents) if meta is not None else None for meta in call.results]
         result = _user_backward(call.cls)(ctx, *grads)
         result = result if isinstance(result, tuple) else (result,)
-        if len(result) < call.num_args or any(r is not None for r in result[call.num_args:]):
-            raise CaptureError(f"{call.name}: backward returned {len(result)} gradient(s), expected {call.num_args} "
-                               "(one per argument of apply)")
-        return tuple(r if isinstance(r, torch.Tensor) else None for r in result[:call.num_args])
+        if len(result) < call.num_args or any(r is not None for r in result[call.num_args :]):
+            raise CaptureError(
+                f"{call.name}: backward returned {len(result)} gradient(s), expected {call.num_args} "
+                "(one per argument of apply)"
+            )
+        return tuple(r if isinstance(r, torch.Tensor) else None for r in result[: call.num_args])
 
 
 def _trace_backward(call: FunctionCall, model_tensors: dict[int, str]) -> Any:
@@ -471,7 +508,8 @@ def _trace_backward(call: FunctionCall, model_tensors: dict[int, str]) -> Any:
         raise CaptureError(
             f"{call.name}: its backward cannot be traced by torch.export ({type(error).__name__}: "
             f"{_first_line(error)}). torchpar runs a Function's own backward: write it with torch operations "
-            "(no NumPy, .item() or data-dependent Python), or drop the custom backward") from error
+            "(no NumPy, .item() or data-dependent Python), or drop the custom backward"
+        ) from error
     _refuse_read_parameters(call, exported, model_tensors)
     graph = to_ir(exported, torch.nn.Module(), user_output_kind="user")
     slots = pytree.tree_unflatten(list(range(len(graph.outputs))), exported.call_spec.out_spec)
@@ -481,15 +519,25 @@ def _trace_backward(call: FunctionCall, model_tensors: dict[int, str]) -> Any:
     return graph
 
 
-def _refuse_read_parameters(call: FunctionCall, exported: torch.export.ExportedProgram,
-                            model_tensors: dict[int, str]) -> None:
+def _refuse_read_parameters(
+    call: FunctionCall, exported: torch.export.ExportedProgram, model_tensors: dict[int, str]
+) -> None:
     """A backward that reads a parameter or buffer of the model other than through ``ctx`` (a closure over a module's
     weight) would see it as a constant of the captured graph, frozen at its compile-time value: refuse it, naming
     the Function and the tensor. ``model_tensors`` maps the storage address of each parameter and buffer to its name."""
-    read = sorted({model_tensors[value.untyped_storage().data_ptr()] for value in exported.constants.values()
-                   if isinstance(value, torch.Tensor) and not isinstance(value, FakeTensor) and value.device.type != "meta"
-                   and value.untyped_storage().data_ptr() in model_tensors})
+    read = sorted(
+        {
+            model_tensors[value.untyped_storage().data_ptr()]
+            for value in exported.constants.values()
+            if isinstance(value, torch.Tensor)
+            and not isinstance(value, FakeTensor)
+            and value.device.type != "meta"
+            and value.untyped_storage().data_ptr() in model_tensors
+        }
+    )
     if read:
         raise CaptureError(
-            f"{call.name}: its backward reads {', '.join(read)} directly (not through ctx); the captured backward would "
-            "keep their values from compile time. Pass them to apply(...) and ctx.save_for_backward(...) them instead")
+            f"{call.name}: its backward reads {', '.join(read)} directly (not through ctx); the captured backward "
+            "would keep their values from compile time. Pass them to apply(...) and ctx.save_for_backward(...) them "
+            "instead"
+        )

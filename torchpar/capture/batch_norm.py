@@ -40,9 +40,14 @@ def _cumulative_forward(self: _BatchNorm, input: torch.Tensor) -> torch.Tensor:
 
 
 def _cumulative(module: torch.nn.Module) -> bool:
-    return (isinstance(module, _BatchNorm) and module.momentum is None and module.training
-            and module.track_running_stats and module.num_batches_tracked is not None
-            and "forward" not in vars(module))  # a forward of the user's own stays
+    return (
+        isinstance(module, _BatchNorm)
+        and module.momentum is None
+        and module.training
+        and module.track_running_stats
+        and module.num_batches_tracked is not None
+        and "forward" not in vars(module)
+    )  # a forward of the user's own stays
 
 
 @contextlib.contextmanager

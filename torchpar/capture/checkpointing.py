@@ -32,8 +32,11 @@ def checkpointing_modules(model: torch.nn.Module) -> list[str]:
     answers with a ``FutureWarning``, so it is read only where the new name is missing)."""
     names = [name for name, module in model.named_modules() if getattr(module, "gradient_checkpointing", False) is True]
     if not names:
-        asked = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") else \
-            "is_gradient_checkpointing"
+        asked = (
+            "is_activation_checkpointing"
+            if hasattr(type(model), "is_activation_checkpointing")
+            else "is_gradient_checkpointing"
+        )
         if getattr(model, asked, False) is True:
             names = [""]
     return names
@@ -45,15 +48,18 @@ def warn_if_gradient_checkpointing(model: torch.nn.Module, *, stacklevel: int = 
     names = checkpointing_modules(model)
     if not names:
         return False
-    shown = ", ".join(n or type(model).__name__ for n in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3
-                                                                     else "")
+    shown = ", ".join(n or type(model).__name__ for n in names[:3]) + (
+        f" and {len(names) - 3} more" if len(names) > 3 else ""
+    )
     warnings.warn(
         f"torchpar does not apply HF gradient checkpointing (enabled on {shown}, e.g. by "
         "model.gradient_checkpointing_enable()): the compiled step keeps every activation for the backward "
         "pass, as if it were off. torchpar's own activation checkpointing is compile(remat='layers') (or "
         "'selective', or 'auto' to let the planner choose); a smaller micro-batch (num_micro_batches) and "
         "Zero3Parallel also free memory. Call model.gradient_checkpointing_disable() to silence this warning.",
-        GradientCheckpointingIgnoredWarning, stacklevel=stacklevel + 1)
+        GradientCheckpointingIgnoredWarning,
+        stacklevel=stacklevel + 1,
+    )
     return True
 
 

@@ -108,16 +108,20 @@ def _chain(error: BaseException) -> Iterator[BaseException]:
 def _error_kind(error: BaseException) -> str | None:
     """Which export failure ``error`` is (one of the ``_*`` kinds above), ``None`` if none."""
     text = str(error)
-    if (isinstance(error, (DynamicOutputShapeException, PendingUnbackedSymbolNotFound))
-            or "extract specialized integer" in text):
+    if (
+        isinstance(error, (DynamicOutputShapeException, PendingUnbackedSymbolNotFound))
+        or "extract specialized integer" in text
+    ):
         return _DYNAMIC_SHAPE
-    if (isinstance(error, (GuardOnDataDependentSymNode, DataDependentOutputException))
-            or re.search(r"data[- ]dependent", text, re.IGNORECASE)):
+    if isinstance(error, (GuardOnDataDependentSymNode, DataDependentOutputException)) or re.search(
+        r"data[- ]dependent", text, re.IGNORECASE
+    ):
         return _CONTROL_FLOW
     if "register a pytree" in text or "not a known type" in text:
         return _OUTPUT_TYPE
-    if (isinstance(error, (TorchDynamoException, UnsupportedOperatorException, UnsupportedFakeTensorException))
-            or any(marker in text for marker in _FAKE_TENSOR_MARKERS)):
+    if isinstance(error, (TorchDynamoException, UnsupportedOperatorException, UnsupportedFakeTensorException)) or any(
+        marker in text for marker in _FAKE_TENSOR_MARKERS
+    ):
         return _UNSUPPORTED
     return None
 
@@ -141,7 +145,8 @@ def _export_message(kind: str, error: BaseException, model: torch.nn.Module, sou
             "Fix: compute both sides and select with torch.where(cond, a, b); or trace both branches with "
             "torch.cond(pred, true_fn, false_fn, operands); if the condition only checks a size assumption, "
             "state it with torch._check(...); or move the branch out of forward (decide it in the training "
-            "loop and pass the result in the batch).")
+            "loop and pass the result in the batch)."
+        )
     if kind == _DYNAMIC_SHAPE:
         return (
             f"torch.export cannot trace {name}: a tensor's shape (or a Python int) depends on tensor values\n"
@@ -149,27 +154,31 @@ def _export_message(kind: str, error: BaseException, model: torch.nn.Module, sou
             "Why: boolean-mask indexing x[mask], nonzero, unique, masked_select and int(tensor) give sizes that "
             "are only known once the values are; torchpar compiles the step with XLA, which fixes every shape "
             f"at compile time (torch: {reason}).\n"
-            f"Fix: {_STATIC_SHAPE_FIX}")
+            f"Fix: {_STATIC_SHAPE_FIX}"
+        )
     if kind == _OUTPUT_TYPE:
         return (
             f"torch.export cannot trace {name}: forward returns an object export does not know how to flatten\n"
             f"{where}\n"
             f"Why: export needs the outputs as tensors in tuples, lists, dicts or dataclasses (torch: {reason}).\n"
             "Fix: return tensors (or a tuple/dict of tensors), or register the output class with "
-            "torch.utils._pytree.register_pytree_node.")
+            "torch.utils._pytree.register_pytree_node."
+        )
     return (
         f"torch.export cannot trace {name}\n"
         f"{where}\n"
         f"Why (torch): {_first_lines(str(error))}\n"
         "Fix: rewrite this line with tensor operations export can trace (no conversion of tensors to Python or "
         "NumPy values, no unsupported Python objects or calls); the original torch error, chained below, has "
-        "the details.")
+        "the details."
+    )
 
 
 _STATIC_SHAPE_FIX = (
     "keep shapes static: replace x[mask].sum() by torch.where(mask, x, 0).sum() (or x * mask); use "
     "torch.nonzero_static(x, size=k) or masks and counts instead of nonzero/unique; if the size is in fact "
-    "fixed, state it with torch._check(n == size) so export can use it.")
+    "fixed, state it with torch._check(n == size) so export can use it."
+)
 
 
 def _first_lines(text: str, count: int = 3, width: int = 300) -> str:
@@ -199,7 +208,7 @@ def _source_line(error: BaseException) -> SourceLine | None:
     torchpar.capture (above it are the caller's frames), else from a ``File "...", line N`` in its text."""
     frames = traceback.extract_tb(error.__traceback__)
     below = [i for i, f in enumerate(frames) if os.path.abspath(f.filename).startswith(_CAPTURE_DIR)]
-    for frame in reversed(frames[below[-1] + 1:] if below else frames):
+    for frame in reversed(frames[below[-1] + 1 :] if below else frames):
         if _is_user_file(frame.filename) and frame.lineno is not None:
             return SourceLine(frame.filename, frame.lineno, frame.name, (frame.line or "").strip())
     return _source_line_in_text(str(error))
@@ -241,13 +250,36 @@ def dynamic_shape_error(exported: ExportedProgram, model: torch.nn.Module) -> Ca
             "known once the values are (boolean-mask indexing x[mask], nonzero, unique, masked_select, "
             "repeat_interleave with tensor repeats); torchpar compiles the step with XLA, which fixes every shape "
             "at compile time.\n"
-            f"Fix: {_STATIC_SHAPE_FIX}")
+            f"Fix: {_STATIC_SHAPE_FIX}"
+        )
     return None
 
 
-_ALIASING = frozenset({"detach", "alias", "view", "_unsafe_view", "t", "transpose", "permute", "select", "slice",
-                       "expand", "as_strided", "unsqueeze", "squeeze", "reshape", "flatten", "unflatten",
-                       "diagonal", "narrow", "split", "chunk", "unbind"})
+_ALIASING = frozenset(
+    {
+        "detach",
+        "alias",
+        "view",
+        "_unsafe_view",
+        "t",
+        "transpose",
+        "permute",
+        "select",
+        "slice",
+        "expand",
+        "as_strided",
+        "unsqueeze",
+        "squeeze",
+        "reshape",
+        "flatten",
+        "unflatten",
+        "diagonal",
+        "narrow",
+        "split",
+        "chunk",
+        "unbind",
+    }
+)
 """ATen ops whose result may share a tensor's storage: writing into it writes the parameter."""
 
 
@@ -256,7 +288,7 @@ def parameter_write_error(exported: ExportedProgram, model: torch.nn.Module) -> 
     (``nn.Embedding(max_norm=...)``'s ``embedding_renorm_`` on ``weight.detach()``, a ``p.data.clamp_()`` in
     ``forward``), with its source line; ``None`` if no parameter is written. torch.export keeps such a write out of
     the program's outputs, so the compiled step would silently skip it."""
-    aliases = {name: param for name, param in exported.graph_signature.inputs_to_parameters.items()}
+    aliases = dict(exported.graph_signature.inputs_to_parameters)
     for node in exported.graph.nodes:
         if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
             continue
@@ -275,12 +307,13 @@ def parameter_write_error(exported: ExportedProgram, model: torch.nn.Module) -> 
                     f"{type(model).__name__}'s forward writes into the parameter {name!r} "
                     f"in place\n{where}\n"
                     f"Why: {_op_name(node.target)} changes the parameter's values inside forward (through "
-                    f"{'a detached alias' if value.name not in exported.graph_signature.inputs_to_parameters else 'itself'}"
+                    f"{'itself' if value.name in exported.graph_signature.inputs_to_parameters else 'a detached alias'}"
                     "); torch.export leaves such writes out of the program, so torchpar would train without them "
                     "and silently differ from PyTorch.\n"
                     "Fix: do the write outside the step (e.g. renormalise the embedding between steps: "
                     "with torch.no_grad(): w.copy_(torch.renorm(w, 2, 0, max_norm)), then the engine reads the "
-                    "model's new weights), or drop it (nn.Embedding without max_norm).")
+                    "model's new weights), or drop it (nn.Embedding without max_norm)."
+                )
     return None
 
 
@@ -317,7 +350,8 @@ def _call_signature_error(error: BaseException, model: torch.nn.Module, batch: A
     return CaptureError(
         f"{qualname}() {_describe_problem(problem, names)}: {_calling_convention(batch)}\n"
         f"  forward's signature: {_plain_signature(forward)}\n"
-        f"Fix: {_signature_fix(problem, names, forward, batch)}")
+        f"Fix: {_signature_fix(problem, names, forward, batch)}"
+    )
 
 
 def _plain_signature(forward: Any) -> str:
@@ -356,8 +390,7 @@ def _calling_convention(batch: Any) -> str:
     if isinstance(batch, Mapping):
         return f"the batch keys are passed as model(**batch), and this batch has the keys {_quoted(list(batch))}"
     if isinstance(batch, (tuple, list)):
-        return (f"the batch entries are passed positionally as model(*batch), and this batch has "
-                f"{_entries(len(batch))}")
+        return f"the batch entries are passed positionally as model(*batch), and this batch has {_entries(len(batch))}"
     if batch is not None:
         return "the batch is passed as model(batch)"
     return "the batch keys are passed as model(**batch) (a tuple or list batch as model(*batch))"
@@ -374,17 +407,23 @@ def _signature_fix(problem: str, names: list[str], forward: Any, batch: Any) -> 
         return f"rename the batch key {_quoted(extra)} to {_quoted(missing)}, or rename forward's parameter."
     fixes = []
     if missing:
-        fixes.append(f"add {_quoted(missing)} to the batch, or give {'them' if len(missing) > 1 else 'it'} a "
-                     f"default in forward (e.g. {missing[0]}=None)")
+        fixes.append(
+            f"add {_quoted(missing)} to the batch, or give {'them' if len(missing) > 1 else 'it'} a "
+            f"default in forward (e.g. {missing[0]}=None)"
+        )
     if extra:
-        fixes.append(f"remove {_quoted(extra)} from the batch, or accept {'them' if len(extra) > 1 else 'it'} in "
-                     "forward (as a parameter or **kwargs)")
+        fixes.append(
+            f"remove {_quoted(extra)} from the batch, or accept {'them' if len(extra) > 1 else 'it'} in "
+            "forward (as a parameter or **kwargs)"
+        )
     if not fixes and "were given" in problem and isinstance(batch, (tuple, list)):
         # forward takes fewer entries than the batch holds: most often (inputs, targets) for a model returning logits
-        return ("if the batch's last entries are targets, compute the loss in a step_fn, e.g. torchpar.compile(model, "
-                "optimizer, example_batch=batch, step_fn=lambda model, batch: "
-                "torch.nn.functional.cross_entropy(model(*batch[:-1]), batch[-1])); otherwise make the batch's "
-                "entries match forward's parameters.")
+        return (
+            "if the batch's last entries are targets, compute the loss in a step_fn, e.g. torchpar.compile(model, "
+            "optimizer, example_batch=batch, step_fn=lambda model, batch: "
+            "torch.nn.functional.cross_entropy(model(*batch[:-1]), batch[-1])); otherwise make the batch's "
+            "entries match forward's parameters."
+        )
     if not fixes:
         return "make the batch's entries match forward's parameters, in order for a tuple or list batch."
     return "; ".join(fixes) + "."
@@ -456,14 +495,18 @@ def _mapping_differences(path: str, expected: Mapping, got: Mapping) -> Iterator
     extra = [k for k in got if k not in expected]
     owner = "this batch" if path == "batch" else f"{path} in this batch"
     if len(missing) == 1 and len(extra) == 1:
-        yield (f"{owner} has the key {_quoted(extra)} where the example batch has {_quoted(missing)} "
-               f"(renamed? {missing[0]!r} → {extra[0]!r})")
+        yield (
+            f"{owner} has the key {_quoted(extra)} where the example batch has {_quoted(missing)} "
+            f"(renamed? {missing[0]!r} → {extra[0]!r})"
+        )
     else:
         if missing:
             yield f"{owner} lacks the key{'s' if len(missing) > 1 else ''} {_quoted(missing)} of the example batch"
         if extra:
-            yield (f"{owner} has the extra key{'s' if len(extra) > 1 else ''} {_quoted(extra)} that the example "
-                   "batch does not have")
+            yield (
+                f"{owner} has the extra key{'s' if len(extra) > 1 else ''} {_quoted(extra)} that the example "
+                "batch does not have"
+            )
     for key in expected:
         if key in got:
             yield from _differences(f"{path}[{key!r}]", expected[key], got[key])

@@ -33,16 +33,29 @@ from torchpar.capture.autograd_functions import capture_autograd_functions
 from torchpar.capture.batch_norm import cumulative_batch_norms
 from torchpar.capture.checkpointing import reentrant_checkpoints_inline
 from torchpar.capture.distributions import unvalidated_distributions
-from torchpar.capture.inner_gradients import refusing_inner_gradients
 from torchpar.capture.errors import CaptureError, dynamic_shape_error, parameter_write_error, translate_export_error
-from torchpar.capture.grad_semantics import (autograd_capture_guards, check_gradient_hooks, mark_stop_gradients,
-                                             module_modes, restore_module_modes)
+from torchpar.capture.grad_semantics import (
+    autograd_capture_guards,
+    check_gradient_hooks,
+    mark_stop_gradients,
+    module_modes,
+    restore_module_modes,
+)
+from torchpar.capture.inner_gradients import refusing_inner_gradients
 from torchpar.capture.meta_models import as_fake_cpu, on_meta_device
-from torchpar.capture.module_state import (OUTSIDE_PREFIX, CapturedState, NumberAttribute, numbers_as_tensors,
-                                           outside_modules, recording, tensors_as_buffers, watched_modules)
+from torchpar.capture.module_state import (
+    OUTSIDE_PREFIX,
+    CapturedState,
+    NumberAttribute,
+    numbers_as_tensors,
+    outside_modules,
+    recording,
+    tensors_as_buffers,
+    watched_modules,
+)
 from torchpar.capture.precision import autocast_device, check_no_float64
 from torchpar.capture.repeated_blocks import CAPTURED_BLOCKS, expand_blocks, find_block_stack, truncated
-from torchpar.capture.to_ir import decompose, dtype_name, tensor_meta, to_ir  # dtype_name: also imported from here
+from torchpar.capture.to_ir import decompose, tensor_meta, to_ir
 from torchpar.ir.graph import Graph, TensorMeta
 
 log = logging.getLogger(__name__)
@@ -53,6 +66,7 @@ StepFn = Callable[[torch.nn.Module, Any], Any]
 scalar tensor, ``aux`` a ``dict[str, torch.Tensor]`` the step returns beside the loss."""
 ForwardFn = Callable[[torch.nn.Module, Any], Any]
 """``forward_fn(model, batch) -> outputs``: the eval forward's call of the model (``compile(forward_fn=...)``)."""
+
 
 @dataclasses.dataclass
 class Capture:
@@ -113,7 +127,8 @@ def select_loss(outputs: Any, batch: Any, loss_fn: LossFn | None) -> torch.Tenso
         raise ValueError(
             f"cannot find the loss in the model output of type {type(outputs).__name__}: return a scalar "
             "tensor, an object with .loss / ['loss'] (for HF models pass labels in the batch), or pass "
-            "loss_fn=lambda outputs, batch: ... to torchpar.compile")
+            "loss_fn=lambda outputs, batch: ... to torchpar.compile"
+        )
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
         shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
         if loss_fn is None and isinstance(outputs, torch.Tensor):  # not a loss: e.g. a classifier's logits
@@ -121,7 +136,8 @@ def select_loss(outputs: Any, batch: Any, loss_fn: LossFn | None) -> torch.Tenso
                 f"the model returned a tensor of shape {list(shape)}, not a scalar loss: compile with a step_fn that "
                 "calls the model and returns the loss, e.g. step_fn=lambda model, batch: "
                 "torch.nn.functional.cross_entropy(model(batch[0]), batch[1]) for a batch (inputs, targets), or "
-                "loss_fn=lambda outputs, batch: ... for a loss of the model's outputs")
+                "loss_fn=lambda outputs, batch: ... for a loss of the model's outputs"
+            )
         raise ValueError(f"the loss must be a scalar tensor, got {shape}; reduce it (e.g. .mean()) in loss_fn")
     return loss
 
@@ -129,8 +145,10 @@ def select_loss(outputs: Any, batch: Any, loss_fn: LossFn | None) -> torch.Tenso
 def check_model_fns(loss_fn: LossFn | None, step_fn: StepFn | None, forward_fn: ForwardFn | None) -> None:
     """``step_fn`` / ``forward_fn`` take exactly ``(model, batch)``; ``step_fn`` excludes ``loss_fn``."""
     if step_fn is not None and loss_fn is not None:
-        raise ValueError("pass step_fn or loss_fn, not both: step_fn(model, batch) calls the model and returns the "
-                         "loss itself (fold the loss_fn into it)")
+        raise ValueError(
+            "pass step_fn or loss_fn, not both: step_fn(model, batch) calls the model and returns the "
+            "loss itself (fold the loss_fn into it)"
+        )
     for name, fn in (("step_fn", step_fn), ("forward_fn", forward_fn)):
         if fn is not None:
             check_model_fn(fn, name)
@@ -148,9 +166,11 @@ def check_model_fn(fn: Any, name: str) -> None:
     try:
         signature.bind(object(), object())
     except TypeError as error:
-        raise TypeError(f"{name} must take exactly two positional arguments (model, batch); "
-                        f"{getattr(fn, '__name__', name)}{signature} cannot be called so ({error}). "
-                        f"Write it as def {name}(model, batch): ...") from None
+        raise TypeError(
+            f"{name} must take exactly two positional arguments (model, batch); "
+            f"{getattr(fn, '__name__', name)}{signature} cannot be called so ({error}). "
+            f"Write it as def {name}(model, batch): ..."
+        ) from None
 
 
 def _scalar_loss(loss: Any, name: str) -> torch.Tensor:
@@ -158,8 +178,10 @@ def _scalar_loss(loss: Any, name: str) -> torch.Tensor:
     if not isinstance(loss, torch.Tensor):
         raise TypeError(f"{name} must return the loss as a scalar torch.Tensor, got a {type(loss).__name__}")
     if loss.dim() != 0:
-        raise ValueError(f"{name} must return a scalar loss, got a tensor of shape {list(loss.shape)}; reduce it "
-                         "(e.g. .mean(), or F.cross_entropy's default reduction='mean')")
+        raise ValueError(
+            f"{name} must return a scalar loss, got a tensor of shape {list(loss.shape)}; reduce it "
+            "(e.g. .mean(), or F.cross_entropy's default reduction='mean')"
+        )
     return loss
 
 
@@ -170,22 +192,26 @@ def split_step_result(result: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor
     if not isinstance(result, (tuple, list)):
         return _scalar_loss(result, "step_fn"), None
     if len(result) != 2 or not isinstance(result[1], dict):
-        raise TypeError(f"step_fn must return the loss or a pair (loss, aux) with aux a dict of tensors, got a "
-                        f"{type(result).__name__} of {_describe(result)}")
+        raise TypeError(
+            f"step_fn must return the loss or a pair (loss, aux) with aux a dict of tensors, got a "
+            f"{type(result).__name__} of {_describe(result)}"
+        )
     loss, aux = result
     loss = _scalar_loss(loss, "step_fn")
     for key, value in aux.items():
         if not isinstance(key, str):
-            raise TypeError(f"step_fn's aux dict must be keyed by strings, got the key {key!r} "
-                            f"({type(key).__name__})")
+            raise TypeError(f"step_fn's aux dict must be keyed by strings, got the key {key!r} ({type(key).__name__})")
         if not isinstance(value, torch.Tensor):
-            raise TypeError(f"step_fn's aux[{key!r}] must be a torch.Tensor, got a {type(value).__name__} "
-                            f"({_describe([value])}); return tensors only (torch.stack a list, torch.tensor a number)")
+            raise TypeError(
+                f"step_fn's aux[{key!r}] must be a torch.Tensor, got a {type(value).__name__} "
+                f"({_describe([value])}); return tensors only (torch.stack a list, torch.tensor a number)"
+            )
     return loss, dict(aux)
 
 
 def _describe(values: Any) -> str:
     """``"(Tensor[], dict, int)"``: the types of ``values``, a tensor with its shape, for error messages."""
+
     def one(value: Any) -> str:
         return f"Tensor{list(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
 
@@ -256,10 +282,16 @@ class _ForwardModule(torch.nn.Module):
         return self.model(*args, **kwargs)
 
 
-def capture_train_step(model: torch.nn.Module, batch: Any, loss_fn: LossFn | None = None, *,
-                       autocast: torch.dtype | None = None, step_fn: StepFn | None = None,
-                       outside: tuple[torch.nn.Module, ...] = (),
-                       numbers: tuple[NumberAttribute, ...] = ()) -> Capture:
+def capture_train_step(
+    model: torch.nn.Module,
+    batch: Any,
+    loss_fn: LossFn | None = None,
+    *,
+    autocast: torch.dtype | None = None,
+    step_fn: StepFn | None = None,
+    outside: tuple[torch.nn.Module, ...] = (),
+    numbers: tuple[NumberAttribute, ...] = (),
+) -> Capture:
     """Export ``model`` in train mode on ``batch`` into a graph whose first output is the loss (plus the new values of
     mutated buffers). ``step_fn``: the loss is ``step_fn(model, batch)`` instead of the calling convention and
     ``loss_fn`` (not both); a ``(loss, aux)`` it returns adds one output of kind ``"aux"`` per aux entry, after the
@@ -281,13 +313,27 @@ def capture_train_step(model: torch.nn.Module, batch: Any, loss_fn: LossFn | Non
         wrapper: torch.nn.Module = _StepFnModule(model, type(batch), step_fn)
     else:
         wrapper = _LossModule(model, type(batch), loss_fn)
-    return _capture(wrapper, model, batch, training=True, autocast=autocast, own_call=step_fn is not None,
-                    outside=outside, numbers=numbers)
+    return _capture(
+        wrapper,
+        model,
+        batch,
+        training=True,
+        autocast=autocast,
+        own_call=step_fn is not None,
+        outside=outside,
+        numbers=numbers,
+    )
 
 
-def capture_forward(model: torch.nn.Module, batch: Any, *, autocast: torch.dtype | None = None,
-                    forward_fn: ForwardFn | None = None, outside: tuple[torch.nn.Module, ...] = (),
-                    numbers: tuple[NumberAttribute, ...] = ()) -> Capture:
+def capture_forward(
+    model: torch.nn.Module,
+    batch: Any,
+    *,
+    autocast: torch.dtype | None = None,
+    forward_fn: ForwardFn | None = None,
+    outside: tuple[torch.nn.Module, ...] = (),
+    numbers: tuple[NumberAttribute, ...] = (),
+) -> Capture:
     """Export ``model`` in eval mode on ``batch``; the graph's outputs are the model's outputs (``forward_fn``:
     ``forward_fn(model, batch)``'s). ``autocast``, ``outside`` and ``numbers`` as in :func:`capture_train_step`.
 
@@ -299,43 +345,89 @@ def capture_forward(model: torch.nn.Module, batch: Any, *, autocast: torch.dtype
         config.use_cache = False
     try:
         wrapper = _ForwardModule(model) if forward_fn is None else _ForwardFnModule(model, type(batch), forward_fn)
-        return _capture(wrapper, model, batch, training=False, autocast=autocast, own_call=forward_fn is not None,
-                        outside=outside, numbers=numbers)
+        return _capture(
+            wrapper,
+            model,
+            batch,
+            training=False,
+            autocast=autocast,
+            own_call=forward_fn is not None,
+            outside=outside,
+            numbers=numbers,
+        )
     finally:
         if use_cache:
             config.use_cache = use_cache
 
 
-def _capture(wrapper: torch.nn.Module, model: torch.nn.Module, batch: Any, *, training: bool,
-             autocast: torch.dtype | None = None, own_call: bool = False,
-             outside: tuple[torch.nn.Module, ...] = (), numbers: tuple[NumberAttribute, ...] = ()) -> Capture:
+def _capture(
+    wrapper: torch.nn.Module,
+    model: torch.nn.Module,
+    batch: Any,
+    *,
+    training: bool,
+    autocast: torch.dtype | None = None,
+    own_call: bool = False,
+    outside: tuple[torch.nn.Module, ...] = (),
+    numbers: tuple[NumberAttribute, ...] = (),
+) -> Capture:
     """The capture of ``wrapper`` (which calls ``model``) on ``batch``: for a meta model with a deep stack of
     identical blocks, traced on three blocks and repeated (:mod:`.repeated_blocks`), else traced whole."""
     stack = find_block_stack(model) if on_meta_device(model) else None
     if stack is not None:
         try:
             with truncated(model, stack):
-                short = _capture_whole(wrapper, model, batch, training=training, autocast=autocast,
-                                       own_call=own_call, outside=outside, numbers=numbers)
+                short = _capture_whole(
+                    wrapper,
+                    model,
+                    batch,
+                    training=training,
+                    autocast=autocast,
+                    own_call=own_call,
+                    outside=outside,
+                    numbers=numbers,
+                )
         except Exception as error:  # e.g. a forward that indexes the blocks by config.num_hidden_layers
-            log.info("capturing %d of the %d blocks of %s failed (%s: %s); capturing them all", CAPTURED_BLOCKS,
-                     stack.count, stack.path, type(error).__name__, error)
+            log.info(
+                "capturing %d of the %d blocks of %s failed (%s: %s); capturing them all",
+                CAPTURED_BLOCKS,
+                stack.count,
+                stack.path,
+                type(error).__name__,
+                error,
+            )
         else:
             graph = expand_blocks(short.graph, stack)
             if graph is not None:
-                log.info("captured %d of the %d identical blocks of %s and repeated them: %d ops",
-                         CAPTURED_BLOCKS, stack.count, stack.path, len(graph.nodes))
+                log.info(
+                    "captured %d of the %d identical blocks of %s and repeated them: %d ops",
+                    CAPTURED_BLOCKS,
+                    stack.count,
+                    stack.path,
+                    len(graph.nodes),
+                )
                 return dataclasses.replace(short, graph=graph)
-            log.info("the blocks of %s are not one repeatable program in the trace; capturing all %d",
-                     stack.path, stack.count)
-    return _capture_whole(wrapper, model, batch, training=training, autocast=autocast, own_call=own_call,
-                          outside=outside, numbers=numbers)
+            log.info(
+                "the blocks of %s are not one repeatable program in the trace; capturing all %d",
+                stack.path,
+                stack.count,
+            )
+    return _capture_whole(
+        wrapper, model, batch, training=training, autocast=autocast, own_call=own_call, outside=outside, numbers=numbers
+    )
 
 
-def _capture_whole(wrapper: torch.nn.Module, model: torch.nn.Module, batch: Any, *, training: bool,
-                   autocast: torch.dtype | None = None, own_call: bool = False,
-                   outside: tuple[torch.nn.Module, ...] = (),
-                   numbers: tuple[NumberAttribute, ...] = ()) -> Capture:
+def _capture_whole(
+    wrapper: torch.nn.Module,
+    model: torch.nn.Module,
+    batch: Any,
+    *,
+    training: bool,
+    autocast: torch.dtype | None = None,
+    own_call: bool = False,
+    outside: tuple[torch.nn.Module, ...] = (),
+    numbers: tuple[NumberAttribute, ...] = (),
+) -> Capture:
     """One export of ``wrapper`` with the module state watched (:mod:`.module_state`); when the step calls modules
     outside the model that ``outside`` does not hold yet, it is captured again with them registered beside the model
     (``outside<i>``), so their parameters and buffers are the step's inputs rather than constants."""
@@ -356,19 +448,32 @@ def _capture_whole(wrapper: torch.nn.Module, model: torch.nn.Module, batch: Any,
     try:
         # autocast must be on for the export and for the decomposition that re-traces it to ATen (where the
         # dispatcher inserts its casts); the exported program itself does not record an ambient autocast
-        casting = (torch.autocast(autocast_device(model, leaves), autocast) if autocast is not None
-                   else contextlib.nullcontext())
+        casting = (
+            torch.autocast(autocast_device(model, leaves), autocast)
+            if autocast is not None
+            else contextlib.nullcontext()
+        )
         # a meta model has no autocast dispatch: under autocast it is captured as fake CPU tensors (meta_models)
-        fake_cpu = (as_fake_cpu(model, args, kwargs) if autocast is not None and on_meta_device(model)
-                    else contextlib.nullcontext((args, kwargs)))
+        fake_cpu = (
+            as_fake_cpu(model, args, kwargs)
+            if autocast is not None and on_meta_device(model)
+            else contextlib.nullcontext((args, kwargs))
+        )
         with casting, fake_cpu as (args, kwargs):
             t0 = time.perf_counter()
-            with torch.no_grad() if not training else contextlib.nullcontext(), autograd_capture_guards():
-                with (capture_autograd_functions(enabled=training) as functions, numbers_as_tensors(numbers) as fed,
-                      tensors_as_buffers(modules) as attributes, recording(wrapper, modules) as access,
-                      cumulative_batch_norms(wrapper) if training else contextlib.nullcontext(),
-                      reentrant_checkpoints_inline(), refusing_inner_gradients(model), unvalidated_distributions()):
-                    exported = _export(wrapper, args, kwargs, model, batch, own_call=own_call)
+            with (
+                torch.no_grad() if not training else contextlib.nullcontext(),
+                autograd_capture_guards(),
+                capture_autograd_functions(enabled=training) as functions,
+                numbers_as_tensors(numbers) as fed,
+                tensors_as_buffers(modules) as attributes,
+                recording(wrapper, modules) as access,
+                cumulative_batch_norms(wrapper) if training else contextlib.nullcontext(),
+                reentrant_checkpoints_inline(),
+                refusing_inner_gradients(model),
+                unvalidated_distributions(),
+            ):
+                exported = _export(wrapper, args, kwargs, model, batch, own_call=own_call)
             found = outside_modules(access.called, wrapper)
             if not found:
                 if training:
@@ -381,10 +486,20 @@ def _capture_whole(wrapper: torch.nn.Module, model: torch.nn.Module, batch: Any,
     finally:
         restore_module_modes(model, modes)
     if found:
-        log.info("the step calls %s outside the model: capturing it again with their state as inputs",
-                 ", ".join(type(m).__name__ for m in found))
-        return _capture_whole(wrapper, model, batch, training=training, autocast=autocast, own_call=own_call,
-                              outside=(*outside, *found), numbers=numbers)
+        log.info(
+            "the step calls %s outside the model: capturing it again with their state as inputs",
+            ", ".join(type(m).__name__ for m in found),
+        )
+        return _capture_whole(
+            wrapper,
+            model,
+            batch,
+            training=training,
+            autocast=autocast,
+            own_call=own_call,
+            outside=(*outside, *found),
+            numbers=numbers,
+        )
     folded = fold_static_attention_masks(exported.graph)
     if folded:
         log.info("%d attention call(s) take a constant causal / full mask: folded into is_causal", folded)
@@ -393,8 +508,13 @@ def _capture_whole(wrapper: torch.nn.Module, model: torch.nn.Module, batch: Any,
     if functions.calls:  # custom autograd.Function backwards, each its own graph
         graph = graph.replace(custom_backwards=functions.backward_graphs(model))
         graph.validate()
-    log.info("captured %s graph: %d ops (export %.2fs, decompose %.2fs)",
-             "train" if training else "eval", len(graph.nodes), t1 - t0, t2 - t1)
+    log.info(
+        "captured %s graph: %d ops (export %.2fs, decompose %.2fs)",
+        "train" if training else "eval",
+        len(graph.nodes),
+        t1 - t0,
+        t2 - t1,
+    )
     return Capture(
         graph=graph,
         in_spec=in_spec,
@@ -402,10 +522,13 @@ def _capture_whole(wrapper: torch.nn.Module, model: torch.nn.Module, batch: Any,
         out_spec=None if training else exported.call_spec.out_spec,
         export_s=t1 - t0,
         decompose_s=t2 - t1,
-        state=CapturedState(reads=tuple(access.reads.values()),
-                            tensor_attributes=tuple(a for a in attributes if (id(a[1]), a[2]) not in fed),
-                            numbers=tuple(a for a in attributes if (id(a[1]), a[2]) in fed),
-                            outside=outside, copied_buffers=tuple(access.copied_buffers)),
+        state=CapturedState(
+            reads=tuple(access.reads.values()),
+            tensor_attributes=tuple(a for a in attributes if (id(a[1]), a[2]) not in fed),
+            numbers=tuple(a for a in attributes if (id(a[1]), a[2]) in fed),
+            outside=outside,
+            copied_buffers=tuple(access.copied_buffers),
+        ),
         aux_keys=aux_keys,
     )
 
@@ -427,8 +550,15 @@ def _unaliased(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any
     return pytree.tree_map(distinct, (args, kwargs))
 
 
-def _export(wrapper: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], model: torch.nn.Module,
-            batch: Any, *, own_call: bool = False) -> ExportedProgram:
+def _export(
+    wrapper: torch.nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    model: torch.nn.Module,
+    batch: Any,
+    *,
+    own_call: bool = False,
+) -> ExportedProgram:
     """``torch.export.export(wrapper, args, kwargs, strict=False)`` with static shapes.
 
     Export failures the user can act on are raised as :class:`CaptureError` (the torch error is its
@@ -444,8 +574,10 @@ def _export(wrapper: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
     except Exception as e:
         forward_name = getattr(getattr(model, "forward", None), "__qualname__", None)
         if own_call and isinstance(e, TypeError) and forward_name and str(e).startswith(f"{forward_name}()"):
-            raise TypeError(f"{e} (a step_fn / forward_fn calls the model itself: torchpar passes it (model, batch) "
-                            "with the batch as it is, unpacked by nothing)") from e
+            raise TypeError(
+                f"{e} (a step_fn / forward_fn calls the model itself: torchpar passes it (model, batch) "
+                "with the batch as it is, unpacked by nothing)"
+            ) from e
         translated = translate_export_error(e, model, batch=batch)
         if translated is None:
             raise

@@ -95,7 +95,7 @@ def mark_stop_gradients(exported: torch.export.ExportedProgram) -> int:
                 with graph.inserting_after(result):
                     stopped = graph.call_function(STOP_GRADIENT_TARGET, (result,))
                 stopped.meta = dict(result.meta)
-                result.replace_all_uses_with(stopped, delete_user_cb=lambda user: user is not stopped)
+                result.replace_all_uses_with(stopped, delete_user_cb=lambda user, stopped=stopped: user is not stopped)
                 inserted += 1
     if inserted:
         graph.lint()
@@ -110,7 +110,9 @@ def autograd_capture_guards() -> Iterator[None]:
     outside autograd), and registering a gradient hook on a tensor raises :class:`UnsupportedAutogradError`."""
     mode_class = torch.autograd.grad_mode.inference_mode
     saved = {name: getattr(mode_class, name) for name in ("__enter__", "__exit__")}
-    saved_hooks = {name: getattr(torch.Tensor, name) for name in ("register_hook", "register_post_accumulate_grad_hook")}
+    saved_hooks = {
+        name: getattr(torch.Tensor, name) for name in ("register_hook", "register_post_accumulate_grad_hook")
+    }
 
     def enter(self: Any) -> None:
         self._torchpar_no_grad = torch.no_grad() if self.mode else torch.enable_grad()
@@ -125,7 +127,9 @@ def autograd_capture_guards() -> Iterator[None]:
                 f"a gradient hook is registered inside the captured step (Tensor.{name}({_callable_name(fn)}) at "
                 f"{user_line()}): torchpar computes the gradients with JAX and cannot call a hook on them. Write "
                 "the change of the gradient as a custom torch.autograd.Function (its backward is honoured), or "
-                "remove the hook")
+                "remove the hook"
+            )
+
         return hook
 
     base_data = torch._C.TensorBase.data
@@ -155,21 +159,26 @@ def check_gradient_hooks(model: torch.nn.Module) -> None:
     and the global module backward hooks: torchpar's gradients never pass through them."""
     owners = []
     for name, param in model.named_parameters():
-        hooks = [*(getattr(param, "_backward_hooks", None) or {}).values(),
-                 *(getattr(param, "_post_accumulate_grad_hooks", None) or {}).values()]
+        hooks = [
+            *(getattr(param, "_backward_hooks", None) or {}).values(),
+            *(getattr(param, "_post_accumulate_grad_hooks", None) or {}).values(),
+        ]
         owners += [f"parameter {name!r} ({_callable_name(h)})" for h in hooks]
     for name, module in model.named_modules():
         hooks = [*module._backward_hooks.values(), *module._backward_pre_hooks.values()]
         owners += [f"module {name or type(module).__name__!r} ({_callable_name(h)})" for h in hooks]
     from torch.nn.modules import module as module_impl
 
-    owners += [f"global module backward hook ({_callable_name(h)})"
-               for h in [*module_impl._global_backward_hooks.values(), *module_impl._global_backward_pre_hooks.values()]]
+    owners += [
+        f"global module backward hook ({_callable_name(h)})"
+        for h in [*module_impl._global_backward_hooks.values(), *module_impl._global_backward_pre_hooks.values()]
+    ]
     if owners:
         raise UnsupportedAutogradError(
             "torchpar computes the gradients with JAX, so backward hooks never run; the model carries "
             f"{len(owners)}: " + "; ".join(owners) + ". Remove them (handle.remove()) before torchpar.compile, or "
-            "write the gradient change as a custom torch.autograd.Function in forward (its backward is honoured)")
+            "write the gradient change as a custom torch.autograd.Function in forward (its backward is honoured)"
+        )
 
 
 def _callable_name(fn: Any) -> str:
@@ -225,9 +234,13 @@ def trainable_params(graph: Graph, params: Mapping[str, torch.Tensor], optimized
         raise ValueError(
             "the loss has no gradient: no parameter that requires grad reaches it (PyTorch's loss.backward() "
             "raises 'element 0 of tensors does not require grad'). "
-            + (f"All {frozen} parameters have requires_grad=False; unfreeze some. " if frozen == len(params)
-               else "It is computed from detached values or under torch.no_grad() (a loss.detach() in step_fn?). ")
-            + "torchpar trains what PyTorch would, so there is nothing to compile")
+            + (
+                f"All {frozen} parameters have requires_grad=False; unfreeze some. "
+                if frozen == len(params)
+                else "It is computed from detached values or under torch.no_grad() (a loss.detach() in step_fn?). "
+            )
+            + "torchpar trains what PyTorch would, so there is nothing to compile"
+        )
     names = []
     for name in optimized:
         if not params[name].requires_grad:

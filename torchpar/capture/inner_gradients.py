@@ -35,7 +35,8 @@ def refusing_inner_gradients(model: Any) -> Iterator[None]:
             "R1 or an input-gradient term; torch.func.grad / vjp; a .backward() in forward) would need "
             "differentiating twice, which torchpar does not support yet.\n"
             "Fix: train this step in PyTorch, or drop the term (a penalty computed from the outputs alone, such as "
-            "weight clipping between steps, captures fine).")
+            "weight clipping between steps, captures fine)."
+        )
 
     torch.autograd._engine_run_backward = refuse
     try:

@@ -31,8 +31,9 @@ def on_meta_device(model: torch.nn.Module) -> bool:
 
 
 @contextlib.contextmanager
-def as_fake_cpu(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
-                ) -> Iterator[tuple[tuple[Any, ...], dict[str, Any]]]:
+def as_fake_cpu(
+    model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Iterator[tuple[tuple[Any, ...], dict[str, Any]]]:
     """Inside: ``model``'s meta parameters and buffers are fake CPU tensors (same shapes, dtypes and
     ``requires_grad``; tied parameters stay one object), and the call arguments yielded are the batch's tensors
     as fake CPU tensors. On exit every module holds its original meta tensors again."""

@@ -127,17 +127,28 @@ class _Recorder:
         where = f"{self.path(module) or type(module).__name__}.{name}"
         if name in state["_buffers"]:
             buffer = state["_buffers"][name]
-            if (isinstance(value, torch.Tensor) and buffer is not None and value.shape == buffer.shape
-                    and value.dtype == buffer.dtype and value.device == buffer.device):
+            if (
+                isinstance(value, torch.Tensor)
+                and buffer is not None
+                and value.shape == buffer.shape
+                and value.dtype == buffer.dtype
+                and value.device == buffer.device
+            ):
                 buffer.copy_(value)
                 self.access.copied_buffers.append(where)
                 return True
-            raise self._refused(where, "reassigns the registered buffer with a value of another shape, dtype or "
-                                "device", "assign a tensor of the buffer's shape and dtype, or copy into it "
-                                "in place (self.<buffer>.copy_(value))")
+            raise self._refused(
+                where,
+                "reassigns the registered buffer with a value of another shape, dtype or device",
+                "assign a tensor of the buffer's shape and dtype, or copy into it "
+                "in place (self.<buffer>.copy_(value))",
+            )
         if name in state["_parameters"]:
-            raise self._refused(where, "reassigns a parameter", "compute the new weight from the parameter instead "
-                                "of storing it on the module")
+            raise self._refused(
+                where,
+                "reassigns a parameter",
+                "compute the new weight from the parameter instead of storing it on the module",
+            )
         if name in state["_modules"]:
             raise self._refused(where, "replaces a submodule", "build the module once, in __init__")
         old = state.get(name, _MISSING)
@@ -146,12 +157,15 @@ class _Recorder:
         if old is _MISSING and is_plain(value):  # a flag set once at the first call (a library's lazy set-up)
             return False
         kind = "a tensor" if isinstance(value, torch.Tensor) or _holds_tensors(value) else "a Python value"
-        raise self._refused(where, f"assigns {kind} to a module attribute, a side effect a compiled step cannot "
-                            "carry from one step to the next (torch.export would drop it silently)",
-                            "keep counters and schedules outside forward (set the attribute between steps: torchpar "
-                            "recompiles on a change), register state that changes every step as a buffer and "
-                            "update it in place, or return it from a step_fn as (loss, {'name': tensor}) and feed "
-                            "it back with the next batch (docs/porting.md)")
+        raise self._refused(
+            where,
+            f"assigns {kind} to a module attribute, a side effect a compiled step cannot "
+            "carry from one step to the next (torch.export would drop it silently)",
+            "keep counters and schedules outside forward (set the attribute between steps: torchpar "
+            "recompiles on a change), register state that changes every step as a buffer and "
+            "update it in place, or return it from a step_fn as (loss, {'name': tensor}) and feed "
+            "it back with the next batch (docs/porting.md)",
+        )
 
     def _refused(self, where: str, what: str, fix: str) -> ModuleStateError:
         return ModuleStateError(f"forward {what}: {where}\n  at {user_line()}\n{fix}")
@@ -187,6 +201,7 @@ _recording_classes: dict[type, type] = {}
 def _recording_class(cls: type) -> type:
     """``cls`` with reads and assignments reported to the active recorder (cached per class)."""
     if cls not in _recording_classes:
+
         def __getattribute__(self: Any, name: str) -> Any:
             value = object.__getattribute__(self, name)
             if _active is not None and (type(value) in _PLAIN_TYPES or isinstance(value, enum.Enum)):
@@ -197,9 +212,17 @@ def _recording_class(cls: type) -> type:
             if _active is None or _by_torch(sys._getframe(1)) or not _active.write(self, name, value):
                 cls.__setattr__(self, name, value)
 
-        _recording_classes[cls] = type(cls.__name__, (cls,), {
-            "__getattribute__": __getattribute__, "__setattr__": __setattr__, "__module__": cls.__module__,
-            "__qualname__": cls.__qualname__, "_torchpar_recording_base": cls})
+        _recording_classes[cls] = type(
+            cls.__name__,
+            (cls,),
+            {
+                "__getattribute__": __getattribute__,
+                "__setattr__": __setattr__,
+                "__module__": cls.__module__,
+                "__qualname__": cls.__qualname__,
+                "_torchpar_recording_base": cls,
+            },
+        )
     return _recording_classes[cls]
 
 
@@ -235,8 +258,11 @@ def recording(root: torch.nn.Module, modules: dict[str, torch.nn.Module]) -> Ite
                     if id(tensor) not in saved and not isinstance(tensor, torch._subclasses.FakeTensor):
                         saved[id(tensor)] = (tensor, tensor._version, tensor.detach().clone())
 
-    handles = [torch.nn.modules.module.register_module_forward_pre_hook(called),
-               root.register_forward_pre_hook(enter), root.register_forward_hook(leave)]
+    handles = [
+        torch.nn.modules.module.register_module_forward_pre_hook(called),
+        root.register_forward_pre_hook(enter),
+        root.register_forward_hook(leave),
+    ]
     try:
         for module, cls in originals.values():
             module.__class__ = _recording_class(cls)
@@ -300,8 +326,9 @@ def outside_modules(called: dict[int, torch.nn.Module], root: torch.nn.Module) -
     own wrapper does) that own parameters or buffers somewhere below them, in call order: each with its submodules
     is one outside module."""
     inside = {id(m) for m in torch.nn.Module.modules(root)}
-    outside = [m for i, m in called.items()
-               if i not in inside and not any(sub is root for sub in torch.nn.Module.modules(m))]
+    outside = [
+        m for i, m in called.items() if i not in inside and not any(sub is root for sub in torch.nn.Module.modules(m))
+    ]
     below = {id(sub) for m in outside for sub in m.modules() if sub is not m}
     return [m for m in outside if id(m) not in below and any(True for _ in _state_of(m))]
 

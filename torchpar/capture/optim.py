@@ -103,8 +103,16 @@ _HPARAM_KEYS: dict[str, tuple[str, ...]] = {
 _COUNTER_KEYS: dict[str, tuple[str, ...]] = {"nadam": ("mu_product",), "asgd": ("eta", "mu")}
 """The 0-d tensors torch keeps per parameter besides ``step``: per-group host counters here."""
 
-_STRUCTURAL = ("nesterov", "amsgrad", "maximize", "centered", "has_momentum", "decoupled_weight_decay", "ns_steps",
-               "adjust_lr_fn")
+_STRUCTURAL = (
+    "nesterov",
+    "amsgrad",
+    "maximize",
+    "centered",
+    "has_momentum",
+    "decoupled_weight_decay",
+    "ns_steps",
+    "adjust_lr_fn",
+)
 """`OptimizerSpec` fields read from the param groups at compile time; changing one later needs a new compile."""
 
 
@@ -113,8 +121,11 @@ def _base_class(optimizer: torch.optim.Optimizer) -> type[torch.optim.Optimizer]
     cls = type(optimizer)
     for base, _ in _KINDS:
         if issubclass(cls, base):
-            overriding = [c.__name__ for c in cls.__mro__[: cls.__mro__.index(base)]
-                          if "step" in vars(c) or "_init_group" in vars(c)]
+            overriding = [
+                c.__name__
+                for c in cls.__mro__[: cls.__mro__.index(base)]
+                if "step" in vars(c) or "_init_group" in vars(c)
+            ]
             if overriding:
                 raise NotImplementedError(
                     f"{cls.__name__} subclasses torch.optim.{base.__name__} but overrides its update "
@@ -157,8 +168,9 @@ def _to_torch(a: Any, like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tenso
     """``a`` as a tensor of ``like``'s dtype and device; it must have ``shape``."""
     a = np.asarray(a)
     if a.shape != shape:
-        raise ValueError(f"state array of shape {a.shape}, expected {shape} for a parameter of shape "
-                         f"{tuple(like.shape)}")
+        raise ValueError(
+            f"state array of shape {a.shape}, expected {shape} for a parameter of shape {tuple(like.shape)}"
+        )
     if like.dtype == torch.bfloat16:
         import ml_dtypes
 
@@ -171,8 +183,9 @@ def _to_torch(a: Any, like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tenso
 class TorchOptimizerBridge:
     """Connects a torch optimizer of `SUPPORTED_OPTIMIZERS` to `jaxbackend.optim` (see the module docstring)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, param_names: Mapping[int, str], *,
-                 orphans_allowed: bool = False) -> None:
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, param_names: Mapping[int, str], *, orphans_allowed: bool = False
+    ) -> None:
         """`param_names` maps ``id(param)`` → its name in ``model.named_parameters()``. A parameter of the optimizer
         that is not there is an error, unless ``orphans_allowed`` (the model changed after the optimizer was built,
         e.g. a weight tied to another): then, as in PyTorch, it gets no gradient and is not updated."""
@@ -216,11 +229,16 @@ class TorchOptimizerBridge:
             raise ValueError(
                 f"optimizer {orphans[0]} is not a parameter of the model (nor of a module the step calls)"
                 f"{f' ({len(orphans) - 1} more)' if len(orphans) > 1 else ''}; build the optimizer from "
-                "model.parameters() / model.named_parameters()")
+                "model.parameters() / model.named_parameters()"
+            )
         if orphans:  # e.g. a weight replaced by another (tied) after the optimizer was built
-            log.warning("torchpar: the optimizer's %s %s not a parameter of the model any more (replaced or tied "
-                        "after the optimizer was built?): it gets no gradient, so, as in PyTorch, it is not "
-                        "updated", "; ".join(orphans), "is" if len(orphans) == 1 else "are")
+            log.warning(
+                "torchpar: the optimizer's %s %s not a parameter of the model any more (replaced or tied "
+                "after the optimizer was built?): it gets no gradient, so, as in PyTorch, it is not "
+                "updated",
+                "; ".join(orphans),
+                "is" if len(orphans) == 1 else "are",
+            )
         if kind in ("adam", "adamw"):
             default = base is torch.optim.AdamW
             decoupled = {bool(g.get("decoupled_weight_decay", default)) for g in optimizer.param_groups}
@@ -246,7 +264,7 @@ class TorchOptimizerBridge:
 
     @staticmethod
     def _check_group(kind: str, gi: int, group: Mapping[str, Any]) -> None:
-        name = dict((k, c.__name__) for c, k in _KINDS)[kind]
+        name = {k: c.__name__ for c, k in _KINDS}[kind]
         if group.get("differentiable", False):
             raise NotImplementedError(
                 f"param group {gi}: {name} with differentiable=True is not supported (torchpar differentiates the "
@@ -263,14 +281,20 @@ class TorchOptimizerBridge:
         if kind == "muon":
             steps = group["ns_steps"]
             if not isinstance(steps, (int, np.integer)) or isinstance(steps, bool) or not 0 <= steps < 100:
-                raise ValueError(f"param group {gi}: Muon ns_steps={steps!r}; it must be a whole number of "
-                                 "Newton–Schulz iterations in [0, 100) (torch's limit)")
+                raise ValueError(
+                    f"param group {gi}: Muon ns_steps={steps!r}; it must be a whole number of "
+                    "Newton–Schulz iterations in [0, 100) (torch's limit)"
+                )
             if len(tuple(group["ns_coefficients"])) != 3:
-                raise ValueError(f"param group {gi}: Muon ns_coefficients={group['ns_coefficients']!r}; it must be "
-                                 "the three coefficients (a, b, c) of the Newton–Schulz polynomial")
+                raise ValueError(
+                    f"param group {gi}: Muon ns_coefficients={group['ns_coefficients']!r}; it must be "
+                    "the three coefficients (a, b, c) of the Newton–Schulz polynomial"
+                )
             if group["adjust_lr_fn"] not in (None, *MUON_ADJUST_LR_FNS):
-                raise ValueError(f"param group {gi}: Muon adjust_lr_fn={group['adjust_lr_fn']!r} is not one of "
-                                 f"None, {', '.join(repr(f) for f in MUON_ADJUST_LR_FNS)}")
+                raise ValueError(
+                    f"param group {gi}: Muon adjust_lr_fn={group['adjust_lr_fn']!r} is not one of "
+                    f"None, {', '.join(repr(f) for f in MUON_ADJUST_LR_FNS)}"
+                )
 
     def _flags(self, key: str) -> tuple[bool, ...]:
         return tuple(bool(g.get(key, False)) for g in self.optimizer.param_groups)
@@ -281,9 +305,15 @@ class TorchOptimizerBridge:
         groups = self.optimizer.param_groups
         if key == "maximize":
             return self._flags(key)
-        applies = {"nesterov": ("sgd", "muon"), "amsgrad": ("adam", "adamw"), "centered": ("rmsprop",),
-                   "has_momentum": ("rmsprop",), "decoupled_weight_decay": ("nadam", "radam"),
-                   "ns_steps": ("muon",), "adjust_lr_fn": ("muon",)}[key]
+        applies = {
+            "nesterov": ("sgd", "muon"),
+            "amsgrad": ("adam", "adamw"),
+            "centered": ("rmsprop",),
+            "has_momentum": ("rmsprop",),
+            "decoupled_weight_decay": ("nadam", "radam"),
+            "ns_steps": ("muon",),
+            "adjust_lr_fn": ("muon",),
+        }[key]
         if kind not in applies:
             return ({"ns_steps": 0, "adjust_lr_fn": ""}.get(key, False),) * len(groups)
         if key == "has_momentum":  # RMSprop keeps a momentum_buffer when momentum > 0 at its first step
@@ -333,9 +363,11 @@ class TorchOptimizerBridge:
                     hp[key] = float(value)
             for key, value in hp.items():
                 if not np.all(np.isfinite(value)):
-                    raise ValueError(f"optimizer.param_groups[{gi}][{key!r}] is {value}: the step would make every "
-                                     f"parameter of the group inf/nan; set a finite {key} (a scheduler or a "
-                                     "division by zero may have written it)")
+                    raise ValueError(
+                        f"optimizer.param_groups[{gi}][{key!r}] is {value}: the step would make every "
+                        f"parameter of the group inf/nan; set a finite {key} (a scheduler or a "
+                        "division by zero may have written it)"
+                    )
             out.append(hp)
         return out
 
@@ -379,8 +411,11 @@ class TorchOptimizerBridge:
     def _advanced_counters(self, g: int, hp: Mapping[str, Any], step: int) -> dict[str, float]:
         """Group ``g``'s host counters after its step ``step`` ran with hyper-parameters ``hp``."""
         if self.spec.kind == "nadam":
-            return {"mu_product": float(nadam_mu_product(self._counters[g]["mu_product"], hp["betas"][0],
-                                                         hp["momentum_decay"], step))}
+            return {
+                "mu_product": float(
+                    nadam_mu_product(self._counters[g]["mu_product"], hp["betas"][0], hp["momentum_decay"], step)
+                )
+            }
         if self.spec.kind == "asgd":
             return {key: self._scalar(g, value) for key, value in zip(("eta", "mu"), asgd_eta_mu(hp, step))}
         return self._counters[g]
@@ -406,7 +441,7 @@ class TorchOptimizerBridge:
         out: dict[str, dict[str, np.ndarray]] = {}
         for g in range(self.spec.num_groups):
             members = self._params_of_group(g)
-            torch_states = [self.optimizer.state[p] if p in self.optimizer.state else {} for _, p in members]
+            torch_states = [self.optimizer.state.get(p, {}) for _, p in members]
             self._counters[g] = self._fresh_counters(g)
             if self.spec.kind == "sgd":
                 has = [st.get("momentum_buffer") is not None for st in torch_states]
@@ -423,9 +458,12 @@ class TorchOptimizerBridge:
                 self._steps[g] = 0
                 fill = float(self.optimizer.param_groups[g].get("initial_accumulator_value", 0.0))
                 for name, p in members:
-                    out[name] = {k: np.full(state_shape(self.spec, k, p.shape), fill if k == "sum" else 0.0,
-                                            dtype=_numpy_dtype(p.dtype))
-                                 for k in state_keys(self.spec, g, p.ndim)}
+                    out[name] = {
+                        k: np.full(
+                            state_shape(self.spec, k, p.shape), fill if k == "sum" else 0.0, dtype=_numpy_dtype(p.dtype)
+                        )
+                        for k in state_keys(self.spec, g, p.ndim)
+                    }
                 continue
 
             if self.spec.kind not in STEP_COUNTED_KINDS:
@@ -461,8 +499,10 @@ class TorchOptimizerBridge:
                 for k in keys:
                     expected = state_shape(self.spec, k, p.shape)
                     if tuple(st[k].shape) != expected:
-                        raise ValueError(f"optimizer state {k!r} of {name!r} has shape {tuple(st[k].shape)}, "
-                                         f"expected {expected} for the parameter's {tuple(p.shape)}")
+                        raise ValueError(
+                            f"optimizer state {k!r} of {name!r} has shape {tuple(st[k].shape)}, "
+                            f"expected {expected} for the parameter's {tuple(p.shape)}"
+                        )
                     out[name][k] = _to_numpy(st[k].to(p.dtype))
         return out
 
@@ -490,21 +530,29 @@ class TorchOptimizerBridge:
             if self.spec.kind in STEP_COUNTED_KINDS:
                 group = self.optimizer.param_groups[g]
                 # where torch creates it: ASGD on the parameter's device, fused Adam and capturable Rprop too
-                on_device = self.spec.kind == "asgd" or group.get("fused") or (self.spec.kind == "rprop"
-                                                                               and group.get("capturable"))
+                on_device = (
+                    self.spec.kind == "asgd"
+                    or group.get("fused")
+                    or (self.spec.kind == "rprop" and group.get("capturable"))
+                )
                 scalar = dict(dtype=_scalar_dtype_for_step(group), device=p.device if on_device else "cpu")
                 self._assign(torch_state, "step", torch.tensor(float(self._steps[g]), **scalar))
                 for key in _COUNTER_KEYS.get(self.spec.kind, ()):
                     self._assign(torch_state, key, torch.tensor(self._counters[g][key], **scalar))
             for key in state_keys(self.spec, g, p.ndim):
-                self._assign(torch_state, key, _to_torch(state[name][key], like=p,
-                                                         shape=state_shape(self.spec, key, p.shape)))
+                self._assign(
+                    torch_state, key, _to_torch(state[name][key], like=p, shape=state_shape(self.spec, key, p.shape))
+                )
 
     @staticmethod
     def _assign(torch_state: dict, key: str, value: torch.Tensor) -> None:
         old = torch_state.get(key)
-        if (isinstance(old, torch.Tensor) and old.shape == value.shape and old.dtype == value.dtype
-                and old.device == value.device):
+        if (
+            isinstance(old, torch.Tensor)
+            and old.shape == value.shape
+            and old.dtype == value.dtype
+            and old.device == value.device
+        ):
             with torch.no_grad():
                 old.copy_(value)
         else:
@@ -534,8 +582,10 @@ class TorchOptimizerBridge:
         for key in _COUNTER_KEYS.get(self.spec.kind, ()):
             values = list(d.get(f"group_{key}s", ()))
             if len(values) != len(steps):
-                raise ValueError(f"{self.spec.kind} optimizer checkpoint group_{key}s {values} do not fit "
-                                 f"{self.spec.num_groups} param groups")
+                raise ValueError(
+                    f"{self.spec.kind} optimizer checkpoint group_{key}s {values} do not fit "
+                    f"{self.spec.num_groups} param groups"
+                )
             for group_counters, value in zip(counters, values):
                 if value is not None:
                     group_counters[key] = float(value)

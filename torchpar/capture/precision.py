@@ -35,8 +35,10 @@ def resolve_precisions(matmul_precision: str | None) -> tuple[str, str]:
     else PyTorch's current settings."""
     if matmul_precision is not None:
         if matmul_precision not in MATMUL_PRECISIONS:
-            raise ValueError(f"matmul_precision must be one of {MATMUL_PRECISIONS} or None (follow "
-                             f"torch.get_float32_matmul_precision()), got {matmul_precision!r}")
+            raise ValueError(
+                f"matmul_precision must be one of {MATMUL_PRECISIONS} or None (follow "
+                f"torch.get_float32_matmul_precision()), got {matmul_precision!r}"
+            )
         return matmul_precision, matmul_precision
     return torch_matmul_precision(), torch_conv_precision()
 
@@ -48,8 +50,9 @@ def autocast_dtype(mixed_precision: str | None) -> torch.dtype | None:
     try:
         return MIXED_PRECISIONS[mixed_precision]
     except KeyError:
-        raise ValueError(f"mixed_precision must be one of {tuple(MIXED_PRECISIONS)} or None, "
-                         f"got {mixed_precision!r}") from None
+        raise ValueError(
+            f"mixed_precision must be one of {tuple(MIXED_PRECISIONS)} or None, got {mixed_precision!r}"
+        ) from None
 
 
 def autocast_device(model: torch.nn.Module, batch_leaves: list[torch.Tensor]) -> str:
@@ -74,4 +77,5 @@ def check_no_float64(model: torch.nn.Module) -> None:
         raise ValueError(
             f"{type(model).__name__} holds float64 tensors ({shown}): torchpar runs JAX with 64-bit types off, so they "
             "would train in float32 and come back rounded, unlike PyTorch. Train the model in float32 "
-            "(model.float(), and float32 batches), or keep a float64 model in PyTorch.")
+            "(model.float(), and float32 batches), or keep a float64 model in PyTorch."
+        )

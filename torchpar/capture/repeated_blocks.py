@@ -65,8 +65,11 @@ def find_block_stack(model: torch.nn.Module) -> BlockStack | None:
         attributes = [_attributes(block) for block in blocks]
         if any(a is None for a in attributes):
             continue
-        index_keys = {key for key in attributes[0]
-                      if all(type(a.get(key)) is int and a[key] == i for i, a in enumerate(attributes))}
+        index_keys = {
+            key
+            for key in attributes[0]
+            if all(type(a.get(key)) is int and a[key] == i for i, a in enumerate(attributes))
+        }
         signatures = [_signature(block, a, index_keys) for block, a in zip(blocks, attributes)]
         if any(s != signatures[0] for s in signatures):
             continue
@@ -86,18 +89,23 @@ def _attributes(block: torch.nn.Module) -> dict[tuple[str, str], Any] | None:
     for name, module in block.named_modules():
         if module._forward_hooks or module._forward_pre_hooks or module._backward_hooks:
             return None
-        found.update(((name, key), value) for key, value in vars(module).items()
-                     if not key.startswith("_") and isinstance(value, _PLAIN))
+        found.update(
+            ((name, key), value)
+            for key, value in vars(module).items()
+            if not key.startswith("_") and isinstance(value, _PLAIN)
+        )
     return found
 
 
 def _signature(block: torch.nn.Module, attributes: dict[tuple[str, str], Any], index_keys: set) -> tuple:
     """What makes ``block`` the program it is: submodule classes, plain attributes (those in ``index_keys``, the
     block's place in the stack like HF's ``layer_idx``, left out), parameter and buffer shapes."""
-    return (tuple((name, type(module).__qualname__) for name, module in block.named_modules()),
-            tuple(sorted((key, repr(value)) for key, value in attributes.items() if key not in index_keys)),
-            tuple((name, tuple(p.shape), p.dtype, p.requires_grad) for name, p in block.named_parameters()),
-            tuple((name, tuple(b.shape), b.dtype) for name, b in block.named_buffers()))
+    return (
+        tuple((name, type(module).__qualname__) for name, module in block.named_modules()),
+        tuple(sorted((key, repr(value)) for key, value in attributes.items() if key not in index_keys)),
+        tuple((name, tuple(p.shape), p.dtype, p.requires_grad) for name, p in block.named_parameters()),
+        tuple((name, tuple(b.shape), b.dtype) for name, b in block.named_buffers()),
+    )
 
 
 @contextlib.contextmanager
@@ -141,8 +149,9 @@ def _extrapolate(first: str, second: str, steps: int) -> str:
     out = list(b)
     for i in range(1, len(b), 2):
         value = int(b[i]) + steps * (int(b[i]) - int(a[i]))
-        _require(value >= 0 and (a[i] == b[i] or (len(a[i]) == len(str(int(a[i]))) and
-                                                  len(b[i]) == len(str(int(b[i]))))))
+        _require(
+            value >= 0 and (a[i] == b[i] or (len(a[i]) == len(str(int(a[i]))) and len(b[i]) == len(str(int(b[i])))))
+        )
         out[i] = str(value)
     return "".join(out)
 
@@ -156,7 +165,7 @@ class _Expansion:
         prefix = self.stack.path + "."
         if not path.startswith(prefix):
             return None
-        head = path[len(prefix):].split(".", 1)[0]
+        head = path[len(prefix) :].split(".", 1)[0]
         return int(head) if head.isdigit() else None
 
     def run(self) -> Graph:
@@ -190,8 +199,9 @@ class _Expansion:
             return map_refs(value, lambda ref: role(ref.name, block))
 
         for one, two in zip(blocks[1], blocks[2]):
-            _require(one.target == two.target and one.out == two.out and one.source == two.source
-                     and one.flops == two.flops)
+            _require(
+                one.target == two.target and one.out == two.out and one.source == two.source and one.flops == two.flops
+            )
             _require(pattern(one.args, 1) == pattern(two.args, 2) and pattern(one.kwargs, 1) == pattern(two.kwargs, 2))
             _require(_extrapolate(one.module_path, two.module_path, 0) == two.module_path)
         for one, two in zip(inputs[1], inputs[2]):
@@ -214,8 +224,11 @@ class _Expansion:
             weight_names: dict[str, str] = {}
             block_inputs = []
             for one, two in zip(inputs[1], inputs[2]):
-                made = dataclasses.replace(two, name=_extrapolate(one.name, two.name, steps),
-                                           target=_extrapolate(one.target, two.target, steps))
+                made = dataclasses.replace(
+                    two,
+                    name=_extrapolate(one.name, two.name, steps),
+                    target=_extrapolate(one.target, two.target, steps),
+                )
                 if two.kind == "constant":
                     constants[made.target] = graph.constants[two.target]
                 weight_names[two.name] = made.name
@@ -233,10 +246,15 @@ class _Expansion:
                 return Ref(weight_names.get(ref.name, ref.name))
 
             for one, two in zip(blocks[1], blocks[2]):
-                new_nodes.append(dataclasses.replace(
-                    two, name=node_names[two.name], args=map_refs(two.args, advanced),
-                    kwargs=map_refs(two.kwargs, advanced),
-                    module_path=_extrapolate(one.module_path, two.module_path, steps)))
+                new_nodes.append(
+                    dataclasses.replace(
+                        two,
+                        name=node_names[two.name],
+                        args=map_refs(two.args, advanced),
+                        kwargs=map_refs(two.kwargs, advanced),
+                        module_path=_extrapolate(one.module_path, two.module_path, steps),
+                    )
+                )
             names.append(node_names)
 
         # after the blocks: names shifted past the added ops; reads of block 2 read the last block
@@ -261,8 +279,10 @@ class _Expansion:
                 return Ref(last[ref.name])
             return ref
 
-        post_nodes = [dataclasses.replace(n, name=shifted[n.name], args=map_refs(n.args, after),
-                                          kwargs=map_refs(n.kwargs, after)) for n in post]
+        post_nodes = [
+            dataclasses.replace(n, name=shifted[n.name], args=map_refs(n.args, after), kwargs=map_refs(n.kwargs, after))
+            for n in post
+        ]
         _require(all(self._block_of_path(o.target) is None for o in graph.outputs))  # a block's buffer update
         outputs = [dataclasses.replace(o, value=map_refs(o.value, after)) for o in graph.outputs]
         block_input_names = {i.name for k in inputs for i in k}

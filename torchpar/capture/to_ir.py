@@ -29,13 +29,15 @@ def decompose(exported: ExportedProgram) -> ExportedProgram:
         if str(op).removeprefix("aten.") in KEEP_UNDECOMPOSED:
             del table[op]
     with warnings.catch_warnings():  # torch's own deprecation inside run_decompositions (torch 2.13), not the user's
-        warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
-                                category=FutureWarning)
+        warnings.filterwarnings(
+            "ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning
+        )
         return exported.run_decompositions(table)
 
 
-def to_ir(exported: ExportedProgram, model: torch.nn.Module, *, user_output_kind: str,
-          aux_keys: tuple[str, ...] = ()) -> Graph:
+def to_ir(
+    exported: ExportedProgram, model: torch.nn.Module, *, user_output_kind: str, aux_keys: tuple[str, ...] = ()
+) -> Graph:
     """Translate the exported program's graph and signature into the IR. User outputs are of ``user_output_kind``,
     but for ``aux_keys``: the last ``len(aux_keys)`` user outputs are a ``step_fn``'s aux values (kind ``"aux"``, the
     key as target)."""
@@ -94,7 +96,8 @@ def to_ir(exported: ExportedProgram, model: torch.nn.Module, *, user_output_kind
         else:
             raise NotImplementedError(
                 f"torch.export output kind {spec.kind.name} ({spec.target}) is not supported: the model "
-                "mutates one of its inputs in place; clone the input before mutating it")
+                "mutates one of its inputs in place; clone the input before mutating it"
+            )
     graph = Graph(inputs=inputs, nodes=nodes, outputs=outputs, constants=constants)
     graph.validate()
     return graph
@@ -180,10 +183,16 @@ def _source_line(stack_trace: str | None) -> str:
     if not stack_trace:
         return ""
     lines = stack_trace.strip().splitlines()
-    frames = [(lines[i].strip(), lines[i + 1].strip() if i + 1 < len(lines) else "")
-              for i in range(len(lines)) if lines[i].lstrip().startswith("File ")]
-    user_frames = [f for f in frames if "/torch/" not in f[0] and "torchpar/capture" not in f[0]
-                   and "torchpar/__init__.py" not in f[0]]
+    frames = [
+        (lines[i].strip(), lines[i + 1].strip() if i + 1 < len(lines) else "")
+        for i in range(len(lines))
+        if lines[i].lstrip().startswith("File ")
+    ]
+    user_frames = [
+        f
+        for f in frames
+        if "/torch/" not in f[0] and "torchpar/capture" not in f[0] and "torchpar/__init__.py" not in f[0]
+    ]
     frame, code = (user_frames or frames or [("", "")])[-1]
     location = frame.removeprefix("File ").replace('", line ', ":").replace('"', "")
     return f"{location}: {code}" if code else location

@@ -33,7 +33,8 @@ def training_setup(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> 
     return TrainingSetup(
         modes=tuple((n, m.training) for n, m in model.named_modules()),
         requires_grad=tuple((n, p.requires_grad) for n, p in model.named_parameters()),
-        param_groups=tuple(tuple(names.get(id(p), "?") for p in g["params"]) for g in optimizer.param_groups))
+        param_groups=tuple(tuple(names.get(id(p), "?") for p in g["params"]) for g in optimizer.param_groups),
+    )
 
 
 def describe_changes(before: TrainingSetup, after: TrainingSetup, *, limit: int = 6) -> list[str]:
@@ -42,14 +43,18 @@ def describe_changes(before: TrainingSetup, after: TrainingSetup, *, limit: int 
     changes = []
     modes = _changed(before.modes, after.modes)
     if modes:
-        changes.append("module mode " + _list([f"{n or '<model>'} {'train' if f else 'eval'}" for n, f in modes], limit))
+        changes.append(
+            "module mode " + _list([f"{n or '<model>'} {'train' if f else 'eval'}" for n, f in modes], limit)
+        )
     grads = _changed(before.requires_grad, after.requires_grad)
     if grads:
         changes.append("requires_grad " + _list([f"{n}={f}" for n, f in grads], limit))
     if before.param_groups != after.param_groups:
-        changes.append(f"optimizer param groups ({len(before.param_groups)} groups of "
-                       f"{[len(g) for g in before.param_groups]} parameters, now {len(after.param_groups)} of "
-                       f"{[len(g) for g in after.param_groups]})")
+        changes.append(
+            f"optimizer param groups ({len(before.param_groups)} groups of "
+            f"{[len(g) for g in before.param_groups]} parameters, now {len(after.param_groups)} of "
+            f"{[len(g) for g in after.param_groups]})"
+        )
     return changes
 
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -95,11 +96,21 @@ def make_optimizer(name: str, params: Any, lr: float) -> torch.optim.Optimizer:
     raise ValueError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
 
 
-def compare_training(family: str, *, steps: int = 20, optimizer: str = "adamw", lr: float | None = None,
-                     method: Any = None, overrides: dict[str, Any] | None = None, batch_size: int = 4,
-                     seq_len: int = 32, seed: int = 0, tolerance: float = 1e-4,
-                     progress: bool = True,
-                     on_step: Callable[[int, float, float], None] | None = None) -> Comparison:
+def compare_training(
+    family: str,
+    *,
+    steps: int = 20,
+    optimizer: str = "adamw",
+    lr: float | None = None,
+    method: Any = None,
+    overrides: dict[str, Any] | None = None,
+    batch_size: int = 4,
+    seq_len: int = 32,
+    seed: int = 0,
+    tolerance: float = 1e-4,
+    progress: bool = True,
+    on_step: Callable[[int, float, float], None] | None = None,
+) -> Comparison:
     """Run ``steps`` training steps of ``family`` in PyTorch and in torchpar and collect both loss curves.
     ``on_step(step, torch_loss, torchpar_loss)`` is called after each step (the CLI prints the table's rows as they
     come); ``progress``: a tqdm bar over the steps."""
@@ -112,8 +123,9 @@ def compare_training(family: str, *, steps: int = 20, optimizer: str = "adamw", 
     reference = copy.deepcopy(model)
     lr = lr if lr is not None else (1e-3 if optimizer != "sgd" else 0.02)
     torch_opt = make_optimizer(optimizer, reference.parameters(), lr)
-    engine = torchpar.compile(model, make_optimizer(optimizer, model.parameters(), lr), example_batch=batch,
-                              method=method)
+    engine = torchpar.compile(
+        model, make_optimizer(optimizer, model.parameters(), lr), example_batch=batch, method=method
+    )
     reference.train()
     torch_losses, torchpar_losses = [], []
     for _ in tqdm(range(steps), desc=f"{family}/{optimizer}", disable=not progress, leave=False):

@@ -9,7 +9,8 @@ Families: ``gpt2``, ``llama``, ``bert`` (masked LM), ``vit``, ``resnet`` (Huggin
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -45,8 +46,8 @@ class MoELayer(torch.nn.Module):
         super().__init__()
         self.top_k = top_k
         self.router = torch.nn.Linear(width, experts, bias=False)
-        self.w_in_EDF = torch.nn.Parameter(torch.randn(experts, width, hidden) * width ** -0.5)
-        self.w_out_EFD = torch.nn.Parameter(torch.randn(experts, hidden, width) * hidden ** -0.5)
+        self.w_in_EDF = torch.nn.Parameter(torch.randn(experts, width, hidden) * width**-0.5)
+        self.w_out_EFD = torch.nn.Parameter(torch.randn(experts, hidden, width) * hidden**-0.5)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         probs_BTE = torch.softmax(self.router(x), dim=-1)
@@ -60,8 +61,14 @@ class MoELayer(torch.nn.Module):
         return torch.nn.functional.mse_loss(out_BTD, y) + 0.01 * aux
 
 
-def build(family: str, overrides: dict[str, Any] | None = None, *, batch_size: int = 2, seq_len: int = 16,
-          dropout: float = 0.0) -> tuple[torch.nn.Module, Any]:
+def build(
+    family: str,
+    overrides: dict[str, Any] | None = None,
+    *,
+    batch_size: int = 2,
+    seq_len: int = 16,
+    dropout: float = 0.0,
+) -> tuple[torch.nn.Module, Any]:
     """A randomly initialised model of ``family`` and a random batch for it.
 
     ``overrides`` are config fields (HF config attributes, or ``width``/``depth`` for ``mlp``) applied on
@@ -73,8 +80,14 @@ def build(family: str, overrides: dict[str, Any] | None = None, *, batch_size: i
     return _BUILDERS[family](dict(overrides or {}), batch_size, seq_len, dropout)
 
 
-_CONFIG_CLASSES = {"gpt2": "GPT2Config", "llama": "LlamaConfig", "bert": "BertConfig", "vit": "ViTConfig",
-                   "resnet": "ResNetConfig", "mixtral": "MixtralConfig"}
+_CONFIG_CLASSES = {
+    "gpt2": "GPT2Config",
+    "llama": "LlamaConfig",
+    "bert": "BertConfig",
+    "vit": "ViTConfig",
+    "resnet": "ResNetConfig",
+    "mixtral": "MixtralConfig",
+}
 """The transformers config class whose fields each HF family's overrides set."""
 
 
@@ -91,11 +104,18 @@ def config_keys(family: str) -> tuple[str, set[str]]:
 
     config_class = getattr(transformers, _CONFIG_CLASSES[family])
     default = config_class()
-    keys = {name for name, parameter in inspect.signature(config_class.__init__).parameters.items()
-            if name != "self" and parameter.kind not in (parameter.VAR_KEYWORD, parameter.VAR_POSITIONAL)}
+    keys = {
+        name
+        for name, parameter in inspect.signature(config_class.__init__).parameters.items()
+        if name != "self" and parameter.kind not in (parameter.VAR_KEYWORD, parameter.VAR_POSITIONAL)
+    }
     keys |= set(default.to_dict()) | set(getattr(config_class, "attribute_map", {}))
-    keys |= {name for klass in config_class.__mro__ for name, value in vars(klass).items()  # e.g. num_labels
-             if isinstance(value, property) and value.fset is not None and not name.startswith("_")}
+    keys |= {
+        name
+        for klass in config_class.__mro__
+        for name, value in vars(klass).items()  # e.g. num_labels
+        if isinstance(value, property) and value.fset is not None and not name.startswith("_")
+    }
     return f"transformers.{config_class.__name__}", keys
 
 
@@ -122,8 +142,18 @@ def _token_batch(vocab: int, batch_size: int, seq_len: int) -> torch.Tensor:
 def _gpt2(overrides: dict, batch_size: int, seq_len: int, dropout: float) -> tuple[torch.nn.Module, Any]:
     import transformers
 
-    fields = dict(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=max(64, seq_len), bos_token_id=0,
-                  eos_token_id=0, resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout)
+    fields = dict(
+        n_layer=2,
+        n_embd=64,
+        n_head=4,
+        vocab_size=128,
+        n_positions=max(64, seq_len),
+        bos_token_id=0,
+        eos_token_id=0,
+        resid_pdrop=dropout,
+        embd_pdrop=dropout,
+        attn_pdrop=dropout,
+    )
     config = transformers.GPT2Config(**{**fields, **overrides})
     ids = _token_batch(config.vocab_size, batch_size, seq_len)
     return transformers.GPT2LMHeadModel(config), {"input_ids": ids, "labels": ids}
@@ -132,9 +162,16 @@ def _gpt2(overrides: dict, batch_size: int, seq_len: int, dropout: float) -> tup
 def _llama(overrides: dict, batch_size: int, seq_len: int, dropout: float) -> tuple[torch.nn.Module, Any]:
     import transformers
 
-    fields = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=128, max_position_embeddings=max(64, seq_len),
-                  attention_dropout=dropout)
+    fields = dict(
+        num_hidden_layers=2,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        max_position_embeddings=max(64, seq_len),
+        attention_dropout=dropout,
+    )
     config = transformers.LlamaConfig(**{**fields, **overrides})
     ids = _token_batch(config.vocab_size, batch_size, seq_len)
     return transformers.LlamaForCausalLM(config), {"input_ids": ids, "labels": ids}
@@ -143,9 +180,19 @@ def _llama(overrides: dict, batch_size: int, seq_len: int, dropout: float) -> tu
 def _mixtral(overrides: dict, batch_size: int, seq_len: int, dropout: float) -> tuple[torch.nn.Module, Any]:
     import transformers
 
-    fields = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=128, max_position_embeddings=max(64, seq_len),
-                  num_local_experts=8, num_experts_per_tok=2, output_router_logits=True, attention_dropout=dropout)
+    fields = dict(
+        num_hidden_layers=2,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        max_position_embeddings=max(64, seq_len),
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        output_router_logits=True,
+        attention_dropout=dropout,
+    )
     config = transformers.MixtralConfig(**{**fields, **overrides})
     ids = _token_batch(config.vocab_size, batch_size, seq_len)
     return transformers.MixtralForCausalLM(config), {"input_ids": ids, "labels": ids}
@@ -154,23 +201,41 @@ def _mixtral(overrides: dict, batch_size: int, seq_len: int, dropout: float) -> 
 def _bert(overrides: dict, batch_size: int, seq_len: int, dropout: float) -> tuple[torch.nn.Module, Any]:
     import transformers
 
-    fields = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                  vocab_size=128, max_position_embeddings=max(64, seq_len), hidden_dropout_prob=dropout,
-                  attention_probs_dropout_prob=dropout)
+    fields = dict(
+        num_hidden_layers=2,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        vocab_size=128,
+        max_position_embeddings=max(64, seq_len),
+        hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout,
+    )
     config = transformers.BertConfig(**{**fields, **overrides})
     ids = _token_batch(config.vocab_size, batch_size, seq_len)
     labels = ids.clone()
     labels[:, ::3] = -100
-    return transformers.BertForMaskedLM(config), {"input_ids": ids, "attention_mask": torch.ones_like(ids),
-                                                  "labels": labels}
+    return transformers.BertForMaskedLM(config), {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "labels": labels,
+    }
 
 
 def _vit(overrides: dict, batch_size: int, seq_len: int, dropout: float) -> tuple[torch.nn.Module, Any]:
     import transformers
 
-    fields = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                  image_size=32, patch_size=8, num_labels=10, hidden_dropout_prob=dropout,
-                  attention_probs_dropout_prob=dropout)
+    fields = dict(
+        num_hidden_layers=2,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        image_size=32,
+        patch_size=8,
+        num_labels=10,
+        hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout,
+    )
     config = transformers.ViTConfig(**{**fields, **overrides})
     pixels = torch.randn(batch_size, config.num_channels, config.image_size, config.image_size)
     labels = torch.randint(0, config.num_labels, (batch_size,))
@@ -200,6 +265,12 @@ def _moe(overrides: dict, batch_size: int, seq_len: int, dropout: float) -> tupl
 
 
 _BUILDERS: dict[str, Callable[[dict, int, int, float], tuple[torch.nn.Module, Any]]] = {
-    "gpt2": _gpt2, "llama": _llama, "bert": _bert, "vit": _vit, "resnet": _resnet, "mlp": _mlp, "moe": _moe,
+    "gpt2": _gpt2,
+    "llama": _llama,
+    "bert": _bert,
+    "vit": _vit,
+    "resnet": _resnet,
+    "mlp": _mlp,
+    "moe": _moe,
     "mixtral": _mixtral,
 }

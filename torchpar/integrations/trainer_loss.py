@@ -69,9 +69,11 @@ def loss_uses_item_count(trainer: Any, batch: Mapping[str, torch.Tensor], num_it
     rows = next(iter(batch.values())).shape[0]
     with _evaluating(trainer.model):
         for row in range(rows):
-            inputs = {key: value[row:row + 1] for key, value in batch.items()}
-            first, second = (float(trainer.compute_loss(trainer.model, dict(inputs), num_items_in_batch=count))
-                             for count in (num_items, 2 * num_items))
+            inputs = {key: value[row : row + 1] for key, value in batch.items()}
+            first, second = (
+                float(trainer.compute_loss(trainer.model, dict(inputs), num_items_in_batch=count))
+                for count in (num_items, 2 * num_items)
+            )
             if first != 0 and math.isfinite(first):
                 return first != second
     log.info("torchpar: every row's loss is 0 or not finite; taking the loss to divide by num_items_in_batch")
@@ -90,13 +92,15 @@ def loss_factor_warning(trainer: Any, factor: float, micro_batches: int) -> str:
             f"{micro_batches} micro-batch means: {micro_batches}x the batch's mean loss and {micro_batches}x its "
             "gradients. TorchparTrainer trains and logs the same, to match plain Trainer. For the batch's mean, pass "
             "TorchparTrainer(..., torchpar_loss='mean') (plain Trainer trains the mean after "
-            "`trainer.model_accepts_loss_kwargs = False`).")
+            "`trainer.model_accepts_loss_kwargs = False`)."
+        )
     return (
         f"torchpar: {model}'s training loss is divided by num_items_in_batch (the whole update's item count), but "
         "trainer.loss_is_scaled_for_ga is False; so plain transformers.Trainer divides each micro-batch's loss by "
         f"gradient_accumulation_steps ({micro_batches}) as well and trains and logs 1/{micro_batches} of the batch's "
         "loss and gradients. TorchparTrainer trains and logs the same, to match plain Trainer. For the batch's loss, "
-        "pass TorchparTrainer(..., torchpar_loss='mean') (or leave loss_is_scaled_for_ga at None).")
+        "pass TorchparTrainer(..., torchpar_loss='mean') (or leave loss_is_scaled_for_ga at None)."
+    )
 
 
 def _scaling_reason(trainer: Any) -> str:
@@ -105,8 +109,10 @@ def _scaling_reason(trainer: Any) -> str:
         return "trainer.loss_is_scaled_for_ga is True"
     if trainer.compute_loss_func is not None:
         return "a compute_loss_func is set"
-    return ("the model's forward takes **kwargs, so transformers assumes it divides its loss by num_items_in_batch "
-            "(trainer.model_accepts_loss_kwargs is True)")
+    return (
+        "the model's forward takes **kwargs, so transformers assumes it divides its loss by num_items_in_batch "
+        "(trainer.model_accepts_loss_kwargs is True)"
+    )
 
 
 @contextlib.contextmanager
@@ -121,5 +127,10 @@ def _evaluating(model: torch.nn.Module) -> Iterator[None]:
             module.training = training
 
 
-__all__ = ["LOSS_MODES", "loss_factor_warning", "loss_uses_item_count", "trainer_loss_factor",
-           "trainer_scales_for_accumulation"]
+__all__ = [
+    "LOSS_MODES",
+    "loss_factor_warning",
+    "loss_uses_item_count",
+    "trainer_loss_factor",
+    "trainer_scales_for_accumulation",
+]

@@ -53,8 +53,13 @@ except ImportError as error:  # pragma: no cover (transformers is a dependency; 
 
 import torchpar
 from torchpar import batches
-from torchpar.integrations.trainer_loss import (LOSS_MODES, loss_factor_warning, loss_uses_item_count,
-                                                trainer_loss_factor, trainer_scales_for_accumulation)
+from torchpar.integrations.trainer_loss import (
+    LOSS_MODES,
+    loss_factor_warning,
+    loss_uses_item_count,
+    trainer_loss_factor,
+    trainer_scales_for_accumulation,
+)
 from torchpar.methods import DataParallel, Method
 from torchpar.planner.plan import Plan
 
@@ -68,13 +73,25 @@ SCHEDULER_NAME = "scheduler.pt"
 ITEM_COUNT_KEY = "torchpar_num_items_in_batch"
 """The batch leaf carrying the Trainer's ``num_items_in_batch`` into the engine's step (:func:`with_item_count`)."""
 
-MAPPED_OPTIONS = {"grad_clip_norm": "max_grad_norm", "seed": "seed", "mixed_precision": "bf16 / fp16",
-                  "step_fn": "the Trainer's compute_loss", "forward_fn": "the Trainer's compute_loss",
-                  "loss_fn": "the Trainer's compute_loss", "matmul_precision": "tf32"}
+MAPPED_OPTIONS = {
+    "grad_clip_norm": "max_grad_norm",
+    "seed": "seed",
+    "mixed_precision": "bf16 / fp16",
+    "step_fn": "the Trainer's compute_loss",
+    "forward_fn": "the Trainer's compute_loss",
+    "loss_fn": "the Trainer's compute_loss",
+    "matmul_precision": "tf32",
+}
 """``compile`` options the Trainer's arguments set (option → the ``TrainingArguments`` field that sets it)."""
 
-PAD_VALUES = {"input_ids": None, "attention_mask": 0, "token_type_ids": 0, "labels": -100,
-              "decoder_input_ids": None, "decoder_attention_mask": 0}
+PAD_VALUES = {
+    "input_ids": None,
+    "attention_mask": 0,
+    "token_type_ids": 0,
+    "labels": -100,
+    "decoder_input_ids": None,
+    "decoder_attention_mask": 0,
+}
 """Fill values for concatenating micro-batches padded to different lengths (``None``: the model's
 ``pad_token_id``, else 0). Right padding with attention mask 0 and label -100 changes no loss or gradient."""
 
@@ -83,8 +100,10 @@ def refused_arguments(args: Any) -> list[str]:
     """The ``TrainingArguments`` (and Trainer features) torchpar cannot honour, each with what to do instead."""
     refused = []
     if args.deepspeed:
-        refused.append("deepspeed: torchpar shards the model itself; pass torchpar_method=torchpar.Zero3Parallel() "
-                       "(or Zero2Parallel / ShardParallel / PipeshardParallel)")
+        refused.append(
+            "deepspeed: torchpar shards the model itself; pass torchpar_method=torchpar.Zero3Parallel() "
+            "(or Zero2Parallel / ShardParallel / PipeshardParallel)"
+        )
     if args.fsdp:
         refused.append("fsdp: torchpar shards the model itself; pass torchpar_method=torchpar.Zero3Parallel()")
     if getattr(args, "parallelism_config", None) is not None:
@@ -92,8 +111,10 @@ def refused_arguments(args: Any) -> list[str]:
     if args.torch_compile:
         refused.append("torch_compile: the engine's step is already one XLA program")
     if getattr(args, "gradient_checkpointing", False) or getattr(args, "activation_checkpointing", False):
-        refused.append("gradient_checkpointing / activation_checkpointing: pass torchpar_options={'remat': "
-                       "'layers'} (or 'selective' / 'auto')")
+        refused.append(
+            "gradient_checkpointing / activation_checkpointing: pass torchpar_options={'remat': "
+            "'layers'} (or 'selective' / 'auto')"
+        )
     if args.use_liger_kernel:
         refused.append("use_liger_kernel: Liger's Triton kernels do not lower to JAX")
     if args.neftune_noise_alpha is not None:
@@ -130,14 +151,18 @@ def merge_micro_batches(micro_batches: list[Mapping[str, Any]], pad_token_id: in
     keys = list(micro_batches[0])
     for index, micro in enumerate(micro_batches[1:], start=1):
         if list(micro) != keys:
-            raise ValueError(f"micro-batch {index} of the update has keys {list(micro)}, the first has {keys}: the "
-                             "data collator must give every batch the same fields")
+            raise ValueError(
+                f"micro-batch {index} of the update has keys {list(micro)}, the first has {keys}: the "
+                "data collator must give every batch the same fields"
+            )
     merged = {}
     for key in keys:
         leaves = [micro[key] for micro in micro_batches]
         if not all(isinstance(leaf, torch.Tensor) for leaf in leaves):
-            raise TypeError(f"batch field {key!r} is a {type(leaves[0]).__name__}, not a tensor: torchpar trains on "
-                            "tensor batches (return tensors from the data collator)")
+            raise TypeError(
+                f"batch field {key!r} is a {type(leaves[0]).__name__}, not a tensor: torchpar trains on "
+                "tensor batches (return tensors from the data collator)"
+            )
         if len({leaf.shape[1:] for leaf in leaves}) > 1:
             leaves = _right_padded(key, leaves, pad_token_id)
         merged[key] = torch.cat(leaves) if len(leaves) > 1 else leaves[0]
@@ -149,7 +174,8 @@ def _right_padded(key: str, leaves: list[torch.Tensor], pad_token_id: int | None
         raise ValueError(
             f"batch field {key!r} has shapes {[list(leaf.shape) for leaf in leaves]} in the update's micro-batches "
             "and torchpar does not know how to pad it: pad every batch to one length in the data collator "
-            "(padding='max_length', or pad_to_multiple_of) — each new shape also compiles the step once more")
+            "(padding='max_length', or pad_to_multiple_of) — each new shape also compiles the step once more"
+        )
     fill = PAD_VALUES[key] if PAD_VALUES[key] is not None else (pad_token_id or 0)
     length = max(leaf.shape[1] for leaf in leaves)
     return [torch.nn.functional.pad(leaf, (0, length - leaf.shape[1]), value=fill) for leaf in leaves]
@@ -225,26 +251,39 @@ class TorchparTrainer(transformers.Trainer):
     workers.
     """
 
-    def __init__(self, *args: Any, torchpar_method: Method | Plan | None = None,
-                 torchpar_options: Mapping[str, Any] | None = None, torchpar_loss: str = "trainer",
-                 **kwargs: Any):
+    def __init__(
+        self,
+        *args: Any,
+        torchpar_method: Method | Plan | None = None,
+        torchpar_options: Mapping[str, Any] | None = None,
+        torchpar_loss: str = "trainer",
+        **kwargs: Any,
+    ):
         if importlib.util.find_spec("accelerate") is None:
-            raise ImportError("transformers.Trainer needs accelerate: pip install 'torchpar[trainer]' (or "
-                              "'accelerate>=1.1')")
+            raise ImportError(
+                "transformers.Trainer needs accelerate: pip install 'torchpar[trainer]' (or 'accelerate>=1.1')"
+            )
         if torchpar_method is not None and not isinstance(torchpar_method, Method | Plan):
             raise TypeError(f"torchpar_method must be None, a torchpar method or a Plan, got {torchpar_method!r}")
         if torchpar_loss not in LOSS_MODES:
-            raise ValueError(f"torchpar_loss must be one of {LOSS_MODES}, got {torchpar_loss!r}: 'trainer' trains "
-                             "and logs what plain transformers.Trainer does, 'mean' the whole accumulated batch's loss")
+            raise ValueError(
+                f"torchpar_loss must be one of {LOSS_MODES}, got {torchpar_loss!r}: 'trainer' trains "
+                "and logs what plain transformers.Trainer does, 'mean' the whole accumulated batch's loss"
+            )
         options = dict(torchpar_options or {})
         mapped = sorted(set(options) & set(MAPPED_OPTIONS))
         if mapped:
-            raise ValueError("torchpar_options " + ", ".join(f"{name!r} is set by {MAPPED_OPTIONS[name]}" for name in mapped)
-                             + ": set those TrainingArguments instead")
+            raise ValueError(
+                "torchpar_options "
+                + ", ".join(f"{name!r} is set by {MAPPED_OPTIONS[name]}" for name in mapped)
+                + ": set those TrainingArguments instead"
+            )
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
         if training_args is None:
-            raise ValueError("TorchparTrainer needs args=TrainingArguments(...): its output_dir, batch size and "
-                             "schedule decide what the engine trains")
+            raise ValueError(
+                "TorchparTrainer needs args=TrainingArguments(...): its output_dir, batch size and "
+                "schedule decide what the engine trains"
+            )
         refused = refused_arguments(training_args)
         if refused:
             raise ValueError("TorchparTrainer cannot honour these TrainingArguments: " + "; ".join(refused))
@@ -272,8 +311,9 @@ class TorchparTrainer(transformers.Trainer):
 
     # --- the training step ------------------------------------------------------------------------------------
 
-    def training_step(self, model: torch.nn.Module, inputs: dict[str, Any],
-                      num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
+    def training_step(
+        self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: torch.Tensor | int | None = None
+    ) -> torch.Tensor:
         """Collect the update's micro-batches; on the last one run the engine's step on all of them and return its
         loss (the earlier ones return 0). The loss is the Trainer's: ``compute_loss`` with the Trainer's
         ``num_items_in_batch`` for the whole update (:func:`with_item_count`), so a summed loss is divided by the
@@ -293,8 +333,9 @@ class TorchparTrainer(transformers.Trainer):
         self._grad_norm = engine.last_grad_norm
         return loss.to(device=self.args.device, dtype=torch.float32)
 
-    def _update_loss_factor(self, batch: dict[str, Any], num_items: torch.Tensor | int | None,
-                            micro_batches: int) -> float:
+    def _update_loss_factor(
+        self, batch: dict[str, Any], num_items: torch.Tensor | int | None, micro_batches: int
+    ) -> float:
         """The factor of the whole batch's loss that the engine trains for this update: plain Trainer's
         (:mod:`.trainer_loss`) under ``torchpar_loss="trainer"``, warning once when it is not 1; 1 under ``"mean"``.
         The engine captures ``step_fn`` once per batch signature, and an update's rows fix its micro-batch count (only
@@ -303,9 +344,11 @@ class TorchparTrainer(transformers.Trainer):
             return 1.0
         if num_items is not None and self._uses_item_count is None:
             self._uses_item_count = loss_uses_item_count(self, batch, num_items)
-        factor = trainer_loss_factor(scaled=trainer_scales_for_accumulation(self, num_items),
-                                     uses_item_count=num_items is not None and bool(self._uses_item_count),
-                                     micro_batches=micro_batches)
+        factor = trainer_loss_factor(
+            scaled=trainer_scales_for_accumulation(self, num_items),
+            uses_item_count=num_items is not None and bool(self._uses_item_count),
+            micro_batches=micro_batches,
+        )
         if factor != 1 and not self._warned_loss_factor:
             log.warning("%s", loss_factor_warning(self, factor, micro_batches))
             self._warned_loss_factor = True
@@ -323,16 +366,26 @@ class TorchparTrainer(transformers.Trainer):
         args = self.args
         method = _engine_method(self.torchpar_method, args.gradient_accumulation_steps)
         clip = args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else None
-        log.info("torchpar: compiling the training step (method %s, %d micro-batch(es) per update)",
-                 type(method).__name__ if method is not None else "one device",
-                 getattr(method, "num_micro_batches", 1))
+        log.info(
+            "torchpar: compiling the training step (method %s, %d micro-batch(es) per update)",
+            type(method).__name__ if method is not None else "one device",
+            getattr(method, "num_micro_batches", 1),
+        )
         self._train_structure = batches.signature(batch)[0]
         self.engine = torchpar.compile(
-            self.model, _unwrapped_optimizer(self.optimizer), example_batch=batch, method=method,
-            step_fn=self._loss_of, forward_fn=self._eval_outputs_of, grad_clip_norm=clip, seed=args.seed,
-            mixed_precision=self._mixed_precision, matmul_precision=self._matmul_precision,
+            self.model,
+            _unwrapped_optimizer(self.optimizer),
+            example_batch=batch,
+            method=method,
+            step_fn=self._loss_of,
+            forward_fn=self._eval_outputs_of,
+            grad_clip_norm=clip,
+            seed=args.seed,
+            mixed_precision=self._mixed_precision,
+            matmul_precision=self._matmul_precision,
             grad_stand_ins=False,  # the Trainer's own optimizer.step() runs after the engine's (and changes nothing)
-            **self.torchpar_options)
+            **self.torchpar_options,
+        )
         if self._engine_checkpoint is not None:
             self.engine.load(self._engine_checkpoint)
             self._engine_checkpoint = None
@@ -359,8 +412,9 @@ class TorchparTrainer(transformers.Trainer):
         if self.engine is not None:
             micro = self.engine.plan.num_micro_batches
         else:
-            micro = getattr(_engine_method(self.torchpar_method, self.args.gradient_accumulation_steps),
-                            "num_micro_batches", 1)
+            micro = getattr(
+                _engine_method(self.torchpar_method, self.args.gradient_accumulation_steps), "num_micro_batches", 1
+            )
         if micro == "auto":  # the count is searched among those that divide the first batch's rows
             return
         rows = next(iter(batch.values())).shape[0]
@@ -368,7 +422,8 @@ class TorchparTrainer(transformers.Trainer):
             raise ValueError(
                 f"this update has {rows} rows, which the engine's {micro} micro-batches cannot split evenly (an "
                 "epoch's smaller last batch?): set dataloader_drop_last=True, or a per_device_train_batch_size and "
-                "gradient_accumulation_steps that divide the dataset")
+                "gradient_accumulation_steps that divide the dataset"
+            )
 
     def sync_to_torch(self) -> None:
         """Copy the engine's weights and optimizer state into ``trainer.model`` and its optimizer."""
@@ -392,8 +447,13 @@ class TorchparTrainer(transformers.Trainer):
 
     # --- evaluation -------------------------------------------------------------------------------------------
 
-    def prediction_step(self, model: torch.nn.Module, inputs: dict[str, Any], prediction_loss_only: bool,
-                        ignore_keys: list[str] | None = None) -> tuple[Any, Any, Any]:
+    def prediction_step(
+        self,
+        model: torch.nn.Module,
+        inputs: dict[str, Any],
+        prediction_loss_only: bool,
+        ignore_keys: list[str] | None = None,
+    ) -> tuple[Any, Any, Any]:
         """``Trainer.prediction_step`` through the engine's eval-mode forward. Before the engine exists the torch
         model holds the current weights and the Trainer evaluates it itself; so it does for a batch whose fields
         differ from the training batch's (the engine's weights copied back first)."""
@@ -401,12 +461,16 @@ class TorchparTrainer(transformers.Trainer):
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
         inputs = dict(inputs)
         has_labels = bool(self.label_names) and all(inputs.get(name) is not None for name in self.label_names)
-        counted = with_item_count(inputs, self._get_num_items_in_batch([inputs], self.args.device)
-                                  if has_labels else None)
+        counted = with_item_count(
+            inputs, self._get_num_items_in_batch([inputs], self.args.device) if has_labels else None
+        )
         if batches.signature(counted)[0] != self._train_structure:
             if not self._warned_torch_eval:
-                log.warning("torchpar: the eval batch's fields %s differ from the training batch's: evaluating with "
-                            "torch on this process (weights copied from the engine)", sorted(inputs))
+                log.warning(
+                    "torchpar: the eval batch's fields %s differ from the training batch's: evaluating with "
+                    "torch on this process (weights copied from the engine)",
+                    sorted(inputs),
+                )
                 self._warned_torch_eval = True
             self.engine.sync_to_torch()
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)

@@ -31,6 +31,7 @@ from torchpar.ir.loss_parts import NotDecomposable, Reductions
 AUX = "aux"
 """The output kind of a ``step_fn``'s auxiliary values."""
 
+
 def aux_outputs(graph: Graph) -> list[Output]:
     """``graph``'s auxiliary outputs, in the order the ``step_fn`` returned them."""
     return [o for o in graph.outputs if o.kind == AUX]
@@ -44,9 +45,13 @@ def with_aux_parts(graph: Graph, parts: str) -> Graph:
         return graph
     analysis = Reductions(graph, what="the value", integers=True)
     metas = graph.metas()
-    return dataclasses.replace(graph, outputs=[
-        dataclasses.replace(o, combine=_rule(analysis, o, metas[o.value.name], parts)) if o.kind == AUX else o
-        for o in graph.outputs])
+    return dataclasses.replace(
+        graph,
+        outputs=[
+            dataclasses.replace(o, combine=_rule(analysis, o, metas[o.value.name], parts)) if o.kind == AUX else o
+            for o in graph.outputs
+        ],
+    )
 
 
 def _rule(analysis: Reductions, output: Output, meta: TensorMeta, parts: str) -> str:
@@ -64,9 +69,14 @@ def _rule(analysis: Reductions, output: Output, meta: TensorMeta, parts: str) ->
             why = f"it is a scalar, but not a mean or a sum of per-row terms ({error})"
             raise _refusal(output, meta, parts, why) from None
         if reduction.kind == "ratio":
-            raise _refusal(output, meta, parts, f"it is a sum divided by a count ({reduction.den}), which needs every "
-                           "part's count; return the numerator and the count as two aux sums and divide them after "
-                           "the step")
+            raise _refusal(
+                output,
+                meta,
+                parts,
+                f"it is a sum divided by a count ({reduction.den}), which needs every "
+                "part's count; return the numerator and the count as two aux sums and divide them after "
+                "the step",
+            )
         return reduction.kind
     raise _refusal(output, meta, parts, _why_not_rows(analysis, name))
 
@@ -76,8 +86,10 @@ def _why_not_rows(analysis: Reductions, name: str) -> str:
     if state is None or state.rows is None:
         lost = _rows_lost_at(analysis, name)
         where = f" ({lost.target} {lost.name}{' at ' + lost.source if lost.source else ''})" if lost else ""
-        return (f"the batch-rows analysis cannot follow the batch's rows to it through an op it does not know{where}, "
-                "so neither its rows nor a reduction can be told")
+        return (
+            f"the batch-rows analysis cannot follow the batch's rows to it through an op it does not know{where}, "
+            "so neither its rows nor a reduction can be told"
+        )
     if state.mixed:
         return f"its values mix the batch's rows: {state.mixed}"
     if state.order:
@@ -85,8 +97,10 @@ def _why_not_rows(analysis: Reductions, name: str) -> str:
     if not state.rows:
         return "it holds no dim of the batch's rows, yet depends on the batch"
     if 0 not in state.rows:
-        return (f"the batch's rows are in dim(s) {sorted(state.rows)}, not dim 0: return it with the rows first "
-                "(e.g. an LSTM's h_n.transpose(0, 1))")
+        return (
+            f"the batch's rows are in dim(s) {sorted(state.rows)}, not dim 0: return it with the rows first "
+            "(e.g. an LSTM's h_n.transpose(0, 1))"
+        )
     return f"dims {sorted(state.rows)} all hold the batch's rows; a per-row value holds them in dim 0 only"
 
 
@@ -112,7 +126,8 @@ def _refusal(output: Output, meta: TensorMeta, parts: str, why: str) -> ValueErr
         f"step_fn's aux[{output.target!r}] ({meta}) cannot be combined over the {parts} each batch is cut into: {why}. "
         "torchpar returns an aux value for the whole batch when its dim 0 holds the batch's rows (concatenated), "
         "when it is a scalar mean or sum over rows, or when it does not read the batch; return such a value instead, "
-        "or train with one part per batch (num_micro_batches=1, no data replicas).")
+        "or train with one part per batch (num_micro_batches=1, no data replicas)."
+    )
 
 
 __all__ = ["AUX", "aux_outputs", "with_aux_parts"]

@@ -27,8 +27,9 @@ Plain data in, plain data out: no torch, no JAX.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from torchpar.ir.graph import Graph, Node, Ref, TensorMeta, one_row_index
 from torchpar.ir.op_families import reduction_dims
@@ -49,26 +50,70 @@ class RowState:
     """For an index into rows: the order of the rows its values number (``""``: the batch's), else ``None``."""
 
 
-_SAME = frozenset({
-    "aten.clone.default", "aten.alias.default", "aten._to_copy.default", "aten.detach.default", "torchpar.stop_gradient",
-    "aten.contiguous.default", "aten.convert_element_type.default", "aten.native_dropout.default",
-    "aten.dropout.default", "aten.slice.Tensor", "aten.constant_pad_nd.default", "aten.expand.default",
-    "aten.split_with_sizes.default", "aten.split.Tensor",
-})
-_REDUCE_DIMS = frozenset({
-    "aten.sum.dim_IntList", "aten.mean.dim", "aten.amax.default", "aten.amin.default", "aten.var.correction",
-    "aten.var.dim", "aten.std.correction", "aten.std.dim", "aten.logsumexp.default", "aten.prod.dim_int",
-    "aten.max.dim", "aten.min.dim", "aten.argmax.default", "aten.argmin.default", "aten.any.dim", "aten.all.dim",
-    "aten.norm.ScalarOpt_dim", "aten.linalg_vector_norm.default",
-})
-_REDUCE_ALL = frozenset({
-    "aten.sum.default", "aten.mean.default", "aten.max.default", "aten.min.default",
-    "aten.prod.default", "aten.var.default", "aten.std.default", "aten.histc.default", "aten.bincount.default",
-})
-_ALONG_DIM = frozenset({  # (x, dim, ...): the result keeps x's dims; rows mix when dim holds them
-    "aten._softmax.default", "aten._log_softmax.default", "aten.softmax.int", "aten.log_softmax.int",
-    "aten.cumsum.default", "aten.cumprod.default", "aten.logcumsumexp.default",
-})
+_SAME = frozenset(
+    {
+        "aten.clone.default",
+        "aten.alias.default",
+        "aten._to_copy.default",
+        "aten.detach.default",
+        "torchpar.stop_gradient",
+        "aten.contiguous.default",
+        "aten.convert_element_type.default",
+        "aten.native_dropout.default",
+        "aten.dropout.default",
+        "aten.slice.Tensor",
+        "aten.constant_pad_nd.default",
+        "aten.expand.default",
+        "aten.split_with_sizes.default",
+        "aten.split.Tensor",
+    }
+)
+_REDUCE_DIMS = frozenset(
+    {
+        "aten.sum.dim_IntList",
+        "aten.mean.dim",
+        "aten.amax.default",
+        "aten.amin.default",
+        "aten.var.correction",
+        "aten.var.dim",
+        "aten.std.correction",
+        "aten.std.dim",
+        "aten.logsumexp.default",
+        "aten.prod.dim_int",
+        "aten.max.dim",
+        "aten.min.dim",
+        "aten.argmax.default",
+        "aten.argmin.default",
+        "aten.any.dim",
+        "aten.all.dim",
+        "aten.norm.ScalarOpt_dim",
+        "aten.linalg_vector_norm.default",
+    }
+)
+_REDUCE_ALL = frozenset(
+    {
+        "aten.sum.default",
+        "aten.mean.default",
+        "aten.max.default",
+        "aten.min.default",
+        "aten.prod.default",
+        "aten.var.default",
+        "aten.std.default",
+        "aten.histc.default",
+        "aten.bincount.default",
+    }
+)
+_ALONG_DIM = frozenset(
+    {  # (x, dim, ...): the result keeps x's dims; rows mix when dim holds them
+        "aten._softmax.default",
+        "aten._log_softmax.default",
+        "aten.softmax.int",
+        "aten.log_softmax.int",
+        "aten.cumsum.default",
+        "aten.cumprod.default",
+        "aten.logcumsumexp.default",
+    }
+)
 _VIEWS = frozenset({"aten.view.default", "aten._unsafe_view.default", "aten.reshape.default"})
 _GROUPED = frozenset({"aten._grouped_mm.default", "transformers.grouped_mm_fallback.default"})
 
@@ -92,8 +137,9 @@ def row_states(graph: Graph, *, integers: bool = False) -> dict[str, RowState]:
     return states
 
 
-def _state(node: Node, states: dict[str, RowState], metas: dict[str, Any], positions: set[str],
-           carries: Callable[[Any], bool]) -> RowState:
+def _state(
+    node: Node, states: dict[str, RowState], metas: dict[str, Any], positions: set[str], carries: Callable[[Any], bool]
+) -> RowState:
     """``node``'s state from its operands'; ``carries(meta)``: whether a value of that meta carries mixing."""
     refs = list(node.refs())
     operands = [states.get(r, RowState(None)) for r in refs]
@@ -109,8 +155,9 @@ def _state(node: Node, states: dict[str, RowState], metas: dict[str, Any], posit
     return RowState(rows, mixed if carries(node.out) else None, order, target)
 
 
-def _order(node: Node, operands: list[RowState], metas: dict[str, Any], positions: set[str], rows: Rows
-           ) -> tuple[str | None, str | None, bool]:
+def _order(
+    node: Node, operands: list[RowState], metas: dict[str, Any], positions: set[str], rows: Rows
+) -> tuple[str | None, str | None, bool]:
     """``(the order of the output's rows (None: not followed), what it indexes (an index's target), whether the op
     pairs rows of two orders)`` (module docstring: permuted rows)."""
     target, args = node.target, node.args
@@ -139,8 +186,15 @@ def _order(node: Node, operands: list[RowState], metas: dict[str, Any], position
     if len(orders) > 1:  # an elementwise op pairs rows of two orders; anything else: not followed
         return (carrying[0].order, None, True) if _elementwise(node, metas) else (None, None, False)
     order = orders.pop() if orders else ""
-    if order and target in _VIEWS and isinstance(node.out, TensorMeta) and args and isinstance(args[0], Ref) \
-            and isinstance(metas.get(args[0].name), TensorMeta) and metas[args[0].name].shape[:1] != node.out.shape[:1]:
+    if (
+        order
+        and target in _VIEWS
+        and isinstance(node.out, TensorMeta)
+        and args
+        and isinstance(args[0], Ref)
+        and isinstance(metas.get(args[0].name), TensorMeta)
+        and metas[args[0].name].shape[:1] != node.out.shape[:1]
+    ):
         return None, None, False  # permuted rows merged or split: not followed
     tensors = [s for s, r in zip(operands, node.refs()) if isinstance(metas.get(r), TensorMeta)]
     index_target = tensors[0].target if len(tensors) == 1 else None  # perm // k numbers the tokens of the pairs
@@ -159,10 +213,9 @@ def _sort_dim(node: Node, metas: dict[str, Any]) -> int:
 def _elementwise(node: Node, metas: dict[str, Any]) -> bool:
     out = node.out
     tensors = [metas.get(r) for r in node.refs()]
-    return isinstance(out, TensorMeta) and all(isinstance(m, TensorMeta) and _broadcasts(m.shape, out.shape)
-                                               for m in tensors)
-
-
+    return isinstance(out, TensorMeta) and all(
+        isinstance(m, TensorMeta) and _broadcasts(m.shape, out.shape) for m in tensors
+    )
 
 
 def _rows(node: Node, operands: list[RowState], metas: dict[str, Any]) -> tuple[Rows, bool]:
@@ -235,8 +288,9 @@ def _rows(node: Node, operands: list[RowState], metas: dict[str, Any]) -> tuple[
         table, index = operands
         if index.rows is None or (rows and (rows != {0} or index.target is None)):
             return None, False
-        return frozenset(index.rows) | frozenset(d - 1 + len(metas[args[1][0].name].shape) for d in rows - {0}) \
-            if isinstance(metas.get(args[1][0].name), TensorMeta) else None, False
+        return frozenset(index.rows) | frozenset(
+            d - 1 + len(metas[args[1][0].name].shape) for d in rows - {0}
+        ) if isinstance(metas.get(args[1][0].name), TensorMeta) else None, False
     if target == "aten.index_put.default" and one_row_index(args) and len(operands) > 2:
         index, values = operands[1], operands[2]
         if index.target is None or index.rows != {0} or values.rows not in (frozenset(), frozenset({0})):
@@ -274,8 +328,9 @@ def _matmul_rows(target: str, operands: list[RowState]) -> tuple[Rows, bool]:
     if a.rows is None or b.rows is None:
         return None, False
     if target == "aten.bmm.default":
-        out = ({0} if 0 in a.rows | b.rows else set()) | ({1} if 1 in a.rows else set()) | \
-            ({2} if 2 in b.rows else set())
+        out = (
+            ({0} if 0 in a.rows | b.rows else set()) | ({1} if 1 in a.rows else set()) | ({2} if 2 in b.rows else set())
+        )
         return frozenset(out), 2 in a.rows or 1 in b.rows
     out = ({0} if 0 in a.rows else set()) | ({1} if 1 in b.rows else set())
     return frozenset(out), 1 in a.rows or 0 in b.rows
@@ -324,7 +379,7 @@ def _kept_dim(dim: int, old: tuple[int, ...], new: tuple[int, ...]) -> int | Non
 def _broadcasts(shape: tuple[int, ...], out: tuple[int, ...]) -> bool:
     if len(shape) > len(out):
         return False
-    return all(s in (1, o) for s, o in zip(shape, out[len(out) - len(shape):]))
+    return all(s in (1, o) for s, o in zip(shape, out[len(out) - len(shape) :]))
 
 
 def _floating(meta: Any) -> bool:

@@ -9,13 +9,30 @@ for balancing layers and pricing stages — the matmuls dominate transformer FLO
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 from torchpar.ir.graph import OutMeta, TensorMeta
 from torchpar.ir.op_families import FREE, GROUPED_MATMULS
 
-_REDUCTIONS = ("sum", "mean", "amax", "amin", "max", "min", "prod", "var", "std", "any", "all",
-               "_softmax", "_log_softmax", "native_layer_norm", "_native_batch_norm", "argmax", "argmin")
+_REDUCTIONS = (
+    "sum",
+    "mean",
+    "amax",
+    "amin",
+    "max",
+    "min",
+    "prod",
+    "var",
+    "std",
+    "any",
+    "all",
+    "_softmax",
+    "_log_softmax",
+    "native_layer_norm",
+    "_native_batch_norm",
+    "argmax",
+    "argmin",
+)
 
 
 def op_flops(target: str, operands: Sequence[OutMeta], out: OutMeta) -> float:

@@ -72,17 +72,18 @@ def function_regions(graph: Graph) -> list[FunctionRegion]:
             last_output[call] = index
             outputs.setdefault(call, []).append((position, node.name))
             saved[call] = tuple(ref.name for ref in node.args[1])
-    regions = [FunctionRegion(call, first[call], stop + 1, tuple(inputs.get(call, ())), tuple(outputs[call]),
-                              saved[call])
-               for call, stop in last_output.items()]
+    regions = [
+        FunctionRegion(call, first[call], stop + 1, tuple(inputs.get(call, ())), tuple(outputs[call]), saved[call])
+        for call, stop in last_output.items()
+    ]
     regions.sort(key=lambda region: region.start)
     for before, after in zip(regions, regions[1:]):
         if after.start < before.stop:
-            raise ValueError(f"the regions of autograd.Function calls {before.call} and {after.call} overlap "
-                             f"(nodes {before.start}:{before.stop} and {after.start}:{after.stop})")
+            raise ValueError(
+                f"the regions of autograd.Function calls {before.call} and {after.call} overlap "
+                f"(nodes {before.start}:{before.stop} and {after.start}:{after.stop})"
+            )
     for region in regions:
         if region.call not in graph.custom_backwards:
             raise ValueError(f"autograd.Function call {region.call} has no backward graph")
     return regions
-
-

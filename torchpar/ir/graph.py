@@ -19,15 +19,30 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Literal
+from typing import Any, Literal
 
 import numpy as np
 
 DTYPE_BYTES: dict[str, int] = {
-    "bool": 1, "uint8": 1, "int8": 1, "int16": 2, "uint16": 2, "int32": 4, "uint32": 4,
-    "int64": 8, "uint64": 8, "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8,
-    "complex64": 8, "complex128": 16, "float8_e4m3fn": 1, "float8_e5m2": 1,
+    "bool": 1,
+    "uint8": 1,
+    "int8": 1,
+    "int16": 2,
+    "uint16": 2,
+    "int32": 4,
+    "uint32": 4,
+    "int64": 8,
+    "uint64": 8,
+    "float16": 2,
+    "bfloat16": 2,
+    "float32": 4,
+    "float64": 8,
+    "complex64": 8,
+    "complex128": 16,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
 }
 
 
@@ -143,7 +158,7 @@ class Graph:
     nodes: list[Node]
     outputs: list[Output]
     constants: dict[str, np.ndarray] = field(default_factory=dict)
-    custom_backwards: dict[int, "Graph"] = field(default_factory=dict)
+    custom_backwards: dict[int, Graph] = field(default_factory=dict)
     """The backward of each custom ``torch.autograd.Function`` call in this graph, by call id (see
     :mod:`torchpar.ir.function_regions`); empty for most models."""
 
@@ -173,7 +188,9 @@ class Graph:
             assert out.value is None or out.value.name in seen
         for call, backward in self.custom_backwards.items():
             assert isinstance(call, int), f"Function call id {call!r} is not an int"
-            assert all(i.kind in ("input", "constant") for i in backward.inputs), f"Function call {call}: backward reads state"
+            assert all(i.kind in ("input", "constant") for i in backward.inputs), (
+                f"Function call {call}: backward reads state"
+            )
             backward.validate()
 
     def summary(self, top: int = 12) -> str:
@@ -187,7 +204,7 @@ class Graph:
             lines.append(f"  {count:5d}  {target}")
         return "\n".join(lines)
 
-    def replace(self, **changes: Any) -> "Graph":
+    def replace(self, **changes: Any) -> Graph:
         return dataclasses.replace(self, **changes)
 
 

@@ -20,8 +20,9 @@ Ranges (PyTorch's rules, ``n`` the size of the indexed dim): ``embedding``, ``in
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -29,15 +30,43 @@ from torchpar.ir.graph import Graph, Node, Ref, TensorMeta
 
 _INT_DTYPES = frozenset({"int8", "uint8", "int16", "int32", "int64"})
 
-VALUE_PRESERVING = frozenset({
-    "aten.view.default", "aten._unsafe_view.default", "aten.reshape.default", "aten.expand.default",
-    "aten.slice.Tensor", "aten.select.int", "aten.unsqueeze.default", "aten.squeeze.dim", "aten.squeeze.dims",
-    "aten.squeeze.default", "aten.permute.default", "aten.transpose.int", "aten.t.default", "aten.clone.default",
-    "aten.alias.default", "torchpar.stop_gradient", "aten.lift_fresh_copy.default", "aten._to_copy.default", "aten.constant_pad_nd.default",
-    "aten.repeat.default", "aten.flip.default", "aten.roll.default", "aten.cat.default", "aten.split.Tensor",
-    "aten.split_with_sizes.default", "aten.unbind.int", "aten.index.Tensor", "getitem", "aten.narrow.default",
-    "aten.view_copy.default", "aten.slice_copy.Tensor", "aten.expand_copy.default", "aten.contiguous.default",
-})
+VALUE_PRESERVING = frozenset(
+    {
+        "aten.view.default",
+        "aten._unsafe_view.default",
+        "aten.reshape.default",
+        "aten.expand.default",
+        "aten.slice.Tensor",
+        "aten.select.int",
+        "aten.unsqueeze.default",
+        "aten.squeeze.dim",
+        "aten.squeeze.dims",
+        "aten.squeeze.default",
+        "aten.permute.default",
+        "aten.transpose.int",
+        "aten.t.default",
+        "aten.clone.default",
+        "aten.alias.default",
+        "torchpar.stop_gradient",
+        "aten.lift_fresh_copy.default",
+        "aten._to_copy.default",
+        "aten.constant_pad_nd.default",
+        "aten.repeat.default",
+        "aten.flip.default",
+        "aten.roll.default",
+        "aten.cat.default",
+        "aten.split.Tensor",
+        "aten.split_with_sizes.default",
+        "aten.unbind.int",
+        "aten.index.Tensor",
+        "getitem",
+        "aten.narrow.default",
+        "aten.view_copy.default",
+        "aten.slice_copy.Tensor",
+        "aten.expand_copy.default",
+        "aten.contiguous.default",
+    }
+)
 """Ops whose (first, data) operand's values reach their result unchanged."""
 
 _ZERO_BASED = {  # op → (position of the indexed tensor, position of dim (None: dim 0), position of the index)
@@ -50,7 +79,12 @@ _ZERO_BASED = {  # op → (position of the indexed tensor, position of dim (None
     "aten.scatter_reduce.two": (0, 1, 2),
     "aten.index_add.default": (0, 1, 2),
 }
-_ADVANCED = ("aten.index.Tensor", "aten.index_put.default", "aten._unsafe_index.Tensor", "aten._unsafe_index_put.default")
+_ADVANCED = (
+    "aten.index.Tensor",
+    "aten.index_put.default",
+    "aten._unsafe_index.Tensor",
+    "aten._unsafe_index_put.default",
+)
 _NLL = ("aten.nll_loss_forward.default", "aten.nll_loss2d_forward.default")
 
 
@@ -87,8 +121,10 @@ def index_bounds(graph: Graph) -> list[IndexBound]:
     params = {i.name: i.target for i in graph.inputs if i.kind in ("param", "buffer")}
     # flow[value name] = (batch input position, values allowed outside the range on the way)
     flow: dict[str, tuple[int, frozenset[int]]] = {
-        i.name: (int(i.target), frozenset()) for i in graph.inputs
-        if i.kind == "input" and isinstance(i.meta, TensorMeta) and i.meta.dtype in _INT_DTYPES}
+        i.name: (int(i.target), frozenset())
+        for i in graph.inputs
+        if i.kind == "input" and isinstance(i.meta, TensorMeta) and i.meta.dtype in _INT_DTYPES
+    }
     producers = {n.name: n for n in graph.nodes}
     bounds: list[IndexBound] = []
     seen: set[tuple] = set()
@@ -140,8 +176,14 @@ def _index_operands(node: Node) -> Iterable[tuple[int | tuple[int, int], str]]:
         yield 1, node.args[1].name
 
 
-def _bound(node: Node, position: int | tuple[int, int], flowing: tuple[int, frozenset[int]],
-           metas: dict[str, Any], params: dict[str, str], producers: dict[str, Node]) -> IndexBound:
+def _bound(
+    node: Node,
+    position: int | tuple[int, int],
+    flowing: tuple[int, frozenset[int]],
+    metas: dict[str, Any],
+    params: dict[str, str],
+    producers: dict[str, Node],
+) -> IndexBound:
     input_index, allowed = flowing
     indexed_ref = node.args[0]
     shape = metas[indexed_ref.name].shape
@@ -168,12 +210,22 @@ def _bound(node: Node, position: int | tuple[int, int], flowing: tuple[int, froz
         allowed = allowed | {int(ignore)}
         indexed = f"the {classes} classes of the loss"
     allowed = frozenset(v for v in allowed if not low <= v < high)
-    return IndexBound(input_index=input_index, low=int(low), high=int(high), allowed=allowed, op=node.target,
-                      node=node.name, indexed=indexed, source=node.source, module_path=node.module_path)
+    return IndexBound(
+        input_index=input_index,
+        low=int(low),
+        high=int(high),
+        allowed=allowed,
+        op=node.target,
+        node=node.name,
+        indexed=indexed,
+        source=node.source,
+        module_path=node.module_path,
+    )
 
 
-def _passed_value(node: Node, flow: dict[str, tuple[int, frozenset[int]]],
-                  producers: dict[str, Node]) -> tuple[int, frozenset[int]] | None:
+def _passed_value(
+    node: Node, flow: dict[str, tuple[int, frozenset[int]]], producers: dict[str, Node]
+) -> tuple[int, frozenset[int]] | None:
     """The flowing batch value ``node``'s result carries unchanged, if any."""
     if node.target in VALUE_PRESERVING:
         data = node.args[0] if node.args else None
@@ -188,16 +240,23 @@ def _passed_value(node: Node, flow: dict[str, tuple[int, frozenset[int]]],
             if isinstance(kept, Ref) and kept.name in flow:
                 input_index, allowed = flow[kept.name]
                 tested = producers.get(cond.name) if isinstance(cond, Ref) else None
-                if (tested is not None and tested.target == test_op and isinstance(tested.args[0], Ref)
-                        and flow.get(tested.args[0].name, (None,))[0] == input_index
-                        and isinstance(tested.args[1], (int, float))):
+                if (
+                    tested is not None
+                    and tested.target == test_op
+                    and isinstance(tested.args[0], Ref)
+                    and flow.get(tested.args[0].name, (None,))[0] == input_index
+                    and isinstance(tested.args[1], (int, float))
+                ):
                     return input_index, allowed | {int(tested.args[1])}
     return None
 
 
 def _is_int(out: Any) -> bool:
-    return isinstance(out, TensorMeta) and out.dtype in _INT_DTYPES or (
-        isinstance(out, tuple) and any(isinstance(o, TensorMeta) and o.dtype in _INT_DTYPES for o in out))
+    return (
+        isinstance(out, TensorMeta)
+        and out.dtype in _INT_DTYPES
+        or (isinstance(out, tuple) and any(isinstance(o, TensorMeta) and o.dtype in _INT_DTYPES for o in out))
+    )
 
 
 def _message(bound: IndexBound, values: np.ndarray, bad: np.ndarray, name: str) -> str:
@@ -206,9 +265,11 @@ def _message(bound: IndexBound, values: np.ndarray, bad: np.ndarray, name: str) 
     count = int(bad.sum())
     at = f" ({bound.module_path})" if bound.module_path else ""
     line = f"\n  at {bound.source}" if bound.source else ""
-    return (f"{name} holds {value} at index {list(where)}, outside the valid range {bound.describe_range()}: it "
-            f"indexes {bound.indexed} in {bound.op}{at}{line}\n"
-            f"  {count} of {values.size} value(s) of {name} are out of range. PyTorch raises "
-            "'IndexError: index out of range' here; XLA would silently clamp the index and train on the wrong "
-            "row. Fix the data (or the size the model was built with); torchpar.compile(..., check_inputs=False) "
-            "turns this check off.")
+    return (
+        f"{name} holds {value} at index {list(where)}, outside the valid range {bound.describe_range()}: it "
+        f"indexes {bound.indexed} in {bound.op}{at}{line}\n"
+        f"  {count} of {values.size} value(s) of {name} are out of range. PyTorch raises "
+        "'IndexError: index out of range' here; XLA would silently clamp the index and train on the wrong "
+        "row. Fix the data (or the size the model was built with); torchpar.compile(..., check_inputs=False) "
+        "turns this check off."
+    )

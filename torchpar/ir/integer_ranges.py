@@ -25,8 +25,9 @@ leave int32, even if this batch's actual sum does not.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -37,12 +38,27 @@ Interval = tuple[int, int] | None
 """``(lo, hi)`` with ``lo ≤ hi``, or ``None``: unknown (a float value, or one the rules do not bound)."""
 
 INT32 = (-(2**31), 2**31 - 1)
-_DTYPE_RANGES = {"bool": (0, 1), "uint8": (0, 255), "int8": (-128, 127), "int16": (-(2**15), 2**15 - 1),
-                 "int32": INT32}
+_DTYPE_RANGES = {"bool": (0, 1), "uint8": (0, 255), "int8": (-128, 127), "int16": (-(2**15), 2**15 - 1), "int32": INT32}
 _INTEGER_DTYPES = frozenset({"bool", "uint8", "int8", "int16", "int32", "int64"})
-_ARITHMETIC = frozenset({"aten.add", "aten.sub", "aten.rsub", "aten.mul", "aten.pow", "aten.sum", "aten.cumsum",
-                         "aten.neg", "aten.abs", "aten.bitwise_left_shift", "aten.__lshift__", "aten.prod",
-                         "aten.arange", "aten.div", "aten.floor_divide"})
+_ARITHMETIC = frozenset(
+    {
+        "aten.add",
+        "aten.sub",
+        "aten.rsub",
+        "aten.mul",
+        "aten.pow",
+        "aten.sum",
+        "aten.cumsum",
+        "aten.neg",
+        "aten.abs",
+        "aten.bitwise_left_shift",
+        "aten.__lshift__",
+        "aten.prod",
+        "aten.arange",
+        "aten.div",
+        "aten.floor_divide",
+    }
+)
 """Ops (by overload packet) whose int64 result can leave the range of their operands: a graph without one as an
 int64 result has nothing to check."""
 
@@ -93,13 +109,18 @@ def integer_ranges(graph: Graph) -> IntegerRanges:
     """What :meth:`IntegerRanges.check` needs of ``graph``; empty (a no-op check) when no int64 result comes from an
     op that can grow its operands' range."""
     nodes = tuple(n for n in graph.nodes if _integer_valued(n.out))
-    if not any(isinstance(n.out, TensorMeta) and n.out.dtype == "int64" and _packet(n.target) in _ARITHMETIC
-               for n in nodes):
+    if not any(
+        isinstance(n.out, TensorMeta) and n.out.dtype == "int64" and _packet(n.target) in _ARITHMETIC for n in nodes
+    ):
         return IntegerRanges((), (), (), {})
-    inputs = tuple((i.name, int(i.target)) for i in graph.inputs
-                   if i.kind == "input" and i.meta.dtype in _INTEGER_DTYPES)
-    constants = tuple((i.name, _array_interval(graph.constants.get(i.target))) for i in graph.inputs
-                      if i.kind == "constant" and i.meta.dtype in _INTEGER_DTYPES)
+    inputs = tuple(
+        (i.name, int(i.target)) for i in graph.inputs if i.kind == "input" and i.meta.dtype in _INTEGER_DTYPES
+    )
+    constants = tuple(
+        (i.name, _array_interval(graph.constants.get(i.target)))
+        for i in graph.inputs
+        if i.kind == "constant" and i.meta.dtype in _INTEGER_DTYPES
+    )
     metas = graph.metas()
     read = {r for n in nodes for r in n.refs()} | {n.name for n in nodes}
     return IntegerRanges(inputs, constants, nodes, {k: v for k, v in metas.items() if k in read})
@@ -110,6 +131,7 @@ def integer_ranges(graph: Graph) -> IntegerRanges:
 
 def _interval(node: Node, known: dict[str, Any], metas: dict[str, Any]) -> Any:
     """The interval of ``node``'s result (a tuple of them for a multi-output op) from its operands' (``known``)."""
+
     def get(value: Any) -> Interval:
         if isinstance(value, Ref):
             found = known.get(value.name)
@@ -150,11 +172,13 @@ def _fit(interval: Interval, dtype: str, node: Node, described: list[str]) -> In
 def _message(node: Node, interval: tuple[int, int], described: list[str]) -> str:
     where = f"\n  at {node.source}" if node.source else ""
     inputs = "; ".join(described) or "no integer batch input"
-    return (f"{node.target} ({node.name}) can produce int64 values in [{interval[0]}, {interval[1]}] for this batch, "
-            f"outside int32's range [{INT32[0]}, {INT32[1]}]: JAX runs int64 tensors as int32 (x64 off), so the "
-            f"step would wrap them where PyTorch does not.{where}\n  the batch's integer inputs: {inputs}\n"
-            "Try: compute it in the data pipeline (in int64, on the host) and pass the result in the batch; bring the "
-            "values into range first (e.g. ids modulo the table size before multiplying); or use float arithmetic.")
+    return (
+        f"{node.target} ({node.name}) can produce int64 values in [{interval[0]}, {interval[1]}] for this batch, "
+        f"outside int32's range [{INT32[0]}, {INT32[1]}]: JAX runs int64 tensors as int32 (x64 off), so the "
+        f"step would wrap them where PyTorch does not.{where}\n  the batch's integer inputs: {inputs}\n"
+        "Try: compute it in the data pipeline (in int64, on the host) and pass the result in the batch; bring the "
+        "values into range first (e.g. ids modulo the table size before multiplying); or use float arithmetic."
+    )
 
 
 def _packet(target: str) -> str:
@@ -335,7 +359,9 @@ def _reduction_value(node: Node, get: Callable, metas: dict) -> Any:
 
 def _arange(node: Node, get: Callable, metas: dict) -> Interval:
     numbers = [a for a in node.args if isinstance(a, (int, float)) and not isinstance(a, bool)]
-    start, end, step = (0, numbers[0], 1) if len(numbers) == 1 else (*numbers[:2], numbers[2] if len(numbers) > 2 else 1)
+    start, end, step = (
+        (0, numbers[0], 1) if len(numbers) == 1 else (*numbers[:2], numbers[2] if len(numbers) > 2 else 1)
+    )
     length = node.out.numel if isinstance(node.out, TensorMeta) else 0
     if not length:
         return None
@@ -387,26 +413,59 @@ def _bitwise(node: Node, get: Callable, metas: dict) -> Interval:
 
 
 _RULES: dict[str, Callable[[Node, Callable, dict], Any]] = {
-    "aten.add": _add, "aten.sub": _add, "aten.rsub": _add, "aten.mul": _mul,
-    "aten.div": _divide, "aten.floor_divide": _divide, "aten.remainder": _remainder, "aten.fmod": _remainder,
-    "aten.pow": _pow, "aten.neg": _unary(_neg), "aten.abs": _unary(_abs),
+    "aten.add": _add,
+    "aten.sub": _add,
+    "aten.rsub": _add,
+    "aten.mul": _mul,
+    "aten.div": _divide,
+    "aten.floor_divide": _divide,
+    "aten.remainder": _remainder,
+    "aten.fmod": _remainder,
+    "aten.pow": _pow,
+    "aten.neg": _unary(_neg),
+    "aten.abs": _unary(_abs),
     "aten.sign": lambda node, get, metas: (-1, 1),
-    "aten.clamp": _clamp, "aten.clamp_min": _clamp, "aten.clamp_max": _clamp,
-    "aten.maximum": _extremum, "aten.minimum": _extremum,
-    "aten.sum": _sum, "aten.cumsum": _cumsum, "aten.prod": _prod,
-    "aten.argmax": _indices, "aten.argmin": _indices, "aten.sort": _indices, "aten.topk": _indices,
-    "aten.max": _reduction_value, "aten.min": _reduction_value, "aten.amax": _reduction_value,
+    "aten.clamp": _clamp,
+    "aten.clamp_min": _clamp,
+    "aten.clamp_max": _clamp,
+    "aten.maximum": _extremum,
+    "aten.minimum": _extremum,
+    "aten.sum": _sum,
+    "aten.cumsum": _cumsum,
+    "aten.prod": _prod,
+    "aten.argmax": _indices,
+    "aten.argmin": _indices,
+    "aten.sort": _indices,
+    "aten.topk": _indices,
+    "aten.max": _reduction_value,
+    "aten.min": _reduction_value,
+    "aten.amax": _reduction_value,
     "aten.amin": _reduction_value,
-    "aten.arange": _arange, "aten.full": _fill, "aten.full_like": _fill, "aten.new_full": _fill,
-    "aten.scalar_tensor": _fill, "aten.fill": _fill,
-    "aten.zeros": _constant(0), "aten.zeros_like": _constant(0), "aten.new_zeros": _constant(0),
-    "aten.ones": _constant(1), "aten.ones_like": _constant(1), "aten.new_ones": _constant(1),
+    "aten.arange": _arange,
+    "aten.full": _fill,
+    "aten.full_like": _fill,
+    "aten.new_full": _fill,
+    "aten.scalar_tensor": _fill,
+    "aten.fill": _fill,
+    "aten.zeros": _constant(0),
+    "aten.zeros_like": _constant(0),
+    "aten.new_zeros": _constant(0),
+    "aten.ones": _constant(1),
+    "aten.ones_like": _constant(1),
+    "aten.new_ones": _constant(1),
     "aten.one_hot": lambda node, get, metas: (0, 1),
-    "aten.where": _where, "aten.masked_fill": _masked_fill, "aten.index_put": _index_put,
-    "aten._unsafe_index_put": _index_put, "aten.gather": lambda node, get, metas: get(node.args[0]),
+    "aten.where": _where,
+    "aten.masked_fill": _masked_fill,
+    "aten.index_put": _index_put,
+    "aten._unsafe_index_put": _index_put,
+    "aten.gather": lambda node, get, metas: get(node.args[0]),
     "aten.index_select": lambda node, get, metas: get(node.args[0]),
-    "aten.bitwise_left_shift": _shift, "aten.__lshift__": _shift, "aten.bitwise_right_shift": _shift,
-    "aten.__rshift__": _shift, "aten.bitwise_and": _bitwise, "aten.bitwise_or": _bitwise,
+    "aten.bitwise_left_shift": _shift,
+    "aten.__lshift__": _shift,
+    "aten.bitwise_right_shift": _shift,
+    "aten.__rshift__": _shift,
+    "aten.bitwise_and": _bitwise,
+    "aten.bitwise_or": _bitwise,
     "aten.bitwise_xor": _bitwise,
 }
 """Interval rules by overload packet; an op not here gives an unknown interval."""

@@ -8,7 +8,7 @@ most one dim. The JSON form (``docs/api.md``, ``Plan``) uses lists: ``[[1], None
 from __future__ import annotations
 
 import math
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 Spec = tuple[tuple[int, ...] | None, ...]
 JsonSpec = list[list[int] | None]

@@ -48,12 +48,23 @@ ReductionKind = Literal["mean", "sum", "ratio"]
 
 _MEANS = frozenset({"aten.mean.default", "aten.mean.dim"})
 _SUMS = frozenset({"aten.sum.default", "aten.sum.dim_IntList"})
-_SAME_VALUE = frozenset({  # a scalar passed through: cast, copy, view, negation
-    "aten._to_copy.default", "aten.clone.default", "aten.alias.default", "aten.view.default",
-    "aten._unsafe_view.default", "aten.reshape.default", "aten.squeeze.default", "aten.squeeze.dim",
-    "aten.squeeze.dims", "aten.unsqueeze.default", "aten.neg.default", "aten.expand.default",
-    "aten.convert_element_type.default",
-})
+_SAME_VALUE = frozenset(
+    {  # a scalar passed through: cast, copy, view, negation
+        "aten._to_copy.default",
+        "aten.clone.default",
+        "aten.alias.default",
+        "aten.view.default",
+        "aten._unsafe_view.default",
+        "aten.reshape.default",
+        "aten.squeeze.default",
+        "aten.squeeze.dim",
+        "aten.squeeze.dims",
+        "aten.unsqueeze.default",
+        "aten.neg.default",
+        "aten.expand.default",
+        "aten.convert_element_type.default",
+    }
+)
 _MULTIPLIES = frozenset({"aten.mul.Tensor", "aten.mul.Scalar"})
 _DIVIDES = frozenset({"aten.div.Tensor", "aten.div.Scalar"})
 _ADDS = frozenset({"aten.add.Tensor", "aten.sub.Tensor"})
@@ -70,8 +81,11 @@ class LossReduction:
     """``"ratio"``: the value holding a micro-batch's denominator (a node or input of the graph)."""
 
     def describe(self) -> str:
-        return {"mean": "the mean of the micro-batch losses", "sum": "the sum of the micro-batch losses",
-                "ratio": f"Σ numerator / Σ denominator over the micro-batches (denominator {self.den})"}[self.kind]
+        return {
+            "mean": "the mean of the micro-batch losses",
+            "sum": "the sum of the micro-batch losses",
+            "ratio": f"Σ numerator / Σ denominator over the micro-batches (denominator {self.den})",
+        }[self.kind]
 
 
 MEAN = LossReduction("mean")
@@ -111,7 +125,9 @@ def with_loss_parts(graph: Graph) -> Graph:
             "num_micro_batches > 1 each micro-batch's loss is weighted 1/num_micro_batches (the mean of the "
             "micro-batch losses), which equals the whole batch's loss only for a mean over equal-size micro-batches. "
             "End the loss with a mean, a sum, or `.sum() / count` where `count` does not depend on the parameters "
-            "(e.g. `(labels != -100).sum()`) to train exactly as on the whole batch.", stacklevel=2)
+            "(e.g. `(labels != -100).sum()`) to train exactly as on the whole batch.",
+            stacklevel=2,
+        )
         return graph
     if reduction.kind == "mean":
         return graph
@@ -159,8 +175,10 @@ class Reductions:
             summed = operands[0] if operands and isinstance(operands[0], Ref) else None
             mixed = self.rows[summed.name].mixed if summed is not None and summed.name in self.rows else None
             if mixed:
-                raise NotDecomposable(f"the {target} ({node.name}) adds terms that already mix the batch's rows: "
-                                      f"{mixed}, so {self.what} is not a sum of per-row terms{_where(node)}")
+                raise NotDecomposable(
+                    f"the {target} ({node.name}) adds terms that already mix the batch's rows: "
+                    f"{mixed}, so {self.what} is not a sum of per-row terms{_where(node)}"
+                )
             return MEAN if target in _MEANS else SUM
         if target in _SAME_VALUE and operands and isinstance(operands[0], Ref):
             return self.reduction(operands[0].name, depth + 1)
@@ -175,8 +193,9 @@ class Reductions:
             return self._ratio(node, num.name, den.name, depth)
         if target in _ADDS and len(operands) >= 2 and all(isinstance(o, Ref) for o in operands[:2]):
             return self._sum_of_terms(node, operands[0].name, operands[1].name, depth)
-        raise NotDecomposable(f"{self.what} ends in {target} ({node.name}), not a mean, a sum or a sum divided by a "
-                              f"count{_where(node)}")
+        raise NotDecomposable(
+            f"{self.what} ends in {target} ({node.name}), not a mean, a sum or a sum divided by a count{_where(node)}"
+        )
 
     def _split_factor(self, operands: tuple) -> tuple[object, Ref | None]:
         """``(factor, other operand)`` of a product with one operand that does not read the batch (a python number
@@ -210,8 +229,10 @@ class Reductions:
         if len(batch_terms) == 2 and batch_terms[0] == batch_terms[1]:
             return batch_terms[0]
         kinds = " and ".join(t.describe() if t is not None else "a batch-independent term" for t in terms)
-        raise NotDecomposable(f"{node.target} ({node.name}) adds terms that combine differently over micro-batches "
-                              f"({kinds}){_where(node)}")
+        raise NotDecomposable(
+            f"{node.target} ({node.name}) adds terms that combine differently over micro-batches "
+            f"({kinds}){_where(node)}"
+        )
 
 
 def _is_scalar(meta: object) -> bool:
@@ -222,5 +243,14 @@ def _where(node: Node) -> str:
     return f" at {node.source}" if node.source else ""
 
 
-__all__ = ["LOSS_DEN", "LossReduction", "MEAN", "NotDecomposable", "Reductions", "SUM", "decompose_loss",
-           "loss_reduction", "with_loss_parts"]
+__all__ = [
+    "LOSS_DEN",
+    "LossReduction",
+    "MEAN",
+    "NotDecomposable",
+    "Reductions",
+    "SUM",
+    "decompose_loss",
+    "loss_reduction",
+    "with_loss_parts",
+]

@@ -40,14 +40,27 @@ from typing import Any
 
 import numpy as np
 
-OPTIMIZER_KINDS = ("sgd", "adam", "adamw", "adagrad", "rmsprop", "adamax", "nadam", "radam", "adadelta", "asgd",
-                   "rprop", "adafactor", "muon")
+OPTIMIZER_KINDS = (
+    "sgd",
+    "adam",
+    "adamw",
+    "adagrad",
+    "rmsprop",
+    "adamax",
+    "nadam",
+    "radam",
+    "adadelta",
+    "asgd",
+    "rprop",
+    "adafactor",
+    "muon",
+)
 
 NOT_ELEMENTWISE: dict[str, str] = {
     "adafactor": "Adafactor's update is not elementwise (it reduces over whole rows, columns and tensors: its factored "
-                 "second moment, the parameter's RMS, the update's RMS)",
+    "second moment, the parameter's RMS, the update's RMS)",
     "muon": "Muon's update is not elementwise (it orthogonalizes the whole matrix with Newton–Schulz iterations of "
-            "matrix products)",
+    "matrix products)",
 }
 """Kinds whose update of a parameter reads more than the matching elements of its gradient and state → why; the
 update of a shard computed from that shard alone would be wrong."""
@@ -106,8 +119,10 @@ class OptimizerSpec:
             if len(getattr(self, field)) == 0:
                 object.__setattr__(self, field, (False,) * num_groups)
             elif len(getattr(self, field)) != num_groups:
-                raise ValueError(f"OptimizerSpec.{field} needs one entry per param group ({num_groups}), got "
-                                 f"{len(getattr(self, field))}")
+                raise ValueError(
+                    f"OptimizerSpec.{field} needs one entry per param group ({num_groups}), got "
+                    f"{len(getattr(self, field))}"
+                )
         for field in ("nesterov", "amsgrad", "maximize", *_OPTIONAL_FLAGS):
             if not all(isinstance(v, (bool, np.bool_)) for v in getattr(self, field)):
                 raise TypeError(f"OptimizerSpec.{field} must hold bools, got {getattr(self, field)}")
@@ -139,8 +154,9 @@ class OptimizerSpec:
                 raise TypeError(f"OptimizerSpec.{field} must be a tuple, got {type(value).__name__}")
             value = tuple(value) or (default,) * num_groups
             if len(value) != num_groups:
-                raise ValueError(f"OptimizerSpec.{field} needs one entry per param group ({num_groups}), got "
-                                 f"{len(value)}")
+                raise ValueError(
+                    f"OptimizerSpec.{field} needs one entry per param group ({num_groups}), got {len(value)}"
+                )
             object.__setattr__(self, field, value)
         if not all(isinstance(k, (int, np.integer)) and not isinstance(k, bool) for k in self.ns_steps):
             raise TypeError(f"OptimizerSpec.ns_steps must hold ints, got {self.ns_steps}")
@@ -151,8 +167,10 @@ class OptimizerSpec:
             if not all(fn in MUON_ADJUST_LR_FNS for fn in self.adjust_lr_fn):
                 raise ValueError(f"OptimizerSpec.adjust_lr_fn must hold {MUON_ADJUST_LR_FNS}, got {self.adjust_lr_fn}")
         elif any(self.ns_steps) or any(self.adjust_lr_fn):
-            raise ValueError(f"ns_steps and adjust_lr_fn are Muon's; {self.kind} groups must have 0 and \"\", got "
-                             f"{self.ns_steps} and {self.adjust_lr_fn}")
+            raise ValueError(
+                f'ns_steps and adjust_lr_fn are Muon\'s; {self.kind} groups must have 0 and "", got '
+                f"{self.ns_steps} and {self.adjust_lr_fn}"
+            )
 
     @property
     def num_groups(self) -> int:
@@ -185,8 +203,10 @@ def state_keys(spec: OptimizerSpec, group: int, ndim: int | None = None) -> tupl
         return ("momentum_buffer",)
     if kind == "adafactor":
         if ndim is None:
-            raise ValueError("Adafactor's state keys depend on the parameter's ndim (row_var/col_var for ≥ 2 dims, "
-                             "variance otherwise): pass state_keys(spec, group, ndim)")
+            raise ValueError(
+                "Adafactor's state keys depend on the parameter's ndim (row_var/col_var for ≥ 2 dims, "
+                "variance otherwise): pass state_keys(spec, group, ndim)"
+            )
         return ("row_var", "col_var") if ndim >= 2 else ("variance",)
     if kind == "asgd":
         return ("ax",)
@@ -199,8 +219,11 @@ def state_keys(spec: OptimizerSpec, group: int, ndim: int | None = None) -> tupl
     if kind == "adagrad":
         return ("sum",)
     if kind == "rmsprop":
-        return ("square_avg", *(("momentum_buffer",) if spec.has_momentum[group] else ()),
-                *(("grad_avg",) if spec.centered[group] else ()))
+        return (
+            "square_avg",
+            *(("momentum_buffer",) if spec.has_momentum[group] else ()),
+            *(("grad_avg",) if spec.centered[group] else ()),
+        )
     if kind == "adamax":
         return ("exp_avg", "exp_inf")
     if kind in ("nadam", "radam"):
@@ -262,7 +285,9 @@ def asgd_eta_mu(hp: Mapping[str, Any], step: int) -> tuple[float, float]:
 
 
 def step_scalars(
-    spec: OptimizerSpec, group_hparams: Sequence[Mapping[str, Any]], group_steps: Sequence[int],
+    spec: OptimizerSpec,
+    group_hparams: Sequence[Mapping[str, Any]],
+    group_steps: Sequence[int],
     counters: Sequence[Mapping[str, float]] | None = None,
 ) -> Scalars:
     """Runtime scalars for the coming step, from plain-Python per-group hyper-parameters.
@@ -298,54 +323,64 @@ def step_scalars(
         lr, wd = float(hp["lr"]), float(hp["weight_decay"])
         if kind == "sgd":
             momentum = float(hp["momentum"])
-            out.append({
-                "lr": _f32(lr),
-                "weight_decay": _f32(wd),
-                "momentum": _f32(momentum),
-                "one_minus_dampening": _f32(1.0 - float(hp["dampening"])),
-                "momentum_on": np.asarray(momentum != 0.0),
-                "momentum_init": np.asarray(step == 1),
-            })
+            out.append(
+                {
+                    "lr": _f32(lr),
+                    "weight_decay": _f32(wd),
+                    "momentum": _f32(momentum),
+                    "one_minus_dampening": _f32(1.0 - float(hp["dampening"])),
+                    "momentum_on": np.asarray(momentum != 0.0),
+                    "momentum_init": np.asarray(step == 1),
+                }
+            )
             continue
         if kind == "adagrad":
-            out.append({
-                "weight_decay": _f32(wd),
-                "eps": _f32(float(hp["eps"])),
-                "neg_clr": _f32(-(lr / (1.0 + (step - 1) * float(hp["lr_decay"])))),
-            })
+            out.append(
+                {
+                    "weight_decay": _f32(wd),
+                    "eps": _f32(float(hp["eps"])),
+                    "neg_clr": _f32(-(lr / (1.0 + (step - 1) * float(hp["lr_decay"])))),
+                }
+            )
             continue
         if kind == "rmsprop":
             alpha = float(hp["alpha"])
-            out.append({
-                "lr": _f32(lr),
-                "weight_decay": _f32(wd),
-                "alpha": _f32(alpha),
-                "one_minus_alpha": _f32(1.0 - alpha),
-                "eps": _f32(float(hp["eps"])),
-                "momentum": _f32(float(hp["momentum"])),
-            })
+            out.append(
+                {
+                    "lr": _f32(lr),
+                    "weight_decay": _f32(wd),
+                    "alpha": _f32(alpha),
+                    "one_minus_alpha": _f32(1.0 - alpha),
+                    "eps": _f32(float(hp["eps"])),
+                    "momentum": _f32(float(hp["momentum"])),
+                }
+            )
             continue
         if kind == "adadelta":
             rho = float(hp["rho"])
-            out.append({
-                "lr": _f32(lr),
-                "weight_decay": _f32(wd),
-                "rho": _f32(rho),
-                "one_minus_rho": _f32(1.0 - rho),
-                "eps": _f32(float(hp["eps"])),
-            })
+            out.append(
+                {
+                    "lr": _f32(lr),
+                    "weight_decay": _f32(wd),
+                    "rho": _f32(rho),
+                    "one_minus_rho": _f32(1.0 - rho),
+                    "eps": _f32(float(hp["eps"])),
+                }
+            )
             continue
         beta1, beta2 = _betas(hp)
         bias_correction1 = 1.0 - beta1**step  # float64 on the host, like torch's non-capturable path
         bias_correction2 = 1.0 - beta2**step
         if kind == "adamax":
-            out.append({
-                "weight_decay": _f32(wd),
-                "beta1_weight": _f32(1.0 - beta1),
-                "beta2": _f32(beta2),
-                "eps": _f32(float(hp["eps"])),
-                "neg_clr": _f32(-(lr / bias_correction1)),
-            })
+            out.append(
+                {
+                    "weight_decay": _f32(wd),
+                    "beta1_weight": _f32(1.0 - beta1),
+                    "beta2": _f32(beta2),
+                    "eps": _f32(float(hp["eps"])),
+                    "neg_clr": _f32(-(lr / bias_correction1)),
+                }
+            )
             continue
         scalars = {
             "beta1_weight": _f32(1.0 - beta1),
@@ -369,11 +404,13 @@ def step_scalars(
             mu_next = nadam_mu(beta1, momentum_decay, step + 1)
             mu_product = float(nadam_mu_product(previous, beta1, momentum_decay, step))  # torch's .item()
             mu_product_next = mu_product * mu_next
-            scalars.update({
-                "bias_correction2": _f32(bias_correction2),
-                "grad_coef": _f32(-lr * (1.0 - mu) / (1.0 - mu_product)),
-                "exp_avg_coef": _f32((-lr * mu_next) / (1.0 - mu_product_next)),
-            })
+            scalars.update(
+                {
+                    "bias_correction2": _f32(bias_correction2),
+                    "grad_coef": _f32(-lr * (1.0 - mu) / (1.0 - mu_product)),
+                    "exp_avg_coef": _f32((-lr * mu_next) / (1.0 - mu_product_next)),
+                }
+            )
             out.append(scalars)
             continue
         if kind == "radam":
@@ -383,20 +420,24 @@ def step_scalars(
             rect = 1.0  # unused: torch's un-rectified branch (and the formula's root would be imaginary)
             if rectify:
                 rect = ((rho_t - 4) * (rho_t - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho_t)) ** 0.5
-            scalars.update({
-                "lr": _f32(lr),
-                "bias_correction1": _f32(bias_correction1),
-                "bias_correction2_sqrt": _f32(bias_correction2**0.5),
-                "rect": _f32(rect),
-                "rectify": np.asarray(rectify),
-            })
+            scalars.update(
+                {
+                    "lr": _f32(lr),
+                    "bias_correction1": _f32(bias_correction1),
+                    "bias_correction2_sqrt": _f32(bias_correction2**0.5),
+                    "rect": _f32(rect),
+                    "rectify": np.asarray(rectify),
+                }
+            )
             out.append(scalars)
             continue
-        scalars.update({
-            "lr": _f32(lr),
-            "bias_correction2_sqrt": _f32(bias_correction2**0.5),
-            "neg_step_size": _f32(-(lr / bias_correction1)),
-        })
+        scalars.update(
+            {
+                "lr": _f32(lr),
+                "bias_correction2_sqrt": _f32(bias_correction2**0.5),
+                "neg_step_size": _f32(-(lr / bias_correction1)),
+            }
+        )
         if kind == "adamw":
             scalars["param_scale"] = _f32(1.0 - lr * wd)
         else:
@@ -436,8 +477,10 @@ def _adafactor_scalars(hp: Mapping[str, Any], step: int, counters: Any) -> dict[
     lr, wd = float(hp["lr"]), float(hp["weight_decay"])
     eps1, eps2 = hp["eps"]
     if eps1 is None:
-        raise ValueError("step_scalars: Adafactor's eps1 must be resolved (torch's None is the machine epsilon of the "
-                         "group's first parameter's dtype)")
+        raise ValueError(
+            "step_scalars: Adafactor's eps1 must be resolved (torch's None is the machine epsilon of the "
+            "group's first parameter's dtype)"
+        )
     t = float(step)
     return {
         "param_scale": _f32(1.0 - lr * wd),

@@ -44,7 +44,6 @@ from torchpar.planner.stages import (
     StageChoice,
     StagePartition,
     StagePlanResult,
-    _in_flight,
     _key,
     _stage_table,
     _Table,
@@ -55,9 +54,17 @@ from torchpar.planner.submeshes import _check_cluster, logical_mesh_shapes
 log = logging.getLogger(__name__)
 
 
-def interleaved_stage_dp(num_layers: int, cluster_hosts: int, devices_per_host: int, num_micro_batches: int,
-                         cost: StageCostModel, memory_budget: float | None, *, virtual_stages: int = 2,
-                         num_runners_up: int = 3) -> StagePlanResult:
+def interleaved_stage_dp(
+    num_layers: int,
+    cluster_hosts: int,
+    devices_per_host: int,
+    num_micro_batches: int,
+    cost: StageCostModel,
+    memory_budget: float | None,
+    *,
+    virtual_stages: int = 2,
+    num_runners_up: int = 3,
+) -> StagePlanResult:
     """The best interleaved-1F1B stage partition (module docstring): ``v·G`` stages on ``G`` equal device
     groups, minimizing ``Σ t / v + (vB − 1)·max t`` with each stage within ``memory_budget / v`` bytes per
     device (``None``: no limit). ``ValueError`` if no ``G`` is possible, or naming the smallest budget that
@@ -73,13 +80,20 @@ def interleaved_stage_dp(num_layers: int, cluster_hosts: int, devices_per_host: 
         raise ValueError(f"memory_budget must be positive, got {budget}")
     t0 = time.perf_counter()
     num_devices = cluster_hosts * devices_per_host
-    layouts = [(groups, submesh) for groups in range(1, num_devices + 1)
-               if num_devices % groups == 0 and groups * v <= num_layers and B % groups == 0
-               and (submesh := _uniform_submesh(num_devices // groups, devices_per_host)) is not None]
+    layouts = [
+        (groups, submesh)
+        for groups in range(1, num_devices + 1)
+        if num_devices % groups == 0
+        and groups * v <= num_layers
+        and B % groups == 0
+        and (submesh := _uniform_submesh(num_devices // groups, devices_per_host)) is not None
+    ]
     if not layouts:
-        raise ValueError(f"interleaved 1F1B with {v} stages per device group: no number of equal device groups G "
-                         f"divides the {num_devices} devices and the {B} micro-batches with {v}·G ≤ {num_layers} "
-                         "layers; use fewer virtual_stages, more micro-batches or schedule='1f1b'")
+        raise ValueError(
+            f"interleaved 1F1B with {v} stages per device group: no number of equal device groups G "
+            f"divides the {num_devices} devices and the {B} micro-batches with {v}·G ≤ {num_layers} "
+            "layers; use fewer virtual_stages, more micro-batches or schedule='1f1b'"
+        )
     found: dict[tuple, StagePartition] = {}
     best, tried, candidates_total, need = math.inf, 0, 0, math.inf
     for groups, submesh in layouts:
@@ -100,27 +114,43 @@ def interleaved_stage_dp(num_layers: int, cluster_hosts: int, devices_per_host: 
                 found.setdefault(_key(partition), partition)
                 best = min(best, partition.cost_s)
     if not found:
-        raise ValueError(f"no interleaved stage plan fits in {budget / 2**30:.3f} GiB per device: the smallest "
-                         f"needs {need / 2**30:.3f} GiB ({need:.0f} bytes) per device; add devices, raise the "
-                         "budget, use fewer virtual_stages or fewer micro-batches in flight")
+        raise ValueError(
+            f"no interleaved stage plan fits in {budget / 2**30:.3f} GiB per device: the smallest "
+            f"needs {need / 2**30:.3f} GiB ({need:.0f} bytes) per device; add devices, raise the "
+            "budget, use fewer virtual_stages or fewer micro-batches in flight"
+        )
     ranked = sorted(found.values(), key=lambda p: (p.cost_s, len(p.stages)))
-    result = StagePlanResult(best=ranked[0], runners_up=tuple(ranked[1:1 + num_runners_up]),
-                             dp_s=time.perf_counter() - t0, num_t_max_tried=tried,
-                             num_t_max_candidates=candidates_total)
-    log.info("interleaved stage DP (v=%d): %s in %.3fs (%d/%d t_max)", v, result.best, result.dp_s, tried,
-             candidates_total)
+    result = StagePlanResult(
+        best=ranked[0],
+        runners_up=tuple(ranked[1 : 1 + num_runners_up]),
+        dp_s=time.perf_counter() - t0,
+        num_t_max_tried=tried,
+        num_t_max_candidates=candidates_total,
+    )
+    log.info(
+        "interleaved stage DP (v=%d): %s in %.3fs (%d/%d t_max)", v, result.best, result.dp_s, tried, candidates_total
+    )
     return result
 
 
-def _position_table(num_layers: int, num_stages: int, submesh: tuple[int, int], num_micro_batches: int,
-                    virtual_stages: int, cost: StageCostModel, stage_budget: float) -> _Table:
+def _position_table(
+    num_layers: int,
+    num_stages: int,
+    submesh: tuple[int, int],
+    num_micro_batches: int,
+    virtual_stages: int,
+    cost: StageCostModel,
+    stage_budget: float,
+) -> _Table:
     """:func:`~torchpar.planner.stages._stage_table` on the one submesh, indexed ``[p, k, i]`` by stage position
     ``p`` (its rows count the stages from a stage to the last: position ``p`` of ``S`` is row ``S − p − 1``)."""
-    table = _stage_table(num_layers, [submesh], num_stages, num_micro_batches, cost, stage_budget, "interleaved_1f1b",
-                         virtual_stages)
-    by_position = lambda a: a[::-1, :, :, 0]  # noqa: E731
-    return _Table(by_position(table.latency), by_position(table.logical), by_position(table.memory),
-                  by_position(table.min_memory))
+    table = _stage_table(
+        num_layers, [submesh], num_stages, num_micro_batches, cost, stage_budget, "interleaved_1f1b", virtual_stages
+    )
+    by_position = lambda a: a[::-1, :, :, 0]
+    return _Table(
+        by_position(table.latency), by_position(table.logical), by_position(table.memory), by_position(table.min_memory)
+    )
 
 
 def _exact_dp(weight: np.ndarray, combine=np.add) -> list[tuple[int, int]]:
@@ -152,15 +182,24 @@ def _minimax_memory(min_memory: np.ndarray) -> float:
     return max(float(min_memory[p, k, i]) for p, (k, i) in enumerate(plan)) if plan else math.inf
 
 
-def _partition(plan: list[tuple[int, int]], table: _Table, submesh: tuple[int, int], num_micro_batches: int,
-               virtual_stages: int) -> StagePartition:
+def _partition(
+    plan: list[tuple[int, int]], table: _Table, submesh: tuple[int, int], num_micro_batches: int, virtual_stages: int
+) -> StagePartition:
     meshes = logical_mesh_shapes(submesh)
-    stages = tuple(StageChoice(first_layer=k, last_layer=i, submesh=submesh,
-                               logical=meshes[int(table.logical[p, k, i])],
-                               latency_s=float(table.latency[p, k, i]), memory_bytes=float(table.memory[p, k, i]))
-                   for p, (k, i) in enumerate(plan))
-    return StagePartition(stages=stages, num_micro_batches=num_micro_batches, schedule="interleaved_1f1b",
-                          virtual_stages=virtual_stages)
+    stages = tuple(
+        StageChoice(
+            first_layer=k,
+            last_layer=i,
+            submesh=submesh,
+            logical=meshes[int(table.logical[p, k, i])],
+            latency_s=float(table.latency[p, k, i]),
+            memory_bytes=float(table.memory[p, k, i]),
+        )
+        for p, (k, i) in enumerate(plan)
+    )
+    return StagePartition(
+        stages=stages, num_micro_batches=num_micro_batches, schedule="interleaved_1f1b", virtual_stages=virtual_stages
+    )
 
 
 __all__ = ["interleaved_stage_dp"]

@@ -35,8 +35,7 @@ from torchpar.planner.plan import StagePlan
 from torchpar.planner.sharding.comm_bytes import collective_bytes
 from torchpar.planner.sharding.cost_model import LogicalMesh
 from torchpar.planner.sharding.exchange_strategies import is_exchange
-from torchpar.planner.sharding.ilp import (AboveCutoff, Solution, evaluate, gathered_memory, solve,
-                                          transient_peak)
+from torchpar.planner.sharding.ilp import AboveCutoff, Solution, evaluate, gathered_memory, solve, transient_peak
 from torchpar.planner.sharding.solver_graph import SolverGraph, build_solver_graph
 
 log = logging.getLogger(__name__)
@@ -75,8 +74,12 @@ class IntraOpResult:
 
     def solver_stats(self) -> dict:
         stats = dict(self.solution.stats())
-        stats.update(roots=len(self.solver_graph.roots), edges=len(self.solver_graph.edges),
-                     strategies=self.solver_graph.num_strategies, graph_s=self.build_s)
+        stats.update(
+            roots=len(self.solver_graph.roots),
+            edges=len(self.solver_graph.edges),
+            strategies=self.solver_graph.num_strategies,
+            graph_s=self.build_s,
+        )
         return stats
 
 
@@ -91,11 +94,24 @@ def mesh_shapes_for(num_devices: int) -> list[tuple[int, int]]:
     return [(a, num_devices // a) for a in range(1, num_devices + 1) if num_devices % a == 0]
 
 
-def plan_stage(graph: Graph, *, kind: PlanKind, mesh_shape: tuple[int, int], cluster: ClusterSpec,
-               trainable: set[str], optimizer_state_copies: float, memory_budget: float | None = None,
-               time_limit_s: float = 30.0, submesh: tuple[int, int] | None = None,
-               num_micro_batches: int = 1, remat: str = "none", in_flight: int = 1,
-               experts: str = "auto", context: str = "auto", sequence_parallel: bool = False) -> IntraOpResult:
+def plan_stage(
+    graph: Graph,
+    *,
+    kind: PlanKind,
+    mesh_shape: tuple[int, int],
+    cluster: ClusterSpec,
+    trainable: set[str],
+    optimizer_state_copies: float,
+    memory_budget: float | None = None,
+    time_limit_s: float = 30.0,
+    submesh: tuple[int, int] | None = None,
+    num_micro_batches: int = 1,
+    remat: str = "none",
+    in_flight: int = 1,
+    experts: str = "auto",
+    context: str = "auto",
+    sequence_parallel: bool = False,
+) -> IntraOpResult:
     """Solve one stage of ``kind`` on a logical mesh of ``mesh_shape`` placed on the physical ``submesh`` (default:
     the cluster's first devices; it decides which axes cross hosts). ``num_micro_batches``: ``graph`` is one
     micro-batch's step of a one-stage plan that accumulates that many per step (priced per step:
@@ -105,11 +121,21 @@ def plan_stage(graph: Graph, *, kind: PlanKind, mesh_shape: tuple[int, int], clu
     grouped matmuls may split (``ShardParallel.experts``); ``context``: whether attention may split its sequence
     (``ShardParallel.context``); ``sequence_parallel``: the ``megatron`` hand plan's row-split matmuls scatter
     their output by tokens."""
-    return prepare_stage(graph, kind=kind, mesh_shape=mesh_shape, cluster=cluster, trainable=trainable,
-                         optimizer_state_copies=optimizer_state_copies, submesh=submesh,
-                         num_micro_batches=num_micro_batches, remat=remat, experts=experts,
-                         context=context, in_flight=in_flight,
-                         sequence_parallel=sequence_parallel).solve(memory_budget, time_limit_s)
+    return prepare_stage(
+        graph,
+        kind=kind,
+        mesh_shape=mesh_shape,
+        cluster=cluster,
+        trainable=trainable,
+        optimizer_state_copies=optimizer_state_copies,
+        submesh=submesh,
+        num_micro_batches=num_micro_batches,
+        remat=remat,
+        experts=experts,
+        context=context,
+        in_flight=in_flight,
+        sequence_parallel=sequence_parallel,
+    ).solve(memory_budget, time_limit_s)
 
 
 @dataclass
@@ -154,8 +180,13 @@ class PreparedStage:
         """Solve under a short time limit: keep the bound it proves, the best layout it finds, and the result if
         optimal. Raises :class:`.sharding.ilp.MemoryBudgetError` if no layout fits."""
         allowed = _restrictions(self.kind, self.solver_graph, self.batch_axes, self.sequence_parallel)
-        solution = solve(self.solver_graph, memory_budget=memory_budget, time_limit_s=time_limit_s, allowed=allowed,
-                         none_if_unsolved=True)
+        solution = solve(
+            self.solver_graph,
+            memory_budget=memory_budget,
+            time_limit_s=time_limit_s,
+            allowed=allowed,
+            none_if_unsolved=True,
+        )
         if solution is None:
             return
         self.probed_bound_s = max(self.probed_bound_s, solution.lower_bound_s)
@@ -164,8 +195,12 @@ class PreparedStage:
         if solution.status.startswith(("OPTIMAL", "FORCED")):  # "OPTIMAL (reused)" too
             self.final = result
 
-    def solve(self, memory_budget: float | None = None, time_limit_s: float = 30.0,
-              give_up: Callable[[float], bool] | None = None) -> IntraOpResult:
+    def solve(
+        self,
+        memory_budget: float | None = None,
+        time_limit_s: float = 30.0,
+        give_up: Callable[[float], bool] | None = None,
+    ) -> IntraOpResult:
         """The stage solved to the end (or to ``time_limit_s``). ``give_up``: called with every lower bound the solver
         proves on ``estimated_cost_s`` (the objective ÷ :attr:`amortized_over`; ``"shard"`` plans, whose estimate is
         the objective); once it returns true, :class:`.sharding.ilp.AboveCutoff` is raised with that bound (in the
@@ -175,33 +210,61 @@ class PreparedStage:
         allowed = _restrictions(self.kind, self.solver_graph, self.batch_axes, self.sequence_parallel)
         per_objective = None if give_up is None else (lambda bound_s: give_up(bound_s / self.amortized_over))
         try:
-            solution = solve(self.solver_graph, memory_budget=memory_budget, time_limit_s=time_limit_s,
-                             allowed=allowed, give_up=per_objective)
+            solution = solve(
+                self.solver_graph,
+                memory_budget=memory_budget,
+                time_limit_s=time_limit_s,
+                allowed=allowed,
+                give_up=per_objective,
+            )
         except AboveCutoff as stopped:
             self.probed_bound_s = max(self.probed_bound_s, stopped.bound_s)
             raise AboveCutoff(stopped.bound_s / self.amortized_over) from None
         return self._result(solution)
 
     def _result(self, solution: Solution) -> IntraOpResult:
-        stage, communication_s, extra = _stage_from_solution(self.kind, self.graph, self.solver_graph, solution,
-                                                             self.mesh, self.trainable, self.optimizer_state_copies)
+        stage, communication_s, extra = _stage_from_solution(
+            self.kind, self.graph, self.solver_graph, solution, self.mesh, self.trainable, self.optimizer_state_copies
+        )
         if self.amortized_over > 1:
             share = 1.0 / self.amortized_over
             stage.estimated_cost_s *= share
             stage.estimated_compute_s *= share
             stage.estimated_communication_s *= share
             communication_s *= share
-        stage.crosses_hosts = list(axes_crossing_hosts(
-            self.submesh or submesh_of(self.mesh.num_devices, self.cluster.devices_per_host), self.mesh.shape))
-        return IntraOpResult(stage, self.solver_graph, solution, communication_s, self.build_s, rebuild=self.rebuild,
-                             extra_collective_bytes=extra)
+        stage.crosses_hosts = list(
+            axes_crossing_hosts(
+                self.submesh or submesh_of(self.mesh.num_devices, self.cluster.devices_per_host), self.mesh.shape
+            )
+        )
+        return IntraOpResult(
+            stage,
+            self.solver_graph,
+            solution,
+            communication_s,
+            self.build_s,
+            rebuild=self.rebuild,
+            extra_collective_bytes=extra,
+        )
 
 
-def prepare_stage(graph: Graph, *, kind: PlanKind, mesh_shape: tuple[int, int], cluster: ClusterSpec,
-                  trainable: set[str], optimizer_state_copies: float, submesh: tuple[int, int] | None = None,
-                  num_micro_batches: int = 1, remat: str = "none", in_flight: int = 1,
-                  experts: str = "auto", context: str = "auto", sequence_parallel: bool = False,
-                  per_micro_batch: bool = False) -> PreparedStage:
+def prepare_stage(
+    graph: Graph,
+    *,
+    kind: PlanKind,
+    mesh_shape: tuple[int, int],
+    cluster: ClusterSpec,
+    trainable: set[str],
+    optimizer_state_copies: float,
+    submesh: tuple[int, int] | None = None,
+    num_micro_batches: int = 1,
+    remat: str = "none",
+    in_flight: int = 1,
+    experts: str = "auto",
+    context: str = "auto",
+    sequence_parallel: bool = False,
+    per_micro_batch: bool = False,
+) -> PreparedStage:
     """The solver graph of one stage (:func:`plan_stage`'s arguments), to bound or solve. ``per_micro_batch``: a
     pipeline stage whose step runs ``num_micro_batches`` micro-batches; its estimates are per micro-batch
     (:attr:`PreparedStage.amortized_over`)."""
@@ -218,41 +281,96 @@ def prepare_stage(graph: Graph, *, kind: PlanKind, mesh_shape: tuple[int, int], 
         batch_axes = None
 
     def rebuild(on: LogicalMesh) -> SolverGraph:
-        return build_solver_graph(graph, on, trainable=trainable, optimizer_state_copies=optimizer_state_copies,
-                                  batch_dim_axes=batch_axes, num_micro_batches=num_micro_batches,
-                                  # ZeRO-3 keeps only its gradient shard: it reduce-scatters every micro-batch
-                                  accumulated_weight_grads=kind != "zero3", remat=remat, in_flight=in_flight,
-                                  experts=experts, context=context)
+        return build_solver_graph(
+            graph,
+            on,
+            trainable=trainable,
+            optimizer_state_copies=optimizer_state_copies,
+            batch_dim_axes=batch_axes,
+            num_micro_batches=num_micro_batches,
+            # ZeRO-3 keeps only its gradient shard: it reduce-scatters every micro-batch
+            accumulated_weight_grads=kind != "zero3",
+            remat=remat,
+            in_flight=in_flight,
+            experts=experts,
+            context=context,
+        )
 
     solver_graph = rebuild(mesh)
     cheapest = float(sum(min(root.cost) for root in solver_graph.roots if len(root.cost)))
-    return PreparedStage(graph, kind, mesh, cluster, submesh, trainable, optimizer_state_copies, solver_graph,
-                         batch_axes, time.perf_counter() - start, rebuild, cheapest, sequence_parallel,
-                         amortized_over=num_micro_batches if per_micro_batch else 1)
+    return PreparedStage(
+        graph,
+        kind,
+        mesh,
+        cluster,
+        submesh,
+        trainable,
+        optimizer_state_copies,
+        solver_graph,
+        batch_axes,
+        time.perf_counter() - start,
+        rebuild,
+        cheapest,
+        sequence_parallel,
+        amortized_over=num_micro_batches if per_micro_batch else 1,
+    )
 
 
-def plan_best_mesh(graph: Graph, *, kind: PlanKind, mesh_shapes: list[tuple[int, int]], cluster: ClusterSpec,
-                   trainable: set[str], optimizer_state_copies: float, memory_budget: float | None = None,
-                   time_limit_s: float = 30.0, num_micro_batches: int = 1, remat: str = "none",
-                   experts: str = "auto", context: str = "auto", sequence_parallel: bool = False) -> IntraOpResult:
+def plan_best_mesh(
+    graph: Graph,
+    *,
+    kind: PlanKind,
+    mesh_shapes: list[tuple[int, int]],
+    cluster: ClusterSpec,
+    trainable: set[str],
+    optimizer_state_copies: float,
+    memory_budget: float | None = None,
+    time_limit_s: float = 30.0,
+    num_micro_batches: int = 1,
+    remat: str = "none",
+    experts: str = "auto",
+    context: str = "auto",
+    sequence_parallel: bool = False,
+) -> IntraOpResult:
     """Solve on each candidate mesh shape and keep the cheapest plan."""
     best: IntraOpResult | None = None
     errors = []
     trials: list[dict] = []
     for shape in mesh_shapes:
         try:
-            result = plan_stage(graph, kind=kind, mesh_shape=shape, cluster=cluster, trainable=trainable,
-                                optimizer_state_copies=optimizer_state_copies, memory_budget=memory_budget,
-                                time_limit_s=time_limit_s, num_micro_batches=num_micro_batches, remat=remat,
-                                experts=experts, context=context, sequence_parallel=sequence_parallel)
+            result = plan_stage(
+                graph,
+                kind=kind,
+                mesh_shape=shape,
+                cluster=cluster,
+                trainable=trainable,
+                optimizer_state_copies=optimizer_state_copies,
+                memory_budget=memory_budget,
+                time_limit_s=time_limit_s,
+                num_micro_batches=num_micro_batches,
+                remat=remat,
+                experts=experts,
+                context=context,
+                sequence_parallel=sequence_parallel,
+            )
         except ValueError as error:  # e.g. a batch that does not divide this mesh
             errors.append(f"{shape}: {error}")
             trials.append({"logical_mesh_shape": list(shape), "error": str(error)})
             continue
-        log.info("mesh %s: estimated %.3g s (communication %.3g s)", shape, result.stage.estimated_cost_s,
-                 result.communication_s)
-        trials.append({"logical_mesh_shape": list(shape), "estimated_step_s": result.stage.estimated_cost_s,
-                       "estimated_memory_bytes": result.stage.estimated_memory_bytes, "chosen": False})
+        log.info(
+            "mesh %s: estimated %.3g s (communication %.3g s)",
+            shape,
+            result.stage.estimated_cost_s,
+            result.communication_s,
+        )
+        trials.append(
+            {
+                "logical_mesh_shape": list(shape),
+                "estimated_step_s": result.stage.estimated_cost_s,
+                "estimated_memory_bytes": result.stage.estimated_memory_bytes,
+                "chosen": False,
+            }
+        )
         if best is None or result.stage.estimated_cost_s < best.stage.estimated_cost_s:
             best = result
     if best is None:
@@ -265,8 +383,10 @@ def plan_best_mesh(graph: Graph, *, kind: PlanKind, mesh_shapes: list[tuple[int,
 
 # --- restrictions (hand plans) ---------------------------------------------------------------------------
 
-def _restrictions(kind: PlanKind, graph: SolverGraph, batch_axes: tuple[int, ...] | None,
-                  sequence_parallel: bool = False) -> dict[int, set[int]]:
+
+def _restrictions(
+    kind: PlanKind, graph: SolverGraph, batch_axes: tuple[int, ...] | None, sequence_parallel: bool = False
+) -> dict[int, set[int]]:
     allowed: dict[int, set[int]] = {}
     if kind in ("data_parallel", "zero2", "zero3"):
         for v, root in enumerate(graph.roots):
@@ -275,8 +395,9 @@ def _restrictions(kind: PlanKind, graph: SolverGraph, batch_axes: tuple[int, ...
             elif root.kind == "anchor":
                 # ops split their batch (leading output) dim over every batch axis; where that dim does not
                 # divide (or is not a batch dim, e.g. size 1), they split it partly or not at all
-                only_batch = {k for k, s in enumerate(root.strategies)
-                              if not any(s.out_spec[1:]) and _splits_only_output(s)}
+                only_batch = {
+                    k for k, s in enumerate(root.strategies) if not any(s.out_spec[1:]) and _splits_only_output(s)
+                }
                 whole_batch = {k for k in only_batch if root.strategies[k].out_spec[0] == (batch_axes or None)}
                 if whole_batch or only_batch:
                     allowed[v] = whole_batch or only_batch
@@ -325,9 +446,16 @@ def _megatron_restrictions(graph: SolverGraph, sequence_parallel: bool = False) 
 
 # --- solution → stage plan ----------------------------------------------------------------------------
 
-def _stage_from_solution(kind: PlanKind, graph: Graph, solver_graph: SolverGraph, solution: Solution,
-                         mesh: LogicalMesh, trainable: set[str], state_copies: float
-                         ) -> tuple[StagePlan, float, dict[str, float]]:
+
+def _stage_from_solution(
+    kind: PlanKind,
+    graph: Graph,
+    solver_graph: SolverGraph,
+    solution: Solution,
+    mesh: LogicalMesh,
+    trainable: set[str],
+    state_copies: float,
+) -> tuple[StagePlan, float, dict[str, float]]:
     """The stage plan of ``solution``, its communication seconds, and the per-device bytes of collectives ZeRO
     adds after the solve (by kind)."""
     choice = solution.choice
@@ -387,27 +515,36 @@ def _stage_from_solution(kind: PlanKind, graph: Graph, solver_graph: SolverGraph
                 communication += gather
                 objective += gather
                 groups = math.prod(mesh.shape[a] for a in live_axes)
-                extra_bytes["all_gather"] = (extra_bytes.get("all_gather", 0.0)
-                                             + solver_graph.num_micro_batches * meta.nbytes * (groups - 1) / groups)
+                extra_bytes["all_gather"] = (
+                    extra_bytes.get("all_gather", 0.0)
+                    + solver_graph.num_micro_batches * meta.nbytes * (groups - 1) / groups
+                )
     breakdown = {part: max(nbytes, 0.0) for part, nbytes in breakdown.items()}
     stage = StagePlan(
-        layers=[0], submesh_shape=(1, mesh.num_devices), logical_mesh_shape=mesh.shape,
-        params={n: to_json(s) for n, s in params.items()}, estimated_cost_s=objective,
-        estimated_compute_s=compute_s, estimated_communication_s=communication,
-        estimated_memory_bytes=int(sum(breakdown.values())), memory_breakdown=breakdown,
+        layers=[0],
+        submesh_shape=(1, mesh.num_devices),
+        logical_mesh_shape=mesh.shape,
+        params={n: to_json(s) for n, s in params.items()},
+        estimated_cost_s=objective,
+        estimated_compute_s=compute_s,
+        estimated_communication_s=communication,
+        estimated_memory_bytes=int(sum(breakdown.values())),
+        memory_breakdown=breakdown,
         grads={n: to_json(s) for n, s in grads.items()},
         optimizer_state={n: to_json(s) for n, s in optimizer_state.items()},
         params_at_use={n: to_json(s) for n, s in params_at_use.items()},
         inputs={n: to_json(s) for n, s in inputs.items()},
         activations={n: to_json(s) for n, s in activations.items()},
         operands={n: [to_json(s) if s is not None else None for s in specs] for n, specs in operands.items()},
-        strategies=strategies, op_options=op_options,
+        strategies=strategies,
+        op_options=op_options,
     )
     return stage, communication, extra_bytes
 
 
-def memory_breakdown(solver_graph: SolverGraph, choice: list[int], trainable: set[str],
-                     state_copies: float) -> dict[str, float]:
+def memory_breakdown(
+    solver_graph: SolverGraph, choice: list[int], trainable: set[str], state_copies: float
+) -> dict[str, float]:
     """Per-device bytes at the step's peak under ``choice``, by what they hold: ``parameters``, ``gradients``,
     ``optimizer_state`` (a trainable parameter root holds ``2 + state_copies`` copies of its local shard),
     ``activations`` (batch inputs, activations from the previous stage, every op output kept for the backward
@@ -451,5 +588,14 @@ def _zero_spec(shape: tuple[int, ...], axes: tuple[int, ...], mesh: LogicalMesh)
     return None
 
 
-__all__ = ["IntraOpResult", "PLAN_KINDS", "PreparedStage", "evaluate", "logical_mesh", "mesh_shapes_for", "plan_best_mesh",
-           "plan_stage", "prepare_stage"]
+__all__ = [
+    "IntraOpResult",
+    "PLAN_KINDS",
+    "PreparedStage",
+    "evaluate",
+    "logical_mesh",
+    "mesh_shapes_for",
+    "plan_best_mesh",
+    "plan_stage",
+    "prepare_stage",
+]

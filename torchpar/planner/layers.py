@@ -42,8 +42,8 @@ import logging
 import math
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
@@ -54,11 +54,22 @@ log = logging.getLogger(__name__)
 
 BOUNDARY_OP = "torchpar.pipeline_boundary"
 
-HEAVY_OPS = frozenset({
-    "mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "convolution", "_convolution",
-    "scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
-    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
-})
+HEAVY_OPS = frozenset(
+    {
+        "mm",
+        "addmm",
+        "bmm",
+        "baddbmm",
+        "matmul",
+        "linear",
+        "convolution",
+        "_convolution",
+        "scaled_dot_product_attention",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+    }
+)
 """ATen op names (the part between ``aten.`` and the overload) whose FLOPs operator clustering balances."""
 
 _ATTENTION_OPS = frozenset(name for name in HEAVY_OPS if "scaled_dot_product" in name)
@@ -93,12 +104,16 @@ class Layering:
     def summary(self) -> str:
         """One line per layer: node range, FLOPs and entering bytes."""
         total = sum(self.flops) or 1.0
-        lines = [f"Layering ({self.method}): {self.num_layers} layer(s), {total / 1e9:.3f} GFLOP forward, "
-                 f"max entering {max(self.boundary_bytes, default=0) / 2**20:.2f} MiB, {self.solve_s:.3f}s"]
+        lines = [
+            f"Layering ({self.method}): {self.num_layers} layer(s), {total / 1e9:.3f} GFLOP forward, "
+            f"max entering {max(self.boundary_bytes, default=0) / 2**20:.2f} MiB, {self.solve_s:.3f}s"
+        ]
         for layer, (start, end) in enumerate(self.node_ranges):
-            lines.append(f"  layer {layer:3d}: nodes [{start}, {end}), {self.flops[layer] / 1e9:8.3f} GFLOP "
-                         f"({100 * self.flops[layer] / total:5.1f}%), heavy {self.heavy_flops[layer] / 1e9:8.3f} "
-                         f"GFLOP, entering {self.boundary_bytes[layer] / 2**20:8.2f} MiB")
+            lines.append(
+                f"  layer {layer:3d}: nodes [{start}, {end}), {self.flops[layer] / 1e9:8.3f} GFLOP "
+                f"({100 * self.flops[layer] / total:5.1f}%), heavy {self.heavy_flops[layer] / 1e9:8.3f} "
+                f"GFLOP, entering {self.boundary_bytes[layer] / 2**20:8.2f} MiB"
+            )
         return "\n".join(lines)
 
 
@@ -111,11 +126,13 @@ def manual_layers(graph: Graph) -> Layering:
         raise ValueError(
             "layer_option='manual' needs pipeline boundaries, but the graph has none: call "
             "torchpar.mark_pipeline_boundary(x) on the activation at the end of each layer in forward(), "
-            "or use AutoLayerOption(layer_num=...)")
+            "or use AutoLayerOption(layer_num=...)"
+        )
     starts = sorted({0, *(c for c in cuts if c < len(graph.nodes))})
     if len(starts) != len(cuts) + 1:
-        warnings.warn("the pipeline boundary at the end of the graph was ignored (it would make an empty "
-                      "layer)", stacklevel=2)
+        warnings.warn(
+            "the pipeline boundary at the end of the graph was ignored (it would make an empty layer)", stacklevel=2
+        )
     return _make_layering(graph, starts, method="manual", seconds=time.perf_counter() - t0)
 
 
@@ -128,14 +145,17 @@ def cluster_layers(graph: Graph, layer_num: int, eps: float = 0.5) -> Layering:
         raise ValueError(f"eps must be ≥ 0, got {eps}")
     t0 = time.perf_counter()
     metas = graph.metas()
-    heavy = [(index, flops) for index, node in enumerate(graph.nodes)
-             if (flops := heavy_op_flops(node, metas)) > 0]
+    heavy = [(index, flops) for index, node in enumerate(graph.nodes) if (flops := heavy_op_flops(node, metas)) > 0]
     if not heavy:
-        raise ValueError("operator clustering found no matmul, convolution or attention op to balance; "
-                         "use layer_option='manual' with torchpar.mark_pipeline_boundary")
+        raise ValueError(
+            "operator clustering found no matmul, convolution or attention op to balance; "
+            "use layer_option='manual' with torchpar.mark_pipeline_boundary"
+        )
     if layer_num > len(heavy):
-        raise ValueError(f"layer_num={layer_num} is more than the graph's {len(heavy)} heavy ops (matmul, conv, "
-                         f"attention); every layer needs one, so layer_num can be at most {len(heavy)}")
+        raise ValueError(
+            f"layer_num={layer_num} is more than the graph's {len(heavy)} heavy ops (matmul, conv, "
+            f"attention); every layer needs one, so layer_num can be at most {len(heavy)}"
+        )
     unit_starts = _units(graph, [index for index, _ in heavy])
     unit_flops = np.array([flops for _, flops in heavy])
     entering = _entering_bytes(graph, unit_starts)
@@ -148,22 +168,35 @@ def cluster_layers(graph: Graph, layer_num: int, eps: float = 0.5) -> Layering:
     max_entering, _ = _prefix_dp(np.where(allowed, entering, np.inf), layer_num, np.maximum)
     if not math.isfinite(max_entering):  # the ops are too lumpy for the cap: use the most balanced split
         balanced, _ = _prefix_dp(np.where(upper, block_flops, np.inf), layer_num, np.maximum)
-        warnings.warn(f"no {layer_num}-layer split keeps every layer within (1+eps)={1 + eps:g}× the mean heavy "
-                      f"FLOPs; allowing up to {balanced / prefix[-1] * layer_num:.2f}× the mean", stacklevel=2)
+        warnings.warn(
+            f"no {layer_num}-layer split keeps every layer within (1+eps)={1 + eps:g}× the mean heavy "
+            f"FLOPs; allowing up to {balanced / prefix[-1] * layer_num:.2f}× the mean",
+            stacklevel=2,
+        )
         allowed = upper & (block_flops <= balanced * (1 + 1e-12))
         max_entering, _ = _prefix_dp(np.where(allowed, entering, np.inf), layer_num, np.maximum)
     elif (oversized := unit_flops > cap).any():
         names = [graph.nodes[heavy[k][0]].name for k in np.flatnonzero(oversized)]
-        warnings.warn(f"heavy op(s) {', '.join(names[:4])} exceed (1+eps)={1 + eps:g}× the mean layer FLOPs on "
-                      "their own; each may form a layer by itself", stacklevel=2)
+        warnings.warn(
+            f"heavy op(s) {', '.join(names[:4])} exceed (1+eps)={1 + eps:g}× the mean layer FLOPs on "
+            "their own; each may form a layer by itself",
+            stacklevel=2,
+        )
     assert math.isfinite(max_entering), "the most balanced split is feasible"
     allowed &= entering <= max_entering
-    _, firsts = _prefix_dp(np.where(allowed, block_flops ** 2, np.inf), layer_num, np.add,
-                           np.where(allowed, entering, np.inf))
+    _, firsts = _prefix_dp(
+        np.where(allowed, block_flops**2, np.inf), layer_num, np.add, np.where(allowed, entering, np.inf)
+    )
     starts = [unit_starts[a] for a in firsts]
     layering = _make_layering(graph, starts, method="cluster", seconds=time.perf_counter() - t0)
-    log.info("clustered %d ops (%d heavy) into %d layers in %.3fs; max entering %.2f MiB",
-             len(graph.nodes), len(heavy), layer_num, layering.solve_s, max_entering / 2**20)
+    log.info(
+        "clustered %d ops (%d heavy) into %d layers in %.3fs; max entering %.2f MiB",
+        len(graph.nodes),
+        len(heavy),
+        layer_num,
+        layering.solve_s,
+        max_entering / 2**20,
+    )
     return layering
 
 
@@ -226,7 +259,7 @@ def _units(graph: Graph, heavy: list[int]) -> list[int]:
     live = np.cumsum(live)  # live[c]: bytes defined before node c and read at or after it
     starts = [0]
     for left, right in zip(heavy, heavy[1:]):
-        window = live[left + 1:right + 1]
+        window = live[left + 1 : right + 1]
         starts.append(left + 1 + int(len(window) - 1 - np.argmin(window[::-1])))
     return starts
 
@@ -257,15 +290,19 @@ def _entering_bytes(graph: Graph, unit_starts: list[int]) -> np.ndarray:
         low = int(unit_of_node[defined[name]]) + 1 if defined[name] >= 0 else 0
         for unit in units:
             if unit >= low:
-                delta[low:unit + 1, unit] += size
+                delta[low : unit + 1, unit] += size
                 low = unit + 1
     entering = np.cumsum(delta, axis=1)
     entering[np.tril_indices(num_units, -1)] = np.inf
     return entering
 
 
-def _prefix_dp(cost: np.ndarray, num_layers: int, combine: Callable[[np.ndarray, np.ndarray], np.ndarray],
-               tie_cost: np.ndarray | None = None) -> tuple[float, list[int]]:
+def _prefix_dp(
+    cost: np.ndarray,
+    num_layers: int,
+    combine: Callable[[np.ndarray, np.ndarray], np.ndarray],
+    tie_cost: np.ndarray | None = None,
+) -> tuple[float, list[int]]:
     """Split units ``0..K−1`` into ``num_layers`` runs ``[a..b]`` minimizing the ``combine``-fold
     (``np.maximum`` or ``np.add``) of ``cost[a, b]`` (``inf`` = not allowed); among exact ties of that,
     minimize the sum of ``tie_cost[a, b]``. Returns (optimal value, first unit of each layer)."""
@@ -307,10 +344,12 @@ def _outside_functions(graph: Graph, starts: list[int]) -> list[int]:
         moved.append(region.start if region is not None else start)
     kept = sorted(set(moved))
     if kept != starts:
-        warnings.warn(f"{len([a for a, b in zip(starts, moved) if a != b])} layer cut(s) fell inside a custom "
-                      "torch.autograd.Function and moved to its start" + (
-                          f"; {len(starts) - len(kept)} layer(s) merged" if len(kept) < len(starts) else ""),
-                      stacklevel=3)
+        warnings.warn(
+            f"{len([a for a, b in zip(starts, moved) if a != b])} layer cut(s) fell inside a custom "
+            "torch.autograd.Function and moved to its start"
+            + (f"; {len(starts) - len(kept)} layer(s) merged" if len(kept) < len(starts) else ""),
+            stacklevel=3,
+        )
     return kept
 
 
@@ -327,9 +366,16 @@ def _make_layering(graph: Graph, starts: list[int], *, method: str, seconds: flo
         flops.append(float(sum(node_flops(n, metas) for n in nodes)))
         heavy.append(float(sum(heavy_op_flops(n, metas) for n in nodes)))
     defined, nbytes, reads = _value_reads(graph)
-    for layer, (start, end) in enumerate(zip(starts, ends)):
+    for start, end in zip(starts, ends):
         outside = {name for index in range(start, end) for name in reads[index] if defined[name] < start}
         entering.append(int(sum(nbytes[name] for name in outside)))
-    return Layering(layer_of=layer_of, num_layers=len(starts), node_ranges=tuple(zip(starts, ends)),
-                    flops=tuple(flops), heavy_flops=tuple(heavy), boundary_bytes=tuple(entering),
-                    method=method, solve_s=seconds)
+    return Layering(
+        layer_of=layer_of,
+        num_layers=len(starts),
+        node_ranges=tuple(zip(starts, ends)),
+        flops=tuple(flops),
+        heavy_flops=tuple(heavy),
+        boundary_bytes=tuple(entering),
+        method=method,
+        solve_s=seconds,
+    )

@@ -41,12 +41,16 @@ def candidate_counts(rows: int) -> list[int]:
     of two that divides it. ``rows`` ≥ 1."""
     if rows < 1:
         raise ValueError(f"a batch of {rows} rows has no micro-batch count")
-    counts = {rows} | {2 ** k for k in range(rows.bit_length()) if rows % 2 ** k == 0}
+    counts = {rows} | {2**k for k in range(rows.bit_length()) if rows % 2**k == 0}
     return sorted(counts, reverse=True)
 
 
-def search_counts(counts: Sequence[int], plan_at: Callable[[int, float], Planned],
-                  step_of: Callable[[Planned], float], patience: int = PATIENCE) -> tuple[int, Planned, list[dict]]:
+def search_counts(
+    counts: Sequence[int],
+    plan_at: Callable[[int, float], Planned],
+    step_of: Callable[[Planned], float],
+    patience: int = PATIENCE,
+) -> tuple[int, Planned, list[dict]]:
     """The count of ``counts`` (scanned in order) whose plan has the least step, its plan, and one record row per
     count tried (``count``, ``outcome``: ``"planned"`` / ``"pruned"`` / ``"does not fit"``, ``estimated_step_s`` or
     ``step_at_least_s`` or ``error``, ``seconds``).
@@ -64,15 +68,33 @@ def search_counts(counts: Sequence[int], plan_at: Callable[[int, float], Planned
         try:
             planned = plan_at(count, beat_s)
         except NoFasterPlan as slower:
-            rows.append({"count": count, "outcome": "pruned", "step_at_least_s": slower.step_at_least_s,
-                         "seconds": time.perf_counter() - started})
+            rows.append(
+                {
+                    "count": count,
+                    "outcome": "pruned",
+                    "step_at_least_s": slower.step_at_least_s,
+                    "seconds": time.perf_counter() - started,
+                }
+            )
         except ValueError as error:
-            rows.append({"count": count, "outcome": "does not fit", "error": str(error).splitlines()[0],
-                         "seconds": time.perf_counter() - started})
+            rows.append(
+                {
+                    "count": count,
+                    "outcome": "does not fit",
+                    "error": str(error).splitlines()[0],
+                    "seconds": time.perf_counter() - started,
+                }
+            )
         else:
             step = step_of(planned)
-            rows.append({"count": count, "outcome": "planned", "estimated_step_s": step,
-                         "seconds": time.perf_counter() - started})
+            rows.append(
+                {
+                    "count": count,
+                    "outcome": "planned",
+                    "estimated_step_s": step,
+                    "seconds": time.perf_counter() - started,
+                }
+            )
             if step < beat_s:
                 best, misses = (count, planned, step), 0
                 log.info("torchpar: %s: estimated step %.4g s, the best so far", _micro_batches(count), step)
@@ -83,8 +105,10 @@ def search_counts(counts: Sequence[int], plan_at: Callable[[int, float], Planned
             break
     if best is None:
         reasons = "\n  ".join(f"{_micro_batches(row['count'])}: {row['error']}" for row in rows)
-        raise ValueError(f"no micro-batch count gives a plan that fits:\n  {reasons}\nTry more devices, a larger "
-                         "memory budget, remat, or a smaller batch.")
+        raise ValueError(
+            f"no micro-batch count gives a plan that fits:\n  {reasons}\nTry more devices, a larger "
+            "memory budget, remat, or a smaller batch."
+        )
     return best[0], best[1], rows
 
 
@@ -100,16 +124,20 @@ def _describe(row: dict) -> str:
     return f"does not fit ({row['error']})"
 
 
-def plan_micro_batch_count(method: PipeshardParallel, rows: int,
-                           plan_with: Callable[[PipeshardParallel, float], Planned],
-                           plan_of: Callable[[Planned], Plan]) -> tuple[int, Planned]:
+def plan_micro_batch_count(
+    method: PipeshardParallel,
+    rows: int,
+    plan_with: Callable[[PipeshardParallel, float], Planned],
+    plan_of: Callable[[Planned], Plan],
+) -> tuple[int, Planned]:
     """``method`` (``num_micro_batches="auto"``) planned at each of :func:`candidate_counts` ``(rows)`` by
     :func:`search_counts`: ``plan_with(concrete, beat_s)`` captures one micro-batch at ``concrete``'s count and plans
     it (``plan_of`` reads the :class:`Plan` of what it returns). The chosen count and its result, the search's record
     in the plan's ``solver["micro_batches"]``."""
     count, result, tried = search_counts(
-        candidate_counts(rows), lambda count, beat_s: plan_with(dataclasses.replace(method, num_micro_batches=count),
-                                                                beat_s),
-        lambda planned: plan_of(planned).estimated_step_s)
+        candidate_counts(rows),
+        lambda count, beat_s: plan_with(dataclasses.replace(method, num_micro_batches=count), beat_s),
+        lambda planned: plan_of(planned).estimated_step_s,
+    )
     plan_of(result).solver["micro_batches"] = {"option": "auto", "rows": rows, "chosen": count, "tried": tried}
     return count, result

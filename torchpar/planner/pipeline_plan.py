@@ -25,11 +25,11 @@ from torchpar.methods import ManualStageOption, PipeshardParallel
 from torchpar.planner import layers as layers_mod
 from torchpar.planner.interleaved_stages import interleaved_stage_dp
 from torchpar.planner.intra_op import prepare_stage
-from torchpar.planner.sharding.ilp import SOLVE_COUNTS, AboveCutoff, SolveTimeout
 from torchpar.planner.plan import Plan
 from torchpar.planner.profiling import StageTimer, rank_candidates, record_profile
 from torchpar.planner.remat import check_remat
 from torchpar.planner.remat_choice import ORDER, PIPELINE_ORDER, NoFasterPlan, choose_remat
+from torchpar.planner.sharding.ilp import SOLVE_COUNTS, AboveCutoff, SolveTimeout
 from torchpar.planner.slicing import StageGraph, slice_stages, stage_of_nodes
 
 log = logging.getLogger(__name__)
@@ -52,9 +52,17 @@ class PipelinePlan:
             result.explain()
 
 
-def plan_pipeline(graph: Graph, method: PipeshardParallel, cluster: ClusterSpec, *, trainable: set[str],
-                  optimizer_state_copies: float, remat: str = "none", stage_timer: StageTimer | None = None,
-                  beat_s: float = math.inf) -> PipelinePlan:
+def plan_pipeline(
+    graph: Graph,
+    method: PipeshardParallel,
+    cluster: ClusterSpec,
+    *,
+    trainable: set[str],
+    optimizer_state_copies: float,
+    remat: str = "none",
+    stage_timer: StageTimer | None = None,
+    beat_s: float = math.inf,
+) -> PipelinePlan:
     """Plan ``graph`` (captured on one micro-batch) with ``method`` on ``cluster``, every stage running with
     activation checkpointing ``remat`` (one of ``planner.remat.REMAT_OPTIONS``; the stage DP and each stage's ILP
     price it), or ``"auto"`` (:func:`_plan_auto_remat`). With a ``stage_timer`` (measured profiling,
@@ -63,16 +71,40 @@ def plan_pipeline(graph: Graph, method: PipeshardParallel, cluster: ClusterSpec,
     count's plan, :mod:`.micro_batch_counts`): a plan whose step is provably no less is not solved to the end, and if
     no plan can beat it :class:`.remat_choice.NoFasterPlan` is raised."""
     if check_remat(remat, allow_auto=True) == "auto":
-        return _plan_auto_remat(graph, method, cluster, trainable=trainable,
-                                optimizer_state_copies=optimizer_state_copies, stage_timer=stage_timer, beat_s=beat_s)
+        return _plan_auto_remat(
+            graph,
+            method,
+            cluster,
+            trainable=trainable,
+            optimizer_state_copies=optimizer_state_copies,
+            stage_timer=stage_timer,
+            beat_s=beat_s,
+        )
     screened = _screen(graph, method, cluster, optimizer_state_copies, remat)
-    return _plan_screened(screened, graph, method, cluster, trainable, optimizer_state_copies, remat,
-                          [screened.partition, *screened.runners_up], stage_timer, beat=(beat_s, True))
+    return _plan_screened(
+        screened,
+        graph,
+        method,
+        cluster,
+        trainable,
+        optimizer_state_copies,
+        remat,
+        [screened.partition, *screened.runners_up],
+        stage_timer,
+        beat=(beat_s, True),
+    )
 
 
-def _plan_auto_remat(graph: Graph, method: PipeshardParallel, cluster: ClusterSpec, *, trainable: set[str],
-                     optimizer_state_copies: float, stage_timer: StageTimer | None,
-                     beat_s: float = math.inf) -> PipelinePlan:
+def _plan_auto_remat(
+    graph: Graph,
+    method: PipeshardParallel,
+    cluster: ClusterSpec,
+    *,
+    trainable: set[str],
+    optimizer_state_copies: float,
+    stage_timer: StageTimer | None,
+    beat_s: float = math.inf,
+) -> PipelinePlan:
     """``remat="auto"`` (:mod:`.remat_choice`): the whole pipeline planned once per option (stage DP, ILP refinement
     of its best partition and runners-up), the fastest that fits kept. The options are planned in
     :data:`.remat_choice.PIPELINE_ORDER`, each bounded by the best step so far (or ``beat_s``, a step reached
@@ -87,13 +119,25 @@ def _plan_auto_remat(graph: Graph, method: PipeshardParallel, cluster: ClusterSp
     def make(option: str) -> Plan:
         started = time.perf_counter()
         best = min(planned, key=lambda o: (planned[o].plan.estimated_step_s, ORDER.index(o)), default=None)
-        bound = (beat_s, True) if best is None or planned[best].plan.estimated_step_s > beat_s else (
-            planned[best].plan.estimated_step_s, ORDER.index(option) > ORDER.index(best))
+        bound = (
+            (beat_s, True)
+            if best is None or planned[best].plan.estimated_step_s > beat_s
+            else (planned[best].plan.estimated_step_s, ORDER.index(option) > ORDER.index(best))
+        )
         try:
             screened = _screen(graph, method, cluster, optimizer_state_copies, option)
-            planned[option] = _plan_screened(screened, graph, method, cluster, trainable, optimizer_state_copies,
-                                             option, [screened.partition, *screened.runners_up], stage_timer,
-                                             beat=bound)
+            planned[option] = _plan_screened(
+                screened,
+                graph,
+                method,
+                cluster,
+                trainable,
+                optimizer_state_copies,
+                option,
+                [screened.partition, *screened.runners_up],
+                stage_timer,
+                beat=bound,
+            )
         finally:
             seconds[option] = time.perf_counter() - started
         return planned[option].plan
@@ -117,8 +161,9 @@ class _Screened:
     """The stage DP's cost model (``None``: stages given by hand or uniform, their logical meshes kept as given)."""
 
 
-def _screen(graph: Graph, method: PipeshardParallel, cluster: ClusterSpec, optimizer_state_copies: float,
-            remat: str) -> _Screened:
+def _screen(
+    graph: Graph, method: PipeshardParallel, cluster: ClusterSpec, optimizer_state_copies: float, remat: str
+) -> _Screened:
     timings: dict[str, float] = {}
     start = time.perf_counter()
     if method.layer_option == "manual":
@@ -136,33 +181,69 @@ def _screen(graph: Graph, method: PipeshardParallel, cluster: ClusterSpec, optim
     hosts, per_host = cluster.num_hosts, cluster.devices_per_host
     virtual = method.virtual_stages or 1  # interleaved 1F1B: stages per device group
     if isinstance(option, ManualStageOption):
-        partition = stages_mod.manual_stages(option.forward_stage_layer_ids, option.submesh_physical_shapes,
-                                             option.submesh_logical_shapes, num_layers=num_layers,
-                                             cluster_hosts=hosts, devices_per_host=per_host,
-                                             num_micro_batches=method.num_micro_batches, schedule=method.schedule,
-                                             virtual_stages=virtual)
+        partition = stages_mod.manual_stages(
+            option.forward_stage_layer_ids,
+            option.submesh_physical_shapes,
+            option.submesh_logical_shapes,
+            num_layers=num_layers,
+            cluster_hosts=hosts,
+            devices_per_host=per_host,
+            num_micro_batches=method.num_micro_batches,
+            schedule=method.schedule,
+            virtual_stages=virtual,
+        )
     elif option == "uniform":
-        partition = stages_mod.uniform_stages(num_layers, None, hosts, per_host,
-                                              num_micro_batches=method.num_micro_batches, schedule=method.schedule,
-                                              virtual_stages=virtual)
+        partition = stages_mod.uniform_stages(
+            num_layers,
+            None,
+            hosts,
+            per_host,
+            num_micro_batches=method.num_micro_batches,
+            schedule=method.schedule,
+            virtual_stages=virtual,
+        )
     else:
-        cost = stages_mod.AnalyticStageCost(layering, graph, cluster, method.num_micro_batches, optimizer_state_copies,
-                                            remat=remat)
+        cost = stages_mod.AnalyticStageCost(
+            layering, graph, cluster, method.num_micro_batches, optimizer_state_copies, remat=remat
+        )
         if virtual > 1:
-            result = interleaved_stage_dp(num_layers, hosts, per_host, method.num_micro_batches, cost,
-                                          cluster.device_memory_bytes, virtual_stages=virtual)
+            result = interleaved_stage_dp(
+                num_layers,
+                hosts,
+                per_host,
+                method.num_micro_batches,
+                cost,
+                cluster.device_memory_bytes,
+                virtual_stages=virtual,
+            )
         else:
-            result = stages_mod.stage_dp(num_layers, hosts, per_host, method.num_micro_batches, cost,
-                                         cluster.device_memory_bytes, schedule=method.schedule)
+            result = stages_mod.stage_dp(
+                num_layers,
+                hosts,
+                per_host,
+                method.num_micro_batches,
+                cost,
+                cluster.device_memory_bytes,
+                schedule=method.schedule,
+            )
         partition = result.best
         alternatives = list(result.runners_up)
         for count in range(1, min(num_layers // virtual, hosts * per_host) + 1):  # uniform splits as reference points
             try:
-                alternatives.append(stages_mod.uniform_stages(num_layers, count, hosts, per_host, cost=cost,
-                                                              num_micro_batches=method.num_micro_batches,
-                                                              memory_budget=cluster.device_memory_bytes,
-                                                              schedule=method.schedule, warn_over_budget=False,
-                                                              virtual_stages=virtual))
+                alternatives.append(
+                    stages_mod.uniform_stages(
+                        num_layers,
+                        count,
+                        hosts,
+                        per_host,
+                        cost=cost,
+                        num_micro_batches=method.num_micro_batches,
+                        memory_budget=cluster.device_memory_bytes,
+                        schedule=method.schedule,
+                        warn_over_budget=False,
+                        virtual_stages=virtual,
+                    )
+                )
             except ValueError:
                 continue
         seen = {str(partition)}
@@ -172,16 +253,25 @@ def _screen(graph: Graph, method: PipeshardParallel, cluster: ClusterSpec, optim
             if str(candidate) not in seen and math.isfinite(candidate.cost_s) and fits:
                 seen.add(str(candidate))
                 runners_up.append(candidate)
-        runners_up = runners_up[:REFINED_CANDIDATES - 1]
+        runners_up = runners_up[: REFINED_CANDIDATES - 1]
         timings["stage_dp_search"] = result.dp_s
         timings["stage_table"] = result.table_s
     timings["stage_dp"] = time.perf_counter() - start
     return _Screened(layering, partition, runners_up, timings, cost)
 
 
-def _plan_screened(screened: _Screened, graph: Graph, method: PipeshardParallel, cluster: ClusterSpec,
-                   trainable: set[str], optimizer_state_copies: float, remat: str, candidates: list,
-                   stage_timer: StageTimer | None, beat: tuple[float, bool] = (math.inf, True)) -> PipelinePlan:
+def _plan_screened(
+    screened: _Screened,
+    graph: Graph,
+    method: PipeshardParallel,
+    cluster: ClusterSpec,
+    trainable: set[str],
+    optimizer_state_copies: float,
+    remat: str,
+    candidates: list,
+    stage_timer: StageTimer | None,
+    beat: tuple[float, bool] = (math.inf, True),
+) -> PipelinePlan:
     """The plan of the best of ``candidates`` (stage partitions of ``screened``) refined by the sharding ILP. Raises
     the first candidate's ``ValueError`` when none fits. ``beat``: ``(step, loses_ties)`` of a plan made before
     (another remat option's); a candidate that cannot beat it is not refined, and if none can,
@@ -199,9 +289,26 @@ def _plan_screened(screened: _Screened, graph: Graph, method: PipeshardParallel,
     prepared: list[tuple[int, _Prepared]] = []
     for position, candidate in enumerate(candidates):
         try:
-            prepared.append((position, _prepare(graph, layering, candidate, cluster, method.num_micro_batches,
-                                                trainable, optimizer_state_copies, remat, method.schedule, virtual,
-                                                method.experts, method.context, screened.cost)))
+            prepared.append(
+                (
+                    position,
+                    _prepare(
+                        graph,
+                        layering,
+                        candidate,
+                        cluster,
+                        method.num_micro_batches,
+                        trainable,
+                        optimizer_state_copies,
+                        remat,
+                        method.schedule,
+                        virtual,
+                        method.experts,
+                        method.context,
+                        screened.cost,
+                    ),
+                )
+            )
         except ValueError as error:  # e.g. a batch that does not divide a stage's mesh
             failures.append((position, candidate, error))
     if bounded and (len(prepared) > 1 or math.isfinite(beat[0])):
@@ -216,14 +323,26 @@ def _plan_screened(screened: _Screened, graph: Graph, method: PipeshardParallel,
         if bounded and leader is not None and leader[1].step_s < beat_s:
             beat_s, loses_ties = leader[1].step_s, position > leader[0]
         try:
-            refined.append((position, _refine(
-                problem, cluster.device_memory_bytes / virtual,
-                STAGE_TIME_LIMIT_S if candidate is screened.partition else RUNNER_UP_STAGE_TIME_LIMIT_S,
-                beat_s=beat_s, loses_ties=loses_ties)))
+            refined.append(
+                (
+                    position,
+                    _refine(
+                        problem,
+                        cluster.device_memory_bytes / virtual,
+                        STAGE_TIME_LIMIT_S if candidate is screened.partition else RUNNER_UP_STAGE_TIME_LIMIT_S,
+                        beat_s=beat_s,
+                        loses_ties=loses_ties,
+                    ),
+                )
+            )
         except _CannotWin as bound:
             pruned.append((candidate, bound.step_s, beat_s))
-            log.info("stage partition %s: its step is at least %.4g s, no better than %.4g s: not refined further",
-                     candidate, bound.step_s, beat_s)
+            log.info(
+                "stage partition %s: its step is at least %.4g s, no better than %.4g s: not refined further",
+                candidate,
+                bound.step_s,
+                beat_s,
+            )
         except (ValueError, SolveTimeout) as error:  # no sharding fits the memory budget, or none found in time
             failures.append((position, candidate, error))
             log.info("stage partition %s: the ILP found no plan (%s)", candidate, error)
@@ -241,40 +360,76 @@ def _plan_screened(screened: _Screened, graph: Graph, method: PipeshardParallel,
     profile = None
     if stage_timer is not None:
         start = time.perf_counter()
-        ranked = rank_candidates([(r.step_s, list(zip(r.stage_graphs, r.stage_plans))) for r in refined], stage_timer,
-                                 method.num_micro_batches, remat=remat, schedule=method.schedule,
-                                 virtual_stages=virtual)
+        ranked = rank_candidates(
+            [(r.step_s, list(zip(r.stage_graphs, r.stage_plans))) for r in refined],
+            stage_timer,
+            method.num_micro_batches,
+            remat=remat,
+            schedule=method.schedule,
+            virtual_stages=virtual,
+        )
         best = refined[ranked[0].index]
         profile = record_profile(ranked, ranked[0], best.stage_plans)
         timings["profile"] = time.perf_counter() - start
-        log.info("profiled %d candidate partition(s): measured step %.4g s (estimate %.4g s)", len(refined),
-                 ranked[0].measured_step_s, best.step_s)
+        log.info(
+            "profiled %d candidate partition(s): measured step %.4g s (estimate %.4g s)",
+            len(refined),
+            ranked[0].measured_step_s,
+            best.step_s,
+        )
     solver: dict = {f"stage{index}": stats for index, stats in enumerate(best.solver_stats)}
     if profile is not None:
         solver["profile"] = profile
     solver["ilp_problems"] = ilp_counts  # CP-SAT solves run, and identical stages' problems answered from them
-    solver["estimate"] = {"model": ESTIMATE_MODEL, "step_formula": stages_mod.latency_formula(
-        method.schedule, method.num_micro_batches, virtual)}
+    solver["estimate"] = {
+        "model": ESTIMATE_MODEL,
+        "step_formula": stages_mod.latency_formula(method.schedule, method.num_micro_batches, virtual),
+    }
     if method.stage_option == "auto":
         solver["stage_partition"] = {**best.partition.to_dict(), "model": SCREENING_MODEL}
         solver["runners_up"] = [r.summary() for r in sorted(refined, key=lambda r: r.step_s) if r is not best]
-        solver["runners_up"] += [{"screening_step_s": c.cost_s, "model": SCREENING_MODEL, "error": str(e),
-                                  "stages": c.to_dict()["stages"]} for c, e in failures]
+        solver["runners_up"] += [
+            {"screening_step_s": c.cost_s, "model": SCREENING_MODEL, "error": str(e), "stages": c.to_dict()["stages"]}
+            for c, e in failures
+        ]
         # a bound on the ILP's model; its stages carry their layout only (no stage was priced to the end)
-        solver["runners_up"] += [{"screening_step_s": c.cost_s, "model": ESTIMATE_MODEL, "step_at_least_s": bound,
-                                  "pruned": f"its step is at least {bound:.6g} s by the ILP's lower bounds, no better "
-                                            f"than {beat:.6g} s: not solved to the end",
-                                  "stages": [{key: stage[key] for key in ("layers", "submesh_shape",
-                                                                          "logical_mesh_shape")}
-                                             for stage in c.to_dict()["stages"]]} for c, bound, beat in pruned]
-    plan = Plan(method=PipeshardParallel.name, stages=best.stage_plans, num_micro_batches=method.num_micro_batches,
-                schedule=method.schedule, estimated_step_s=best.step_s, solver=solver, timings=timings,
-                layers=_layer_stats(graph, layering), cluster=cluster.cost_constants(),
-                layer_of_node=dict(layering.layer_of), remat=remat)
-    log.info("pipeline plan: %d layers → %d stages %s on %s", layering.num_layers, len(best.stage_plans),
-             [s.layers for s in best.stage_plans], [s.submesh_shape for s in best.stage_plans])
-    return PipelinePlan(plan=plan, stages=best.stage_graphs, devices=best.devices, layering=layering,
-                        stage_results=best.results)
+        solver["runners_up"] += [
+            {
+                "screening_step_s": c.cost_s,
+                "model": ESTIMATE_MODEL,
+                "step_at_least_s": bound,
+                "pruned": f"its step is at least {bound:.6g} s by the ILP's lower bounds, no better "
+                f"than {beat:.6g} s: not solved to the end",
+                "stages": [
+                    {key: stage[key] for key in ("layers", "submesh_shape", "logical_mesh_shape")}
+                    for stage in c.to_dict()["stages"]
+                ],
+            }
+            for c, bound, beat in pruned
+        ]
+    plan = Plan(
+        method=PipeshardParallel.name,
+        stages=best.stage_plans,
+        num_micro_batches=method.num_micro_batches,
+        schedule=method.schedule,
+        estimated_step_s=best.step_s,
+        solver=solver,
+        timings=timings,
+        layers=_layer_stats(graph, layering),
+        cluster=cluster.cost_constants(),
+        layer_of_node=dict(layering.layer_of),
+        remat=remat,
+    )
+    log.info(
+        "pipeline plan: %d layers → %d stages %s on %s",
+        layering.num_layers,
+        len(best.stage_plans),
+        [s.layers for s in best.stage_plans],
+        [s.submesh_shape for s in best.stage_plans],
+    )
+    return PipelinePlan(
+        plan=plan, stages=best.stage_graphs, devices=best.devices, layering=layering, stage_results=best.results
+    )
 
 
 REFINED_CANDIDATES = 3
@@ -308,15 +463,30 @@ class _Refined:
     solver_stats: list[dict]
 
     def summary(self) -> dict:
-        stages = [{"layers": s.layers, "submesh_shape": list(s.submesh_shape),
-                   "logical_mesh_shape": list(s.logical_mesh_shape), "estimated_cost_s": s.estimated_cost_s,
-                   "estimated_memory_bytes": s.estimated_memory_bytes} for s in self.stage_plans]
-        return {"estimated_step_s": self.step_s, "screening_step_s": self.partition.cost_s, "model": ESTIMATE_MODEL,
-                "stages": stages}
+        stages = [
+            {
+                "layers": s.layers,
+                "submesh_shape": list(s.submesh_shape),
+                "logical_mesh_shape": list(s.logical_mesh_shape),
+                "estimated_cost_s": s.estimated_cost_s,
+                "estimated_memory_bytes": s.estimated_memory_bytes,
+            }
+            for s in self.stage_plans
+        ]
+        return {
+            "estimated_step_s": self.step_s,
+            "screening_step_s": self.partition.cost_s,
+            "model": ESTIMATE_MODEL,
+            "stages": stages,
+        }
 
 
-def _probe(prepared: list[tuple[int, _Prepared]], memory_budget: float,
-           failures: list[tuple[int, object, ValueError]], reached: float = math.inf) -> list[tuple[int, _Prepared]]:
+def _probe(
+    prepared: list[tuple[int, _Prepared]],
+    memory_budget: float,
+    failures: list[tuple[int, object, ValueError]],
+    reached: float = math.inf,
+) -> list[tuple[int, _Prepared]]:
     """Every candidate's stages solved under :data:`PROBE_STAGE_TIME_LIMIT_S` first (:meth:`.PreparedStage.probe`):
     most stage problems are solved to optimality at once; a hard one leaves a proven lower bound and a layout. A
     candidate stops being probed once its bound exceeds the best step a probed candidate reached. Returns the
@@ -369,9 +539,21 @@ class _Prepared:
         return self.step([problem.probed_s for problem in self.problems])
 
 
-def _prepare(graph: Graph, layering, partition, cluster: ClusterSpec, num_micro_batches: int, trainable: set[str],
-             optimizer_state_copies: float, remat: str, schedule: str, virtual_stages: int,
-             experts: str = "auto", context: str = "auto", cost=None) -> _Prepared:
+def _prepare(
+    graph: Graph,
+    layering,
+    partition,
+    cluster: ClusterSpec,
+    num_micro_batches: int,
+    trainable: set[str],
+    optimizer_state_copies: float,
+    remat: str,
+    schedule: str,
+    virtual_stages: int,
+    experts: str = "auto",
+    context: str = "auto",
+    cost=None,
+) -> _Prepared:
     """``partition``'s stage problems; with the stage DP's ``cost``, each stage's on every logical mesh
     :func:`.stages.close_logical_meshes` offers (:class:`_MeshChoice`), else on its own."""
     from torchpar.planner import stages as stages_mod
@@ -389,15 +571,33 @@ def _prepare(graph: Graph, layering, partition, cluster: ClusterSpec, num_micro_
         meshes = [[mesh] for mesh in logical]
     else:
         budget = cluster.device_memory_bytes / virtual_stages
-        meshes = [stages_mod.close_logical_meshes(choice, cost, budget, in_flight[index])
-                  for index, choice in enumerate(partition.stages)]
-    problems = [_MeshChoice([prepare_stage(stage.graph, kind="shard", mesh_shape=mesh_shape, cluster=cluster,
-                                           trainable=trainable & set(stage.params),
-                                           optimizer_state_copies=optimizer_state_copies, submesh=submeshes[index],
-                                           remat=remat, in_flight=in_flight[index], experts=experts, context=context,
-                                           num_micro_batches=num_micro_batches, per_micro_batch=True)
-                             for mesh_shape in meshes[index]])
-                for index, stage in enumerate(stage_graphs)]
+        meshes = [
+            stages_mod.close_logical_meshes(choice, cost, budget, in_flight[index])
+            for index, choice in enumerate(partition.stages)
+        ]
+    problems = [
+        _MeshChoice(
+            [
+                prepare_stage(
+                    stage.graph,
+                    kind="shard",
+                    mesh_shape=mesh_shape,
+                    cluster=cluster,
+                    trainable=trainable & set(stage.params),
+                    optimizer_state_copies=optimizer_state_copies,
+                    submesh=submeshes[index],
+                    remat=remat,
+                    in_flight=in_flight[index],
+                    experts=experts,
+                    context=context,
+                    num_micro_batches=num_micro_batches,
+                    per_micro_batch=True,
+                )
+                for mesh_shape in meshes[index]
+            ]
+        )
+        for index, stage in enumerate(stage_graphs)
+    ]
 
     def step(latencies: list[float]) -> float:
         return stages_mod.pipeline_latency(latencies, num_micro_batches, schedule, virtual_stages)
@@ -470,8 +670,9 @@ class _MeshChoice:
         return best
 
 
-def _refine(prepared: _Prepared, memory_budget: float, time_limit_s: float, beat_s: float = math.inf,
-            loses_ties: bool = True) -> _Refined:
+def _refine(
+    prepared: _Prepared, memory_budget: float, time_limit_s: float, beat_s: float = math.inf, loses_ties: bool = True
+) -> _Refined:
     """The prepared partition priced by the sharding ILP, stage by stage. ``beat_s``: the best step found so far;
     raises :class:`_CannotWin` as soon as this partition's step is provably above it (or equal to it, if
     ``loses_ties``) — a bound made of the solved stages' estimates and the unsolved stages' lower bounds
@@ -489,12 +690,14 @@ def _refine(prepared: _Prepared, memory_budget: float, time_limit_s: float, beat
     results: list = [None] * len(problems)
     order = sorted(range(len(problems)), key=lambda i: -bounds[i]) if math.isfinite(beat_s) else range(len(problems))
     for count, index in enumerate(order, start=1):
+
         def give_up(bound_s: float, index: int = index) -> bool:  # this stage at bound_s loses the partition
             return cannot_win(step([bound_s if i == index else b for i, b in enumerate(bounds)]))
 
         try:
-            result = problems[index].solve(memory_budget, time_limit_s,
-                                           give_up=give_up if math.isfinite(beat_s) else None)
+            result = problems[index].solve(
+                memory_budget, time_limit_s, give_up=give_up if math.isfinite(beat_s) else None
+            )
         except AboveCutoff as stopped:
             bounds[index] = stopped.bound_s
             raise _CannotWin(step(bounds)) from None
@@ -506,8 +709,15 @@ def _refine(prepared: _Prepared, memory_budget: float, time_limit_s: float, beat
         if count < len(problems) and cannot_win(step(bounds)):
             raise _CannotWin(step(bounds))
     plans = [r.stage for r in results]
-    return _Refined(prepared.partition, prepared.stage_graphs, prepared.devices, results, plans,
-                    step([p.estimated_cost_s for p in plans]), [r.solver_stats() for r in results])
+    return _Refined(
+        prepared.partition,
+        prepared.stage_graphs,
+        prepared.devices,
+        results,
+        plans,
+        step([p.estimated_cost_s for p in plans]),
+        [r.solver_stats() for r in results],
+    )
 
 
 def _layer_stats(graph: Graph, layering) -> list[dict]:
@@ -517,8 +727,10 @@ def _layer_stats(graph: Graph, layering) -> list[dict]:
         layer = layering.layer_of.get(node.name)
         if layer is not None and node.module_path:
             modules[layer][".".join(node.module_path.split(".")[:3])] = None
-    return [{"flops": float(f), "activation_bytes": float(b), "modules": list(m)}
-            for f, b, m in zip(layering.flops, layering.boundary_bytes, modules)]
+    return [
+        {"flops": float(f), "activation_bytes": float(b), "modules": list(m)}
+        for f, b, m in zip(layering.flops, layering.boundary_bytes, modules)
+    ]
 
 
 def stage_graphs_for(graph: Graph, plan: Plan) -> list[StageGraph]:
@@ -526,15 +738,19 @@ def stage_graphs_for(graph: Graph, plan: Plan) -> list[StageGraph]:
     batch the plan was made for): every node's layer from ``plan.layer_of_node``, each stage's layers from
     ``plan.stages``. Raises ``ValueError`` if the graph is not the one the plan was made for."""
     if not plan.layer_of_node:
-        raise ValueError("this pipeline plan has no node → layer map (layer_of_node); it was saved by an older "
-                         "torchpar: plan it again")
+        raise ValueError(
+            "this pipeline plan has no node → layer map (layer_of_node); it was saved by an older "
+            "torchpar: plan it again"
+        )
     names = {n.name for n in graph.nodes}
     missing = sorted(names - set(plan.layer_of_node))
     extra = sorted(set(plan.layer_of_node) - names)
     if missing or extra:
-        raise ValueError(f"the plan was made for another graph: {len(missing)} op(s) of this model are not in it "
-                         f"({missing[:5]}) and {len(extra)} of its ops are not in this model ({extra[:5]}); "
-                         "compile with the model, batch size (÷ num_micro_batches) and loss the plan was made for")
+        raise ValueError(
+            f"the plan was made for another graph: {len(missing)} op(s) of this model are not in it "
+            f"({missing[:5]}) and {len(extra)} of its ops are not in this model ({extra[:5]}); "
+            "compile with the model, batch size (÷ num_micro_batches) and loss the plan was made for"
+        )
     stages = slice_stages(graph, stage_of_nodes(graph, plan.layer_of_node, [list(s.layers) for s in plan.stages]))
     if len(stages) != len(plan.stages):
         raise ValueError(f"the plan has {len(plan.stages)} stages but its layers cut this graph into {len(stages)}")

@@ -141,8 +141,16 @@ class Plan:
         :class:`~torchpar.planner.plan_schema.PlanFormatError` (a ``ValueError``) naming the first bad field."""
         validate_plan_dict(data)
         data = {**data, "method": FORMER_METHOD_NAMES.get(data["method"], data["method"])}
-        stages = [StagePlan(**{**s, "submesh_shape": tuple(s["submesh_shape"]),
-                               "logical_mesh_shape": tuple(s["logical_mesh_shape"])}) for s in data["stages"]]
+        stages = [
+            StagePlan(
+                **{
+                    **s,
+                    "submesh_shape": tuple(s["submesh_shape"]),
+                    "logical_mesh_shape": tuple(s["logical_mesh_shape"]),
+                }
+            )
+            for s in data["stages"]
+        ]
         return cls(**{**data, "stages": stages})
 
     def to_json(self) -> str:
@@ -156,8 +164,9 @@ class Plan:
         try:
             data = json.loads(text)
         except json.JSONDecodeError as error:
-            raise PlanFormatError(f"plan is not valid JSON: {error.msg} at line {error.lineno} column "
-                                  f"{error.colno}") from error
+            raise PlanFormatError(
+                f"plan is not valid JSON: {error.msg} at line {error.lineno} column {error.colno}"
+            ) from error
         except (ValueError, RecursionError) as error:  # e.g. an int of over 4300 digits; arrays nested too deeply
             raise PlanFormatError(f"plan is not valid JSON: {error or type(error).__name__}") from error
         return cls.from_dict(data)
@@ -165,49 +174,77 @@ class Plan:
     def headline(self) -> str:
         """The plan in one line: method, stages and their meshes, micro-batches, estimated step."""
         meshes = ", ".join(stage.mesh_text() for stage in self.stages)
-        return (f"{method_title(self.method)}: {len(self.stages)} stage(s) on {meshes}, {self.num_micro_batches} "
-                f"micro-batch(es), estimated step {format_seconds(self.estimated_step_s)}")
+        return (
+            f"{method_title(self.method)}: {len(self.stages)} stage(s) on {meshes}, {self.num_micro_batches} "
+            f"micro-batch(es), estimated step {format_seconds(self.estimated_step_s)}"
+        )
 
     def summary(self) -> str:
         """The plan as text: the estimate and what priced it, each stage with its costs, memory by part, the
         collectives it sends, every parameter's layout; the alternatives weighed; solver and compile phases."""
         estimate = self.solver.get("estimate", {})
         how = f" [{estimate['model']}; {estimate['step_formula']}]" if estimate else ""
-        lines = [f"Plan: {method_title(self.method)}, {len(self.stages)} stage(s), {self.num_micro_batches} "
-                 f"micro-batch(es), schedule {self.schedule}, estimated step {format_seconds(self.estimated_step_s)}{how}"]
+        lines = [
+            f"Plan: {method_title(self.method)}, {len(self.stages)} stage(s), {self.num_micro_batches} "
+            f"micro-batch(es), schedule {self.schedule}, estimated step {format_seconds(self.estimated_step_s)}{how}"
+        ]
         if any(stage.params or stage.inputs for stage in self.stages):
             lines.append(f"  {LAYOUT_LEGEND}")
         for index, stage in enumerate(self.stages):
             crossing = [str(a) for a, cross in enumerate(stage.crosses_hosts) if cross]
             hosts = f" (axis {', '.join(crossing)} crosses hosts)" if crossing else ""
-            lines.append(f"  stage {index}: layers {stage.layers}, submesh {tuple(stage.submesh_shape)}, logical mesh "
-                         f"{stage.mesh_text()}{hosts}, est. {format_seconds(stage.estimated_cost_s)} "
-                         f"(compute {format_seconds(stage.estimated_compute_s)}, communication "
-                         f"{format_seconds(stage.estimated_communication_s)}), {len(stage.params)} params"
-                         + (f"; measured {format_seconds(stage.measured_cost_s)}"
-                            f" (estimate {stage.estimated_cost_s / stage.measured_cost_s - 1:+.0%})"
-                            if stage.measured_cost_s else ""))
-            parts = ", ".join(f"{part.replace('_', ' ')} {format_bytes(n)}" for part, n in stage.memory_breakdown.items()
-                              if n)
+            lines.append(
+                f"  stage {index}: layers {stage.layers}, submesh {tuple(stage.submesh_shape)}, logical mesh "
+                f"{stage.mesh_text()}{hosts}, est. {format_seconds(stage.estimated_cost_s)} "
+                f"(compute {format_seconds(stage.estimated_compute_s)}, communication "
+                f"{format_seconds(stage.estimated_communication_s)}), {len(stage.params)} params"
+                + (
+                    f"; measured {format_seconds(stage.measured_cost_s)}"
+                    f" (estimate {stage.estimated_cost_s / stage.measured_cost_s - 1:+.0%})"
+                    if stage.measured_cost_s
+                    else ""
+                )
+            )
+            parts = ", ".join(
+                f"{part.replace('_', ' ')} {format_bytes(n)}" for part, n in stage.memory_breakdown.items() if n
+            )
             compiled = ""
             if stage.compiled_memory_bytes:
                 error = stage.estimated_memory_bytes / stage.compiled_memory_bytes - 1
                 compiled = f"; compiled {format_bytes(stage.compiled_memory_bytes)} (estimate {error:+.0%})"
             budget = (self.cluster or {}).get("device_memory_bytes")
-            headroom = (f"; headroom {format_bytes(budget - stage.estimated_memory_bytes)} of "
-                        f"{format_bytes(budget)} ({1 - stage.estimated_memory_bytes / budget:.1%})") if budget else ""
-            lines.append(f"    est. memory {format_bytes(stage.estimated_memory_bytes)} per device"
-                         + (f" ({parts})" if parts else "") + headroom + compiled)
+            headroom = (
+                (
+                    f"; headroom {format_bytes(budget - stage.estimated_memory_bytes)} of "
+                    f"{format_bytes(budget)} ({1 - stage.estimated_memory_bytes / budget:.1%})"
+                )
+                if budget
+                else ""
+            )
+            lines.append(
+                f"    est. memory {format_bytes(stage.estimated_memory_bytes)} per device"
+                + (f" ({parts})" if parts else "")
+                + headroom
+                + compiled
+            )
             if stage.communication_bytes:
-                sent = ", ".join(f"{kind.replace('_', '-')} {format_bytes(n)}"
-                                 for kind, n in stage.communication_bytes.items() if n) or "none"
+                sent = (
+                    ", ".join(
+                        f"{kind.replace('_', '-')} {format_bytes(n)}"
+                        for kind, n in stage.communication_bytes.items()
+                        if n
+                    )
+                    or "none"
+                )
                 lines.append(f"    collectives sent per device: {sent}")
             if stage.data_replicas > 1:
                 per_replica = stage.num_devices // stage.data_replicas
-                lines.append(f"    data axis: {stage.data_replicas} replicas of this plan, replica r on devices "
-                             f"[r·{per_replica}, (r+1)·{per_replica}) training on the r-th block of every batch's "
-                             "rows (the layouts below are one replica's); gradients all-reduced over the replicas "
-                             "once per step")
+                lines.append(
+                    f"    data axis: {stage.data_replicas} replicas of this plan, replica r on devices "
+                    f"[r·{per_replica}, (r+1)·{per_replica}) training on the r-th block of every batch's "
+                    "rows (the layouts below are one replica's); gradients all-reduced over the replicas "
+                    "once per step"
+                )
             width = max((len(n) for n in stage.params), default=0)
             for name, spec in stage.params.items():
                 extra = ""
@@ -220,34 +257,56 @@ class Plan:
                 lines.append(f"    batch leaf {leaf}: {describe(spec)}")
             lines.extend(_expert_lines(stage))
             lines.extend(_sequence_lines(stage))
-        tight = [index for index, stage in enumerate(self.stages) if self.cluster.get("device_memory_bytes")
-                 and stage.estimated_memory_bytes >= 0.99 * self.cluster["device_memory_bytes"]]
+        tight = [
+            index
+            for index, stage in enumerate(self.stages)
+            if self.cluster.get("device_memory_bytes")
+            and stage.estimated_memory_bytes >= 0.99 * self.cluster["device_memory_bytes"]
+        ]
         if tight:
-            lines.append(f"  memory: stage(s) {tight} within 1% of the device memory: the ILP bought speed with memory "
-                         "up to the limit, so XLA's workspace beyond the estimate may not fit; plan for less "
-                         "(torchpar.init(..., device_memory_bytes=...)) to keep headroom")
+            lines.append(
+                f"  memory: stage(s) {tight} within 1% of the device memory: the ILP bought speed with memory "
+                "up to the limit, so XLA's workspace beyond the estimate may not fit; plan for less "
+                "(torchpar.init(..., device_memory_bytes=...)) to keep headroom"
+            )
         if self.numerics:
-            lines.append(f"  numerics: {self.numerics.get('effective', '')}; mixed precision "
-                         f"{self.numerics.get('mixed_precision', 'none')}, loss scaling "
-                         f"{self.numerics.get('loss_scaling', 'none')}")
+            lines.append(
+                f"  numerics: {self.numerics.get('effective', '')}; mixed precision "
+                f"{self.numerics.get('mixed_precision', 'none')}, loss scaling "
+                f"{self.numerics.get('loss_scaling', 'none')}"
+            )
         counts = self.solver.get("micro_batches")
         if counts:
-            lines.append(f"  micro-batches: auto → {self.num_micro_batches} of {counts['rows'] // counts['chosen']} "
-                         f"row(s) (counts tried, most micro-batches first; the scan stops after two that do not win)")
+            lines.append(
+                f"  micro-batches: auto → {self.num_micro_batches} of {counts['rows'] // counts['chosen']} "
+                f"row(s) (counts tried, most micro-batches first; the scan stops after two that do not win)"
+            )
             for row in counts.get("tried", []):
-                verdict = (f"est. step {format_seconds(row['estimated_step_s'])}" if row["outcome"] == "planned" else
-                           f"step at least {format_seconds(row['step_at_least_s'])}: not planned to the end"
-                           if row["outcome"] == "pruned" else f"does not fit: {row.get('error', '')}")
+                verdict = (
+                    f"est. step {format_seconds(row['estimated_step_s'])}"
+                    if row["outcome"] == "planned"
+                    else f"step at least {format_seconds(row['step_at_least_s'])}: not planned to the end"
+                    if row["outcome"] == "pruned"
+                    else f"does not fit: {row.get('error', '')}"
+                )
                 lines.append(f"    {row['count']:>6}  {verdict}")
         choice = self.solver.get("remat")
         if choice:
             lines.append(f"  remat: auto → {self.remat}: {choice.get('reason', '')}")
             for row in choice.get("candidates", []):
-                priced = (f"est. step {format_seconds(row['estimated_step_s'])}, "
-                          f"{format_bytes(row['estimated_memory_bytes'])} per device"
-                          if "estimated_step_s" in row else "")
-                verdict = ("fits" if row.get("fits") else f"not planned to the end: {row.get('error', '')}"
-                           if row.get("pruned") else f"does not fit: {row.get('error', '')}")
+                priced = (
+                    f"est. step {format_seconds(row['estimated_step_s'])}, "
+                    f"{format_bytes(row['estimated_memory_bytes'])} per device"
+                    if "estimated_step_s" in row
+                    else ""
+                )
+                verdict = (
+                    "fits"
+                    if row.get("fits")
+                    else f"not planned to the end: {row.get('error', '')}"
+                    if row.get("pruned")
+                    else f"does not fit: {row.get('error', '')}"
+                )
                 lines.append(f"    {row['remat']:<10} {priced}{'; ' if priced else ''}{verdict}")
         if self.remat != "none":
             lines.append(f"  remat: {self.remat} ({_REMAT_MEANING[self.remat]})")
@@ -258,7 +317,9 @@ class Plan:
         lines.extend(_profile_lines(self.solver.get("profile")))
         stats = {k: v for k, v in self.solver.items() if k not in _EXPLAINED_SOLVER_KEYS}
         if stats:
-            lines.append("  solver: " + ", ".join(f"{k.replace('_', ' ')} {_solver_value(v)}" for k, v in stats.items()))
+            lines.append(
+                "  solver: " + ", ".join(f"{k.replace('_', ' ')} {_solver_value(v)}" for k, v in stats.items())
+            )
         if self.timings:
             lines.append("  compile phases: " + ", ".join(f"{k} {v:.2f}s" for k, v in self.timings.items()))
         return "\n".join(lines)
@@ -279,11 +340,20 @@ class Plan:
         plan_writers.writer("png")(self, path, **options)
 
 
-
-_REMAT_MEANING = {"layers": "each layer's forward recomputed in its backward; its input kept",
-                  "selective": "each layer's input and linear-layer outputs kept; the rest recomputed"}
-_EXPLAINED_SOLVER_KEYS = ("estimate", "stage_partition", "runners_up", "mesh_shapes", "expert_layouts",
-                          "method_comparison", "remat", "profile")
+_REMAT_MEANING = {
+    "layers": "each layer's forward recomputed in its backward; its input kept",
+    "selective": "each layer's input and linear-layer outputs kept; the rest recomputed",
+}
+_EXPLAINED_SOLVER_KEYS = (
+    "estimate",
+    "stage_partition",
+    "runners_up",
+    "mesh_shapes",
+    "expert_layouts",
+    "method_comparison",
+    "remat",
+    "profile",
+)
 """``Plan.solver`` entries :meth:`Plan.summary` shows in their own lines."""
 
 
@@ -292,31 +362,51 @@ def _alternatives(solver: dict[str, Any]) -> list[str]:
     lines = []
     for row in solver.get("method_comparison", []):
         shape = tuple(row.get("logical_mesh_shape", ()))
-        lines.append(f"  compared: {method_title(row['method'])} on {shape}: "
-                     + (f"error: {row['error']}" if "error" in row else
-                        f"est. step {format_seconds(row['estimated_step_s'])}, memory "
-                        f"{format_bytes(row['estimated_memory_bytes'])}"))
+        lines.append(
+            f"  compared: {method_title(row['method'])} on {shape}: "
+            + (
+                f"error: {row['error']}"
+                if "error" in row
+                else f"est. step {format_seconds(row['estimated_step_s'])}, memory "
+                f"{format_bytes(row['estimated_memory_bytes'])}"
+            )
+        )
     for row in solver.get("mesh_shapes", []):
         shape = tuple(row["logical_mesh_shape"])
-        lines.append(f"  mesh {shape}: " + (f"not possible: {row['error'].splitlines()[0]}" if "error" in row else
-                                              f"est. step {format_seconds(row['estimated_step_s'])}"
-                                              + (" (chosen)" if row.get("chosen") else "")))
+        lines.append(
+            f"  mesh {shape}: "
+            + (
+                f"not possible: {row['error'].splitlines()[0]}"
+                if "error" in row
+                else f"est. step {format_seconds(row['estimated_step_s'])}" + (" (chosen)" if row.get("chosen") else "")
+            )
+        )
     for row in solver.get("expert_layouts", []):
         what = f"{row['experts']} ({row.get('meaning', EXPERT_FAMILIES.get(row['experts'], ''))})"
-        lines.append(f"  expert layout {what}: " + (f"not possible: {row['error'].splitlines()[0]}" if "error" in row else
-                                              f"est. step {format_seconds(row['estimated_step_s'])}, memory "
-                                              f"{format_bytes(row['estimated_memory_bytes'])}"
-                                              + (" (chosen)" if row.get("chosen") else "")))
+        lines.append(
+            f"  expert layout {what}: "
+            + (
+                f"not possible: {row['error'].splitlines()[0]}"
+                if "error" in row
+                else f"est. step {format_seconds(row['estimated_step_s'])}, memory "
+                f"{format_bytes(row['estimated_memory_bytes'])}" + (" (chosen)" if row.get("chosen") else "")
+            )
+        )
     for row in solver.get("runners_up", []):
-        stages = " | ".join(f"layers {st['layers']} on {tuple(st['submesh_shape'])} mesh "
-                            f"{tuple(st['logical_mesh_shape'])}" for st in row["stages"])
-        screening = (f"; stage DP screening {format_seconds(row['screening_step_s'])}"
-                     if "screening_step_s" in row else "")
+        stages = " | ".join(
+            f"layers {st['layers']} on {tuple(st['submesh_shape'])} mesh {tuple(st['logical_mesh_shape'])}"
+            for st in row["stages"]
+        )
+        screening = (
+            f"; stage DP screening {format_seconds(row['screening_step_s'])}" if "screening_step_s" in row else ""
+        )
         if "estimated_step_s" in row:
             lines.append(f"  runner-up: est. step {format_seconds(row['estimated_step_s'])}{screening}: {stages}")
         elif "step_at_least_s" in row:  # its lower bound showed it could not win: not solved to the end
-            lines.append(f"  runner-up: est. step ≥ {format_seconds(row['step_at_least_s'])} (bound, not solved)"
-                         f"{screening}: {stages}")
+            lines.append(
+                f"  runner-up: est. step ≥ {format_seconds(row['step_at_least_s'])} (bound, not solved)"
+                f"{screening}: {stages}"
+            )
         else:  # the ILP found no sharding of one of its stages
             lines.append(f"  runner-up: not possible{screening}: {stages}: {row.get('error', '').splitlines()[0]}")
     return lines
@@ -326,28 +416,36 @@ def _profile_lines(profile: dict[str, Any] | None) -> list[str]:
     """The summary's lines on measured profiling (``plan.solver["profile"]``, :mod:`.profiling`)."""
     if not profile:
         return []
-    lines = [f"  profiled: measured step {format_seconds(profile['measured_step_s'])} (estimate "
-             f"{format_seconds(profile['estimated_step_s'])}); {profile['timed_stages']} stage(s) timed, "
-             f"{profile['cached_stages']} from the profile cache"
-             + ("; the measurement changed the choice" if profile.get("changed_choice") else "")]
+    lines = [
+        f"  profiled: measured step {format_seconds(profile['measured_step_s'])} (estimate "
+        f"{format_seconds(profile['estimated_step_s'])}); {profile['timed_stages']} stage(s) timed, "
+        f"{profile['cached_stages']} from the profile cache"
+        + ("; the measurement changed the choice" if profile.get("changed_choice") else "")
+    ]
     if len(profile.get("candidates", [])) > 1:
         for row in profile["candidates"]:
             mark = "→" if row["candidate"] == profile["chosen"] else " "
-            lines.append(f"   {mark} candidate {row['candidate']}: measured {format_seconds(row['measured_step_s'])}, "
-                         f"estimate {format_seconds(row['estimated_step_s'])}")
+            lines.append(
+                f"   {mark} candidate {row['candidate']}: measured {format_seconds(row['measured_step_s'])}, "
+                f"estimate {format_seconds(row['estimated_step_s'])}"
+            )
     for link in profile.get("links", []):
-        lines.append(f"    link axis {link['axis']} ({link['devices']} devices): α {link['alpha'] * 1e6:.1f} µs, "
-                     f"β⁻¹ {1 / link['beta'] / 1e9 if link['beta'] else float('inf'):.2f} GB/s (fitted to "
-                     f"{len(link['points'])} timed all-reduces)")
+        lines.append(
+            f"    link axis {link['axis']} ({link['devices']} devices): α {link['alpha'] * 1e6:.1f} µs, "
+            f"β⁻¹ {1 / link['beta'] / 1e9 if link['beta'] else float('inf'):.2f} GB/s (fitted to "
+            f"{len(link['points'])} timed all-reduces)"
+        )
     return lines
 
 
-LAYOUT_LEGEND = ("layouts, one word per tensor dim: R = whole (replicated), S0 / S1 / S01 = split over logical mesh "
-                 "axis 0 / 1 / both (`S1 R`: rows split over axis 1, columns whole)")
+LAYOUT_LEGEND = (
+    "layouts, one word per tensor dim: R = whole (replicated), S0 / S1 / S01 = split over logical mesh "
+    "axis 0 / 1 / both (`S1 R`: rows split over axis 1, columns whole)"
+)
 """The legend ``summary()`` prints above the layouts (:func:`torchpar.ir.layout.describe` is their one text form)."""
 
 
-def expert_layouts(stage: "StagePlan") -> list[tuple[str, str, str]]:
+def expert_layouts(stage: StagePlan) -> list[tuple[str, str, str]]:
     """``(module, strategy, meaning)`` for each grouped matmul (mixture of experts) of the stage: split over its
     experts (expert parallelism: mesh axis ``a``'s ``i``-th device holds the ``i``-th block of experts, tokens
     exchanged by all-to-all), over its rows, its hidden dims, or not at all."""
@@ -359,18 +457,23 @@ def expert_layouts(stage: "StagePlan") -> list[tuple[str, str, str]]:
             continue
         if strategy.startswith("experts@"):
             parts = dict(part.split("@") for part in strategy.split(","))
-            meaning = (f"experts split over mesh axis {' and '.join(parts['experts'])} (device i of the axis holds "
-                       f"the i-th block of experts), rows over axis {' and '.join(parts['s'])}"
-                       + (f", columns over axis {parts['n']}" if "n" in parts else ""))
+            meaning = (
+                f"experts split over mesh axis {' and '.join(parts['experts'])} (device i of the axis holds "
+                f"the i-th block of experts), rows over axis {' and '.join(parts['s'])}"
+                + (f", columns over axis {parts['n']}" if "n" in parts else "")
+            )
         else:
             meaning = f"experts on every device ({strategy})"
         layouts.append((module or target, strategy, meaning))
     return layouts
 
 
-EXPERT_FAMILIES = {"split": "each device holds a block of experts, tokens exchanged by all-to-all",
-                   "tensor": "every expert's hidden dims split", "replicated": "every expert whole on every device",
-                   "rows": "every expert whole, token rows split"}
+EXPERT_FAMILIES = {
+    "split": "each device holds a block of experts, tokens exchanged by all-to-all",
+    "tensor": "every expert's hidden dims split",
+    "replicated": "every expert whole on every device",
+    "rows": "every expert whole, token rows split",
+}
 """The families of a grouped matmul's layouts (``ShardParallel.experts`` forces one of the first three)."""
 
 
@@ -385,26 +488,32 @@ def expert_family(strategy: str) -> str:
     return "rows"
 
 
-def _expert_lines(stage: "StagePlan") -> list[str]:
+def _expert_lines(stage: StagePlan) -> list[str]:
     """The summary's lines on the stage's grouped matmuls (:func:`expert_layouts`) and row exchanges, with its
     all-to-all bytes."""
     by_meaning: dict[str, list[str]] = {}
     for module, _, meaning in expert_layouts(stage):
         by_meaning.setdefault(meaning, []).append(module)
-    lines = [f"    experts: {len(modules)} grouped matmul(s), {meaning}: {', '.join(dict.fromkeys(modules))}"
-             for meaning, modules in by_meaning.items()]
+    lines = [
+        f"    experts: {len(modules)} grouped matmul(s), {meaning}: {', '.join(dict.fromkeys(modules))}"
+        for meaning, modules in by_meaning.items()
+    ]
     moved = _row_exchanges(stage)
     if moved:
-        lines.append(f"    routing: {len(moved)} gather(s)/put(s) by a whole index keep their rows split, moving only the "
-                     f"rows other devices need by all-to-all: {', '.join(dict.fromkeys(moved))}")
+        lines.append(
+            f"    routing: {len(moved)} gather(s)/put(s) by a whole index keep their rows split, moving only the "
+            f"rows other devices need by all-to-all: {', '.join(dict.fromkeys(moved))}"
+        )
     exchanged = stage.communication_bytes.get("all_to_all")
     if exchanged and by_meaning:
-        lines.append(f"    experts: the stage's all-to-alls send {format_bytes(exchanged)} per device per step (tokens to "
-                     "their experts and back among them, priced for a balanced router)")
+        lines.append(
+            f"    experts: the stage's all-to-alls send {format_bytes(exchanged)} per device per step (tokens to "
+            "their experts and back among them, priced for a balanced router)"
+        )
     return lines
 
 
-def _row_exchanges(stage: "StagePlan") -> list[str]:
+def _row_exchanges(stage: StagePlan) -> list[str]:
     """The modules of the stage's ``table[idx]`` / ``index_put`` ops that run as a row exchange (``rows@…,exchange``:
     ``torchpar.planner.sharding.exchange_strategies``)."""
     found = []
@@ -419,7 +528,7 @@ def _row_exchanges(stage: "StagePlan") -> list[str]:
 ATTENTION_TARGET = "aten.scaled_dot_product_attention.default"
 
 
-def sequence_layouts(stage: "StagePlan") -> list[tuple[str, str, str]]:
+def sequence_layouts(stage: StagePlan) -> list[tuple[str, str, str]]:
     """``(module, strategy, meaning)`` for each op of the stage that splits the tokens of a sequence: an attention
     with its sequence split (context parallelism: ``seq@A,ring`` or ``seq@A,allgather``) and a matmul whose output
     rows are reduce-scattered (Megatron's sequence parallelism: ``…>m@A``)."""
@@ -430,38 +539,48 @@ def sequence_layouts(stage: "StagePlan") -> list[tuple[str, str, str]]:
         if target == ATTENTION_TARGET and strategy.startswith("seq@"):
             parts = strategy.split(",")
             axes = " and ".join(parts[0].removeprefix("seq@"))
-            how = {"ring": "keys/values passed around a ring", "allgather": "keys/values all-gathered"}.get(parts[-1],
-                                                                                                      parts[-1])
+            how = {"ring": "keys/values passed around a ring", "allgather": "keys/values all-gathered"}.get(
+                parts[-1], parts[-1]
+            )
             others = parts[1:-1]
-            meaning = (f"context parallelism: sequence split over mesh axis {axes}, {how}"
-                       + (f" ({', '.join(others)})" if others else ""))
+            meaning = f"context parallelism: sequence split over mesh axis {axes}, {how}" + (
+                f" ({', '.join(others)})" if others else ""
+            )
         elif ">m@" in strategy:
-            meaning = (f"sequence parallelism: output tokens reduce-scattered over mesh axis "
-                       f"{' and '.join(strategy.rpartition('>m@')[2])}")
+            meaning = (
+                f"sequence parallelism: output tokens reduce-scattered over mesh axis "
+                f"{' and '.join(strategy.rpartition('>m@')[2])}"
+            )
         else:
             continue
         layouts.append((module or target, strategy, meaning))
     return layouts
 
 
-def _sequence_lines(stage: "StagePlan") -> list[str]:
+def _sequence_lines(stage: StagePlan) -> list[str]:
     """The summary's lines on the ops that split the sequence (:func:`sequence_layouts`), by what they do."""
     by_meaning: dict[str, list[str]] = {}
     for module, _, meaning in sequence_layouts(stage):
         by_meaning.setdefault(meaning, []).append(module)
-    return [f"    sequence: {len(modules)} op(s), {meaning}: {', '.join(dict.fromkeys(modules))}"
-            for meaning, modules in by_meaning.items()]
+    return [
+        f"    sequence: {len(modules)} op(s), {meaning}: {', '.join(dict.fromkeys(modules))}"
+        for meaning, modules in by_meaning.items()
+    ]
 
 
 def _constants_line(record: dict[str, Any]) -> str:
-    """Where the plan's cost constants came from (``plan.solver["cost_constants"]``, :mod:`torchpar.machine_constants`)."""
+    """Where the plan's cost constants came from (``plan.solver["cost_constants"]``,
+    :mod:`torchpar.machine_constants`)."""
     if record.get("source") != "measured":
         return str(record.get("source"))
-    return (f"measured on this machine ({record['busy_devices']} busy device(s){', from the profile cache' if record.get('cached') else ''}): "
-            f"{format_flops(record['flops'])}/s per device, {format_seconds(record['op_s'])} per op, "
-            f"{format_seconds(record['update_s'] * 1e6)} per million parameters updated → "
-            f"{format_flops(record['device_flops'])}/s for this graph's {record['graph_ops']} ops and "
-            f"{record['graph_params'] / 1e6:.3g} M trained parameters")
+    cached = ", from the profile cache" if record.get("cached") else ""
+    return (
+        f"measured on this machine ({record['busy_devices']} busy device(s){cached}): "
+        f"{format_flops(record['flops'])}/s per device, {format_seconds(record['op_s'])} per op, "
+        f"{format_seconds(record['update_s'] * 1e6)} per million parameters updated → "
+        f"{format_flops(record['device_flops'])}/s for this graph's {record['graph_ops']} ops and "
+        f"{record['graph_params'] / 1e6:.3g} M trained parameters"
+    )
 
 
 def _solver_value(value: Any) -> str:

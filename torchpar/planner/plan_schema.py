@@ -60,8 +60,9 @@ def validate_plan_dict(data: Any) -> None:
     first bad field otherwise. Reads ``data`` only; never evaluates anything in it.
     """
     if not isinstance(data, Mapping):
-        raise PlanFormatError(f"a plan must be a JSON object of fields, got {type(data).__name__} {_show(data)}",
-                              field="")
+        raise PlanFormatError(
+            f"a plan must be a JSON object of fields, got {type(data).__name__} {_show(data)}", field=""
+        )
     _check_fields("", data, PLAN_FIELDS, what="a plan")
     _check_plan_consistency(data)
 
@@ -77,14 +78,19 @@ def _check_fields(path: str, data: Mapping[str, Any], fields: Mapping[str, tuple
     each passes its check; ``what`` names the record in messages (``a plan``, ``a stage``)."""
     for key in data:
         if key not in fields:
-            raise PlanFormatError(f"plan field {_field(path, key)} is unknown; {what} has the fields "
-                                  f"{', '.join(sorted(fields))}", field=_field(path, key))
+            raise PlanFormatError(
+                f"plan field {_field(path, key)} is unknown; {what} has the fields {', '.join(sorted(fields))}",
+                field=_field(path, key),
+            )
     for name, (required, check) in fields.items():
         if name in data:
             check(_field(path, name), data[name])
         elif required:
-            raise PlanFormatError(f"plan field {_field(path, name)} is missing; {what} requires "
-                                  f"{', '.join(n for n, (r, _) in fields.items() if r)}", field=_field(path, name))
+            raise PlanFormatError(
+                f"plan field {_field(path, name)} is missing; {what} requires "
+                f"{', '.join(n for n, (r, _) in fields.items() if r)}",
+                field=_field(path, name),
+            )
 
 
 def _check_stages(path: str, value: Any) -> None:
@@ -105,12 +111,18 @@ def _check_stage_devices(path: str, stage: Mapping[str, Any]) -> None:
     submesh, logical = stage["submesh_shape"], stage["logical_mesh_shape"]
     count = math.prod(logical) * stage.get("data_replicas", 1)
     if math.prod(submesh) != count:
-        _fail(f"{path}.logical_mesh_shape", f"a mesh of the submesh's {math.prod(submesh)} devices (submesh_shape "
-              f"{list(submesh)})", logical)
+        _fail(
+            f"{path}.logical_mesh_shape",
+            f"a mesh of the submesh's {math.prod(submesh)} devices (submesh_shape {list(submesh)})",
+            logical,
+        )
     devices = stage.get("device_ids", [])
     if devices and len(devices) != count:
-        _fail(f"{path}.device_ids", f"empty or {count} device ids, one per device of the logical mesh "
-              f"{list(logical)}", devices)
+        _fail(
+            f"{path}.device_ids",
+            f"empty or {count} device ids, one per device of the logical mesh {list(logical)}",
+            devices,
+        )
     repeated = sorted(d for d, n in Counter(devices).items() if n > 1)
     if repeated:
         _fail(f"{path}.device_ids", f"distinct device ids (device {repeated[0]} is listed twice)", devices)
@@ -124,11 +136,19 @@ def _check_plan_consistency(data: Mapping[str, Any]) -> None:
         schedule = data.get("schedule", "none")
         if schedule not in PIPELINE_SCHEDULES:
             default = "" if "schedule" in data else " (the default: the field is missing)"
-            _fail("schedule", f"one of {_names(PIPELINE_SCHEDULES)} for a {method} plan", schedule,
-                  shown=_show(schedule) + default)
+            _fail(
+                "schedule",
+                f"one of {_names(PIPELINE_SCHEDULES)} for a {method} plan",
+                schedule,
+                shown=_show(schedule) + default,
+            )
     elif len(stages) != 1:
-        _fail("stages", f"a list of exactly 1 stage for a {method} plan (only pipeshard plans have more)",
-              len(stages), shown=f"{len(stages)} stages")
+        _fail(
+            "stages",
+            f"a list of exactly 1 stage for a {method} plan (only pipeshard plans have more)",
+            len(stages),
+            shown=f"{len(stages)} stages",
+        )
     cluster = data.get("cluster") or {}
     if not cluster:
         return
@@ -136,14 +156,18 @@ def _check_plan_consistency(data: Mapping[str, Any]) -> None:
     where = f"the plan's cluster ({cluster.get('num_hosts', 1)} host(s) × {cluster.get('devices_per_host', 1)})"
     for index, stage in enumerate(stages):
         if math.prod(stage["logical_mesh_shape"]) * stage.get("data_replicas", 1) > total:
-            _fail(f"stages[{index}].logical_mesh_shape", f"a mesh of at most the {total} devices of {where}",
-                  stage["logical_mesh_shape"])
+            _fail(
+                f"stages[{index}].logical_mesh_shape",
+                f"a mesh of at most the {total} devices of {where}",
+                stage["logical_mesh_shape"],
+            )
         outside = [d for d in stage.get("device_ids", []) if d >= total]
         if outside:
             _fail(f"stages[{index}].device_ids", f"device ids below {total}, the devices of {where}", outside[0])
 
 
 # --- field checks --------------------------------------------------------------------------------------
+
 
 def _check_method(path: str, value: Any) -> None:
     """One of :data:`METHOD_NAMES`, or a former name still read (``"auto"``)."""
@@ -205,7 +229,11 @@ def _check_spec(path: str, value: Any) -> None:
     for index, entry in enumerate(entries):
         if entry is None:
             continue
-        if not _is_list(entry) or not all(_is_int(a) and a in MESH_AXES for a in entry) or len(set(entry)) != len(entry):
+        if (
+            not _is_list(entry)
+            or not all(_is_int(a) and a in MESH_AXES for a in entry)
+            or len(set(entry)) != len(entry)
+        ):
             _fail(f"{path}[{index}]", _ENTRY, entry)
     used = [axis for entry in entries if entry for axis in entry]
     if len(used) != len(set(used)):
@@ -253,23 +281,30 @@ def _check_json_value(path: str, value: Any, depth: int) -> None:
 def _check_cluster(path: str, value: Any) -> None:
     """The cluster the plan was made for (``ClusterSpec.cost_constants``): ``num_hosts`` and ``devices_per_host``
     (ints ≥ 1) and the cost constants it was priced with; empty if unknown."""
-    _check_fields(path, _object(path, value, "an object with num_hosts and devices_per_host"), CLUSTER_FIELDS,
-                  what="a cluster")
+    _check_fields(
+        path, _object(path, value, "an object with num_hosts and devices_per_host"), CLUSTER_FIELDS, what="a cluster"
+    )
 
 
 def _check_layer_stats(path: str, value: Any) -> None:
     """Per pipeline layer: an object with the numbers ``flops`` and ``activation_bytes``."""
     for index, row in enumerate(_list(path, value, "a list of per-layer objects {flops, activation_bytes}")):
         where = f"{path}[{index}]"
-        _check_fields(where, _object(where, row, "an object {flops, activation_bytes}"), LAYER_STAT_FIELDS,
-                      what="a layer's statistics")
+        _check_fields(
+            where,
+            _object(where, row, "an object {flops, activation_bytes}"),
+            LAYER_STAT_FIELDS,
+            what="a layer's statistics",
+        )
 
 
 def _mapping_of(check: Check, what: str) -> Check:
     """A check of an object whose values each pass ``check`` (``what``: the object's description)."""
+
     def check_mapping(path: str, value: Any) -> None:
         for key, item in _object(path, value, what).items():
             check(_key(path, key), item)
+
     return check_mapping
 
 
@@ -341,8 +376,12 @@ STAGE_FIELDS: dict[str, tuple[bool, Check]] = {
     "activations": (False, _mapping_of(_check_value_spec, f"an object of node name → {_SPEC}")),
     "operands": (False, _mapping_of(_check_operand_specs, "an object of node name → operand layouts")),
     "strategies": (False, _mapping_of(_check_str, "an object of node name → strategy description")),
-    "op_options": (False, _mapping_of(_mapping_of(_check_str, "an object of option → value"),
-                                      "an object of node name → lowering options")),
+    "op_options": (
+        False,
+        _mapping_of(
+            _mapping_of(_check_str, "an object of option → value"), "an object of node name → lowering options"
+        ),
+    ),
     "data_replicas": (False, _check_positive_int),
     "device_ids": (False, _check_device_ids),
     "memory_breakdown": (False, _mapping_of(_check_number, "an object of part (parameters, …) → bytes per device")),
@@ -354,17 +393,25 @@ STAGE_FIELDS: dict[str, tuple[bool, Check]] = {
 """The fields of a stage (``StagePlan``'s dataclass fields): name → (required, check)."""
 
 CLUSTER_FIELDS: dict[str, tuple[bool, Check]] = {
-    "num_hosts": (False, _check_positive_int), "devices_per_host": (False, _check_positive_int),
-    "device_flops": (False, _check_number), "device_memory_bytes": (False, _check_number),
-    "alpha": (False, _check_axis_pair), "beta": (False, _check_axis_pair),
-    "inter_host_alpha": (False, _check_number), "inter_host_beta": (False, _check_number),
-    "preset": (False, _check_optional_str)}
-LAYER_STAT_FIELDS: dict[str, tuple[bool, Check]] = {"flops": (False, _check_number),
-                                                     "activation_bytes": (False, _check_number),
-                                                     "modules": (False, _check_str_list)}
+    "num_hosts": (False, _check_positive_int),
+    "devices_per_host": (False, _check_positive_int),
+    "device_flops": (False, _check_number),
+    "device_memory_bytes": (False, _check_number),
+    "alpha": (False, _check_axis_pair),
+    "beta": (False, _check_axis_pair),
+    "inter_host_alpha": (False, _check_number),
+    "inter_host_beta": (False, _check_number),
+    "preset": (False, _check_optional_str),
+}
+LAYER_STAT_FIELDS: dict[str, tuple[bool, Check]] = {
+    "flops": (False, _check_number),
+    "activation_bytes": (False, _check_number),
+    "modules": (False, _check_str_list),
+}
 
 
 # --- small helpers ---------------------------------------------------------------------------------------
+
 
 def _fail(path: str, expected: str, found: Any, *, shown: str | None = None) -> NoReturn:
     """Raise the error for the field at ``path``: it must be ``expected`` and is ``found`` (described as

@@ -12,11 +12,11 @@ A candidate pipeline of ``S`` stages on ``M`` micro-batches is estimated to take
 
     T = Σ_i t_i + (M − 1) · max_i t_i                    (:func:`.stages.pipeline_latency`)
 
-(1F1B and GPipe; interleaved 1F1B and ZB-H1 have their own formulas there, used alike) with ``t_i`` the per-micro-batch forward + backward time of stage ``i``. :func:`measured_step` puts the measured
-``t̂_i`` (median over repeats of the compiled stage's forward and backward on one micro-batch, compilation
-excluded) in place of the estimate, and :func:`rank_candidates` picks the candidate with the least measured
-``T̂``. The optimizer update (once per step, the same parameters whatever the partition) and the activation
-transfers between stages are in neither ``T`` nor ``T̂``.
+(1F1B and GPipe; interleaved 1F1B and ZB-H1 have their own formulas there, used alike) with ``t_i`` the per-micro-batch
+forward + backward time of stage ``i``. :func:`measured_step` puts the measured ``t̂_i`` (median over repeats of the
+compiled stage's forward and backward on one micro-batch, compilation excluded) in place of the estimate, and
+:func:`rank_candidates` picks the candidate with the least measured ``T̂``. The optimizer update (once per step, the
+same parameters whatever the partition) and the activation transfers between stages are in neither ``T`` nor ``T̂``.
 
 Link fitting
 ------------
@@ -33,8 +33,9 @@ constants stay as given (one process measures only the links between its own dev
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Protocol
 
 from torchpar.cluster import ClusterSpec
 from torchpar.planner.plan import StagePlan
@@ -80,8 +81,13 @@ class LinkFit:
     points: tuple[tuple[float, float], ...]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"axis": self.axis, "devices": self.devices, "alpha": self.alpha, "beta": self.beta,
-                "points": [list(p) for p in self.points]}
+        return {
+            "axis": self.axis,
+            "devices": self.devices,
+            "alpha": self.alpha,
+            "beta": self.beta,
+            "points": [list(p) for p in self.points],
+        }
 
 
 def fit_alpha_beta(points: Sequence[tuple[float, float]], devices: int) -> tuple[float, float]:
@@ -109,8 +115,9 @@ def calibrated_cluster(cluster: ClusterSpec, fits: Sequence[LinkFit]) -> Cluster
     return replace(cluster, alpha=tuple(alpha), beta=tuple(beta))
 
 
-def measured_step(timings: Sequence[StageTiming], num_micro_batches: int, schedule: str = "1f1b",
-                  virtual_stages: int = 1) -> float:
+def measured_step(
+    timings: Sequence[StageTiming], num_micro_batches: int, schedule: str = "1f1b", virtual_stages: int = 1
+) -> float:
     """The step of ``schedule`` on the stages' measured per-micro-batch times (:func:`.stages.pipeline_latency`:
     ``T̂ = Σ t̂ + (M − 1)·max t̂`` under 1F1B and GPipe)."""
     return pipeline_latency([t.step_s for t in timings], num_micro_batches, schedule, virtual_stages)
@@ -126,16 +133,28 @@ class RankedCandidate:
     measured_step_s: float
 
     def to_dict(self) -> dict[str, Any]:
-        return {"candidate": self.index, "estimated_step_s": self.estimated_step_s,
-                "measured_step_s": self.measured_step_s, "stages": [t.to_dict() for t in self.timings]}
+        return {
+            "candidate": self.index,
+            "estimated_step_s": self.estimated_step_s,
+            "measured_step_s": self.measured_step_s,
+            "stages": [t.to_dict() for t in self.timings],
+        }
 
 
-def rank_candidates(candidates: Sequence[tuple[float, Sequence[tuple[StageGraph, StagePlan]]]], timer: StageTimer,
-                    num_micro_batches: int, *, remat: str = "none", schedule: str = "1f1b", virtual_stages: int = 1,
-                    on_stage: Callable[[], None] | None = None) -> list[RankedCandidate]:
+def rank_candidates(
+    candidates: Sequence[tuple[float, Sequence[tuple[StageGraph, StagePlan]]]],
+    timer: StageTimer,
+    num_micro_batches: int,
+    *,
+    remat: str = "none",
+    schedule: str = "1f1b",
+    virtual_stages: int = 1,
+    on_stage: Callable[[], None] | None = None,
+) -> list[RankedCandidate]:
     """Time every stage of every candidate (``(estimated step s, [(stage graph, stage plan), …])``) with ``timer``
-    (activation checkpointing ``remat``) and return them fastest measured first by ``schedule``'s step formula (ties: the lower estimate first). A stage met twice (same graph, same
-    plan: candidates often share stages) is timed once. ``on_stage`` is called after each stage timed (progress)."""
+    (activation checkpointing ``remat``) and return them fastest measured first by ``schedule``'s step formula (ties:
+    the lower estimate first). A stage met twice (same graph, same plan: candidates often share stages) is timed once.
+    ``on_stage`` is called after each stage timed (progress)."""
     seen: dict[tuple[int, int], StageTiming] = {}
     ranked = []
     for index, (estimate, stages) in enumerate(candidates):
@@ -147,25 +166,33 @@ def rank_candidates(candidates: Sequence[tuple[float, Sequence[tuple[StageGraph,
                 if on_stage is not None:
                     on_stage()
             timings.append(seen[key])
-        ranked.append(RankedCandidate(index, float(estimate), timings,
-                                      measured_step(timings, num_micro_batches, schedule, virtual_stages)))
+        ranked.append(
+            RankedCandidate(
+                index, float(estimate), timings, measured_step(timings, num_micro_batches, schedule, virtual_stages)
+            )
+        )
     return sorted(ranked, key=lambda r: (r.measured_step_s, r.estimated_step_s))
 
 
-def record_profile(ranked: Sequence[RankedCandidate], chosen: RankedCandidate,
-                   stages: Sequence[StagePlan]) -> dict[str, Any]:
+def record_profile(
+    ranked: Sequence[RankedCandidate], chosen: RankedCandidate, stages: Sequence[StagePlan]
+) -> dict[str, Any]:
     """Write the chosen candidate's per-stage measurements into its ``stages`` (``StagePlan.measured_cost_s``) and
     return the record the plan keeps in ``plan.solver["profile"]`` (its ``links`` are filled by whoever timed
     them: ``torchpar.profiled.Profiling.record_links``)."""
     for stage, timing in zip(stages, chosen.timings):
         stage.measured_cost_s = timing.step_s
     estimate_order = sorted(ranked, key=lambda r: r.estimated_step_s)
-    return {"chosen": chosen.index, "measured_step_s": chosen.measured_step_s,
-            "estimated_step_s": chosen.estimated_step_s,
-            "changed_choice": estimate_order[0].index != chosen.index,
-            "candidates": [r.to_dict() for r in ranked], "links": [],
-            "cached_stages": sum(t.cached for r in ranked for t in r.timings),
-            "timed_stages": sum(not t.cached for r in ranked for t in r.timings)}
+    return {
+        "chosen": chosen.index,
+        "measured_step_s": chosen.measured_step_s,
+        "estimated_step_s": chosen.estimated_step_s,
+        "changed_choice": estimate_order[0].index != chosen.index,
+        "candidates": [r.to_dict() for r in ranked],
+        "links": [],
+        "cached_stages": sum(t.cached for r in ranked for t in r.timings),
+        "timed_stages": sum(not t.cached for r in ranked for t in r.timings),
+    }
 
 
 def profile_one_stage(plan: Any, graph: Any, timer: StageTimer) -> None:

@@ -83,10 +83,6 @@ class RematMemory:
     """The largest materialized output, whose size the backward's working set is priced at
     (:data:`BACKWARD_WORKING_COPIES` copies, once per step)."""
 
-    def keeps(self, name: str) -> bool:
-        """Whether node ``name``'s output counts in the step's peak memory (kept, or in the recomputed peak)."""
-        return name in self.kept or name in self.peak_layer
-
 
 def materialized(graph: Graph) -> frozenset[str]:
     """Nodes whose outputs a compiled step holds in memory (its activations): all but views (they alias an operand)
@@ -103,8 +99,11 @@ def materialized(graph: Graph) -> frozenset[str]:
     for node in graph.nodes:
         if node.target in VIEWS:
             continue
-        if (node.target in POINTWISE and node.name not in returned
-                and all(target in FUSED_READERS for target in readers.get(node.name, ()))):
+        if (
+            node.target in POINTWISE
+            and node.name not in returned
+            and all(target in FUSED_READERS for target in readers.get(node.name, ()))
+        ):
             continue
         live.add(node.name)
     return frozenset(live)
@@ -126,14 +125,25 @@ def remat_memory(graph: Graph, remat: str) -> RematMemory:
         for ref in node.refs():
             if ref in group_of and group_of.get(node.name) != group_of[ref]:
                 read_outside.add(ref)
-    kept = {name for name in live if name not in group_of or name in read_outside
-            or (remat == "selective" and nodes[name].target in SAVED_BY_SELECTIVE)}
+    kept = {
+        name
+        for name in live
+        if name not in group_of
+        or name in read_outside
+        or (remat == "selective" and nodes[name].target in SAVED_BY_SELECTIVE)
+    }
     dropped = [[name for name in group if name in live and name not in kept] for group in groups]
     largest = max(dropped, key=lambda names: sum(nodes[n].out_bytes for n in names))
     # the whole group runs again (its outputs too), except what the policy saved
     recomputed = {name for name in group_of if not (remat == "selective" and nodes[name].target in SAVED_BY_SELECTIVE)}
-    return RematMemory(remat, frozenset(kept), frozenset(largest), frozenset(recomputed),
-                       tuple(frozenset(names) for names in dropped), working)
+    return RematMemory(
+        remat,
+        frozenset(kept),
+        frozenset(largest),
+        frozenset(recomputed),
+        tuple(frozenset(names) for names in dropped),
+        working,
+    )
 
 
 def layer_of(module_path: str) -> str | None:

@@ -17,7 +17,7 @@ choice.
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 from torchpar.planner.plan import Plan
 from torchpar.planner.remat import REMAT_OPTIONS
@@ -38,13 +38,14 @@ class NoFasterPlan(ValueError):
     its step is at least ``step_at_least_s``."""
 
     def __init__(self, step_at_least_s: float, beat_s: float):
-        super().__init__(f"its step is at least {step_at_least_s:.6g} s by the ILP's lower bounds, no better than "
-                         f"{beat_s:.6g} s: not solved to the end")
+        super().__init__(
+            f"its step is at least {step_at_least_s:.6g} s by the ILP's lower bounds, no better than "
+            f"{beat_s:.6g} s: not solved to the end"
+        )
         self.step_at_least_s, self.beat_s = step_at_least_s, beat_s
 
 
-def choose_remat(make_plan: Callable[[str], Plan], budget_bytes: float,
-                 order: tuple[str, ...] = ORDER) -> Plan:
+def choose_remat(make_plan: Callable[[str], Plan], budget_bytes: float, order: tuple[str, ...] = ORDER) -> Plan:
     """The plan of the best option (module docstring). ``make_plan(remat)`` plans with one option and raises
     ``ValueError`` when nothing fits (:class:`NoFasterPlan` when it proved the option slower than one planned before or
     elsewhere; if every option that fits was, :class:`NoFasterPlan` is raised here too);
@@ -60,8 +61,15 @@ def choose_remat(make_plan: Callable[[str], Plan], budget_bytes: float,
             plan = make_plan(remat)
         except NoFasterPlan as slower:
             slower_than.append(slower)
-            candidates.append({"remat": remat, "fits": None, "pruned": True, "step_at_least_s": slower.step_at_least_s,
-                               "error": str(slower)})
+            candidates.append(
+                {
+                    "remat": remat,
+                    "fits": None,
+                    "pruned": True,
+                    "step_at_least_s": slower.step_at_least_s,
+                    "error": str(slower),
+                }
+            )
             continue
         except ValueError as error:
             candidates.append({"remat": remat, "fits": False, "error": str(error).splitlines()[0]})
@@ -69,8 +77,7 @@ def choose_remat(make_plan: Callable[[str], Plan], budget_bytes: float,
             continue
         peak = max(stage.estimated_memory_bytes for stage in plan.stages)
         fits = peak <= budget_bytes
-        row = {"remat": remat, "fits": fits, "estimated_step_s": plan.estimated_step_s,
-               "estimated_memory_bytes": peak}
+        row = {"remat": remat, "fits": fits, "estimated_step_s": plan.estimated_step_s, "estimated_memory_bytes": peak}
         if not fits:
             row["error"] = f"needs {format_bytes(peak)} per device, over the {format_bytes(budget_bytes)} budget"
         else:
@@ -80,17 +87,25 @@ def choose_remat(make_plan: Callable[[str], Plan], budget_bytes: float,
     if not plans and slower_than:  # every option that fits is provably no faster than a plan made elsewhere
         raise NoFasterPlan(min(s.step_at_least_s for s in slower_than), min(s.beat_s for s in slower_than))
     if not plans and len(errors) == len(ORDER) and len({str(e) for e in errors}) == 1:
-        raise errors[0]  # the same error whatever remat does (a mesh larger than the cluster, a batch that does not split)
+        raise errors[
+            0
+        ]  # the same error whatever remat does (a mesh larger than the cluster, a batch that does not split)
     if not plans:
         reasons = "\n  ".join(f"remat={c['remat']!r}: {c['error']}" for c in candidates)
-        raise ValueError(f"no plan fits {format_bytes(budget_bytes)} per device with any activation checkpointing:"
-                         f"\n  {reasons}\nTry more devices, a larger memory budget, smaller (micro-)batches "
-                         "(num_micro_batches) or Zero3Parallel.")
+        raise ValueError(
+            f"no plan fits {format_bytes(budget_bytes)} per device with any activation checkpointing:"
+            f"\n  {reasons}\nTry more devices, a larger memory budget, smaller (micro-)batches "
+            "(num_micro_batches) or Zero3Parallel."
+        )
     chosen = min(plans, key=lambda r: (plans[r].estimated_step_s, ORDER.index(r)))
     plan = plans[chosen]
     plan.remat = chosen
-    plan.solver["remat"] = {"option": "auto", "chosen": chosen, "candidates": candidates,
-                            "reason": _reason(chosen, candidates, budget_bytes)}
+    plan.solver["remat"] = {
+        "option": "auto",
+        "chosen": chosen,
+        "candidates": candidates,
+        "reason": _reason(chosen, candidates, budget_bytes),
+    }
     log.info("torchpar: remat='auto' chose %r: %s", chosen, plan.solver["remat"]["reason"])
     return plan
 
@@ -100,16 +115,24 @@ def _reason(chosen: str, candidates: list[dict], budget_bytes: float) -> str:
     none = by_name["none"]
     step = by_name[chosen]["estimated_step_s"]
     if chosen == "none":
-        return (f"without remat the step fits ({format_bytes(none['estimated_memory_bytes'])} of "
-                f"{format_bytes(budget_bytes)} per device, est. {format_seconds(step)}); recomputing would only add "
-                "compute")
+        return (
+            f"without remat the step fits ({format_bytes(none['estimated_memory_bytes'])} of "
+            f"{format_bytes(budget_bytes)} per device, est. {format_seconds(step)}); recomputing would only add "
+            "compute"
+        )
     if none.get("pruned"):
-        return (f"{chosen!r} is the fastest plan that fits ({format_bytes(by_name[chosen]['estimated_memory_bytes'])} "
-                f"per device, est. {format_seconds(step)}); without remat the step is at least "
-                f"{format_seconds(none['step_at_least_s'])} (bounded, not solved to the end)")
+        return (
+            f"{chosen!r} is the fastest plan that fits ({format_bytes(by_name[chosen]['estimated_memory_bytes'])} "
+            f"per device, est. {format_seconds(step)}); without remat the step is at least "
+            f"{format_seconds(none['step_at_least_s'])} (bounded, not solved to the end)"
+        )
     if not none["fits"]:
-        return (f"without remat nothing fits {format_bytes(budget_bytes)} per device ({none['error']}); "
-                f"{chosen!r} fits ({format_bytes(by_name[chosen]['estimated_memory_bytes'])}) at the lowest "
-                f"estimated step among those that fit, {format_seconds(step)}")
-    return (f"{chosen!r} lets the plan fit a faster sharding: est. {format_seconds(step)} against "
-            f"{format_seconds(none['estimated_step_s'])} without remat")
+        return (
+            f"without remat nothing fits {format_bytes(budget_bytes)} per device ({none['error']}); "
+            f"{chosen!r} fits ({format_bytes(by_name[chosen]['estimated_memory_bytes'])}) at the lowest "
+            f"estimated step among those that fit, {format_seconds(step)}"
+        )
+    return (
+        f"{chosen!r} lets the plan fit a faster sharding: est. {format_seconds(step)} against "
+        f"{format_seconds(none['estimated_step_s'])} without remat"
+    )

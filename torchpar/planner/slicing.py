@@ -38,8 +38,10 @@ class StageGraph:
 
     def summary(self) -> str:
         flops = self.graph.total_flops
-        return (f"stage {self.index}: {len(self.graph.nodes)} ops, {flops / 1e9:.3f} GFLOP, params {len(self.params)}, "
-                f"in {list(self.activation_inputs)}, out {list(self.activation_outputs)}")
+        return (
+            f"stage {self.index}: {len(self.graph.nodes)} ops, {flops / 1e9:.3f} GFLOP, params {len(self.params)}, "
+            f"in {list(self.activation_inputs)}, out {list(self.activation_outputs)}"
+        )
 
 
 def stage_of_nodes(graph: Graph, layer_of: dict[str, int], stage_layers: list[list[int]]) -> dict[str, int]:
@@ -67,8 +69,10 @@ def slice_stages(graph: Graph, stage_of: dict[str, int]) -> list[StageGraph]:
     for node in graph.nodes:
         stage = stage_of[node.name]
         if stage < previous and node.target != "getitem":
-            raise ValueError(f"node {node.name} is in stage {stage} after a node of stage {previous}: "
-                             "stages must be contiguous in graph order")
+            raise ValueError(
+                f"node {node.name} is in stage {stage} after a node of stage {previous}: "
+                "stages must be contiguous in graph order"
+            )
         previous = max(previous, stage)
         for ref in node.refs():
             if ref in producers and stage_of[ref] > stage:
@@ -78,10 +82,12 @@ def slice_stages(graph: Graph, stage_of: dict[str, int]) -> list[StageGraph]:
         stages_of_region = {stage_of[graph.nodes[index].name] for index in region.node_range()}
         if len(stages_of_region) > 1:
             node = graph.nodes[region.start]
-            raise ValueError(f"a pipeline stage boundary falls inside a custom torch.autograd.Function (at "
-                             f"{node.source or 'an unknown line'}; nodes {region.start}:{region.stop} are in stages "
-                             f"{sorted(stages_of_region)}): its backward runs as one piece, so the Function must lie "
-                             "within one stage; move mark_pipeline_boundary out of its forward")
+            raise ValueError(
+                f"a pipeline stage boundary falls inside a custom torch.autograd.Function (at "
+                f"{node.source or 'an unknown line'}; nodes {region.start}:{region.stop} are in stages "
+                f"{sorted(stages_of_region)}): its backward runs as one piece, so the Function must lie "
+                "within one stage; move mark_pipeline_boundary out of its forward"
+            )
     consumers: dict[str, set[int]] = {}
     for node in graph.nodes:
         for ref in node.refs():
@@ -126,12 +132,21 @@ def slice_stages(graph: Graph, stage_of: dict[str, int]) -> list[StageGraph]:
                         seen.add(out.value.name)
                         stage_inputs.append(inputs_by_name[out.value.name])
         constants = {i.target: graph.constants[i.target] for i in stage_inputs if i.kind == "constant"}
-        backwards = {region.call: graph.custom_backwards[region.call] for region in regions
-                     if stage_of[graph.nodes[region.start].name] == s}
+        backwards = {
+            region.call: graph.custom_backwards[region.call]
+            for region in regions
+            if stage_of[graph.nodes[region.start].name] == s
+        }
         sub = Graph(inputs=stage_inputs, nodes=nodes, outputs=outputs, constants=constants, custom_backwards=backwards)
         sub.validate()
-        stages.append(StageGraph(
-            index=s, graph=sub, activation_inputs=tuple(activations_in), activation_outputs=tuple(activations_out),
-            params=tuple(dict.fromkeys(i.target for i in stage_inputs if i.kind == "param")),
-            batch_inputs=tuple(sorted({int(i.target) for i in stage_inputs if i.kind == "input"}))))
+        stages.append(
+            StageGraph(
+                index=s,
+                graph=sub,
+                activation_inputs=tuple(activations_in),
+                activation_outputs=tuple(activations_out),
+                params=tuple(dict.fromkeys(i.target for i in stage_inputs if i.kind == "param")),
+                batch_inputs=tuple(sorted({int(i.target) for i in stage_inputs if i.kind == "input"})),
+            )
+        )
     return stages

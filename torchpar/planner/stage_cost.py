@@ -14,8 +14,7 @@ from typing import NamedTuple, Protocol
 import numpy as np
 
 from torchpar.cluster import ClusterSpec
-from torchpar.ir.graph import Graph
-from torchpar.ir.graph import DTYPE_BYTES
+from torchpar.ir.graph import DTYPE_BYTES, Graph
 from torchpar.ir.op_families import GROUPED_MATMULS, VIEWS
 from torchpar.planner.layers import Layering
 from torchpar.planner.mesh_links import stage_mesh
@@ -52,8 +51,9 @@ class StageCostModel(Protocol):
     def __call__(self, first_layer: int, last_layer: int, submesh: Shape, logical: Shape) -> StageCost: ...
 
 
-def stage_options(cost: StageCostModel, first_layer: int, last_layer: int, submesh: Shape,
-                  logical: Shape) -> tuple[StageCost, ...]:
+def stage_options(
+    cost: StageCostModel, first_layer: int, last_layer: int, submesh: Shape, logical: Shape
+) -> tuple[StageCost, ...]:
     """The costs ``cost`` offers for a stage: those of its ``options`` method when it has one (layout families
     with different memory, of which the DP takes the fastest that fits), else its one ``cost(...)``."""
     options = getattr(cost, "options", None)
@@ -121,8 +121,15 @@ class AnalyticStageCost:
     fits memory. Cross-stage transfers are not priced (as in Alpa).
     """
 
-    def __init__(self, layering: Layering, graph: Graph, cluster: ClusterSpec, num_micro_batches: int,
-                 optimizer_state_copies: float, remat: str = "none"):
+    def __init__(
+        self,
+        layering: Layering,
+        graph: Graph,
+        cluster: ClusterSpec,
+        num_micro_batches: int,
+        optimizer_state_copies: float,
+        remat: str = "none",
+    ):
         if num_micro_batches < 1:
             raise ValueError(f"num_micro_batches must be ≥ 1, got {num_micro_batches}")
         if optimizer_state_copies < 0:
@@ -154,8 +161,9 @@ class AnalyticStageCost:
             self._params.append(frozenset(target for kind, target, _ in reads if kind == "param"))
             self._buffers.append(frozenset(target for kind, target, _ in reads if kind == "buffer"))
             counted = [n for n in nodes if n.target not in VIEWS]
-            held = {n.name: n.out_bytes + attention_probabilities_bytes(n, [metas.get(r) for r in n.refs()])
-                    for n in nodes}  # an attention's L × S probabilities beside its output, as the ILP counts them
+            held = {
+                n.name: n.out_bytes + attention_probabilities_bytes(n, [metas.get(r) for r in n.refs()]) for n in nodes
+            }  # an attention's L × S probabilities beside its output, as the ILP counts them
             self._activation.append(float(sum(held[n.name] for n in counted if n.name in kept.kept)))
             self._recomputed_flops.append(float(sum(n.flops for n in nodes if n.name in kept.recomputed)))
             dropped: dict[int, float] = {}
@@ -166,16 +174,28 @@ class AnalyticStageCost:
             self._largest.append(float(max((held[n.name] for n in nodes if n.name in live), default=0)))
             weight_matmuls = [n for n in nodes if n.target in _WEIGHT_MATMULS]
             exchanged = [_all_reduced_bytes(n, metas, of_weight) for n in weight_matmuls]
-            self._weight_matmuls.append(tuple(
-                (nbytes, float(self._state_bytes[of_weight[weight]]))
-                for n, nbytes in zip(weight_matmuls, exchanged) if nbytes is not None
-                for weight in [_weight_of(n, of_weight)] if of_weight[weight] in self._state_bytes))
+            self._weight_matmuls.append(
+                tuple(
+                    (nbytes, float(self._state_bytes[of_weight[weight]]))
+                    for n, nbytes in zip(weight_matmuls, exchanged)
+                    if nbytes is not None
+                    for weight in [_weight_of(n, of_weight)]
+                    if of_weight[weight] in self._state_bytes
+                )
+            )
             exchanged = [nbytes for nbytes in exchanged if nbytes is not None]
             self._tensor_parallel.append((len(exchanged), float(sum(exchanged))))
             grouped = (_grouped_matmul(n, metas) for n in nodes if n.target in GROUPED_MATMULS)
             self._grouped.append(tuple(g for g in grouped if g is not None))
-            self._expert_params.append(frozenset(of_weight[ref] for n in nodes if n.target in GROUPED_MATMULS
-                                                 for ref in list(n.refs())[1:2] if ref in of_weight))
+            self._expert_params.append(
+                frozenset(
+                    of_weight[ref]
+                    for n in nodes
+                    if n.target in GROUPED_MATMULS
+                    for ref in list(n.refs())[1:2]
+                    if ref in of_weight
+                )
+            )
         self._entering = _entering_values(graph, layering)
         leading = [i.meta.shape[0] for i in graph.inputs if i.kind == "input" and i.meta.shape]
         self.micro_batch_rows: int | None = math.gcd(*leading) if leading else None
@@ -187,26 +207,32 @@ class AnalyticStageCost:
 
     def _range_totals(self, first: int, last: int) -> _RangeTotals:
         layers = range(first, last + 1)
-        params = frozenset().union(*(self._params[l] for l in layers))
-        experts = frozenset().union(*(self._expert_params[l] for l in layers)) & params
-        buffers = frozenset().union(*(self._buffers[l] for l in layers)) - params
+        params = frozenset().union(*(self._params[layer] for layer in layers))
+        experts = frozenset().union(*(self._expert_params[layer] for layer in layers)) & params
+        buffers = frozenset().union(*(self._buffers[layer] for layer in layers)) - params
         dropped: dict[int, float] = {}
-        for l in layers:
-            for group, nbytes in self._dropped[l].items():
+        for layer in layers:
+            for group, nbytes in self._dropped[layer].items():
                 dropped[group] = dropped.get(group, 0.0) + nbytes
         return _RangeTotals(
-            flops=float(sum(self.layering.flops[l] for l in layers)),
+            flops=float(sum(self.layering.flops[layer] for layer in layers)),
             param_bytes=float(sum(self._state_bytes[t] for t in params)),
             buffer_bytes=float(sum(self._state_bytes[t] for t in buffers)),
-            activation_bytes=float(sum(self._activation[l] for l in layers)),
-            weight_matmuls=sum(self._tensor_parallel[l][0] for l in layers),
-            exchanged_bytes=float(sum(self._tensor_parallel[l][1] for l in layers)),
-            recomputed_flops=float(sum(self._recomputed_flops[l] for l in layers)),
+            activation_bytes=float(sum(self._activation[layer] for layer in layers)),
+            weight_matmuls=sum(self._tensor_parallel[layer][0] for layer in layers),
+            exchanged_bytes=float(sum(self._tensor_parallel[layer][1] for layer in layers)),
+            recomputed_flops=float(sum(self._recomputed_flops[layer] for layer in layers)),
             recomputed_peak_bytes=max(dropped.values(), default=0.0),
-            received_bytes=float(sum(nbytes for defined, readers, nbytes in self._entering
-                                     if defined < first and any(first <= r <= last for r in readers))),
-            largest_bytes=max(self._largest[l] for l in layers),
-            expert_param_bytes=float(sum(self._state_bytes[t] for t in experts)))
+            received_bytes=float(
+                sum(
+                    nbytes
+                    for defined, readers, nbytes in self._entering
+                    if defined < first and any(first <= r <= last for r in readers)
+                )
+            ),
+            largest_bytes=max(self._largest[layer] for layer in layers),
+            expert_param_bytes=float(sum(self._state_bytes[t] for t in experts)),
+        )
 
     def _layer_expert_costs(self, layer: int, submesh: Shape, logical: Shape) -> tuple[float, float]:
         """``(compute_s, communication_s)`` layer ``layer``'s grouped matmuls add per micro-batch beyond their
@@ -240,9 +266,15 @@ class AnalyticStageCost:
             return (plain,)
         return plain, self._price(first_layer, last_layer, submesh, logical, dense_replicated=True)
 
-    def _split_weight_options(self, plain: StageCost, first_layer: int, last_layer: int, submesh: Shape,
-                              logical: Shape, fractions: tuple[float, ...] = (0.25, 0.5, 0.75, 1.0)
-                              ) -> tuple[StageCost, ...]:
+    def _split_weight_options(
+        self,
+        plain: StageCost,
+        first_layer: int,
+        last_layer: int,
+        submesh: Shape,
+        logical: Shape,
+        fractions: tuple[float, ...] = (0.25, 0.5, 0.75, 1.0),
+    ) -> tuple[StageCost, ...]:
         """On a data-parallel ``(n, 1)`` mesh, the stage with some weight matmuls split over all ``n`` devices (the
         ILP may split a weight over axis 0 too, e.g. a wide convolution's channels, when replicating it does not
         fit): weight ``w`` split saves ``P_w·(2 + optimizer_state_copies)·(1 − 1/n)`` bytes and its gradient sync,
@@ -263,21 +295,28 @@ class AnalyticStageCost:
         for fraction in fractions:  # the fewest cheapest splits that save this fraction of all the bytes
             last = min(int(np.searchsorted(saved_so_far, fraction * saved_so_far[-1] * (1 - 1e-9))), len(order) - 1)
             added = float(cost_so_far[last])
-            options.append(StageCost(latency_s=plain.latency_s + added,
-                                     memory_bytes=plain.memory_bytes - float(saved_so_far[last]),
-                                     activation_bytes=plain.activation_bytes, compute_s=plain.compute_s,
-                                     communication_s=plain.communication_s + added))
+            options.append(
+                StageCost(
+                    latency_s=plain.latency_s + added,
+                    memory_bytes=plain.memory_bytes - float(saved_so_far[last]),
+                    activation_bytes=plain.activation_bytes,
+                    compute_s=plain.compute_s,
+                    communication_s=plain.communication_s + added,
+                )
+            )
         return tuple(options)
 
     def _weight_matmul_arrays(self, first_layer: int, last_layer: int) -> tuple[np.ndarray, np.ndarray]:
         """``(X_w, weight bytes)`` of layers ``first_layer..last_layer``'s weight matmuls with a weight of their own
         (bytes > 0), as arrays."""
-        pairs = [pair for layer in range(first_layer, last_layer + 1) for pair in self._weight_matmuls[layer]
-                 if pair[1] > 0]
+        pairs = [
+            pair for layer in range(first_layer, last_layer + 1) for pair in self._weight_matmuls[layer] if pair[1] > 0
+        ]
         return (np.array([x for x, _ in pairs], dtype=np.float64), np.array([w for _, w in pairs], dtype=np.float64))
 
-    def _price(self, first_layer: int, last_layer: int, submesh: Shape, logical: Shape, *,
-               dense_replicated: bool) -> StageCost:
+    def _price(
+        self, first_layer: int, last_layer: int, submesh: Shape, logical: Shape, *, dense_replicated: bool
+    ) -> StageCost:
         devices = submesh[0] * submesh[1]
         data, tensor = logical
         if data * tensor != devices:
@@ -289,24 +328,30 @@ class AnalyticStageCost:
         params, expert_params, matmuls = totals.param_bytes, totals.expert_param_bytes, totals.weight_matmuls
         mesh = self._mesh((data, tensor), tuple(submesh))
         compute = (3.0 * totals.flops + totals.recomputed_flops) / (devices * self.cluster.device_flops)
-        experts = [self._experts(l, submesh, logical) for l in range(first_layer, last_layer + 1)]
+        experts = [self._experts(layer, submesh, logical) for layer in range(first_layer, last_layer + 1)]
         compute += sum(c for c, _ in experts)
         communication = sum(c for _, c in experts)
         if dense_replicated:
             split, whole = expert_params, params - expert_params
-            communication += (mesh.all_reduce(split / tensor, [0]) + mesh.all_reduce(whole, [0, 1])) \
-                / self.num_micro_batches
+            communication += (
+                mesh.all_reduce(split / tensor, [0]) + mesh.all_reduce(whole, [0, 1])
+            ) / self.num_micro_batches
         else:
             split, whole = params, 0.0
             latency_1 = mesh.all_reduce(0.0, [1])  # AR_1 is affine in its bytes: α + slope·bytes
-            communication += (mesh.all_reduce(params / tensor, [0]) / self.num_micro_batches
-                              + matmuls * latency_1
-                              + (mesh.all_reduce(1.0, [1]) - latency_1) * totals.exchanged_bytes / data)
+            communication += (
+                mesh.all_reduce(params / tensor, [0]) / self.num_micro_batches
+                + matmuls * latency_1
+                + (mesh.all_reduce(1.0, [1]) - latency_1) * totals.exchanged_bytes / data
+            )
         state_copies = 2.0 + self.optimizer_state_copies
         return StageCost(
             latency_s=compute + communication,
-            memory_bytes=((split * state_copies + totals.buffer_bytes) / tensor + whole * state_copies
-                          + (totals.recomputed_peak_bytes + BACKWARD_WORKING_COPIES * totals.largest_bytes) / devices),
+            memory_bytes=(
+                (split * state_copies + totals.buffer_bytes) / tensor
+                + whole * state_copies
+                + (totals.recomputed_peak_bytes + BACKWARD_WORKING_COPIES * totals.largest_bytes) / devices
+            ),
             activation_bytes=(totals.activation_bytes + totals.received_bytes) / devices,
             compute_s=compute,
             communication_s=communication,
@@ -360,8 +405,12 @@ def _grouped_matmul(node, metas: dict) -> _GroupedMatmul | None:
     shapes = tuple(tuple(metas[r].shape) for r in refs[:3])
     if len(shapes[0]) != 2 or len(shapes[1]) != 3:
         return None
-    return _GroupedMatmul(shapes=shapes, flops=float(node.flops), itemsize=DTYPE_BYTES.get(metas[refs[0]].dtype, 4),
-                          exchanged_bytes=float(min(node.out_bytes, metas[refs[0]].nbytes)))
+    return _GroupedMatmul(
+        shapes=shapes,
+        flops=float(node.flops),
+        itemsize=DTYPE_BYTES.get(metas[refs[0]].dtype, 4),
+        exchanged_bytes=float(min(node.out_bytes, metas[refs[0]].nbytes)),
+    )
 
 
 def _grouped_matmul_cost(matmul: _GroupedMatmul, mesh: LogicalMesh) -> tuple[float, float]:
@@ -423,7 +472,7 @@ def _entering_values(graph: Graph, layering: Layering) -> list[tuple[int, tuple[
     read in ``k..i`` (views count as the value they view, as :func:`torchpar.planner.slicing.slice_stages` sends)."""
     kinds = {i.name: i.kind for i in graph.inputs}
     sizes = {i.name: i.meta.nbytes for i in graph.inputs if i.kind == "input"}
-    defined: dict[str, int] = {name: -1 for name in sizes}
+    defined: dict[str, int] = dict.fromkeys(sizes, -1)
     readers: dict[str, set[int]] = {}
     for node in graph.nodes:
         layer = layering.layer_of[node.name]

@@ -58,8 +58,9 @@ import itertools
 import logging
 import math
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Literal, Sequence
+from typing import Literal
 
 import numpy as np
 
@@ -73,6 +74,7 @@ Schedule = Literal["1f1b", "gpipe", "interleaved_1f1b", "zb_h1"]
 
 
 # ---------------------------------------------------------------------------------------------- result
+
 
 @dataclass(frozen=True)
 class StageChoice:
@@ -111,8 +113,9 @@ class StagePartition:
 
     @property
     def cost_s(self) -> float:
-        return pipeline_latency([s.latency_s for s in self.stages], self.num_micro_batches, self.schedule,
-                                self.virtual_stages)
+        return pipeline_latency(
+            [s.latency_s for s in self.stages], self.num_micro_batches, self.schedule, self.virtual_stages
+        )
 
     @property
     def forward_stage_layer_ids(self) -> tuple[tuple[int, ...], ...]:
@@ -127,14 +130,25 @@ class StagePartition:
         return tuple(s.logical for s in self.stages)
 
     def to_dict(self) -> dict:
-        return {"estimated_step_s": self.cost_s,
-                "stages": [{"layers": list(s.layers), "submesh_shape": list(s.submesh),
-                            "logical_mesh_shape": list(s.logical), "estimated_cost_s": s.latency_s,
-                            "estimated_memory_bytes": s.memory_bytes} for s in self.stages]}
+        return {
+            "estimated_step_s": self.cost_s,
+            "stages": [
+                {
+                    "layers": list(s.layers),
+                    "submesh_shape": list(s.submesh),
+                    "logical_mesh_shape": list(s.logical),
+                    "estimated_cost_s": s.latency_s,
+                    "estimated_memory_bytes": s.memory_bytes,
+                }
+                for s in self.stages
+            ],
+        }
 
     def __str__(self) -> str:
-        parts = [f"L{s.first_layer}-{s.last_layer}@{s.submesh[0]}x{s.submesh[1]}/{s.logical[0]}x{s.logical[1]}"
-                 for s in self.stages]
+        parts = [
+            f"L{s.first_layer}-{s.last_layer}@{s.submesh[0]}x{s.submesh[1]}/{s.logical[0]}x{s.logical[1]}"
+            for s in self.stages
+        ]
         return f"{self.cost_s * 1e3:.3f} ms [{' | '.join(parts)}]"
 
 
@@ -163,20 +177,25 @@ class StagePlanResult:
         best = self.best
         latencies = [s.latency_s for s in best.stages]
         formula = latency_formula(best.schedule, best.num_micro_batches, best.virtual_stages)
-        lines = [f"Stage DP: {len(best.stages)} stage(s), {best.num_micro_batches} micro-batch(es), est. step "
-                 f"{best.cost_s * 1e3:.3f} ms = {formula}"
-                 f" with Σ stage {sum(latencies) * 1e3:.3f} ms, max stage {max(latencies) * 1e3:.3f} ms; DP "
-                 f"{self.dp_s:.3f}s, t_max tried {self.num_t_max_tried}/{self.num_t_max_candidates}"]
+        lines = [
+            f"Stage DP: {len(best.stages)} stage(s), {best.num_micro_batches} micro-batch(es), est. step "
+            f"{best.cost_s * 1e3:.3f} ms = {formula}"
+            f" with Σ stage {sum(latencies) * 1e3:.3f} ms, max stage {max(latencies) * 1e3:.3f} ms; DP "
+            f"{self.dp_s:.3f}s, t_max tried {self.num_t_max_tried}/{self.num_t_max_candidates}"
+        ]
         for index, s in enumerate(best.stages):
-            lines.append(f"  stage {index}: layers {s.first_layer}-{s.last_layer}, submesh {s.submesh}, logical "
-                         f"{s.logical}, {s.latency_s * 1e3:.3f} ms, {s.memory_bytes / 2**20:.1f} MiB/device")
+            lines.append(
+                f"  stage {index}: layers {s.first_layer}-{s.last_layer}, submesh {s.submesh}, logical "
+                f"{s.logical}, {s.latency_s * 1e3:.3f} ms, {s.memory_bytes / 2**20:.1f} MiB/device"
+            )
         for rank, other in enumerate(self.runners_up, 2):
             lines.append(f"  #{rank}: {other}")
         return "\n".join(lines)
 
 
-def pipeline_latency(latencies: Sequence[float], num_micro_batches: int, schedule: Schedule = "1f1b",
-                     virtual_stages: int = 1) -> float:
+def pipeline_latency(
+    latencies: Sequence[float], num_micro_batches: int, schedule: Schedule = "1f1b", virtual_stages: int = 1
+) -> float:
     """The step time of a pipeline with stage latencies ``t`` (one micro-batch's forward + backward each):
     ``Σ t + (B − 1)·max t`` under 1F1B and GPipe; ``Σ t / 3 + (B − 1/3)·max t`` under ZB-H1 (``t`` in equal
     thirds F, B, W); ``Σ t / v + (vB − 1)·max t`` under interleaved 1F1B with ``v`` stages per device group.
@@ -196,17 +215,29 @@ def latency_formula(schedule: Schedule, num_micro_batches: int, virtual_stages: 
         return f"Σ stage/3 + ({B}−⅓)·max stage (zb_h1; bubble (S−1)/(3·{B}+S−1) on equal stages)"
     if schedule == "interleaved_1f1b":
         v = virtual_stages
-        return (f"Σ stage/{v} + ({v}·{B}−1)·max stage (interleaved_1f1b, {v} stages per device group; bubble "
-                f"(G−1)/({v}·{B}+G−1) on G groups)")
+        return (
+            f"Σ stage/{v} + ({v}·{B}−1)·max stage (interleaved_1f1b, {v} stages per device group; bubble "
+            f"(G−1)/({v}·{B}+G−1) on G groups)"
+        )
     return f"Σ stage + ({B}−1)·max stage ({schedule}; bubble (S−1)/({B}+S−1) on equal stages)"
 
 
 # ------------------------------------------------------------------------------------------------- DP
 
-def stage_dp(num_layers: int, cluster_hosts: int, devices_per_host: int, num_micro_batches: int,
-             cost: StageCostModel, memory_budget: float | None, *, schedule: Schedule = "1f1b",
-             num_runners_up: int = 3, search: Literal["auto", "scan", "bound"] = "auto",
-             tolerance: float = 0.0) -> StagePlanResult:
+
+def stage_dp(
+    num_layers: int,
+    cluster_hosts: int,
+    devices_per_host: int,
+    num_micro_batches: int,
+    cost: StageCostModel,
+    memory_budget: float | None,
+    *,
+    schedule: Schedule = "1f1b",
+    num_runners_up: int = 3,
+    search: Literal["auto", "scan", "bound"] = "auto",
+    tolerance: float = 0.0,
+) -> StagePlanResult:
     """Alpa's inter-op DP (module docstring): contiguous layer ranges × submeshes × logical meshes that tile
     the cluster, minimizing ``Σ t + (B−1)·max t`` subject to ``memory_budget`` bytes per device (``None``:
     no limit). ``ValueError`` naming the smallest budget that would fit if nothing fits. ``search``: how ``t_max``
@@ -224,15 +255,18 @@ def stage_dp(num_layers: int, cluster_hosts: int, devices_per_host: int, num_mic
     t0 = time.perf_counter()
     submeshes = submesh_shapes(cluster_hosts, devices_per_host)
     num_devices = cluster_hosts * devices_per_host
-    table = _stage_table(num_layers, submeshes, min(num_layers, num_devices), num_micro_batches, cost,
-                         memory_budget, schedule)
+    table = _stage_table(
+        num_layers, submeshes, min(num_layers, num_devices), num_micro_batches, cost, memory_budget, schedule
+    )
     table_s = time.perf_counter() - t0
     sizes = [h * d for h, d in submeshes]
     if not math.isfinite(_suffix_dp(table.latency, sizes, num_devices, np.add)[0]):
         need, _ = _suffix_dp(table.min_memory, sizes, num_devices, np.maximum)
-        raise ValueError(f"no stage plan fits in {memory_budget / 2**30:.3f} GiB per device: the smallest needs "
-                         f"{need / 2**30:.3f} GiB ({need:.0f} bytes) per device; add devices, raise the budget or "
-                         "use fewer micro-batches in flight")
+        raise ValueError(
+            f"no stage plan fits in {memory_budget / 2**30:.3f} GiB per device: the smallest needs "
+            f"{need / 2**30:.3f} GiB ({need:.0f} bytes) per device; add devices, raise the budget or "
+            "use fewer micro-batches in flight"
+        )
     candidates = np.unique(table.latency[np.isfinite(table.latency)])
     found: dict[tuple, StagePartition] = {}
 
@@ -250,9 +284,14 @@ def stage_dp(num_layers: int, cluster_hosts: int, devices_per_host: int, num_mic
     else:
         tried = _bound_t_max(candidates, solve_at, _latency_weights(schedule, num_micro_batches), tolerance)
     ranked = sorted(found.values(), key=lambda p: (p.cost_s, len(p.stages)))
-    result = StagePlanResult(best=ranked[0], runners_up=tuple(ranked[1:1 + num_runners_up]),
-                             dp_s=time.perf_counter() - t0, table_s=table_s, num_t_max_tried=tried,
-                             num_t_max_candidates=len(candidates))
+    result = StagePlanResult(
+        best=ranked[0],
+        runners_up=tuple(ranked[1 : 1 + num_runners_up]),
+        dp_s=time.perf_counter() - t0,
+        table_s=table_s,
+        num_t_max_tried=tried,
+        num_t_max_candidates=len(candidates),
+    )
     log.info("stage DP: %s in %.3fs (%d/%d t_max)", result.best, result.dp_s, tried, len(candidates))
     return result
 
@@ -262,8 +301,12 @@ SCAN_CANDIDATES = 256
 runners-up); beyond it, the bounded search (:func:`_bound_t_max`)."""
 
 
-def _scan_t_max(candidates: np.ndarray, solve_at: Callable[[float], tuple[float, StagePartition | None]],
-                num_micro_batches: int, num_runners_up: int) -> int:
+def _scan_t_max(
+    candidates: np.ndarray,
+    solve_at: Callable[[float], tuple[float, StagePartition | None]],
+    num_micro_batches: int,
+    num_runners_up: int,
+) -> int:
     """Alpa's search: every ``t_max`` in increasing order until ``B · t_max ≥`` the best true ``T`` (then a few more,
     for runners-up). Returns the number of DPs solved."""
     best, tried, extra = math.inf, 0, 0
@@ -286,8 +329,12 @@ def _latency_weights(schedule: Schedule, num_micro_batches: int) -> tuple[float,
     return 1.0, num_micro_batches - 1.0
 
 
-def _bound_t_max(candidates: np.ndarray, solve_at: Callable[[float], tuple[float, StagePartition | None]],
-                 weights: tuple[float, float], tolerance: float) -> int:
+def _bound_t_max(
+    candidates: np.ndarray,
+    solve_at: Callable[[float], tuple[float, StagePartition | None]],
+    weights: tuple[float, float],
+    tolerance: float,
+) -> int:
     """Branch and bound over ``t_max``: the best ``T`` within a factor ``1 + tolerance`` of the scan's with a few
     DPs instead of one per candidate. Returns the number of DPs solved.
 
@@ -341,16 +388,18 @@ class _Table:
     """[s−1, k, i, σ]: least peak bytes over all logical meshes (to report what would fit)."""
 
 
-def micro_batches_in_flight(num_stages: int, num_micro_batches: int, schedule: Schedule,
-                            virtual_stages: int = 1) -> list[int]:
+def micro_batches_in_flight(
+    num_stages: int, num_micro_batches: int, schedule: Schedule, virtual_stages: int = 1
+) -> list[int]:
     """Per stage position, the micro-batches whose activations it holds at its peak: GPipe all ``M``; 1F1B
     ``min(S − i, M)`` for stage ``i`` of ``S``; ZB-H1 ``min(S, M)`` (a W holds its micro-batch's residuals);
     interleaved 1F1B: each stage's peak in its instruction list."""
     return [int(n) for n in _in_flight(np.arange(num_stages, 0, -1), num_micro_batches, schedule, virtual_stages)]
 
 
-def _in_flight(stages_after: np.ndarray, num_micro_batches: int, schedule: Schedule,
-               virtual_stages: int = 1) -> np.ndarray:
+def _in_flight(
+    stages_after: np.ndarray, num_micro_batches: int, schedule: Schedule, virtual_stages: int = 1
+) -> np.ndarray:
     if schedule == "gpipe":
         return np.full_like(stages_after, num_micro_batches)
     if schedule == "1f1b":
@@ -362,16 +411,26 @@ def _in_flight(stages_after: np.ndarray, num_micro_batches: int, schedule: Sched
 
         num_stages = int(stages_after.max())
         if virtual_stages < 2 or num_stages % virtual_stages:
-            raise ValueError(f"interleaved 1F1B prices {virtual_stages} stages per device group; {num_stages} "
-                             "stages do not split so")
-        peaks = stage_in_flight(interleaved_one_f_one_b(num_stages // virtual_stages, num_micro_batches,
-                                                        virtual_stages))
+            raise ValueError(
+                f"interleaved 1F1B prices {virtual_stages} stages per device group; {num_stages} stages do not split so"
+            )
+        peaks = stage_in_flight(
+            interleaved_one_f_one_b(num_stages // virtual_stages, num_micro_batches, virtual_stages)
+        )
         return np.array([peaks[num_stages - int(k)] for k in stages_after])
     raise ValueError(f"schedule must be one of '1f1b', 'gpipe', 'interleaved_1f1b', 'zb_h1', got {schedule!r}")
 
 
-def _stage_table(num_layers: int, submeshes: Sequence[Shape], max_stages: int, num_micro_batches: int,
-                 cost: StageCostModel, memory_budget: float, schedule: Schedule, virtual_stages: int = 1) -> _Table:
+def _stage_table(
+    num_layers: int,
+    submeshes: Sequence[Shape],
+    max_stages: int,
+    num_micro_batches: int,
+    cost: StageCostModel,
+    memory_budget: float,
+    schedule: Schedule,
+    virtual_stages: int = 1,
+) -> _Table:
     shape = (max_stages, num_layers, num_layers, len(submeshes))
     latency = np.full(shape, np.inf)
     logical = np.full(shape, -1, dtype=np.int64)
@@ -392,8 +451,9 @@ def _stage_table(num_layers: int, submeshes: Sequence[Shape], max_stages: int, n
     return _Table(latency, logical, memory, min_memory)
 
 
-def _suffix_dp(weight: np.ndarray, sizes: Sequence[int], num_devices: int,
-               combine: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> tuple[float, list[tuple[int, int, int]]]:
+def _suffix_dp(
+    weight: np.ndarray, sizes: Sequence[int], num_devices: int, combine: Callable[[np.ndarray, np.ndarray], np.ndarray]
+) -> tuple[float, list[tuple[int, int, int]]]:
     """``F(s, k, d) = min_{i, σ} combine(weight[s−1, k, i, σ], F(s−1, i+1, d−|σ|))``, ``F(0, L, 0) = 0``.
 
     Returns (min_s F(s, 0, N), the arg-min stages as ``(first layer, last layer, submesh index)``; ties go to the
@@ -422,10 +482,10 @@ def _suffix_dp(weight: np.ndarray, sizes: Sequence[int], num_devices: int,
         shifted = _shift(value[1:], sizes, num_devices)  # [i, σ, d] = F(s−1, i+1, d−|σ|)
         new = np.full((num_layers + 1, num_devices + 1), np.inf)
         for i in range(num_layers):  # stages k..i, k ≤ i
-            used = finite[s - 1, :i + 1, i].any(axis=0)
+            used = finite[s - 1, : i + 1, i].any(axis=0)
             if used.any():
-                reach = combine(weight[s - 1, :i + 1, i][:, used, None], shifted[i, used][None]).min(axis=1)
-                np.minimum(new[:i + 1], reach, out=new[:i + 1])
+                reach = combine(weight[s - 1, : i + 1, i][:, used, None], shifted[i, used][None]).min(axis=1)
+                np.minimum(new[: i + 1], reach, out=new[: i + 1])
         value = new
         if value[0, num_devices] < best:
             best, best_level = float(value[0, num_devices]), s
@@ -471,18 +531,30 @@ def _shift(after: np.ndarray, sizes: Sequence[int], num_devices: int) -> np.ndar
     shifted = np.full((after.shape[0], len(sizes), num_devices + 1), np.inf)
     for index, size in enumerate(sizes):
         if size <= num_devices:
-            shifted[:, index, size:] = after[:, :num_devices + 1 - size]
+            shifted[:, index, size:] = after[:, : num_devices + 1 - size]
     return shifted
 
 
-def _partition(plan: list[tuple[int, int, int]], table: _Table, submeshes: Sequence[Shape], num_micro_batches: int,
-               schedule: Schedule) -> StagePartition:
+def _partition(
+    plan: list[tuple[int, int, int]],
+    table: _Table,
+    submeshes: Sequence[Shape],
+    num_micro_batches: int,
+    schedule: Schedule,
+) -> StagePartition:
     stages = []
     for position, (first, last, index) in enumerate(plan):
         cell = (len(plan) - position - 1, first, last, index)
-        stages.append(StageChoice(first_layer=first, last_layer=last, submesh=submeshes[index],
-                                  logical=logical_mesh_shapes(submeshes[index])[int(table.logical[cell])],
-                                  latency_s=float(table.latency[cell]), memory_bytes=float(table.memory[cell])))
+        stages.append(
+            StageChoice(
+                first_layer=first,
+                last_layer=last,
+                submesh=submeshes[index],
+                logical=logical_mesh_shapes(submeshes[index])[int(table.logical[cell])],
+                latency_s=float(table.latency[cell]),
+                memory_bytes=float(table.memory[cell]),
+            )
+        )
     return StagePartition(stages=tuple(stages), num_micro_batches=num_micro_batches, schedule=schedule)
 
 
@@ -492,10 +564,20 @@ def _key(partition: StagePartition) -> tuple:
 
 # ----------------------------------------------------------------------------------- uniform and manual
 
-def uniform_stages(num_layers: int, num_stages: int | None, cluster_hosts: int, devices_per_host: int, *,
-                   cost: StageCostModel | None = None, num_micro_batches: int = 1,
-                   memory_budget: float = math.inf, schedule: Schedule = "1f1b",
-                   warn_over_budget: bool = True, virtual_stages: int = 1) -> StagePartition:
+
+def uniform_stages(
+    num_layers: int,
+    num_stages: int | None,
+    cluster_hosts: int,
+    devices_per_host: int,
+    *,
+    cost: StageCostModel | None = None,
+    num_micro_batches: int = 1,
+    memory_budget: float = math.inf,
+    schedule: Schedule = "1f1b",
+    warn_over_budget: bool = True,
+    virtual_stages: int = 1,
+) -> StagePartition:
     """Equal layer counts (the first ``L mod S`` stages get one more) on equal submeshes.
 
     ``num_stages=None``: the most stages (≤ ``num_layers``) that split the cluster into equal submeshes.
@@ -509,29 +591,57 @@ def uniform_stages(num_layers: int, num_stages: int | None, cluster_hosts: int, 
     num_devices = cluster_hosts * devices_per_host
     v = virtual_stages
     if num_stages is None:
-        num_stages = next((s for s in range(min(num_layers // v, num_devices), 0, -1)
-                           if num_devices % s == 0 and _uniform_submesh(num_devices // s, devices_per_host)), 0)
+        num_stages = next(
+            (
+                s
+                for s in range(min(num_layers // v, num_devices), 0, -1)
+                if num_devices % s == 0 and _uniform_submesh(num_devices // s, devices_per_host)
+            ),
+            0,
+        )
     if not 1 <= num_stages * v <= num_layers:
-        raise ValueError(f"{num_stages} device group(s) × {v} stage(s) each must be between 1 and the number of "
-                         f"layers ({num_layers})")
+        raise ValueError(
+            f"{num_stages} device group(s) × {v} stage(s) each must be between 1 and the number of "
+            f"layers ({num_layers})"
+        )
     per_stage = num_devices // num_stages
     submesh = _uniform_submesh(per_stage, devices_per_host) if num_devices % num_stages == 0 else None
     if submesh is None:
-        raise ValueError(f"{num_stages} uniform stages cannot split {cluster_hosts}×{devices_per_host} devices into "
-                         f"equal submeshes (1, k≤{devices_per_host}) or (n, {devices_per_host}); choose a number of "
-                         "stages that divides the devices")
+        raise ValueError(
+            f"{num_stages} uniform stages cannot split {cluster_hosts}×{devices_per_host} devices into "
+            f"equal submeshes (1, k≤{devices_per_host}) or (n, {devices_per_host}); choose a number of "
+            "stages that divides the devices"
+        )
     total = num_stages * v
     counts = [num_layers // total + (1 if s < num_layers % total else 0) for s in range(total)]
     bounds = np.cumsum([0, *counts])
-    return _evaluate([(int(bounds[s]), int(bounds[s + 1]) - 1) for s in range(total)], [submesh] * total,
-                     None, cost, num_micro_batches, memory_budget, schedule, warn_over_budget, virtual_stages=v)
+    return _evaluate(
+        [(int(bounds[s]), int(bounds[s + 1]) - 1) for s in range(total)],
+        [submesh] * total,
+        None,
+        cost,
+        num_micro_batches,
+        memory_budget,
+        schedule,
+        warn_over_budget,
+        virtual_stages=v,
+    )
 
 
-def manual_stages(forward_stage_layer_ids: Sequence[Sequence[int]], submesh_physical_shapes: Sequence[Shape],
-                  submesh_logical_shapes: Sequence[Shape] | None, *, num_layers: int, cluster_hosts: int,
-                  devices_per_host: int, cost: StageCostModel | None = None, num_micro_batches: int = 1,
-                  memory_budget: float = math.inf, schedule: Schedule = "1f1b",
-                  virtual_stages: int = 1) -> StagePartition:
+def manual_stages(
+    forward_stage_layer_ids: Sequence[Sequence[int]],
+    submesh_physical_shapes: Sequence[Shape],
+    submesh_logical_shapes: Sequence[Shape] | None,
+    *,
+    num_layers: int,
+    cluster_hosts: int,
+    devices_per_host: int,
+    cost: StageCostModel | None = None,
+    num_micro_batches: int = 1,
+    memory_budget: float = math.inf,
+    schedule: Schedule = "1f1b",
+    virtual_stages: int = 1,
+) -> StagePartition:
     """Validate a hand-written stage layout (``ManualStageOption``) and price it with ``cost`` if given.
     ``virtual_stages=v`` (interleaved 1F1B): the stages run on ``G = count / v`` device groups, stage ``s`` on
     the submesh of stage ``s mod G``, so the submeshes must repeat with period G and the first G tile the cluster.
@@ -542,36 +652,55 @@ def manual_stages(forward_stage_layer_ids: Sequence[Sequence[int]], submesh_phys
     logical mesh with ``cost`` (the physical shape without it).
     """
     _check_cluster(cluster_hosts, devices_per_host)
-    stage_layers = [tuple(int(l) for l in ids) for ids in forward_stage_layer_ids]
+    stage_layers = [tuple(int(layer) for layer in ids) for ids in forward_stage_layer_ids]
     count = len(stage_layers)
-    if count == 0 or len(submesh_physical_shapes) != count or (
-            submesh_logical_shapes is not None and len(submesh_logical_shapes) != count):
-        raise ValueError(f"need one submesh (and logical mesh) per stage: {count} stage(s), "
-                         f"{len(submesh_physical_shapes)} submesh(es), "
-                         f"{None if submesh_logical_shapes is None else len(submesh_logical_shapes)} logical mesh(es)")
+    if (
+        count == 0
+        or len(submesh_physical_shapes) != count
+        or (submesh_logical_shapes is not None and len(submesh_logical_shapes) != count)
+    ):
+        raise ValueError(
+            f"need one submesh (and logical mesh) per stage: {count} stage(s), "
+            f"{len(submesh_physical_shapes)} submesh(es), "
+            f"{None if submesh_logical_shapes is None else len(submesh_logical_shapes)} logical mesh(es)"
+        )
     for index, ids in enumerate(stage_layers):
         if not ids or list(ids) != list(range(ids[0], ids[0] + len(ids))):
             raise ValueError(f"stage {index}'s layer ids {list(ids)} are not a non-empty run of consecutive layers")
-    if [l for ids in stage_layers for l in ids] != list(range(num_layers)):
-        raise ValueError(f"forward_stage_layer_ids must cover layers 0..{num_layers - 1} in order, each once; got "
-                         f"{[list(ids) for ids in stage_layers]}")
+    if [layer for ids in stage_layers for layer in ids] != list(range(num_layers)):
+        raise ValueError(
+            f"forward_stage_layer_ids must cover layers 0..{num_layers - 1} in order, each once; got "
+            f"{[list(ids) for ids in stage_layers]}"
+        )
     submeshes = [tuple(int(x) for x in s) for s in submesh_physical_shapes]
     if count % virtual_stages:
         raise ValueError(f"{count} stages do not split into {virtual_stages} stages per device group")
     groups = count // virtual_stages
     if any(submeshes[s] != submeshes[s % groups] for s in range(count)):
-        raise ValueError(f"interleaved stages: stage s runs on the submesh of stage s mod {groups}, so the "
-                         f"submeshes must repeat with period {groups}; got {submeshes}")
+        raise ValueError(
+            f"interleaved stages: stage s runs on the submesh of stage s mod {groups}, so the "
+            f"submeshes must repeat with period {groups}; got {submeshes}"
+        )
     assign_devices(submeshes[:groups], cluster_hosts, devices_per_host)
     logical = None
     if submesh_logical_shapes is not None:
         logical = [tuple(int(x) for x in s) for s in submesh_logical_shapes]
         for index, (physical, mesh) in enumerate(zip(submeshes, logical)):
             if len(mesh) != 2 or min(mesh) < 1 or mesh[0] * mesh[1] != physical[0] * physical[1]:
-                raise ValueError(f"stage {index}: logical mesh {mesh} must be two positive ints whose product is the "
-                                 f"{physical[0] * physical[1]} devices of submesh {physical}")
-    return _evaluate([(ids[0], ids[-1]) for ids in stage_layers], submeshes, logical, cost, num_micro_batches,
-                     memory_budget, schedule, virtual_stages=virtual_stages)
+                raise ValueError(
+                    f"stage {index}: logical mesh {mesh} must be two positive ints whose product is the "
+                    f"{physical[0] * physical[1]} devices of submesh {physical}"
+                )
+    return _evaluate(
+        [(ids[0], ids[-1]) for ids in stage_layers],
+        submeshes,
+        logical,
+        cost,
+        num_micro_batches,
+        memory_budget,
+        schedule,
+        virtual_stages=virtual_stages,
+    )
 
 
 def _uniform_submesh(devices: int, per_host: int) -> Shape | None:
@@ -586,8 +715,13 @@ offer it to the ILP: Mixtral-8×7B's two-layer (1, 8) stages screen (4, 2) 1.2 %
 prices (4, 2) 4.5 % slower."""
 
 
-def close_logical_meshes(stage: StageChoice, cost: StageCostModel, memory_budget: float, in_flight: int,
-                         tolerance: float = CLOSE_MESH_TOLERANCE) -> list[Shape]:
+def close_logical_meshes(
+    stage: StageChoice,
+    cost: StageCostModel,
+    memory_budget: float,
+    in_flight: int,
+    tolerance: float = CLOSE_MESH_TOLERANCE,
+) -> list[Shape]:
     """``stage``'s logical mesh, then every other one of its submesh that fits ``memory_budget`` with ``in_flight``
     micro-batches held and screens within ``1 + tolerance`` of the stage's latency, fastest first. The screening
     reads ``(a, b)`` as data × tensor parallelism while the ILP lays each op out freely, so its ranking of close
@@ -602,13 +736,23 @@ def close_logical_meshes(stage: StageChoice, cost: StageCostModel, memory_budget
     return [tuple(stage.logical), *sorted(timed, key=timed.get)]
 
 
-def _evaluate(ranges: list[tuple[int, int]], submeshes: list[Shape], logical: list[Shape] | None,
-              cost: StageCostModel | None, num_micro_batches: int, memory_budget: float,
-              schedule: Schedule, warn_over_budget: bool = True, virtual_stages: int = 1) -> StagePartition:
+def _evaluate(
+    ranges: list[tuple[int, int]],
+    submeshes: list[Shape],
+    logical: list[Shape] | None,
+    cost: StageCostModel | None,
+    num_micro_batches: int,
+    memory_budget: float,
+    schedule: Schedule,
+    warn_over_budget: bool = True,
+    virtual_stages: int = 1,
+) -> StagePartition:
     groups = len(ranges) // virtual_stages
     if virtual_stages > 1 and num_micro_batches % groups:
-        raise ValueError(f"interleaved 1F1B needs num_micro_batches ({num_micro_batches}) to be a multiple of the "
-                         f"number of device groups ({groups})")
+        raise ValueError(
+            f"interleaved 1F1B needs num_micro_batches ({num_micro_batches}) to be a multiple of the "
+            f"number of device groups ({groups})"
+        )
     in_flight = _in_flight(np.arange(len(ranges), 0, -1), num_micro_batches, schedule, virtual_stages)
     memory_budget = memory_budget / virtual_stages  # a device holds v stages: each gets its share
     stages = []
@@ -625,15 +769,35 @@ def _evaluate(ranges: list[tuple[int, int]], submeshes: list[Shape], logical: li
         else:
             stage, mesh = min(priced, key=lambda cm: cm[0].peak_bytes(int(in_flight[position])))
             (log.warning if warn_over_budget else log.info)(
-                        "stage %d (layers %d-%d on %s) needs %.3f GiB per device, over the %.3f GiB budget",
-                        position, first, last, submesh, stage.peak_bytes(int(in_flight[position])) / 2**30,
-                        memory_budget / 2**30)
-        stages.append(StageChoice(first, last, submesh, mesh, stage.latency_s,
-                                  stage.peak_bytes(int(in_flight[position]))))
-    return StagePartition(stages=tuple(stages), num_micro_batches=num_micro_batches, schedule=schedule,
-                          virtual_stages=virtual_stages)
+                "stage %d (layers %d-%d on %s) needs %.3f GiB per device, over the %.3f GiB budget",
+                position,
+                first,
+                last,
+                submesh,
+                stage.peak_bytes(int(in_flight[position])) / 2**30,
+                memory_budget / 2**30,
+            )
+        stages.append(
+            StageChoice(first, last, submesh, mesh, stage.latency_s, stage.peak_bytes(int(in_flight[position])))
+        )
+    return StagePartition(
+        stages=tuple(stages), num_micro_batches=num_micro_batches, schedule=schedule, virtual_stages=virtual_stages
+    )
 
 
-__all__ = ["AnalyticStageCost", "StageChoice", "StageCost", "StageCostModel", "StagePartition", "StagePlanResult",
-           "assign_devices", "close_logical_meshes", "logical_mesh_shapes", "manual_stages", "pipeline_latency",
-           "stage_dp", "submesh_shapes", "uniform_stages"]
+__all__ = [
+    "AnalyticStageCost",
+    "StageChoice",
+    "StageCost",
+    "StageCostModel",
+    "StagePartition",
+    "StagePlanResult",
+    "assign_devices",
+    "close_logical_meshes",
+    "logical_mesh_shapes",
+    "manual_stages",
+    "pipeline_latency",
+    "stage_dp",
+    "submesh_shapes",
+    "uniform_stages",
+]

@@ -8,7 +8,7 @@ can when the sizes add up is in :mod:`.stages`).
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 Shape = tuple[int, int]
 
@@ -42,18 +42,25 @@ def assign_devices(submeshes: Sequence[Shape], num_hosts: int, devices_per_host:
     _check_cluster(num_hosts, devices_per_host)
     shapes = [tuple(int(x) for x in s) for s in submeshes]
     for index, (hosts, devices) in enumerate(shapes):
-        if not (hosts == 1 and 1 <= devices <= devices_per_host) and not (devices == devices_per_host and 1 <= hosts):
-            raise ValueError(f"stage {index}: submesh {(hosts, devices)} is neither (1, k) with k ≤ {devices_per_host} "
-                             f"nor (n, {devices_per_host}) whole hosts")
+        if not (hosts == 1 and 1 <= devices <= devices_per_host) and not (devices == devices_per_host and hosts >= 1):
+            raise ValueError(
+                f"stage {index}: submesh {(hosts, devices)} is neither (1, k) with k ≤ {devices_per_host} "
+                f"nor (n, {devices_per_host}) whole hosts"
+            )
     total = sum(h * d for h, d in shapes)
     if total != num_hosts * devices_per_host:
-        raise ValueError(f"the submeshes {shapes} hold {total} devices, but the cluster has {num_hosts}×"
-                         f"{devices_per_host} = {num_hosts * devices_per_host}; they must tile it exactly")
-    placement = _place_in_order(shapes, num_hosts, devices_per_host) or _place_packed(shapes, num_hosts,
-                                                                                      devices_per_host)
+        raise ValueError(
+            f"the submeshes {shapes} hold {total} devices, but the cluster has {num_hosts}×"
+            f"{devices_per_host} = {num_hosts * devices_per_host}; they must tile it exactly"
+        )
+    placement = _place_in_order(shapes, num_hosts, devices_per_host) or _place_packed(
+        shapes, num_hosts, devices_per_host
+    )
     if placement is None:
-        raise ValueError(f"the submeshes {shapes} cannot tile {num_hosts} host(s) of {devices_per_host} devices "
-                         "without splitting a (1, k) submesh across hosts")
+        raise ValueError(
+            f"the submeshes {shapes} cannot tile {num_hosts} host(s) of {devices_per_host} devices "
+            "without splitting a (1, k) submesh across hosts"
+        )
     return placement
 
 

@@ -50,13 +50,24 @@ class TrainingPlan:
         try:
             return stage_graphs_on_new_shapes(graph, self.graph, self.plan)
         except ValueError as error:
-            raise ValueError(f"the pipeline plan cannot cut the model captured on these batch shapes into its "
-                             f"{len(self.plan.stages)} stages ({error}); keep the example batch's shapes") from None
+            raise ValueError(
+                f"the pipeline plan cannot cut the model captured on these batch shapes into its "
+                f"{len(self.plan.stages)} stages ({error}); keep the example batch's shapes"
+            ) from None
 
 
-def plan_training(graph: Graph, method: object, cluster: ClusterSpec, *, trainable: set[str],
-                  optimizer_state_copies: float, remat: str | None = None, explain: bool = False,
-                  stage_timer: StageTimer | None = None, beat_s: float = math.inf) -> TrainingPlan:
+def plan_training(
+    graph: Graph,
+    method: object,
+    cluster: ClusterSpec,
+    *,
+    trainable: set[str],
+    optimizer_state_copies: float,
+    remat: str | None = None,
+    explain: bool = False,
+    stage_timer: StageTimer | None = None,
+    beat_s: float = math.inf,
+) -> TrainingPlan:
     """The plan ``method`` gives ``graph`` on ``cluster`` (see the module docstring for the methods).
 
     ``trainable``: the parameters the optimizer updates; ``optimizer_state_copies``: optimizer tensors per
@@ -75,18 +86,33 @@ def plan_training(graph: Graph, method: object, cluster: ClusterSpec, *, trainab
         return TrainingPlan(method, graph, stages, frozenset(trainable))
     remat = remat or "none"
     if isinstance(method, PipeshardParallel):
-        pipeline = plan_pipeline(graph, method, cluster, trainable=trainable,
-                                 optimizer_state_copies=optimizer_state_copies, remat=remat, stage_timer=stage_timer,
-                                 beat_s=beat_s)
+        pipeline = plan_pipeline(
+            graph,
+            method,
+            cluster,
+            trainable=trainable,
+            optimizer_state_copies=optimizer_state_copies,
+            remat=remat,
+            stage_timer=stage_timer,
+            beat_s=beat_s,
+        )
         if explain:
             pipeline.explain()
         return TrainingPlan(pipeline.plan, graph, pipeline.stages, frozenset(trainable))
     if method is None:
-        plan = single_device_plan(graph, cluster, remat, trainable=trainable,
-                                  optimizer_state_copies=optimizer_state_copies)
+        plan = single_device_plan(
+            graph, cluster, remat, trainable=trainable, optimizer_state_copies=optimizer_state_copies
+        )
     else:
-        plan = plan_for_method(graph, method, cluster, trainable=trainable,
-                               optimizer_state_copies=optimizer_state_copies, explain=explain, remat=remat)
+        plan = plan_for_method(
+            graph,
+            method,
+            cluster,
+            trainable=trainable,
+            optimizer_state_copies=optimizer_state_copies,
+            explain=explain,
+            remat=remat,
+        )
     if stage_timer is not None:
         profile_one_stage(plan, graph, stage_timer)
     return TrainingPlan(plan, graph, [], frozenset(trainable))

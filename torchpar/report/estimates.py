@@ -71,8 +71,10 @@ class StageNumbers:
         """``"stage 0: 1×2 submesh, mesh 2×1 · est. 356 ns, 20.6 MiB"``: the PNG's legend entry."""
         crossing = [str(a) for a, cross in enumerate(self.crosses_hosts) if cross]
         hosts = f" (axis {', '.join(crossing)} crosses hosts)" if crossing else ""
-        return (f"stage {self.index}: {mesh_text(self.submesh_shape)} submesh, mesh {mesh_text(self.logical_mesh_shape)}"
-                f"{hosts} · est. {format_seconds(self.cost_s)}, {format_bytes(self.memory_bytes)}")
+        return (
+            f"stage {self.index}: {mesh_text(self.submesh_shape)} submesh, mesh {mesh_text(self.logical_mesh_shape)}"
+            f"{hosts} · est. {format_seconds(self.cost_s)}, {format_bytes(self.memory_bytes)}"
+        )
 
 
 @dataclass(frozen=True)
@@ -143,8 +145,10 @@ class PlanNumbers:
     def headline(self) -> str:
         """The PNG's title and the header's one-line form."""
         measured = f" (measured {format_seconds(self.measured_step_s)})" if self.measured_step_s is not None else ""
-        return (f"torchpar plan: {self.title}, {len(self.stages)} stage(s), estimated step "
-                f"{format_seconds(self.step_s)}{measured}, est. memory {format_bytes(self.peak_memory_bytes)} per device")
+        return (
+            f"torchpar plan: {self.title}, {len(self.stages)} stage(s), estimated step "
+            f"{format_seconds(self.step_s)}{measured}, est. memory {format_bytes(self.peak_memory_bytes)} per device"
+        )
 
 
 def plan_numbers(plan: Plan, measured: Mapping[str, Any] | None = None) -> PlanNumbers:
@@ -165,11 +169,18 @@ def plan_numbers(plan: Plan, measured: Mapping[str, Any] | None = None) -> PlanN
         derived = stages[0].cost_s if len(stages) == 1 else sum(s.cost_s for s in stages)
         formula = "one step = the stage's estimate" if len(stages) == 1 else "Σ stage"
     screening = solver.get("stage_partition") if isinstance(solver.get("stage_partition"), Mapping) else None
-    return PlanNumbers(method=plan.method, title=method_title(plan.method), step_s=float(plan.estimated_step_s),
-                       derived_step_s=float(derived), step_formula=str(estimate.get("step_formula") or formula),
-                       estimate_model=estimate.get("model"), stages=stages,
-                       alternatives=_alternatives(plan, stages, screening), screening=screening,
-                       measured_step_s=step_measured)
+    return PlanNumbers(
+        method=plan.method,
+        title=method_title(plan.method),
+        step_s=float(plan.estimated_step_s),
+        derived_step_s=float(derived),
+        step_formula=str(estimate.get("step_formula") or formula),
+        estimate_model=estimate.get("model"),
+        stages=stages,
+        alternatives=_alternatives(plan, stages, screening),
+        screening=screening,
+        measured_step_s=step_measured,
+    )
 
 
 def check_measured(measured: Mapping[str, Any] | None, num_stages: int) -> tuple[float | None, dict[int, float]]:
@@ -179,8 +190,10 @@ def check_measured(measured: Mapping[str, Any] | None, num_stages: int) -> tuple
     if measured is None:
         return None, {}
     if not isinstance(measured, Mapping):
-        raise TypeError(f"measured must be a mapping like {{'step_s': 0.012, 'memory_bytes': {{0: 2**30}}}}, got "
-                        f"{type(measured).__name__}")
+        raise TypeError(
+            f"measured must be a mapping like {{'step_s': 0.012, 'memory_bytes': {{0: 2**30}}}}, got "
+            f"{type(measured).__name__}"
+        )
     unknown = sorted(set(measured) - {"step_s", "memory_bytes"})
     if unknown:
         raise ValueError(f"measured has unknown key(s) {unknown}; expected 'step_s' and/or 'memory_bytes'")
@@ -211,24 +224,43 @@ def _stage_numbers(index: int, stage: Any, measured_memory: float | None) -> Sta
     crossing = (bool(stored[0]), bool(stored[1])) if len(stored) == 2 else axes_crossing_hosts(submesh, logical)
     breakdown = getattr(stage, "memory_breakdown", None) or {}
     sent = getattr(stage, "communication_bytes", None) or {}
-    return StageNumbers(index=index, layers=tuple(int(l) for l in stage.layers), submesh_shape=submesh,
-                        logical_mesh_shape=logical, cost_s=float(stage.estimated_cost_s),
-                        compute_s=float(stage.estimated_compute_s),
-                        communication_s=float(stage.estimated_communication_s),
-                        memory_bytes=stage.estimated_memory_bytes, memory_breakdown=dict(breakdown),
-                        communication_bytes=dict(sent), crosses_hosts=crossing, measured_memory_bytes=measured_memory)
+    return StageNumbers(
+        index=index,
+        layers=tuple(int(layer) for layer in stage.layers),
+        submesh_shape=submesh,
+        logical_mesh_shape=logical,
+        cost_s=float(stage.estimated_cost_s),
+        compute_s=float(stage.estimated_compute_s),
+        communication_s=float(stage.estimated_communication_s),
+        memory_bytes=stage.estimated_memory_bytes,
+        memory_breakdown=dict(breakdown),
+        communication_bytes=dict(sent),
+        crosses_hosts=crossing,
+        measured_memory_bytes=measured_memory,
+    )
 
 
-def _alternatives(plan: Plan, stages: tuple[StageNumbers, ...],
-                  screening: Mapping[str, Any] | None) -> tuple[Alternative, ...]:
+def _alternatives(
+    plan: Plan, stages: tuple[StageNumbers, ...], screening: Mapping[str, Any] | None
+) -> tuple[Alternative, ...]:
     rows = plan.solver.get("runners_up") if plan.solver else None
     if not isinstance(rows, list) or not rows:
         return ()
-    chosen = Alternative(rank=0, step_s=float(plan.estimated_step_s),
-                         screening_step_s=_number(screening.get("estimated_step_s")) if screening else None,
-                         stages=tuple({"layers": list(s.layers), "submesh_shape": list(s.submesh_shape),
-                                       "logical_mesh_shape": list(s.logical_mesh_shape), "estimated_cost_s": s.cost_s,
-                                       "estimated_memory_bytes": s.memory_bytes} for s in stages))
+    chosen = Alternative(
+        rank=0,
+        step_s=float(plan.estimated_step_s),
+        screening_step_s=_number(screening.get("estimated_step_s")) if screening else None,
+        stages=tuple(
+            {
+                "layers": list(s.layers),
+                "submesh_shape": list(s.submesh_shape),
+                "logical_mesh_shape": list(s.logical_mesh_shape),
+                "estimated_cost_s": s.cost_s,
+                "estimated_memory_bytes": s.memory_bytes,
+            }
+            for s in stages
+        ),
+    )
     out = [chosen]
     for rank, row in enumerate(rows, start=1):
         if not isinstance(row, Mapping):
@@ -237,10 +269,16 @@ def _alternatives(plan: Plan, stages: tuple[StageNumbers, ...],
             step, screened = _number(row.get("estimated_step_s")), _number(row.get("screening_step_s"))
         else:  # saved by an older torchpar: the row holds the stage DP's screening figure only
             step, screened = None, _number(row.get("estimated_step_s"))
-        out.append(Alternative(rank=rank, step_s=step, screening_step_s=screened,
-                               stages=tuple(s for s in row.get("stages", []) if isinstance(s, Mapping)),
-                               error=str(row["error"]) if row.get("error") else None,
-                               at_least_s=_number(row.get("step_at_least_s"))))
+        out.append(
+            Alternative(
+                rank=rank,
+                step_s=step,
+                screening_step_s=screened,
+                stages=tuple(s for s in row.get("stages", []) if isinstance(s, Mapping)),
+                error=str(row["error"]) if row.get("error") else None,
+                at_least_s=_number(row.get("step_at_least_s")),
+            )
+        )
     return tuple(out)
 
 

@@ -17,10 +17,26 @@ from collections import Counter
 from dataclasses import dataclass
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-_BYTES = {"f64": 8, "f32": 4, "f16": 2, "bf16": 2, "s64": 8, "s32": 4, "u32": 4, "s16": 2, "u16": 2, "s8": 1,
-          "u8": 1, "pred": 1, "u64": 8}
+_BYTES = {
+    "f64": 8,
+    "f32": 4,
+    "f16": 2,
+    "bf16": 2,
+    "s64": 8,
+    "s32": 4,
+    "u32": 4,
+    "s16": 2,
+    "u16": 2,
+    "s8": 1,
+    "u8": 1,
+    "pred": 1,
+    "u64": 8,
+}
 _INSTRUCTION = re.compile(
-    r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>\([^=]*?\)|[^\s(]+)\s+(?P<op>" + "|".join(KINDS) + r")(?P<start>-start)?\(")
+    r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>\([^=]*?\)|[^\s(]+)\s+(?P<op>"
+    + "|".join(KINDS)
+    + r")(?P<start>-start)?\("
+)
 _COMMENT = re.compile(r"/\*.*?\*/")
 _ARRAY = re.compile(r"(?P<dtype>[a-z]+\d*)\[(?P<dims>[\d,]*)\]")
 _LIST_GROUPS = re.compile(r"(?:replica_groups|source_target_pairs)=\{(?P<groups>(?:\{[\d,]*\},?)*)\}")
@@ -47,7 +63,9 @@ class Collective:
         it spans every device of the executable)."""
         match = _LIST_GROUPS.search(self.line)
         if match:
-            return [[int(x) for x in group.split(",") if x] for group in re.findall(r"\{([\d,]*)\}", match.group("groups"))]
+            return [
+                [int(x) for x in group.split(",") if x] for group in re.findall(r"\{([\d,]*)\}", match.group("groups"))
+            ]
         match = _IOTA_GROUPS.search(self.line)
         if match:
             import numpy as np
@@ -83,12 +101,19 @@ def collectives(hlo: str) -> list[Collective]:
         match = _INSTRUCTION.match(line)
         if not match:
             continue
-        shapes = tuple((m.group("dtype"), tuple(int(d) for d in m.group("dims").split(",") if d))
-                       for m in _ARRAY.finditer(match.group("shape")))
-        if match.group("start") and match.group("op") in ("all-gather", "collective-permute", "all-to-all") and len(shapes) > 1:
-            shapes = shapes[len(shapes) // 2:]  # (operands, results) tuple of an async start: keep the results
-        found.append(Collective(match.group("op"), shapes, line.strip(), computation in looped,
-                                looped.get(computation, 1)))
+        shapes = tuple(
+            (m.group("dtype"), tuple(int(d) for d in m.group("dims").split(",") if d))
+            for m in _ARRAY.finditer(match.group("shape"))
+        )
+        if (
+            match.group("start")
+            and match.group("op") in ("all-gather", "collective-permute", "all-to-all")
+            and len(shapes) > 1
+        ):
+            shapes = shapes[len(shapes) // 2 :]  # (operands, results) tuple of an async start: keep the results
+        found.append(
+            Collective(match.group("op"), shapes, line.strip(), computation in looped, looped.get(computation, 1))
+        )
     return found
 
 

@@ -64,24 +64,56 @@ from torchpar.units import format_bytes, format_seconds
 if TYPE_CHECKING:
     from torchpar.planner.plan import Plan
 
-EXPLAINED_SOLVER_KEYS = ("estimate", "stage_partition", "runners_up", "mesh_shapes", "expert_layouts",
-                         "method_comparison", "profile")
+EXPLAINED_SOLVER_KEYS = (
+    "estimate",
+    "stage_partition",
+    "runners_up",
+    "mesh_shapes",
+    "expert_layouts",
+    "method_comparison",
+    "profile",
+)
 """``Plan.solver`` entries shown in their own sections rather than in the solver statistics."""
 
 
-def save_html(plan: Plan, path: str | Path, *, timeline: Any = None, measured: Mapping[str, Any] | None = None,
-              cluster: ClusterSpec | None = None, param_shapes: Mapping[str, Sequence[int]] | None = None,
-              layer_stats: Any = None, title: str | None = None) -> Path:
+def save_html(
+    plan: Plan,
+    path: str | Path,
+    *,
+    timeline: Any = None,
+    measured: Mapping[str, Any] | None = None,
+    cluster: ClusterSpec | None = None,
+    param_shapes: Mapping[str, Sequence[int]] | None = None,
+    layer_stats: Any = None,
+    title: str | None = None,
+) -> Path:
     """Write :func:`render_html` to ``path`` (UTF-8) and return the path."""
     path = Path(path)
-    path.write_text(render_html(plan, timeline=timeline, measured=measured, cluster=cluster,
-                                param_shapes=param_shapes, layer_stats=layer_stats, title=title), encoding="utf-8")
+    path.write_text(
+        render_html(
+            plan,
+            timeline=timeline,
+            measured=measured,
+            cluster=cluster,
+            param_shapes=param_shapes,
+            layer_stats=layer_stats,
+            title=title,
+        ),
+        encoding="utf-8",
+    )
     return path
 
 
-def render_html(plan: Plan, *, timeline: Any = None, measured: Mapping[str, Any] | None = None,
-                cluster: ClusterSpec | None = None, param_shapes: Mapping[str, Sequence[int]] | None = None,
-                layer_stats: Any = None, title: str | None = None) -> str:
+def render_html(
+    plan: Plan,
+    *,
+    timeline: Any = None,
+    measured: Mapping[str, Any] | None = None,
+    cluster: ClusterSpec | None = None,
+    param_shapes: Mapping[str, Sequence[int]] | None = None,
+    layer_stats: Any = None,
+    title: str | None = None,
+) -> str:
     """The report page as a string.
 
     ``timeline``: a measured step (see :func:`~torchpar.report.layout.timeline_view`); ``measured``: what a
@@ -101,15 +133,22 @@ def render_html(plan: Plan, *, timeline: Any = None, measured: Mapping[str, Any]
     if view.relative:
         notes.append("The plan has no cost estimates: the timeline gives every stage unit time.")
     if abs(numbers.derived_step_s - numbers.step_s) > 1e-6 * max(abs(numbers.step_s), 1e-30):
-        notes.append(f"The stage estimates give a step of {format_seconds(numbers.derived_step_s)} "
-                     f"({numbers.step_formula}) but the plan's estimate is {format_seconds(numbers.step_s)}.")
+        notes.append(
+            f"The stage estimates give a step of {format_seconds(numbers.derived_step_s)} "
+            f"({numbers.step_formula}) but the plan's estimate is {format_seconds(numbers.step_s)}."
+        )
     title = title or f"torchpar plan: {numbers.title}"
     sections = [
         ("Devices", "devices", _grid_html(plan, grid, numbers)),
         ("Stages", "stages", _stage_table(plan, grid, numbers, view if timeline is not None else None)),
         ("Why this plan", "why", why_html(plan, numbers)),
-        ("Cost per stage", "costs", costs.time_bars(numbers) + costs.memory_html(numbers, cluster.device_memory_bytes)
-         + costs.communication_html(numbers)),
+        (
+            "Cost per stage",
+            "costs",
+            costs.time_bars(numbers)
+            + costs.memory_html(numbers, cluster.device_memory_bytes)
+            + costs.communication_html(numbers),
+        ),
         ("Layers", "layers", costs.layers_html(plan, layers) if layers else None),
         ("Operator strategies", "strategies", strategies_html(plan)),
         ("Parameters", "params", _param_table(plan, param_shapes)),
@@ -121,86 +160,127 @@ def render_html(plan: Plan, *, timeline: Any = None, measured: Mapping[str, Any]
     sections = [s for s in sections if s[2] is not None]
     toc = "".join(f"<a href='#{anchor}'>{e(name)}</a>" for name, anchor, _ in sections)
     body = [
-        (f"<header><h1>{e(title)}</h1><div class='sub'>{e(_subtitle(plan, grid, numbers))}</div>"
-         f"<nav class='toc'>{toc}</nav></header>"),
+        (
+            f"<header><h1>{e(title)}</h1><div class='sub'>{e(_subtitle(plan, grid, numbers))}</div>"
+            f"<nav class='toc'>{toc}</nav></header>"
+        ),
         _cards(plan, grid, view, numbers),
         _estimate_note(numbers),
         "".join(f"<p class='note'>{e(n)}</p>" for n in notes),
         *(f"<section id='{anchor}'><h2>{e(name)}</h2>{content}</section>" for name, anchor, content in sections),
         f"<footer>Generated by torchpar on {e(datetime.datetime.now().strftime('%Y-%m-%d %H:%M'))}.</footer>",
     ]
-    return (f"<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"
-            f"<meta name='viewport' content='width=device-width, initial-scale=1'><title>{e(title)}</title>"
-            f"<style>{CSS}</style></head><body><main>{''.join(body)}</main><script>{JS}</script></body></html>\n")
+    return (
+        f"<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"
+        f"<meta name='viewport' content='width=device-width, initial-scale=1'><title>{e(title)}</title>"
+        f"<style>{CSS}</style></head><body><main>{''.join(body)}</main><script>{JS}</script></body></html>\n"
+    )
 
 
 # --- header ---------------------------------------------------------------------------------------------
 
+
 def _subtitle(plan: Plan, grid: DeviceGrid, numbers: PlanNumbers) -> str:
-    return (f"{numbers.title}: {len(plan.stages)} stage(s) on {grid.num_hosts} host(s) × {grid.devices_per_host} "
-            f"device(s); {plan.num_micro_batches} micro-batch(es), schedule {plan.schedule}")
+    return (
+        f"{numbers.title}: {len(plan.stages)} stage(s) on {grid.num_hosts} host(s) × {grid.devices_per_host} "
+        f"device(s); {plan.num_micro_batches} micro-batch(es), schedule {plan.schedule}"
+    )
 
 
 def _cards(plan: Plan, grid: DeviceGrid, view: TimelineView, numbers: PlanNumbers) -> str:
     used = sum(len(d) for d in grid.stage_devices)
     params = len({name for stage in plan.stages for name in stage.params})
-    items = [("method", numbers.title, ""), ("devices used", f"{used} of {grid.num_hosts * grid.devices_per_host}", ""),
-             ("parameters", str(params), ""),
-             ("estimated step", format_seconds(numbers.step_s), attrs(data_step_s=numbers.step_s))]
+    items = [
+        ("method", numbers.title, ""),
+        ("devices used", f"{used} of {grid.num_hosts * grid.devices_per_host}", ""),
+        ("parameters", str(params), ""),
+        ("estimated step", format_seconds(numbers.step_s), attrs(data_step_s=numbers.step_s)),
+    ]
     if numbers.measured_step_s is not None:
         value = f"{format_seconds(numbers.measured_step_s)} ({ratio(numbers.measured_step_s, numbers.step_s)} est.)"
         items.append(("measured step", value, attrs(data_measured_step_s=numbers.measured_step_s)))
-    items.append(("est. memory / device", format_bytes(numbers.peak_memory_bytes),
-                  attrs(data_memory_bytes=numbers.peak_memory_bytes)))
+    items.append(
+        (
+            "est. memory / device",
+            format_bytes(numbers.peak_memory_bytes),
+            attrs(data_memory_bytes=numbers.peak_memory_bytes),
+        )
+    )
     if numbers.measured_peak_memory_bytes is not None:
-        items.append(("measured peak memory", format_bytes(numbers.measured_peak_memory_bytes),
-                      attrs(data_measured_memory_bytes=numbers.measured_peak_memory_bytes)))
+        items.append(
+            (
+                "measured peak memory",
+                format_bytes(numbers.measured_peak_memory_bytes),
+                attrs(data_measured_memory_bytes=numbers.measured_peak_memory_bytes),
+            )
+        )
     if numbers.pipeline:  # one stage has no pipeline bubble, estimated or measured
         items.append((f"bubble ({view.source})", f"{100 * view.bubble_fraction:.1f}%", ""))
-    return "<div class='cards'>" + "".join(
-        f"<div class='card'{extra}><div class='k'>{e(k)}</div><div class='v'>{e(v)}</div></div>"
-        for k, v, extra in items) + "</div>"
+    return (
+        "<div class='cards'>"
+        + "".join(
+            f"<div class='card'{extra}><div class='k'>{e(k)}</div><div class='v'>{e(v)}</div></div>"
+            for k, v, extra in items
+        )
+        + "</div>"
+    )
 
 
 def _estimate_note(numbers: PlanNumbers) -> str:
     model = numbers.estimate_model or "the analytic cost model"
     unit = "per micro-batch" if numbers.pipeline else "per step"
-    text = (f"How this was estimated: each stage by {model}, {unit}; {numbers.step_equation}. "
-            "Every time and memory figure on this page is this estimate unless labelled otherwise.")
+    text = (
+        f"How this was estimated: each stage by {model}, {unit}; {numbers.step_equation}. "
+        "Every time and memory figure on this page is this estimate unless labelled otherwise."
+    )
     if numbers.screening and isinstance(numbers.screening.get("estimated_step_s"), (int, float)):
-        text += (f" The stage DP screened partitions with a coarser model "
-                 f"({numbers.screening.get('model') or 'analytic'}): "
-                 f"{format_seconds(numbers.screening['estimated_step_s'])} for this one, not comparable.")
+        text += (
+            f" The stage DP screened partitions with a coarser model "
+            f"({numbers.screening.get('model') or 'analytic'}): "
+            f"{format_seconds(numbers.screening['estimated_step_s'])} for this one, not comparable."
+        )
     return f"<p class='how'>{e(text)} <a href='#constants'>Cost constants</a>.</p>"
 
 
 # --- devices and stages ---------------------------------------------------------------------------------
 
+
 def _grid_html(plan: Plan, grid: DeviceGrid, numbers: PlanNumbers) -> str:
     rows = []
     for host in range(grid.num_hosts):
         cells = []
-        for cell in grid.cells[host * grid.devices_per_host:(host + 1) * grid.devices_per_host]:
+        for cell in grid.cells[host * grid.devices_per_host : (host + 1) * grid.devices_per_host]:
             if cell.stage is None:
-                cells.append(f"<div class='device idle' data-device='{cell.device}' title='device {cell.device}: idle'>"
-                             f"<b>d{cell.device}</b><span>idle</span></div>")
+                cells.append(
+                    f"<div class='device idle' data-device='{cell.device}' title='device {cell.device}: idle'>"
+                    f"<b>d{cell.device}</b><span>idle</span></div>"
+                )
                 continue
             color = stage_color(cell.stage)
-            tip = (f"device {cell.device} (host {cell.host}, #{cell.local}): stage {cell.stage}, logical mesh "
-                   f"coordinate {cell.mesh_coord}")
-            cells.append(f"<div class='device' data-device='{cell.device}' data-stage='{cell.stage}' "
-                         f"style='background:{color};color:{text_on(color)}' title='{e(tip)}'>"
-                         f"<b>d{cell.device}</b><span>stage {cell.stage}</span>"
-                         f"<span>{e(coord(cell.mesh_coord))}</span></div>")
+            tip = (
+                f"device {cell.device} (host {cell.host}, #{cell.local}): stage {cell.stage}, logical mesh "
+                f"coordinate {cell.mesh_coord}"
+            )
+            cells.append(
+                f"<div class='device' data-device='{cell.device}' data-stage='{cell.stage}' "
+                f"style='background:{color};color:{text_on(color)}' title='{e(tip)}'>"
+                f"<b>d{cell.device}</b><span>stage {cell.stage}</span>"
+                f"<span>{e(coord(cell.mesh_coord))}</span></div>"
+            )
         rows.append(f"<div class='host'><div class='hostlabel'>host {host}</div>{''.join(cells)}</div>")
-    legend = "".join(f"<span><i class='swatch' style='background:{stage_color(s.index)}'></i>stage {s.index}: "
-                     f"{e(mesh_text(s.submesh_shape))} submesh, logical mesh {e(mesh_text(s.logical_mesh_shape))}"
-                     f"{e(_crossing_text(s.crosses_hosts))}</span>" for s in numbers.stages)
+    legend = "".join(
+        f"<span><i class='swatch' style='background:{stage_color(s.index)}'></i>stage {s.index}: "
+        f"{e(mesh_text(s.submesh_shape))} submesh, logical mesh {e(mesh_text(s.logical_mesh_shape))}"
+        f"{e(_crossing_text(s.crosses_hosts))}</span>"
+        for s in numbers.stages
+    )
     legend += f"<span><i class='swatch' style='background:{IDLE_COLOR}'></i>idle</span>"
-    return (f"<div class='grid'>{''.join(rows)}</div><div class='legend'>{legend}</div>"
-            "<p class='sub'>Each cell is one device, labelled with its stage and its (row, column) in the stage's "
-            "logical mesh (after its data replica, on a stage with data replicas): a collective over axis 0 runs "
-            "within a column, over axis 1 within a row.</p>")
+    return (
+        f"<div class='grid'>{''.join(rows)}</div><div class='legend'>{legend}</div>"
+        "<p class='sub'>Each cell is one device, labelled with its stage and its (row, column) in the stage's "
+        "logical mesh (after its data replica, on a stage with data replicas): a collective over axis 0 runs "
+        "within a column, over axis 1 within a row.</p>"
+    )
 
 
 def _crossing_text(crossing: Sequence[bool]) -> str:
@@ -213,63 +293,102 @@ def _stage_table(plan: Plan, grid: DeviceGrid, numbers: PlanNumbers, view: Timel
     unit = "micro-batch" if numbers.pipeline else "step"
     memory_measured = any(s.measured_memory_bytes is not None for s in numbers.stages)
     profiled = view is None and any(stage.measured_cost_s is not None for stage in plan.stages)
-    measured_heads = (["F+B time", "÷ est."] if view is not None else []) + (
-        ["profiled F+B", "÷ est."] if profiled else []) + (["peak memory", "÷ est."] if memory_measured else [])
+    measured_heads = (
+        (["F+B time", "÷ est."] if view is not None else [])
+        + (["profiled F+B", "÷ est."] if profiled else [])
+        + (["peak memory", "÷ est."] if memory_measured else [])
+    )
     fixed = ["stage", "layers", "submesh → logical mesh", "devices", "params"]
     estimated = [f"time / {unit}", "compute", "comm", "memory / device"]
-    head = ("<tr>" + "".join(f"<th rowspan='2'{' class=num' if h == 'params' else ''}>{e(h)}</th>" for h in fixed)
-            + f"<th colspan='{len(estimated)}' class='group'>estimated</th>"
-            + (f"<th colspan='{len(measured_heads)}' class='group measured'>measured</th>" if measured_heads else "")
-            + "</tr><tr>" + "".join(f"<th class='num'>{e(h)}</th>" for h in estimated)
-            + "".join(f"<th class='num measured'>{e(h)}</th>" for h in measured_heads) + "</tr>")
+    head = (
+        "<tr>"
+        + "".join(f"<th rowspan='2'{' class=num' if h == 'params' else ''}>{e(h)}</th>" for h in fixed)
+        + f"<th colspan='{len(estimated)}' class='group'>estimated</th>"
+        + (f"<th colspan='{len(measured_heads)}' class='group measured'>measured</th>" if measured_heads else "")
+        + "</tr><tr>"
+        + "".join(f"<th class='num'>{e(h)}</th>" for h in estimated)
+        + "".join(f"<th class='num measured'>{e(h)}</th>" for h in measured_heads)
+        + "</tr>"
+    )
     rows, row_attrs = [], []
     for s, stage in zip(numbers.stages, plan.stages):
         crossing = _crossing_text(s.crosses_hosts).strip(" ()")
-        mesh = (f"{e(mesh_text(s.submesh_shape))} → {e(mesh_text(s.logical_mesh_shape))}"
-                + (f"<div class='badge'>{e(crossing)}</div>" if crossing else ""))
-        cells: list[Cell] = [stage_cell(s.index), (e(ranges(s.layers)), s.layers[0] if s.layers else -1), (mesh, None),
-                             (e(ranges(grid.stage_devices[s.index])), None), (str(len(stage.params)), len(stage.params)),
-                             (f"<b>{e(format_seconds(s.cost_s))}</b>", s.cost_s),
-                             (e(format_seconds(s.compute_s)), s.compute_s),
-                             (e(format_seconds(s.communication_s)), s.communication_s),
-                             (e(format_bytes(s.memory_bytes)), s.memory_bytes)]
+        mesh = f"{e(mesh_text(s.submesh_shape))} → {e(mesh_text(s.logical_mesh_shape))}" + (
+            f"<div class='badge'>{e(crossing)}</div>" if crossing else ""
+        )
+        cells: list[Cell] = [
+            stage_cell(s.index),
+            (e(ranges(s.layers)), s.layers[0] if s.layers else -1),
+            (mesh, None),
+            (e(ranges(grid.stage_devices[s.index])), None),
+            (str(len(stage.params)), len(stage.params)),
+            (f"<b>{e(format_seconds(s.cost_s))}</b>", s.cost_s),
+            (e(format_seconds(s.compute_s)), s.compute_s),
+            (e(format_seconds(s.communication_s)), s.communication_s),
+            (e(format_bytes(s.memory_bytes)), s.memory_bytes),
+        ]
         per_micro = None
         if view is not None and len(view.blocks) == len(numbers.stages):  # one row per stage (not interleaved)
-            blocks = [b for b in view.blocks[s.index] if b[0] in ("forward", "backward", "backward_input",
-                                                                   "backward_weight")]
+            blocks = [
+                b for b in view.blocks[s.index] if b[0] in ("forward", "backward", "backward_input", "backward_weight")
+            ]
             busy = sum(b[3] - b[2] for b in blocks)
             # no block timed on this stage (a timeline of other stages, or one recorded without clocks): n/a, not 0 s
             per_micro = busy / len({b[1] for b in blocks}) if busy > 0 else None
-            cells += [(e(format_seconds(per_micro)) if per_micro is not None else "n/a", per_micro),
-                      (ratio(per_micro, s.cost_s), None)]
+            cells += [
+                (e(format_seconds(per_micro)) if per_micro is not None else "n/a", per_micro),
+                (ratio(per_micro, s.cost_s), None),
+            ]
         elif profiled:
             per_micro = stage.measured_cost_s
-            cells += [(e(format_seconds(per_micro)) if per_micro is not None else "–", per_micro),
-                      (ratio(per_micro, s.cost_s), None)]
+            cells += [
+                (e(format_seconds(per_micro)) if per_micro is not None else "–", per_micro),
+                (ratio(per_micro, s.cost_s), None),
+            ]
         if memory_measured:
             m = s.measured_memory_bytes
             cells += [(e(format_bytes(m)) if m is not None else "–", m), (ratio(m, s.memory_bytes), None)]
         rows.append(cells)
-        row_attrs.append(attrs(data_stage=s.index, data_cost_s=s.cost_s, data_compute_s=s.compute_s,
-                               data_communication_s=s.communication_s, data_memory_bytes=s.memory_bytes,
-                               data_measured_time_s=per_micro, data_measured_memory_bytes=s.measured_memory_bytes))
-    measured_step = (f" · measured step {e(format_seconds(numbers.measured_step_s))} "
-                     f"({ratio(numbers.measured_step_s, numbers.step_s)} est.)"
-                     if numbers.measured_step_s is not None else "")
-    foot = (f"<tr class='total'{attrs(data_derived_step_s=numbers.derived_step_s)}><td colspan='5'>"
-            f"{e(numbers.step_equation)}</td><td class='num'><b>{e(format_seconds(numbers.derived_step_s))}</b></td>"
-            f"<td colspan='{3 + len(measured_heads)}' class='sub'>plan estimate "
-            f"{e(format_seconds(numbers.step_s))}{measured_step}</td></tr>")
+        row_attrs.append(
+            attrs(
+                data_stage=s.index,
+                data_cost_s=s.cost_s,
+                data_compute_s=s.compute_s,
+                data_communication_s=s.communication_s,
+                data_memory_bytes=s.memory_bytes,
+                data_measured_time_s=per_micro,
+                data_measured_memory_bytes=s.measured_memory_bytes,
+            )
+        )
+    measured_step = (
+        f" · measured step {e(format_seconds(numbers.measured_step_s))} "
+        f"({ratio(numbers.measured_step_s, numbers.step_s)} est.)"
+        if numbers.measured_step_s is not None
+        else ""
+    )
+    foot = (
+        f"<tr class='total'{attrs(data_derived_step_s=numbers.derived_step_s)}><td colspan='5'>"
+        f"{e(numbers.step_equation)}</td><td class='num'><b>{e(format_seconds(numbers.derived_step_s))}</b></td>"
+        f"<td colspan='{3 + len(measured_heads)}' class='sub'>plan estimate "
+        f"{e(format_seconds(numbers.step_s))}{measured_step}</td></tr>"
+    )
     numeric = set(range(4, 9 + len(measured_heads)))
-    caption = (f"<p class='sub'>Estimated per {unit}, memory per device; measured figures sit beside the estimates"
-               + (": F+B is forward + backward time per micro-batch in the given timeline" if view is not None else "")
-               + (": profiled F+B is the stage compiled and timed alone by profile=True (median forward + backward "
-                  f"per {unit})" if profiled else "")
-               + ".</p>")
+    caption = (
+        f"<p class='sub'>Estimated per {unit}, memory per device; measured figures sit beside the estimates"
+        + (": F+B is forward + backward time per micro-batch in the given timeline" if view is not None else "")
+        + (
+            ": profiled F+B is the stage compiled and timed alone by profile=True (median forward + backward "
+            f"per {unit})"
+            if profiled
+            else ""
+        )
+        + ".</p>"
+    )
     return table([], rows, numeric=numeric, css="stages", row_attrs=row_attrs, head_html=head, foot_html=foot) + caption
 
 
 # --- parameters -----------------------------------------------------------------------------------------
+
 
 def _param_table(plan: Plan, shapes: Mapping[str, Sequence[int]] | None) -> str:
     """One row per (stage, parameter); shape columns only when ``shapes`` is given (a Plan holds specs only,
@@ -285,13 +404,21 @@ def _param_table(plan: Plan, shapes: Mapping[str, Sequence[int]] | None) -> str:
         for name, spec in stage.params.items():
             pieces = shards(spec, mesh)
             other = []
-            for what, layouts in (("grad", stage.grads), ("optimizer state", stage.optimizer_state),
-                                  ("gathered at use", stage.params_at_use)):
+            for what, layouts in (
+                ("grad", stage.grads),
+                ("optimizer state", stage.optimizer_state),
+                ("gathered at use", stage.params_at_use),
+            ):
                 if name in layouts and layouts[name] != spec:
                     other.append(f"{what}: {describe(layouts[name])}")
-            cells = [stage_cell(index), (f"<code>{e(name)}</code>", name), (str(len(spec)), len(spec)),
-                     (spec_chips(spec), describe(spec)), (str(pieces), pieces),
-                     (e("; ".join(other)), "; ".join(other))]
+            cells = [
+                stage_cell(index),
+                (f"<code>{e(name)}</code>", name),
+                (str(len(spec)), len(spec)),
+                (spec_chips(spec), describe(spec)),
+                (str(pieces), pieces),
+                (e("; ".join(other)), "; ".join(other)),
+            ]
             if with_shapes:
                 shape = list(shapes[name]) if name in shapes else None
                 numel = math.prod(shape) if shape is not None else -1
@@ -299,11 +426,13 @@ def _param_table(plan: Plan, shapes: Mapping[str, Sequence[int]] | None) -> str:
                 cells[-1:-1] = [(f"{math.ceil(numel / pieces):,}" if numel >= 0 else "?", numel / pieces)]
             rows.append(cells)
     numeric = {i for i, h in enumerate(heads) if h in ("rank", "shards", "elements / device")}
-    return (spec_legend("<span>Click a header to sort.</span>")
-            + table(heads, rows, numeric=numeric, sortable=True, css="params", scroll=len(rows) > 20))
+    return spec_legend("<span>Click a header to sort.</span>") + table(
+        heads, rows, numeric=numeric, sortable=True, css="params", scroll=len(rows) > 20
+    )
 
 
 # --- timeline -------------------------------------------------------------------------------------------
+
 
 def _timeline_svg(plan: Plan, view: TimelineView, numbers: PlanNumbers) -> str:
     left, right, row_h, gap, top = 78, 20, 30, 8, 22
@@ -316,48 +445,69 @@ def _timeline_svg(plan: Plan, view: TimelineView, numbers: PlanNumbers) -> str:
     parts = []
     for tick in _ticks(span):
         x = left + tick * scale
-        parts.append(f"<line x1='{x:.1f}' y1='{top}' x2='{x:.1f}' y2='{height - 26}' class='gridline'/>"
-                     f"<text x='{x:.1f}' y='{height - 10}' class='tick' text-anchor='middle'>"
-                     f"{e(_fmt_tick(tick, view.relative))}</text>")
+        parts.append(
+            f"<line x1='{x:.1f}' y1='{top}' x2='{x:.1f}' y2='{height - 26}' class='gridline'/>"
+            f"<text x='{x:.1f}' y='{height - 10}' class='tick' text-anchor='middle'>"
+            f"{e(_fmt_tick(tick, view.relative))}</text>"
+        )
     for stage, blocks in enumerate(view.blocks):
         y = top + stage * (row_h + gap)
         color = stage_color(stage)
-        parts.append(f"<rect x='{left}' y='{y}' width='{inner}' height='{row_h}' class='lane'/>"
-                     f"<text x='{left - 8}' y='{y + row_h / 2 + 4}' class='lanelabel' "
-                     f"text-anchor='end'>stage {stage}</text>")
+        parts.append(
+            f"<rect x='{left}' y='{y}' width='{inner}' height='{row_h}' class='lane'/>"
+            f"<text x='{left - 8}' y='{y + row_h / 2 + 4}' class='lanelabel' "
+            f"text-anchor='end'>stage {stage}</text>"
+        )
         for op, micro, start, end in blocks:
             x, w = left + start * scale, max((end - start) * scale, 1.0)
             kind = "fwd" if op == "forward" else "bwd" if op.startswith("backward") else "other"
             fill = tint(color, 0.5) if kind == "fwd" else color if kind == "bwd" else "#999999"
             label = f"{'W' if op == 'backward_weight' else op[0].upper()}{'' if micro is None else micro}"
-            tip = (f"stage {stage} {op} micro-batch {micro}: {_fmt_tick(start, view.relative)} – "
-                   f"{_fmt_tick(end, view.relative)}")
-            parts.append(f"<rect class='blk {kind}' data-stage='{stage}' "
-                         f"data-micro-batch='{e('' if micro is None else micro)}' "
-                         f"x='{x:.2f}' y='{y + 2}' width='{w:.2f}' height='{row_h - 4}' rx='3' fill='{fill}'>"
-                         f"<title>{e(tip)}</title></rect>")
+            tip = (
+                f"stage {stage} {op} micro-batch {micro}: {_fmt_tick(start, view.relative)} – "
+                f"{_fmt_tick(end, view.relative)}"
+            )
+            parts.append(
+                f"<rect class='blk {kind}' data-stage='{stage}' "
+                f"data-micro-batch='{e('' if micro is None else micro)}' "
+                f"x='{x:.2f}' y='{y + 2}' width='{w:.2f}' height='{row_h - 4}' rx='3' fill='{fill}'>"
+                f"<title>{e(tip)}</title></rect>"
+            )
             if w >= 8 * len(label) + 4:
-                parts.append(f"<text x='{x + w / 2:.2f}' y='{y + row_h / 2 + 4}' class='blklabel' text-anchor='middle' "
-                             f"fill='{text_on(fill)}'>{e(label)}</text>")
+                parts.append(
+                    f"<text x='{x + w / 2:.2f}' y='{y + row_h / 2 + 4}' class='blklabel' text-anchor='middle' "
+                    f"fill='{text_on(fill)}'>{e(label)}</text>"
+                )
     if marker is not None:
         x = left + marker * scale
         anchor = "end" if x > left + inner * 0.6 else "start"
-        parts.append(f"<line x1='{x:.1f}' y1='{top - 6}' x2='{x:.1f}' y2='{height - 26}' class='estline'/>"
-                     f"<text x='{x + (-4 if anchor == 'end' else 4):.1f}' y='{top - 9}' class='estlabel' "
-                     f"text-anchor='{anchor}'>estimated step {e(format_seconds(marker))}</text>")
-    what = {"estimated": f"simulated from each stage's estimate (forward ⅓, backward ⅔), schedule {plan.schedule}",
-            "simulated": "simulated", "measured": "measured"}[view.source]
-    legend = (f"<div class='legend'><span><i class='swatch' style='background:{tint(PALETTE[0], 0.5)}'></i>forward "
-              f"(light)</span><span><i class='swatch' style='background:{PALETTE[0]}'></i>backward (stage colour)"
-              "</span>"
-              f"<span><i class='swatch' style='background:{IDLE_COLOR}'></i>idle (bubble)</span><span>labels: F/B + "
-              f"micro-batch</span><span><i class='swatch dashed'></i>the plan's step estimate</span></div>")
-    caption = f"{what}; the blocks end at {_fmt_tick(view.makespan, view.relative)}, bubble {100 * view.bubble_fraction:.1f}%"
+        parts.append(
+            f"<line x1='{x:.1f}' y1='{top - 6}' x2='{x:.1f}' y2='{height - 26}' class='estline'/>"
+            f"<text x='{x + (-4 if anchor == 'end' else 4):.1f}' y='{top - 9}' class='estlabel' "
+            f"text-anchor='{anchor}'>estimated step {e(format_seconds(marker))}</text>"
+        )
+    what = {
+        "estimated": f"simulated from each stage's estimate (forward ⅓, backward ⅔), schedule {plan.schedule}",
+        "simulated": "simulated",
+        "measured": "measured",
+    }[view.source]
+    legend = (
+        f"<div class='legend'><span><i class='swatch' style='background:{tint(PALETTE[0], 0.5)}'></i>forward "
+        f"(light)</span><span><i class='swatch' style='background:{PALETTE[0]}'></i>backward (stage colour)"
+        "</span>"
+        f"<span><i class='swatch' style='background:{IDLE_COLOR}'></i>idle (bubble)</span><span>labels: F/B + "
+        f"micro-batch</span><span><i class='swatch dashed'></i>the plan's step estimate</span></div>"
+    )
+    caption = (
+        f"{what}; the blocks end at {_fmt_tick(view.makespan, view.relative)}, bubble {100 * view.bubble_fraction:.1f}%"
+    )
     if marker is not None and view.source == "estimated" and abs(view.makespan - marker) > 1e-3 * marker:
         relation = "bounds this schedule from above" if view.makespan < marker else "is shorter than this schedule"
         caption += f". The plan's estimate, {format_seconds(marker)} ({numbers.step_equation}), {relation}"
-    return (f"{legend}<svg viewBox='0 0 {width} {height}' class='chart timeline' role='img'"
-            f"{attrs(data_makespan_s=view.makespan)}>{''.join(parts)}</svg><p class='sub'>{e(caption)}.</p>")
+    return (
+        f"{legend}<svg viewBox='0 0 {width} {height}' class='chart timeline' role='img'"
+        f"{attrs(data_makespan_s=view.makespan)}>{''.join(parts)}</svg><p class='sub'>{e(caption)}.</p>"
+    )
 
 
 def _ticks(span: float) -> list[float]:
@@ -373,23 +523,34 @@ def _fmt_tick(value: float, relative: bool) -> str:
 
 # --- solver and compile phases --------------------------------------------------------------------------
 
+
 def _profile_html(profile: Mapping[str, Any] | None) -> str:
     """Measured profiling (``plan.solver["profile"]``): each candidate measured and estimated, the link fits."""
     if not profile:
         return ""
-    rows = [[(("→ " if row["candidate"] == profile["chosen"] else "") + e(str(row["candidate"])), None),
-             (e(format_seconds(row["measured_step_s"])), row["measured_step_s"]),
-             (e(format_seconds(row["estimated_step_s"])), row["estimated_step_s"]),
-             (ratio(row["measured_step_s"], row["estimated_step_s"]), None)]
-            for row in profile.get("candidates", [])]
-    links = "".join(f"<li>axis {e(str(link['axis']))} over {e(str(link['devices']))} devices: α "
-                    f"{e(format_seconds(link['alpha']))}, β {link['beta']:.3g} s/byte</li>"
-                    for link in profile.get("links", []))
-    return ("<h3>measured profiling</h3>"
-            + table(["candidate", "measured step", "estimated step", "measured ÷ est."], rows, numeric={1, 2, 3},
-                    css="kv")
-            + (f"<p class='sub'>Link constants fitted to timed all-reduces:</p><ul class='mono'>{links}</ul>"
-               if links else ""))
+    rows = [
+        [
+            (("→ " if row["candidate"] == profile["chosen"] else "") + e(str(row["candidate"])), None),
+            (e(format_seconds(row["measured_step_s"])), row["measured_step_s"]),
+            (e(format_seconds(row["estimated_step_s"])), row["estimated_step_s"]),
+            (ratio(row["measured_step_s"], row["estimated_step_s"]), None),
+        ]
+        for row in profile.get("candidates", [])
+    ]
+    links = "".join(
+        f"<li>axis {e(str(link['axis']))} over {e(str(link['devices']))} devices: α "
+        f"{e(format_seconds(link['alpha']))}, β {link['beta']:.3g} s/byte</li>"
+        for link in profile.get("links", [])
+    )
+    return (
+        "<h3>measured profiling</h3>"
+        + table(["candidate", "measured step", "estimated step", "measured ÷ est."], rows, numeric={1, 2, 3}, css="kv")
+        + (
+            f"<p class='sub'>Link constants fitted to timed all-reduces:</p><ul class='mono'>{links}</ul>"
+            if links
+            else ""
+        )
+    )
 
 
 def _solver_html(solver: Mapping[str, Any]) -> str:
@@ -407,8 +568,9 @@ def _solver_html(solver: Mapping[str, Any]) -> str:
         out.append(table(["statistic", "value"], rows, numeric={1}, css="kv"))
     if per_stage:
         keys = list(dict.fromkeys(k for v in per_stage.values() for k in v))
-        rows = [[(e(key), None)] + [(e(_fmt_stat(key, v.get(key, ""))), None) for v in per_stage.values()]
-                for key in keys]
+        rows = [
+            [(e(key), None)] + [(e(_fmt_stat(key, v.get(key, ""))), None) for v in per_stage.values()] for key in keys
+        ]
         out.append(table(["statistic", *per_stage], rows, numeric=set(range(1, len(per_stage) + 1)), css="kv"))
     for name, value in other.items():
         items = value if isinstance(value, (list, tuple)) else [value]
@@ -433,7 +595,10 @@ def _timings_html(timings: Mapping[str, float]) -> str:
     if not timings:
         return "<p class='sub'>No compile-phase timings recorded.</p>"
     longest = max(timings.values()) or 1.0
-    rows = [f"<div class='barrow'><span class='barlabel'>{e(phase)}</span><div class='track'><div class='seg' "
-            f"style='width:{100 * seconds / longest:.2f}%;background:#57606a'></div></div>"
-            f"<span class='barvalue'>{e(format_seconds(seconds))}</span></div>" for phase, seconds in timings.items()]
+    rows = [
+        f"<div class='barrow'><span class='barlabel'>{e(phase)}</span><div class='track'><div class='seg' "
+        f"style='width:{100 * seconds / longest:.2f}%;background:#57606a'></div></div>"
+        f"<span class='barvalue'>{e(format_seconds(seconds))}</span></div>"
+        for phase, seconds in timings.items()
+    ]
     return "".join(rows) + f"<p class='sub'>total {e(format_seconds(sum(timings.values())))}</p>"

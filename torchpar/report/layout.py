@@ -14,8 +14,7 @@ from torchpar.cluster import ClusterSpec, current_cluster
 if TYPE_CHECKING:
     from torchpar.planner.plan import Plan
 
-PALETTE = ("#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7", "#9c755f",
-           "#86bcb6")
+PALETTE = ("#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7", "#9c755f", "#86bcb6")
 """Stage colours (Tableau 10); stages past the tenth get golden-angle hues."""
 IDLE_COLOR = "#e6e9ed"
 AXIS_COLORS = ("#8250df", "#0969da")
@@ -60,8 +59,8 @@ def grid_cluster(plan: Plan) -> ClusterSpec:
 def device_grid(plan: Plan, cluster: ClusterSpec | None = None) -> DeviceGrid:
     """Where each stage runs: the cluster devices each stage of the plan stores (``StagePlan.device_ids``:
     ``(1, k)`` takes ``k`` devices of one host, ``(h, D)`` ``h`` whole hosts). ``cluster`` defaults to the one
-    the plan was made for (``plan.cluster``), else the one from ``torchpar.init``; if the plan needs more devices than it has, hosts × devices are inferred from
-    the submeshes (with a note)."""
+    the plan was made for (``plan.cluster``), else the one from ``torchpar.init``; if the plan needs more devices than
+    it has, hosts × devices are inferred from the submeshes (with a note)."""
     notes: list[str] = []
     submeshes = [(int(s.submesh_shape[0]), int(s.submesh_shape[1])) for s in plan.stages]
     needed = sum(h * d for h, d in submeshes)
@@ -70,8 +69,10 @@ def device_grid(plan: Plan, cluster: ClusterSpec | None = None) -> DeviceGrid:
     if needed > hosts * per_host:
         per_host = max(d for _, d in submeshes)
         hosts = math.ceil(needed / per_host)
-        notes.append(f"The plan uses {needed} devices but the cluster has {cluster.num_devices}; the grid shows "
-                     f"{hosts} host(s) × {per_host} device(s) inferred from the stages' submeshes.")
+        notes.append(
+            f"The plan uses {needed} devices but the cluster has {cluster.num_devices}; the grid shows "
+            f"{hosts} host(s) × {per_host} device(s) inferred from the stages' submeshes."
+        )
     stage_devices = _stage_devices(plan, submeshes, notes)
     owner: dict[int, tuple[int, tuple[int, ...]]] = {}
     for stage, (devices, plan_stage) in enumerate(zip(stage_devices, plan.stages)):
@@ -84,8 +85,9 @@ def device_grid(plan: Plan, cluster: ClusterSpec | None = None) -> DeviceGrid:
     cells = []
     for device in range(hosts * per_host):
         stage, coord = owner.get(device, (None, None))
-        cells.append(DeviceCell(device=device, host=device // per_host, local=device % per_host, stage=stage,
-                                mesh_coord=coord))
+        cells.append(
+            DeviceCell(device=device, host=device // per_host, local=device % per_host, stage=stage, mesh_coord=coord)
+        )
     return DeviceGrid(hosts, per_host, tuple(cells), tuple(tuple(d) for d in stage_devices), tuple(notes))
 
 
@@ -151,10 +153,14 @@ def _estimated_timeline(plan: Plan) -> TimelineView:
     relative = not any(costs)
     if relative:
         costs = [1.0] * num_stages
-    simulated = simulate(make_schedule(name, num_stages, micro, virtual_stages=virtual), [c / 3 for c in costs],
-                         [2 * c / 3 for c in costs])  # a split backward: B and W ⅓ each
-    stages = [[(b.op, b.micro_batch, b.start, b.end) for b in stage if b.op in COMPUTE_OPS]
-              for stage in simulated.blocks]
+    simulated = simulate(
+        make_schedule(name, num_stages, micro, virtual_stages=virtual),
+        [c / 3 for c in costs],
+        [2 * c / 3 for c in costs],
+    )  # a split backward: B and W ⅓ each
+    stages = [
+        [(b.op, b.micro_batch, b.start, b.end) for b in stage if b.op in COMPUTE_OPS] for stage in simulated.blocks
+    ]
     return _view(stages, "estimated", relative)
 
 

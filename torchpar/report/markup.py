@@ -32,15 +32,28 @@ def _exact(value: Any) -> str:
     return repr(value) if isinstance(value, float) else str(value)
 
 
-def table(heads: Sequence[str], rows: Sequence[Sequence[Cell]], *, numeric: set[int] = frozenset(),
-          sortable: bool = False, css: str = "", scroll: bool = False, row_attrs: Sequence[str] | None = None,
-          head_html: str | None = None, foot_html: str = "") -> str:
+def table(
+    heads: Sequence[str],
+    rows: Sequence[Sequence[Cell]],
+    *,
+    numeric: set[int] = frozenset(),
+    sortable: bool = False,
+    css: str = "",
+    scroll: bool = False,
+    row_attrs: Sequence[str] | None = None,
+    head_html: str | None = None,
+    foot_html: str = "",
+) -> str:
     """A table; columns in ``numeric`` are right-aligned; ``sortable`` ones sort on a header click (inline JS).
     ``row_attrs[i]`` is added to row ``i``'s ``<tr>``; ``head_html`` replaces the header row(s);
     ``foot_html`` is the ``<tfoot>``'s rows."""
     classes = " ".join(c for c in (css, "sortable" if sortable else "") if c)
-    head = head_html or "<tr>" + "".join(f"<th{' class=num' if i in numeric else ''}>{e(h)}</th>"
-                                         for i, h in enumerate(heads)) + "</tr>"
+    head = (
+        head_html
+        or "<tr>"
+        + "".join(f"<th{' class=num' if i in numeric else ''}>{e(h)}</th>" for i, h in enumerate(heads))
+        + "</tr>"
+    )
     body = []
     for index, cells in enumerate(rows):
         tds = []
@@ -51,8 +64,10 @@ def table(heads: Sequence[str], rows: Sequence[Sequence[Cell]], *, numeric: set[
         body.append(f"<tr{extra}>" + "".join(tds) + "</tr>")
     wrap = "tablewrap scroll" if scroll else "tablewrap"
     foot = f"<tfoot>{foot_html}</tfoot>" if foot_html else ""
-    return (f"<div class='{wrap}'><table class='{classes}'><thead>{head}</thead>"
-            f"<tbody>{''.join(body)}</tbody>{foot}</table></div>")
+    return (
+        f"<div class='{wrap}'><table class='{classes}'><thead>{head}</thead>"
+        f"<tbody>{''.join(body)}</tbody>{foot}</table></div>"
+    )
 
 
 def swatch(color: str, extra: str = "") -> str:
@@ -83,10 +98,12 @@ def spec_chips(spec: Sequence[Sequence[int] | None] | None, *, batch_dim: bool =
 
 
 def spec_legend(extra: str = "") -> str:
-    return (f"<div class='legend'><span><b class='chip'>R</b> replicated dim</span><span><b class='chip' "
-            f"style='background:{AXIS_COLORS[0]}'>S0</b> dim split over logical mesh axis 0</span><span><b "
-            f"class='chip' style='background:{AXIS_COLORS[1]}'>S1</b> over axis 1</span><span><b class='chip' "
-            f"style='background:#bf3989'>S01</b> over both</span>{extra}</div>")
+    return (
+        f"<div class='legend'><span><b class='chip'>R</b> replicated dim</span><span><b class='chip' "
+        f"style='background:{AXIS_COLORS[0]}'>S0</b> dim split over logical mesh axis 0</span><span><b "
+        f"class='chip' style='background:{AXIS_COLORS[1]}'>S1</b> over axis 1</span><span><b class='chip' "
+        f"style='background:#bf3989'>S01</b> over both</span>{extra}</div>"
+    )
 
 
 def shards(spec: Sequence[Sequence[int] | None], mesh: Sequence[int]) -> int:
@@ -113,14 +130,14 @@ def coord(value: tuple[int, ...] | None) -> str:
 
 def tint(color: str, amount: float) -> str:
     """``color`` mixed with white by ``amount`` (0 = unchanged, 1 = white)."""
-    r, g, b = (int(color[i:i + 2], 16) for i in (1, 3, 5))
+    r, g, b = (int(color[i : i + 2], 16) for i in (1, 3, 5))
     mix = lambda c: round(c + (255 - c) * amount)
     return f"#{mix(r):02x}{mix(g):02x}{mix(b):02x}"
 
 
 def text_on(color: str) -> str:
     """Dark or white text, whichever reads on ``color``."""
-    r, g, b = (int(color[i:i + 2], 16) / 255 for i in (1, 3, 5))
+    r, g, b = (int(color[i : i + 2], 16) / 255 for i in (1, 3, 5))
     return "#1f2328" if 0.2126 * r + 0.7152 * g + 0.0722 * b > 0.6 else "#ffffff"
 
 

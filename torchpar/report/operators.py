@@ -27,34 +27,58 @@ if TYPE_CHECKING:
 
 _MATMUL = {"m": "rows (batch × sequence)", "k": "contracted dim (in features)", "n": "out features"}
 _BATCHED = {"b": "batch", "m": "rows", "k": "contracted dim", "n": "columns"}
-_GROUPED = {"experts": "experts (device i of the axis holds the i-th block of experts; tokens exchanged by all-to-all)",
-            "s": "rows (tokens × top-k, sorted by expert)", "k": "contracted dim (expert input)",
-            "n": "expert output columns"}
+_GROUPED = {
+    "experts": "experts (device i of the axis holds the i-th block of experts; tokens exchanged by all-to-all)",
+    "s": "rows (tokens × top-k, sorted by expert)",
+    "k": "contracted dim (expert input)",
+    "n": "expert output columns",
+}
 OP_LABELS: dict[str, dict[str, str]] = {
-    "mm": _MATMUL, "addmm": _MATMUL, "bmm": _BATCHED, "baddbmm": _BATCHED,
-    "embedding": {"V": "vocabulary (table rows)", "D": "embedding dim", "a": "index dim 0 (batch)",
-                  "b": "index dim 1 (sequence)", "c": "index dim 2"},
+    "mm": _MATMUL,
+    "addmm": _MATMUL,
+    "bmm": _BATCHED,
+    "baddbmm": _BATCHED,
+    "embedding": {
+        "V": "vocabulary (table rows)",
+        "D": "embedding dim",
+        "a": "index dim 0 (batch)",
+        "b": "index dim 1 (sequence)",
+        "c": "index dim 2",
+    },
     "scaled_dot_product_attention": {"b": "batch", "h": "heads", "seq": "sequence (context parallelism)"},
     "convolution": {"n": "batch", "o": "out channels", "c": "in channels (contracted)"},
     "_grouped_mm": _GROUPED,
     "transformers.grouped_mm_fallback.default": _GROUPED,
-    "index": {"V": "table rows", "D": "table dim 1", "F": "table dim 2", "a": "index (output rows)",
-              "rows": "rows (the table's and the output's)", "cols": "columns"},
+    "index": {
+        "V": "table rows",
+        "D": "table dim 1",
+        "F": "table dim 2",
+        "a": "index (output rows)",
+        "rows": "rows (the table's and the output's)",
+        "cols": "columns",
+    },
     "index_put": {"rows": "rows (the base's, the values' and the output's)", "cols": "columns"},
 }
 """What each einsum label of an anchor op's strategy stands for, by op (``aten.<op>.default``)."""
-VARIANTS = {"ring": "keys/values passed around a ring of devices (ppermute)",
-            "allgather": "keys/values all-gathered (their gradient reduce-scattered)",
-            "exchange": "the index whole: only the rows another device needs move, by all-to-all"}
+VARIANTS = {
+    "ring": "keys/values passed around a ring of devices (ppermute)",
+    "allgather": "keys/values all-gathered (their gradient reduce-scattered)",
+    "exchange": "the index whole: only the rows another device needs move, by all-to-all",
+}
 """The words of a strategy that name how its split runs: an attention's sequence meeting every key (``seq@1,ring``),
 a gather's or put's rows moved by a whole index (``rows@1,exchange``)."""
 OPERAND_NAMES: dict[str, tuple[str, ...]] = {
-    "mm": ("input", "weight"), "addmm": ("bias", "input", "weight"), "bmm": ("a", "b"),
-    "baddbmm": ("bias", "a", "b"), "embedding": ("table", "indices"),
-    "scaled_dot_product_attention": ("q", "k", "v", "mask"), "convolution": ("input", "weight", "bias"),
+    "mm": ("input", "weight"),
+    "addmm": ("bias", "input", "weight"),
+    "bmm": ("a", "b"),
+    "baddbmm": ("bias", "a", "b"),
+    "embedding": ("table", "indices"),
+    "scaled_dot_product_attention": ("q", "k", "v", "mask"),
+    "convolution": ("input", "weight", "bias"),
     "_grouped_mm": ("rows", "experts' weights", "offsets"),
     "transformers.grouped_mm_fallback.default": ("rows", "experts' weights", "offsets"),
-    "index": ("table", "indices"), "index_put": ("base", "indices", "values"),
+    "index": ("table", "indices"),
+    "index_put": ("base", "indices", "values"),
 }
 _ROWS_OPEN = 40
 """Stages are shown expanded while the whole table has at most this many rows."""
@@ -87,8 +111,9 @@ def explain_strategy(op: str, name: str) -> str:
             continue
         pieces.append(f"{labels.get(label, label)} over {_axes_text(axes)}")
     if scattered:
-        pieces.append(f"output rows reduce-scattered over {_axes_text(scattered.partition('@')[2])} "
-                      "(sequence parallelism)")
+        pieces.append(
+            f"output rows reduce-scattered over {_axes_text(scattered.partition('@')[2])} (sequence parallelism)"
+        )
     return "; ".join(pieces)
 
 
@@ -122,19 +147,22 @@ def strategies_html(plan: Plan) -> str | None:
         if not strategies:
             continue
         blocks.append(_stage_block(index, stage, strategies, open_=total <= _ROWS_OPEN or index == 0))
-    legend = spec_legend("<span><b class='chip batch' style='background:#0969da'>S1</b> leading (batch) dim split"
-                         "</span>")
-    vocabulary = ("<p class='sub'>A strategy names which labelled dim of the op's einsum is split over which logical "
-                  "mesh axis: <code>m@1</code> splits <code>m</code> over axis 1, <code>m@0,n@1</code> splits "
-                  "<code>m</code> over axis 0 and <code>n</code> over axis 1, <code>m@01</code> over both axes; "
-                  "<code>replicated</code> splits nothing. Labels: matmul <code>m</code> rows (batch × sequence), "
-                  "<code>k</code> contracted (its split all-reduces the output), <code>n</code> out features; "
-                  "attention <code>b</code> batch, <code>h</code> heads, <code>seq</code> sequence (context "
-                  "parallelism: <code>ring</code> or <code>allgather</code>); <code>&gt;m@1</code>: a row-split "
-                  "matmul's output tokens reduce-scattered (sequence parallelism); embedding <code>a</code> batch, "
-                  "<code>V</code> vocabulary, <code>D</code> embedding dim; convolution <code>n</code> batch, "
-                  "<code>o</code>/<code>c</code> out/in channels. Operands show the layout the op reads them in "
-                  "(– : no requirement).</p>")
+    legend = spec_legend(
+        "<span><b class='chip batch' style='background:#0969da'>S1</b> leading (batch) dim split</span>"
+    )
+    vocabulary = (
+        "<p class='sub'>A strategy names which labelled dim of the op's einsum is split over which logical "
+        "mesh axis: <code>m@1</code> splits <code>m</code> over axis 1, <code>m@0,n@1</code> splits "
+        "<code>m</code> over axis 0 and <code>n</code> over axis 1, <code>m@01</code> over both axes; "
+        "<code>replicated</code> splits nothing. Labels: matmul <code>m</code> rows (batch × sequence), "
+        "<code>k</code> contracted (its split all-reduces the output), <code>n</code> out features; "
+        "attention <code>b</code> batch, <code>h</code> heads, <code>seq</code> sequence (context "
+        "parallelism: <code>ring</code> or <code>allgather</code>); <code>&gt;m@1</code>: a row-split "
+        "matmul's output tokens reduce-scattered (sequence parallelism); embedding <code>a</code> batch, "
+        "<code>V</code> vocabulary, <code>D</code> embedding dim; convolution <code>n</code> batch, "
+        "<code>o</code>/<code>c</code> out/in channels. Operands show the layout the op reads them in "
+        "(– : no requirement).</p>"
+    )
     return legend + vocabulary + "".join(blocks)
 
 
@@ -166,19 +194,32 @@ def _stage_block(index: int, stage: Any, strategies: Mapping[str, str], *, open_
         modules = merge_modules([m for _, m in members])
         count = f" <span class='sub'>×{len(members)}</span>" if len(members) > 1 else ""
         explained = "" if name == "replicated" else explain_strategy(op, name)
-        rows.append([(f"<code>{e(op).replace('_', '_<wbr>')}</code>", op),
-                     (f"<code class='module'>{e(modules or '–')}</code>{count}", modules),
-                     (f"<code>{e(name or '?')}</code><div class='sub small'>{e(explained)}</div>", name),
-                     (e(sequence_split(op, name)) or "<span class='sub'>–</span>", sequence_split(op, name)),
-                     (spec_chips(out, batch_dim=True), describe(out) if out is not None else ""),
-                     ("".join(reads) or "<span class='sub'>–</span>", None)])
+        rows.append(
+            [
+                (f"<code>{e(op).replace('_', '_<wbr>')}</code>", op),
+                (f"<code class='module'>{e(modules or '–')}</code>{count}", modules),
+                (f"<code>{e(name or '?')}</code><div class='sub small'>{e(explained)}</div>", name),
+                (e(sequence_split(op, name)) or "<span class='sub'>–</span>", sequence_split(op, name)),
+                (spec_chips(out, batch_dim=True), describe(out) if out is not None else ""),
+                ("".join(reads) or "<span class='sub'>–</span>", None),
+            ]
+        )
         row_attrs.append((" class='batchsplit'" if batch else "") + f" data-node='{e(node)}' data-ops='{len(members)}'")
-    table_html = table(["op", "module", "strategy", "sequence", "output", "operands"], rows, css="strategies",
-                       row_attrs=row_attrs, scroll=len(rows) > 30)
-    summary = (f"{swatch(stage_color(index))}stage {index} · logical mesh {e(mesh_text(mesh))} · "
-               f"{len(strategies)} anchor op(s)")
-    return (f"<details class='stageops'{' open' if open_ else ''}><summary>{summary}</summary>"
-            f"{_batch_note(stage, first_split)}{table_html}</details>")
+    table_html = table(
+        ["op", "module", "strategy", "sequence", "output", "operands"],
+        rows,
+        css="strategies",
+        row_attrs=row_attrs,
+        scroll=len(rows) > 30,
+    )
+    summary = (
+        f"{swatch(stage_color(index))}stage {index} · logical mesh {e(mesh_text(mesh))} · "
+        f"{len(strategies)} anchor op(s)"
+    )
+    return (
+        f"<details class='stageops'{' open' if open_ else ''}><summary>{summary}</summary>"
+        f"{_batch_note(stage, first_split)}{table_html}</details>"
+    )
 
 
 def _pattern(module: str) -> tuple[str, ...]:
@@ -210,14 +251,18 @@ def _batch_note(stage: Any, first_split: tuple[str, str, str, str] | None) -> st
     stored_text = f"Batch inputs as stored: {stored}. " if stored else ""
     if first_split is None:
         devices = int(stage.logical_mesh_shape[0]) * int(stage.logical_mesh_shape[1])
-        idle = (f" Every anchor op is replicated on this {devices}-device mesh: each device computes the whole "
-                "stage." if devices > 1 and all(parse_strategy(str(s))[2] == "replicated"
-                                                for s in stage.strategies.values()) else "")
+        idle = (
+            f" Every anchor op is replicated on this {devices}-device mesh: each device computes the whole stage."
+            if devices > 1 and all(parse_strategy(str(s))[2] == "replicated" for s in stage.strategies.values())
+            else ""
+        )
         return f"<p class='sub'>{e(stored_text)}No anchor op of this stage splits the batch.{e(idle)}</p>"
     node, op, module, name = first_split
     replicated = bool(inputs) and all(not any(spec) for spec in inputs.values())
     stored_text = stored_text.rstrip(". ") + (" (replicated). " if replicated else ". ") if stored_text else ""
     where = ", where it is first used" if replicated else ""
-    return (f"<p class='batchnote'>{e(stored_text)}The batch is first split at <code>{e(op)}</code> "
-            f"(<code>{e(module or node)}</code>, <code>{e(name)}</code>: {e(explain_strategy(op, name))}){where}; "
-            "highlighted rows keep it split.</p>")
+    return (
+        f"<p class='batchnote'>{e(stored_text)}The batch is first split at <code>{e(op)}</code> "
+        f"(<code>{e(module or node)}</code>, <code>{e(name)}</code>: {e(explain_strategy(op, name))}){where}; "
+        "highlighted rows keep it split.</p>"
+    )

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def build_executor(spec: "ExecutionSpec", cluster: "ClusterSpec", label: str = "") -> "Executor":
+def build_executor(spec: ExecutionSpec, cluster: ClusterSpec, label: str = "") -> Executor:
     """The executor of ``spec`` on ``cluster``'s runtime (``cluster.runtime``: ``"local"`` or ``"ray"``)."""
     from torchpar.runtime.devices import DeviceMap
 
@@ -27,10 +27,12 @@ def build_executor(spec: "ExecutionSpec", cluster: "ClusterSpec", label: str = "
 
         connected = ray_cluster.current()
         if connected is None:
-            raise RuntimeError("cluster='ray' but torchpar is not connected to Ray: call "
-                               "torchpar.init(cluster='ray', ...) first")
-        return RayExecutor(spec, connected, timeout_s=cluster.timeout_s, cores_per_host=cluster.cores_per_host,
-                           label=label)
+            raise RuntimeError(
+                "cluster='ray' but torchpar is not connected to Ray: call torchpar.init(cluster='ray', ...) first"
+            )
+        return RayExecutor(
+            spec, connected, timeout_s=cluster.timeout_s, cores_per_host=cluster.cores_per_host, label=label
+        )
     from torchpar.runtime.executor import LocalExecutor
 
     spec.devices = DeviceMap(cluster.devices_per_host, None)

@@ -17,7 +17,8 @@ An *index* is a tuple of ``(start, stop)`` per dim, in global coordinates; a *pi
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -83,8 +84,11 @@ def relative(inner: Index, outer: Index) -> tuple[slice, ...]:
 
 def owned_pieces(array: jax.Array) -> list[Piece]:
     """This process's share of ``array`` for a host copy: replica 0 of each shard it holds."""
-    return [(normalize(shard.index, array.shape), np.asarray(shard.data))
-            for shard in array.addressable_shards if shard.replica_id == 0]
+    return [
+        (normalize(shard.index, array.shape), np.asarray(shard.data))
+        for shard in array.addressable_shards
+        if shard.replica_id == 0
+    ]
 
 
 def to_host(array: jax.Array) -> np.ndarray | list[Piece]:

@@ -18,8 +18,9 @@ Means are taken in float32 (float64 on the host) and cast back to the value's dt
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -37,7 +38,7 @@ class AuxOutputs:
     rules: tuple[str, ...] = ()
 
     @classmethod
-    def of(cls, graph: Graph) -> "AuxOutputs":
+    def of(cls, graph: Graph) -> AuxOutputs:
         values = [o for o in graph.outputs if o.kind != "buffer"]
         entries = [(o.target, i, o.combine) for i, o in enumerate(values) if o.kind == AUX]
         return cls(*(tuple(column) for column in zip(*entries))) if entries else cls()

@@ -17,9 +17,9 @@ Plain data and JAX; no torch (the dataset's own code runs inside the user's data
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -76,7 +76,7 @@ class Ahead:
     token: int
 
 
-def local_box(sharding: "jax.sharding.Sharding", shape: Sequence[int]) -> Index:
+def local_box(sharding: jax.sharding.Sharding, shape: Sequence[int]) -> Index:
     """The bounding box of what this process's devices hold of an array of ``shape`` laid out as ``sharding``
     (the whole array when the sharding is fully addressable)."""
     from torchpar.runtime.arrays import normalize
@@ -96,7 +96,7 @@ def cut(leaf: np.ndarray, box: Index) -> LeafPiece:
     return LeafPiece(tuple(leaf.shape), box, leaf[relative(box, whole)])
 
 
-def place(piece: LeafPiece, sharding: "jax.sharding.Sharding") -> "jax.Array":
+def place(piece: LeafPiece, sharding: jax.sharding.Sharding) -> jax.Array:
     """The global array of ``piece.shape`` laid out as ``sharding``, each of this process's devices given its slice
     of ``piece.data`` (which must cover them: :func:`local_box`)."""
     import jax
@@ -121,8 +121,9 @@ def rows_of(boxes: Sequence[Index]) -> tuple[int, int]:
     return min(start for start, _ in spans), max(stop for _, stop in spans)
 
 
-def pieces_from_rows(leaves: Sequence[np.ndarray], rows: tuple[int, int], boxes: Sequence[Index],
-                     batch_rows: int) -> list[LeafPiece]:
+def pieces_from_rows(
+    leaves: Sequence[np.ndarray], rows: tuple[int, int], boxes: Sequence[Index], batch_rows: int
+) -> list[LeafPiece]:
     """Each leaf's piece from the rows ``rows`` of the global batch (``leaves``: those rows of every leaf, loaded
     by this process), cut to the leaf's box."""
     from torchpar.runtime.arrays import relative

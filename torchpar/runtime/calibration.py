@@ -23,9 +23,9 @@ A graph of ``F`` forward FLOPs, ``n`` ops and ``P`` trainable parameter elements
 rate ``(3F/k) / (3F/(k·flops) + n·op_s + P·update_s)`` (:meth:`MachineConstants.effective_flops`): one
 ``device_flops`` per plan, so the cost model keeps its single compute constant. The update is priced whole on every
 device, as one device and data parallelism run it; a plan that shards the optimizer state (ZeRO, tensor
-parallelism) updates less per device, and is estimated a little slow. Results are kept in the profile cache (:mod:`.profile_cache`) by
-hardware, ``k``, jax version and :data:`WORKLOAD_VERSION`: a machine is measured once (a few seconds), later plans
-read the file.
+parallelism) updates less per device, and is estimated a little slow. Results are kept in the profile cache
+(:mod:`.profile_cache`) by hardware, ``k``, jax version and :data:`WORKLOAD_VERSION`: a machine is measured once (a few
+seconds), later plans read the file.
 """
 
 from __future__ import annotations
@@ -33,8 +33,9 @@ from __future__ import annotations
 import logging
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -85,8 +86,12 @@ class Workload:
         return 3 * self.blocks + 3 if self.kind == "mlp" else 10 * self.blocks + 4
 
 
-RATE_WORKLOADS = (Workload("mlp", 1, 512, 128, 512, 1), Workload("mlp", 1, 256, 256, 1024, 1),
-                  Workload("mlp", 1, 512, 384, 1536, 1), Workload("mlp", 1, 512, 512, 2048, 1))
+RATE_WORKLOADS = (
+    Workload("mlp", 1, 512, 128, 512, 1),
+    Workload("mlp", 1, 256, 256, 1024, 1),
+    Workload("mlp", 1, 512, 384, 1536, 1),
+    Workload("mlp", 1, 512, 512, 2048, 1),
+)
 """The MLP steps the FLOP rate is the geometric mean of: widths from 128 to 512, where the models trained on fake
 devices sit (narrow matmuls run below the rate of wide ones)."""
 UPDATE_ELEMENTS = 1 << 22
@@ -123,17 +128,30 @@ class MachineConstants:
         return work / (work / self.flops + ops * self.op_s + update)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"source": "measured", "flops": self.flops, "op_s": self.op_s, "update_s": self.update_s,
-                "busy_devices": self.busy_devices,
-                "rates": list(self.rates), "links": [fit.to_dict() for fit in self.links], "hardware": self.hardware,
-                "cached": self.cached}
+        return {
+            "source": "measured",
+            "flops": self.flops,
+            "op_s": self.op_s,
+            "update_s": self.update_s,
+            "busy_devices": self.busy_devices,
+            "rates": list(self.rates),
+            "links": [fit.to_dict() for fit in self.links],
+            "hardware": self.hardware,
+            "cached": self.cached,
+        }
 
 
 def measure_machine(cache: ProfileCache, devices: list[Any]) -> MachineConstants:
     """The constants of ``devices`` all busy at once (module docstring), from ``cache`` when it has them."""
     hardware = hardware_name(devices)
-    key = {"kind": "training_flops", "busy_devices": len(devices), "hardware": hardware, "jax": jax.__version__,
-           "workload": WORKLOAD_VERSION, "repeats": REPEATS}
+    key = {
+        "kind": "training_flops",
+        "busy_devices": len(devices),
+        "hardware": hardware,
+        "jax": jax.__version__,
+        "workload": WORKLOAD_VERSION,
+        "repeats": REPEATS,
+    }
     stored = cache.get(key)
     cached = stored is not None
     if stored is None:
@@ -141,16 +159,32 @@ def measure_machine(cache: ProfileCache, devices: list[Any]) -> MachineConstants
         flops = float(statistics.geometric_mean(rates))
         overhead = OVERHEAD_WORKLOAD
         spent = _step_seconds(devices, overhead) - 3.0 * overhead.forward_flops / flops
-        stored = {"rates": rates, "flops": flops, "op_s": max(spent, 0.0) / overhead.ops,
-                  "update_s": _adam_update_seconds(devices, UPDATE_ELEMENTS) / UPDATE_ELEMENTS}
+        stored = {
+            "rates": rates,
+            "flops": flops,
+            "op_s": max(spent, 0.0) / overhead.ops,
+            "update_s": _adam_update_seconds(devices, UPDATE_ELEMENTS) / UPDATE_ELEMENTS,
+        }
         cache.put(key, stored)
     links = tuple(time_links(cache, devices))
-    log.info("torchpar: measured cost constants (%d busy device(s) of %s%s): %.3g FLOP/s per device, %.3g s per op",
-             len(devices), hardware, ", from the profile cache" if cached else "", stored["flops"], stored["op_s"])
-    return MachineConstants(flops=float(stored["flops"]), op_s=float(stored["op_s"]),
-                            update_s=float(stored["update_s"]), busy_devices=len(devices),
-                            rates=tuple(float(r) for r in stored["rates"]), links=links, hardware=hardware,
-                            cached=cached)
+    log.info(
+        "torchpar: measured cost constants (%d busy device(s) of %s%s): %.3g FLOP/s per device, %.3g s per op",
+        len(devices),
+        hardware,
+        ", from the profile cache" if cached else "",
+        stored["flops"],
+        stored["op_s"],
+    )
+    return MachineConstants(
+        flops=float(stored["flops"]),
+        op_s=float(stored["op_s"]),
+        update_s=float(stored["update_s"]),
+        busy_devices=len(devices),
+        rates=tuple(float(r) for r in stored["rates"]),
+        links=links,
+        hardware=hardware,
+        cached=cached,
+    )
 
 
 def _layer_norm(x: jax.Array) -> jax.Array:

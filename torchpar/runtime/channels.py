@@ -27,7 +27,8 @@ import secrets
 import socket
 import struct
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 log = logging.getLogger(__name__)
 

@@ -38,7 +38,8 @@ from __future__ import annotations
 import math
 import os
 import socket
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 
@@ -89,13 +90,13 @@ def write_shards(directory: str, arrays: Iterable[tuple[str, Any]], *, writer: s
     devices: dict[str, str] = {}
     tensors: dict[str, dict[str, Any]] = {}
     for key, array in arrays:
-        entry = tensors.setdefault(key, {"shape": list(array.shape), "dtype": np.dtype(array.dtype).name,
-                                         "pieces": []})
+        entry = tensors.setdefault(key, {"shape": list(array.shape), "dtype": np.dtype(array.dtype).name, "pieces": []})
         for file, device, offsets, data in _pieces(array, writer):
             devices[file] = device
             by_file.setdefault(file, []).append((_piece_key(key, offsets), data))
-            entry["pieces"].append({"file": file, "key": _piece_key(key, offsets), "offsets": list(offsets),
-                                    "shape": list(data.shape)})
+            entry["pieces"].append(
+                {"file": file, "key": _piece_key(key, offsets), "offsets": list(offsets), "shape": list(data.shape)}
+            )
     files = {}
     host, pid = socket.gethostname(), os.getpid()
     for file, pieces in sorted(by_file.items()):
@@ -103,8 +104,13 @@ def write_shards(directory: str, arrays: Iterable[tuple[str, Any]], *, writer: s
         content = {piece_key: _host_piece(data) for piece_key, data in pieces}
         _write_file(path, content, {"format": "torchpar-shard", "writer": writer, "device": devices[file]})
         del content
-        files[file] = {"writer": writer, "pid": pid, "host": host, "device": devices[file],
-                       "bytes": os.path.getsize(path)}
+        files[file] = {
+            "writer": writer,
+            "pid": pid,
+            "host": host,
+            "device": devices[file],
+            "bytes": os.path.getsize(path),
+        }
     return {"files": files, "tensors": {k: v for k, v in tensors.items() if v["pieces"]}}
 
 
@@ -160,7 +166,7 @@ class ShardReader:
         self._open: dict[str, Any] = {}
         self.bytes_read = 0
 
-    def __enter__(self) -> "ShardReader":
+    def __enter__(self) -> ShardReader:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -177,8 +183,10 @@ class ShardReader:
             try:
                 self._open[name] = safe_open(path, framework="np")
             except Exception as error:  # safetensors raises its own SafetensorError (or OSError) naming no file
-                raise ValueError(f"checkpoint shard file {path} cannot be read ({type(error).__name__}: {error}): it is "
-                                 "damaged or truncated; restore it from a copy or load an earlier checkpoint") from error
+                raise ValueError(
+                    f"checkpoint shard file {path} cannot be read ({type(error).__name__}: {error}): it is "
+                    "damaged or truncated; restore it from a copy or load an earlier checkpoint"
+                ) from error
         return self._open[name]
 
     def read(self, key: str, index: Index | None = None) -> np.ndarray:
@@ -199,8 +207,10 @@ class ShardReader:
             covered += math.prod(hi - lo for lo, hi in overlap)
             self.bytes_read += data.nbytes
         if covered != out.size:
-            raise ValueError(f"the checkpoint's pieces of {key} cover {covered} of the {out.size} elements of slice "
-                             f"{list(index)}: its files are damaged or the index does not match them")
+            raise ValueError(
+                f"the checkpoint's pieces of {key} cover {covered} of the {out.size} elements of slice "
+                f"{list(index)}: its files are damaged or the index does not match them"
+            )
         return out
 
     def _read_piece(self, key: str, piece: dict[str, Any], where: tuple[slice, ...]) -> np.ndarray:
@@ -214,9 +224,11 @@ class ShardReader:
             return stored[where] if where else self._file(piece["file"]).get_tensor(piece["key"])
         if expected == () and shape == (1,):
             return self._file(piece["file"]).get_tensor(piece["key"]).reshape(())
-        raise ValueError(f"piece {piece['key']!r} of {key} in {piece['file']} has shape {list(shape)}, the "
-                         f"checkpoint's index says {list(expected)}: its files are damaged or the index does not "
-                         "match them")
+        raise ValueError(
+            f"piece {piece['key']!r} of {key} in {piece['file']} has shape {list(shape)}, the "
+            f"checkpoint's index says {list(expected)}: its files are damaged or the index does not "
+            "match them"
+        )
 
     def place(self, key: str, sharding: Any) -> Any:
         """Tensor ``key`` laid out as ``sharding``: each of this process's devices gets its shard, read from the

@@ -10,8 +10,9 @@ process serving host ``i div D``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -30,8 +31,9 @@ class DeviceMap:
         try:
             return self.hosts.index(host)
         except ValueError:
-            raise ValueError(f"device {index} is on host {host}, which no process of this engine serves "
-                             f"(hosts {list(self.hosts)})") from None
+            raise ValueError(
+                f"device {index} is on host {host}, which no process of this engine serves (hosts {list(self.hosts)})"
+            ) from None
 
     def ranks(self, indices: Sequence[int]) -> tuple[int, ...]:
         """The process ranks owning any of ``indices``, ascending."""
@@ -44,8 +46,10 @@ class DeviceMap:
         everything = jax.devices()
         if self.hosts is None:
             if max(indices, default=-1) >= len(everything):
-                raise ValueError(f"the plan uses device {max(indices)}, but JAX has {len(everything)} devices; call "
-                                 "torchpar.init(num_devices=...) before JAX is imported")
+                raise ValueError(
+                    f"the plan uses device {max(indices)}, but JAX has {len(everything)} devices; call "
+                    "torchpar.init(num_devices=...) before JAX is imported"
+                )
             return [everything[i] for i in indices]
         by_process: dict[int, list[Any]] = {}
         for device in everything:
@@ -58,7 +62,8 @@ class DeviceMap:
             local = by_process.get(rank, [])
             position = index % self.devices_per_host
             if position >= len(local):
-                raise ValueError(f"device {index} is local device {position} of process {rank}, which has "
-                                 f"{len(local)} JAX device(s)")
+                raise ValueError(
+                    f"device {index} is local device {position} of process {rank}, which has {len(local)} JAX device(s)"
+                )
             result.append(local[position])
         return result

@@ -12,7 +12,8 @@ optimizer spec, run options) and answers
   loss, a ``step_fn``'s aux values, and whether the step was finite (with ``RunOptions.check_finite`` a non-finite
   step is skipped);
 - ``forward(key, graph, leaves) → outputs``: the eval forward;
-- ``hlo_text()`` (in stage order), ``memory_stats()`` (by stage index), ``describe_workers()``, ``spmd_mode``, ``last_timeline``;
+- ``hlo_text()`` (in stage order), ``memory_stats()`` (by stage index), ``describe_workers()``, ``spmd_mode``,
+  ``last_timeline``;
 - ``close()``: free everything it started (also a context manager).
 
 Implementations differ only in where the workers (:mod:`.worker`) live: :class:`LocalExecutor` holds one
@@ -27,8 +28,9 @@ import logging
 import math
 import time
 import weakref
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Hashable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -43,10 +45,10 @@ from torchpar.runtime.worker import ExecutionSpec, StepReport
 
 log = logging.getLogger(__name__)
 
-_open_executors: "weakref.WeakSet[Executor]" = weakref.WeakSet()
+_open_executors: weakref.WeakSet[Executor] = weakref.WeakSet()
 
 
-def open_executors() -> list["Executor"]:
+def open_executors() -> list[Executor]:
     """Executors of this process not closed yet (what holds Ray actors and CPUs)."""
     return [e for e in list(_open_executors) if not e.closed]
 
@@ -112,8 +114,9 @@ class Executor:
         """``worker.method(*args)`` on every worker, results in rank order; raises if any fails."""
         raise NotImplementedError
 
-    def _call_ranks(self, method: str, args_by_rank: Sequence[tuple], what: str,
-                    timeout_s: float | None = None) -> list[Any]:
+    def _call_ranks(
+        self, method: str, args_by_rank: Sequence[tuple], what: str, timeout_s: float | None = None
+    ) -> list[Any]:
         """``worker.method(*args_by_rank[r])`` on every worker ``r`` (each its own arguments), results in rank
         order; raises if any fails."""
         raise NotImplementedError
@@ -129,9 +132,11 @@ class Executor:
         self._check_open()
         self._state_names = {n: list(entries) for n, entries in state.opt_state.items()}
         params, buffers = self._held_names()
-        self._unheld = HostState(params={n: v for n, v in state.params.items() if n not in params},
-                                 buffers={n: v for n, v in state.buffers.items() if n not in buffers},
-                                 opt_state={n: e for n, e in state.opt_state.items() if n not in params})
+        self._unheld = HostState(
+            params={n: v for n, v in state.params.items() if n not in params},
+            buffers={n: v for n, v in state.buffers.items() if n not in buffers},
+            opt_state={n: e for n, e in state.opt_state.items() if n not in params},
+        )
         self._call("load", state, what="loading the training state")
 
     def update_state(self, state: HostState) -> None:
@@ -153,8 +158,11 @@ class Executor:
         state = collect_state(entries)
         state.params = {**self._unheld.params, **state.params} if "param" in kinds else {}
         state.buffers = {**self._unheld.buffers, **state.buffers} if "buffer" in kinds else {}
-        state.opt_state = ({n: state.opt_state.get(n, self._unheld.opt_state.get(n, {})) for n in self._state_names}
-                           if "state" in kinds else {})
+        state.opt_state = (
+            {n: state.opt_state.get(n, self._unheld.opt_state.get(n, {})) for n in self._state_names}
+            if "state" in kinds
+            else {}
+        )
         return state
 
     def save_shards(self, directory: str) -> dict[str, Any]:
@@ -163,11 +171,14 @@ class Executor:
         from torchpar.runtime.checkpoint_io import merge_manifests, tensor_key, write_shards
 
         self._check_open()
-        manifests = self._call("save_shards", directory, what="writing the checkpoint's shards",
-                               timeout_s=self.compile_timeout_s)
-        unheld = [*((tensor_key("param", n), v) for n, v in self._unheld.params.items()),
-                  *((tensor_key("buffer", n), v) for n, v in self._unheld.buffers.items()),
-                  *((tensor_key("state", (n, k)), v) for n, e in self._unheld.opt_state.items() for k, v in e.items())]
+        manifests = self._call(
+            "save_shards", directory, what="writing the checkpoint's shards", timeout_s=self.compile_timeout_s
+        )
+        unheld = [
+            *((tensor_key("param", n), v) for n, v in self._unheld.params.items()),
+            *((tensor_key("buffer", n), v) for n, v in self._unheld.buffers.items()),
+            *((tensor_key("state", (n, k)), v) for n, e in self._unheld.opt_state.items() for k, v in e.items()),
+        ]
         if unheld:
             manifests.append(write_shards(directory, [(k, np.asarray(v)) for k, v in unheld], writer="driver"))
         return merge_manifests(manifests)
@@ -183,14 +194,19 @@ class Executor:
             source = CheckpointSource(reader)
             self._state_names = {n: list(keys) for n, keys in source.opt_state.items()}
             params, buffers = self._held_names()
-            read = lambda kind, name: reader.read(tensor_key(kind, name))  # noqa: E731
+            read = lambda kind, name: reader.read(tensor_key(kind, name))
             self._unheld = HostState(
                 params={n: read("param", n) for n in source.params if n not in params},
                 buffers={n: read("buffer", n) for n in source.buffers if n not in buffers},
-                opt_state={n: {k: read("state", (n, k)) for k in keys}
-                           for n, keys in source.opt_state.items() if n not in params})
-        return self._call("load_checkpoint", directory, tensors, what="loading the checkpoint",
-                          timeout_s=self.compile_timeout_s)
+                opt_state={
+                    n: {k: read("state", (n, k)) for k in keys}
+                    for n, keys in source.opt_state.items()
+                    if n not in params
+                },
+            )
+        return self._call(
+            "load_checkpoint", directory, tensors, what="loading the checkpoint", timeout_s=self.compile_timeout_s
+        )
 
     def _held_names(self) -> tuple[set[str] | Any, set[str] | Any]:
         """Names of the parameters and buffers some worker holds (one-stage plans: all of them)."""
@@ -202,20 +218,36 @@ class Executor:
 
     # --- compilation ----------------------------------------------------------------------------------------
 
-    def compile(self, key: Hashable, graph: Graph, trainable: tuple[str, ...],
-                leaves: list[tuple[tuple[int, ...], Any]], scalars: Any,
-                stage_graphs: list[Any] | None = None) -> dict[str, float]:
+    def compile(
+        self,
+        key: Hashable,
+        graph: Graph,
+        trainable: tuple[str, ...],
+        leaves: list[tuple[tuple[int, ...], Any]],
+        scalars: Any,
+        stage_graphs: list[Any] | None = None,
+    ) -> dict[str, float]:
         """Compile the step for batch signature ``key`` on every worker (:meth:`.worker.Worker.compile`: ``graph``
         captured on one micro-batch, ``leaves`` the whole batch's ``(shape, dtype)``, ``stage_graphs`` a pipeline's
         stages for other batch shapes or ``None``); later :meth:`step` calls on ``key`` run it. Returns phase
         seconds (``lower``, ``xla_compile``)."""
         self._check_open()
         if self.spec.is_pipeline and self.spec.options.spmd != "auto" and not self._warned_spmd:
-            log.warning("torchpar: spmd=%r is ignored by pipelines (their stages run under GSPMD)",
-                        self.spec.options.spmd)
+            log.warning(
+                "torchpar: spmd=%r is ignored by pipelines (their stages run under GSPMD)", self.spec.options.spmd
+            )
             self._warned_spmd = True
-        results = self._call("compile", key, graph, trainable, leaves, scalars, stage_graphs,
-                             what="compiling the step", timeout_s=self.compile_timeout_s)
+        results = self._call(
+            "compile",
+            key,
+            graph,
+            trainable,
+            leaves,
+            scalars,
+            stage_graphs,
+            what="compiling the step",
+            timeout_s=self.compile_timeout_s,
+        )
         result = results[0]
         if not self.spec.is_pipeline:
             self._boxes[key] = [r["input_boxes"] for r in results]
@@ -243,10 +275,24 @@ class Executor:
             return (0, rows) if self.spec.is_pipeline or boxes is None else rows_of(boxes[rank])
 
         first = span(key, len(batch.indices))
-        ahead = tuple((step, step_key, span(step_key, len(indices)), tuple(indices[slice(*span(step_key, len(indices)))]),
-                       len(indices)) for step, step_key, indices in batch.ahead)
-        return HostRows(step=batch.step, key=key, batch_rows=len(batch.indices), rows=first,
-                        indices=tuple(batch.indices[first[0]:first[1]]), ahead=ahead)
+        ahead = tuple(
+            (
+                step,
+                step_key,
+                span(step_key, len(indices)),
+                tuple(indices[slice(*span(step_key, len(indices)))]),
+                len(indices),
+            )
+            for step, step_key, indices in batch.ahead
+        )
+        return HostRows(
+            step=batch.step,
+            key=key,
+            batch_rows=len(batch.indices),
+            rows=first,
+            indices=tuple(batch.indices[first[0] : first[1]]),
+            ahead=ahead,
+        )
 
     def _pipeline_leaves(self, rank: int) -> set[int]:
         stages = [s for s, members in self.spec.stage_ranks().items() if rank in members]
@@ -257,7 +303,7 @@ class Executor:
         """How many worker processes run the plan."""
         return 1
 
-    def _await_prepared(self, prepared: "Prepared") -> None:
+    def _await_prepared(self, prepared: Prepared) -> None:
         """Wait for the calls placing a prefetched batch (host actors); raises what they raised."""
 
     def attach_data(self, factory: Any, depth: int) -> None:
@@ -272,13 +318,14 @@ class Executor:
 
     # --- running ----------------------------------------------------------------------------------------------
 
-    def prepare(self, key: Hashable, leaves: Sequence[np.ndarray]) -> "Prepared":
+    def prepare(self, key: Hashable, leaves: Sequence[np.ndarray]) -> Prepared:
         """A driver-fed batch made ready ahead of its step (``engine.prefetch``; safe on another thread): each
         process's payload, already on the devices in this process (local runtime) or in Ray's object store."""
         return Prepared(self.payloads(key, leaves))
 
-    def step(self, key: Hashable, leaves: list[np.ndarray] | HostBatch | "Prepared", scalars: Any,
-             key_data: np.ndarray) -> StepResult:
+    def step(
+        self, key: Hashable, leaves: list[np.ndarray] | HostBatch | Prepared, scalars: Any, key_data: np.ndarray
+    ) -> StepResult:
         """One optimizer step on the batch ``leaves``: the whole batch's loss (and aux values) and whether it was
         finite. A pipeline's micro-batch losses are combined here (:func:`.micro_batch_loss.whole_batch_loss`), as are
         its aux values (:func:`.aux_parts.combine_blocks`), and a ratio loss's gradients multiplied by ``M·r/D`` in
@@ -289,7 +336,8 @@ class Executor:
             self._await_prepared(leaves)
         payloads = leaves.payloads if isinstance(leaves, Prepared) else self.payloads(key, leaves)
         reports: list[StepReport] = self._call_ranks(
-            "run_step", [(key, payload, scalars, key_data, start) for payload in payloads], what="running the step")
+            "run_step", [(key, payload, scalars, key_data, start) for payload in payloads], what="running the step"
+        )
         self.last_input_bytes = [r.input_bytes for r in reports]
         self.last_data_wait_s = max(r.data_wait_s for r in reports)
         losses = [loss for r in reports for loss in r.losses]
@@ -322,8 +370,11 @@ class Executor:
         blocks = {s: b for r in reports for s, b in r.blocks.items()}
         spans = {s: b for r in reports for s, b in r.spans.items()}
         stages = range(self._timeline_rows())  # one row per device group (fewer than stages: interleaved 1F1B)
-        self._timeline = StepTimeline(blocks=[blocks.get(s, []) for s in stages], makespan=time.time() - start,
-                                      spans=[spans.get(s, []) for s in stages])
+        self._timeline = StepTimeline(
+            blocks=[blocks.get(s, []) for s in stages],
+            makespan=time.time() - start,
+            spans=[spans.get(s, []) for s in stages],
+        )
         aux = {key: values for r in reports for key, values in r.aux.items()}
         if self.spec.is_pipeline:
             aux = combine_blocks(self._aux_rules(), aux)
@@ -342,7 +393,9 @@ class Executor:
             return self._forward_on_driver(graph, leaves)
         from torchpar.runtime.arrays import assemble
 
-        results = self._call("forward", key, graph, leaves, what="running the forward", timeout_s=self.compile_timeout_s)
+        results = self._call(
+            "forward", key, graph, leaves, what="running the forward", timeout_s=self.compile_timeout_s
+        )
         outputs = []
         for index, first in enumerate(results[0]):
             if first is None:
@@ -433,7 +486,7 @@ class Executor:
         if self.closed:
             raise ExecutorClosedError(f"this engine's executor is closed ({self._closed_reason}); compile again")
 
-    def __enter__(self) -> "Executor":
+    def __enter__(self) -> Executor:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -457,11 +510,12 @@ class LocalExecutor(Executor):
     def _call(self, method: str, *args: Any, what: str, timeout_s: float | None = None) -> list[Any]:
         return [getattr(self.worker, method)(*args)]
 
-    def _call_ranks(self, method: str, args_by_rank: Sequence[tuple], what: str,
-                    timeout_s: float | None = None) -> list[Any]:
+    def _call_ranks(
+        self, method: str, args_by_rank: Sequence[tuple], what: str, timeout_s: float | None = None
+    ) -> list[Any]:
         return [getattr(self.worker, method)(*args_by_rank[0])]
 
-    def prepare(self, key: Hashable, leaves: Sequence[np.ndarray]) -> "Prepared":
+    def prepare(self, key: Hashable, leaves: Sequence[np.ndarray]) -> Prepared:
         payload = self.payloads(key, leaves)[0]
         if self.spec.is_pipeline:
             return Prepared([payload])
@@ -493,7 +547,9 @@ def split_micro_batches(leaves: Sequence[np.ndarray], num_micro_batches: int) ->
     """Split every batch leaf along dim 0 into ``num_micro_batches`` equal parts."""
     for index, leaf in enumerate(leaves):
         if leaf.ndim == 0 or leaf.shape[0] % num_micro_batches:
-            raise ValueError(f"batch leaf {index} of shape {list(leaf.shape)} cannot be split into "
-                             f"{num_micro_batches} equal micro-batches along dim 0")
+            raise ValueError(
+                f"batch leaf {index} of shape {list(leaf.shape)} cannot be split into "
+                f"{num_micro_batches} equal micro-batches along dim 0"
+            )
     parts = [np.split(leaf, num_micro_batches) for leaf in leaves]
     return [{i: parts[i][m] for i in range(len(leaves))} for m in range(num_micro_batches)]

@@ -16,7 +16,8 @@ One-stage programs clip inside their step (:func:`.train_step.optimizer_tail`).
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 from torchpar.runtime.arrays import local_scalar
 from torchpar.runtime.transport import Transport
@@ -33,8 +34,13 @@ def shared_parameters(stage_params: Mapping[int, Iterable[str]]) -> dict[str, tu
     return {name: tuple(stages) for name, stages in users.items() if len(stages) > 1}
 
 
-def exchange_tied_gradients(index: int, grads: dict[str, Any], shared: Mapping[str, Sequence[int]],
-                            transport: Transport, layout: Callable[[int, str], Any]) -> dict[str, Any]:
+def exchange_tied_gradients(
+    index: int,
+    grads: dict[str, Any],
+    shared: Mapping[str, Sequence[int]],
+    transport: Transport,
+    layout: Callable[[int, str], Any],
+) -> dict[str, Any]:
     """``grads`` of stage ``index`` with every tied parameter's gradient replaced by the sum over the stages
     holding it, added in stage order. ``layout(stage, name)`` is the sharding ``stage`` holds the gradient in."""
     mine = {name: stages for name, stages in shared.items() if index in stages and name in grads}
@@ -57,15 +63,17 @@ def exchange_tied_gradients(index: int, grads: dict[str, Any], shared: Mapping[s
     return total
 
 
-def owned_squared_norm(index: int, grads: Mapping[str, Any], shared: Mapping[str, Sequence[int]],
-                       squared_norm: Callable[[dict], Any]) -> float:
+def owned_squared_norm(
+    index: int, grads: Mapping[str, Any], shared: Mapping[str, Sequence[int]], squared_norm: Callable[[dict], Any]
+) -> float:
     """``Σ‖g‖²`` over the gradients stage ``index`` counts: its own, and tied ones it is the first holder of."""
     owned = {n: g for n, g in grads.items() if n not in shared or shared[n][0] == index}
     return local_scalar(squared_norm(owned)) if owned else 0.0
 
 
-def owned_nonfinite_count(index: int, grads: Mapping[str, Any], shared: Mapping[str, Sequence[int]],
-                          nonfinite_count: Callable[[dict], Any]) -> int:
+def owned_nonfinite_count(
+    index: int, grads: Mapping[str, Any], shared: Mapping[str, Sequence[int]], nonfinite_count: Callable[[dict], Any]
+) -> int:
     """How many elements of the gradients stage ``index`` counts (as :func:`owned_squared_norm`) are inf/nan."""
     owned = {n: g for n, g in grads.items() if n not in shared or shared[n][0] == index}
     return int(local_scalar(nonfinite_count(owned))) if owned else 0

@@ -47,9 +47,16 @@ class HostActor:
 
     def info(self) -> dict[str, Any]:
         """Where the actor runs (node, pid, the GPUs Ray gave it, pinned cores); imports nothing heavy."""
-        return {"host": self.host, "rank": self.rank, "pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
-                "address": ray.util.get_node_ip_address(), "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
-                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "cores": self._cores}
+        return {
+            "host": self.host,
+            "rank": self.rank,
+            "pid": os.getpid(),
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "address": ray.util.get_node_ip_address(),
+            "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "cores": self._cores,
+        }
 
     def coordinator_address(self) -> str:
         """``ip:port`` of a free port on this node for the JAX coordinator (rank 0)."""
@@ -65,11 +72,20 @@ class HostActor:
 
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         if coordinator is not None:
-            jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=self.rank,
-                                       initialization_timeout=int(max(timeout_s, 1)))
+            jax.distributed.initialize(
+                coordinator,
+                num_processes=num_processes,
+                process_id=self.rank,
+                initialization_timeout=int(max(timeout_s, 1)),
+            )
         local = jax.local_devices()
-        joined = {"rank": self.rank, "process_index": jax.process_index(), "platform": local[0].platform,
-                  "local_devices": [str(d) for d in local], "global_devices": jax.device_count()}
+        joined = {
+            "rank": self.rank,
+            "process_index": jax.process_index(),
+            "platform": local[0].platform,
+            "local_devices": [str(d) for d in local],
+            "global_devices": jax.device_count(),
+        }
         if coordinator is not None:  # peers will send stage messages: listen for them
             from torchpar.runtime.channels import ChannelServer
 
@@ -126,7 +142,9 @@ def actor_environment(devices_per_host: int) -> dict[str, str]:
     share them."""
     flags = os.environ.get("XLA_FLAGS", "")
     flags = " ".join(f for f in flags.split() if not f.startswith("--xla_force_host_platform_device_count"))
-    env = {"XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count={devices_per_host}".strip(),
-           "XLA_PYTHON_CLIENT_PREALLOCATE": os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE", "false")}
+    env = {
+        "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count={devices_per_host}".strip(),
+        "XLA_PYTHON_CLIENT_PREALLOCATE": os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE", "false"),
+    }
     env.update(compile_cache.environment())
     return env

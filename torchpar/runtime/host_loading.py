@@ -14,8 +14,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any
 
 from torchpar.runtime.batch_parts import HostRows
 
@@ -57,8 +58,10 @@ class HostLoader:
         try:
             leaves = self.factory.load_leaves(rows.indices, rows.step)
         except Exception as error:
-            raise HostDataError(f"host {self.host}: the data factory failed loading step {rows.step}'s rows "
-                                f"{rows.rows[0]}:{rows.rows[1]}: {type(error).__name__}: {error}") from error
+            raise HostDataError(
+                f"host {self.host}: the data factory failed loading step {rows.step}'s rows "
+                f"{rows.rows[0]}:{rows.rows[1]}: {type(error).__name__}: {error}"
+            ) from error
         return rows, leaves, self._prepare(rows.key, rows, leaves)
 
     def close(self) -> None:

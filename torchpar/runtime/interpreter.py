@@ -31,8 +31,9 @@ dispatch, as the stage's timeline (:class:`~.timeline.StageClock`).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -73,10 +74,17 @@ class StageRun:
     """A ``step_fn``'s aux values the group's stages computed: key → micro-batch → value (replicated on the stage)."""
 
 
-def run_instructions(index: int, programs: Mapping[int, StageProgram], states: Mapping[int, StageState],
-                     instructions: Sequence[Instruction], transport: Transport,
-                     micro_inputs: Sequence[dict[int, np.ndarray]], key: Any,
-                     send_layout: Callable[[int, str], Any], start_time: float) -> StageRun:
+def run_instructions(
+    index: int,
+    programs: Mapping[int, StageProgram],
+    states: Mapping[int, StageState],
+    instructions: Sequence[Instruction],
+    transport: Transport,
+    micro_inputs: Sequence[dict[int, np.ndarray]],
+    key: Any,
+    send_layout: Callable[[int, str], Any],
+    start_time: float,
+) -> StageRun:
     """Execute device group ``index``'s ``instructions`` (see the module docstring): each instruction on its
     stage's program and state (``programs``/``states`` by stage; one stage per group but for interleaved
     schedules). ``send_layout(peer, name)`` is the sharding stage ``peer`` holds value ``name`` in;
@@ -105,9 +113,13 @@ def run_instructions(index: int, programs: Mapping[int, StageProgram], states: M
             inputs = {i: program.put_input(i, micro_inputs[mb][i]) for i in program.stage.batch_inputs}
             started = clock.start()
             clock.span("input", mb, begin, started[0])
-            diff, rest, new_buffers, vjp = program.forward(state.params, state.buffers, inputs,
-                                                           received.pop((s, mb), {}),
-                                                           jax.random.fold_in(key, s * MICRO_BATCH_SALT + mb))
+            diff, rest, new_buffers, vjp = program.forward(
+                state.params,
+                state.buffers,
+                inputs,
+                received.pop((s, mb), {}),
+                jax.random.fold_in(key, s * MICRO_BATCH_SALT + mb),
+            )
             dispatch_s = clock.dispatched(started)
             jax.block_until_ready(diff)
             clock.compute("forward", mb, started, dispatch_s)
@@ -125,14 +137,14 @@ def run_instructions(index: int, programs: Mapping[int, StageProgram], states: M
             outputs[s, mb] = {**{n: v for n, v in diff.items() if n != LOSS}, **rest}
         elif ins.op == "send_act":
             values = outputs.pop((s, mb))
-            transport.send("act", s, ins.peer, mb, values, {n: send_layout(ins.peer, n) for n in values},
-                           clock=clock)
+            transport.send("act", s, ins.peer, mb, values, {n: send_layout(ins.peer, n) for n in values}, clock=clock)
         elif ins.op == "recv_grad":
             cotangents[s, mb] = transport.receive("grad", ins.peer, s, mb, output_layouts[s], clock=clock)
         elif ins.op == "backward":
             started = clock.start()
-            state.grads, act_cotangents = program.backward_into(residuals[s, mb], cotangents.pop((s, mb), {}),
-                                                                state.grads)
+            state.grads, act_cotangents = program.backward_into(
+                residuals[s, mb], cotangents.pop((s, mb), {}), state.grads
+            )
             dispatch_s = clock.dispatched(started)
             jax.block_until_ready(state.grads)
             clock.compute("backward", mb, started, dispatch_s)
@@ -146,15 +158,15 @@ def run_instructions(index: int, programs: Mapping[int, StageProgram], states: M
             outputs[s, mb] = act_cotangents
         elif ins.op == "backward_weight":
             started = clock.start()
-            state.grads = program.backward_weight_into(residuals[s, mb], cotangents.pop((s, mb), {}),
-                                                       carried.pop((s, mb)), state.grads)
+            state.grads = program.backward_weight_into(
+                residuals[s, mb], cotangents.pop((s, mb), {}), carried.pop((s, mb)), state.grads
+            )
             dispatch_s = clock.dispatched(started)
             jax.block_until_ready(state.grads)
             clock.compute("backward_weight", mb, started, dispatch_s)
         elif ins.op == "send_grad":
             values = outputs.pop((s, mb))
-            transport.send("grad", s, ins.peer, mb, values, {n: send_layout(ins.peer, n) for n in values},
-                           clock=clock)
+            transport.send("grad", s, ins.peer, mb, values, {n: send_layout(ins.peer, n) for n in values}, clock=clock)
         elif ins.op == "free":
             residuals.pop((s, mb), None)
         elif ins.op == "update":

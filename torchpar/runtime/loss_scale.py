@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 class LossScaler:
     """The scale and growth tracker of a dynamic loss scale (see the module docstring)."""
 
-    scale: float = 2.0 ** 16
+    scale: float = 2.0**16
     growth_factor: float = 2.0
     backoff_factor: float = 0.5
     growth_interval: int = 2000
@@ -66,8 +66,13 @@ class LossScaler:
     def state_dict(self) -> dict[str, Any]:
         """GradScaler's state-dict keys (``scale``, ``growth_factor``, ``backoff_factor``, ``growth_interval``,
         ``_growth_tracker``)."""
-        return {"scale": self.scale, "growth_factor": self.growth_factor, "backoff_factor": self.backoff_factor,
-                "growth_interval": self.growth_interval, "_growth_tracker": self.growth_tracker}
+        return {
+            "scale": self.scale,
+            "growth_factor": self.growth_factor,
+            "backoff_factor": self.backoff_factor,
+            "growth_interval": self.growth_interval,
+            "_growth_tracker": self.growth_tracker,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.scale = float(state["scale"])

@@ -26,8 +26,9 @@ PyTorch's ``0/0`` does.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from torchpar.ir.graph import Graph
 from torchpar.ir.loss_parts import LOSS_DEN, ReductionKind, loss_reduction
@@ -42,7 +43,7 @@ class MicroBatchLoss:
     """``"ratio"``: the denominator's position among the lowered function's outputs (its non-buffer outputs)."""
 
     @classmethod
-    def of(cls, graph: Graph) -> "MicroBatchLoss":
+    def of(cls, graph: Graph) -> MicroBatchLoss:
         reduction = loss_reduction(graph)
         if reduction.kind != "ratio":
             return cls(reduction.kind)
@@ -80,8 +81,10 @@ def weigh(grads: Mapping[str, Any], den: Any, reference: Any) -> dict[str, Any]:
     den = den.astype(jnp.float32)
     weight = den / reference
     keep = den != 0
-    return {n: jnp.where(keep, (g.astype(jnp.float32) * weight).astype(g.dtype), jnp.zeros((), g.dtype))
-            for n, g in grads.items()}
+    return {
+        n: jnp.where(keep, (g.astype(jnp.float32) * weight).astype(g.dtype), jnp.zeros((), g.dtype))
+        for n, g in grads.items()
+    }
 
 
 def numerator(loss: Any, den: Any) -> Any:
@@ -92,8 +95,9 @@ def numerator(loss: Any, den: Any) -> Any:
     return jnp.where(den != 0, loss.astype(jnp.float32) * den, jnp.float32(0))
 
 
-def combine_replicas(loss: MicroBatchLoss, value: Any, den: Any, grads: Mapping[str, Any],
-                     axis: str) -> tuple[Any, dict[str, Any]]:
+def combine_replicas(
+    loss: MicroBatchLoss, value: Any, den: Any, grads: Mapping[str, Any], axis: str
+) -> tuple[Any, dict[str, Any]]:
     """The whole batch's loss and gradients from each data replica's (inside a ``shard_map`` manual over ``axis``;
     every replica holds an equal share of the rows): ``value``, ``grads`` are the replica's own, as :func:`.train_step.
     accumulate` returns them, ``den`` its ratio denominator. A mean averages over the replicas, a sum adds, a ratio
@@ -144,5 +148,12 @@ def gradient_factor(num_micro_batches: int, reference: float, dens: Sequence[flo
     return num_micro_batches * reference / total if total != 0 else math.nan
 
 
-__all__ = ["MicroBatchLoss", "combine_replicas", "gradient_factor", "numerator", "reference_of", "weigh",
-           "whole_batch_loss"]
+__all__ = [
+    "MicroBatchLoss",
+    "combine_replicas",
+    "gradient_factor",
+    "numerator",
+    "reference_of",
+    "weigh",
+    "whole_batch_loss",
+]

@@ -21,8 +21,9 @@ automatically only below ``AUTO_DIAGNOSIS_BYTES``; ``engine.locate_nonfinite(bat
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -32,8 +33,15 @@ from torchpar.ir.loss_parts import loss_reduction
 AUTO_DIAGNOSIS_BYTES = 1 << 30
 """Largest state (parameters + buffers) re-run on the driver automatically after a non-finite step."""
 
-_INF_WRITERS = ("aten.full.default", "aten.scalar_tensor.default", "aten.fill.Scalar", "aten.masked_fill.Scalar",
-                "aten.full_like.default", "aten.clamp.default", "aten.new_full.default")
+_INF_WRITERS = (
+    "aten.full.default",
+    "aten.scalar_tensor.default",
+    "aten.fill.Scalar",
+    "aten.masked_fill.Scalar",
+    "aten.full_like.default",
+    "aten.clamp.default",
+    "aten.new_full.default",
+)
 
 
 class NonFiniteError(FloatingPointError):
@@ -56,8 +64,15 @@ class Culprit:
     text: str
 
 
-def locate_nonfinite(graph: Graph, trainable: Sequence[str], params: dict[str, Any], buffers: dict[str, Any],
-                     leaves: Sequence[np.ndarray], leaf_names: Sequence[str], key: Any) -> Culprit | None:
+def locate_nonfinite(
+    graph: Graph,
+    trainable: Sequence[str],
+    params: dict[str, Any],
+    buffers: dict[str, Any],
+    leaves: Sequence[np.ndarray],
+    leaf_names: Sequence[str],
+    key: Any,
+) -> Culprit | None:
     """The first source of inf/nan in one training step of ``graph`` (module docstring), or ``None`` if the
     re-run is finite (a nondeterministic or device-specific overflow)."""
     for name, leaf in zip(leaf_names, leaves):
@@ -83,12 +98,21 @@ def locate_nonfinite(graph: Graph, trainable: Sequence[str], params: dict[str, A
     if not bad:
         return None
     listed = "; ".join(f"{n} ({text})" for n, text in bad[:5]) + (f"; and {len(bad) - 5} more" if len(bad) > 5 else "")
-    return Culprit("gradient", f"the forward is finite on the re-run (loss {loss:.6g}); the backward produced "
-                               f"non-finite gradients of {len(bad)} parameter(s): {listed}")
+    return Culprit(
+        "gradient",
+        f"the forward is finite on the re-run (loss {loss:.6g}); the backward produced "
+        f"non-finite gradients of {len(bad)} parameter(s): {listed}",
+    )
 
 
-def _rerun(graph: Graph, trainable: Sequence[str], params: dict[str, Any], buffers: dict[str, Any],
-           arrays: list[np.ndarray], key: Any) -> tuple[dict[str, Any], float, dict[str, Any]]:
+def _rerun(
+    graph: Graph,
+    trainable: Sequence[str],
+    params: dict[str, Any],
+    buffers: dict[str, Any],
+    arrays: list[np.ndarray],
+    key: Any,
+) -> tuple[dict[str, Any], float, dict[str, Any]]:
     """One jitted forward + backward of ``graph`` returning every value it computed (inputs and nodes, as host
     arrays), the loss and the gradients: one compilation, where an eager re-run compiles every op alone."""
     import jax
@@ -134,8 +158,12 @@ def _first_culprits(graph: Graph, values: dict[str, Any]) -> dict[str, Culprit]:
             if has_nan and not any(np.isnan(o).any() for o in inexact):
                 first["nan"] = Culprit("op", _describe_op(node, "nan", array, operands))
                 return first
-            if ("inf" not in first and not has_nan and all(np.isfinite(o).all() for o in inexact)
-                    and not _writes_infinity(node)):
+            if (
+                "inf" not in first
+                and not has_nan
+                and all(np.isfinite(o).all() for o in inexact)
+                and not _writes_infinity(node)
+            ):
                 first["inf"] = Culprit("op", _describe_op(node, "inf", array, operands))
     return first
 
@@ -152,12 +180,17 @@ def _writes_infinity(node: Node) -> bool:
 
 def _describe_op(node: Node, what: str, array: np.ndarray, operands: list[np.ndarray]) -> str:
     bad = int((np.isnan(array) if what == "nan" else ~np.isfinite(array)).sum())
-    ranges = ", ".join(f"[{float(np.nanmin(o)):.3g}, {float(np.nanmax(o)):.3g}]" for o in operands
-                       if o.size and np.issubdtype(o.dtype, np.number) and o.dtype != np.bool_)
+    ranges = ", ".join(
+        f"[{float(np.nanmin(o)):.3g}, {float(np.nanmax(o)):.3g}]"
+        for o in operands
+        if o.size and np.issubdtype(o.dtype, np.number) and o.dtype != np.bool_
+    )
     where = f" in {node.module_path}" if node.module_path else ""
     line = f"\n    at {node.source}" if node.source else ""
-    return (f"{node.target} ({node.name}){where} produced {bad} {what} value(s) of {array.size} from finite "
-            f"operands (ranges {ranges or 'n/a'}){line}{_zero_over_zero(node, what, operands)}")
+    return (
+        f"{node.target} ({node.name}){where} produced {bad} {what} value(s) of {array.size} from finite "
+        f"operands (ranges {ranges or 'n/a'}){line}{_zero_over_zero(node, what, operands)}"
+    )
 
 
 def _zero_over_zero(node: Node, what: str, operands: list[np.ndarray]) -> str:
@@ -167,9 +200,11 @@ def _zero_over_zero(node: Node, what: str, operands: list[np.ndarray]) -> str:
     numerator, denominator = operands[0], operands[1]
     if not (np.any(numerator == 0) and np.any(denominator == 0)):
         return ""
-    return ("\n    0 / 0: a mean over nothing — most often a token-mean loss on a batch that counts no token (every "
-            "label is ignore_index, -100, e.g. padding only); PyTorch's loss is nan on such a batch too. Skip such "
-            "batches (check (labels != -100).any()), or compile with on_nonfinite='skip' to drop their steps")
+    return (
+        "\n    0 / 0: a mean over nothing — most often a token-mean loss on a batch that counts no token (every "
+        "label is ignore_index, -100, e.g. padding only); PyTorch's loss is nan on such a batch too. Skip such "
+        "batches (check (labels != -100).any()), or compile with on_nonfinite='skip' to drop their steps"
+    )
 
 
 def _describe_bad(array: np.ndarray) -> str:

@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import numpy as np
@@ -71,10 +72,22 @@ class CompiledStep:
 class OneStageProgram:
     """Compiles steps and forwards of one stage plan on ``devices`` (see the module docstring)."""
 
-    def __init__(self, stage: StagePlan, method: str, devices: list[Any], *, optimizer: OptimizerSpec,
-                 grad_clip_norm: float | None, spmd: str, library_fusions: bool, check_finite: bool = False,
-                 numerics: Numerics | None = None, loss_scaling: bool = False, remat: str = "none",
-                 num_micro_batches: int = 1):
+    def __init__(
+        self,
+        stage: StagePlan,
+        method: str,
+        devices: list[Any],
+        *,
+        optimizer: OptimizerSpec,
+        grad_clip_norm: float | None,
+        spmd: str,
+        library_fusions: bool,
+        check_finite: bool = False,
+        numerics: Numerics | None = None,
+        loss_scaling: bool = False,
+        remat: str = "none",
+        num_micro_batches: int = 1,
+    ):
         self.stage = stage
         self.method = method
         self.devices = devices
@@ -90,8 +103,14 @@ class OneStageProgram:
         self.placement = Placement.from_stage(stage, None, devices, optimizer)
         self._options = compiler_options(library_fusions, len(devices))
 
-    def compile_step(self, graph: Graph, trainable: tuple[str, ...], leaves: list[tuple[tuple[int, ...], Any]],
-                     state: tuple[dict, dict, dict], scalars: Any) -> CompiledStep:
+    def compile_step(
+        self,
+        graph: Graph,
+        trainable: tuple[str, ...],
+        leaves: list[tuple[tuple[int, ...], Any]],
+        state: tuple[dict, dict, dict],
+        scalars: Any,
+    ) -> CompiledStep:
         """Lower and compile the training step of ``graph`` for batch ``leaves`` (shape and dtype of each, in
         flattened order), the given state (arrays on this program's shardings) and optimizer
         scalars; raises ``ValueError`` if ``spmd="shard_map"`` cannot run it. With ``num_micro_batches`` M > 1,
@@ -101,37 +120,59 @@ class OneStageProgram:
         replicas = self.stage.data_replicas
         if replicas > 1:  # (what replicas cannot train was refused at capture: check_replicable)
             # each replica's rows laid out as the plan says (XLA pads what does not divide), its block of dim 0 its own
-            input_shardings = [placement.with_data_axis(fitting(placement.inputs.get(i, placement.replicated),
-                                                                (shape[0] // replicas, *shape[1:])))
-                               for i, (shape, _) in enumerate(leaves)]
+            input_shardings = [
+                placement.with_data_axis(
+                    fitting(placement.inputs.get(i, placement.replicated), (shape[0] // replicas, *shape[1:]))
+                )
+                for i, (shape, _) in enumerate(leaves)
+            ]
         else:
             input_shardings = [fitting(placement.input(i), shape) for i, (shape, _) in enumerate(leaves)]
         # a per-device program splits each device's rows into the micro-batches: they must divide by shards × M
         # (data replicas never run one)
         micro = self.num_micro_batches
-        uneven = [] if replicas > 1 else [
-            i for i, (shape, _) in enumerate(leaves)
-            if fitting(placement.input(i), (shape[0] // micro, *shape[1:]) if shape else shape) != placement.input(i)]
-        inputs = [jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
-                  for (shape, dtype), sharding in zip(leaves, input_shardings)]
-        out_shardings = (placement.replicated, placement.replicated, placement.replicated, placement.replicated,
-                         {n: placement.param(n) for n in params},
-                         {n: {k: placement.state_of(n) for k in entries} for n, entries in opt_state.items()},
-                         {n: placement.replicated for n in buffers})
+        uneven = (
+            []
+            if replicas > 1
+            else [
+                i
+                for i, (shape, _) in enumerate(leaves)
+                if fitting(placement.input(i), (shape[0] // micro, *shape[1:]) if shape else shape)
+                != placement.input(i)
+            ]
+        )
+        inputs = [
+            jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+            for (shape, dtype), sharding in zip(leaves, input_shardings)
+        ]
+        out_shardings = (
+            placement.replicated,
+            placement.replicated,
+            placement.replicated,
+            placement.replicated,
+            {n: placement.param(n) for n in params},
+            {n: {k: placement.state_of(n) for k in entries} for n, entries in opt_state.items()},
+            dict.fromkeys(buffers, placement.replicated),
+        )
         key_data = np.asarray(jax.random.key_data(jax.random.key(0)))
         args = (params, opt_state, buffers, inputs, scalars, key_data)
 
         def jit_step(fn: Callable) -> Any:  # the PRNG key travels as raw key data: a host array in every process
-            with_key = lambda p, o, b, i, s, k: fn(p, o, b, i, s, jax.random.wrap_key_data(k))  # noqa: E731
+            with_key = lambda p, o, b, i, s, k: fn(p, o, b, i, s, jax.random.wrap_key_data(k))
             return jax.jit(with_key, donate_argnums=(0, 1, 2), out_shardings=out_shardings)
 
         start = time.perf_counter()
         lowered, spmd = None, "gspmd"
         if uneven:  # e.g. an epoch's last batch: a per-device program needs even shards, XLA's partitioner does not
-            log.info("torchpar: batch leaves %s (shapes %s) do not split evenly over the plan's mesh %s; this batch "
-                     "signature's step runs under GSPMD with those leaves whole on entry (the same training: XLA pads "
-                     "the uneven shards inside the step)%s", uneven, [leaves[i][0] for i in uneven],
-                     tuple(self.stage.logical_mesh_shape), self._accumulation_caveat())
+            log.info(
+                "torchpar: batch leaves %s (shapes %s) do not split evenly over the plan's mesh %s; this batch "
+                "signature's step runs under GSPMD with those leaves whole on entry (the same training: XLA pads "
+                "the uneven shards inside the step)%s",
+                uneven,
+                [leaves[i][0] for i in uneven],
+                tuple(self.stage.logical_mesh_shape),
+                self._accumulation_caveat(),
+            )
         layouts = None if uneven else self._shard_map_layouts(graph)
         if layouts is not None:
             from jaxbackend.spmd import LocalModeError
@@ -139,34 +180,57 @@ class OneStageProgram:
             candidates = self._gradient_axes(placement, len(inputs))
             for attempt, gradient_axes in enumerate(candidates):
                 try:
-                    step_fn = self._spmd_step(graph, layouts, trainable, placement, params, opt_state, buffers,
-                                              len(inputs), gradient_axes)
+                    step_fn = self._spmd_step(
+                        graph, layouts, trainable, placement, params, opt_state, buffers, len(inputs), gradient_axes
+                    )
                     lowered = jit_step(step_fn).lower(*args)
                     spmd = "shard_map"
                     break
                 except LocalModeError as error:
                     if attempt + 1 < len(candidates):
-                        log.info("torchpar: the per-device step cannot take per-device gradients along %s (%s); "
-                                 "its gradients are reduced where they arise, in every micro-batch",
-                                 list(gradient_axes), error)
+                        log.info(
+                            "torchpar: the per-device step cannot take per-device gradients along %s (%s); "
+                            "its gradients are reduced where they arise, in every micro-batch",
+                            list(gradient_axes),
+                            error,
+                        )
                         continue
                     if self.spmd == "shard_map":
-                        raise ValueError(f"spmd='shard_map' cannot run this plan: {error}\nTry spmd='gspmd'.") from error
-                    log.warning("torchpar: the per-device (shard_map) step cannot run this plan, using GSPMD%s: %s",
-                                self._accumulation_caveat(), error)
+                        raise ValueError(
+                            f"spmd='shard_map' cannot run this plan: {error}\nTry spmd='gspmd'."
+                        ) from error
+                    log.warning(
+                        "torchpar: the per-device (shard_map) step cannot run this plan, using GSPMD%s: %s",
+                        self._accumulation_caveat(),
+                        error,
+                    )
         if lowered is None:
             from jaxbackend.lower import lower
 
-            run = lower(graph, value_shardings=placement.values, operand_shardings=placement.operands,
-                        op_options=placement.options,
-                        numerics=self.numerics, remat=remat_groups(graph, self.remat))
+            run = lower(
+                graph,
+                value_shardings=placement.values,
+                operand_shardings=placement.operands,
+                op_options=placement.options,
+                numerics=self.numerics,
+                remat=remat_groups(graph, self.remat),
+            )
             data_axis = DATA_AXIS if replicas > 1 else None
             one_count = len(self.devices) > 1 and data_axis is None
-            step_fn = make_fused_step(run, trainable, self.optimizer, self.grad_clip_norm, placement.grads,
-                                      check_finite=self.check_finite, loss_scaling=self.loss_scaling,
-                                      count_nonfinite=_one_collective_count(placement) if one_count else None,
-                                      num_micro_batches=self.num_micro_batches, loss=MicroBatchLoss.of(graph),
-                                      data_axis=data_axis, aux=AuxOutputs.of(graph))
+            step_fn = make_fused_step(
+                run,
+                trainable,
+                self.optimizer,
+                self.grad_clip_norm,
+                placement.grads,
+                check_finite=self.check_finite,
+                loss_scaling=self.loss_scaling,
+                count_nonfinite=_one_collective_count(placement) if one_count else None,
+                num_micro_batches=self.num_micro_batches,
+                loss=MicroBatchLoss.of(graph),
+                data_axis=data_axis,
+                aux=AuxOutputs.of(graph),
+            )
             if data_axis is not None:
                 step_fn = over_data_replicas(step_fn, placement.mesh, len(inputs), data_axis)
             lowered = jit_step(step_fn).lower(*args)
@@ -175,10 +239,22 @@ class OneStageProgram:
         lowered_at = time.perf_counter()
         compiled = lowered.compile(compiler_options=self._options)
         done = time.perf_counter()
-        log.info("torchpar: compiled training step (%d ops, %s) in %.2fs: lower %.2fs, XLA %.2fs",
-                 len(graph.nodes), spmd, done - start, lowered_at - start, done - lowered_at)
-        return CompiledStep(compiled=compiled, spmd=spmd, num_inputs=len(inputs), lower_s=lowered_at - start,
-                            compile_s=done - lowered_at, input_shardings=input_shardings)
+        log.info(
+            "torchpar: compiled training step (%d ops, %s) in %.2fs: lower %.2fs, XLA %.2fs",
+            len(graph.nodes),
+            spmd,
+            done - start,
+            lowered_at - start,
+            done - lowered_at,
+        )
+        return CompiledStep(
+            compiled=compiled,
+            spmd=spmd,
+            num_inputs=len(inputs),
+            lower_s=lowered_at - start,
+            compile_s=done - lowered_at,
+            input_shardings=input_shardings,
+        )
 
     def compile_forward(self, graph: Graph) -> Callable:
         """The eval forward of ``graph``: ``(params, buffers, inputs) → outputs``; shardings propagate from the
@@ -187,12 +263,17 @@ class OneStageProgram:
 
         run = lower(graph, numerics=self.numerics)
         key = jax.random.key(0)
-        return jax.jit(lambda params, buffers, inputs: run(params, buffers, inputs, key)[0],
-                       compiler_options=self._options)
+        return jax.jit(
+            lambda params, buffers, inputs: run(params, buffers, inputs, key)[0], compiler_options=self._options
+        )
 
     def _accumulation_caveat(self) -> str:
-        return (f" (its gradients are then reduced in each of the {self.num_micro_batches} micro-batches, not once "
-                "per step)" if self.num_micro_batches > 1 else "")
+        return (
+            f" (its gradients are then reduced in each of the {self.num_micro_batches} micro-batches, not once "
+            "per step)"
+            if self.num_micro_batches > 1
+            else ""
+        )
 
     def _shard_map_layouts(self, graph: Graph) -> Any:
         """The value layouts a per-device step runs with, or ``None`` for the GSPMD step (per ``spmd``)."""
@@ -201,25 +282,38 @@ class OneStageProgram:
             return None
         if self.stage.data_replicas > 1:
             if self.spmd == "shard_map":
-                raise ValueError(f"spmd='shard_map' cannot run a plan with {self.stage.data_replicas} data replicas "
-                                 "(each replica's step is a GSPMD program over its d0 × d1 devices). Try spmd='auto'.")
-            log.info("torchpar: the plan's %d data replicas each run a GSPMD step over %s devices; the per-device "
-                     "(shard_map) step is not used", self.stage.data_replicas, tuple(self.stage.logical_mesh_shape))
+                raise ValueError(
+                    f"spmd='shard_map' cannot run a plan with {self.stage.data_replicas} data replicas "
+                    "(each replica's step is a GSPMD program over its d0 × d1 devices). Try spmd='auto'."
+                )
+            log.info(
+                "torchpar: the plan's %d data replicas each run a GSPMD step over %s devices; the per-device "
+                "(shard_map) step is not used",
+                self.stage.data_replicas,
+                tuple(self.stage.logical_mesh_shape),
+            )
             return None
         from torchpar.planner.sharding.layouts import replay_layouts
 
         layouts = replay_layouts(graph, self.stage)
         for name in self._split_for_optimizer():
-            layouts.add_problem(f"optimizer {NOT_ELEMENTWISE[self.optimizer.kind]} and these parameters (or their "
-                                "gradients or optimizer state) are sharded", name)
+            layouts.add_problem(
+                f"optimizer {NOT_ELEMENTWISE[self.optimizer.kind]} and these parameters (or their "
+                "gradients or optimizer state) are sharded",
+                name,
+            )
         obstacles = layouts.obstacles()
         if not obstacles:
             return layouts
         reasons = "\n  ".join(obstacles[:10] + ([f"… and {len(obstacles) - 10} more"] if len(obstacles) > 10 else []))
         if self.spmd == "shard_map":
             raise ValueError(f"spmd='shard_map' cannot run this plan:\n  {reasons}\nTry spmd='gspmd'.")
-        log.warning("torchpar: %s plan runs under GSPMD%s; a per-device (shard_map) step cannot run it:\n  %s",
-                    self.method, self._accumulation_caveat(), reasons)
+        log.warning(
+            "torchpar: %s plan runs under GSPMD%s; a per-device (shard_map) step cannot run it:\n  %s",
+            self.method,
+            self._accumulation_caveat(),
+            reasons,
+        )
         return None
 
     def _split_for_optimizer(self) -> list[str]:
@@ -253,21 +347,41 @@ class OneStageProgram:
             return [axes, ()] if axes else [()]
         return [()]
 
-    def _spmd_step(self, graph: Graph, layouts: Any, trainable: tuple[str, ...], placement: Placement,
-                   params: dict, opt_state: dict, buffers: dict, num_inputs: int,
-                   gradient_axes: tuple[str, ...]) -> Callable:
+    def _spmd_step(
+        self,
+        graph: Graph,
+        layouts: Any,
+        trainable: tuple[str, ...],
+        placement: Placement,
+        params: dict,
+        opt_state: dict,
+        buffers: dict,
+        num_inputs: int,
+        gradient_axes: tuple[str, ...],
+    ) -> Callable:
         from jaxbackend.lower import lower
         from torchpar.runtime.spmd_step import make_spmd_step
 
         run = lower(graph, layouts=layouts, numerics=self.numerics, remat=remat_groups(graph, self.remat))
-        return make_spmd_step(run, layouts, self.stage, mesh=placement.mesh, param_names=list(params),
-                              buffer_names=list(buffers), state_keys={n: list(e) for n, e in opt_state.items()},
-                              num_inputs=num_inputs, trainable=trainable, spec=self.optimizer,
-                              grad_clip_norm=self.grad_clip_norm, check_finite=self.check_finite,
-                              loss_scaling=self.loss_scaling, num_micro_batches=self.num_micro_batches,
-                              micro_loss=MicroBatchLoss.of(graph), gradient_axes=gradient_axes,
-                              aux=AuxOutputs.of(graph))
-
+        return make_spmd_step(
+            run,
+            layouts,
+            self.stage,
+            mesh=placement.mesh,
+            param_names=list(params),
+            buffer_names=list(buffers),
+            state_keys={n: list(e) for n, e in opt_state.items()},
+            num_inputs=num_inputs,
+            trainable=trainable,
+            spec=self.optimizer,
+            grad_clip_norm=self.grad_clip_norm,
+            check_finite=self.check_finite,
+            loss_scaling=self.loss_scaling,
+            num_micro_batches=self.num_micro_batches,
+            micro_loss=MicroBatchLoss.of(graph),
+            gradient_axes=gradient_axes,
+            aux=AuxOutputs.of(graph),
+        )
 
 
 def check_replicable(graph: Graph, replicas: int) -> None:
@@ -281,10 +395,12 @@ def check_replicable(graph: Graph, replicas: int) -> None:
     updated = [o.target for o in graph.outputs if o.kind == "buffer"]
     if updated:
         shown = ", ".join(map(str, updated[:5])) + (f", … ({len(updated)} in all)" if len(updated) > 5 else "")
-        raise ValueError(f"a plan with {replicas} data replicas cannot train this model the way PyTorch does: its "
-                         f"step updates buffers ({shown}), e.g. BatchNorm statistics, which each replica would compute "
-                         "from its own rows only. Use a 2-D mesh_shape (the planner then splits the batch under XLA's "
-                         "partitioner, which keeps whole-batch statistics), or put those modules in eval() mode.")
+        raise ValueError(
+            f"a plan with {replicas} data replicas cannot train this model the way PyTorch does: its "
+            f"step updates buffers ({shown}), e.g. BatchNorm statistics, which each replica would compute "
+            "from its own rows only. Use a 2-D mesh_shape (the planner then splits the batch under XLA's "
+            "partitioner, which keeps whole-batch statistics), or put those modules in eval() mode."
+        )
     try:
         decompose_loss(graph)
     except NotDecomposable as error:
@@ -293,7 +409,8 @@ def check_replicable(graph: Graph, replicas: int) -> None:
             f"the whole batch's loss is not made of the replicas' ({error}). A term such as a mixture-of-experts "
             "router's load-balancing loss (a product of batch means) would be each replica's own. Use a 2-D "
             "mesh_shape (its batch split keeps whole-batch statistics), or end the loss with a mean, a sum or "
-            "`.sum() / count` where `count` does not depend on the parameters.") from None
+            "`.sum() / count` where `count` does not depend on the parameters."
+        ) from None
 
 
 def _splits(json_spec: Any, mesh_shape: tuple[int, ...]) -> bool:
@@ -319,7 +436,6 @@ def _one_collective_count(placement: Placement) -> Callable[[dict], Any]:
         def local(pieces: dict) -> Any:
             return jax.lax.psum(nonfinite_count(pieces), axes)
 
-        return jax.shard_map(local, mesh=mesh, in_specs=(specs,), out_specs=PartitionSpec(),
-                             check_vma=False)(grads)
+        return jax.shard_map(local, mesh=mesh, in_specs=(specs,), out_specs=PartitionSpec(), check_vma=False)(grads)
 
     return count

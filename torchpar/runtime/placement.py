@@ -33,8 +33,13 @@ class Placement:
     options: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @classmethod
-    def from_stage(cls, stage: StagePlan, graph: Graph | None, devices: list[Any] | None = None,
-                   optimizer: OptimizerSpec | None = None) -> "Placement":
+    def from_stage(
+        cls,
+        stage: StagePlan,
+        graph: Graph | None,
+        devices: list[Any] | None = None,
+        optimizer: OptimizerSpec | None = None,
+    ) -> Placement:
         """Shardings of ``stage`` on a mesh of ``devices`` (default: the first devices JAX has). Without a
         ``graph`` only the stored tensors are placed (parameters, optimizer state, batch leaves), not the
         values inside the step. With an Adafactor ``optimizer``, the state of a parameter of ≥ 2 dims (its row and
@@ -42,11 +47,10 @@ class Placement:
         from jaxbackend import sharding as jsh
 
         mesh = jsh.make_mesh(tuple(stage.logical_mesh_shape), devices, stage.data_replicas)
-        named = lambda spec: jsh.named_sharding(mesh, spec)  # noqa: E731
+        named = lambda spec: jsh.named_sharding(mesh, spec)
         params = {n: named(s) for n, s in stage.params.items()}
         grads = {n: named(s) for n, s in stage.grads.items()}
-        state = {n: named(_state_spec(stage.optimizer_state.get(n, s), n, optimizer))
-                 for n, s in stage.params.items()}
+        state = {n: named(_state_spec(stage.optimizer_state.get(n, s), n, optimizer)) for n, s in stage.params.items()}
         inputs = {int(i): named(s) for i, s in stage.inputs.items()}
         values: dict[str, Any] = {}
         if graph is None:
@@ -63,8 +67,11 @@ class Placement:
         for name, spec in stage.activations.items():
             if name in node_names or name in activation_inputs:
                 values[name] = named(spec)
-        operands = {name: [named(s) if s is not None else None for s in specs]
-                    for name, specs in stage.operands.items() if name in node_names}
+        operands = {
+            name: [named(s) if s is not None else None for s in specs]
+            for name, specs in stage.operands.items()
+            if name in node_names
+        }
         options = {name: dict(opts) for name, opts in stage.op_options.items() if name in operands}
         return cls(mesh, params, grads, state, inputs, values, operands, jsh.replicated(mesh), options)
 

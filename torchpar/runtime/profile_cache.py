@@ -104,5 +104,8 @@ class ProfileCache:
                 json.dump(value, file)
             os.replace(temporary, self._path(key))
         except OSError as error:
-            log.warning("could not write the profile cache in %s (%s): timings will be measured again next time",
-                        self.directory, error)
+            log.warning(
+                "could not write the profile cache in %s (%s): timings will be measured again next time",
+                self.directory,
+                error,
+            )

@@ -18,7 +18,8 @@ import hashlib
 import logging
 import statistics
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -46,20 +47,36 @@ def graph_key(stage: StageGraph) -> dict[str, Any]:
     """What of a stage graph its timing depends on: every input, op and output (names, targets, operands,
     shapes, dtypes) and the constants' shapes and bytes' digest."""
     graph = stage.graph
-    constants = {name: [list(np.shape(v)), str(np.asarray(v).dtype),
-                        hashlib.sha256(np.ascontiguousarray(v).tobytes()).hexdigest()]
-                 for name, v in sorted(graph.constants.items())}
-    return {"inputs": [repr(i) for i in graph.inputs],
-            "nodes": [repr((n.name, n.target, n.args, n.kwargs, n.out)) for n in graph.nodes],
-            "outputs": [repr(o) for o in graph.outputs], "constants": constants,
-            "activation_inputs": list(stage.activation_inputs), "activation_outputs": list(stage.activation_outputs)}
+    constants = {
+        name: [
+            list(np.shape(v)),
+            str(np.asarray(v).dtype),
+            hashlib.sha256(np.ascontiguousarray(v).tobytes()).hexdigest(),
+        ]
+        for name, v in sorted(graph.constants.items())
+    }
+    return {
+        "inputs": [repr(i) for i in graph.inputs],
+        "nodes": [repr((n.name, n.target, n.args, n.kwargs, n.out)) for n in graph.nodes],
+        "outputs": [repr(o) for o in graph.outputs],
+        "constants": constants,
+        "activation_inputs": list(stage.activation_inputs),
+        "activation_outputs": list(stage.activation_outputs),
+    }
 
 
 def plan_key(plan: StagePlan) -> dict[str, Any]:
     """The layouts and mesh of ``plan`` a stage's timing depends on."""
-    return {"logical_mesh_shape": list(plan.logical_mesh_shape), "params": plan.params, "grads": plan.grads,
-            "params_at_use": plan.params_at_use, "inputs": plan.inputs, "activations": plan.activations,
-            "operands": plan.operands, "devices": plan.devices()}
+    return {
+        "logical_mesh_shape": list(plan.logical_mesh_shape),
+        "params": plan.params,
+        "grads": plan.grads,
+        "params_at_use": plan.params_at_use,
+        "inputs": plan.inputs,
+        "activations": plan.activations,
+        "operands": plan.operands,
+        "devices": plan.devices(),
+    }
 
 
 class StageProfiler:
@@ -69,10 +86,19 @@ class StageProfiler:
     gradients); ``num_micro_batches`` seeds the loss cotangent as the runtime does; ``numerics`` and
     ``library_fusions`` compile the stage as the engine will (``remat`` comes with each call)."""
 
-    def __init__(self, *, spec: OptimizerSpec, trainable: set[str], num_micro_batches: int,
-                 numerics: Numerics | None, library_fusions: bool, cache: ProfileCache,
-                 repeats: int = DEFAULT_REPEATS, devices: list[Any] | None = None,
-                 on_stage: Callable[[str], None] | None = None):
+    def __init__(
+        self,
+        *,
+        spec: OptimizerSpec,
+        trainable: set[str],
+        num_micro_batches: int,
+        numerics: Numerics | None,
+        library_fusions: bool,
+        cache: ProfileCache,
+        repeats: int = DEFAULT_REPEATS,
+        devices: list[Any] | None = None,
+        on_stage: Callable[[str], None] | None = None,
+    ):
         if repeats < 1:
             raise ValueError(f"repeats must be ≥ 1, got {repeats}")
         self.spec, self.trainable, self.num_micro_batches = spec, trainable, num_micro_batches
@@ -83,17 +109,27 @@ class StageProfiler:
         self.on_stage = on_stage
 
     def __call__(self, stage: StageGraph, plan: StagePlan, remat: str = "none") -> StageTiming:
-        key = {"kind": "stage", "graph": graph_key(stage), "plan": plan_key(plan), "hardware": self.hardware,
-               "jax": jax.__version__, "numerics": repr(self.numerics), "remat": remat,
-               "library_fusions": self.library_fusions, "micro_batches": self.num_micro_batches,
-               "trainable": sorted(n for n in stage.params if n in self.trainable), "repeats": self.repeats}
+        key = {
+            "kind": "stage",
+            "graph": graph_key(stage),
+            "plan": plan_key(plan),
+            "hardware": self.hardware,
+            "jax": jax.__version__,
+            "numerics": repr(self.numerics),
+            "remat": remat,
+            "library_fusions": self.library_fusions,
+            "micro_batches": self.num_micro_batches,
+            "trainable": sorted(n for n in stage.params if n in self.trainable),
+            "repeats": self.repeats,
+        }
         stored = self.cache.get(key)
         if stored is not None:
             timing = StageTiming(forward_s=stored["forward_s"], backward_s=stored["backward_s"], cached=True)
         else:
             timing = self._measure(stage, plan, remat)
-            self.cache.put(key, {"forward_s": timing.forward_s, "backward_s": timing.backward_s,
-                                 "compile_s": timing.compile_s})
+            self.cache.put(
+                key, {"forward_s": timing.forward_s, "backward_s": timing.backward_s, "compile_s": timing.compile_s}
+            )
         if self.on_stage is not None:
             self.on_stage(f"stage of {len(stage.graph.nodes)} ops on {tuple(plan.logical_mesh_shape)}")
         return timing
@@ -101,12 +137,21 @@ class StageProfiler:
     def _measure(self, stage: StageGraph, plan: StagePlan, remat: str) -> StageTiming:
         ids = plan.devices()
         if max(ids) >= len(self.devices):
-            raise ValueError(f"profiling a stage on devices {ids}, but this process has {len(self.devices)}: "
-                             "profile=True measures on the local runtime's devices (torchpar.init(num_devices=...))")
+            raise ValueError(
+                f"profiling a stage on devices {ids}, but this process has {len(self.devices)}: "
+                "profile=True measures on the local runtime's devices (torchpar.init(num_devices=...))"
+            )
         placement = Placement.from_stage(plan, stage.graph, [self.devices[i] for i in ids], self.spec)
-        program = StageProgram(stage, placement=placement, spec=self.spec, trainable=self.trainable,
-                               num_micro_batches=self.num_micro_batches, library_fusions=self.library_fusions,
-                               numerics=self.numerics, remat=remat)
+        program = StageProgram(
+            stage,
+            placement=placement,
+            spec=self.spec,
+            trainable=self.trainable,
+            num_micro_batches=self.num_micro_batches,
+            library_fusions=self.library_fusions,
+            numerics=self.numerics,
+            remat=remat,
+        )
         params, buffers, inputs, acts = _random_arguments(program)
         key = jax.random.key(0)
 
@@ -130,11 +175,19 @@ class StageProfiler:
             jax.block_until_ready((total, act_cotangents))
             forward_times.append(middle - begin)
             backward_times.append(time.perf_counter() - middle)
-        timing = StageTiming(forward_s=statistics.median(forward_times), backward_s=statistics.median(backward_times),
-                             compile_s=compile_s)
-        log.info("profiled a stage of %d ops on %s: forward %.4g s, backward %.4g s (compile %.3g s)",
-                 len(stage.graph.nodes), tuple(plan.logical_mesh_shape), timing.forward_s, timing.backward_s,
-                 compile_s)
+        timing = StageTiming(
+            forward_s=statistics.median(forward_times),
+            backward_s=statistics.median(backward_times),
+            compile_s=compile_s,
+        )
+        log.info(
+            "profiled a stage of %d ops on %s: forward %.4g s, backward %.4g s (compile %.3g s)",
+            len(stage.graph.nodes),
+            tuple(plan.logical_mesh_shape),
+            timing.forward_s,
+            timing.backward_s,
+            compile_s,
+        )
         return timing
 
 
@@ -162,8 +215,13 @@ def _random_arguments(program: StageProgram) -> tuple[dict, dict, dict, dict]:
     return params, buffers, inputs, acts
 
 
-def time_links(cache: ProfileCache, devices: list[Any] | None = None, *, sizes: tuple[int, ...] = COLLECTIVE_BYTES,
-               repeats: int = DEFAULT_REPEATS) -> list[LinkFit]:
+def time_links(
+    cache: ProfileCache,
+    devices: list[Any] | None = None,
+    *,
+    sizes: tuple[int, ...] = COLLECTIVE_BYTES,
+    repeats: int = DEFAULT_REPEATS,
+) -> list[LinkFit]:
     """All-reduces of ``sizes`` bytes timed over this process's devices, fitted per logical mesh axis: axis 1 on the
     mesh ``(1, n)``, axis 0 on ``(n, 1)`` (one process holds one host, so both axes run over its ``n`` devices).
     Empty with fewer than two devices."""
@@ -176,8 +234,15 @@ def time_links(cache: ProfileCache, devices: list[Any] | None = None, *, sizes: 
     fits = []
     for axis in (0, 1):
         shape = (len(devices), 1) if axis == 0 else (1, len(devices))
-        key = {"kind": "all_reduce", "axis": axis, "shape": list(shape), "sizes": list(sizes), "hardware": hardware,
-               "jax": jax.__version__, "repeats": repeats}
+        key = {
+            "kind": "all_reduce",
+            "axis": axis,
+            "shape": list(shape),
+            "sizes": list(sizes),
+            "hardware": hardware,
+            "jax": jax.__version__,
+            "repeats": repeats,
+        }
         points = cache.get(key)
         if points is None:
             mesh = Mesh(np.array(devices).reshape(shape), ("d0", "d1"))
@@ -185,8 +250,15 @@ def time_links(cache: ProfileCache, devices: list[Any] | None = None, *, sizes: 
             points = [[float(nbytes), _time_all_reduce(mesh, name, nbytes, repeats)] for nbytes in sizes]
             cache.put(key, points)
         alpha, beta = fit_alpha_beta([tuple(p) for p in points], len(devices))
-        fits.append(LinkFit(axis=axis, devices=len(devices), alpha=alpha, beta=beta,
-                            points=tuple((float(b), float(t)) for b, t in points)))
+        fits.append(
+            LinkFit(
+                axis=axis,
+                devices=len(devices),
+                alpha=alpha,
+                beta=beta,
+                points=tuple((float(b), float(t)) for b, t in points),
+            )
+        )
         log.info("link axis %d over %d devices: alpha %.3g s, beta %.3g s/byte", axis, len(devices), alpha, beta)
     return fits
 

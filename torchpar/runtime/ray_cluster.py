@@ -21,8 +21,8 @@ import contextlib
 import logging
 import os
 import sys
-from dataclasses import dataclass
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -55,8 +55,10 @@ class RayCluster:
 
     def describe(self) -> str:
         nodes = sorted({h.address for h in self.hosts})
-        return (f"{len(self.hosts)} host(s) × {self.devices_per_host} {self.accelerator.upper()} device(s) on "
-                f"{len(nodes)} node(s) {nodes}{' (simulated hosts)' if self.simulated else ''}")
+        return (
+            f"{len(self.hosts)} host(s) × {self.devices_per_host} {self.accelerator.upper()} device(s) on "
+            f"{len(nodes)} node(s) {nodes}{' (simulated hosts)' if self.simulated else ''}"
+        )
 
 
 _current: RayCluster | None = None
@@ -70,8 +72,9 @@ def current() -> RayCluster | None:
     return _current
 
 
-def connect(*, address: str | None, num_hosts: int | None, devices_per_host: int | None,
-            accelerator: str = "auto") -> RayCluster:
+def connect(
+    *, address: str | None, num_hosts: int | None, devices_per_host: int | None, accelerator: str = "auto"
+) -> RayCluster:
     """Start or join Ray and choose the hosts (see the module docstring)."""
     global _current
     import ray
@@ -81,8 +84,10 @@ def connect(*, address: str | None, num_hosts: int | None, devices_per_host: int
     embedded = False
     if address is None:
         if num_hosts is None or devices_per_host is None:
-            raise ValueError("cluster='ray' without an address simulates hosts on this machine: give num_hosts and "
-                             "devices_per_host (or address='auto' to join a running cluster)")
+            raise ValueError(
+                "cluster='ray' without an address simulates hosts on this machine: give num_hosts and "
+                "devices_per_host (or address='auto' to join a running cluster)"
+            )
         if not ray.is_initialized():
             cpus = max(os.cpu_count() or 1, num_hosts)
             # address="local": never attach to another Ray instance found running on this machine (another
@@ -90,19 +95,27 @@ def connect(*, address: str | None, num_hosts: int | None, devices_per_host: int
             # simulated hosts are this machine's compute: Ray's default worker niceness (15) would give them only what
             # every other process leaves, and a pipeline, which needs all its hosts at once, loses most (issue 12)
             with _quiet_token_notice():
-                ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=True,
-                         configure_logging=False,
-                         runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}},
-                         _system_config={"worker_niceness": EMBEDDED_WORKER_NICENESS})
+                ray.init(
+                    address="local",
+                    num_cpus=cpus,
+                    include_dashboard=False,
+                    log_to_driver=True,
+                    configure_logging=False,
+                    runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}},
+                    _system_config={"worker_niceness": EMBEDDED_WORKER_NICENESS},
+                )
             embedded = True
         _current = _simulated(num_hosts, devices_per_host, accelerator, embedded)
     else:
         if ray.is_initialized():
-            log.warning("torchpar.init(address=%r): disconnecting from the Ray instance this process was using", address)
+            log.warning(
+                "torchpar.init(address=%r): disconnecting from the Ray instance this process was using", address
+            )
             ray.shutdown()
         ray.init(address=address, log_to_driver=True, configure_logging=False)
-        _current = _from_nodes(ray.nodes(), ray.get_runtime_context().get_node_id(), num_hosts, devices_per_host,
-                               accelerator)
+        _current = _from_nodes(
+            ray.nodes(), ray.get_runtime_context().get_node_id(), num_hosts, devices_per_host, accelerator
+        )
     log.info("torchpar ray cluster: %s", _current.describe())
     return _current
 
@@ -145,16 +158,20 @@ def _simulated(num_hosts: int, devices_per_host: int, accelerator: str, embedded
     if accelerator == "auto":
         accelerator = "gpu" if gpus >= wanted else "cpu"
     elif accelerator == "gpu" and gpus < wanted:
-        raise ValueError(f"accelerator='gpu' needs {num_hosts} × {devices_per_host} = {wanted} GPUs; this machine's "
-                         f"Ray node has {gpus:g}")
+        raise ValueError(
+            f"accelerator='gpu' needs {num_hosts} × {devices_per_host} = {wanted} GPUs; this machine's "
+            f"Ray node has {gpus:g}"
+        )
     address = ray.util.get_node_ip_address()
     hosts = tuple(RayHost(index=h, node_id=node, address=address, cpus=cpus, gpus=gpus) for h in range(num_hosts))
-    return RayCluster(hosts=hosts, devices_per_host=devices_per_host, accelerator=accelerator, embedded=embedded,
-                      simulated=True)
+    return RayCluster(
+        hosts=hosts, devices_per_host=devices_per_host, accelerator=accelerator, embedded=embedded, simulated=True
+    )
 
 
-def _from_nodes(nodes: list[dict[str, Any]], driver_node: str, num_hosts: int | None, devices_per_host: int | None,
-                accelerator: str) -> RayCluster:
+def _from_nodes(
+    nodes: list[dict[str, Any]], driver_node: str, num_hosts: int | None, devices_per_host: int | None, accelerator: str
+) -> RayCluster:
     """Hosts from ``ray.nodes()`` entries (see the module docstring)."""
     alive = [n for n in nodes if n.get("Alive") or n.get("alive")]
     if not alive:
@@ -174,10 +191,18 @@ def _from_nodes(nodes: list[dict[str, Any]], driver_node: str, num_hosts: int | 
     count = num_hosts or len(usable)
     if count > len(usable):
         need = f"{per_host} GPU(s)" if accelerator == "gpu" else "a CPU"
-        raise ValueError(f"asked for {count} host(s) but only {len(usable)} node(s) of the Ray cluster have {need}: "
-                         + ", ".join(f"{n.get('NodeManagerAddress')} {n.get('Resources', {})}" for n in alive))
-    hosts = tuple(RayHost(index=h, node_id=n["NodeID"], address=n.get("NodeManagerAddress", "?"),
-                          cpus=float(n.get("Resources", {}).get("CPU", 0)),
-                          gpus=float(n.get("Resources", {}).get("GPU", 0)))
-                  for h, n in enumerate(usable[:count]))
+        raise ValueError(
+            f"asked for {count} host(s) but only {len(usable)} node(s) of the Ray cluster have {need}: "
+            + ", ".join(f"{n.get('NodeManagerAddress')} {n.get('Resources', {})}" for n in alive)
+        )
+    hosts = tuple(
+        RayHost(
+            index=h,
+            node_id=n["NodeID"],
+            address=n.get("NodeManagerAddress", "?"),
+            cpus=float(n.get("Resources", {}).get("CPU", 0)),
+            gpus=float(n.get("Resources", {}).get("GPU", 0)),
+        )
+        for h, n in enumerate(usable[:count])
+    )
     return RayCluster(hosts=hosts, devices_per_host=per_host, accelerator=accelerator, embedded=False, simulated=False)

@@ -53,13 +53,22 @@ class RayExecutor(Executor):
 
     kind = "ray"
 
-    def __init__(self, spec: ExecutionSpec, cluster: RayCluster, *, timeout_s: float, cores_per_host: int | None = None,
-                 label: str = ""):
+    def __init__(
+        self,
+        spec: ExecutionSpec,
+        cluster: RayCluster,
+        *,
+        timeout_s: float,
+        cores_per_host: int | None = None,
+        label: str = "",
+    ):
         per_host = cluster.devices_per_host
         used = sorted({d // per_host for stage in spec.plan.stages for d in stage.devices()})
         if used and used[-1] >= len(cluster.hosts):
-            raise ValueError(f"the plan uses host {used[-1]} but the Ray cluster has {len(cluster.hosts)} host(s) "
-                             f"({cluster.describe()}); plan for this cluster or init a bigger one")
+            raise ValueError(
+                f"the plan uses host {used[-1]} but the Ray cluster has {len(cluster.hosts)} host(s) "
+                f"({cluster.describe()}); plan for this cluster or init a bigger one"
+            )
         spec.devices = DeviceMap(per_host, tuple(used))
         super().__init__(spec, label)
         self.cluster = cluster
@@ -94,37 +103,63 @@ class RayExecutor(Executor):
             options: dict[str, Any] = {"num_cpus": 1, "num_gpus": gpus, "runtime_env": {"env_vars": env}}
             if host.node_id is not None:
                 options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(host.node_id, soft=False)
-            self.actors.append(HostActor.options(**options).remote(host.index, rank, slot, on_node[host.node_id],
-                                                                   cores_per_host if cluster.simulated else None))
-        self.infos = self._gather({r: a.info.remote() for r, a in enumerate(self.actors)}, "starting the host actors",
-                                  self.timeout_s, placing=True)
+            self.actors.append(
+                HostActor.options(**options).remote(
+                    host.index, rank, slot, on_node[host.node_id], cores_per_host if cluster.simulated else None
+                )
+            )
+        self.infos = self._gather(
+            {r: a.info.remote() for r, a in enumerate(self.actors)},
+            "starting the host actors",
+            self.timeout_s,
+            placing=True,
+        )
         placed = time.perf_counter()
         coordinator = None
         if len(self.actors) > 1:
-            coordinator = self._gather({0: self.actors[0].coordinator_address.remote()},
-                                       "choosing the JAX coordinator", self.timeout_s)[0]
-        joined = self._gather({r: a.join.remote(coordinator, len(self.actors), self.timeout_s)
-                               for r, a in enumerate(self.actors)}, "joining the hosts into one JAX system",
-                              self.timeout_s + 30)
+            coordinator = self._gather(
+                {0: self.actors[0].coordinator_address.remote()}, "choosing the JAX coordinator", self.timeout_s
+            )[0]
+        joined = self._gather(
+            {r: a.join.remote(coordinator, len(self.actors), self.timeout_s) for r, a in enumerate(self.actors)},
+            "joining the hosts into one JAX system",
+            self.timeout_s + 30,
+        )
         for info, devices in zip(self.infos, joined):
             info.update(devices)
             if cluster.accelerator == "gpu" and devices["platform"] == "cpu":
-                log.warning("torchpar: host %d was given GPU(s) %s by Ray but JAX found no GPU there; it runs on "
-                            "%d CPU device(s)", info["host"], info["gpu_ids"], len(devices["local_devices"]))
+                log.warning(
+                    "torchpar: host %d was given GPU(s) %s by Ray but JAX found no GPU there; it runs on "
+                    "%d CPU device(s)",
+                    info["host"],
+                    info["gpu_ids"],
+                    len(devices["local_devices"]),
+                )
             if len(devices["local_devices"]) < per_host:
-                raise HostFailure(f"host {info['host']} ({info['address']}, pid {info['pid']}) has "
-                                  f"{len(devices['local_devices'])} JAX device(s), the plan needs {per_host}")
+                raise HostFailure(
+                    f"host {info['host']} ({info['address']}, pid {info['pid']}) has "
+                    f"{len(devices['local_devices'])} JAX device(s), the plan needs {per_host}"
+                )
         joined_at = time.perf_counter()
         peers = dict(enumerate(self.actors))
         spec_ref = ray.put(self.spec)
         channels = {r: devices["channel"] for r, devices in enumerate(joined) if "channel" in devices}
-        self._gather({r: a.build.remote(spec_ref, peers, channels) for r, a in enumerate(self.actors)},
-                     "building the stage programs", self.compile_timeout_s)
-        self.timings = {"start_hosts": placed - start, "join_hosts": joined_at - placed,
-                        "build_workers": time.perf_counter() - joined_at}
-        log.info("torchpar: %d host actor(s) ready in %s: %s", len(self.actors),
-                 ", ".join(f"{k} {v:.2f}s" for k, v in self.timings.items()),
-                 [(i["host"], i["address"], i["pid"], i["platform"]) for i in self.infos])
+        self._gather(
+            {r: a.build.remote(spec_ref, peers, channels) for r, a in enumerate(self.actors)},
+            "building the stage programs",
+            self.compile_timeout_s,
+        )
+        self.timings = {
+            "start_hosts": placed - start,
+            "join_hosts": joined_at - placed,
+            "build_workers": time.perf_counter() - joined_at,
+        }
+        log.info(
+            "torchpar: %d host actor(s) ready in %s: %s",
+            len(self.actors),
+            ", ".join(f"{k} {v:.2f}s" for k, v in self.timings.items()),
+            [(i["host"], i["address"], i["pid"], i["platform"]) for i in self.infos],
+        )
 
     def _check_resources(self, actors: int, gpus_each: int) -> None:
         deadline = time.monotonic() + RESOURCE_GRACE_S
@@ -142,9 +177,12 @@ class RayExecutor(Executor):
             others = [e for e in open_executors() if isinstance(e, RayExecutor) and e is not self]
             held = ""
             if others:
-                held = (f" {len(others)} open torchpar engine(s) of this process hold host actors: "
-                        + "; ".join(e.summary() for e in others) + ". Call engine.close() on those you are done with "
-                        "(or use `with torchpar.compile(...) as engine:`), or torchpar.shutdown() to free them all.")
+                held = (
+                    f" {len(others)} open torchpar engine(s) of this process hold host actors: "
+                    + "; ".join(e.summary() for e in others)
+                    + ". Call engine.close() on those you are done with "
+                    "(or use `with torchpar.compile(...) as engine:`), or torchpar.shutdown() to free them all."
+                )
             raise HostFailure(f"the Ray cluster has {' and '.join(short)}.{held}")
 
     # --- calls --------------------------------------------------------------------------------------------------
@@ -159,7 +197,9 @@ class RayExecutor(Executor):
     def _call_ranks(self, method: str, args_by_rank: Any, what: str, timeout_s: float | None = None) -> list[Any]:
         """Each actor its own arguments (its part of a batch): sent to it alone, through the object store."""
         self._check_open()
-        refs = {rank: actor.call.remote(method, *args) for rank, (actor, args) in enumerate(zip(self.actors, args_by_rank))}
+        refs = {
+            rank: actor.call.remote(method, *args) for rank, (actor, args) in enumerate(zip(self.actors, args_by_rank))
+        }
         return self._gather(refs, what, self.timeout_s if timeout_s is None else timeout_s)
 
     @property
@@ -173,8 +213,10 @@ class RayExecutor(Executor):
         if self.spec.is_pipeline:
             return Prepared(payloads)
         token = next(self._tokens)
-        pending = {rank: actor.call.remote("place_ahead", token, key, payload)
-                   for rank, (actor, payload) in enumerate(zip(self.actors, payloads))}
+        pending = {
+            rank: actor.call.remote("place_ahead", token, key, payload)
+            for rank, (actor, payload) in enumerate(zip(self.actors, payloads))
+        }
         return Prepared([Ahead(token)] * len(payloads), pending)
 
     def _await_prepared(self, prepared: Prepared) -> None:
@@ -197,14 +239,25 @@ class RayExecutor(Executor):
             if not ready:
                 late = sorted(rank_of[r] for r in pending)
                 if placing:
-                    self._fail(f"timed out after {timeout_s:.0f}s {what}: Ray could not place the actor(s) of "
-                               + ", ".join(self._where(r, placed=False) for r in late)
-                               + "; check the nodes' free CPUs/GPUs (`ray status`)")
+                    self._fail(
+                        f"timed out after {timeout_s:.0f}s {what}: Ray could not place the actor(s) of "
+                        + ", ".join(self._where(r, placed=False) for r in late)
+                        + "; check the nodes' free CPUs/GPUs (`ray status`)"
+                    )
                 silent = self._unresponsive(late)
-                hung = (f"; {', '.join(self._where(r) for r in silent)} does not answer at all (hung or stopped: "
-                        "the others wait for it)") if silent else ""
-                self._fail(f"timed out after {timeout_s:.0f}s {what}; " + ", ".join(self._where(r) for r in late)
-                           + f" did not finish{hung}")
+                hung = (
+                    (
+                        f"; {', '.join(self._where(r) for r in silent)} does not answer at all (hung or stopped: "
+                        "the others wait for it)"
+                    )
+                    if silent
+                    else ""
+                )
+                self._fail(
+                    f"timed out after {timeout_s:.0f}s {what}; "
+                    + ", ".join(self._where(r) for r in late)
+                    + f" did not finish{hung}"
+                )
             ref = ready[0]
             rank = rank_of[ref]
             try:
@@ -213,10 +266,15 @@ class RayExecutor(Executor):
                 self._fail(f"the actor of {self._where(rank)} died while {what} ({type(error).__name__})")
             except ray.exceptions.RayTaskError as error:
                 # a collective fails fast when its peer process is gone: blame the dead peer, not the survivor
-                self._check_alive(what, wait_s=DEATH_NOTICE_S,
-                                  consequence=f"{self._where(rank)} failed as a consequence: {error.cause}")
-                self._fail(f"{self._where(rank)} failed while {what}: {type(error.cause).__name__}: {error.cause}",
-                           cause=error.cause)
+                self._check_alive(
+                    what,
+                    wait_s=DEATH_NOTICE_S,
+                    consequence=f"{self._where(rank)} failed as a consequence: {error.cause}",
+                )
+                self._fail(
+                    f"{self._where(rank)} failed while {what}: {type(error.cause).__name__}: {error.cause}",
+                    cause=error.cause,
+                )
         return [values[rank] for rank in sorted(values)]
 
     def _check_alive(self, what: str, wait_s: float = LIVENESS_PERIOD_S, consequence: str = "") -> None:
@@ -230,8 +288,10 @@ class RayExecutor(Executor):
             try:
                 ray.get(ref)
             except ray.exceptions.RayActorError as error:
-                self._fail(f"the actor of {self._where(pings[ref])} died while {what} ({type(error).__name__})"
-                           + (f"; {consequence}" if consequence else ""))
+                self._fail(
+                    f"the actor of {self._where(pings[ref])} died while {what} ({type(error).__name__})"
+                    + (f"; {consequence}" if consequence else "")
+                )
         if consequence and silent:
             named = ", ".join(self._where(pings[ref]) for ref in sorted(silent, key=lambda r: pings[r]))
             self._fail(f"{named} does not answer (its process died or hangs) while {what}; {consequence}")
@@ -282,8 +342,10 @@ class RayExecutor(Executor):
             time.sleep(0.05)
 
     def summary(self) -> str:
-        return (f"{self.label} engine compiled at {self.created} on {len(self.hosts)} host actor(s) "
-                f"(hosts {[h.index for h in self.hosts]})")
+        return (
+            f"{self.label} engine compiled at {self.created} on {len(self.hosts)} host actor(s) "
+            f"(hosts {[h.index for h in self.hosts]})"
+        )
 
 
 def _await_death(actors: list[Any], timeout_s: float) -> None:

@@ -32,28 +32,36 @@ def is_device_oom(error: BaseException) -> bool:
     return False
 
 
-def as_device_memory_error(error: BaseException, plan: Any, *, what: str, device_memory_bytes: int | None,
-                           device_kind: str = "") -> DeviceMemoryError | None:
+def as_device_memory_error(
+    error: BaseException, plan: Any, *, what: str, device_memory_bytes: int | None, device_kind: str = ""
+) -> DeviceMemoryError | None:
     """A :class:`DeviceMemoryError` for ``error`` if it is an out-of-memory (else ``None``). ``what`` says what
     was running (``"compiling the training step"``); ``plan`` is the :class:`~torchpar.planner.plan.Plan`."""
     if not is_device_oom(error):
         return None
     wanted = _ALLOCATION.search(str(error))
-    lines = [f"the device ran out of memory while {what}"
-             + (f" (XLA could not allocate {wanted.group(1)})" if wanted else "") + "."]
+    lines = [
+        f"the device ran out of memory while {what}"
+        + (f" (XLA could not allocate {wanted.group(1)})" if wanted else "")
+        + "."
+    ]
     for index, stage in enumerate(plan.stages):
         devices = stage.devices()
         estimate = stage.estimated_memory_bytes
-        lines.append(f"  stage {index} on device(s) {_ranges(devices)}: the plan estimated "
-                     f"{_gib(estimate) if estimate else 'no figure'} per device")
+        lines.append(
+            f"  stage {index} on device(s) {_ranges(devices)}: the plan estimated "
+            f"{_gib(estimate) if estimate else 'no figure'} per device"
+        )
     if device_memory_bytes:
         lines.append(f"  each device has {_gib(device_memory_bytes)}{' (' + device_kind + ')' if device_kind else ''}")
-    lines.append("Try, from the cheapest: a smaller batch or more micro-batches "
-                 "(PipeshardParallel(num_micro_batches=...)); shard the optimizer state and gradients "
-                 "(Zero2Parallel() / Zero3Parallel()); tensor or pipeline parallelism over more devices "
-                 "(ShardParallel(), PipeshardParallel()); a tighter planner budget "
-                 "(ShardParallel(memory_budget=bytes)) so the plan keeps within what the device has. "
-                 "See docs/debugging.md (out of memory).")
+    lines.append(
+        "Try, from the cheapest: a smaller batch or more micro-batches "
+        "(PipeshardParallel(num_micro_batches=...)); shard the optimizer state and gradients "
+        "(Zero2Parallel() / Zero3Parallel()); tensor or pipeline parallelism over more devices "
+        "(ShardParallel(), PipeshardParallel()); a tighter planner budget "
+        "(ShardParallel(memory_budget=bytes)) so the plan keeps within what the device has. "
+        "See docs/debugging.md (out of memory)."
+    )
     return DeviceMemoryError("\n".join(lines))
 
 
@@ -73,5 +81,13 @@ def executable_peak_bytes(stats: dict[str, int]) -> int:
     stage's ``forward_`` and ``backward_`` programs). A pipeline stage's other in-flight micro-batches' residuals are
     not counted."""
     prefixes = {key[: -len("argument_bytes")] for key in stats if key.endswith("argument_bytes")}
-    return max((stats.get(f"{p}argument_bytes", 0) + stats.get(f"{p}output_bytes", 0) - stats.get(f"{p}alias_bytes", 0)
-                + stats.get(f"{p}temp_bytes", 0) for p in prefixes), default=0)
+    return max(
+        (
+            stats.get(f"{p}argument_bytes", 0)
+            + stats.get(f"{p}output_bytes", 0)
+            - stats.get(f"{p}alias_bytes", 0)
+            + stats.get(f"{p}temp_bytes", 0)
+            for p in prefixes
+        ),
+        default=0,
+    )

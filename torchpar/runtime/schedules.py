@@ -88,8 +88,18 @@ from dataclasses import dataclass
 COMPUTE_OPS = ("forward", "backward", "backward_input", "backward_weight")
 SEND_OPS = ("send_act", "send_grad")
 RECV_OPS = ("recv_act", "recv_grad")
-OPS = ("recv_act", "forward", "send_act", "recv_grad", "backward", "backward_input", "send_grad",
-       "backward_weight", "free", "update")
+OPS = (
+    "recv_act",
+    "forward",
+    "send_act",
+    "recv_grad",
+    "backward",
+    "backward_input",
+    "send_grad",
+    "backward_weight",
+    "free",
+    "update",
+)
 LABELS = {"forward": "F", "backward": "B", "backward_input": "B", "backward_weight": "W", "update": "U"}
 """One-letter label of each compute op (Gantt charts, ``format_schedule``)."""
 
@@ -109,8 +119,9 @@ class Instruction:
         if self.op not in OPS:
             raise ValueError(f"unknown instruction op {self.op!r}; expected one of {OPS}")
         if (self.op == "update") != (self.micro_batch is None):
-            raise ValueError(f"{self.op!r} {'takes no' if self.op == 'update' else 'needs a'} micro_batch, "
-                             f"got {self.micro_batch!r}")
+            raise ValueError(
+                f"{self.op!r} {'takes no' if self.op == 'update' else 'needs a'} micro_batch, got {self.micro_batch!r}"
+            )
         if self.micro_batch is not None and (not isinstance(self.micro_batch, int) or self.micro_batch < 0):
             raise ValueError(f"micro_batch must be an int >= 0, got {self.micro_batch!r}")
         is_comm = self.op in SEND_OPS or self.op in RECV_OPS
@@ -149,6 +160,7 @@ Schedule = list[list[Instruction]]
 
 
 # --- building schedules -----------------------------------------------------------------------------
+
 
 def _check_sizes(**sizes: int) -> None:
     for name, value in sizes.items():
@@ -194,8 +206,9 @@ def gpipe(num_stages: int, num_micro_batches: int) -> Schedule:
     """
     _check_sizes(num_stages=num_stages, num_micro_batches=num_micro_batches)
     M = num_micro_batches
-    return _expand(num_stages, [[("F", m, i) for m in range(M)] + [("B", m, i) for m in range(M)]
-                                for i in range(num_stages)])
+    return _expand(
+        num_stages, [[("F", m, i) for m in range(M)] + [("B", m, i) for m in range(M)] for i in range(num_stages)]
+    )
 
 
 def _one_f_one_b_order(S: int, M: int, i: int) -> list[tuple[str, int]]:
@@ -230,8 +243,9 @@ def interleaved_one_f_one_b(num_groups: int, num_micro_batches: int, num_chunks:
     _check_sizes(num_groups=num_groups, num_micro_batches=num_micro_batches, num_chunks=num_chunks)
     G, M, v = num_groups, num_micro_batches, num_chunks
     if v > 1 and M % G:
-        raise ValueError(f"interleaved 1F1B needs num_micro_batches ({M}) to be a multiple of the number of "
-                         f"device groups ({G})")
+        raise ValueError(
+            f"interleaved 1F1B needs num_micro_batches ({M}) to be a multiple of the number of device groups ({G})"
+        )
     total = v * M
 
     def micro_batch(k: int) -> int:
@@ -245,7 +259,7 @@ def interleaved_one_f_one_b(num_groups: int, num_micro_batches: int, num_chunks:
         order = fwd[:warm]
         for k in range(total - warm):
             order += [fwd[warm + k], bwd[k]]
-        orders.append(order + bwd[total - warm:])
+        orders.append(order + bwd[total - warm :])
     return _expand(v * G, orders, tagged=True)
 
 
@@ -304,8 +318,12 @@ def zb_h1(num_stages: int, num_micro_batches: int) -> Schedule:
     return _expand(S, orders)
 
 
-SCHEDULES: dict[str, Callable[..., Schedule]] = {"gpipe": gpipe, "1f1b": one_f_one_b,
-                                                 "interleaved_1f1b": interleaved_one_f_one_b, "zb_h1": zb_h1}
+SCHEDULES: dict[str, Callable[..., Schedule]] = {
+    "gpipe": gpipe,
+    "1f1b": one_f_one_b,
+    "interleaved_1f1b": interleaved_one_f_one_b,
+    "zb_h1": zb_h1,
+}
 SPLIT_BACKWARD = ("zb_h1",)
 """Schedules whose lists split each backward into ``backward_input`` and ``backward_weight``."""
 
@@ -318,8 +336,10 @@ def make_schedule(name: str, num_stages: int, num_micro_batches: int, *, virtual
         raise ValueError(f"unknown pipeline schedule {name!r}; expected one of {sorted(SCHEDULES)}")
     if name == "interleaved_1f1b":
         if not isinstance(virtual_stages, int) or virtual_stages < 1 or num_stages % virtual_stages:
-            raise ValueError(f"interleaved 1F1B: {num_stages} stages do not split into virtual_stages="
-                             f"{virtual_stages!r} chunks per device group")
+            raise ValueError(
+                f"interleaved 1F1B: {num_stages} stages do not split into virtual_stages="
+                f"{virtual_stages!r} chunks per device group"
+            )
         return interleaved_one_f_one_b(num_stages // virtual_stages, num_micro_batches, virtual_stages)
     if virtual_stages != 1:
         raise ValueError(f"virtual_stages={virtual_stages!r} needs schedule 'interleaved_1f1b', not {name!r}")
@@ -334,8 +354,10 @@ def num_device_groups(stage_devices: Sequence[Sequence[int]]) -> int:
     groups = next((g for g in range(1, len(devices)) if devices[g] == devices[0]), len(devices))
     for s, d in enumerate(devices):
         if d != devices[s % groups] or (s < groups and any(set(d) & set(devices[t]) for t in range(s))):
-            raise ValueError(f"stage {s} runs on devices {list(d)}: pipeline stages must run on disjoint device "
-                             f"groups, stage s on the group of stage s mod {groups}")
+            raise ValueError(
+                f"stage {s} runs on devices {list(d)}: pipeline stages must run on disjoint device "
+                f"groups, stage s on the group of stage s mod {groups}"
+            )
     return groups
 
 
@@ -357,6 +379,7 @@ def format_schedule(schedule: Schedule, *, comms: bool = False) -> str:
 
 
 # --- inspecting schedules -----------------------------------------------------------------------------
+
 
 def max_in_flight(schedule: Schedule) -> list[int]:
     """Per group, the most (stage, micro-batch) pairs whose forward has run and whose backward (its
@@ -413,12 +436,16 @@ def validate(schedule: Schedule) -> None:
             if not isinstance(ins, Instruction):
                 raise ValueError(f"list {group}, instruction {j}: expected an Instruction, got {ins!r}")
             if ins.op == "update" and j != len(steps) - 1:
-                raise ValueError(f"list {group}, instruction {j} (update): update must be the stage's last "
-                                 "instruction (once per step)")
+                raise ValueError(
+                    f"list {group}, instruction {j} (update): update must be the stage's last "
+                    "instruction (once per step)"
+                )
             if ins.op != "update" and ins.stage_in(group) % len(schedule) != group:
-                raise ValueError(f"list {group}, instruction {j} ({ins}): stage {ins.stage} belongs on list "
-                                 f"{ins.stage_in(group) % len(schedule)} (stage s runs on group s mod "
-                                 f"{len(schedule)})")
+                raise ValueError(
+                    f"list {group}, instruction {j} ({ins}): stage {ins.stage} belongs on list "
+                    f"{ins.stage_in(group) % len(schedule)} (stage s runs on group s mod "
+                    f"{len(schedule)})"
+                )
         if not steps or steps[-1].op != "update":
             raise ValueError(f"stage {group}: missing the final 'update' (apply the optimizer once per step)")
     per_stage = stage_lists(schedule)
@@ -426,18 +453,22 @@ def validate(schedule: Schedule) -> None:
         raise ValueError(f"{len(per_stage)} stages do not split evenly over {len(schedule)} lists")
     sent: dict[tuple[int, int, str], list[int]] = {}
     received: dict[tuple[int, int, str], list[int]] = {}
-    micro_batches = [_check_stage(steps, stage, len(per_stage), sent, received)
-                     for stage, steps in enumerate(per_stage)]
+    micro_batches = [
+        _check_stage(steps, stage, len(per_stage), sent, received) for stage, steps in enumerate(per_stage)
+    ]
     for stage, forwarded in enumerate(micro_batches):
         if forwarded != micro_batches[0]:
-            raise ValueError(f"stage {stage} forwards micro-batches {sorted(forwarded)}, "
-                             f"stage 0 forwards {sorted(micro_batches[0])}")
+            raise ValueError(
+                f"stage {stage} forwards micro-batches {sorted(forwarded)}, stage 0 forwards {sorted(micro_batches[0])}"
+            )
     for channel in sorted(set(sent) | set(received)):
         src, dst, kind = channel
         if sent.get(channel, []) != received.get(channel, []):
-            raise ValueError(f"{kind} channel {src}→{dst}: stage {src} sends micro-batches "
-                             f"{sent.get(channel, [])}, stage {dst} receives {received.get(channel, [])} "
-                             f"(must match one to one, in order)")
+            raise ValueError(
+                f"{kind} channel {src}→{dst}: stage {src} sends micro-batches "
+                f"{sent.get(channel, [])}, stage {dst} receives {received.get(channel, [])} "
+                f"(must match one to one, in order)"
+            )
     simulate(schedule, 1.0, 1.0)  # raises ValueError on a deadlock
 
 
@@ -517,14 +548,14 @@ def _check_stage(steps: list[Instruction], stage: int, num_stages: int, sent: di
     if not forwarded:
         raise ValueError(f"stage {stage}: runs no forward")
     if finished != forwarded:
-        raise ValueError(f"stage {stage}: update before the backward of micro-batches "
-                         f"{sorted(forwarded - finished)}")
+        raise ValueError(f"stage {stage}: update before the backward of micro-batches {sorted(forwarded - finished)}")
     if freed != finished:
         raise ValueError(f"stage {stage}: micro-batches {sorted(finished - freed)} never freed")
     return forwarded
 
 
 # --- simulating schedules ---------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Block:
@@ -556,8 +587,7 @@ class Timeline:
 
     def summary(self, *, width: int = 100) -> str:
         """Makespan, bubble and an ASCII Gantt chart (``F3``/``B3``/``W3`` blocks, ``.`` idle, ``U`` update)."""
-        head = (f"{len(self.blocks)} stages, makespan {self.makespan:g}, "
-                f"bubble {100 * self.bubble_fraction:.1f}%")
+        head = f"{len(self.blocks)} stages, makespan {self.makespan:g}, bubble {100 * self.bubble_fraction:.1f}%"
         durations = [b.end - b.start for stage in self.blocks for b in stage if b.end > b.start]
         if not durations or self.makespan <= 0:
             return head
@@ -587,9 +617,14 @@ def _per_stage(name: str, value: float | Sequence[float], num_stages: int) -> li
     return [float(v) for v in values]
 
 
-def simulate(schedule: Schedule, forward_time: float | Sequence[float], backward_time: float | Sequence[float],
-             *, update_time: float | Sequence[float] = 0.0,
-             weight_time: float | Sequence[float] | None = None) -> Timeline:
+def simulate(
+    schedule: Schedule,
+    forward_time: float | Sequence[float],
+    backward_time: float | Sequence[float],
+    *,
+    update_time: float | Sequence[float] = 0.0,
+    weight_time: float | Sequence[float] | None = None,
+) -> Timeline:
     """Execute the lists in simulated time. Each group runs its list in order; ``forward``/``backward``
     take the given time on their stage (a number for all stages, or one per stage), ``update`` the given
     time on the group (one per list); a split backward costs ``backward_time`` in all:
@@ -610,8 +645,12 @@ def simulate(schedule: Schedule, forward_time: float | Sequence[float], backward
     if any(w > b for w, b in zip(wgt, bwd)):
         raise ValueError(f"weight_time {wgt} exceeds backward_time {bwd}")
     upd = _per_stage("update_time", update_time, G)
-    duration = {"forward": fwd, "backward": bwd, "backward_input": [b - w for b, w in zip(bwd, wgt)],
-                "backward_weight": wgt}
+    duration = {
+        "forward": fwd,
+        "backward": bwd,
+        "backward_input": [b - w for b, w in zip(bwd, wgt)],
+        "backward_weight": wgt,
+    }
     pc = [0] * G
     clock = [0.0] * G
     blocks: list[list[Block]] = [[] for _ in range(G)]
@@ -633,8 +672,7 @@ def simulate(schedule: Schedule, forward_time: float | Sequence[float], backward
                         break  # blocked until the peer sends
                     m, arrival = sent[channel][n]
                     if m != ins.micro_batch:
-                        raise ValueError(f"stage {s}: {ins} got micro-batch {m} on {ins.kind} channel "
-                                         f"{ins.peer}→{s}")
+                        raise ValueError(f"stage {s}: {ins} got micro-batch {m} on {ins.kind} channel {ins.peer}→{s}")
                     taken[channel] = n + 1
                     clock[g] = max(clock[g], arrival)
                 elif ins.op in duration or ins.op == "update":
@@ -643,12 +681,16 @@ def simulate(schedule: Schedule, forward_time: float | Sequence[float], backward
                     blocks[g].append(Block(ins.op, ins.micro_batch, start, clock[g], s))
                 pc[g] += 1
                 progress = True
-    stuck = [f"stage {g} waits at {schedule[g][pc[g]]} (instruction {pc[g]})"
-             for g in range(G) if pc[g] < len(schedule[g])]
+    stuck = [
+        f"stage {g} waits at {schedule[g][pc[g]]} (instruction {pc[g]})" for g in range(G) if pc[g] < len(schedule[g])
+    ]
     if stuck:
         raise ValueError("schedule deadlocks: " + "; ".join(stuck))
-    unread = [f"{kind} {src}→{dst}: {len(msgs) - taken.get((src, dst, kind), 0)} message(s)"
-              for (src, dst, kind), msgs in sent.items() if len(msgs) > taken.get((src, dst, kind), 0)]
+    unread = [
+        f"{kind} {src}→{dst}: {len(msgs) - taken.get((src, dst, kind), 0)} message(s)"
+        for (src, dst, kind), msgs in sent.items()
+        if len(msgs) > taken.get((src, dst, kind), 0)
+    ]
     if unread:
         raise ValueError("sends without a matching recv: " + "; ".join(unread))
     makespan = max(clock, default=0.0)

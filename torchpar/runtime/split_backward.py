@@ -21,8 +21,9 @@ seed; stage 0's ∂x is empty, so its B computes nothing and its W the whole bac
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import jax
 from jax.extend import core as jcore

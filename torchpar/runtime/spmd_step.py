@@ -1,7 +1,7 @@
 """The training step of a one-stage plan as one per-device program (``jax.shard_map``).
 
-The GSPMD step (:func:`torchpar.runtime.train_step.make_fused_step`) leaves collectives to XLA's partitioner. This one writes them: the
-lowering runs per device (:mod:`jaxbackend.spmd`), and the step around it handles parameters by their
+The GSPMD step (:func:`torchpar.runtime.train_step.make_fused_step`) leaves collectives to XLA's partitioner. This one
+writes them: the lowering runs per device (:mod:`jaxbackend.spmd`), and the step around it handles parameters by their
 three layouts in the plan — stored (``S``), read by the model (``U``), gradient and optimizer state
 (``G``):
 
@@ -21,13 +21,14 @@ three layouts in the plan — stored (``S``), read by the model (``U``), gradien
   program sharded and the jit output sharding all-gathers them.
 
 The loss and new buffer values (batch-norm running statistics) must come out the same on every device
-by construction (``psum``/``pmean``-reduced where the plan reduces over a split batch); otherwise :class:`jaxbackend.spmd.LocalModeError` is raised while
-tracing, and the caller falls back to GSPMD.
+by construction (``psum``/``pmean``-reduced where the plan reduces over a split batch); otherwise
+:class:`jaxbackend.spmd.LocalModeError` is raised while tracing, and the caller falls back to GSPMD.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -49,12 +50,26 @@ from torchpar.runtime.train_step import (
 )
 
 
-def make_spmd_step(run: Callable, layouts: Any, stage: StagePlan, *, mesh: Any, param_names: list[str],
-                   buffer_names: list[str], state_keys: dict[str, list[str]], num_inputs: int,
-                   trainable: tuple[str, ...], spec: Any,
-                   grad_clip_norm: float | None, gradient_axes: tuple[str, ...], check_finite: bool = False,
-                   loss_scaling: bool = False, num_micro_batches: int = 1,
-                   micro_loss: MicroBatchLoss = MicroBatchLoss(), aux: AuxOutputs = AuxOutputs()) -> Callable:
+def make_spmd_step(
+    run: Callable,
+    layouts: Any,
+    stage: StagePlan,
+    *,
+    mesh: Any,
+    param_names: list[str],
+    buffer_names: list[str],
+    state_keys: dict[str, list[str]],
+    num_inputs: int,
+    trainable: tuple[str, ...],
+    spec: Any,
+    grad_clip_norm: float | None,
+    gradient_axes: tuple[str, ...],
+    check_finite: bool = False,
+    loss_scaling: bool = False,
+    num_micro_batches: int = 1,
+    micro_loss: MicroBatchLoss = MicroBatchLoss(),
+    aux: AuxOutputs = AuxOutputs(),
+) -> Callable:
     """``step(params, opt_state, buffers, inputs, scalars, key) → (loss, aux, finite, grad_norm, params, opt_state,
     buffers)`` as
     a ``shard_map`` over ``mesh``, for ``run`` lowered per device with ``layouts`` (see the module
@@ -105,37 +120,67 @@ def make_spmd_step(run: Callable, layouts: Any, stage: StagePlan, *, mesh: Any, 
                 if den is not None:
                     den = require_invariant(den, "the loss's denominator")
                 values = {k: require_invariant(v, f"step_fn's aux[{k!r}]") for k, v in aux.pick(outputs).items()}
-                return (share(scale_loss(loss, loss_scale), num_micro_batches, micro_loss),
-                        (loss, den, values, new_buffers))
+                return (
+                    share(scale_loss(loss, loss_scale), num_micro_batches, micro_loss),
+                    (loss, den, values, new_buffers),
+                )
 
             (_, (loss, den, values, new_buffers)), grads = jax.value_and_grad(loss_of, has_aux=True)(copies)
             return loss, den, values, grads, new_buffers
 
-        loss, grads, new_buffers, _, whole_aux = accumulate(grad_of, list(inputs), buffers, key, num_micro_batches,
-                                                            micro_loss, aux)
+        loss, grads, new_buffers, _, whole_aux = accumulate(
+            grad_of, list(inputs), buffers, key, num_micro_batches, micro_loss, aux
+        )
         grads = unscale_grads({n: _finish_gradient(g, stored[n], grad[n]) for n, g in grads.items()}, loss_scale)
         pieces = {n: _relayout(program, p, stored[n], grad[n]) if n in grads else p for n, p in params.items()}
         # a sharded gradient's sum of squares (and non-finite count) is completed across its shards
-        complete_sum = lambda name, s: jax.lax.psum(s, _axes(grad[name])) if _axes(grad[name]) else s  # noqa: E731
-        new_params, new_state, norm = optimizer_tail(spec, pieces, grads, opt_state, scalars,
-                                                     grad_clip_norm=grad_clip_norm, complete_sum=complete_sum,
-                                                     norm_of=lambda g: _global_norm(g, grad))
+        complete_sum = lambda name, s: jax.lax.psum(s, _axes(grad[name])) if _axes(grad[name]) else s
+        new_params, new_state, norm = optimizer_tail(
+            spec,
+            pieces,
+            grads,
+            opt_state,
+            scalars,
+            grad_clip_norm=grad_clip_norm,
+            complete_sum=complete_sum,
+            norm_of=lambda g: _global_norm(g, grad),
+        )
         new_buffers = {**buffers, **new_buffers}
         if not check_finite:
             return loss, whole_aux, jnp.bool_(True), norm, new_params, new_state, new_buffers
         finite = jnp.isfinite(loss) & (_nonfinite_total(grads, live_axes) == 0)
-        return (loss, whole_aux, finite, norm, keep_if(finite, new_params, pieces),
-                keep_if(finite, new_state, opt_state), keep_if(finite, new_buffers, buffers))
+        return (
+            loss,
+            whole_aux,
+            finite,
+            norm,
+            keep_if(finite, new_params, pieces),
+            keep_if(finite, new_state, opt_state),
+            keep_if(finite, new_buffers, buffers),
+        )
 
     P = jsh.partition_spec
     param_out = {n: P(grad[n] or ()) if n in trainable else P(stored[n] or ()) for n in param_names}
     state_specs = {n: {k: P(state[n] or ()) for k in keys} for n, keys in state_keys.items()}
     input_specs = [P(stage.inputs.get(str(i)) or ()) for i in range(num_inputs)]
     whole = jax.sharding.PartitionSpec()
-    in_specs = ({n: P(stored[n] or ()) for n in param_names}, state_specs, {n: whole for n in buffer_names},
-                input_specs, whole, whole)
-    out_specs = (whole, {k: whole for k in aux.keys}, whole, whole, param_out, state_specs,
-                 {n: whole for n in buffer_names})
+    in_specs = (
+        {n: P(stored[n] or ()) for n in param_names},
+        state_specs,
+        dict.fromkeys(buffer_names, whole),
+        input_specs,
+        whole,
+        whole,
+    )
+    out_specs = (
+        whole,
+        dict.fromkeys(aux.keys, whole),
+        whole,
+        whole,
+        param_out,
+        state_specs,
+        dict.fromkeys(buffer_names, whole),
+    )
     return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
 
 

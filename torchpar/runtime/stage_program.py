@@ -54,9 +54,19 @@ def sub_spec(spec: OptimizerSpec, names: tuple[str, ...]) -> OptimizerSpec:
 class StageProgram:
     """Jitted forward / backward / accumulate / update of one stage (see the module docstring)."""
 
-    def __init__(self, stage: StageGraph, *, placement: Placement, spec: OptimizerSpec, trainable: set[str],
-                 num_micro_batches: int, library_fusions: bool = True, numerics: Numerics | None = None,
-                 remat: str = "none", split_backward: bool = False):
+    def __init__(
+        self,
+        stage: StageGraph,
+        *,
+        placement: Placement,
+        spec: OptimizerSpec,
+        trainable: set[str],
+        num_micro_batches: int,
+        library_fusions: bool = True,
+        numerics: Numerics | None = None,
+        remat: str = "none",
+        split_backward: bool = False,
+    ):
         self.stage = stage
         self.placement = placement
         self.num_micro_batches = num_micro_batches
@@ -65,15 +75,24 @@ class StageProgram:
         metas = {i.name: i.meta for i in stage.graph.inputs}
         self.float_acts = tuple(a for a in stage.activation_inputs if _is_float(metas[a].dtype))
         self.other_acts = tuple(a for a in stage.activation_inputs if a not in self.float_acts)
-        run = lower(stage.graph, value_shardings=placement.values, operand_shardings=placement.operands,
-                    op_options=placement.options,
-                    numerics=numerics, remat=remat_groups(stage.graph, remat))
+        run = lower(
+            stage.graph,
+            value_shardings=placement.values,
+            operand_shardings=placement.operands,
+            op_options=placement.options,
+            numerics=numerics,
+            remat=remat_groups(stage.graph, remat),
+        )
         value_outputs = [o for o in stage.graph.outputs if o.kind != "buffer"]
-        out_names = [{"loss": LOSS, "loss_den": DEN, "aux": AUX_PREFIX + o.target}.get(o.kind, o.target)
-                     for o in value_outputs]
+        out_names = [
+            {"loss": LOSS, "loss_den": DEN, "aux": AUX_PREFIX + o.target}.get(o.kind, o.target) for o in value_outputs
+        ]
         node_metas = stage.graph.metas()
-        float_out = {name for name, o in zip(out_names, value_outputs)
-                     if name == LOSS or (o.kind == "activation" and _is_float(node_metas[o.value.name].dtype))}
+        float_out = {
+            name
+            for name, o in zip(out_names, value_outputs)
+            if name == LOSS or (o.kind == "activation" and _is_float(node_metas[o.value.name].dtype))
+        }
         replicated = placement.replicated
         trainable_names = self.trainable
         self.loss = MicroBatchLoss.of(stage.graph)
@@ -92,11 +111,16 @@ class StageProgram:
                 return diff, (rest, new_buffers)
 
             diff, vjp_fn, (rest, new_buffers) = jax.vjp(
-                jax.checkpoint(f, policy=_recompute_transposes), {n: params[n] for n in trainable_names},
-                {a: acts[a] for a in self.float_acts}, has_aux=True)
+                jax.checkpoint(f, policy=_recompute_transposes),
+                {n: params[n] for n in trainable_names},
+                {a: acts[a] for a in self.float_acts},
+                has_aux=True,
+            )
             # aux values whole on every device of the stage: its lead process reads them (a stage may span hosts)
-            rest = {n: jax.lax.with_sharding_constraint(v, replicated) if n.startswith(AUX_PREFIX) else v
-                    for n, v in rest.items()}
+            rest = {
+                n: jax.lax.with_sharding_constraint(v, replicated) if n.startswith(AUX_PREFIX) else v
+                for n, v in rest.items()
+            }
             # residuals that are arguments (parameters, buffers, inputs, received activations) are not outputs (the
             # executable would copy them): forward() puts the caller's arrays back in their places
             leaves, treedef = jax.tree.flatten(vjp_fn)
@@ -113,7 +137,7 @@ class StageProgram:
                 cotangents = {LOSS: jnp.asarray(scale, jnp.float32), **cotangents}
             grads, act_cotangents = vjp_fn(cotangents)
             if keep is not None:  # a ratio's micro-batch with denominator 0 adds nothing (its 0/0 loss is no nan here)
-                zero = lambda g: jnp.where(keep, g, jnp.zeros((), g.dtype))  # noqa: E731
+                zero = lambda g: jnp.where(keep, g, jnp.zeros((), g.dtype))
                 grads, act_cotangents = jax.tree.map(zero, grads), jax.tree.map(zero, act_cotangents)
             return grads, act_cotangents
 
@@ -212,8 +236,10 @@ class StageProgram:
         from jaxbackend.compiler import memory_analysis
 
         stats = {}
-        for prefix, fn, signature in (("forward", self._forward, self._forward_signature),
-                                      ("backward", self._backward, self._backward_signature)):
+        for prefix, fn, signature in (
+            ("forward", self._forward, self._forward_signature),
+            ("backward", self._backward, self._backward_signature),
+        ):
             stats.update({f"{prefix}_{k}": v for k, v in memory_analysis(self._compiled(fn, signature)).items()})
         return stats
 
@@ -272,9 +298,12 @@ class StageProgram:
                 return jax.tree.map(jnp.add, total, split.weight_part(residuals, cotangents, carry))
 
             options = self._options
-            self._splits[tree] = (split, jax.jit(split.input_part, compiler_options=options),
-                                  jax.jit(split.weight_part, compiler_options=options),
-                                  jax.jit(weight_accumulate, donate_argnums=(3,), compiler_options=options))
+            self._splits[tree] = (
+                split,
+                jax.jit(split.input_part, compiler_options=options),
+                jax.jit(split.weight_part, compiler_options=options),
+                jax.jit(weight_accumulate, donate_argnums=(3,), compiler_options=options),
+            )
         return self._splits[tree]
 
     def squared_norm(self, grads: dict) -> Any:
@@ -284,16 +313,21 @@ class StageProgram:
         """How many elements of ``grads`` are inf or nan (an int32 scalar on the stage's devices)."""
         return self._nonfinite_count(grads)
 
-    def update(self, params: dict, grads: dict, state: dict, scalars: Any, clip_scale: float = 1.0) -> tuple[dict, dict]:
+    def update(
+        self, params: dict, grads: dict, state: dict, scalars: Any, clip_scale: float = 1.0
+    ) -> tuple[dict, dict]:
         owned = {n: params[n] for n in self.trainable}
         if self._update is None:
             # pin the outputs to the planned layouts: left to XLA's propagation, a parameter could come back
             # in another layout than it was placed in, and the next step would compile every stage function again
             placement = self.placement
-            out_shardings = ({n: placement.param(n) for n in owned},
-                             {n: {k: placement.state_of(n) for k in entries} for n, entries in state.items()})
-            self._update = jax.jit(self._update_fn, out_shardings=out_shardings, donate_argnums=(0, 2),
-                                   compiler_options=self._options)
+            out_shardings = (
+                {n: placement.param(n) for n in owned},
+                {n: {k: placement.state_of(n) for k in entries} for n, entries in state.items()},
+            )
+            self._update = jax.jit(
+                self._update_fn, out_shardings=out_shardings, donate_argnums=(0, 2), compiler_options=self._options
+            )
         new_params, new_state = self._update(owned, grads, state, scalars, np.float32(clip_scale))
         return {**params, **new_params}, new_state
 
@@ -302,15 +336,17 @@ class StageProgram:
         passed in is not modified), so the first training step does not pay XLA compilation."""
         from jaxbackend.dtypes import to_jax
 
-        zeros = lambda meta: np.zeros(meta.shape, to_jax(meta.dtype))  # noqa: E731
+        zeros = lambda meta: np.zeros(meta.shape, to_jax(meta.dtype))
         graph_inputs = self.stage.graph.inputs
-        inputs = {int(i.target): self.put_input(int(i.target), zeros(i.meta)) for i in graph_inputs if i.kind == "input"}
+        inputs = {
+            int(i.target): self.put_input(int(i.target), zeros(i.meta)) for i in graph_inputs if i.kind == "input"
+        }
         acts = {i.name: self.put_activation(i.name, zeros(i.meta)) for i in graph_inputs if i.kind == "activation"}
         diff, rest, _, vjp = self.forward(params, buffers, inputs, acts, jax.random.key(0))
         cotangents = {n: jnp.zeros_like(v) for n, v in diff.items() if n != LOSS}
         if DEN in rest:  # the seed entries every step passes (the same argument structure compiles once)
             cotangents.update(self.ratio_seed(rest[DEN], self.den_reference(rest[DEN])))
-        copy = lambda tree: jax.tree.map(jnp.copy, tree)  # noqa: E731
+        copy = lambda tree: jax.tree.map(jnp.copy, tree)
         if self.split_backward:  # ZB-H1 runs only B and W; the fused backward compiles if asked (memory_stats)
             self._backward_signature = _signature_of((vjp, self._seeded(cotangents)))
             _, carry = self.backward_input(vjp, cotangents)
@@ -324,7 +360,6 @@ class StageProgram:
         if self.trainable:
             self.update(copy(params), grads, copy(opt_state), scalars, 1.0)
         jax.block_until_ready(grads)
-
 
 
 def _ratio_seed(den: Any, reference: Any, base: Any) -> tuple[Any, Any]:
@@ -351,6 +386,7 @@ def _signature_of(args: Any) -> Any:
     An uncommitted array (the step's PRNG key, made on the process's default device) keeps no sharding: at
     run time it follows the stage's committed arguments, and pinning it to the default device would make the
     lowering ask for two device sets whenever the stage does not run on that device."""
+
     def struct(a: Any) -> jax.ShapeDtypeStruct:
         sharding = getattr(a, "sharding", None) if getattr(a, "committed", True) else None
         return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)

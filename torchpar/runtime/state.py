@@ -9,8 +9,9 @@ array, or the pieces of a sharded one that this process owns (:mod:`.arrays`) â€
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 
@@ -48,15 +49,24 @@ class Exported:
     payload: Any
 
 
-def export_arrays(stage: int, params: dict, buffers: dict, opt_state: dict,
-                  kinds: tuple[str, ...] = ("param", "buffer", "state")) -> list[Exported]:
+def export_arrays(
+    stage: int, params: dict, buffers: dict, opt_state: dict, kinds: tuple[str, ...] = ("param", "buffer", "state")
+) -> list[Exported]:
     """This process's share of one stage's state (see :class:`Exported`), of the ``kinds`` asked for."""
-    entries = [Exported(stage, "param", n, tuple(v.shape), v.dtype, to_host(v))
-               for n, v in params.items() if "param" in kinds]
-    entries += [Exported(stage, "buffer", n, tuple(v.shape), v.dtype, to_host(v))
-                for n, v in buffers.items() if "buffer" in kinds]
-    entries += [Exported(stage, "state", (n, k), tuple(v.shape), v.dtype, to_host(v))
-                for n, keys in opt_state.items() for k, v in keys.items() if "state" in kinds]
+    entries = [
+        Exported(stage, "param", n, tuple(v.shape), v.dtype, to_host(v)) for n, v in params.items() if "param" in kinds
+    ]
+    entries += [
+        Exported(stage, "buffer", n, tuple(v.shape), v.dtype, to_host(v))
+        for n, v in buffers.items()
+        if "buffer" in kinds
+    ]
+    entries += [
+        Exported(stage, "state", (n, k), tuple(v.shape), v.dtype, to_host(v))
+        for n, keys in opt_state.items()
+        for k, v in keys.items()
+        if "state" in kinds
+    ]
     return entries
 
 
@@ -72,8 +82,11 @@ def collect_state(entries: Iterable[Exported]) -> HostState:
     for (kind, name), stage in first_stage.items():
         parts = grouped[(stage, kind, name)]
         whole = next((p.payload for p in parts if isinstance(p.payload, np.ndarray)), None)
-        value = whole if whole is not None else assemble(parts[0].shape, parts[0].dtype,
-                                                         [piece for p in parts for piece in p.payload])
+        value = (
+            whole
+            if whole is not None
+            else assemble(parts[0].shape, parts[0].dtype, [piece for p in parts for piece in p.payload])
+        )
         if kind == "param":
             state.params[name] = value
         elif kind == "buffer":

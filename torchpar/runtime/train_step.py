@@ -30,7 +30,8 @@ then backs the scale off: :mod:`torchpar.runtime.loss_scale`). The loss returned
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Mapping, NamedTuple
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -47,11 +48,18 @@ from torchpar.runtime.micro_batch_loss import MicroBatchLoss
 log = logging.getLogger(__name__)
 
 
-def optimizer_tail(spec: OptimizerSpec, params: Mapping[str, Any], grads: Mapping[str, Any],
-                   opt_state: Mapping[str, Any], scalars: Any, *, grad_clip_norm: float | None = None,
-                   complete_sum: Callable[[str, Any], Any] | None = None,
-                   clip_scale: Any = None,
-                   norm_of: Callable[[Mapping[str, Any]], Any] | None = None) -> tuple[dict[str, Any], dict[str, Any], Any]:
+def optimizer_tail(
+    spec: OptimizerSpec,
+    params: Mapping[str, Any],
+    grads: Mapping[str, Any],
+    opt_state: Mapping[str, Any],
+    scalars: Any,
+    *,
+    grad_clip_norm: float | None = None,
+    complete_sum: Callable[[str, Any], Any] | None = None,
+    clip_scale: Any = None,
+    norm_of: Callable[[Mapping[str, Any]], Any] | None = None,
+) -> tuple[dict[str, Any], dict[str, Any], Any]:
     """Clip and apply the optimizer: ``→ (new params, new optimizer state, the gradients' global norm before
     clipping)`` (the norm is ``None`` with ``clip_scale``: the pipeline computed it from every stage).
 
@@ -112,8 +120,7 @@ def micro_batches(inputs: list[Any], num_micro_batches: int) -> list[Any]:
     (row ``i`` goes to micro-batch ``i mod M``). With dim 0 split over ``d`` devices (``B/M`` a multiple of ``d``)
     every device keeps its rows: the reshape ``[B] → [B/M, M]`` splits the minor part of each device's block, so
     the same rows are chosen in a global (GSPMD) and in a per-device (``shard_map``) program."""
-    return [x.reshape(x.shape[0] // num_micro_batches, num_micro_batches, *x.shape[1:]).swapaxes(0, 1)
-            for x in inputs]
+    return [x.reshape(x.shape[0] // num_micro_batches, num_micro_batches, *x.shape[1:]).swapaxes(0, 1) for x in inputs]
 
 
 class Accumulated(NamedTuple):
@@ -128,9 +135,15 @@ class Accumulated(NamedTuple):
     aux: dict
 
 
-def accumulate(grad_of: Callable[[list[Any], dict, Any], tuple[Any, Any, dict, dict, dict]], inputs: list[Any],
-               buffers: dict, key: Any, num_micro_batches: int,
-               loss: MicroBatchLoss = MicroBatchLoss(), aux: AuxOutputs = AuxOutputs()) -> Accumulated:
+def accumulate(
+    grad_of: Callable[[list[Any], dict, Any], tuple[Any, Any, dict, dict, dict]],
+    inputs: list[Any],
+    buffers: dict,
+    key: Any,
+    num_micro_batches: int,
+    loss: MicroBatchLoss = MicroBatchLoss(),
+    aux: AuxOutputs = AuxOutputs(),
+) -> Accumulated:
     """Gradient accumulation: ``grad_of(micro_inputs, buffers, key) → (loss, den, aux values, grads, new buffer
     values)`` over the ``num_micro_batches`` micro-batches of ``inputs`` (:func:`micro_batches`) in one loop, each
     micro-batch seeing the buffers the previous one left (as a PyTorch accumulation loop does) and the key folded with
@@ -155,22 +168,27 @@ def accumulate(grad_of: Callable[[list[Any], dict, Any], tuple[Any, Any, dict, d
     def start(micro_loss, micro_den, micro_grads):
         if not ratio:
             return micro_loss.astype(jnp.float32), jnp.float32(0), micro_grads
-        return (micro_batch_loss.numerator(micro_loss, micro_den), micro_den.astype(jnp.float32),
-                micro_batch_loss.weigh(micro_grads, micro_den, reference))
+        return (
+            micro_batch_loss.numerator(micro_loss, micro_den),
+            micro_den.astype(jnp.float32),
+            micro_batch_loss.weigh(micro_grads, micro_den, reference),
+        )
 
     def one(carry, xs):
         total, den_total, acc, state = carry
         index, micro = xs
         micro_loss, micro_den, micro_aux, micro_grads, micro_changed = grad_of(
-            list(micro), {**buffers, **state}, jax.random.fold_in(key, index))
+            list(micro), {**buffers, **state}, jax.random.fold_in(key, index)
+        )
         part, part_den, part_grads = start(micro_loss, micro_den, micro_grads)
         acc = {n: acc[n] + g for n, g in part_grads.items()}
         return (total + part, den_total + part_den, acc, {n: micro_changed[n] for n in names}), micro_aux
 
     rest = (jnp.arange(1, num_micro_batches), [x[1:] for x in stacked])
     (total, den_total, grads, changed), rest_aux = jax.lax.scan(one, (*start(first_loss, den, grads), changed), rest)
-    whole_aux = aux.over_micro_batches({k: jnp.concatenate([v[None], rest_aux[k]]) for k, v in first_aux.items()},
-                                       num_micro_batches)
+    whole_aux = aux.over_micro_batches(
+        {k: jnp.concatenate([v[None], rest_aux[k]]) for k, v in first_aux.items()}, num_micro_batches
+    )
     if ratio:
         factor = num_micro_batches * reference / den_total
         grads = {n: g * factor.astype(g.dtype) for n, g in grads.items()}
@@ -179,12 +197,20 @@ def accumulate(grad_of: Callable[[list[Any], dict, Any], tuple[Any, Any, dict, d
     return Accumulated(whole.astype(first_loss.dtype), grads, changed, None, whole_aux)
 
 
-def make_fused_step(run: Callable, trainable: tuple[str, ...], spec: OptimizerSpec,
-                    grad_clip_norm: float | None, grad_shardings: Mapping[str, Any],
-                    check_finite: bool = False, count_nonfinite: Callable[[dict], Any] | None = None,
-                    loss_scaling: bool = False, num_micro_batches: int = 1,
-                    loss: MicroBatchLoss = MicroBatchLoss(), data_axis: str | None = None,
-                    aux: AuxOutputs = AuxOutputs()) -> Callable:
+def make_fused_step(
+    run: Callable,
+    trainable: tuple[str, ...],
+    spec: OptimizerSpec,
+    grad_clip_norm: float | None,
+    grad_shardings: Mapping[str, Any],
+    check_finite: bool = False,
+    count_nonfinite: Callable[[dict], Any] | None = None,
+    loss_scaling: bool = False,
+    num_micro_batches: int = 1,
+    loss: MicroBatchLoss = MicroBatchLoss(),
+    data_axis: str | None = None,
+    aux: AuxOutputs = AuxOutputs(),
+) -> Callable:
     """``step(params, opt_state, buffers, inputs, scalars, key) → (loss, aux, finite, grad_norm, params, opt_state,
     buffers)`` for ``run`` (a lowered graph whose first output is the loss; ``aux`` its aux values by key, the whole
     batch's: :mod:`.aux_parts`). ``grad_shardings`` constrains gradients
@@ -214,14 +240,17 @@ def make_fused_step(run: Callable, trainable: tuple[str, ...], spec: OptimizerSp
         def grad_of(micro_inputs, micro_buffers, micro_key):
             def loss_of(train_params):
                 outputs, new_buffers = run({**frozen, **train_params}, micro_buffers, micro_inputs, micro_key)
-                return (share(scale_loss(outputs[0], loss_scale), num_micro_batches, loss),
-                        (outputs[0], loss.den(outputs), aux.pick(outputs), new_buffers))
+                return (
+                    share(scale_loss(outputs[0], loss_scale), num_micro_batches, loss),
+                    (outputs[0], loss.den(outputs), aux.pick(outputs), new_buffers),
+                )
 
             (_, (micro_loss, den, micro_aux, new_buffers)), grads = jax.value_and_grad(loss_of, has_aux=True)(train)
             return micro_loss, den, micro_aux, grads, new_buffers
 
-        whole_loss, grads, new_buffers, den, whole_aux = accumulate(grad_of, list(inputs), buffers, key,
-                                                                    num_micro_batches, loss, aux)
+        whole_loss, grads, new_buffers, den, whole_aux = accumulate(
+            grad_of, list(inputs), buffers, key, num_micro_batches, loss, aux
+        )
         if data_axis is not None:
             whole_loss, grads = micro_batch_loss.combine_replicas(loss, whole_loss, den, grads, data_axis)
             whole_aux = aux.over_replicas(whole_aux, data_axis)
@@ -230,15 +259,23 @@ def make_fused_step(run: Callable, trainable: tuple[str, ...], spec: OptimizerSp
             from jaxbackend.sharding import constrain
 
             grads = {n: constrain(g, grad_shardings.get(n)) for n, g in grads.items()}
-        new_params, new_state, norm = optimizer_tail(spec, params, grads, opt_state, scalars,
-                                                     grad_clip_norm=grad_clip_norm)
+        new_params, new_state, norm = optimizer_tail(
+            spec, params, grads, opt_state, scalars, grad_clip_norm=grad_clip_norm
+        )
         new_buffers = {**buffers, **new_buffers}
         if not check_finite:
             return whole_loss, whole_aux, jnp.bool_(True), norm, new_params, new_state, new_buffers
         count = (count_nonfinite or nonfinite_count)(grads)
         finite = jnp.isfinite(whole_loss) & (count == 0)
-        return (whole_loss, whole_aux, finite, norm, keep_if(finite, new_params, params),
-                keep_if(finite, new_state, opt_state), keep_if(finite, new_buffers, buffers))
+        return (
+            whole_loss,
+            whole_aux,
+            finite,
+            norm,
+            keep_if(finite, new_params, params),
+            keep_if(finite, new_state, opt_state),
+            keep_if(finite, new_buffers, buffers),
+        )
 
     return step
 
@@ -256,8 +293,14 @@ def over_data_replicas(step: Callable, mesh: Any, num_inputs: int, data_axis: st
     from jax.sharding import PartitionSpec
 
     whole, rows = PartitionSpec(), PartitionSpec(data_axis)
-    return jax.shard_map(step, mesh=mesh, in_specs=(whole, whole, whole, [rows] * num_inputs, whole, whole),
-                         out_specs=whole, axis_names={data_axis}, check_vma=False)
+    return jax.shard_map(
+        step,
+        mesh=mesh,
+        in_specs=(whole, whole, whole, [rows] * num_inputs, whole, whole),
+        out_specs=whole,
+        axis_names={data_axis},
+        check_vma=False,
+    )
 
 
 def remat_groups(graph: Graph, remat: str) -> Remat | None:
@@ -267,7 +310,10 @@ def remat_groups(graph: Graph, remat: str) -> Remat | None:
         return None
     groups = layer_groups(graph)
     if not groups:
-        log.warning("torchpar: remat=%r found no layers (numbered submodules, e.g. model.layers.3) in this graph; "
-                    "nothing is recomputed", remat)
+        log.warning(
+            "torchpar: remat=%r found no layers (numbered submodules, e.g. model.layers.3) in this graph; "
+            "nothing is recomputed",
+            remat,
+        )
         return None
     return Remat(remat, groups)

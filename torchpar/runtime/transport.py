@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import jax
 import numpy as np
@@ -51,8 +52,10 @@ class MessageKey:
 
     def describe(self) -> str:
         what = {"act": "activations", "grad": "activation gradients", "tied": "tied-parameter gradients"}
-        return (f"the {what.get(self.kind, self.kind)} of micro-batch {self.micro_batch} from stage {self.src_stage} "
-                f"(process {self.sender}) for stage {self.dst_stage}")
+        return (
+            f"the {what.get(self.kind, self.kind)} of micro-batch {self.micro_batch} from stage {self.src_stage} "
+            f"(process {self.sender}) for stage {self.dst_stage}"
+        )
 
 
 class Mailbox:
@@ -73,8 +76,9 @@ class Mailbox:
         with self._cv:
             while key not in self._messages:
                 if self._aborted is not None:
-                    raise TransportError(f"{where}: stopped waiting for {key.describe()}: another stage failed "
-                                         f"({self._aborted})")
+                    raise TransportError(
+                        f"{where}: stopped waiting for {key.describe()}: another stage failed ({self._aborted})"
+                    )
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TransportError(f"{where} waited {timeout_s:.0f}s for {key.describe()}")
@@ -105,8 +109,14 @@ class Transport:
     ``ranks_of_stage`` lists the process ranks of every stage (ascending); ``deliver`` reaches other
     processes (``None`` when everything runs in this one)."""
 
-    def __init__(self, rank: int, ranks_of_stage: Mapping[int, tuple[int, ...]], mailbox: Mailbox,
-                 deliver: Deliver | None, timeout_s: float):
+    def __init__(
+        self,
+        rank: int,
+        ranks_of_stage: Mapping[int, tuple[int, ...]],
+        mailbox: Mailbox,
+        deliver: Deliver | None,
+        timeout_s: float,
+    ):
         self.rank = rank
         self.ranks_of_stage = {s: tuple(r) for s, r in ranks_of_stage.items()}
         self.mailbox = mailbox
@@ -119,21 +129,37 @@ class Transport:
         self.step = step
         self.mailbox.begin_step(step)
 
-    def send(self, kind: str, src: int, dst: int, micro_batch: int, values: Mapping[str, jax.Array],
-             targets: Mapping[str, jax.sharding.Sharding], clock: StageClock | None = None) -> None:
+    def send(
+        self,
+        kind: str,
+        src: int,
+        dst: int,
+        micro_batch: int,
+        values: Mapping[str, jax.Array],
+        targets: Mapping[str, jax.sharding.Sharding],
+        clock: StageClock | None = None,
+    ) -> None:
         """Send ``values`` (arrays of stage ``src``) to stage ``dst``, which holds each as ``targets[name]``;
         ``clock`` records the time it took (``send``)."""
         begin = time.time()
         targets = {n: fitting(targets[n], v.shape) for n, v in values.items()}  # uneven splits: left whole
         for receiver in self.ranks_of_stage[dst]:
             key = MessageKey(self.step, kind, src, dst, micro_batch, self.rank)
-            local = receiver == self.rank and all(v.is_fully_addressable for v in values.values()) and all(
-                targets[n].is_fully_addressable for n in values)
+            local = (
+                receiver == self.rank
+                and all(v.is_fully_addressable for v in values.values())
+                and all(targets[n].is_fully_addressable for n in values)
+            )
             if local:
                 payload: Any = ("arrays", {n: jax.device_put(v, targets[n]) for n, v in values.items()})
             else:
-                payload = ("pieces", {n: (tuple(v.shape), v.dtype, _pieces_for(v, targets[n], receiver, self.rank))
-                                      for n, v in values.items()})
+                payload = (
+                    "pieces",
+                    {
+                        n: (tuple(v.shape), v.dtype, _pieces_for(v, targets[n], receiver, self.rank))
+                        for n, v in values.items()
+                    },
+                )
             if receiver == self.rank:
                 self.mailbox.put(key, payload)
             else:
@@ -143,8 +169,15 @@ class Transport:
         if clock is not None:
             clock.span("send", micro_batch, begin, time.time())
 
-    def receive(self, kind: str, src: int, dst: int, micro_batch: int,
-                targets: Mapping[str, jax.sharding.Sharding], clock: StageClock | None = None) -> dict[str, jax.Array]:
+    def receive(
+        self,
+        kind: str,
+        src: int,
+        dst: int,
+        micro_batch: int,
+        targets: Mapping[str, jax.sharding.Sharding],
+        clock: StageClock | None = None,
+    ) -> dict[str, jax.Array]:
         """The values stage ``src`` sent to stage ``dst`` for ``micro_batch``, laid out as ``targets``;
         ``clock`` records the time spent waiting for the message (``recv_wait``) and building the arrays
         (``recv_copy``)."""
@@ -154,8 +187,9 @@ class Transport:
         pieces: dict[str, list] = {}
         meta: dict[str, tuple] = {}
         for sender in self.ranks_of_stage[src]:
-            form, content = self.mailbox.take(MessageKey(self.step, kind, src, dst, micro_batch, sender), self.timeout_s,
-                                                  where)
+            form, content = self.mailbox.take(
+                MessageKey(self.step, kind, src, dst, micro_batch, sender), self.timeout_s, where
+            )
             if form == "arrays":
                 arrays.update(content)
                 continue
@@ -171,11 +205,16 @@ class Transport:
         return arrays
 
 
-def _pieces_for(value: jax.Array, target: jax.sharding.Sharding, receiver: int, rank: int) -> list[tuple[Index, np.ndarray]]:
+def _pieces_for(
+    value: jax.Array, target: jax.sharding.Sharding, receiver: int, rank: int
+) -> list[tuple[Index, np.ndarray]]:
     """The slices of ``value`` that process ``rank`` owes process ``receiver``, for ``target``'s layout."""
     shape = value.shape
-    needed = {normalize(index, shape) for device, index in target.devices_indices_map(shape).items()
-              if device.process_index == receiver}
+    needed = {
+        normalize(index, shape)
+        for device, index in target.devices_indices_map(shape).items()
+        if device.process_index == receiver
+    }
     holders: dict[Index, set[int]] = {}
     for device, index in value.sharding.devices_indices_map(shape).items():
         holders.setdefault(normalize(index, shape), set()).add(device.process_index)
@@ -199,8 +238,9 @@ def _pieces_for(value: jax.Array, target: jax.sharding.Sharding, receiver: int, 
     return list(pieces.items())
 
 
-def _assemble_global(shape: tuple[int, ...], dtype: Any, target: jax.sharding.Sharding,
-                     pieces: list[tuple[Index, np.ndarray]], name: str) -> jax.Array:
+def _assemble_global(
+    shape: tuple[int, ...], dtype: Any, target: jax.sharding.Sharding, pieces: list[tuple[Index, np.ndarray]], name: str
+) -> jax.Array:
     """The global array laid out as ``target`` whose local shards are cut from ``pieces``."""
     buffers = []
     devices_indices = target.addressable_devices_indices_map(shape)
@@ -219,7 +259,9 @@ def _assemble_global(shape: tuple[int, ...], dtype: Any, target: jax.sharding.Sh
             local[relative(overlap, region)] = data[relative(overlap, piece_index)]
             covered += int(np.prod(extent(overlap)))
         if covered != int(np.prod(extent(region))):
-            raise RuntimeError(f"value {name}: received {covered} of the {int(np.prod(extent(region)))} elements "
-                               f"device {device} needs (a transport bug: the senders' split disagrees)")
+            raise RuntimeError(
+                f"value {name}: received {covered} of the {int(np.prod(extent(region)))} elements "
+                f"device {device} needs (a transport bug: the senders' split disagrees)"
+            )
         buffers.append(jax.device_put(local, device))
     return jax.make_array_from_single_device_arrays(shape, target, buffers)

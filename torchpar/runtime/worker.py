@@ -25,8 +25,9 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import Any, Hashable
+from typing import Any
 
 import jax
 import numpy as np
@@ -138,12 +139,21 @@ class Worker:
         its device assignment as process indices (logical id ``i`` of the HLO's replica groups is device
         ``i`` of the stage's mesh), so a caller can see which collectives cross processes."""
         devices = jax.local_devices()
-        info = {"rank": self.rank, "pid": os.getpid(), "process_index": jax.process_index(),
-                "process_count": jax.process_count(), "platform": devices[0].platform,
-                "local_devices": [str(d) for d in devices], "steps_run": self.steps_run,
-                "stages": self.stages(), "cores": sorted(os.sched_getaffinity(0)), "niceness": os.nice(0),
-                "devices_holding_state": sorted({str(s.device) for array in self.state_arrays()
-                                                 for s in array.addressable_shards})}
+        info = {
+            "rank": self.rank,
+            "pid": os.getpid(),
+            "process_index": jax.process_index(),
+            "process_count": jax.process_count(),
+            "platform": devices[0].platform,
+            "local_devices": [str(d) for d in devices],
+            "steps_run": self.steps_run,
+            "stages": self.stages(),
+            "cores": sorted(os.sched_getaffinity(0)),
+            "niceness": os.nice(0),
+            "devices_holding_state": sorted(
+                {str(s.device) for array in self.state_arrays() for s in array.addressable_shards}
+            ),
+        }
         if programs:
             info["programs"] = self.programs_info()
         return info
@@ -191,9 +201,15 @@ class Worker:
         this process holds them, laid out as the plan lays them out; the rest of the state stays as it is."""
         raise NotImplementedError
 
-    def compile(self, key: Hashable, graph: Graph, trainable: tuple[str, ...],
-                leaves: list[tuple[tuple[int, ...], Any]], scalars: Any,
-                stage_graphs: list[StageGraph] | None = None) -> dict[str, Any]:
+    def compile(
+        self,
+        key: Hashable,
+        graph: Graph,
+        trainable: tuple[str, ...],
+        leaves: list[tuple[tuple[int, ...], Any]],
+        scalars: Any,
+        stage_graphs: list[StageGraph] | None = None,
+    ) -> dict[str, Any]:
         """Compile the training step for batch signature ``key`` now (not inside its first step): ``graph`` is the
         training graph captured on one micro-batch of such a batch, ``leaves`` the whole batch's ``(shape, dtype)``
         per input, ``scalars`` a step's scalars (their shapes are what matter); ``stage_graphs``: the plan's stages
@@ -225,12 +241,20 @@ class OneStageWorker(Worker):
 
         stage = spec.plan.stages[0]
         options = spec.options
-        self.program = OneStageProgram(stage, spec.plan.method, spec.devices.jax_devices(stage.devices()),
-                                       optimizer=spec.optimizer, grad_clip_norm=options.grad_clip_norm,
-                                       spmd=options.spmd, library_fusions=options.library_fusions,
-                                       check_finite=options.check_finite, numerics=options.numerics,
-                                       remat=options.remat, loss_scaling=options.loss_scaling,
-                                       num_micro_batches=spec.plan.num_micro_batches)
+        self.program = OneStageProgram(
+            stage,
+            spec.plan.method,
+            spec.devices.jax_devices(stage.devices()),
+            optimizer=spec.optimizer,
+            grad_clip_norm=options.grad_clip_norm,
+            spmd=options.spmd,
+            library_fusions=options.library_fusions,
+            check_finite=options.check_finite,
+            numerics=options.numerics,
+            remat=options.remat,
+            loss_scaling=options.loss_scaling,
+            num_micro_batches=spec.plan.num_micro_batches,
+        )
         self.lead = min(spec.stage_ranks()[0]) == rank
         self.params: dict[str, Any] = {}
         self.buffers: dict[str, Any] = {}
@@ -247,20 +271,29 @@ class OneStageWorker(Worker):
         return [0]
 
     def state_arrays(self) -> list[Any]:
-        return [*self.params.values(), *self.buffers.values(),
-                *(v for entries in self.opt_state.values() for v in entries.values())]
+        return [
+            *self.params.values(),
+            *self.buffers.values(),
+            *(v for entries in self.opt_state.values() for v in entries.values()),
+        ]
 
     def programs_info(self) -> dict[int, dict[str, Any]]:
         mesh = self.program.placement.mesh
-        return {0: {"hlo": self._last.compiled.as_text() if self._last else "",
-                    "device_processes": [d.process_index for d in mesh.devices.flat]}}
+        return {
+            0: {
+                "hlo": self._last.compiled.as_text() if self._last else "",
+                "device_processes": [d.process_index for d in mesh.devices.flat],
+            }
+        }
 
     def load(self, state: HostState | CheckpointSource) -> None:
         placement = self.program.placement
         self.params = {n: state.place("param", n, placement.param(n)) for n in state.params}
         self.buffers = {n: state.place("buffer", n, placement.replicated) for n in state.buffers}
-        self.opt_state = {n: {k: state.place("state", (n, k), placement.state_of(n)) for k in entries}
-                          for n, entries in state.opt_state.items()}
+        self.opt_state = {
+            n: {k: state.place("state", (n, k), placement.state_of(n)) for k in entries}
+            for n, entries in state.opt_state.items()
+        }
 
     def update(self, state: HostState) -> None:
         placement = self.program.placement
@@ -274,20 +307,35 @@ class OneStageWorker(Worker):
         return export_arrays(0, self.params, self.buffers, self.opt_state, kinds)
 
     def checkpoint_arrays(self) -> list[tuple[str, Any]]:
-        return [*((tensor_key("param", n), v) for n, v in self.params.items()),
-                *((tensor_key("buffer", n), v) for n, v in self.buffers.items()),
-                *((tensor_key("state", (n, k)), v) for n, entries in self.opt_state.items() for k, v in entries.items())]
+        return [
+            *((tensor_key("param", n), v) for n, v in self.params.items()),
+            *((tensor_key("buffer", n), v) for n, v in self.buffers.items()),
+            *((tensor_key("state", (n, k)), v) for n, entries in self.opt_state.items() for k, v in entries.items()),
+        ]
 
-    def compile(self, key: Hashable, graph: Graph, trainable: tuple[str, ...],
-                leaves: list[tuple[tuple[int, ...], Any]], scalars: Any,
-                stage_graphs: list[StageGraph] | None = None) -> dict[str, Any]:
-        compiled = self.program.compile_step(graph, trainable, leaves, (self.params, self.opt_state, self.buffers),
-                                             scalars)
+    def compile(
+        self,
+        key: Hashable,
+        graph: Graph,
+        trainable: tuple[str, ...],
+        leaves: list[tuple[tuple[int, ...], Any]],
+        scalars: Any,
+        stage_graphs: list[StageGraph] | None = None,
+    ) -> dict[str, Any]:
+        compiled = self.program.compile_step(
+            graph, trainable, leaves, (self.params, self.opt_state, self.buffers), scalars
+        )
         self._steps[key] = compiled
         self._last = compiled
-        self._boxes[key] = [local_box(sharding, shape) for (shape, _), sharding in zip(leaves, compiled.input_shardings)]
-        return {"spmd": compiled.spmd, "lower": compiled.lower_s, "xla_compile": compiled.compile_s,
-                "input_boxes": self._boxes[key]}
+        self._boxes[key] = [
+            local_box(sharding, shape) for (shape, _), sharding in zip(leaves, compiled.input_shardings)
+        ]
+        return {
+            "spmd": compiled.spmd,
+            "lower": compiled.lower_s,
+            "xla_compile": compiled.compile_s,
+            "input_boxes": self._boxes[key],
+        }
 
     def _prepare_rows(self, key: Hashable, rows: HostRows, leaves: list[np.ndarray]) -> Any:
         compiled = self._steps.get(key)
@@ -312,8 +360,9 @@ class OneStageWorker(Worker):
         if isinstance(batch, Ahead):
             with self._ahead_ready:
                 if not self._ahead_ready.wait_for(lambda: batch.token in self._ahead, self.spec.options.timeout_s):
-                    raise TimeoutError(f"the prefetched batch {batch.token} was not placed within "
-                                       f"{self.spec.options.timeout_s:.0f}s")
+                    raise TimeoutError(
+                        f"the prefetched batch {batch.token} was not placed within {self.spec.options.timeout_s:.0f}s"
+                    )
                 return self._ahead.pop(batch.token)
         if isinstance(batch, HostRows):
             if self.host_loader is None:
@@ -325,18 +374,24 @@ class OneStageWorker(Worker):
         if all(isinstance(leaf, jax.Array) for leaf in batch):
             return list(batch), 0, 0.0
         if all(isinstance(leaf, LeafPiece) for leaf in batch):
-            return ([place(piece, sharding) for piece, sharding in zip(batch, compiled.input_shardings)],
-                    sum(piece.nbytes for piece in batch), 0.0)
-        return ([put(leaf, sharding) for leaf, sharding in zip(batch, compiled.input_shardings)],  # fitted at compile
-                sum(int(np.asarray(leaf).nbytes) for leaf in batch), 0.0)
+            return (
+                [place(piece, sharding) for piece, sharding in zip(batch, compiled.input_shardings)],
+                sum(piece.nbytes for piece in batch),
+                0.0,
+            )
+        return (
+            [put(leaf, sharding) for leaf, sharding in zip(batch, compiled.input_shardings)],  # fitted at compile
+            sum(int(np.asarray(leaf).nbytes) for leaf in batch),
+            0.0,
+        )
 
-    def run_step(self, key: Hashable, leaves: Any, scalars: Any, key_data: np.ndarray,
-                 start_time: float) -> StepReport:
+    def run_step(self, key: Hashable, leaves: Any, scalars: Any, key_data: np.ndarray, start_time: float) -> StepReport:
         compiled = self._steps[key]
         inputs, received, waited = self.step_inputs(key, leaves)
         begin = time.time()
         loss, aux, finite, norm, self.params, self.opt_state, self.buffers = compiled.compiled(
-            self.params, self.opt_state, self.buffers, inputs, scalars, key_data)
+            self.params, self.opt_state, self.buffers, inputs, scalars, key_data
+        )
         self._last = compiled
         self.steps_run += 1
         report = StepReport(updated=True, input_bytes=received, data_wait_s=waited)
@@ -396,10 +451,12 @@ class PipelineWorker(Worker):
         self.states = {s: StageState() for s in self.programs}
         # one instruction list per device group: stage s runs on group s mod G (G < stages: interleaved 1F1B)
         self.num_groups = device_groups(plan.schedule, [stage.devices() for stage in plan.stages])
-        self.schedule = make_schedule(plan.schedule, len(plan.stages), plan.num_micro_batches,
-                                      virtual_stages=len(plan.stages) // self.num_groups)
-        self.shared = gradients.shared_parameters({s: [n for n in g.params if n in trainable]
-                                                   for s, g in enumerate(spec.stage_graphs)})
+        self.schedule = make_schedule(
+            plan.schedule, len(plan.stages), plan.num_micro_batches, virtual_stages=len(plan.stages) // self.num_groups
+        )
+        self.shared = gradients.shared_parameters(
+            {s: [n for n in g.params if n in trainable] for s, g in enumerate(spec.stage_graphs)}
+        )
         self.mailbox = Mailbox()
         self.transport = Transport(rank, self.ranks, self.mailbox, deliver, spec.options.timeout_s)
         self.host_loader: Any = None
@@ -411,19 +468,38 @@ class PipelineWorker(Worker):
         from torchpar.runtime.stage_program import StageProgram
 
         spec, plan = self.spec, self.spec.plan
-        placements = {s: Placement.from_stage(stage_plan, graph.graph, spec.devices.jax_devices(stage_plan.devices()),
-                                              spec.optimizer)
-                      for s, (graph, stage_plan) in enumerate(zip(stage_graphs, plan.stages))}
-        programs = {s: StageProgram(graph, placement=placements[s], spec=spec.optimizer, trainable=set(spec.trainable),
-                                    num_micro_batches=plan.num_micro_batches,
-                                    library_fusions=spec.options.library_fusions, numerics=spec.options.numerics,
-                                    remat=spec.options.remat, split_backward=plan.schedule in SPLIT_BACKWARD)
-                    for s, graph in enumerate(stage_graphs) if self.rank in self.ranks[s]}
+        placements = {
+            s: Placement.from_stage(
+                stage_plan, graph.graph, spec.devices.jax_devices(stage_plan.devices()), spec.optimizer
+            )
+            for s, (graph, stage_plan) in enumerate(zip(stage_graphs, plan.stages))
+        }
+        programs = {
+            s: StageProgram(
+                graph,
+                placement=placements[s],
+                spec=spec.optimizer,
+                trainable=set(spec.trainable),
+                num_micro_batches=plan.num_micro_batches,
+                library_fusions=spec.options.library_fusions,
+                numerics=spec.options.numerics,
+                remat=spec.options.remat,
+                split_backward=plan.schedule in SPLIT_BACKWARD,
+            )
+            for s, graph in enumerate(stage_graphs)
+            if self.rank in self.ranks[s]
+        }
         return placements, programs
 
-    def compile(self, key: Hashable, graph: Graph, trainable: tuple[str, ...],
-                leaves: list[tuple[tuple[int, ...], Any]], scalars: Any,
-                stage_graphs: list[StageGraph] | None = None) -> dict[str, Any]:
+    def compile(
+        self,
+        key: Hashable,
+        graph: Graph,
+        trainable: tuple[str, ...],
+        leaves: list[tuple[tuple[int, ...], Any]],
+        scalars: Any,
+        stage_graphs: list[StageGraph] | None = None,
+    ) -> dict[str, Any]:
         """Compile every stage's executables this process takes part in (by running them on zeros), stages one
         after another in rank order so processes sharing a stage compile it together. ``stage_graphs=None``: the
         plan's own stages (built with the worker); else the stages are built again for other batch shapes and
@@ -456,14 +532,24 @@ class PipelineWorker(Worker):
         return sorted(self.programs)
 
     def state_arrays(self) -> list[Any]:
-        return [v for stage in self.states.values()
-                for v in [*stage.params.values(), *stage.buffers.values(),
-                          *(x for entries in stage.opt_state.values() for x in entries.values())]]
+        return [
+            v
+            for stage in self.states.values()
+            for v in [
+                *stage.params.values(),
+                *stage.buffers.values(),
+                *(x for entries in stage.opt_state.values() for x in entries.values()),
+            ]
+        ]
 
     def programs_info(self) -> dict[int, dict[str, Any]]:
-        return {s: {"hlo": p.forward_hlo() + "\n" + p.backward_hlo(),
-                    "device_processes": [d.process_index for d in p.placement.mesh.devices.flat]}
-                for s, p in self.programs.items()}
+        return {
+            s: {
+                "hlo": p.forward_hlo() + "\n" + p.backward_hlo(),
+                "device_processes": [d.process_index for d in p.placement.mesh.devices.flat],
+            }
+            for s, p in self.programs.items()
+        }
 
     def is_lead(self, stage: int) -> bool:
         return self.ranks[stage][0] == self.rank
@@ -476,22 +562,28 @@ class PipelineWorker(Worker):
         for s, program in self.programs.items():
             stage, placement = self.states[s], program.placement
             stage.params = {n: state.place("param", n, placement.param(n)) for n in program.stage.params}
-            stage.buffers = {i.target: state.place("buffer", i.target, placement.replicated)
-                             for i in program.stage.graph.inputs if i.kind == "buffer"}
-            stage.opt_state = {n: {k: state.place("state", (n, k), placement.state_of(n)) for k in state.opt_state[n]}
-                               for n in program.trainable}
+            stage.buffers = {
+                i.target: state.place("buffer", i.target, placement.replicated)
+                for i in program.stage.graph.inputs
+                if i.kind == "buffer"
+            }
+            stage.opt_state = {
+                n: {k: state.place("state", (n, k), placement.state_of(n)) for k in state.opt_state[n]}
+                for n in program.trainable
+            }
 
     def update(self, state: HostState) -> None:
         for s, program in self.programs.items():
             stage, placement = self.states[s], program.placement
-            stage.params.update({n: state.place("param", n, placement.param(n)) for n in state.params
-                                 if n in stage.params})
-            stage.buffers.update({n: state.place("buffer", n, placement.replicated) for n in state.buffers
-                                  if n in stage.buffers})
+            stage.params.update(
+                {n: state.place("param", n, placement.param(n)) for n in state.params if n in stage.params}
+            )
+            stage.buffers.update(
+                {n: state.place("buffer", n, placement.replicated) for n in state.buffers if n in stage.buffers}
+            )
             for n, entries in state.opt_state.items():
                 if n in stage.opt_state:
-                    stage.opt_state[n].update({k: state.place("state", (n, k), placement.state_of(n))
-                                               for k in entries})
+                    stage.opt_state[n].update({k: state.place("state", (n, k), placement.state_of(n)) for k in entries})
 
     def export(self, kinds: tuple[str, ...] = KINDS) -> list[Exported]:
         entries = []
@@ -505,8 +597,12 @@ class PipelineWorker(Worker):
         for s, stage in sorted(self.states.items()):
             arrays += [(tensor_key("param", n), v) for n, v in stage.params.items() if first[n] == s]
             arrays += [(tensor_key("buffer", n), v) for n, v in stage.buffers.items() if first[n] == s]
-            arrays += [(tensor_key("state", (n, k)), v) for n, entries in stage.opt_state.items()
-                       if first[n] == s for k, v in entries.items()]
+            arrays += [
+                (tensor_key("state", (n, k)), v)
+                for n, entries in stage.opt_state.items()
+                if first[n] == s
+                for k, v in entries.items()
+            ]
         return arrays
 
     def _first_stage_holding(self) -> dict[str, int]:
@@ -517,8 +613,14 @@ class PipelineWorker(Worker):
                 first.setdefault(name, s)
         return first
 
-    def run_step(self, key: Hashable, micro_inputs: list[dict[int, np.ndarray]] | HostRows, scalars: Any,
-                 key_data: np.ndarray, start_time: float) -> StepReport:
+    def run_step(
+        self,
+        key: Hashable,
+        micro_inputs: list[dict[int, np.ndarray]] | HostRows,
+        scalars: Any,
+        key_data: np.ndarray,
+        start_time: float,
+    ) -> StepReport:
         """Every local device group's instructions on its own thread (a group runs one stage, or its v stages
         under interleaved 1F1B), then tied gradients; the update too when no clipping needs every stage's norm
         (else the driver calls :meth:`apply_update`)."""
@@ -544,9 +646,17 @@ class PipelineWorker(Worker):
         def run(g: int) -> None:
             try:
                 mine = [s for s in self.programs if s % self.num_groups == g]
-                runs[g] = run_instructions(g, {s: self.programs[s] for s in mine}, {s: self.states[s] for s in mine},
-                                           self.schedule[g], self.transport, micro_inputs, rng, self._layout,
-                                           start_time)
+                runs[g] = run_instructions(
+                    g,
+                    {s: self.programs[s] for s in mine},
+                    {s: self.states[s] for s in mine},
+                    self.schedule[g],
+                    self.transport,
+                    micro_inputs,
+                    rng,
+                    self._layout,
+                    start_time,
+                )
                 if len(mine) == 1:  # else after every group's list: two stages of a group may share a parameter
                     exchange(mine[0])
             except BaseException as error:  # reported to the driver below; wake the other stages
@@ -556,8 +666,9 @@ class PipelineWorker(Worker):
         def exchange(s: int) -> None:
             try:
                 stage = self.states[s]
-                stage.grads = gradients.exchange_tied_gradients(s, stage.grads or {}, self.shared, self.transport,
-                                                                self._grad_layout)
+                stage.grads = gradients.exchange_tied_gradients(
+                    s, stage.grads or {}, self.shared, self.transport, self._grad_layout
+                )
             except BaseException as error:
                 errors.append(error)
                 self.mailbox.abort(error)
@@ -594,8 +705,9 @@ class PipelineWorker(Worker):
             return report
         if options.check_finite:
             for s, program in self.programs.items():
-                count = gradients.owned_nonfinite_count(s, self.states[s].grads or {}, self.shared,
-                                                        program.nonfinite_count)
+                count = gradients.owned_nonfinite_count(
+                    s, self.states[s].grads or {}, self.shared, program.nonfinite_count
+                )
                 if self.is_lead(s):
                     report.nonfinite[s] = count
         return report
@@ -614,8 +726,9 @@ class PipelineWorker(Worker):
         for s, program in self.programs.items():
             stage = self.states[s]
             if program.trainable and clip_scale is not None:
-                stage.params, stage.opt_state = program.update(stage.params, stage.grads or {}, stage.opt_state,
-                                                               self._scalars, clip_scale)
+                stage.params, stage.opt_state = program.update(
+                    stage.params, stage.grads or {}, stage.opt_state, self._scalars, clip_scale
+                )
             stage.grads = None
 
     def _layout(self, stage: int, name: str) -> Any:

@@ -44,8 +44,9 @@ class _OneKindBytesMesh(LogicalMesh):
         return super().all_to_all(nbytes, axes) if self.kind == "all_to_all" else 0.0
 
 
-def collective_bytes(build: Callable[[LogicalMesh], SolverGraph], shape: tuple[int, int],
-                     choice: list[int]) -> dict[str, float]:
+def collective_bytes(
+    build: Callable[[LogicalMesh], SolverGraph], shape: tuple[int, int], choice: list[int]
+) -> dict[str, float]:
     """Per-device bytes sent per step by kind (:data:`COLLECTIVE_KINDS`) for ``choice`` on the solver graph that
     ``build(mesh)`` makes on a logical mesh of ``shape``."""
     result = {}

@@ -15,8 +15,8 @@ size 1 cost nothing.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from torchpar.ir.layout import MeshShape, Spec, num_shards
 
@@ -123,5 +123,3 @@ def _order_same(src: Spec, dst: Spec, dim: int) -> bool:
 def _without(entry: tuple[int, ...] | None, axis: int) -> tuple[int, ...] | None:
     rest = tuple(a for a in (entry or ()) if a != axis)
     return rest or None
-
-

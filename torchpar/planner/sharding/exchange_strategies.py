@@ -19,7 +19,8 @@ uniform permutation** (the index is data; the plan cannot know it): with ``P = |
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from torchpar.ir.costs import expert_slot_rows
 from torchpar.ir.graph import Node, TensorMeta, one_row_index
@@ -32,10 +33,9 @@ EXCHANGE = (("rows", "exchange"),)
 """The lowering option of an exchange strategy (``Strategy.lowering``)."""
 
 
-
-
-def row_exchange_form(target: str, args: tuple, operand_shapes: Sequence[Sequence[int]],
-                      out_shape: Sequence[int]) -> str | None:
+def row_exchange_form(
+    target: str, args: tuple, operand_shapes: Sequence[Sequence[int]], out_shape: Sequence[int]
+) -> str | None:
     """``"gather"`` for ``table[idx]`` and ``"put"`` for ``base.index_put([idx], values)`` with one 1-D index on
     dim 0 (and, for the put, ``values`` of shape ``[len(idx), *base.shape[1:]]``: no broadcasting); else ``None``.
     ``operand_shapes``: the tensor operands' shapes in ``Node.refs()`` order."""
@@ -58,7 +58,11 @@ def anchor_of(node: Node, operand_metas: Sequence[Any]) -> tuple[Einsum | None, 
     possibly ``None`` — or ``None`` when it follows an operand instead. ``operand_metas``: its tensor operands' metas
     in ``Node.refs()`` order (the solver graph and the layouts replayed from a plan both decide by this)."""
     out = node.out
-    if not operand_metas or not isinstance(out, TensorMeta) or not all(isinstance(m, TensorMeta) for m in operand_metas):
+    if (
+        not operand_metas
+        or not isinstance(out, TensorMeta)
+        or not all(isinstance(m, TensorMeta) for m in operand_metas)
+    ):
         return None
     einsum = anchor_einsum(node.target, node.args, [len(m.shape) for m in operand_metas], len(out.shape))
     if einsum is not None and len(einsum.operands) != len(operand_metas):
@@ -73,16 +77,23 @@ def replicated_put(operand_shapes: Sequence[Sequence[int]], out_bytes: float) ->
     return Strategy(name="replicated", out_spec=whole[0], in_specs=whole, memory_bytes=out_bytes)
 
 
-def exchange_strategies(form: str, operand_shapes: Sequence[Sequence[int]], itemsize: int, needs_grad: Sequence[bool],
-                        mesh: LogicalMesh, *, num_micro_batches: int = 1) -> list[Strategy]:
+def exchange_strategies(
+    form: str,
+    operand_shapes: Sequence[Sequence[int]],
+    itemsize: int,
+    needs_grad: Sequence[bool],
+    mesh: LogicalMesh,
+    *,
+    num_micro_batches: int = 1,
+) -> list[Strategy]:
     """The exchange strategies of a ``form`` (:func:`row_exchange_form`) op: rows split over one live axis or both
     (either major: a grouped matmul's rows split ``(experts' axis, other)`` read them without a reshuffle), and
     with one axis for the rows, the dim after them optionally split over the other (columns: each row moves in
     pieces). Module docstring: costs."""
-    data = operand_shapes[0] if form == "gather" else operand_shapes[2]      # the rows that move
+    data = operand_shapes[0] if form == "gather" else operand_shapes[2]  # the rows that move
     dest_rows = operand_shapes[1][0] if form == "gather" else operand_shapes[0][0]
     source_rows = operand_shapes[0][0] if form == "gather" else operand_shapes[1][0]
-    moved_rows = operand_shapes[1][0]                                         # the pairs: one per index entry
+    moved_rows = operand_shapes[1][0]  # the pairs: one per index entry
     out_shape = (moved_rows,) + tuple(data[1:]) if form == "gather" else tuple(operand_shapes[0])
     live = [a for a in (0, 1) if mesh.shape[a] > 1]
     choices: list[tuple[tuple[int, ...], tuple[int, ...]]] = [((a,), ()) for a in live]
@@ -90,7 +101,7 @@ def exchange_strategies(form: str, operand_shapes: Sequence[Sequence[int]], item
         choices += [((a,), (b,)) for a in live for b in live if b != a]
     if len(live) == 2:  # either major: the expert strategies' rows run (experts' axis, the other)
         choices += [((0, 1), ()), ((1, 0), ())]
-    size = lambda axes: math.prod(mesh.shape[x] for x in axes)  # noqa: E731
+    size = lambda axes: math.prod(mesh.shape[x] for x in axes)
     grad = bool(needs_grad[0] if form == "gather" else len(needs_grad) > 2 and needs_grad[2])
     strategies = []
     for rows, columns in choices:
@@ -98,11 +109,13 @@ def exchange_strategies(form: str, operand_shapes: Sequence[Sequence[int]], item
         if dest_rows % peers or source_rows % peers or moved_rows % peers or (columns and data[1] % pieces):
             continue
         row_bytes = math.prod(data[1:]) * itemsize / pieces
-        chunk = (moved_rows if form == "gather" else source_rows) // peers   # the most rows one pair can move
+        chunk = (moved_rows if form == "gather" else source_rows) // peers  # the most rows one pair can move
         slot = expert_slot_rows(chunk, peers)
         sent = peers * slot * row_bytes
         comm = num_micro_batches * mesh.all_to_all(sent, rows) * (2.0 if grad else 1.0)
-        spec = lambda rank: (rows,) + ((columns,) if columns else (None,)) * (rank > 1) + (None,) * max(rank - 2, 0)  # noqa: E731
+        spec = lambda rank, rows=rows, columns=columns: (
+            (rows,) + ((columns,) if columns else (None,)) * (rank > 1) + (None,) * max(rank - 2, 0)
+        )
         whole_index = (None,)
         if form == "gather":
             in_specs = (spec(len(data)), whole_index)
@@ -110,11 +123,21 @@ def exchange_strategies(form: str, operand_shapes: Sequence[Sequence[int]], item
             in_specs = (spec(len(out_shape)), whole_index, spec(len(data)))
         out_bytes = math.prod(out_shape) * itemsize / peers / pieces
         buffers = 2.0 * peers * (slot + (chunk if slot < chunk else 0)) * row_bytes
-        name = f"rows@{''.join(map(str, rows))}" + (f",cols@{''.join(map(str, columns))}" if columns else "") + ",exchange"
-        strategies.append(Strategy(
-            name=name, out_spec=spec(len(out_shape)), in_specs=in_specs, comm_s=comm, memory_bytes=out_bytes,
-            transient_bytes=buffers, lowering=EXCHANGE,
-            collectives=(f"all-to-all {sent:.0f}B over {rows}" + (", again backward" if grad else ""),)))
+        name = (
+            f"rows@{''.join(map(str, rows))}" + (f",cols@{''.join(map(str, columns))}" if columns else "") + ",exchange"
+        )
+        strategies.append(
+            Strategy(
+                name=name,
+                out_spec=spec(len(out_shape)),
+                in_specs=in_specs,
+                comm_s=comm,
+                memory_bytes=out_bytes,
+                transient_bytes=buffers,
+                lowering=EXCHANGE,
+                collectives=(f"all-to-all {sent:.0f}B over {rows}" + (", again backward" if grad else ""),),
+            )
+        )
     return strategies
 
 
@@ -122,5 +145,13 @@ def is_exchange(strategy: Any) -> bool:
     return tuple(getattr(strategy, "lowering", ()) or ()) == EXCHANGE
 
 
-__all__ = ["EXCHANGE", "ROW_GATHER", "ROW_PUT", "anchor_of", "exchange_strategies", "is_exchange", "replicated_put",
-           "row_exchange_form"]
+__all__ = [
+    "EXCHANGE",
+    "ROW_GATHER",
+    "ROW_PUT",
+    "anchor_of",
+    "exchange_strategies",
+    "is_exchange",
+    "replicated_put",
+    "row_exchange_form",
+]

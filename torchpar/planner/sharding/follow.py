@@ -18,8 +18,9 @@ itself (e.g. a sum over a split dim is a partial result and needs an all-reduce)
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from torchpar.ir.function_regions import MARKERS as FUNCTION_MARKERS
 from torchpar.ir.graph import Node, TensorMeta
@@ -43,10 +44,15 @@ class Follow:
     under gradient accumulation, not per micro-batch."""
 
 
-
-
-def follow(node: Node, operands: Sequence[Any], main: int, main_spec: Any, mesh: LogicalMesh,
-           needs_grad: Sequence[bool], weights: Sequence[bool] = ()) -> Follow:
+def follow(
+    node: Node,
+    operands: Sequence[Any],
+    main: int,
+    main_spec: Any,
+    mesh: LogicalMesh,
+    needs_grad: Sequence[bool],
+    weights: Sequence[bool] = (),
+) -> Follow:
     """Layout of ``node`` when its ``main``-th tensor operand (metas ``operands``) is laid out as ``main_spec``;
     ``weights`` flags the operands that do not depend on the batch (see :attr:`Follow.weight_grad_comm_s`)."""
     target = node.target
@@ -85,18 +91,24 @@ def follow(node: Node, operands: Sequence[Any], main: int, main_spec: Any, mesh:
         return _reduce(node, main_meta, first_out, main_spec, mesh, len(operands))
     if target == "aten.native_layer_norm.default":
         count = len(node.args[1])
-        return _normalize(node, operands, main_meta, main_spec, range(len(main_meta.shape) - count, len(main_meta.shape)))
+        return _normalize(
+            node, operands, main_meta, main_spec, range(len(main_meta.shape) - count, len(main_meta.shape))
+        )
     if target == "aten.native_group_norm.default":
         return _replicated(node, operands)
     if target in BATCH_NORMS:
         return _batch_norm(node, operands, main_meta, main_spec, mesh)
-    if target in ("aten.max_pool2d_with_indices.default", "aten.avg_pool2d.default",
-                  "aten._adaptive_avg_pool2d.default", "aten.constant_pad_nd.default"):
+    if target in (
+        "aten.max_pool2d_with_indices.default",
+        "aten.avg_pool2d.default",
+        "aten._adaptive_avg_pool2d.default",
+        "aten.constant_pad_nd.default",
+    ):
         spatial = 2 if target != "aten.constant_pad_nd.default" else len(node.args[1]) // 2
         keep = tuple(main_spec[:-spatial]) + (None,) * spatial
         return _same_out(node, keep, (keep,) + (None,) * (len(operands) - 1))
     if target in ("aten.cat.default", "aten.stack.default"):
-        dim = (node.args[1] if len(node.args) > 1 else 0)
+        dim = node.args[1] if len(node.args) > 1 else 0
         rank = len(main_meta.shape)
         dim = dim % (rank + (target == "aten.stack.default"))
         spec = tuple(None if d == dim else e for d, e in enumerate(main_spec))
@@ -126,8 +138,12 @@ def follow(node: Node, operands: Sequence[Any], main: int, main_spec: Any, mesh:
     if _is_elementwise(first_out, operands):
         result = _broadcast_like(first_out, operands, main, main_spec, mesh, needs_grad, weights)
         if isinstance(out, tuple):
-            return Follow(Multi(result.out if isinstance(m, TensorMeta) and m.shape == first_out.shape else None
-                                for m in out), result.required, result.comm_s, result.weight_grad_comm_s)
+            return Follow(
+                Multi(result.out if isinstance(m, TensorMeta) and m.shape == first_out.shape else None for m in out),
+                result.required,
+                result.comm_s,
+                result.weight_grad_comm_s,
+            )
         return result
     return _replicated(node, operands)
 
@@ -182,8 +198,15 @@ def _is_elementwise(out: TensorMeta, operands: Sequence[Any]) -> bool:
     return True
 
 
-def _broadcast_like(out: TensorMeta, operands: Sequence[Any], main: int, main_spec: Spec, mesh: LogicalMesh,
-                    needs_grad: Sequence[bool], weights: Sequence[bool] = ()) -> Follow:
+def _broadcast_like(
+    out: TensorMeta,
+    operands: Sequence[Any],
+    main: int,
+    main_spec: Spec,
+    mesh: LogicalMesh,
+    needs_grad: Sequence[bool],
+    weights: Sequence[bool] = (),
+) -> Follow:
     """Right-aligned broadcasting: the output takes the main operand's splits; every operand gets the
     output's splits on its non-broadcast dims."""
     rank = len(out.shape)
@@ -203,11 +226,18 @@ def _broadcast_like(out: TensorMeta, operands: Sequence[Any], main: int, main_sp
             required.append(None)
             continue
         shift = rank - len(meta.shape)
-        spec = tuple(out_spec_t[d + shift] if meta.shape[d] == out.shape[d + shift] else None for d in range(len(meta.shape)))
+        spec = tuple(
+            out_spec_t[d + shift] if meta.shape[d] == out.shape[d + shift] else None for d in range(len(meta.shape))
+        )
         required.append(spec)
         if grad:  # ∂operand sums over the dims it is broadcast along
-            reduced_axes = [a for d, entry in enumerate(out_spec_t) if entry for a in entry
-                            if d < shift or meta.shape[d - shift] != out.shape[d]]
+            reduced_axes = [
+                a
+                for d, entry in enumerate(out_spec_t)
+                if entry
+                for a in entry
+                if d < shift or meta.shape[d - shift] != out.shape[d]
+            ]
             if reduced_axes:
                 local = meta.nbytes / math.prod(mesh.shape[a] for e in spec if e for a in e)
                 if position < len(weights) and weights[position]:
@@ -220,17 +250,26 @@ def _broadcast_like(out: TensorMeta, operands: Sequence[Any], main: int, main_sp
 def reduced_dims(node: Node, rank: int) -> set[int]:
     """The dims of its rank-``rank`` operand that the reduction ``node`` reduces over."""
     dims_arg, _ = reduction_dims(node.target, node.args, node.kwargs)
-    if node.target in ("aten.sum.default", "aten.mean.default", "aten.any.default") or dims_arg is None or dims_arg == []:
+    if (
+        node.target in ("aten.sum.default", "aten.mean.default", "aten.any.default")
+        or dims_arg is None
+        or dims_arg == []
+    ):
         return set(range(rank))
     return {d % rank for d in ([dims_arg] if isinstance(dims_arg, int) else dims_arg)}
 
 
-def _reduce(node: Node, main_meta: TensorMeta, out: TensorMeta, spec: Spec, mesh: LogicalMesh, n_operands: int) -> Follow:
+def _reduce(
+    node: Node, main_meta: TensorMeta, out: TensorMeta, spec: Spec, mesh: LogicalMesh, n_operands: int
+) -> Follow:
     rank = len(main_meta.shape)
     dims = reduced_dims(node, rank)
     keepdim = len(out.shape) == rank
-    out_spec = tuple((None if d in dims else e) for d, e in enumerate(spec)) if keepdim else \
-        tuple(e for d, e in enumerate(spec) if d not in dims)
+    out_spec = (
+        tuple((None if d in dims else e) for d, e in enumerate(spec))
+        if keepdim
+        else tuple(e for d, e in enumerate(spec) if d not in dims)
+    )
     axes = [a for d, e in enumerate(spec) if e and d in dims for a in e]
     comm = 0.0
     if axes:
@@ -245,24 +284,34 @@ def _reduce(node: Node, main_meta: TensorMeta, out: TensorMeta, spec: Spec, mesh
 def _normalize(node: Node, operands: Sequence[Any], main_meta: TensorMeta, spec: Spec, dims: range) -> Follow:
     keep = tuple(None if d in dims else e for d, e in enumerate(spec))
     rank = len(main_meta.shape)
-    required = [keep] + [tuple(keep[rank - len(m.shape) + d] for d in range(len(m.shape))) if isinstance(m, TensorMeta) else None
-                         for m in operands[1:]]
-    out = Multi((keep if len(m.shape) == rank else tuple(keep[:len(m.shape)])) if m is not None else None
-                for m in node.out) if isinstance(node.out, tuple) else keep
+    required = [keep] + [
+        tuple(keep[rank - len(m.shape) + d] for d in range(len(m.shape))) if isinstance(m, TensorMeta) else None
+        for m in operands[1:]
+    ]
+    out = (
+        Multi(
+            (keep if len(m.shape) == rank else tuple(keep[: len(m.shape)])) if m is not None else None for m in node.out
+        )
+        if isinstance(node.out, tuple)
+        else keep
+    )
     return Follow(out, tuple(required))
 
 
 def _batch_norm(node: Node, operands: Sequence[Any], main_meta: TensorMeta, spec: Spec, mesh: LogicalMesh) -> Follow:
     channel = spec[1] if len(spec) > 1 else None
-    required = tuple(spec if i == 0 else ((channel,) if isinstance(m, TensorMeta) else None) for i, m in enumerate(operands))
+    required = tuple(
+        spec if i == 0 else ((channel,) if isinstance(m, TensorMeta) else None) for i, m in enumerate(operands)
+    )
     axes = [a for d, e in enumerate(spec) if e and d != 1 for a in e]
     comm = 0.0
     if axes:  # batch statistics (and their gradients) are all-reduced across the split batch/spatial dims
         channels = main_meta.shape[1] if len(main_meta.shape) > 1 else 1
         comm = 2 * mesh.all_reduce(2 * channels * 4, axes)
     outs = node.out if isinstance(node.out, tuple) else (node.out,)
-    out = Multi(spec if i == 0 else ((channel,) if m is not None and len(m.shape) == 1 else None)
-                for i, m in enumerate(outs))
+    out = Multi(
+        spec if i == 0 else ((channel,) if m is not None and len(m.shape) == 1 else None) for i, m in enumerate(outs)
+    )
     return Follow(out, required, comm)
 
 

@@ -84,18 +84,33 @@ class Solution:
         return 0.0 if self.objective_s <= 0 else max(0.0, (self.objective_s - self.bound_s) / self.objective_s)
 
     def stats(self) -> dict[str, float | int | str]:
-        return {"status": self.status, "objective_s": self.objective_s, "bound_s": self.bound_s, "gap": self.gap,
-                "variables": self.num_variables, "constraints": self.num_constraints, "solve_s": self.solve_s,
-                "peak_memory_bytes": self.memory_bytes}
+        return {
+            "status": self.status,
+            "objective_s": self.objective_s,
+            "bound_s": self.bound_s,
+            "gap": self.gap,
+            "variables": self.num_variables,
+            "constraints": self.num_constraints,
+            "solve_s": self.solve_s,
+            "peak_memory_bytes": self.memory_bytes,
+        }
 
 
 SUBSOLVERS = ("max_lp", "core")
 """CP-SAT's full-problem workers, one thread each (see the module docstring)."""
 
 
-def solve(graph: SolverGraph, *, memory_budget: float | None = None, time_limit_s: float = 30.0,
-          workers: int = len(SUBSOLVERS), allowed: dict[int, set[int]] | None = None, relative_gap: float = 1e-4,
-          none_if_unsolved: bool = False, give_up: Callable[[float], bool] | None = None) -> Solution | None:
+def solve(
+    graph: SolverGraph,
+    *,
+    memory_budget: float | None = None,
+    time_limit_s: float = 30.0,
+    workers: int = len(SUBSOLVERS),
+    allowed: dict[int, set[int]] | None = None,
+    relative_gap: float = 1e-4,
+    none_if_unsolved: bool = False,
+    give_up: Callable[[float], bool] | None = None,
+) -> Solution | None:
     """Solve the ILP on ``graph``; raises :class:`MemoryBudgetError` if no layout fits ``memory_budget``.
     ``none_if_unsolved``: return ``None`` instead of raising when the time limit passes before any solution.
     ``give_up``: called with every lower bound CP-SAT proves (seconds, as :attr:`Solution.lower_bound_s`); once it
@@ -117,10 +132,12 @@ def solve(graph: SolverGraph, *, memory_budget: float | None = None, time_limit_
     cached = _SOLVED.get(key)
     if cached is not None:  # the same problem (an identical stage: same layers, mesh, budget) solved before
         SOLVE_COUNTS["reused"] += 1
-        return dataclasses.replace(cached, choice=list(cached.choice), status=f"{cached.status} (reused)",
-                                   solve_s=time.perf_counter() - start)
-    solution = _solve_cp_sat(graph, memory_budget, time_limit_s, workers, allowed, relative_gap, start,
-                             none_if_unsolved, give_up)
+        return dataclasses.replace(
+            cached, choice=list(cached.choice), status=f"{cached.status} (reused)", solve_s=time.perf_counter() - start
+        )
+    solution = _solve_cp_sat(
+        graph, memory_budget, time_limit_s, workers, allowed, relative_gap, start, none_if_unsolved, give_up
+    )
     SOLVE_COUNTS["solved"] += 1
     if solution is None:
         return None
@@ -150,8 +167,9 @@ SOLVE_COUNTS: dict[str, int] = {"solved": 0, "reused": 0, "given_up": 0}
 this process (``plan.solver["ilp_problems"]`` reads them)."""
 
 
-def problem_key(graph: SolverGraph, memory_budget: float | None, allowed: dict[int, set[int]] | None,
-                settings: tuple) -> str:
+def problem_key(
+    graph: SolverGraph, memory_budget: float | None, allowed: dict[int, set[int]] | None, settings: tuple
+) -> str:
     """A digest of everything the ILP reads — per root its strategy names, costs and memory, the share classes
     (as root positions), every edge's resharding matrix, the memory budget, the restrictions and the solver
     settings — and nothing it does not: two stages of identical layers on one logical mesh (which differ only in
@@ -164,30 +182,43 @@ def problem_key(graph: SolverGraph, memory_budget: float | None, allowed: dict[i
 
     classes: dict[str, list[int]] = defaultdict(list)
     for v, root in enumerate(graph.roots):
-        add(v, tuple(s.name for s in root.strategies), np.asarray(root.cost, np.float64),
-            np.asarray(root.memory, np.float64))
+        add(
+            v,
+            tuple(s.name for s in root.strategies),
+            np.asarray(root.cost, np.float64),
+            np.asarray(root.memory, np.float64),
+        )
         if root.transient is not None:
             add("transient", v, np.asarray(root.transient, np.float64))
         if root.share_key is not None:
             classes[root.share_key].append(v)
     add(sorted(tuple(members) for members in classes.values()))
-    for (u, v) in sorted(graph.edges):
+    for u, v in sorted(graph.edges):
         add((u, v), np.asarray(graph.edges[(u, v)], np.float64))
-    for (u, v) in sorted(graph.memory_edges):
+    for u, v in sorted(graph.memory_edges):
         add("memory", (u, v), np.asarray(graph.memory_edges[(u, v)], np.float64))
     add(memory_budget, sorted((v, sorted(keep)) for v, keep in (allowed or {}).items()), settings)
     return digest.hexdigest()
 
 
-def _solve_cp_sat(graph: SolverGraph, memory_budget: float | None, time_limit_s: float, workers: int,
-                  allowed: dict[int, set[int]] | None, relative_gap: float, start: float,
-                  none_if_unsolved: bool = False, give_up: Callable[[float], bool] | None = None) -> Solution | None:
+def _solve_cp_sat(
+    graph: SolverGraph,
+    memory_budget: float | None,
+    time_limit_s: float,
+    workers: int,
+    allowed: dict[int, set[int]] | None,
+    relative_gap: float,
+    start: float,
+    none_if_unsolved: bool = False,
+    give_up: Callable[[float], bool] | None = None,
+) -> Solution | None:
     from ortools.sat.python import cp_model
 
     model = cp_model.CpModel()
     x = _one_choice(model, graph)
-    objective = [int(round(c * _SCALE)) * var for root, vars_ in zip(graph.roots, x)
-                 for c, var in zip(root.cost, vars_) if c > 0]
+    objective = [
+        int(round(c * _SCALE)) * var for root, vars_ in zip(graph.roots, x) for c, var in zip(root.cost, vars_) if c > 0
+    ]
     edge_terms, memory_terms = _edges(model, graph, x)
     objective += edge_terms
     if memory_budget is not None:
@@ -224,16 +255,32 @@ def _solve_cp_sat(graph: SolverGraph, memory_budget: float | None, time_limit_s:
             _raise_over_budget(graph, memory_budget)
         if none_if_unsolved and status == cp_model.UNKNOWN:
             return None
-        raise SolveTimeout(f"the sharding ILP ended with status {solver.status_name(status)} after {elapsed:.1f}s "
-                           f"(time limit {time_limit_s:g} s) with no layout found; raise the time limit")
+        raise SolveTimeout(
+            f"the sharding ILP ended with status {solver.status_name(status)} after {elapsed:.1f}s "
+            f"(time limit {time_limit_s:g} s) with no layout found; raise the time limit"
+        )
     choice = [next(k for k, var in enumerate(vars_) if solver.value(var)) for vars_ in x]
     memory = memory_of(graph, choice)
-    solution = Solution(choice=choice, objective_s=evaluate(graph, choice), bound_s=solver.best_objective_bound / _SCALE,
-                        status=solver.status_name(status), num_variables=len(proto.variables),
-                        num_constraints=len(proto.constraints), solve_s=elapsed, memory_bytes=memory,
-                        objective_terms=len(objective))
-    log.info("sharding ILP: %s, objective %.3g s, gap %.2g, %d vars, %d constraints, %.2fs", solution.status,
-             solution.objective_s, solution.gap, solution.num_variables, solution.num_constraints, elapsed)
+    solution = Solution(
+        choice=choice,
+        objective_s=evaluate(graph, choice),
+        bound_s=solver.best_objective_bound / _SCALE,
+        status=solver.status_name(status),
+        num_variables=len(proto.variables),
+        num_constraints=len(proto.constraints),
+        solve_s=elapsed,
+        memory_bytes=memory,
+        objective_terms=len(objective),
+    )
+    log.info(
+        "sharding ILP: %s, objective %.3g s, gap %.2g, %d vars, %d constraints, %.2fs",
+        solution.status,
+        solution.objective_s,
+        solution.gap,
+        solution.num_variables,
+        solution.num_constraints,
+        elapsed,
+    )
     return solution
 
 
@@ -242,7 +289,8 @@ def _raise_over_budget(graph: SolverGraph, memory_budget: float) -> None:
     raise MemoryBudgetError(
         f"no sharding plan fits the memory budget of {memory_budget / 2**20:.1f} MiB per device; the "
         f"smallest feasible budget is {'at least ' if graph.memory_edges else ''}{smallest / 2**20:.1f} MiB. Use more "
-        "devices, a smaller batch, or PipeshardParallel.")
+        "devices, a smaller batch, or PipeshardParallel."
+    )
 
 
 def _forced_choice(graph: SolverGraph, allowed: dict[int, set[int]] | None) -> list[int] | None:
@@ -262,10 +310,20 @@ def _forced_solution(graph: SolverGraph, choice: list[int], memory_budget: float
     if memory_budget is not None and memory > memory_budget:
         raise MemoryBudgetError(
             f"no sharding plan fits the memory budget of {memory_budget / 2**20:.1f} MiB per device; the only "
-            f"plan on this mesh needs {memory / 2**20:.1f} MiB. Use more devices, a smaller batch, or PipeshardParallel.")
+            f"plan on this mesh needs {memory / 2**20:.1f} MiB. Use more devices, a smaller batch, or "
+            "PipeshardParallel."
+        )
     objective = evaluate(graph, choice)
-    return Solution(choice=choice, objective_s=objective, bound_s=objective, status="FORCED", num_variables=0,
-                    num_constraints=0, solve_s=elapsed, memory_bytes=memory)
+    return Solution(
+        choice=choice,
+        objective_s=objective,
+        bound_s=objective,
+        status="FORCED",
+        num_variables=0,
+        num_constraints=0,
+        solve_s=elapsed,
+        memory_bytes=memory,
+    )
 
 
 def _one_choice(model, graph: SolverGraph) -> list[list]:
@@ -335,7 +393,12 @@ def _groups(model, matrix: np.ndarray, x_row: list, name: str) -> tuple[list, li
 def _memory(model, graph: SolverGraph, x: list[list], budget: float, gathered: list = ()) -> None:
     """Σ_v Σ_k m_v[k]·x_v[k] + Σ G·y + t ≤ M with t ≥ Σ_k r_v[k]·x_v[k] for every root with transients (``t``: the
     largest transient of the chosen strategies); in KiB, to keep coefficients small; ``gathered``: the G·y terms."""
-    terms = [int(np.ceil(m / 1024)) * var for root, vars_ in zip(graph.roots, x) for m, var in zip(root.memory, vars_) if m > 0]
+    terms = [
+        int(np.ceil(m / 1024)) * var
+        for root, vars_ in zip(graph.roots, x)
+        for m, var in zip(root.memory, vars_)
+        if m > 0
+    ]
     transient_roots = [(root, vars_) for root, vars_ in zip(graph.roots, x) if root.transient is not None]
     if transient_roots:
         largest = int(np.ceil(max(float(root.transient.max()) for root, _ in transient_roots) / 1024))
@@ -349,14 +412,18 @@ def _memory(model, graph: SolverGraph, x: list[list], budget: float, gathered: l
 def memory_of(graph: SolverGraph, choice: list[int]) -> float:
     """Per-device bytes of ``choice``: every root's memory, the parameters gathered for their use and the largest
     transient of the chosen strategies."""
-    return (float(sum(root.memory[k] for root, k in zip(graph.roots, choice))) + gathered_memory(graph, choice)
-            + transient_peak(graph, choice))
+    return (
+        float(sum(root.memory[k] for root, k in zip(graph.roots, choice)))
+        + gathered_memory(graph, choice)
+        + transient_peak(graph, choice)
+    )
 
 
 def transient_peak(graph: SolverGraph, choice: list[int]) -> float:
     """The largest bytes one chosen strategy holds only while it runs (0 without transients)."""
-    return max((float(root.transient[k]) for root, k in zip(graph.roots, choice) if root.transient is not None),
-               default=0.0)
+    return max(
+        (float(root.transient[k]) for root, k in zip(graph.roots, choice) if root.transient is not None), default=0.0
+    )
 
 
 def gathered_memory(graph: SolverGraph, choice: list[int]) -> float:

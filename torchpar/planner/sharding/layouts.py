@@ -57,14 +57,17 @@ class ValueLayouts:
         """The per-device shape of a tensor of global ``shape`` laid out as ``spec``."""
         if not spec:
             return tuple(shape)
-        return tuple(size // math.prod(self.mesh_shape[a] for a in entry) if entry else size
-                     for size, entry in zip(shape, spec))
+        return tuple(
+            size // math.prod(self.mesh_shape[a] for a in entry) if entry else size for size, entry in zip(shape, spec)
+        )
 
     def obstacles(self) -> list[str]:
         """Why a per-device (``shard_map``) program cannot run this stage, one line per reason naming up to
         three of the values concerned; empty if it can."""
-        return [f"{reason}: {', '.join(names[:3])}{f' and {len(names) - 3} more' if len(names) > 3 else ''}"
-                for reason, names in self.problems.items()]
+        return [
+            f"{reason}: {', '.join(names[:3])}{f' and {len(names) - 3} more' if len(names) > 3 else ''}"
+            for reason, names in self.problems.items()
+        ]
 
 
 def replay_layouts(graph: Graph, stage: StagePlan) -> ValueLayouts:
@@ -105,11 +108,13 @@ def _replay_node(node: Node, metas: dict, stage: StagePlan, mesh: LogicalMesh, l
         if options:
             layouts.options[node.name] = dict(options)
         if "context" in options:
-            layouts.add_problem("an attention splits its sequence (context parallelism runs under GSPMD only)",
-                                node.name)
+            layouts.add_problem(
+                "an attention splits its sequence (context parallelism runs under GSPMD only)", node.name
+            )
         if "scatter" in options:
-            layouts.add_problem("a matmul reduce-scatters its rows (sequence parallelism runs under GSPMD only)",
-                                node.name)
+            layouts.add_problem(
+                "a matmul reduce-scatters its rows (sequence parallelism runs under GSPMD only)", node.name
+            )
         return
     tracked = [i for i, r in enumerate(refs) if r in layouts.values]
     if not tracked:  # a constant: computed whole on every device
@@ -122,11 +127,19 @@ def _replay_node(node: Node, metas: dict, stage: StagePlan, mesh: LogicalMesh, l
     layouts.operands[node.name] = result.required
     for position, (ref, required) in enumerate(zip(refs, result.required)):
         current = layouts.values.get(ref)
-        if required is None and isinstance(operand_metas[position], TensorMeta) and _is_split(current) \
-                and node.target != "getitem":
-            layouts.add_problem("a custom torch.autograd.Function saves values split across devices (its backward "
-                                "graph computes whole tensors)" if node.target in FUNCTION_MARKERS else
-                                f"{node.target} has no layout rule for a split operand", node.name)
+        if (
+            required is None
+            and isinstance(operand_metas[position], TensorMeta)
+            and _is_split(current)
+            and node.target != "getitem"
+        ):
+            layouts.add_problem(
+                "a custom torch.autograd.Function saves values split across devices (its backward "
+                "graph computes whole tensors)"
+                if node.target in FUNCTION_MARKERS
+                else f"{node.target} has no layout rule for a split operand",
+                node.name,
+            )
     if node.target in REDUCTIONS:
         _replay_reduction(node, operand_metas[main], result.required[main], layouts)
     elif node.target in BATCH_NORMS and node.target != "aten._native_batch_norm_legit_no_training.default":
@@ -163,8 +176,9 @@ def _replay_reduction(node: Node, main_meta: TensorMeta, spec: Spec | None, layo
         return
     kind = PARTIAL_SUM_REDUCTIONS.get(node.target)
     if kind is None:
-        layouts.add_problem(f"{node.target} reduces over a split dim (only sum and mean are finished with a "
-                            "collective)", node.name)
+        layouts.add_problem(
+            f"{node.target} reduces over a split dim (only sum and mean are finished with a collective)", node.name
+        )
         return
     layouts.partial[node.name] = (kind, axes)
 

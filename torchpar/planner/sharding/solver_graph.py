@@ -28,8 +28,14 @@ from torchpar.planner.remat import BACKWARD_WORKING_COPIES, remat_memory
 from torchpar.planner.sharding.cost_model import LogicalMesh
 from torchpar.planner.sharding.exchange_strategies import anchor_of, exchange_strategies, replicated_put
 from torchpar.planner.sharding.follow import follow
-from torchpar.planner.sharding.strategies import (Strategy, attention_scores_bytes, context_strategies,
-                                                  einsum_strategies, expert_strategies, layout_root_strategies)
+from torchpar.planner.sharding.strategies import (
+    Strategy,
+    attention_scores_bytes,
+    context_strategies,
+    einsum_strategies,
+    expert_strategies,
+    layout_root_strategies,
+)
 
 ATTENTION = "aten.scaled_dot_product_attention.default"
 ROW_SCATTERED = ("aten.mm.default", "aten.addmm.default")
@@ -90,14 +96,26 @@ class SolverGraph:
         kinds = defaultdict(int)
         for root in self.roots:
             kinds[root.kind] += 1
-        return (f"solver graph on mesh {self.mesh.shape}: {len(self.roots)} roots {dict(kinds)}, "
-                f"{self.num_strategies} strategies, {len(self.edges)} edges")
+        return (
+            f"solver graph on mesh {self.mesh.shape}: {len(self.roots)} roots {dict(kinds)}, "
+            f"{self.num_strategies} strategies, {len(self.edges)} edges"
+        )
 
 
-def build_solver_graph(graph: Graph, mesh: LogicalMesh, *, trainable: set[str], optimizer_state_copies: float,
-                       batch_dim_axes: tuple[int, ...] | None = None, num_micro_batches: int = 1,
-                       accumulated_weight_grads: bool = True, remat: str = "none", in_flight: int = 1,
-                       experts: str = "auto", context: str = "auto") -> SolverGraph:
+def build_solver_graph(
+    graph: Graph,
+    mesh: LogicalMesh,
+    *,
+    trainable: set[str],
+    optimizer_state_copies: float,
+    batch_dim_axes: tuple[int, ...] | None = None,
+    num_micro_batches: int = 1,
+    accumulated_weight_grads: bool = True,
+    remat: str = "none",
+    in_flight: int = 1,
+    experts: str = "auto",
+    context: str = "auto",
+) -> SolverGraph:
     """The solver graph of ``graph`` on ``mesh``.
 
     ``trainable``: parameter names that get gradients and optimizer state (``2 + optimizer_state_copies``
@@ -116,8 +134,19 @@ def build_solver_graph(graph: Graph, mesh: LogicalMesh, *, trainable: set[str], 
     ``"allgather"``/``"ring"``, which then is its only choice where it applies;
     :func:`.strategies.context_strategies`).
     """
-    builder = _Builder(graph, mesh, trainable, optimizer_state_copies, batch_dim_axes, num_micro_batches,
-                       accumulated_weight_grads, remat, in_flight, experts, context)
+    builder = _Builder(
+        graph,
+        mesh,
+        trainable,
+        optimizer_state_copies,
+        batch_dim_axes,
+        num_micro_batches,
+        accumulated_weight_grads,
+        remat,
+        in_flight,
+        experts,
+        context,
+    )
     return builder.build()
 
 
@@ -130,10 +159,20 @@ _INTERNAL_ERRORS = (TypeError, KeyError, IndexError, AttributeError, AssertionEr
 
 
 class _Builder:
-    def __init__(self, graph: Graph, mesh: LogicalMesh, trainable: set[str], state_copies: float,
-                 batch_dim_axes: tuple[int, ...] | None, num_micro_batches: int = 1,
-                 accumulated_weight_grads: bool = True, remat: str = "none", in_flight: int = 1,
-                 experts: str = "auto", context: str = "auto"):
+    def __init__(
+        self,
+        graph: Graph,
+        mesh: LogicalMesh,
+        trainable: set[str],
+        state_copies: float,
+        batch_dim_axes: tuple[int, ...] | None,
+        num_micro_batches: int = 1,
+        accumulated_weight_grads: bool = True,
+        remat: str = "none",
+        in_flight: int = 1,
+        experts: str = "auto",
+        context: str = "auto",
+    ):
         self.graph = graph
         self.experts = experts
         self.context = context
@@ -199,14 +238,24 @@ class _Builder:
                     f"{'at ' + node.source if node.source else '(its source line is unknown)'}: "
                     f"{type(error).__name__}: {error}. This is a torchpar defect, please report it with this "
                     "message; meanwhile a hand method (DataParallel, Zero2Parallel) or rewriting that line with "
-                    "other ops may avoid it.") from error
+                    "other ops may avoid it."
+                ) from error
         for out in self.graph.outputs:
             if out.kind == "buffer" and out.value is not None and out.value.name in self.values:
                 meta = self.metas[out.value.name]
-                self._require(out.value.name, lambda k: (None,) * len(meta.shape), meta, None)
+                replicated = (None,) * len(meta.shape)
+                self._require(out.value.name, lambda k, spec=replicated: spec, meta, None)
         self._assign_share_keys()
-        return SolverGraph(self.mesh, self.roots, self.edges, self.values, self.anchor_operands, self.num_micro_batches,
-                           self.remat.recomputed, self.memory_edges)
+        return SolverGraph(
+            self.mesh,
+            self.roots,
+            self.edges,
+            self.values,
+            self.anchor_operands,
+            self.num_micro_batches,
+            self.remat.recomputed,
+            self.memory_edges,
+        )
 
     def _assign_share_keys(self) -> None:
         """Roots in identical repeated blocks (``h.0``, ``h.1``, … with the same ops, at least two anchors
@@ -234,8 +283,11 @@ class _Builder:
         cost = np.array([s.compute_s + s.comm_s for s in strategies], dtype=np.float64)
         memory = np.array([s.memory_bytes for s in strategies], dtype=np.float64)
         transient = np.array([s.transient_bytes for s in strategies], dtype=np.float64)
-        self.roots.append(Root(name, kind, label, strategies, cost, memory, share_key,
-                               transient=transient if transient.any() else None))
+        self.roots.append(
+            Root(
+                name, kind, label, strategies, cost, memory, share_key, transient=transient if transient.any() else None
+            )
+        )
         index = len(self.roots) - 1
         self.values[name] = ValueLayout(index, [s.out_spec for s in strategies])
         return index
@@ -250,7 +302,10 @@ class _Builder:
             copies = 2.0 + self.state_copies if inp.target in self.trainable else 1.0
             strategies = layout_root_strategies(meta.shape, meta.nbytes, self.mesh, state_copies=copies)
             self._new_root(inp.name, "param", inp.target, strategies, None)
-            self._paths[len(self.roots) - 1] = (inp.target.rsplit(".", 1)[0], f"param {inp.target.rsplit('.', 1)[-1]}|{meta}")
+            self._paths[len(self.roots) - 1] = (
+                inp.target.rsplit(".", 1)[0],
+                f"param {inp.target.rsplit('.', 1)[-1]}|{meta}",
+            )
         elif inp.kind == "activation":  # from the previous pipeline stage: any layout, priced by its consumers
             strategies = layout_root_strategies(meta.shape, meta.nbytes, self.mesh, state_copies=float(self.in_flight))
             self._new_root(inp.name, "activation", f"activation {inp.target}", strategies, None)
@@ -262,25 +317,37 @@ class _Builder:
                 if not strategies:
                     micro = self.num_micro_batches
                     shards = math.prod(self.mesh.shape[a] for a in self.batch_dim_axes)
-                    per_step = (f" (one of num_micro_batches={micro} micro-batches: the batch's {meta.shape[0] * micro} "
-                                f"rows must be a multiple of {micro} micro-batches × {shards} devices = {micro * shards};"
-                                f" use fewer micro-batches or a batch size that divides)" if micro > 1 else "")
-                    rows = ("" if micro > 1 else f" ({meta.shape[0]} rows over {shards} devices: give an example "
-                                                       f"batch of a multiple of {shards} rows, or use fewer devices, "
-                                                       f"e.g. mesh_shape=(1, {math.gcd(meta.shape[0], shards)}); "
-                                                       "later batches may be uneven)")
-                    raise ValueError(f"batch input {inp.target} of shape {list(meta.shape)} cannot be split over mesh "
-                                     f"axes {self.batch_dim_axes} of {self.mesh.shape}: the batch size must divide "
-                                     f"evenly{per_step}{rows}")
+                    per_step = (
+                        f" (one of num_micro_batches={micro} micro-batches: the batch's {meta.shape[0] * micro} "
+                        f"rows must be a multiple of {micro} micro-batches × {shards} devices = {micro * shards};"
+                        f" use fewer micro-batches or a batch size that divides)"
+                        if micro > 1
+                        else ""
+                    )
+                    rows = (
+                        ""
+                        if micro > 1
+                        else f" ({meta.shape[0]} rows over {shards} devices: give an example "
+                        f"batch of a multiple of {shards} rows, or use fewer devices, "
+                        f"e.g. mesh_shape=(1, {math.gcd(meta.shape[0], shards)}); "
+                        "later batches may be uneven)"
+                    )
+                    raise ValueError(
+                        f"batch input {inp.target} of shape {list(meta.shape)} cannot be split over mesh "
+                        f"axes {self.batch_dim_axes} of {self.mesh.shape}: the batch size must divide "
+                        f"evenly{per_step}{rows}"
+                    )
             self._new_root(inp.name, "input", f"input {inp.target}", strategies, None)
         else:  # buffers and constants stay replicated
             spec = (None,) * len(meta.shape)
-            self._new_root(inp.name, inp.kind, inp.target, [Strategy("replicated", spec, memory_bytes=meta.nbytes)], None)
+            self._new_root(
+                inp.name, inp.kind, inp.target, [Strategy("replicated", spec, memory_bytes=meta.nbytes)], None
+            )
 
     # --- nodes ----------------------------------------------------------------------------------
 
     def _add_node(self, node: Node) -> None:
-        refs = [r for r in node.refs()]
+        refs = list(node.refs())
         operand_metas = [self.metas.get(r) for r in refs]
         anchor = anchor_of(node, operand_metas)
         if anchor is not None:
@@ -306,21 +373,41 @@ class _Builder:
         row-exchange (``form``, :func:`.exchange_strategies.row_exchange_form`) ones its op adds."""
         grads = [r in self.needs_grad for r in refs]
         if einsum is not None:
-            strategies = einsum_strategies(einsum, [m.shape for m in metas], node.out.shape, node.flops,
-                                           node.out.nbytes, [m.nbytes for m in metas], grads, self.mesh,
-                                           weight_operands=self._weights(refs),
-                                           num_micro_batches=self.num_micro_batches,
-                                           scatter_rows=node.target in ROW_SCATTERED and len(node.out.shape) == 2)
+            strategies = einsum_strategies(
+                einsum,
+                [m.shape for m in metas],
+                node.out.shape,
+                node.flops,
+                node.out.nbytes,
+                [m.nbytes for m in metas],
+                grads,
+                self.mesh,
+                weight_operands=self._weights(refs),
+                num_micro_batches=self.num_micro_batches,
+                scatter_rows=node.target in ROW_SCATTERED and len(node.out.shape) == 2,
+            )
         else:
             strategies = [replicated_put([m.shape for m in metas], node.out.nbytes)]
         if form is not None:
             moved = metas[0] if form == "gather" else metas[2]
-            strategies = strategies + exchange_strategies(form, [m.shape for m in metas], DTYPE_BYTES.get(moved.dtype, 4),
-                                                          grads, self.mesh, num_micro_batches=self.num_micro_batches)
+            strategies = strategies + exchange_strategies(
+                form,
+                [m.shape for m in metas],
+                DTYPE_BYTES.get(moved.dtype, 4),
+                grads,
+                self.mesh,
+                num_micro_batches=self.num_micro_batches,
+            )
         if node.target in GROUPED_MATMULS:
-            split = expert_strategies([m.shape for m in metas], node.flops, DTYPE_BYTES.get(metas[0].dtype, 4), grads,
-                                      self.mesh, weight_operands=self._weights(refs),
-                                      num_micro_batches=self.num_micro_batches)
+            split = expert_strategies(
+                [m.shape for m in metas],
+                node.flops,
+                DTYPE_BYTES.get(metas[0].dtype, 4),
+                grads,
+                self.mesh,
+                weight_operands=self._weights(refs),
+                num_micro_batches=self.num_micro_batches,
+            )
             strategies = _expert_choice(self.experts, strategies, split)
         if node.target == ATTENTION:
             strategies = self._attention_strategies(node, metas, strategies)
@@ -335,8 +422,14 @@ class _Builder:
         for position, ref in enumerate(refs):
             if ref not in self.values:
                 continue
-            self._require(ref, lambda l, p=position: strategies[l].in_specs[p], metas[position], index,
-                          grad=ref in self.needs_grad, count_gathered=node.target in GROUPED_MATMULS)
+            self._require(
+                ref,
+                lambda k, p=position: strategies[k].in_specs[p],
+                metas[position],
+                index,
+                grad=ref in self.needs_grad,
+                count_gathered=node.target in GROUPED_MATMULS,
+            )
 
     def _attention_strategies(self, node: Node, metas: list[Any], einsum: list[Strategy]) -> list[Strategy]:
         """An attention's strategies: the einsum ones (batch, heads), charged the ``L × S`` probabilities their
@@ -347,13 +440,26 @@ class _Builder:
         scores = attention_probabilities_bytes(node, metas)
         # causal: priced as a flash kernel computes it (cuDNN's on a GPU), the masked half of the blocks skipped
         share = 0.5 if form else 1.0
-        whole = [dataclasses.replace(s, memory_bytes=s.memory_bytes + scores / _shards(s.out_spec[:2], self.mesh),
-                                     compute_s=s.compute_s * share) for s in einsum]
+        whole = [
+            dataclasses.replace(
+                s,
+                memory_bytes=s.memory_bytes + scores / _shards(s.out_spec[:2], self.mesh),
+                compute_s=s.compute_s * share,
+            )
+            for s in einsum
+        ]
         if self.context == "off" or form is None or len(metas) != 3 or any(len(m.shape) != 4 for m in metas):
             return whole
         variants = ("allgather", "ring") if self.context == "auto" else (self.context,)
-        split = context_strategies([m.shape for m in metas], node.flops, itemsize, self.mesh, causal=form,
-                                   variants=variants, num_micro_batches=self.num_micro_batches)
+        split = context_strategies(
+            [m.shape for m in metas],
+            node.flops,
+            itemsize,
+            self.mesh,
+            causal=form,
+            variants=variants,
+            num_micro_batches=self.num_micro_batches,
+        )
         if self.context != "auto" and split:
             return split
         return whole + split
@@ -382,11 +488,17 @@ class _Builder:
                 continue
             if all(r.required[position] is None for r in results):
                 continue
-            self._require(ref, lambda k, p=position: results[k].required[p], metas[position], layout.root,
-                          grad=ref in self.needs_grad)
+            self._require(
+                ref,
+                lambda k, p=position: results[k].required[p],
+                metas[position],
+                layout.root,
+                grad=ref in self.needs_grad,
+            )
 
-    def _gathered_view_bytes(self, node: Node, ref: str, main: int, meta: Any, specs: list[Any],
-                             results: list[Any]) -> list[float]:
+    def _gathered_view_bytes(
+        self, node: Node, ref: str, main: int, meta: Any, specs: list[Any], results: list[Any]
+    ) -> list[float]:
         """Per strategy: the bytes a slice or split of ``ref`` (``op_families.SLICES``) holds when it needs ``ref``
         gathered into a larger layout. Its result aliases the gathered copy (XLA fuses the slice into its
         readers), so the copy lives as long as ``ref`` does: ``ref``'s kept copies × the gathered local bytes (HF
@@ -398,11 +510,21 @@ class _Builder:
         kept = self._copies(ref, working_set=False)
         if not kept:
             return none
-        return [kept * _gathered_bytes(meta, spec, result.required[main] if main < len(result.required) else None,
-                                       self.mesh) for spec, result in zip(specs, results)]
+        return [
+            kept
+            * _gathered_bytes(meta, spec, result.required[main] if main < len(result.required) else None, self.mesh)
+            for spec, result in zip(specs, results)
+        ]
 
-    def _require(self, ref: str, required_of: Any, meta: TensorMeta, consumer_root: int | None,
-                 grad: bool = False, count_gathered: bool = False) -> None:
+    def _require(
+        self,
+        ref: str,
+        required_of: Any,
+        meta: TensorMeta,
+        consumer_root: int | None,
+        grad: bool = False,
+        count_gathered: bool = False,
+    ) -> None:
         """Charge resharding value ``ref`` into ``required_of(k)`` for each strategy ``k`` of the consumer root
         (``None``: a fixed requirement, charged to the value's own root). ``count_gathered``: a parameter gathered
         into a larger layout for this use also holds memory (``memory_edges``)."""
@@ -421,20 +543,20 @@ class _Builder:
         matrix = np.zeros((rows, cols))
         is_param = count_gathered and self.roots[source].kind == "param"
         gathered = np.zeros((rows, cols)) if is_param else None
-        wanted_specs = [required_of(l) for l in range(cols)]
+        wanted_specs = [required_of(k) for k in range(cols)]
         cache: dict[tuple[str, str], float] = {}
         for k, spec in enumerate(layout.specs):
             if spec is None:
                 continue
-            for l, wanted in enumerate(wanted_specs):
+            for column, wanted in enumerate(wanted_specs):
                 if wanted is None:
                     continue
                 key = (repr(spec), repr(wanted))
                 if key not in cache:
                     cache[key] = self._reshard(nbytes, spec, wanted, grad)
-                matrix[k, l] = cache[key]
+                matrix[k, column] = cache[key]
                 if is_param:
-                    gathered[k, l] = _gathered_bytes(meta, spec, wanted, self.mesh)
+                    gathered[k, column] = _gathered_bytes(meta, spec, wanted, self.mesh)
         self._add_pair(self.edges, source, consumer_root, matrix)
         if gathered is not None:
             self._add_pair(self.memory_edges, source, consumer_root, gathered)
@@ -465,8 +587,11 @@ def attention_probabilities_bytes(node: Node, operand_metas: list[Any]) -> float
     """Bytes of ``L × S`` probabilities an attention node keeps for its backward when its sequence is whole
     (:func:`.strategies.attention_scores_bytes`); 0 for other nodes, and for a 16-bit attention with no mask or
     dropout, which takes cuDNN's flash kernel on a GPU (it keeps only the rows' log-sum-exp)."""
-    if node.target != ATTENTION or len(operand_metas) < 2 or not all(isinstance(m, TensorMeta)
-                                                                      for m in operand_metas[:2]):
+    if (
+        node.target != ATTENTION
+        or len(operand_metas) < 2
+        or not all(isinstance(m, TensorMeta) for m in operand_metas[:2])
+    ):
         return 0.0
     itemsize = DTYPE_BYTES.get(operand_metas[0].dtype, 4)
     if itemsize == 2 and attention_form(node) is not None:
@@ -495,8 +620,11 @@ def _expert_choice(experts: str, einsum: list[Strategy], split: list[Strategy]) 
     if experts == "split":
         kept = split
     elif experts == "tensor":
-        kept = [s for s in einsum if s.name != "replicated"
-                and all(part.split("@")[0] in ("k", "n") for part in s.name.split(","))]
+        kept = [
+            s
+            for s in einsum
+            if s.name != "replicated" and all(part.split("@")[0] in ("k", "n") for part in s.name.split(","))
+        ]
     elif experts == "replicated":
         kept = [s for s in einsum if s.name == "replicated"]
     else:

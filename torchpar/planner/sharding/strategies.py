@@ -19,8 +19,8 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 from torchpar.ir.costs import expert_slot_rows
 from torchpar.ir.graph import one_row_index
@@ -67,7 +67,7 @@ class Einsum:
 
     @property
     def contracted(self) -> str:
-        return "".join(sorted({l for ops in self.operands for l in ops} - set(self.out)))
+        return "".join(sorted({label for ops in self.operands for label in ops} - set(self.out)))
 
 
 def layout_strategies(shape: Sequence[int], mesh: LogicalMesh) -> list[Spec]:
@@ -92,10 +92,20 @@ def _axis_groups(live_axes: list[int]) -> list[tuple[int, ...]]:
     return groups
 
 
-def einsum_strategies(einsum: Einsum, operand_shapes: Sequence[Sequence[int]], out_shape: Sequence[int],
-                      flops: float, out_bytes: float, operand_bytes: Sequence[float],
-                      needs_grad: Sequence[bool], mesh: LogicalMesh, *, weight_operands: Sequence[bool] = (),
-                      num_micro_batches: int = 1, scatter_rows: bool = False) -> list[Strategy]:
+def einsum_strategies(
+    einsum: Einsum,
+    operand_shapes: Sequence[Sequence[int]],
+    out_shape: Sequence[int],
+    flops: float,
+    out_bytes: float,
+    operand_bytes: Sequence[float],
+    needs_grad: Sequence[bool],
+    mesh: LogicalMesh,
+    *,
+    weight_operands: Sequence[bool] = (),
+    num_micro_batches: int = 1,
+    scatter_rows: bool = False,
+) -> list[Strategy]:
     """Every assignment of mesh axes to splittable labels that divides the dims evenly.
 
     Gradient accumulation over ``num_micro_batches`` M: the op runs M times a step, so its compute and
@@ -109,7 +119,7 @@ def einsum_strategies(einsum: Einsum, operand_shapes: Sequence[Sequence[int]], o
     gradient's all-gather ``AG(out)`` backward in place of ``AR(out)``, and ``1/|A|`` of the output kept."""
     sizes = _label_sizes(einsum, operand_shapes, out_shape)
     live_axes = [a for a in (0, 1) if mesh.shape[a] > 1]
-    labels = [l for l in dict.fromkeys(einsum.splittable) if l in sizes]
+    labels = [label for label in dict.fromkeys(einsum.splittable) if label in sizes]
     assignments: list[dict[str, tuple[int, ...]]] = [{}]
     for axes in _axis_groups(live_axes):
         for label in labels:
@@ -119,10 +129,21 @@ def einsum_strategies(einsum: Einsum, operand_shapes: Sequence[Sequence[int]], o
             assignments.append({l0: (0,), l1: (1,)})
     strategies = []
     for assignment in assignments:
-        if any(sizes[l] % math.prod(mesh.shape[a] for a in axes) for l, axes in assignment.items()):
+        if any(sizes[label] % math.prod(mesh.shape[a] for a in axes) for label, axes in assignment.items()):
             continue
-        strategy = _einsum_strategy(einsum, assignment, operand_shapes, out_shape, flops, out_bytes, operand_bytes,
-                                    needs_grad, mesh, weight_operands, num_micro_batches)
+        strategy = _einsum_strategy(
+            einsum,
+            assignment,
+            operand_shapes,
+            out_shape,
+            flops,
+            out_bytes,
+            operand_bytes,
+            needs_grad,
+            mesh,
+            weight_operands,
+            num_micro_batches,
+        )
         strategies.append(strategy)
         if scatter_rows and "k" in assignment:
             scattered = _rows_scattered(strategy, assignment, sizes, out_bytes, mesh, num_micro_batches)
@@ -130,8 +151,14 @@ def einsum_strategies(einsum: Einsum, operand_shapes: Sequence[Sequence[int]], o
     return strategies
 
 
-def _rows_scattered(strategy: Strategy, assignment: dict[str, tuple[int, ...]], sizes: dict[str, int],
-                    out_bytes: float, mesh: LogicalMesh, num_micro_batches: int) -> Strategy | None:
+def _rows_scattered(
+    strategy: Strategy,
+    assignment: dict[str, tuple[int, ...]],
+    sizes: dict[str, int],
+    out_bytes: float,
+    mesh: LogicalMesh,
+    num_micro_batches: int,
+) -> Strategy | None:
     """``strategy`` (of ``mk, kn → mn`` with ``k`` split over ``A``) with its output rows scattered over ``A`` too
     (:func:`einsum_strategies`); ``None`` if the rows do not divide."""
     axes = assignment["k"]
@@ -143,11 +170,16 @@ def _rows_scattered(strategy: Strategy, assignment: dict[str, tuple[int, ...]], 
     scatter = mesh.reduce_scatter(out_local, axes) + mesh.all_gather(out_local, axes)
     out_spec = (rows_axes, assignment.get("n"))
     return dataclasses.replace(
-        strategy, name=f"{strategy.name}>m@{''.join(map(str, rows_axes))}", out_spec=out_spec,
+        strategy,
+        name=f"{strategy.name}>m@{''.join(map(str, rows_axes))}",
+        out_spec=out_spec,
         comm_s=strategy.comm_s + num_micro_batches * (scatter - saved),
         memory_bytes=strategy.memory_bytes / math.prod(mesh.shape[a] for a in axes),
-        collectives=tuple(c.replace("fwd all-reduce", "fwd reduce-scatter (bwd all-gather)")
-                          for c in strategy.collectives), lowering=(("scatter", "rows"),))
+        collectives=tuple(
+            c.replace("fwd all-reduce", "fwd reduce-scatter (bwd all-gather)") for c in strategy.collectives
+        ),
+        lowering=(("scatter", "rows"),),
+    )
 
 
 def _label_sizes(einsum: Einsum, operand_shapes: Sequence[Sequence[int]], out_shape: Sequence[int]) -> dict[str, int]:
@@ -159,7 +191,7 @@ def _label_sizes(einsum: Einsum, operand_shapes: Sequence[Sequence[int]], out_sh
 
 
 def _spec_for(labels: str, assignment: dict[str, tuple[int, ...]]) -> Spec:
-    return tuple(assignment.get(l) for l in labels)
+    return tuple(assignment.get(label) for label in labels)
 
 
 def _unsplit_broadcast(spec: Spec, shape: Sequence[int]) -> Spec:
@@ -167,12 +199,24 @@ def _unsplit_broadcast(spec: Spec, shape: Sequence[int]) -> Spec:
     return tuple(None if size == 1 else entry for entry, size in zip(spec, shape))
 
 
-def _einsum_strategy(einsum: Einsum, assignment: dict[str, tuple[int, ...]], operand_shapes, out_shape, flops,
-                     out_bytes, operand_bytes, needs_grad, mesh: LogicalMesh, weight_operands: Sequence[bool] = (),
-                     num_micro_batches: int = 1) -> Strategy:
+def _einsum_strategy(
+    einsum: Einsum,
+    assignment: dict[str, tuple[int, ...]],
+    operand_shapes,
+    out_shape,
+    flops,
+    out_bytes,
+    operand_bytes,
+    needs_grad,
+    mesh: LogicalMesh,
+    weight_operands: Sequence[bool] = (),
+    num_micro_batches: int = 1,
+) -> Strategy:
     out_spec = _spec_for(einsum.out, assignment)
-    in_specs = tuple(_unsplit_broadcast(_spec_for(labels, assignment), shape)
-                     for labels, shape in zip(einsum.operands, operand_shapes))
+    in_specs = tuple(
+        _unsplit_broadcast(_spec_for(labels, assignment), shape)
+        for labels, shape in zip(einsum.operands, operand_shapes)
+    )
     shards = math.prod(mesh.shape[a] for axes in assignment.values() for a in axes)
     comm = 0.0
     collectives = []
@@ -192,12 +236,20 @@ def _einsum_strategy(einsum: Einsum, assignment: dict[str, tuple[int, ...]], ope
                 comm += times * mesh.all_reduce(local, axes)
                 collectives.append(f"bwd all-reduce {local:.0f}B over {axes}")
     name = ",".join(f"{label}@{''.join(map(str, axes))}" for label, axes in assignment.items()) or "replicated"
-    return Strategy(name=name, out_spec=out_spec, in_specs=in_specs, compute_s=num_micro_batches * mesh.compute(3.0 * flops, shards),
-                    comm_s=comm, memory_bytes=out_local, collectives=tuple(collectives))
+    return Strategy(
+        name=name,
+        out_spec=out_spec,
+        in_specs=in_specs,
+        compute_s=num_micro_batches * mesh.compute(3.0 * flops, shards),
+        comm_s=comm,
+        memory_bytes=out_local,
+        collectives=tuple(collectives),
+    )
 
 
-def layout_root_strategies(shape: Sequence[int], nbytes: float, mesh: LogicalMesh, *,
-                           state_copies: float) -> list[Strategy]:
+def layout_root_strategies(
+    shape: Sequence[int], nbytes: float, mesh: LogicalMesh, *, state_copies: float
+) -> list[Strategy]:
     """Strategies of a parameter or batch input: each valid layout, holding ``state_copies`` × its bytes
     per device (a parameter: itself, its gradient and the optimizer state; an input: 1)."""
     strategies = []
@@ -218,12 +270,12 @@ def anchor_einsum(target: str, args: tuple, operand_ranks: Sequence[int], out_ra
     if target == "aten.mm.default":
         return Einsum(("mk", "kn"), "mn", "mkn")
     if target == "aten.addmm.default":
-        bias = "mn"[2 - operand_ranks[0]:] if operand_ranks[0] <= 2 else "mn"
+        bias = "mn"[2 - operand_ranks[0] :] if operand_ranks[0] <= 2 else "mn"
         return Einsum((bias, "mk", "kn"), "mn", "mkn")
     if target == "aten.bmm.default":
         return Einsum(("bmk", "bkn"), "bmn", "bmkn")
     if target == "aten.baddbmm.default":
-        bias = "bmn"[3 - operand_ranks[0]:]
+        bias = "bmn"[3 - operand_ranks[0] :]
         return Einsum((bias, "bmk", "bkn"), "bmn", "bmkn")
     if target == "aten.convolution.default":
         spatial = out_rank - 2
@@ -251,16 +303,21 @@ def anchor_einsum(target: str, args: tuple, operand_ranks: Sequence[int], out_ra
             return None
         operands = ["bhle", "bhse", "bhsf"]
         if len(operand_ranks) > 3:  # attn_mask broadcasts against [b, h, l, s]
-            operands.append("bhls"[4 - operand_ranks[3]:])
+            operands.append("bhls"[4 - operand_ranks[3] :])
         return Einsum(tuple(operands), "bhlf", "bh")
     return None
 
 
-
-
-def expert_strategies(operand_shapes: Sequence[Sequence[int]], flops: float, itemsize: int,
-                      needs_grad: Sequence[bool], mesh: LogicalMesh, *, weight_operands: Sequence[bool] = (),
-                      num_micro_batches: int = 1) -> list[Strategy]:
+def expert_strategies(
+    operand_shapes: Sequence[Sequence[int]],
+    flops: float,
+    itemsize: int,
+    needs_grad: Sequence[bool],
+    mesh: LogicalMesh,
+    *,
+    weight_operands: Sequence[bool] = (),
+    num_micro_batches: int = 1,
+) -> list[Strategy]:
     """Expert-parallel strategies of a grouped matmul ``x [S, K] · w [E, K, N]`` (offsets ``[E]``), lowered by
     ``jaxbackend.ops.expert_parallel``: ``w``'s experts split over axes ``A`` (one axis, or both), ``x``'s rows
     over ``R ⊇ A`` (``A``, or ``A`` and the other axis ``b``: data parallelism beside the experts), optionally
@@ -294,7 +351,7 @@ def expert_strategies(operand_shapes: Sequence[Sequence[int]], flops: float, ite
             choices += [((a,), (a, b), ()), ((a,), (a,), (b,))]
     if len(live) == 2:
         choices.append(((0, 1), (0, 1), ()))
-    size = lambda axes: math.prod(mesh.shape[x] for x in axes)  # noqa: E731
+    size = lambda axes: math.prod(mesh.shape[x] for x in axes)
     strategies = []
     for expert_axes, row_axes, column_axes in choices:
         peers, chunks, column_shards = size(expert_axes), size(row_axes), size(column_axes)
@@ -316,19 +373,27 @@ def expert_strategies(operand_shapes: Sequence[Sequence[int]], flops: float, ite
         if column_axes and needs_grad and needs_grad[0]:
             comm += num_micro_batches * mesh.all_reduce(local_rows * width * itemsize, column_axes)
             collectives.append(f"bwd all-reduce {local_rows * width * itemsize:.0f}B over {column_axes}")
-        name = f"experts@{''.join(map(str, expert_axes))},s@{''.join(map(str, row_axes))}" + \
-            (f",n@{''.join(map(str, column_axes))}" if column_axes else "")
+        name = f"experts@{''.join(map(str, expert_axes))},s@{''.join(map(str, row_axes))}" + (
+            f",n@{''.join(map(str, column_axes))}" if column_axes else ""
+        )
         out_bytes = local_rows * columns // column_shards * itemsize
         buffer_rows = local_rows + peers * slot
         if slot < local_rows:  # the exact path's buffer is saved too
             buffer_rows += local_rows + peers * local_rows
         buffer_bytes = buffer_rows * width * itemsize
         transient = buffer_rows * (width + columns // column_shards) * itemsize
-        strategies.append(Strategy(
-            name=name, out_spec=(row_axes, column_axes or None),
-            in_specs=((row_axes, None), (expert_axes, None, column_axes or None), (None,)),
-            compute_s=num_micro_batches * mesh.compute(3.0 * flops, chunks * column_shards), comm_s=comm,
-            memory_bytes=out_bytes + buffer_bytes, transient_bytes=transient, collectives=tuple(collectives)))
+        strategies.append(
+            Strategy(
+                name=name,
+                out_spec=(row_axes, column_axes or None),
+                in_specs=((row_axes, None), (expert_axes, None, column_axes or None), (None,)),
+                compute_s=num_micro_batches * mesh.compute(3.0 * flops, chunks * column_shards),
+                comm_s=comm,
+                memory_bytes=out_bytes + buffer_bytes,
+                transient_bytes=transient,
+                collectives=tuple(collectives),
+            )
+        )
     return strategies
 
 
@@ -339,9 +404,16 @@ def attention_scores_bytes(query_shape: Sequence[int], key_shape: Sequence[int],
     return batch_heads * query_shape[-2] * key_shape[-2] * (4 + (itemsize if itemsize < 4 else 0))
 
 
-def context_strategies(operand_shapes: Sequence[Sequence[int]], flops: float, itemsize: int,
-                       mesh: LogicalMesh, *, causal: bool, variants: Sequence[str],
-                       num_micro_batches: int = 1) -> list[Strategy]:
+def context_strategies(
+    operand_shapes: Sequence[Sequence[int]],
+    flops: float,
+    itemsize: int,
+    mesh: LogicalMesh,
+    *,
+    causal: bool,
+    variants: Sequence[str],
+    num_micro_batches: int = 1,
+) -> list[Strategy]:
     """Strategies of an attention ``q [B, H, L, E], k [B, Hk, S, E], v [B, Hk, S, F]`` with its sequence split
     (context parallelism, ``jaxbackend.ops.context_attention``): ``L`` and ``S`` over mesh axes ``A`` (``P``
     devices; one axis or both), the other axis (if any) free or on the batch or the heads. Per micro-batch, with
@@ -363,7 +435,7 @@ def context_strategies(operand_shapes: Sequence[Sequence[int]], flops: float, it
     if causal and queries != keys:
         return []
     live = [a for a in (0, 1) if mesh.shape[a] > 1]
-    size = lambda axes: math.prod(mesh.shape[x] for x in axes)  # noqa: E731
+    size = lambda axes: math.prod(mesh.shape[x] for x in axes)
     choices: list[tuple[tuple[int, ...], str | None, tuple[int, ...]]] = []
     for a in live:
         choices.append(((a,), None, ()))
@@ -386,12 +458,15 @@ def context_strategies(operand_shapes: Sequence[Sequence[int]], flops: float, it
         kv_local = k_batch * kv_heads * keys * (width + v_width) * itemsize / (p * kv_split)
         share = (2 * p + 1) / (4 * p) if causal else 1.0
         forward_s = mesh.compute(flops * share, p * o)
-        permute = lambda nbytes: max(mesh.alpha[a] + mesh.beta[a] * nbytes for a in seq_axes)  # noqa: E731
+        permute = lambda nbytes, seq_axes=seq_axes: max(mesh.alpha[a] + mesh.beta[a] * nbytes for a in seq_axes)
         grad_kv = kv_local * 4 / itemsize
         zigzag = 2.0 * (permute(q_local + kv_local) + permute(out_local)) if causal else 0.0
-        entries = lambda n_dim, kv: (  # noqa: E731
+        entries = lambda n_dim, kv, other=other, other_axes=other_axes, seq_axes=seq_axes: (
             (other_axes if other == "b" and n_dim > 1 else None),
-            (other_axes if other == "h" and (kv_heads > 1 or not kv) else None), seq_axes, None)
+            (other_axes if other == "h" and (kv_heads > 1 or not kv) else None),
+            seq_axes,
+            None,
+        )
         q_spec = entries(batch, False)
         kv_spec = entries(k_batch, True)
         base = f"seq@{''.join(map(str, seq_axes))}" + (f",{other}@{''.join(map(str, other_axes))}" if other else "")
@@ -402,14 +477,23 @@ def context_strategies(operand_shapes: Sequence[Sequence[int]], flops: float, it
             else:
                 step_s = forward_s / p
                 comm = (p - 1) * max(permute(kv_local) - step_s, min(mesh.alpha[a] for a in seq_axes))
-                comm += (p - 1) * max(permute(kv_local) + permute(grad_kv) - 2 * step_s,
-                                      min(mesh.alpha[a] for a in seq_axes)) + permute(grad_kv)
+                comm += (p - 1) * max(
+                    permute(kv_local) + permute(grad_kv) - 2 * step_s, min(mesh.alpha[a] for a in seq_axes)
+                ) + permute(grad_kv)
                 what = f"ring: {p - 1} moves of {kv_local:.0f}B over {seq_axes} forward, K|V and its grad backward"
             collectives = (what,) + ((f"zig-zag moves of q|k|v and the output over {seq_axes}",) if causal else ())
             rows = batch * heads * queries / (p * o)
             memory = out_local + 4 * rows + ((q_local + kv_local + out_local) if causal else 0.0)
-            strategies.append(Strategy(
-                name=f"{base},{variant}", out_spec=q_spec, in_specs=(q_spec, kv_spec, kv_spec),
-                compute_s=num_micro_batches * 3.0 * forward_s, comm_s=num_micro_batches * (comm + zigzag),
-                memory_bytes=memory, collectives=collectives, lowering=(("context", variant),)))
+            strategies.append(
+                Strategy(
+                    name=f"{base},{variant}",
+                    out_spec=q_spec,
+                    in_specs=(q_spec, kv_spec, kv_spec),
+                    compute_s=num_micro_batches * 3.0 * forward_s,
+                    comm_s=num_micro_batches * (comm + zigzag),
+                    memory_bytes=memory,
+                    collectives=collectives,
+                    lowering=(("context", variant),),
+                )
+            )
     return strategies
