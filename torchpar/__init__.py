@@ -7,8 +7,9 @@ still set the number of (fake CPU) devices before JAX starts, and Ray host actor
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Unpack
 
+from torchpar import options as _options
 from torchpar import plan_writers as _plan_writers
 from torchpar.cluster import ClusterSpec, init, shutdown
 from torchpar.methods import (
@@ -28,7 +29,7 @@ if TYPE_CHECKING:
     from torchpar.api import Engine
     from torchpar.feeding import HostData
     from torchpar.methods import Method
-    from torchpar.metrics import StepMetrics
+    from torchpar.options import CompileKwargs, PlanKwargs
     from torchpar.planner.plan import Plan
 
 
@@ -80,6 +81,7 @@ _plan_writers.register("html", _save_html)
 _plan_writers.register("png", _save_png)
 
 
+@_options.with_options()
 def compile(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -90,19 +92,7 @@ def compile(
     step_fn: Callable[[torch.nn.Module, Any], torch.Tensor] | None = None,
     forward_fn: Callable[[torch.nn.Module, Any], Any] | None = None,
     method: Method | Plan | None = None,
-    grad_clip_norm: float | None = None,
-    seed: int = 0,
-    xla_library_fusions: bool = True,
-    spmd: Literal["auto", "gspmd", "shard_map"] = "auto",
-    check_inputs: bool = True,
-    on_nonfinite: Literal["raise", "skip", "ignore"] = "raise",
-    matmul_precision: Literal["highest", "high", "medium"] | None = None,
-    mixed_precision: Literal["bf16", "fp16"] | None = None,
-    remat: Literal["none", "layers", "selective", "auto"] | None = None,
-    profile: bool = False,
-    log_every: int = 0,
-    on_metrics: Callable[[StepMetrics], None] | None = None,
-    grad_stand_ins: bool = True,
+    **options: Unpack[CompileKwargs],
 ) -> Engine:
     """Capture ``model``'s training step on ``example_batch`` and compile it with ``method``; returns the
     :class:`~torchpar.api.Engine` (``engine.step(batch)``; ``engine.close()``, or use it in a ``with`` block).
@@ -122,42 +112,8 @@ def compile(
       the calling convention.
     - ``method``: ``None`` (one device), ``DataParallel``, ``Zero2Parallel``, ``Zero3Parallel``,
       ``MegatronParallel``, ``ShardParallel``, ``PipeshardParallel``, or a saved ``Plan`` to run as given.
-    - ``grad_clip_norm``: clip gradients to this global L2 norm before the update (``clip_grad_norm_``);
-      ``None``: off.
-    - ``seed``: seed of the PRNG stream that dropout and other random ops draw from.
-    - ``xla_library_fusions``: on CPU, compile with XLA's YNNPACK/oneDNN library fusions; ``False`` keeps XLA's
-      defaults.
-    - ``spmd``: how a sharded one-stage plan becomes a program: ``"auto"`` (a per-device ``shard_map`` step for
-      DataParallel/Zero2/Zero3 when it can run them, else GSPMD), ``"gspmd"`` (XLA's partitioner inserts the
-      collectives) or ``"shard_map"`` (per-device step for any one-stage plan; an error if it cannot run it).
-    - ``check_inputs``: check before each step and forward that integer batch values used as indices are in
-      the range PyTorch accepts (XLA would clamp them silently), and that int64 arithmetic on them stays in
-      int32's range (JAX would wrap it: ``IntegerOverflowError``).
-    - ``on_nonfinite``: a step with an inf/nan loss or gradient never updates the state; ``"raise"``: then
-      raise ``NonFiniteError`` naming the first culprit, ``"skip"``: log and count it in
-      ``engine.skipped_steps``, ``"ignore"``: apply the update as PyTorch does.
-    - ``matmul_precision``: float32 products and convolutions on a GPU in ``"highest"`` (fp32), ``"high"`` (TF32)
-      or ``"medium"`` (bf16 passes) precision; ``None`` follows ``torch.get_float32_matmul_precision()`` and
-      ``torch.backends.cudnn.allow_tf32`` at compile time. The CPU computes fp32 products whatever is asked.
-    - ``mixed_precision``: ``"bf16"`` or ``"fp16"`` trains under ``torch.autocast`` semantics with float32
-      master weights and optimizer state; ``"fp16"`` adds dynamic loss scaling as ``torch.amp.GradScaler``
-      (``engine.loss_scale``). ``None``: the model's own dtypes (a bf16/fp16 model trains in its dtype).
-    - ``remat``: activation checkpointing per layer (a numbered child such as ``model.layers.3``): ``"layers"``
-      recomputes each layer's forward in its backward, keeping its input; ``"selective"`` also keeps its linear
-      layers' outputs; ``"none"`` keeps every activation; ``"auto"``: the planner picks the one with the fastest
-      estimated step that fits the memory budget. ``None``: a given ``Plan``'s, else ``"none"``.
-    - ``profile``: measured profiling, as Alpa does: all-reduces timed on this process's devices calibrate the
-      cost model's links, and the planner's candidates (a pipeline's stage partitions, or the one stage) are
-      compiled and timed, the fastest measured kept; ``plan.summary()`` shows measured beside estimated times.
-      Cached on disk (``TORCHPAR_PROFILE_DIR``). Local runtime only.
-    - ``log_every``: log the step's metrics (``engine.last_metrics``: step time, samples/s, tokens/s, MFU, memory)
-      every this many steps on the ``torchpar.metrics`` logger (INFO); ``0``: never.
-    - ``on_metrics``: called after every step with its ``torchpar.metrics.StepMetrics`` (stream them to
-      TensorBoard / wandb with ``metrics.scalars()``).
-    - ``grad_stand_ins``: after each step, ``p.grad`` of each trained parameter is a stand-in that raises, naming
-      the fix, when read (a manual update, a leftover ``optimizer.step()``); ``False``: ``.grad`` stays ``None``.
 
-    Bad values raise ``ValueError``/``TypeError`` (each option: :class:`torchpar.api.CompileOptions`).
+    Bad values raise ``ValueError``/``TypeError``.
     """
     from torchpar import api
 
@@ -170,22 +126,11 @@ def compile(
         step_fn=step_fn,
         forward_fn=forward_fn,
         method=method,
-        grad_clip_norm=grad_clip_norm,
-        seed=seed,
-        xla_library_fusions=xla_library_fusions,
-        spmd=spmd,
-        check_inputs=check_inputs,
-        on_nonfinite=on_nonfinite,
-        matmul_precision=matmul_precision,
-        mixed_precision=mixed_precision,
-        remat=remat,
-        profile=profile,
-        log_every=log_every,
-        on_metrics=on_metrics,
-        grad_stand_ins=grad_stand_ins,
+        **options,
     )
 
 
+@_options.with_options(_options.PLAN_OPTIONS)
 def plan(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -195,19 +140,15 @@ def plan(
     step_fn: Callable[[torch.nn.Module, Any], torch.Tensor] | None = None,
     method: Method | None = None,
     explain: bool = True,
-    mixed_precision: Literal["bf16", "fp16"] | None = None,
-    remat: Literal["none", "layers", "selective", "auto"] = "none",
-    profile: bool = False,
+    **options: Unpack[PlanKwargs],
 ) -> Plan:
     """Capture and plan without compiling or running a step (for inspecting and comparing plans).
 
     ``example_batch``, ``loss_fn``, ``step_fn`` and ``method`` are :func:`compile`'s. ``explain`` (default): also
     count each stage's collective bytes by kind and, for one-stage methods, price ShardParallel, DataParallel,
     Zero2Parallel and MegatronParallel on the same cost model (``plan.solver["method_comparison"]``); a few more
-    solves.
-    ``mixed_precision`` as in :func:`compile` (the plan then prices the autocast graph's dtypes); ``remat`` as
-    in :func:`compile` (priced by the plan's memory and step estimates), the choice in ``plan.remat``;
-    ``profile`` as in :func:`compile` (compiles and times the candidates on this process's devices).
+    solves. Its options are those of :func:`compile` that change a plan: the plan prices the autocast graph's dtypes,
+    the kept and recomputed activations (``remat="auto"``: its choice in ``plan.remat``), or the measured candidates.
     """
     from torchpar import api
 
@@ -219,9 +160,7 @@ def plan(
         step_fn=step_fn,
         method=method,
         explain=explain,
-        mixed_precision=mixed_precision,
-        remat=remat,
-        profile=profile,
+        **options,
     )
 
 

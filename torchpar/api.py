@@ -13,8 +13,8 @@ from __future__ import annotations
 import logging
 import time
 import weakref
-from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from collections.abc import Iterable, Iterator
+from typing import Any, Unpack
 
 import numpy as np
 import torch
@@ -35,15 +35,23 @@ from torchpar.feeding import PREFETCH_DEPTH, HostData, HostFeed
 from torchpar.guard import StepGuard, leaf_names
 from torchpar.host_arrays import host_value, to_torch
 from torchpar.methods import Method
-from torchpar.options import CompileOptions, MatmulPrecision, MixedPrecision, OnNonfinite, Remat, SpmdMode, numerics_for
+from torchpar.options import (
+    PLAN_OPTIONS,
+    CompileKwargs,
+    CompileOptions,
+    PlanKwargs,
+    compile_options,
+    numerics_for,
+    with_options,
+)
 from torchpar.plan_model import plan_model
 from torchpar.planner.plan import Plan
-from torchpar.planner.remat import check_remat
 from torchpar.torch_side import TorchSide, linked
 
 log = logging.getLogger(__name__)
 
 
+@with_options()
 def compile(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -54,28 +62,15 @@ def compile(
     step_fn: StepFn | None = None,
     forward_fn: ForwardFn | None = None,
     method: Method | Plan | None = None,
-    grad_clip_norm: float | None = None,
-    seed: int = 0,
-    xla_library_fusions: bool = True,
-    spmd: SpmdMode = "auto",
-    check_inputs: bool = True,
-    on_nonfinite: OnNonfinite = "raise",
-    matmul_precision: MatmulPrecision | None = None,
-    mixed_precision: MixedPrecision | None = None,
-    remat: Remat | None = None,
-    profile: bool = False,
-    log_every: int = 0,
-    on_metrics: Callable[[_metrics.StepMetrics], None] | None = None,
-    grad_stand_ins: bool = True,
+    **options: Unpack[CompileKwargs],
 ) -> Engine:
     """Capture ``model``'s training step on ``example_batch`` and compile it with ``method``.
 
     ``method=None`` runs on one device; a :class:`Plan` (e.g. loaded with ``Plan.from_dict``) runs as given,
     without solving. The calling convention and the loss rule: ``docs/user_guide.md``, "Compile and train". With
     ``torchpar.init(cluster="ray", ...)`` every method runs on the Ray host actors. The engine holds workers
-    until ``engine.close()``; ``with torchpar.compile(...) as engine:`` closes it on exit. The keyword options
-    are the fields of :class:`CompileOptions` (each documented there). ``data``: host-loaded training
-    (:class:`torchpar.HostData`: every process loads its own rows; ``engine.step()`` / ``engine.run(steps)``).
+    until ``engine.close()``; ``with torchpar.compile(...) as engine:`` closes it on exit. ``data``: host-loaded
+    training (:class:`torchpar.HostData`: every process loads its own rows; ``engine.step()`` / ``engine.run(steps)``).
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -107,28 +102,15 @@ def compile(
         )
     check_model_fns(loss_fn, step_fn, forward_fn)
     example_batch, feed = feeding.example_and_feed(example_batch, data)
-    options = CompileOptions(
-        grad_clip_norm=grad_clip_norm,
-        seed=seed,
-        xla_library_fusions=xla_library_fusions,
-        spmd=spmd,
-        check_inputs=check_inputs,
-        on_nonfinite=on_nonfinite,
-        matmul_precision=matmul_precision,
-        mixed_precision=mixed_precision,
-        remat=remat,
-        profile=profile,
-        log_every=log_every,
-        on_metrics=on_metrics,
-        grad_stand_ins=grad_stand_ins,
-    )
+    validated = compile_options(options)
     warn_if_gradient_checkpointing(model, stacklevel=3)  # the caller of torchpar.compile
     default_compile_cache()
     return Engine(
-        model, optimizer, example_batch, loss_fn, options, method, step_fn=step_fn, forward_fn=forward_fn, feed=feed
+        model, optimizer, example_batch, loss_fn, validated, method, step_fn=step_fn, forward_fn=forward_fn, feed=feed
     )
 
 
+@with_options(PLAN_OPTIONS)
 def plan(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -138,21 +120,16 @@ def plan(
     step_fn: StepFn | None = None,
     method: Method | None = None,
     explain: bool = True,
-    mixed_precision: MixedPrecision | None = None,
-    remat: Remat = "none",
-    profile: bool = False,
+    **options: Unpack[PlanKwargs],
 ) -> Plan:
     """The plan ``method`` gives the model's training step, without XLA compilation or a step (for inspecting
     and comparing plans). Capture and planning phases are timed in ``plan.timings``.
 
     ``explain`` (default): also count each stage's collective bytes by kind and, for one-stage methods, price
     ShardParallel, DataParallel, Zero2Parallel and MegatronParallel on the same cost model
-    (``plan.solver["method_comparison"]``), for the summary and the report; a few more solves.
-    ``mixed_precision`` as in :func:`compile` (the plan prices the autocast graph's dtypes); ``remat`` as in
-    :func:`compile`: the plan prices it (kept activations in memory, recomputed FLOPs in the step); ``"auto"`` lets the
-    planner pick (``plan.remat``, ``plan.solver["remat"]``). ``profile``: measured profiling as in :func:`compile`
-    (compiles and times the candidates on this process's devices)."""
-    check_remat(remat, allow_auto=True)
+    (``plan.solver["method_comparison"]``), for the summary and the report; a few more solves. The options are
+    :func:`compile`'s that change a plan (:data:`torchpar.options.PLAN_OPTIONS`); ``remat=None`` plans ``"none"``."""
+    validated = compile_options(options, only=PLAN_OPTIONS, caller="plan")
     check_model_fns(loss_fn, step_fn, None)
     warn_if_gradient_checkpointing(model, stacklevel=3)  # the caller of torchpar.plan
     return plan_model(
@@ -163,9 +140,9 @@ def plan(
         step_fn=step_fn,
         method=method,
         explain=explain,
-        mixed_precision=mixed_precision,
-        remat=remat,
-        profile=profile,
+        mixed_precision=validated.mixed_precision,
+        remat=validated.remat or "none",
+        profile=validated.profile,
     )
 
 

@@ -1,15 +1,27 @@
-"""The options of :func:`torchpar.compile` (:class:`CompileOptions`), validated where they are built."""
+"""The options of :func:`torchpar.compile` and :func:`torchpar.plan`, declared once: :class:`CompileOptions`.
+
+Each option is a field of :class:`CompileOptions` — its type, default and docstring here and nowhere else —
+validated where it is built. ``compile`` and ``plan`` take them as ``**options``: :func:`with_options` gives both
+functions (and their ``torchpar`` shortcuts) the options as keyword-only parameters in their signature
+(``inspect.signature``, ``help``) and appends each option's docstring to theirs, read from this file's source.
+:class:`CompileKwargs` states the same names and types for static type checkers (``Unpack``); a test keeps the two
+equal. Adding an option is a change to this file alone.
+
+Importing this module imports neither torch nor JAX (``torchpar/__init__.py`` imports it): validation imports what
+it needs when an options object is built.
+"""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import functools
+import inspect
 from collections.abc import Callable
-from typing import Any, Literal
+from pathlib import Path
+from typing import Any, Literal, TypedDict
 
 import numpy as np
-
-from torchpar.capture.precision import autocast_dtype, resolve_precisions
-from torchpar.planner.remat import check_remat
 
 SpmdMode = Literal["auto", "gspmd", "shard_map"]
 SPMD_MODES: tuple[str, ...] = ("auto", "gspmd", "shard_map")
@@ -116,15 +128,106 @@ class CompileOptions:
             raise TypeError(f"check_inputs must be True or False, got {self.check_inputs!r}")
         if not isinstance(self.grad_stand_ins, bool):
             raise TypeError(f"grad_stand_ins must be True or False, got {self.grad_stand_ins!r}")
+        from torchpar.capture.precision import autocast_dtype, resolve_precisions
+        from torchpar.planner.remat import check_remat
+
         resolve_precisions(self.matmul_precision)  # raises on a bad name
         autocast_dtype(self.mixed_precision)
         if self.remat is not None:
             check_remat(self.remat, allow_auto=True)
 
 
+class CompileKwargs(TypedDict, total=False):
+    """:class:`CompileOptions`'s fields as keyword arguments, for type checkers (``**options: Unpack[...]``)."""
+
+    grad_clip_norm: float | None
+    seed: int
+    xla_library_fusions: bool
+    spmd: SpmdMode
+    check_inputs: bool
+    on_nonfinite: OnNonfinite
+    matmul_precision: MatmulPrecision | None
+    mixed_precision: MixedPrecision | None
+    remat: Remat | None
+    profile: bool
+    log_every: int
+    on_metrics: Callable[[Any], None] | None
+    grad_stand_ins: bool
+
+
+PLAN_OPTIONS = ("mixed_precision", "remat", "profile")
+"""The options that change a plan (the others change how a compiled step runs): what :func:`torchpar.plan` takes."""
+
+
+class PlanKwargs(TypedDict, total=False):
+    """:data:`PLAN_OPTIONS` as keyword arguments, for type checkers."""
+
+    mixed_precision: MixedPrecision | None
+    remat: Remat | None
+    profile: bool
+
+
+def compile_options(
+    options: dict[str, Any], *, only: tuple[str, ...] | None = None, caller: str = "compile"
+) -> CompileOptions:
+    """``CompileOptions(**options)``; an unknown name (or, with ``only``, one outside it) is a ``TypeError`` naming the
+    options ``caller`` takes."""
+    names = only or tuple(f.name for f in dataclasses.fields(CompileOptions))
+    unknown = sorted(set(options) - set(names))
+    if unknown:
+        raise TypeError(
+            f"{caller}() got an unexpected keyword argument {unknown[0]!r}; its options are {', '.join(names)}"
+            + ("" if only is None else " (the others change how a compiled step runs, not its plan)")
+        )
+    return CompileOptions(**options)
+
+
+def with_options(names: tuple[str, ...] | None = None) -> Callable[[Callable], Callable]:
+    """Decorate a function taking ``**options``: its signature shows option ``names`` (default: every field of
+    :class:`CompileOptions`) as keyword-only parameters with their types and defaults, after its own, and its
+    docstring ends with each one's docstring."""
+
+    def decorate(fn: Callable) -> Callable:
+        fields = {f.name: f for f in dataclasses.fields(CompileOptions)}
+        chosen = names or tuple(fields)
+        own = [p for p in inspect.signature(fn).parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+        added = [
+            inspect.Parameter(
+                name, inspect.Parameter.KEYWORD_ONLY, default=fields[name].default, annotation=fields[name].type
+            )
+            for name in chosen
+        ]
+        fn.__signature__ = inspect.signature(fn).replace(parameters=[*own, *added])
+        docs = option_docs()
+        listed = "\n".join(f"    - ``{name}``: {_indent(docs[name])}" for name in chosen)
+        fn.__doc__ = (
+            (fn.__doc__ or "").rstrip() + "\n\n    Options (:class:`torchpar.options.CompileOptions`):\n\n" + listed
+        )
+        return fn
+
+    return decorate
+
+
+@functools.cache
+def option_docs() -> dict[str, str]:
+    """Each option's docstring (the string under its field in :class:`CompileOptions`), read from this file."""
+    tree = ast.parse(Path(__file__).read_text())
+    body = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "CompileOptions").body
+    docs = {}
+    for field, after in zip(body, body[1:]):
+        if isinstance(field, ast.AnnAssign) and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant):
+            docs[field.target.id] = inspect.cleandoc(after.value.value)
+    return docs
+
+
+def _indent(text: str) -> str:
+    return text.replace("\n", "\n      ")
+
+
 def numerics_for(matmul_precision: str | None) -> Any:
     """The lowering's :class:`jaxbackend.precision.Numerics` for a ``compile(matmul_precision=...)`` value."""
     from jaxbackend.precision import Numerics
+    from torchpar.capture.precision import resolve_precisions
 
     return Numerics(*resolve_precisions(matmul_precision))
 
