@@ -177,3 +177,17 @@ def test_the_engine_is_a_thin_face_that_never_asks_which_method_it_runs():
     assert engine.bases[0].id == base.name and base.end_lineno - base.lineno + 1 <= 150
     assert not ({node.id for node in ast.walk(base) if isinstance(node, ast.Name)}
                 | {node.attr for node in ast.walk(base) if isinstance(node, ast.Attribute)}) & branching
+
+
+def test_a_stage_problem_travels_as_one_object():
+    """``plan_best_mesh → plan_stage → prepare_stage`` pass one frozen :class:`StageProblem`, not keyword lists: each
+    takes at most 5 parameters, and a new strategy switch is a field of the problem."""
+    import dataclasses
+    import inspect
+
+    from torchpar.planner import intra_op
+
+    for fn in (intra_op.plan_best_mesh, intra_op.plan_stage, intra_op.prepare_stage):
+        parameters = inspect.signature(fn).parameters
+        assert len(parameters) <= 5 and "problem" in parameters, fn.__name__
+    assert dataclasses.fields(intra_op.StageProblem) and intra_op.StageProblem.__dataclass_params__.frozen

@@ -9,7 +9,7 @@ import torchpar
 from torchpar.capture.export import capture_train_step
 from torchpar.cluster import ClusterSpec
 from torchpar.harness import zoo
-from torchpar.planner.intra_op import plan_stage
+from torchpar.planner.intra_op import StageProblem, plan_stage
 from torchpar.planner.sharding.cost_model import LogicalMesh
 from torchpar.planner.sharding.ilp import MemoryBudgetError, evaluate, solve
 from torchpar.planner.sharding.solver_graph import build_solver_graph
@@ -26,9 +26,9 @@ def _mlp_graph(width: int, batch: int, depth: int = 6):
     return graph, {n for n, _ in model.named_parameters()}
 
 
-def _plan(graph, trainable, kind="shard", mesh=(1, 4), **kwargs):
-    return plan_stage(graph, kind=kind, mesh_shape=mesh, cluster=CLUSTER, trainable=trainable,
-                      optimizer_state_copies=ADAM_STATE, **kwargs)
+def _plan(graph, trainable, kind="shard", mesh=(1, 4), memory_budget=None):
+    problem = StageProblem(kind=kind, cluster=CLUSTER, trainable=trainable, optimizer_state_copies=ADAM_STATE)
+    return plan_stage(graph, problem, mesh, memory_budget)
 
 
 def test_wide_mlp_gets_megatron_and_objective_is_closed_form():

@@ -8,11 +8,15 @@ import torch
 from torchpar.capture.export import capture_train_step
 from torchpar.cluster import ClusterSpec
 from torchpar.harness import zoo
-from torchpar.planner.intra_op import plan_stage
+from torchpar.planner.intra_op import StageProblem, plan_stage
 from torchpar.planner.plan import Plan
 from torchpar.planner.sharding.layouts import ValueLayouts, replay_layouts
 
 CLUSTER = ClusterSpec(num_hosts=1, devices_per_host=8)
+
+
+def _problem(kind, trainable):
+    return StageProblem(kind=kind, cluster=CLUSTER, trainable=trainable, optimizer_state_copies=2.0)
 
 
 @pytest.mark.parametrize("kind", ["shard", "data_parallel", "zero3", "megatron"])
@@ -22,8 +26,7 @@ def test_replayed_layouts_equal_the_solvers(family, kind):
     model, batch = zoo.build(family, batch_size=8, seq_len=16)
     graph = capture_train_step(model, batch).graph
     trainable = {n for n, _ in model.named_parameters()}
-    result = plan_stage(graph, kind=kind, mesh_shape=(2, 2), cluster=CLUSTER, trainable=trainable,
-                        optimizer_state_copies=2.0)
+    result = plan_stage(graph, _problem(kind, trainable), (2, 2))
     plan = Plan(method=kind, stages=[result.stage])
     stage = Plan.from_json(plan.to_json()).stages[0]  # from the serialized plan alone
     layouts = replay_layouts(graph, stage)
@@ -39,8 +42,7 @@ def test_data_parallel_layouts_split_the_batch_and_finish_the_loss_with_psums():
     torch.manual_seed(0)
     model, batch = zoo.build("gpt2", batch_size=8, seq_len=16)
     graph = capture_train_step(model, batch).graph
-    result = plan_stage(graph, kind="data_parallel", mesh_shape=(2, 2), cluster=CLUSTER,
-                        trainable={n for n, _ in model.named_parameters()}, optimizer_state_copies=2.0)
+    result = plan_stage(graph, _problem("data_parallel", {n for n, _ in model.named_parameters()}), (2, 2))
     layouts = replay_layouts(graph, result.stage)
     assert not layouts.obstacles()
     anchors = [n for n in graph.nodes if n.name in result.stage.activations]
@@ -55,8 +57,7 @@ def test_batch_norm_over_the_split_batch_averages_statistics_across_the_batch_ax
     torch.manual_seed(0)
     model, batch = zoo.build("resnet", batch_size=8)
     graph = capture_train_step(model, batch).graph
-    result = plan_stage(graph, kind="data_parallel", mesh_shape=(2, 2), cluster=CLUSTER,
-                        trainable={n for n, _ in model.named_parameters()}, optimizer_state_copies=2.0)
+    result = plan_stage(graph, _problem("data_parallel", {n for n, _ in model.named_parameters()}), (2, 2))
     layouts = replay_layouts(graph, result.stage)
     assert not layouts.obstacles()
     norms = [n.name for n in graph.nodes if n.target == "aten._native_batch_norm_legit_functional.default"]
@@ -79,7 +80,6 @@ def test_a_tied_parameter_has_one_layout_in_the_plan():
     graph = capture_train_step(model, batch).graph
     readers = [i.name for i in graph.inputs if i.target == "transformer.wte.weight"]
     assert len(readers) == 2  # the embedding and the LM head read one tensor
-    result = plan_stage(graph, kind="megatron", mesh_shape=(1, 4), cluster=CLUSTER,
-                        trainable={n for n, _ in model.named_parameters()}, optimizer_state_copies=2.0)
+    result = plan_stage(graph, _problem("megatron", {n for n, _ in model.named_parameters()}), (1, 4))
     roots = {result.solver_graph.values[name].root for name in readers}
     assert len(roots) == 1

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from torchpar.capture.export import capture_train_step
 from torchpar.cluster import ClusterSpec
-from torchpar.planner.intra_op import prepare_stage
+from torchpar.planner.intra_op import StageProblem, prepare_stage
 
 HIDDEN, HEADS, SEQ, ROWS, MICRO_BATCHES = 4096, 32, 2048, 16, 64
 HOSTS, PER_HOST = 8, 8
@@ -73,9 +73,10 @@ def solved():
     graph = capture_train_step(layer, (x,)).graph
     params = {name for name, _ in layer.named_parameters()}
     cluster = ClusterSpec.from_preset("a100-80g", num_hosts=HOSTS, devices_per_host=PER_HOST)
-    stage = prepare_stage(graph, kind="shard", mesh_shape=(HOSTS, PER_HOST), cluster=cluster, trainable=params,
-                          optimizer_state_copies=2, submesh=(HOSTS, PER_HOST), num_micro_batches=MICRO_BATCHES,
-                          per_micro_batch=True).solve(memory_budget=cluster.device_memory_bytes, time_limit_s=60)
+    problem = StageProblem(kind="shard", cluster=cluster, trainable=params, optimizer_state_copies=2,
+                           submesh=(HOSTS, PER_HOST), num_micro_batches=MICRO_BATCHES, per_micro_batch=True)
+    stage = prepare_stage(graph, problem, (HOSTS, PER_HOST)).solve(memory_budget=cluster.device_memory_bytes,
+                                                                   time_limit_s=60)
     parameter_bytes = sum(p.numel() * FP32 for p in layer.parameters())
     return stage.stage, cluster, parameter_bytes
 

@@ -23,7 +23,7 @@ from torchpar.capture.precision import autocast_dtype
 from torchpar.cluster import ClusterSpec
 from torchpar.planner import layers as layers_mod
 from torchpar.planner import stages as stages_mod
-from torchpar.planner.intra_op import plan_stage
+from torchpar.planner.intra_op import StageProblem, plan_stage
 from torchpar.planner.slicing import slice_stages, stage_of_nodes
 
 COMBINATIONS = 20
@@ -109,8 +109,8 @@ def test_a_partition_the_stage_dp_accepts_has_a_sharding_that_fits(case, graphs)
     in_flight = stages_mod.micro_batches_in_flight(len(stage_graphs), case["micro_batches"], "1f1b")
     cluster = ClusterSpec(num_hosts=hosts, devices_per_host=per_host, device_memory_bytes=int(budget))
     for index, (stage, choice) in enumerate(zip(stage_graphs, partition.stages)):
-        result = plan_stage(stage.graph, kind="shard", mesh_shape=tuple(choice.logical), cluster=cluster,
-                            trainable=trainable & set(stage.params), optimizer_state_copies=2.0,
-                            memory_budget=budget, submesh=tuple(choice.submesh), remat=case["remat"],
-                            time_limit_s=10, in_flight=in_flight[index])
+        problem = StageProblem(kind="shard", cluster=cluster, trainable=trainable & set(stage.params),
+                               optimizer_state_copies=2.0, submesh=tuple(choice.submesh), remat=case["remat"],
+                               in_flight=in_flight[index])
+        result = plan_stage(stage.graph, problem, tuple(choice.logical), budget, time_limit_s=10)
         assert result.stage.estimated_memory_bytes <= budget * (1 + 1e-9), f"stage {index}"

@@ -49,14 +49,14 @@ def test_data_parallel_and_zero_never_take_a_rows_scattered_matmul():
     axis it uses splits its output. (A profiled DataParallel plan once chose it: other arithmetic, other losses.)"""
     from torchpar.capture.export import capture_train_step
     from torchpar.cluster import ClusterSpec
-    from torchpar.planner.intra_op import _restrictions, prepare_stage
+    from torchpar.planner.intra_op import StageProblem, _restrictions, prepare_stage
 
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
     graph = capture_train_step(model, torch.randn(16, 32), lambda out, _: out.square().mean()).graph
     for kind in ("data_parallel", "zero2", "zero3"):
-        stage = prepare_stage(graph, kind=kind, mesh_shape=(1, 4), cluster=ClusterSpec(devices_per_host=4),
-                              trainable={i.target for i in graph.inputs if i.kind == "param"},
-                              optimizer_state_copies=1.0)
+        problem = StageProblem(kind=kind, cluster=ClusterSpec(devices_per_host=4), optimizer_state_copies=1.0,
+                               trainable={i.target for i in graph.inputs if i.kind == "param"})
+        stage = prepare_stage(graph, problem, (1, 4))
         roots = stage.solver_graph.roots
         assert any(">m@" in s.name for root in roots for s in root.strategies)  # offered to the ILP at large
         allowed = _restrictions(kind, stage.solver_graph, stage.batch_axes)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any
 
 from torchpar.cluster import ClusterSpec
@@ -16,7 +17,14 @@ from torchpar.methods import (
     Zero3Parallel,
     data_replicas,
 )
-from torchpar.planner.intra_op import logical_mesh, memory_breakdown, mesh_shapes_for, plan_best_mesh, plan_stage
+from torchpar.planner.intra_op import (
+    StageProblem,
+    logical_mesh,
+    memory_breakdown,
+    mesh_shapes_for,
+    plan_best_mesh,
+    plan_stage,
+)
 from torchpar.planner.mesh_links import submesh_of
 from torchpar.planner.plan import EXPERT_FAMILIES, Plan, StagePlan, expert_family, expert_layouts
 from torchpar.planner.remat import check_remat, remat_memory
@@ -133,13 +141,11 @@ def plan_for_method(
     time_limit = getattr(method, "solver_time_limit_s", 30.0)
     micro = getattr(method, "num_micro_batches", 1)
     start = time.perf_counter()
-    common = dict(
+    problem = StageProblem(
         kind=kind,
         cluster=cluster,
         trainable=trainable,
         optimizer_state_copies=optimizer_state_copies,
-        memory_budget=budget,
-        time_limit_s=time_limit,
         num_micro_batches=micro,
         remat=remat,
         experts=getattr(method, "experts", "auto"),
@@ -156,11 +162,11 @@ def plan_for_method(
                 f"{replicas * mesh_shape[0] * mesh_shape[1]} devices; the cluster has "
                 f"{cluster.num_devices} (torchpar.init(num_devices=...))"
             )
-        result = plan_stage(graph, mesh_shape=tuple(mesh_shape), **common)
+        result = plan_stage(graph, problem, tuple(mesh_shape), budget, time_limit)
     elif kind == "shard":
-        result = plan_best_mesh(graph, mesh_shapes=mesh_shapes_for(cluster.num_devices), **common)
+        result = plan_best_mesh(graph, problem, mesh_shapes_for(cluster.num_devices), budget, time_limit)
     else:
-        result = plan_stage(graph, mesh_shape=(1, cluster.num_devices), **common)
+        result = plan_stage(graph, problem, (1, cluster.num_devices), budget, time_limit)
     elapsed = time.perf_counter() - start
     if replicas > 1:
         add_data_replicas(result.stage, replicas, cluster)
@@ -196,8 +202,8 @@ def plan_for_method(
                 graph, kind, result.stage, cluster, trainable, optimizer_state_copies, budget, time_limit, micro
             )
         )
-        if replicas == 1 and common["experts"] == "auto" and expert_layouts(result.stage):
-            stats["expert_layouts"] = _compare_expert_layouts(graph, result.stage, common)
+        if replicas == 1 and problem.experts == "auto" and expert_layouts(result.stage):
+            stats["expert_layouts"] = _compare_expert_layouts(graph, result.stage, problem, budget, time_limit)
         timings["explain"] = time.perf_counter() - start
     return Plan(
         method=kind,
@@ -253,17 +259,14 @@ def _compare_methods(
         else:
             shapes = mesh_shapes_for(cluster.num_devices) if other == "shard" else [(1, cluster.num_devices)]
             try:
-                chosen = plan_best_mesh(
-                    graph,
+                problem = StageProblem(
                     kind=other,
-                    mesh_shapes=shapes,
                     cluster=cluster,
                     trainable=trainable,
                     optimizer_state_copies=optimizer_state_copies,
-                    memory_budget=budget,
-                    time_limit_s=time_limit,
                     num_micro_batches=num_micro_batches,
-                ).stage
+                )
+                chosen = plan_best_mesh(graph, problem, shapes, budget, time_limit).stage
             except ValueError as error:  # does not fit the memory budget, or the batch does not divide
                 rows.append({"method": other, "logical_mesh_shape": list(shapes[0]), "error": str(error)})
                 continue
@@ -280,7 +283,9 @@ def _compare_methods(
     return rows
 
 
-def _compare_expert_layouts(graph: Graph, stage: StagePlan, common: dict[str, Any]) -> list[dict[str, Any]]:
+def _compare_expert_layouts(
+    graph: Graph, stage: StagePlan, problem: StageProblem, budget: float, time_limit: float
+) -> list[dict[str, Any]]:
     """The stage re-planned on its own logical mesh with its grouped matmuls forced to each other family of
     :data:`.plan.EXPERT_FAMILIES` (``ShardParallel.experts``), beside the chosen one: what the expert layout the
     ILP chose won against, on the same cost model. A family the plan already uses everywhere is its own row."""
@@ -299,7 +304,8 @@ def _compare_expert_layouts(graph: Graph, stage: StagePlan, common: dict[str, An
         if chosen == {family}:
             continue
         try:
-            other = plan_stage(graph, mesh_shape=tuple(stage.logical_mesh_shape), **{**common, "experts": family}).stage
+            mesh_shape = tuple(stage.logical_mesh_shape)
+            other = plan_stage(graph, replace(problem, experts=family), mesh_shape, budget, time_limit).stage
         except (ValueError, SolveTimeout) as error:  # does not fit the memory budget, or no layout in time
             rows.append({"experts": family, "meaning": EXPERT_FAMILIES[family], "error": str(error)})
             continue

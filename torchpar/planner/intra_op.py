@@ -94,48 +94,55 @@ def mesh_shapes_for(num_devices: int) -> list[tuple[int, int]]:
     return [(a, num_devices // a) for a in range(1, num_devices + 1) if num_devices % a == 0]
 
 
+@dataclass(frozen=True, kw_only=True)
+class StageProblem:
+    """What one stage's sharding plan is asked for, beside its graph and logical mesh: passed down whole through
+    :func:`plan_best_mesh`, :func:`plan_stage` and :func:`prepare_stage` (``dataclasses.replace`` varies a field)."""
+
+    kind: PlanKind
+    """The plan family (:data:`PLAN_KINDS`; the module docstring)."""
+    cluster: ClusterSpec
+    trainable: frozenset[str]
+    """Parameter names that get gradients and optimizer state."""
+    optimizer_state_copies: float
+    """Optimizer state per trained parameter, in parameter-sized copies (Adam: 2)."""
+    submesh: tuple[int, int] | None = None
+    """The physical devices the stage runs on (default: the cluster's first devices); it decides which logical axes
+    cross hosts."""
+    num_micro_batches: int = 1
+    """The graph is one micro-batch's step of a step that accumulates this many (priced per step:
+    :func:`.sharding.solver_graph.build_solver_graph`)."""
+    remat: str = "none"
+    """The activation checkpointing the step runs with (``planner.remat.REMAT_OPTIONS``), priced in memory and
+    compute."""
+    in_flight: int = 1
+    """A pipeline stage's micro-batches in flight under its schedule (their activations all held at its peak)."""
+    experts: str = "auto"
+    """How grouped matmuls may split (``ShardParallel.experts``)."""
+    context: str = "auto"
+    """Whether attention may split its sequence (``ShardParallel.context``)."""
+    sequence_parallel: bool = False
+    """The ``megatron`` hand plan's row-split matmuls scatter their output by tokens."""
+    per_micro_batch: bool = False
+    """A pipeline stage: its estimates are per micro-batch, the step's gradient sync amortized
+    (:attr:`PreparedStage.amortized_over`)."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in PLAN_KINDS:
+            raise ValueError(f"unknown plan kind {self.kind!r}")
+        object.__setattr__(self, "trainable", frozenset(self.trainable))
+
+
 def plan_stage(
     graph: Graph,
-    *,
-    kind: PlanKind,
+    problem: StageProblem,
     mesh_shape: tuple[int, int],
-    cluster: ClusterSpec,
-    trainable: set[str],
-    optimizer_state_copies: float,
     memory_budget: float | None = None,
     time_limit_s: float = 30.0,
-    submesh: tuple[int, int] | None = None,
-    num_micro_batches: int = 1,
-    remat: str = "none",
-    in_flight: int = 1,
-    experts: str = "auto",
-    context: str = "auto",
-    sequence_parallel: bool = False,
 ) -> IntraOpResult:
-    """Solve one stage of ``kind`` on a logical mesh of ``mesh_shape`` placed on the physical ``submesh`` (default:
-    the cluster's first devices; it decides which axes cross hosts). ``num_micro_batches``: ``graph`` is one
-    micro-batch's step of a one-stage plan that accumulates that many per step (priced per step:
-    :func:`.sharding.solver_graph.build_solver_graph`). ``remat``: the activation checkpointing the step runs with
-    (one of ``planner.remat.REMAT_OPTIONS``), priced in memory and compute. ``in_flight``: a pipeline stage's
-    micro-batches in flight under its schedule (their activations are all held at its peak). ``experts``: how
-    grouped matmuls may split (``ShardParallel.experts``); ``context``: whether attention may split its sequence
-    (``ShardParallel.context``); ``sequence_parallel``: the ``megatron`` hand plan's row-split matmuls scatter
-    their output by tokens."""
-    return prepare_stage(
-        graph,
-        kind=kind,
-        mesh_shape=mesh_shape,
-        cluster=cluster,
-        trainable=trainable,
-        optimizer_state_copies=optimizer_state_copies,
-        submesh=submesh,
-        num_micro_batches=num_micro_batches,
-        remat=remat,
-        experts=experts,
-        context=context,
-        in_flight=in_flight,
-        sequence_parallel=sequence_parallel,
-    ).solve(memory_budget, time_limit_s)
+    """Solve ``problem`` for stage ``graph`` on a logical mesh of ``mesh_shape`` placed on ``problem.submesh``
+    (CP-SAT stops after ``time_limit_s`` with its best layout)."""
+    return prepare_stage(graph, problem, mesh_shape).solve(memory_budget, time_limit_s)
 
 
 @dataclass
@@ -248,28 +255,9 @@ class PreparedStage:
         )
 
 
-def prepare_stage(
-    graph: Graph,
-    *,
-    kind: PlanKind,
-    mesh_shape: tuple[int, int],
-    cluster: ClusterSpec,
-    trainable: set[str],
-    optimizer_state_copies: float,
-    submesh: tuple[int, int] | None = None,
-    num_micro_batches: int = 1,
-    remat: str = "none",
-    in_flight: int = 1,
-    experts: str = "auto",
-    context: str = "auto",
-    sequence_parallel: bool = False,
-    per_micro_batch: bool = False,
-) -> PreparedStage:
-    """The solver graph of one stage (:func:`plan_stage`'s arguments), to bound or solve. ``per_micro_batch``: a
-    pipeline stage whose step runs ``num_micro_batches`` micro-batches; its estimates are per micro-batch
-    (:attr:`PreparedStage.amortized_over`)."""
-    if kind not in PLAN_KINDS:
-        raise ValueError(f"unknown plan kind {kind!r}")
+def prepare_stage(graph: Graph, problem: StageProblem, mesh_shape: tuple[int, int]) -> PreparedStage:
+    """The solver graph of ``problem`` for stage ``graph`` on a logical mesh of ``mesh_shape``, to bound or solve."""
+    kind, cluster, submesh, trainable = problem.kind, problem.cluster, problem.submesh, set(problem.trainable)
     mesh = logical_mesh(mesh_shape, cluster, submesh)
     start = time.perf_counter()
     live_axes = tuple(a for a in (0, 1) if mesh_shape[a] > 1)
@@ -285,15 +273,15 @@ def prepare_stage(
             graph,
             on,
             trainable=trainable,
-            optimizer_state_copies=optimizer_state_copies,
+            optimizer_state_copies=problem.optimizer_state_copies,
             batch_dim_axes=batch_axes,
-            num_micro_batches=num_micro_batches,
+            num_micro_batches=problem.num_micro_batches,
             # ZeRO-3 keeps only its gradient shard: it reduce-scatters every micro-batch
             accumulated_weight_grads=kind != "zero3",
-            remat=remat,
-            in_flight=in_flight,
-            experts=experts,
-            context=context,
+            remat=problem.remat,
+            in_flight=problem.in_flight,
+            experts=problem.experts,
+            context=problem.context,
         )
 
     solver_graph = rebuild(mesh)
@@ -305,32 +293,23 @@ def prepare_stage(
         cluster,
         submesh,
         trainable,
-        optimizer_state_copies,
+        problem.optimizer_state_copies,
         solver_graph,
         batch_axes,
         time.perf_counter() - start,
         rebuild,
         cheapest,
-        sequence_parallel,
-        amortized_over=num_micro_batches if per_micro_batch else 1,
+        problem.sequence_parallel,
+        amortized_over=problem.num_micro_batches if problem.per_micro_batch else 1,
     )
 
 
 def plan_best_mesh(
     graph: Graph,
-    *,
-    kind: PlanKind,
+    problem: StageProblem,
     mesh_shapes: list[tuple[int, int]],
-    cluster: ClusterSpec,
-    trainable: set[str],
-    optimizer_state_copies: float,
     memory_budget: float | None = None,
     time_limit_s: float = 30.0,
-    num_micro_batches: int = 1,
-    remat: str = "none",
-    experts: str = "auto",
-    context: str = "auto",
-    sequence_parallel: bool = False,
 ) -> IntraOpResult:
     """Solve on each candidate mesh shape and keep the cheapest plan."""
     best: IntraOpResult | None = None
@@ -338,21 +317,7 @@ def plan_best_mesh(
     trials: list[dict] = []
     for shape in mesh_shapes:
         try:
-            result = plan_stage(
-                graph,
-                kind=kind,
-                mesh_shape=shape,
-                cluster=cluster,
-                trainable=trainable,
-                optimizer_state_copies=optimizer_state_copies,
-                memory_budget=memory_budget,
-                time_limit_s=time_limit_s,
-                num_micro_batches=num_micro_batches,
-                remat=remat,
-                experts=experts,
-                context=context,
-                sequence_parallel=sequence_parallel,
-            )
+            result = plan_stage(graph, problem, shape, memory_budget, time_limit_s)
         except ValueError as error:  # e.g. a batch that does not divide this mesh
             errors.append(f"{shape}: {error}")
             trials.append({"logical_mesh_shape": list(shape), "error": str(error)})

@@ -24,7 +24,7 @@ from torchpar.ir.graph import Graph
 from torchpar.methods import ManualStageOption, PipeshardParallel
 from torchpar.planner import layers as layers_mod
 from torchpar.planner.interleaved_stages import interleaved_stage_dp
-from torchpar.planner.intra_op import prepare_stage
+from torchpar.planner.intra_op import StageProblem, prepare_stage
 from torchpar.planner.plan import Plan
 from torchpar.planner.profiling import StageTimer, rank_candidates, record_profile
 from torchpar.planner.remat import check_remat
@@ -580,18 +580,20 @@ def _prepare(
             [
                 prepare_stage(
                     stage.graph,
-                    kind="shard",
-                    mesh_shape=mesh_shape,
-                    cluster=cluster,
-                    trainable=trainable & set(stage.params),
-                    optimizer_state_copies=optimizer_state_copies,
-                    submesh=submeshes[index],
-                    remat=remat,
-                    in_flight=in_flight[index],
-                    experts=experts,
-                    context=context,
-                    num_micro_batches=num_micro_batches,
-                    per_micro_batch=True,
+                    StageProblem(
+                        kind="shard",
+                        cluster=cluster,
+                        trainable=trainable & set(stage.params),
+                        optimizer_state_copies=optimizer_state_copies,
+                        submesh=submeshes[index],
+                        remat=remat,
+                        in_flight=in_flight[index],
+                        experts=experts,
+                        context=context,
+                        num_micro_batches=num_micro_batches,
+                        per_micro_batch=True,
+                    ),
+                    mesh_shape,
                 )
                 for mesh_shape in meshes[index]
             ]
