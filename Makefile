@@ -50,7 +50,7 @@ test: install lint
 # programs, layering. `make test` is what CI runs.
 FAST_TESTS = tests/capture/test_grad_semantics.py tests/capture/test_autograd_functions.py tests/api/test_engine.py tests/jaxbackend/test_optim.py tests/jaxbackend/test_ops_opinfo.py \
 	tests/jaxbackend/test_spmd.py tests/planner/test_ilp.py tests/planner/test_layers.py tests/planner/test_stages.py \
-	tests/planner/test_sharded_training.py tests/runtime/test_schedules.py tests/runtime/test_grad_accumulation.py \
+	tests/planner/test_sharded_training.py tests/planner/test_schedules.py tests/runtime/test_grad_accumulation.py \
 	tests/runtime/test_loss_reduction.py tests/runtime/test_last_batch.py tests/runtime/test_grad_norm.py tests/planner/test_training_plan.py tests/test_layering.py
 
 # Style as a machine checks it (configuration: pyproject.toml's [tool.ruff]); `ruff format torchpar jaxbackend` fixes

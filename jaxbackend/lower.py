@@ -22,8 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxbackend import dtypes, precision
-from jaxbackend.ops import registry
+from jaxbackend import dtypes, ops, precision
 from jaxbackend.precision import Numerics
 from jaxbackend.remat import Remat, checkpoint
 from jaxbackend.rewrites import fold_transposed_weights
@@ -46,7 +45,7 @@ class LoweringError(RuntimeError):
 
 def unsupported_ops(graph: Graph) -> list[Node]:
     """Nodes of ``graph`` whose target has no lowering, in graph order."""
-    return [node for node in graph.nodes if registry.get(node.target) is None]
+    return [node for node in graph.nodes if ops.get(node.target) is None]
 
 
 def check_supported(graph: Graph) -> None:
@@ -115,7 +114,7 @@ def lower(
     if local is None:  # a per-device program reads each operand in its planned layout, by name
         graph, operand_shardings = fold_transposed_weights(graph, operand_shardings)
     constants = {name: jnp.asarray(value) for name, value in graph.constants.items()}
-    lowerings = [registry.get(node.target) for node in graph.nodes]
+    lowerings = [ops.get(node.target) for node in graph.nodes]
     buffer_outputs = [o for o in graph.outputs if o.kind == "buffer"]
     value_outputs = [o for o in graph.outputs if o.kind != "buffer"]
 

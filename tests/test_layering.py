@@ -191,3 +191,52 @@ def test_a_stage_problem_travels_as_one_object():
         parameters = inspect.signature(fn).parameters
         assert len(parameters) <= 5 and "problem" in parameters, fn.__name__
     assert dataclasses.fields(intra_op.StageProblem) and intra_op.StageProblem.__dataclass_params__.frozen
+
+
+# --- every floor -----------------------------------------------------------------------------------------------------
+
+FLOORS: list[tuple[str, tuple[str, ...], str]] = [
+    ("foundation", ("torchpar.units", "torchpar.hardware", "torchpar.methods", "torchpar.progress",
+                    "torchpar.plan_writers", "torchpar.compile_cache"),
+     "pure data and leaf utilities: units, hardware presets and ClusterSpec, the method options, progress, the report "
+     "writer registry, JAX's compile cache settings; they import nothing of torchpar above them"),
+    ("ir", ("torchpar.ir",), "the graph as plain data, and analyses of it (no torch, no JAX)"),
+    ("capture", ("torchpar.capture",), "torch.export → IR; reads the IR's types, nothing that plans or runs"),
+    ("planner", ("torchpar.planner",), "IR → Plan (layer clustering, stage DP, sharding ILP, schedules); no torch"),
+    ("lowering", ("jaxbackend",), "IR + layouts → JAX functions; reads only the IR"),
+    ("runtime", ("torchpar.runtime",), "plans → executables on processes and devices (local or Ray)"),
+    ("top", ("torchpar",), "the session (cluster.py), the Engine and its rooms, reports, integrations, the CLI"),
+]
+"""The floors, lowest first, each with the modules it holds (by prefix: the first match wins) and its rule. A module
+may import its own floor and the floors below it, never one above — function-local imports included."""
+
+
+def _floor(module: str) -> int:
+    return next(i for i, (_, prefixes, _) in enumerate(FLOORS)
+                if any(module == p or module.startswith(p + ".") for p in prefixes))
+
+
+def _jaxbackend_modules() -> dict[str, Path]:
+    root = PACKAGE.parent / "jaxbackend"
+    return {".".join(p.relative_to(root.parent).with_suffix("").parts[:-1] if p.name == "__init__.py"
+                     else p.relative_to(root.parent).with_suffix("").parts): p for p in sorted(root.rglob("*.py"))}
+
+
+def test_every_import_points_down_a_floor():
+    modules = {**_module_names(), **_jaxbackend_modules()}
+    known = {**modules, "jaxbackend": PACKAGE.parent / "jaxbackend" / "__init__.py"}
+    upward = []
+    for name, path in modules.items():
+        for target, line in _imports(name, path, known).items():
+            if target.startswith("jaxbackend") or target in modules:
+                if _floor(target) > _floor(name):
+                    upward.append(f"{path.relative_to(PACKAGE.parent)}:{line} ({FLOORS[_floor(name)][0]}) imports "
+                                  f"{target} ({FLOORS[_floor(target)][0]})")
+    assert not upward, "imports that point up a floor:\n  " + "\n  ".join(upward)
+
+
+def test_no_import_cycles_in_the_lowering():
+    """``jaxbackend`` too: the op registry is a leaf the families import; the package imports the families."""
+    modules = _jaxbackend_modules()
+    graph = {name: _imports(name, path, modules) for name, path in modules.items()}
+    assert not _cycles(graph), f"import cycles in jaxbackend/: {_cycles(graph)}"

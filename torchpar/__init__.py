@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING, Any, Unpack
 
 from torchpar import options as _options
 from torchpar import plan_writers as _plan_writers
-from torchpar.cluster import ClusterSpec, init, shutdown
+from torchpar.cluster import init, shutdown
+from torchpar.hardware import ClusterSpec
 from torchpar.methods import (
     AutoLayerOption,
     DataParallel,

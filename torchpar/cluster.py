@@ -1,7 +1,9 @@
-"""``torchpar.init`` and the cluster description the planner prices plans with.
+"""The session: ``torchpar.init`` / ``shutdown``, the current cluster, the compile cache and the Ray connection.
 
 ``init(cluster="local", num_devices=N)`` must run before JAX is first imported in the process: it
-sets ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` so JAX's CPU backend exposes N devices.
+sets ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` so JAX's CPU backend exposes N devices. The cluster
+description itself, :class:`~torchpar.hardware.ClusterSpec`, is pure data on a lower floor (the planner reads it
+without this module's side effects); it is re-exported here and as ``torchpar.ClusterSpec``.
 """
 
 from __future__ import annotations
@@ -10,95 +12,14 @@ import logging
 import os
 import re
 import sys
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
+
+from torchpar.hardware import ClusterSpec
 
 log = logging.getLogger(__name__)
 
 _DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
-
-
-@dataclass(kw_only=True, frozen=True)
-class ClusterSpec:
-    """Hosts × devices and the constants of the analytic cost model."""
-
-    num_hosts: int = 1
-    """Number of hosts (Ray actors in the ``ray`` runtime)."""
-    devices_per_host: int = 1
-    """JAX devices owned by each host."""
-    device_flops: float = 5e10
-    """Sustained FLOP/s of one device (fp32); prices compute in plan estimates."""
-    device_memory_bytes: int = 8 << 30
-    """Memory budget of one device."""
-    alpha: tuple[float, float] = (1e-4, 1e-5)
-    """Collective latency (s) inside a host, on logical mesh axis 0 and axis 1; axis 1 is the inner, faster one."""
-    beta: tuple[float, float] = (1e-9, 1e-10)
-    """Inverse bandwidth (s/byte) inside a host, on logical mesh axis 0 and axis 1."""
-    inter_host_alpha: float = 1e-4
-    """Collective latency (s) of a mesh axis whose devices sit on different hosts (priced with the slower of this
-    and the axis's in-host constants: :mod:`torchpar.planner.mesh_links`)."""
-    inter_host_beta: float = 1e-9
-    """Inverse bandwidth (s/byte) of the link between hosts, per device."""
-    preset: str | None = None
-    """The hardware preset the constants came from (:mod:`torchpar.hardware`), or ``None`` if set by hand."""
-    runtime: str = "local"
-    """Where plans run: ``"local"`` (this process's devices) or ``"ray"`` (one actor per host)."""
-    cores_per_host: int | None = None
-    """Ray runtime, simulated hosts on one machine: CPU cores each host actor is pinned to (``None`` = an even
-    share)."""
-    accelerator: str = "cpu"
-    """Devices of a host: ``"cpu"`` (JAX CPU devices) or ``"gpu"``."""
-    timeout_s: float = 60.0
-    """Ray runtime: the longest a step, a message between stages or placing the host actors may take before
-    the engine raises (compilation has its own, longer limit)."""
-
-    def __post_init__(self) -> None:
-        if self.num_hosts < 1 or self.devices_per_host < 1:
-            raise ValueError(
-                f"a cluster needs ≥1 host and ≥1 device per host, got {self.num_hosts}×{self.devices_per_host}"
-            )
-        if self.device_flops <= 0 or self.device_memory_bytes <= 0:
-            raise ValueError("device_flops and device_memory_bytes must be positive")
-        if self.timeout_s <= 0:
-            raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
-        if len(self.alpha) != 2 or len(self.beta) != 2 or min(*self.alpha, *self.beta) < 0:
-            raise ValueError(
-                f"alpha and beta are two non-negative numbers (axis 0, axis 1), got {self.alpha}, {self.beta}"
-            )
-        if min(self.inter_host_alpha, self.inter_host_beta) < 0:
-            raise ValueError(
-                f"inter_host_alpha and inter_host_beta must be ≥ 0, got {self.inter_host_alpha}, {self.inter_host_beta}"
-            )
-        object.__setattr__(self, "alpha", tuple(float(a) for a in self.alpha))  # a plan's JSON gives lists
-        object.__setattr__(self, "beta", tuple(float(b) for b in self.beta))
-
-    @classmethod
-    def from_preset(cls, name: str, **fields: Any) -> ClusterSpec:
-        """A cluster with the cost constants of the hardware preset ``name`` (:data:`torchpar.hardware.PRESETS`:
-        ``"h100-nvlink"``, ``"a100-80g"``, ``"a100-40g"``, ``"v100-16g"``, ``"cpu-sim"``); ``fields`` set the rest
-        (``num_hosts``, ``devices_per_host``, …) and may override a constant."""
-        from torchpar.hardware import preset
-
-        return cls(**{**preset(name).cluster_constants(), **fields})
-
-    def cost_constants(self) -> dict[str, Any]:
-        """The fields the planner prices with (a plan stores them: ``Plan.cluster``), as JSON values."""
-        return {
-            "num_hosts": self.num_hosts,
-            "devices_per_host": self.devices_per_host,
-            "device_flops": self.device_flops,
-            "device_memory_bytes": self.device_memory_bytes,
-            "alpha": list(self.alpha),
-            "beta": list(self.beta),
-            "inter_host_alpha": self.inter_host_alpha,
-            "inter_host_beta": self.inter_host_beta,
-            "preset": self.preset,
-        }
-
-    @property
-    def num_devices(self) -> int:
-        return self.num_hosts * self.devices_per_host
 
 
 _cluster: ClusterSpec | None = None
@@ -317,24 +238,15 @@ def _keep_driver_off_accelerators() -> None:
     jax.config.update("jax_platforms", "cpu")
 
 
-_shutdown_hooks: list[Callable[[], None]] = []
-
-
-def on_shutdown(hook: Callable[[], None]) -> None:
-    """Have :func:`shutdown` call ``hook`` (once, however often it is registered). The floors above the cluster
-    register what they must close — :mod:`torchpar.runtime` its open engines and its Ray connection — so this
-    module imports none of them (data flows down)."""
-    if hook not in _shutdown_hooks:
-        _shutdown_hooks.append(hook)
-
-
 def shutdown() -> None:
     """Close every open engine of this process (freeing their Ray actors), disconnect from Ray (stopping the
-    embedded instance if torchpar started one) and forget the cluster: the :func:`on_shutdown` hooks, in the order
-    they were registered, then the cluster."""
+    embedded instance if torchpar started one) and forget the cluster. The runtime is asked only if something
+    imported it (no engine exists otherwise): the session sits above it, and calls down."""
     global _cluster
-    for hook in list(_shutdown_hooks):
-        hook()
+    if "torchpar.runtime" in sys.modules:
+        from torchpar.runtime import close_session
+
+        close_session()
     _cluster = None
 
 

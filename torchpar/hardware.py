@@ -1,6 +1,7 @@
 """Hardware presets: the cost-model constants of real clusters, from their public specifications.
 
-A preset fills the constants of a :class:`torchpar.cluster.ClusterSpec` that the planner prices plans with:
+A preset fills the constants of a :class:`ClusterSpec` (hosts × devices and the cost constants: pure data, read by
+the planner; defined here, below the session in :mod:`torchpar.cluster`) that the planner prices plans with:
 per-device peak FLOP/s and memory, the in-host link (NVLink) and the link between hosts (the network). Each
 link is ``(α, β)``: latency of one collective in seconds, and inverse bandwidth in seconds per byte, for one
 device's share of the link in one direction.
@@ -27,13 +28,14 @@ so they rank plans rather than predict wall-clock time.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 _GIB = 1 << 30
 
 
 @dataclass(kw_only=True, frozen=True)
 class HardwarePreset:
-    """The cost constants of one kind of host; :meth:`torchpar.cluster.ClusterSpec.from_preset` applies them."""
+    """The cost constants of one kind of host; :meth:`ClusterSpec.from_preset` applies them."""
 
     name: str
     description: str
@@ -159,3 +161,83 @@ def detect(device_kind: str) -> str | None:
     if "V100" in kind and "32GB" not in kind.replace(" ", ""):
         return "v100-16g"
     return None
+
+
+@dataclass(kw_only=True, frozen=True)
+class ClusterSpec:
+    """Hosts × devices and the constants of the analytic cost model."""
+
+    num_hosts: int = 1
+    """Number of hosts (Ray actors in the ``ray`` runtime)."""
+    devices_per_host: int = 1
+    """JAX devices owned by each host."""
+    device_flops: float = 5e10
+    """Sustained FLOP/s of one device (fp32); prices compute in plan estimates."""
+    device_memory_bytes: int = 8 << 30
+    """Memory budget of one device."""
+    alpha: tuple[float, float] = (1e-4, 1e-5)
+    """Collective latency (s) inside a host, on logical mesh axis 0 and axis 1; axis 1 is the inner, faster one."""
+    beta: tuple[float, float] = (1e-9, 1e-10)
+    """Inverse bandwidth (s/byte) inside a host, on logical mesh axis 0 and axis 1."""
+    inter_host_alpha: float = 1e-4
+    """Collective latency (s) of a mesh axis whose devices sit on different hosts (priced with the slower of this
+    and the axis's in-host constants: :mod:`torchpar.planner.mesh_links`)."""
+    inter_host_beta: float = 1e-9
+    """Inverse bandwidth (s/byte) of the link between hosts, per device."""
+    preset: str | None = None
+    """The hardware preset the constants came from (:mod:`torchpar.hardware`), or ``None`` if set by hand."""
+    runtime: str = "local"
+    """Where plans run: ``"local"`` (this process's devices) or ``"ray"`` (one actor per host)."""
+    cores_per_host: int | None = None
+    """Ray runtime, simulated hosts on one machine: CPU cores each host actor is pinned to (``None`` = an even
+    share)."""
+    accelerator: str = "cpu"
+    """Devices of a host: ``"cpu"`` (JAX CPU devices) or ``"gpu"``."""
+    timeout_s: float = 60.0
+    """Ray runtime: the longest a step, a message between stages or placing the host actors may take before
+    the engine raises (compilation has its own, longer limit)."""
+
+    def __post_init__(self) -> None:
+        if self.num_hosts < 1 or self.devices_per_host < 1:
+            raise ValueError(
+                f"a cluster needs ≥1 host and ≥1 device per host, got {self.num_hosts}×{self.devices_per_host}"
+            )
+        if self.device_flops <= 0 or self.device_memory_bytes <= 0:
+            raise ValueError("device_flops and device_memory_bytes must be positive")
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
+        if len(self.alpha) != 2 or len(self.beta) != 2 or min(*self.alpha, *self.beta) < 0:
+            raise ValueError(
+                f"alpha and beta are two non-negative numbers (axis 0, axis 1), got {self.alpha}, {self.beta}"
+            )
+        if min(self.inter_host_alpha, self.inter_host_beta) < 0:
+            raise ValueError(
+                f"inter_host_alpha and inter_host_beta must be ≥ 0, got {self.inter_host_alpha}, {self.inter_host_beta}"
+            )
+        object.__setattr__(self, "alpha", tuple(float(a) for a in self.alpha))  # a plan's JSON gives lists
+        object.__setattr__(self, "beta", tuple(float(b) for b in self.beta))
+
+    @classmethod
+    def from_preset(cls, name: str, **fields: Any) -> ClusterSpec:
+        """A cluster with the cost constants of the hardware preset ``name`` (:data:`torchpar.hardware.PRESETS`:
+        ``"h100-nvlink"``, ``"a100-80g"``, ``"a100-40g"``, ``"v100-16g"``, ``"cpu-sim"``); ``fields`` set the rest
+        (``num_hosts``, ``devices_per_host``, …) and may override a constant."""
+        return cls(**{**preset(name).cluster_constants(), **fields})
+
+    def cost_constants(self) -> dict[str, Any]:
+        """The fields the planner prices with (a plan stores them: ``Plan.cluster``), as JSON values."""
+        return {
+            "num_hosts": self.num_hosts,
+            "devices_per_host": self.devices_per_host,
+            "device_flops": self.device_flops,
+            "device_memory_bytes": self.device_memory_bytes,
+            "alpha": list(self.alpha),
+            "beta": list(self.beta),
+            "inter_host_alpha": self.inter_host_alpha,
+            "inter_host_beta": self.inter_host_beta,
+            "preset": self.preset,
+        }
+
+    @property
+    def num_devices(self) -> int:
+        return self.num_hosts * self.devices_per_host

@@ -27,7 +27,7 @@ from dataclasses import fields, replace
 from typing import Any
 
 from torchpar import progress
-from torchpar.cluster import ClusterSpec
+from torchpar.hardware import ClusterSpec
 from torchpar.ir.graph import Graph
 from torchpar.ir.op_families import FREE
 from torchpar.planner.plan import Plan

@@ -181,7 +181,7 @@ class ManualStageOption:
 
 
 PIPELINE_SCHEDULES: tuple[str, ...] = ("1f1b", "gpipe", "interleaved_1f1b", "zb_h1")
-"""``PipeshardParallel.schedule`` values (their instruction lists: :mod:`torchpar.runtime.schedules`)."""
+"""``PipeshardParallel.schedule`` values (their instruction lists: :mod:`torchpar.planner.schedules`)."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -200,7 +200,7 @@ class PipeshardParallel:
     stage_option: Literal["auto", "uniform"] | ManualStageOption = "auto"
     """How layers are grouped into stages and stages placed on submeshes."""
     schedule: Literal["1f1b", "gpipe", "interleaved_1f1b", "zb_h1"] = "1f1b"
-    """Pipeline schedule (:mod:`torchpar.runtime.schedules`): ``"1f1b"`` or ``"gpipe"``; ``"interleaved_1f1b"``
+    """Pipeline schedule (:mod:`torchpar.planner.schedules`): ``"1f1b"`` or ``"gpipe"``; ``"interleaved_1f1b"``
     (Megatron-LM's virtual stages: each device group runs ``virtual_stages`` non-adjacent stages; bubble
     ``(G−1)/(v·M+G−1)`` on G groups); ``"zb_h1"`` (zero bubble: each backward split into its input- and
     weight-gradient parts, the latter deferred; bubble ``(S−1)/(3M+S−1)`` when the parts cost the same)."""

@@ -168,8 +168,7 @@ def peak_flops_per_device(cluster: Any, precision: str) -> float | None:
     """One device's dense peak FLOP/s at ``precision``: the cluster preset's ``peak_flops[precision]`` (its fp32
     peak where it has no units for ``precision``), or ``cluster.device_flops`` when it was set by hand (with or
     without a preset); ``None`` when neither says: no preset and the nominal default ``device_flops``."""
-    from torchpar.cluster import ClusterSpec
-    from torchpar.hardware import preset
+    from torchpar.hardware import ClusterSpec, preset
 
     if cluster.preset is None and cluster.device_flops == ClusterSpec.device_flops:
         return None

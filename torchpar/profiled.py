@@ -22,7 +22,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from torchpar.cluster import ClusterSpec
+from torchpar.hardware import ClusterSpec
 from torchpar.ir.graph import Graph
 from torchpar.ir.optimizer import OptimizerSpec, state_copies
 from torchpar.machine_constants import priced_cluster

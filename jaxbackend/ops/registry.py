@@ -1,4 +1,5 @@
-"""The op registry: ATen overload name → JAX function.
+"""The op registry: ATen overload name → JAX function (a leaf: the families import it, it imports none of them;
+:func:`jaxbackend.ops.get` looks a lowering up once the package has imported every family).
 
 A lowering is registered with ``@lowers("aten.add.Tensor", ...)`` and called with the op's own
 arguments in ATen order, where tensors are ``jax.Array``, dtypes are JAX dtypes, and everything else
@@ -45,28 +46,6 @@ def lowers(*targets: str, random: bool = False, sharded: bool = False) -> Callab
     return register
 
 
-def get(target: str) -> Lowering | None:
-    """The lowering of ``target``, or ``None`` if it has none."""
-    _load_all()
+def registered(target: str) -> Lowering | None:
+    """The lowering registered for ``target`` so far, or ``None`` (:func:`jaxbackend.ops.get` after every family)."""
     return _REGISTRY.get(target)
-
-
-_loaded = False
-
-
-def _load_all() -> None:
-    global _loaded
-    if not _loaded:
-        _loaded = True
-        from jaxbackend.ops import (  # noqa: F401  (registration side effects)
-            attention,
-            elementwise,
-            indexing,
-            linalg,
-            nn,
-            pooling,
-            random_ops,
-            reduction,
-            shape,
-            upsample,
-        )

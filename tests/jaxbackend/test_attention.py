@@ -27,13 +27,14 @@ import torch
 import torch.nn.functional as F
 
 from jaxbackend import precision
-from jaxbackend.ops import attention, registry
+from jaxbackend import ops
+from jaxbackend.ops import attention
 
 FP32_TOL = {"rtol": 1e-5, "atol": 1e-6}
 BF16_TOL = {"rtol": 1.6e-2, "atol": 1e-2}
 B, N, L, S, E = 2, 4, 6, 6, 8
 
-_sdpa = registry.get("aten.scaled_dot_product_attention.default").fn
+_sdpa = ops.get("aten.scaled_dot_product_attention.default").fn
 
 
 def _on_gpu_platform():

@@ -270,7 +270,7 @@ def test_stage_dp_on_gpt2_layers(gpt2):
                                               ("interleaved_1f1b", 3)])
 @pytest.mark.parametrize("groups,micro", [(2, 4), (4, 8), (4, 16)])
 def test_pipeline_latency_is_the_simulated_makespan_on_equal_stages(schedule, virtual, groups, micro):
-    from torchpar.runtime.schedules import make_schedule, simulate
+    from torchpar.planner.schedules import make_schedule, simulate
 
     t = 3.0 / virtual  # each stage: one micro-batch's forward + backward, in thirds F, B, W
     stages = groups * virtual
@@ -281,7 +281,7 @@ def test_pipeline_latency_is_the_simulated_makespan_on_equal_stages(schedule, vi
 
 def test_micro_batches_in_flight_per_schedule():
     from torchpar.planner.stages import micro_batches_in_flight
-    from torchpar.runtime.schedules import interleaved_one_f_one_b, stage_in_flight
+    from torchpar.planner.schedules import interleaved_one_f_one_b, stage_in_flight
 
     assert micro_batches_in_flight(4, 8, "1f1b") == [4, 3, 2, 1]
     assert micro_batches_in_flight(4, 8, "zb_h1") == [4, 4, 4, 4]

@@ -6,7 +6,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from torchpar.cluster import ClusterSpec
+from torchpar.hardware import ClusterSpec
 from torchpar.ir.graph import Graph
 from torchpar.methods import (
     SINGLE_DEVICE,

@@ -1,4 +1,4 @@
-"""The stage DP for interleaved 1F1B (Megatron-LM's virtual pipeline; :mod:`torchpar.runtime.schedules`).
+"""The stage DP for interleaved 1F1B (Megatron-LM's virtual pipeline; :mod:`torchpar.planner.schedules`).
 
 The problem
 -----------

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from torchpar.cluster import ClusterSpec
+from torchpar.hardware import ClusterSpec
 from torchpar.ir.graph import Graph
 from torchpar.ir.layout import Spec, is_valid, make_spec, to_json
 from torchpar.planner.mesh_links import axes_crossing_hosts, stage_mesh, submesh_of

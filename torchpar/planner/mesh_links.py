@@ -21,7 +21,7 @@ so the two levels agree on what a spanning mesh costs.
 
 from __future__ import annotations
 
-from torchpar.cluster import ClusterSpec
+from torchpar.hardware import ClusterSpec
 from torchpar.planner.sharding.cost_model import LogicalMesh
 
 Shape = tuple[int, int]

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from torchpar.cluster import ClusterSpec
+from torchpar.hardware import ClusterSpec
 from torchpar.ir.graph import Graph
 from torchpar.methods import ManualStageOption, PipeshardParallel
 from torchpar.planner import layers as layers_mod

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torchpar import plan_writers
-from torchpar.cluster import ClusterSpec
+from torchpar.hardware import ClusterSpec
 from torchpar.ir.layout import JsonSpec, describe
 from torchpar.ir.op_families import GROUPED_MATMULS
 from torchpar.methods import method_title

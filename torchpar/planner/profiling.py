@@ -37,7 +37,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Protocol
 
-from torchpar.cluster import ClusterSpec
+from torchpar.hardware import ClusterSpec
 from torchpar.planner.plan import StagePlan
 from torchpar.planner.slicing import StageGraph, slice_stages
 from torchpar.planner.stages import pipeline_latency

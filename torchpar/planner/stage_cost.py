@@ -13,7 +13,7 @@ from typing import NamedTuple, Protocol
 
 import numpy as np
 
-from torchpar.cluster import ClusterSpec
+from torchpar.hardware import ClusterSpec
 from torchpar.ir.graph import DTYPE_BYTES, Graph
 from torchpar.ir.op_families import GROUPED_MATMULS, VIEWS
 from torchpar.planner.layers import Layering

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from torchpar.cluster import ClusterSpec
+from torchpar.hardware import ClusterSpec
 from torchpar.ir.graph import Graph
 from torchpar.methods import PipeshardParallel
 from torchpar.planner.for_method import check_plan_fits, plan_for_method, single_device_plan

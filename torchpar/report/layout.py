@@ -9,7 +9,8 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from torchpar.cluster import ClusterSpec, current_cluster
+from torchpar.cluster import current_cluster
+from torchpar.hardware import ClusterSpec
 
 if TYPE_CHECKING:
     from torchpar.planner.plan import Plan
@@ -127,7 +128,7 @@ def timeline_view(plan: Plan, timeline: Any = None) -> TimelineView:
     start_s, end_s)``, or an object with such ``.blocks``: ``schedules.Timeline``, the Ray runtime's
     ``StepTimeline``), else ``simulate(make_schedule(plan.schedule, S, M))`` with each stage's forward
     taking ⅓ and its backward ⅔ of its ``estimated_cost_s`` per micro-batch."""
-    from torchpar.runtime import schedules
+    from torchpar.planner import schedules
 
     if timeline is None:
         return _estimated_timeline(plan)
@@ -144,7 +145,7 @@ def timeline_view(plan: Plan, timeline: Any = None) -> TimelineView:
 
 
 def _estimated_timeline(plan: Plan) -> TimelineView:
-    from torchpar.runtime.schedules import COMPUTE_OPS, SCHEDULES, device_groups, make_schedule, simulate
+    from torchpar.planner.schedules import COMPUTE_OPS, SCHEDULES, device_groups, make_schedule, simulate
 
     num_stages, micro = len(plan.stages), max(int(plan.num_micro_batches), 1)
     name = plan.schedule if plan.schedule in SCHEDULES else "gpipe"  # one stage: every schedule is F0..B0..

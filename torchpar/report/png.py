@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from torchpar.cluster import ClusterSpec
+from torchpar.hardware import ClusterSpec
 from torchpar.report.estimates import plan_numbers
 from torchpar.report.layout import IDLE_COLOR, device_grid, stage_color, timeline_view
 from torchpar.report.markup import text_on

@@ -7,10 +7,8 @@ import logging
 import sys
 from typing import TYPE_CHECKING
 
-from torchpar.cluster import on_shutdown
-
 if TYPE_CHECKING:
-    from torchpar.cluster import ClusterSpec
+    from torchpar.hardware import ClusterSpec
     from torchpar.runtime.executor import Executor
     from torchpar.runtime.worker import ExecutionSpec
 
@@ -39,7 +37,7 @@ def build_executor(spec: ExecutionSpec, cluster: ClusterSpec, label: str = "") -
     return LocalExecutor(spec, label)
 
 
-def _shutdown() -> None:
+def close_session() -> None:
     """:func:`torchpar.shutdown`'s part in the runtime: close every open engine's executor, then disconnect from
     Ray (both only if this process got that far)."""
     if "torchpar.runtime.executor" in sys.modules:
@@ -52,6 +50,3 @@ def _shutdown() -> None:
         from torchpar.runtime import ray_cluster
 
         ray_cluster.disconnect()
-
-
-on_shutdown(_shutdown)  # registered the first time anything of the runtime is imported, before any engine exists

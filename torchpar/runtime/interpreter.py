@@ -38,7 +38,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from torchpar.runtime.schedules import Instruction
+from torchpar.planner.schedules import Instruction
 from torchpar.runtime.stage_program import AUX_PREFIX, DEN, LOSS, StageProgram
 from torchpar.runtime.timeline import StageClock
 from torchpar.runtime.transport import Transport

@@ -36,6 +36,7 @@ from jaxbackend.precision import FULL_FP32, Numerics
 from torchpar.ir.graph import Graph
 from torchpar.ir.optimizer import OptimizerSpec
 from torchpar.planner.plan import Plan
+from torchpar.planner.schedules import SPLIT_BACKWARD, device_groups, make_schedule
 from torchpar.planner.slicing import StageGraph
 from torchpar.runtime import gradients
 from torchpar.runtime.arrays import local_copy, local_scalar, put, put_batch
@@ -43,7 +44,6 @@ from torchpar.runtime.batch_parts import Ahead, HostRows, LeafPiece, local_box, 
 from torchpar.runtime.checkpoint_io import KINDS, CheckpointSource, ShardReader, tensor_key, write_shards
 from torchpar.runtime.devices import DeviceMap
 from torchpar.runtime.micro_batch_loss import MicroBatchLoss
-from torchpar.runtime.schedules import SPLIT_BACKWARD, device_groups, make_schedule
 from torchpar.runtime.state import Exported, HostState, export_arrays
 from torchpar.runtime.train_step import split_scalars
 from torchpar.runtime.transport import Deliver, Mailbox, Transport

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from torchpar.runtime.schedules import (
+from torchpar.planner.schedules import (
     Instruction,
     format_schedule,
     gpipe,
