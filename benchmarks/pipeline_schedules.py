@@ -10,7 +10,7 @@ with 8 stages of 1 layer, 2 per device group (stage s on device s mod 4). Per sc
   :mod:`torchpar.planner.schedules`'s formulas), and simulated again with the op times measured in the run;
 - the measured bubble (``engine.last_timeline.bubble_fraction``) and step time (medians over the steps);
 
-and, on one stage, what the split backward (ZB-H1's B then W, :mod:`torchpar.runtime.split_backward`) costs
+and, on one stage, what the split backward (ZB-H1's B then W, :mod:`torchpar.runtime.pipeline.split_backward`) costs
 against the fused backward. Prints tables and writes JSON. The measured figures need a core per device: on
 fewer cores the stages time-share them, which stretches blocks that overlap and hides idle time.
 """

@@ -24,7 +24,7 @@ CASES = {
     "torchpar.capture.export": ("jaxbackend", "jax", "torchpar.planner", "torchpar.runtime"),
     "torchpar.capture.optim": ("jaxbackend", "jax", "torchpar.planner", "torchpar.runtime"),
     "torchpar.runtime.worker": ("torch", "torchpar.capture", "torchpar.report", "torchpar.api"),
-    "torchpar.runtime.host_actor": ("torch", "torchpar.capture", "torchpar.report", "torchpar.api"),
+    "torchpar.runtime.ray.host_actor": ("torch", "torchpar.capture", "torchpar.report", "torchpar.api"),
     "torchpar.runtime.checkpoint_io": ("torch", "torchpar.capture", "torchpar.api"),  # host actors write shards
     "torchpar.runtime.batch_parts": ("torch", "jax", "torchpar.capture", "torchpar.api"),  # the driver imports it
     "torchpar.runtime.host_loading": ("torch", "torchpar.capture", "torchpar.api", "torchpar.feeding"),

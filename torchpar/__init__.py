@@ -40,7 +40,7 @@ _LAZY = {  # public name → module defining it (imported on first use)
     "IntegerOverflowError": "torchpar.ir.integer_ranges",
     "NonFiniteError": "torchpar.runtime.nonfinite",
     "DeviceMemoryError": "torchpar.runtime.resources",
-    "HostFailure": "torchpar.runtime.ray_executor",
+    "HostFailure": "torchpar.runtime.ray.ray_executor",
     "CaptureError": "torchpar.capture.errors",
     "PlanFormatError": "torchpar.planner.plan_schema",
     "MemoryBudgetError": "torchpar.planner.sharding.ilp",

@@ -199,7 +199,7 @@ def _init_ray(
     cores_per_host: int | None,
     timeout_s: float,
 ) -> ClusterSpec:
-    from torchpar.runtime import ray_cluster
+    from torchpar.runtime.ray import ray_cluster
 
     if address is None and (num_hosts is None or devices_per_host is None):
         raise ValueError(

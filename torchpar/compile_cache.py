@@ -4,7 +4,7 @@ XLA compiles a large training step in tens of seconds to minutes on a GPU. JAX c
 executable on disk, keyed by the program, the compile options, the XLA flags, the devices and the jax/jaxlib
 versions; another process compiling the same step then reads it back instead (on a GPU, XLA's per-fusion
 autotuning results are kept there too). :func:`torchpar.init` turns the cache on, and Ray host actors get
-the same settings through their environment (:func:`environment`, :mod:`torchpar.runtime.host_actor`).
+the same settings through their environment (:func:`environment`, :mod:`torchpar.runtime.ray.host_actor`).
 
 Which directory (first rule that applies):
 

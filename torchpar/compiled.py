@@ -290,7 +290,7 @@ class CompiledTraining:
         self._check_state_known(capture)
         check_supported(capture.graph)
         if self.data_replicas > 1:  # before any worker starts
-            from torchpar.runtime.one_stage import check_replicable
+            from torchpar.runtime.one_stage.programs import check_replicable
 
             check_replicable(capture.graph, self.data_replicas)
         if self.batch_parts > 1:  # mark how the parts' losses and aux values make the whole batch's (before any worker

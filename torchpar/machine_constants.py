@@ -3,7 +3,7 @@
 ``torchpar.init`` gives a :class:`~torchpar.cluster.ClusterSpec` whose cost constants come from one of three places:
 a hardware preset (``preset=`` or a detected GPU), fields set by hand (``init(..., device_flops=...)``), or the
 nominal defaults, which describe no machine. In the last case, on the local runtime, the planner prices the plan
-with constants measured here instead (:mod:`torchpar.runtime.calibration`): the effective training FLOP/s of one
+with constants measured here instead (:mod:`torchpar.runtime.measure.calibration`): the effective training FLOP/s of one
 device while the devices the plan keeps busy all run (one for ``method=None``, every device of the cluster
 otherwise), the time each op and each updated parameter adds, and the all-reduce links between them. The
 measurement takes a few seconds the first time and is kept
@@ -89,8 +89,8 @@ def priced_cluster(
         return cluster, {"source": "nominal defaults (Ray runtime: nothing to measure in the driver)"}
     import jax
 
-    from torchpar.runtime.calibration import measure_machine
-    from torchpar.runtime.profile_cache import ProfileCache, profile_dir
+    from torchpar.runtime.measure.calibration import measure_machine
+    from torchpar.runtime.measure.profile_cache import ProfileCache, profile_dir
 
     busy = busy_devices(method, cluster)
     if len(jax.devices()) < busy:  # planning for devices this process does not have (a meta-device model, say)

@@ -46,7 +46,7 @@ class CompileOptions:
     spmd: SpmdMode = "auto"
     """How a sharded one-stage plan becomes a program. ``"gspmd"``: global shapes, XLA's SPMD partitioner
     inserts the collectives. ``"shard_map"``: a per-device program with explicit collectives
-    (``torchpar.runtime.spmd_step``; gradients are reduce-scattered as such under ZeRO) for any one-stage
+    (``torchpar.runtime.one_stage.spmd_step``; gradients are reduce-scattered as such under ZeRO) for any one-stage
     plan; one it cannot run is an error. ``"auto"``: ``shard_map`` for DataParallel/Zero2/Zero3 plans when it
     can run them (else GSPMD, with the reason logged), GSPMD for the others. ``engine.spmd_mode`` says which
     ran."""
@@ -87,8 +87,8 @@ class CompileOptions:
     """Measured profiling (:mod:`torchpar.profiled`): time all-reduces on this process's devices and plan with the
     fitted link constants, then compile and time the planner's candidates on the devices (a pipeline's refined
     stage partitions, or the one stage) and keep the fastest measured; ``plan.summary()`` shows measured next to
-    estimated times. Timings are cached on disk (``TORCHPAR_PROFILE_DIR``, :mod:`torchpar.runtime.profile_cache`).
-    Local runtime only. Ignored when ``method`` is a saved ``Plan``."""
+    estimated times. Timings are cached on disk (``TORCHPAR_PROFILE_DIR``,
+    :mod:`torchpar.runtime.measure.profile_cache`). Local runtime only. Ignored when ``method`` is a saved ``Plan``."""
 
     log_every: int = 0
     """Log one line of the step's metrics (:class:`torchpar.metrics.StepMetrics`: loss, step time, samples/s,

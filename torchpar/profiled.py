@@ -6,7 +6,7 @@ mesh axis and the cluster's in-host link constants are replaced by the fitted on
 (a pipeline's stage partitions; the single stage of a one-stage plan) is compiled and timed, and a pipeline takes
 the candidate with the least measured step. ``plan.summary()`` shows the measured next to the estimated times
 (``StagePlan.measured_cost_s``, ``plan.solver["profile"]``). Timings are kept on disk
-(:mod:`torchpar.runtime.profile_cache`): planning again on the same hardware measures nothing twice.
+(:mod:`torchpar.runtime.measure.profile_cache`): planning again on the same hardware measures nothing twice.
 
 Only the local runtime is profiled (the driver of the Ray runtime holds no devices).
 """
@@ -71,8 +71,8 @@ def start_profiling(
         )
     import jax
 
-    from torchpar.runtime.profile_cache import ProfileCache, profile_dir
-    from torchpar.runtime.profiler import StageProfiler, time_links
+    from torchpar.runtime.measure.profile_cache import ProfileCache, profile_dir
+    from torchpar.runtime.measure.profiler import StageProfiler, time_links
 
     devices = jax.devices()
     if len(devices) < cluster.num_devices:

@@ -107,7 +107,7 @@ def test_requested_dir_reads_the_environment(monkeypatch, tmp_path):
 
 
 def test_ray_host_actors_get_the_drivers_cache_settings():
-    from torchpar.runtime.host_actor import actor_environment
+    from torchpar.runtime.ray.host_actor import actor_environment
 
     env = actor_environment(2)
     assert env["JAX_COMPILATION_CACHE_DIR"] == compile_cache.cache_dir()  # this session's (tests/conftest.py)

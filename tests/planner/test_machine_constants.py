@@ -19,7 +19,7 @@ import torch
 import torchpar
 from torchpar import machine_constants
 from torchpar.cluster import ClusterSpec, current_cluster
-from torchpar.runtime import calibration
+from torchpar.runtime.measure import calibration
 
 FAKE_FLOPS, FAKE_OP_S, FAKE_UPDATE_S = 2e10, 3e-5, 2e-9
 
@@ -58,7 +58,7 @@ def measuring(tmp_path, monkeypatch):
 
 
 def test_the_fake_machines_timings_give_back_its_rate_and_per_op_cost(measuring):
-    from torchpar.runtime.profile_cache import ProfileCache
+    from torchpar.runtime.measure.profile_cache import ProfileCache
 
     measured = calibration.measure_machine(ProfileCache(str(measuring)), __import__("jax").devices()[:4])
     assert measured.flops == pytest.approx(FAKE_FLOPS, rel=0.05)  # the op cost of one-block steps is in the rates
@@ -130,7 +130,7 @@ def test_an_unknown_choice_is_named(monkeypatch):
 
 
 def test_the_real_measurement_gives_usable_constants(tmp_path):
-    from torchpar.runtime.profile_cache import ProfileCache
+    from torchpar.runtime.measure.profile_cache import ProfileCache
 
     import jax
 

@@ -1,4 +1,4 @@
-"""Direct stage channels between host actors (:mod:`torchpar.runtime.channels`), in one process: messages arrive
+"""Direct stage channels between host actors (:mod:`torchpar.runtime.ray.channels`), in one process: messages arrive
 whole, in order, with their arrays; a connection without the listener's token delivers nothing."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import socket
 
 import numpy as np
 
-from torchpar.runtime.channels import ChannelServer, PeerLinks
+from torchpar.runtime.ray.channels import ChannelServer, PeerLinks
 
 
 def test_messages_arrive_in_order_with_their_arrays():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib
 import logging
 
-from torchpar.runtime import ray_cluster
+from torchpar.runtime.ray import ray_cluster
 
 
 def test_the_token_notice_is_left_out_only_while_torchpar_starts_its_cluster():

@@ -4,7 +4,7 @@ products), train a small MLP on 4 devices as PyTorch trains it.
 A per-device (``shard_map``) step updates each device's piece of a parameter from its pieces alone, which is wrong
 for them: a plan that shards a parameter, its gradient or its optimizer state (ZeRO-3 all three, ZeRO-2 the
 gradient and the state) runs under GSPMD instead, with a warning naming the optimizer and the parameters
-(:meth:`torchpar.runtime.one_stage.OneStageProgram._shard_map_layouts`); data parallelism replicates the
+(:meth:`torchpar.runtime.one_stage.programs.OneStageProgram._shard_map_layouts`); data parallelism replicates the
 parameters, so its per-device step updates them whole and stays. ``spmd="shard_map"`` on a sharded plan is refused
 with the same reason. Adafactor's factored state of a sharded matrix (torch's ``row_var`` (n, 1), ``col_var``
 (1, m)) is placed whole along those dims. Losses, parameters and the optimizer state written back in torch's format

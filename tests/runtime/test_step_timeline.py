@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import torchpar
-from torchpar.runtime import stage_program
-from torchpar.runtime.timeline import BREAKDOWN_KEYS, SPAN_KINDS, StepTimeline
+from torchpar.runtime.pipeline import stage_program
+from torchpar.runtime.pipeline.timeline import BREAKDOWN_KEYS, SPAN_KINDS, StepTimeline
 
 M = 4
 

@@ -3,7 +3,7 @@ collectives.
 
 The planner prices plans analytically (3·FLOPs at the device's peak, alpha-beta collectives). With profiling on,
 the runtime compiles and times what the planner proposes on the devices the plan would run on, and the planner
-decides by those timings. The timing itself belongs to the runtime (:mod:`torchpar.runtime.profiler`); it is
+decides by those timings. The timing itself belongs to the runtime (:mod:`torchpar.runtime.measure.profiler`); it is
 passed in here as a :class:`StageTimer`, so the planner imports nothing of the runtime.
 
 Stage ranking

@@ -20,8 +20,8 @@ def build_executor(spec: ExecutionSpec, cluster: ClusterSpec, label: str = "") -
     from torchpar.runtime.devices import DeviceMap
 
     if cluster.runtime == "ray":
-        from torchpar.runtime import ray_cluster
-        from torchpar.runtime.ray_executor import RayExecutor
+        from torchpar.runtime.ray import ray_cluster
+        from torchpar.runtime.ray.ray_executor import RayExecutor
 
         connected = ray_cluster.current()
         if connected is None:
@@ -47,6 +47,6 @@ def close_session() -> None:
         if closed:
             log.info("torchpar.shutdown: closed %d open engine(s)", closed)
     if "ray" in sys.modules:
-        from torchpar.runtime import ray_cluster
+        from torchpar.runtime.ray import ray_cluster
 
         ray_cluster.disconnect()

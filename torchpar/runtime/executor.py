@@ -17,8 +17,8 @@ optimizer spec, run options) and answers
 - ``close()``: free everything it started (also a context manager).
 
 Implementations differ only in where the workers (:mod:`.worker`) live: :class:`LocalExecutor` holds one
-in this process, over all its devices; ``RayExecutor`` (:mod:`.ray_executor`) one per host actor. The
-driver-side logic of a step — splitting micro-batches, clipping across stages, the loss, the timeline
+in this process, over all its devices; ``RayExecutor`` (:mod:`torchpar.runtime.ray.ray_executor`) one per host actor.
+The driver-side logic of a step — splitting micro-batches, clipping across stages, the loss, the timeline
 — is here, once.
 """
 
@@ -35,12 +35,12 @@ from typing import Any
 import numpy as np
 
 from torchpar.ir.graph import Graph
-from torchpar.runtime import gradients
 from torchpar.runtime.aux_parts import combine_blocks
 from torchpar.runtime.batch_parts import HostBatch, HostRows, cut, pipeline_leaves, rows_of
 from torchpar.runtime.micro_batch_loss import MicroBatchLoss, gradient_factor, whole_batch_loss
+from torchpar.runtime.pipeline import gradients
+from torchpar.runtime.pipeline.timeline import StepTimeline
 from torchpar.runtime.state import HostState, collect_state
-from torchpar.runtime.timeline import StepTimeline
 from torchpar.runtime.worker import ExecutionSpec, StepReport
 
 log = logging.getLogger(__name__)
@@ -464,7 +464,7 @@ class Executor:
     @property
     def last_timeline(self) -> StepTimeline | None:
         """Measured compute blocks of each stage in the last step, and where the rest of its time went
-        (:meth:`~.timeline.StepTimeline.breakdown`)."""
+        (:meth:`~torchpar.runtime.pipeline.timeline.StepTimeline.breakdown`)."""
         return self._timeline
 
     # --- lifecycle ----------------------------------------------------------------------------------------------

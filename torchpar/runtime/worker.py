@@ -1,8 +1,8 @@
 """What one process does for a plan: build its programs, hold its share of the state, run its part of a step.
 
 The local runtime has one :class:`Worker`, called directly; the Ray runtime has one per host actor
-(:mod:`.host_actor`), all joined into one JAX multi-controller system. Every worker of an engine gets the
-same :class:`ExecutionSpec` and its process rank, builds the programs of the stages whose devices it
+(:mod:`torchpar.runtime.ray.host_actor`), all joined into one JAX multi-controller system. Every worker of an engine
+gets the same :class:`ExecutionSpec` and its process rank, builds the programs of the stages whose devices it
 owns, and answers the same calls:
 
 ``load(state)`` / ``export(kinds)``; ``save_shards(directory)`` / ``load_checkpoint(directory, tensors)`` (sharded
@@ -13,10 +13,11 @@ lowest-ranked — process); ``describe()``.
 
 - :class:`OneStageWorker` — a one-stage plan (one device, DataParallel, ZeRO, ShardParallel, Megatron):
   one fused step per batch signature over the plan's mesh (:mod:`.one_stage`), which may span hosts;
-- :class:`PipelineWorker` — PipeshardParallel: a :class:`~.stage_program.StageProgram` per stage it takes
+- :class:`PipelineWorker` — PipeshardParallel: a :class:`~torchpar.runtime.pipeline.stage_program.StageProgram` per
+  stage it takes
   part in, each device group's instruction list (one stage, or v under interleaved 1F1B) run on its own
-  thread by the interpreter (:mod:`.interpreter`); tied gradients and global-norm clipping are finished
-  across stages (:mod:`.gradients`).
+  thread by the interpreter (:mod:`torchpar.runtime.pipeline.interpreter`); tied gradients and global-norm clipping are
+  finished across stages (:mod:`torchpar.runtime.pipeline.gradients`).
 """
 
 from __future__ import annotations
@@ -38,15 +39,15 @@ from torchpar.ir.optimizer import OptimizerSpec
 from torchpar.planner.plan import Plan
 from torchpar.planner.schedules import SPLIT_BACKWARD, device_groups, make_schedule
 from torchpar.planner.slicing import StageGraph
-from torchpar.runtime import gradients
 from torchpar.runtime.arrays import local_copy, local_scalar, put, put_batch
 from torchpar.runtime.batch_parts import Ahead, HostRows, LeafPiece, local_box, pieces_from_rows, place
 from torchpar.runtime.checkpoint_io import KINDS, CheckpointSource, ShardReader, tensor_key, write_shards
 from torchpar.runtime.devices import DeviceMap
 from torchpar.runtime.micro_batch_loss import MicroBatchLoss
+from torchpar.runtime.pipeline import gradients
+from torchpar.runtime.pipeline.transport import Deliver, Mailbox, Transport
 from torchpar.runtime.state import Exported, HostState, export_arrays
 from torchpar.runtime.train_step import split_scalars
-from torchpar.runtime.transport import Deliver, Mailbox, Transport
 
 log = logging.getLogger(__name__)
 
@@ -106,8 +107,9 @@ class StepReport:
     (:mod:`.micro_batch_loss`), from the last stage's lead process."""
     loss_reference: float = 1.0
     squared_norms: dict[int, float] = field(default_factory=dict)
-    """Pipelines: each stage's sum of squares of the gradients it owns (:func:`.gradients.owned_squared_norm`),
-    from its lead process, as computed (before the driver's unscaling and clipping)."""
+    """Pipelines: each stage's sum of squares of the gradients it owns
+    (:func:`torchpar.runtime.pipeline.gradients.owned_squared_norm`), from its lead process, as computed (before the
+    driver's unscaling and clipping)."""
     grad_norm: float | None = None
     """One-stage steps: the gradients' global norm before clipping (lead process)."""
     nonfinite: dict[int, int] = field(default_factory=dict)
@@ -116,7 +118,8 @@ class StepReport:
     """One-stage steps: the loss and gradients were finite (the update ran); else it was skipped."""
     blocks: dict[int, list[tuple[str, int, float, float]]] = field(default_factory=dict)
     spans: dict[int, list[tuple[str, int, float, float]]] = field(default_factory=dict)
-    """Pipelines: each stage's non-compute spans (:class:`~.timeline.StepTimeline`), from its lead process."""
+    """Pipelines: each stage's non-compute spans (:class:`~torchpar.runtime.pipeline.timeline.StepTimeline`), from its
+    lead process."""
     updated: bool = False
     """The optimizer update ran inside the step (no clipping across stages needed)."""
     input_bytes: int = 0
@@ -237,7 +240,7 @@ class OneStageWorker(Worker):
 
     def __init__(self, spec: ExecutionSpec, rank: int):
         super().__init__(spec, rank)
-        from torchpar.runtime.one_stage import OneStageProgram
+        from torchpar.runtime.one_stage.programs import OneStageProgram
 
         stage = spec.plan.stages[0]
         options = spec.options
@@ -446,7 +449,7 @@ class PipelineWorker(Worker):
         self._build_s = time.perf_counter() - start
         self._primary = (self.placements, self.programs)
         self._variants: dict[Hashable, tuple[dict[int, Any], dict[int, Any]]] = {}
-        from torchpar.runtime.interpreter import StageState
+        from torchpar.runtime.pipeline.interpreter import StageState
 
         self.states = {s: StageState() for s in self.programs}
         # one instruction list per device group: stage s runs on group s mod G (G < stages: interleaved 1F1B)
@@ -464,8 +467,8 @@ class PipelineWorker(Worker):
     def _build(self, stage_graphs: list[StageGraph]) -> tuple[dict[int, Any], dict[int, Any]]:
         """Every stage's layouts (the neighbours' too: a sender lays values out as the receiver reads them) and
         the programs of the stages this process takes part in, for ``stage_graphs``."""
-        from torchpar.runtime.placement import Placement
-        from torchpar.runtime.stage_program import StageProgram
+        from torchpar.runtime.one_stage.placement import Placement
+        from torchpar.runtime.pipeline.stage_program import StageProgram
 
         spec, plan = self.spec, self.spec.plan
         placements = {
@@ -624,7 +627,7 @@ class PipelineWorker(Worker):
         """Every local device group's instructions on its own thread (a group runs one stage, or its v stages
         under interleaved 1F1B), then tied gradients; the update too when no clipping needs every stage's norm
         (else the driver calls :meth:`apply_update`)."""
-        from torchpar.runtime.interpreter import run_instructions
+        from torchpar.runtime.pipeline.interpreter import run_instructions
 
         received, waited = 0, 0.0
         if isinstance(micro_inputs, HostRows):  # load the whole batch's leaves this process's stages read

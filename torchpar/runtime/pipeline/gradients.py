@@ -10,7 +10,7 @@ After its last backward every stage holds the gradients it accumulated. Two thin
   first stage holding it): :func:`owned_squared_norm` per stage, :func:`clip_scale` over all of them,
   with the one clipping formula (:func:`jaxbackend.optim.clip_coefficient`).
 
-One-stage programs clip inside their step (:func:`.train_step.optimizer_tail`).
+One-stage programs clip inside their step (:func:`torchpar.runtime.train_step.optimizer_tail`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from torchpar.runtime.arrays import local_scalar
-from torchpar.runtime.transport import Transport
+from torchpar.runtime.pipeline.transport import Transport
 
 TIED = "tied"
 

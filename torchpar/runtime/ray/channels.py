@@ -1,5 +1,5 @@
-"""Direct channels between the host actors of one engine: stage messages (:mod:`.transport`) go from actor
-to actor over a TCP connection, not through Ray's object store.
+"""Direct channels between the host actors of one engine: stage messages (:mod:`torchpar.runtime.pipeline.transport`) go
+from actor to actor over a TCP connection, not through Ray's object store.
 
 A Ray actor call with a 256 KB argument costs the caller milliseconds (the object store's create, copy and
 seal, then the task's way through Ray) and the receiver a fetch; a pipeline makes two such calls per

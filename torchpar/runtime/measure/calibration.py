@@ -17,7 +17,7 @@ nothing exchanged; fake devices divide the host's cores, so one device alone run
   float32 parameters is timed; per parameter element it is the update's cost, scaled for another optimizer by its
   memory traffic, ``3 + 2·c`` arrays for ``c`` state copies (SGD without momentum: 3);
 - the in-host links: all-reduces timed over the ``k`` devices and fitted per mesh axis
-  (:func:`torchpar.runtime.profiler.time_links`, ``profile=True``'s measurement).
+  (:func:`torchpar.runtime.measure.profiler.time_links`, ``profile=True``'s measurement).
 
 A graph of ``F`` forward FLOPs, ``n`` ops and ``P`` trainable parameter elements is then priced at the effective
 rate ``(3F/k) / (3F/(k·flops) + n·op_s + P·update_s)`` (:meth:`MachineConstants.effective_flops`): one
@@ -42,8 +42,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from torchpar.planner.profiling import LinkFit
-from torchpar.runtime.profile_cache import ProfileCache, hardware_name
-from torchpar.runtime.profiler import time_links
+from torchpar.runtime.measure.profile_cache import ProfileCache, hardware_name
+from torchpar.runtime.measure.profiler import time_links
 
 log = logging.getLogger(__name__)
 

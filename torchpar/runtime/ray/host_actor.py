@@ -1,4 +1,5 @@
-"""The Ray actor of one host: a process owning the host's accelerators and running its :class:`~.worker.Worker`.
+"""The Ray actor of one host: a process owning the host's accelerators and running its
+:class:`~torchpar.runtime.worker.Worker`.
 
 Life of an actor (driven by :mod:`.ray_executor`):
 
@@ -87,7 +88,7 @@ class HostActor:
             "global_devices": jax.device_count(),
         }
         if coordinator is not None:  # peers will send stage messages: listen for them
-            from torchpar.runtime.channels import ChannelServer
+            from torchpar.runtime.ray.channels import ChannelServer
 
             self._channel = ChannelServer(ray.util.get_node_ip_address(), self.deliver)
             joined["channel"] = self._channel.address
@@ -96,7 +97,7 @@ class HostActor:
     def build(self, spec: Any, peers: dict[int, Any], channels: dict[int, tuple[str, int, str]] | None = None) -> None:
         """Build this host's worker for ``spec``; ``peers`` maps process ranks to actor handles, ``channels`` to
         the address each listens on (:mod:`.channels`)."""
-        from torchpar.runtime.channels import PeerLinks
+        from torchpar.runtime.ray.channels import PeerLinks
         from torchpar.runtime.worker import make_worker
 
         self._peers = peers
@@ -108,7 +109,7 @@ class HostActor:
         return getattr(self.worker, method)(*args)
 
     def deliver(self, key: Any, payload: Any) -> None:
-        """A stage message from a peer (see :mod:`.transport`)."""
+        """A stage message from a peer (see :mod:`torchpar.runtime.pipeline.transport`)."""
         self.worker.deliver(key, payload)
 
     def ping(self) -> int:

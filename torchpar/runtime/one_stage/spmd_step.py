@@ -82,13 +82,14 @@ def make_spmd_step(
     of its implicit broadcasts reduce the gradients where they arise. A parameter that reaches the loss other
     than through the batch would make the loss vary along those axes: :class:`jaxbackend.spmd.LocalModeError`.
     ``check_finite`` skips the update of a step whose loss or gradients are not finite (as
-    :func:`.train_step.make_fused_step`), counting non-finite gradient elements across shards; ``loss_scaling`` as
-    there (``scalars`` carry a loss scale; finiteness is then always checked). ``num_micro_batches``: gradient
-    accumulation over that many micro-batches of each device's rows (:func:`.train_step.accumulate`); the partial
-    sums along ``gradient_axes`` are accumulated locally and reduced once, after the last one; ``micro_loss`` says
-    how the micro-batch losses make the whole batch's (:mod:`.micro_batch_loss`; a ratio's denominator, like the
-    loss, is the same on every device). ``aux``: the graph's aux outputs, returned whole (the lowering gathers them)
-    and the same on every device like the loss, combined over micro-batches as :mod:`.aux_parts` says."""
+    :func:`torchpar.runtime.train_step.make_fused_step`), counting non-finite gradient elements across shards;
+    ``loss_scaling`` as there (``scalars`` carry a loss scale; finiteness is then always checked).
+    ``num_micro_batches``: gradient accumulation over that many micro-batches of each device's rows
+    (:func:`torchpar.runtime.train_step.accumulate`); the partial sums along ``gradient_axes`` are accumulated locally
+    and reduced once, after the last one; ``micro_loss`` says how the micro-batch losses make the whole batch's
+    (:mod:`torchpar.runtime.micro_batch_loss`; a ratio's denominator, like the loss, is the same on every device).
+    ``aux``: the graph's aux outputs, returned whole (the lowering gathers them) and the same on every device like the
+    loss, combined over micro-batches as :mod:`torchpar.runtime.aux_parts` says."""
     check_finite = check_finite or loss_scaling
     program = LocalProgram(layouts)
     stored = {n: _spec(stage.params.get(n)) for n in param_names}

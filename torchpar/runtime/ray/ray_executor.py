@@ -30,8 +30,8 @@ import ray
 from torchpar.runtime.batch_parts import Ahead
 from torchpar.runtime.devices import DeviceMap
 from torchpar.runtime.executor import Executor, Prepared, open_executors
-from torchpar.runtime.host_actor import HostActor, actor_environment
-from torchpar.runtime.ray_cluster import RayCluster
+from torchpar.runtime.ray.host_actor import HostActor, actor_environment
+from torchpar.runtime.ray.ray_cluster import RayCluster
 from torchpar.runtime.worker import ExecutionSpec
 
 log = logging.getLogger(__name__)

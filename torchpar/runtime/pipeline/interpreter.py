@@ -1,4 +1,5 @@
-"""The pipeline interpreter: one device group's instruction list (:mod:`.schedules`) executed in this process.
+"""The pipeline interpreter: one device group's instruction list (:mod:`torchpar.planner.schedules`) executed in this
+process.
 
 Both runtimes run it, one thread per device group a process holds: the local runtime holds every group, a
 Ray host actor the groups whose devices it owns (a stage spanning several hosts is run by each of their
@@ -12,8 +13,8 @@ Per instruction (micro-batch ``m``):
 - ``recv_act`` / ``recv_grad`` take ``m``'s activations / output cotangents from the neighbour;
 - ``forward`` runs the stage on its slice of the batch and the received activations, keeping the
   residuals of ``jax.vjp``; the last stage also yields the loss (and a ratio loss's denominator, which sets the
-  seed of that micro-batch's backward: :mod:`.micro_batch_loss`); a stage computing a ``step_fn``'s aux values
-  keeps them for the driver (:class:`StageRun`, :mod:`.aux_parts`);
+  seed of that micro-batch's backward: :mod:`torchpar.runtime.micro_batch_loss`); a stage computing a ``step_fn``'s aux
+  values keeps them for the driver (:class:`StageRun`, :mod:`torchpar.runtime.aux_parts`);
 - ``send_act`` / ``send_grad`` hand the outputs / input cotangents to the neighbour, laid out as the
   neighbour reads them;
 - ``backward`` runs the vjp and adds the parameter gradients into the stage's accumulator in the same
@@ -39,9 +40,9 @@ import jax
 import numpy as np
 
 from torchpar.planner.schedules import Instruction
-from torchpar.runtime.stage_program import AUX_PREFIX, DEN, LOSS, StageProgram
-from torchpar.runtime.timeline import StageClock
-from torchpar.runtime.transport import Transport
+from torchpar.runtime.pipeline.stage_program import AUX_PREFIX, DEN, LOSS, StageProgram
+from torchpar.runtime.pipeline.timeline import StageClock
+from torchpar.runtime.pipeline.transport import Transport
 
 MICRO_BATCH_SALT = 65536
 """The PRNG key of stage ``s``, micro-batch ``m`` is ``fold_in(step_key, s·65536 + m)``."""
@@ -63,7 +64,7 @@ class StageRun:
     """One stage's results of a step: per-micro-batch losses (last stage), its compute blocks
     ``(op, micro_batch, start_s, end_s)`` in seconds since the step's start, and its non-compute spans
     (:data:`~.timeline.SPAN_KINDS`) alike. A ratio loss's last stage also gives each micro-batch's denominator and
-    the reference ``r`` its seeds were divided by (:mod:`.micro_batch_loss`)."""
+    the reference ``r`` its seeds were divided by (:mod:`torchpar.runtime.micro_batch_loss`)."""
 
     losses: list[Any]
     blocks: list[tuple[str, int, float, float]]

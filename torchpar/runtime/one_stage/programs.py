@@ -10,7 +10,8 @@ A training step is compiled once per batch signature (a new capture of the same 
 - ``"shard_map"``: a per-device program with explicit collectives (:mod:`.spmd_step`), for data-parallel
   and ZeRO plans by default, for every plan that accumulates gradients over micro-batches (it reduces them once
   per step), or any plan with ``spmd="shard_map"``;
-- ``"gspmd"``: global shapes, XLA's partitioner inserts the collectives (:func:`.train_step.make_fused_step`).
+- ``"gspmd"``: global shapes, XLA's partitioner inserts the collectives
+  (:func:`torchpar.runtime.train_step.make_fused_step`).
 
 The per-device step updates each device's piece of a parameter from its pieces of the gradient and the optimizer
 state. That is the whole update only for an elementwise optimizer: Adafactor (row/column means, RMS norms) and Muon
@@ -44,7 +45,7 @@ from torchpar.planner.plan import StagePlan
 from torchpar.runtime.arrays import fitting
 from torchpar.runtime.aux_parts import AuxOutputs
 from torchpar.runtime.micro_batch_loss import MicroBatchLoss
-from torchpar.runtime.placement import Placement
+from torchpar.runtime.one_stage.placement import Placement
 from torchpar.runtime.train_step import make_fused_step, over_data_replicas, remat_groups
 
 log = logging.getLogger(__name__)
@@ -66,7 +67,8 @@ class CompiledStep:
     lower_s: float
     compile_s: float
     input_shardings: list[Any]
-    """Each batch leaf's sharding on entry: the plan's, or :func:`.arrays.fitting`'s where it does not split evenly."""
+    """Each batch leaf's sharding on entry: the plan's, or :func:`torchpar.runtime.arrays.fitting`'s where it does not
+    split evenly."""
 
 
 class OneStageProgram:
@@ -338,7 +340,7 @@ class OneStageProgram:
         inputs, so their partial gradients are accumulated and reduced once — unless a parameter meets the batch
         gathered along them (the plan replicates some op over a batch axis), which makes the loss vary there: then
         none, and JAX's transposes reduce the gradients where they arise."""
-        from torchpar.runtime.spmd_step import batch_axes
+        from torchpar.runtime.one_stage.spmd_step import batch_axes
 
         if self.method in SHARD_MAP_METHODS:
             return [tuple(placement.mesh.axis_names)]
@@ -360,7 +362,7 @@ class OneStageProgram:
         gradient_axes: tuple[str, ...],
     ) -> Callable:
         from jaxbackend.lower import lower
-        from torchpar.runtime.spmd_step import make_spmd_step
+        from torchpar.runtime.one_stage.spmd_step import make_spmd_step
 
         run = lower(graph, layouts=layouts, numerics=self.numerics, remat=remat_groups(graph, self.remat))
         return make_spmd_step(

@@ -1,9 +1,9 @@
 """Measured profiling on this process's devices: stages compiled and timed, all-reduces timed per mesh axis.
 
 The planner decides with these timings (:mod:`torchpar.planner.profiling`); this module only measures. A stage
-is compiled as the runtime compiles it (:class:`~.stage_program.StageProgram` on the stage's devices, with its
-plan's layouts), fed random parameters and a random batch of its micro-batch shapes (integer inputs are zeros:
-always valid indices), run once to compile, then timed ``repeats`` times: forward, then backward with its
+is compiled as the runtime compiles it (:class:`~torchpar.runtime.pipeline.stage_program.StageProgram` on the stage's
+devices, with its plan's layouts), fed random parameters and a random batch of its micro-batch shapes (integer inputs
+are zeros: always valid indices), run once to compile, then timed ``repeats`` times: forward, then backward with its
 gradients added into an accumulator, as every micro-batch after the first is run in a step. The timing of one
 call is the wall time until its outputs are ready; the result is the median over the repeats. Timings are kept
 in the disk cache (:mod:`.profile_cache`), so planning the same model on the same hardware again compiles
@@ -31,9 +31,9 @@ from torchpar.ir.optimizer import OptimizerSpec
 from torchpar.planner.plan import StagePlan
 from torchpar.planner.profiling import LinkFit, StageTiming, fit_alpha_beta
 from torchpar.planner.slicing import StageGraph
-from torchpar.runtime.placement import Placement
-from torchpar.runtime.profile_cache import ProfileCache, hardware_name
-from torchpar.runtime.stage_program import LOSS, StageProgram
+from torchpar.runtime.measure.profile_cache import ProfileCache, hardware_name
+from torchpar.runtime.one_stage.placement import Placement
+from torchpar.runtime.pipeline.stage_program import LOSS, StageProgram
 
 log = logging.getLogger(__name__)
 

@@ -4,8 +4,8 @@ For micro-batch ``m`` a stage runs ``forward`` (its sub-graph, saving the residu
 the backward pass does not recompute the forward; a ``step_fn``'s aux values it computes come out beside, not
 differentiated), later ``backward`` with the cotangents of the
 activations it sent on (the last stage seeds its loss with ``1/M`` for a mean, ``1`` for a sum, and ``w_m/M``
-for a ratio loss, whose denominator it also returns: :mod:`.micro_batch_loss`), and adds the parameter gradients
-into an accumulator. After the last micro-batch, ``update`` applies the optimizer once to the stage's
+for a ratio loss, whose denominator it also returns: :mod:`torchpar.runtime.micro_batch_loss`), and adds the parameter
+gradients into an accumulator. After the last micro-batch, ``update`` applies the optimizer once to the stage's
 parameters with the accumulated gradients (optionally scaled by a global clipping factor).
 
 Everything here is plain JAX on the stage's placement, whose devices may span several processes (then
@@ -29,7 +29,7 @@ from torchpar.ir.optimizer import OptimizerSpec
 from torchpar.planner.slicing import StageGraph
 from torchpar.runtime.arrays import put, put_batch
 from torchpar.runtime.micro_batch_loss import MicroBatchLoss, reference_of
-from torchpar.runtime.placement import Placement
+from torchpar.runtime.one_stage.placement import Placement
 from torchpar.runtime.train_step import nonfinite_count, optimizer_tail, remat_groups
 
 LOSS = "__loss__"
@@ -187,7 +187,7 @@ class StageProgram:
         return {**cotangents, LOSS: self._loss_seed}
 
     def den_reference(self, den: Any) -> Any:
-        """A ratio loss's ``r`` from the first micro-batch's denominator (:mod:`.micro_batch_loss`)."""
+        """A ratio loss's ``r`` from the first micro-batch's denominator (:mod:`torchpar.runtime.micro_batch_loss`)."""
         return self._reference_of(den)
 
     def ratio_seed(self, den: Any, reference: Any) -> dict:
@@ -288,7 +288,7 @@ class StageProgram:
 
     def _split(self, residuals: Any, cotangents: dict) -> tuple[Any, Any, Any, Any]:
         """The backward split into jitted B, W and W-with-accumulation, traced once per argument structure."""
-        from torchpar.runtime.split_backward import split_backward
+        from torchpar.runtime.pipeline.split_backward import split_backward
 
         tree = jax.tree.structure((residuals, cotangents))
         if tree not in self._splits:

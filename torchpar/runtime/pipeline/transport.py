@@ -31,7 +31,7 @@ import jax
 import numpy as np
 
 from torchpar.runtime.arrays import Index, extent, fitting, intersect, normalize, relative
-from torchpar.runtime.timeline import StageClock
+from torchpar.runtime.pipeline.timeline import StageClock
 
 
 class TransportError(RuntimeError):
