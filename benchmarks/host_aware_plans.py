@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from torchpar.capture.export import capture_train_step
     from torchpar.planner.for_method import plan_for_method
-    from torchpar.planner.pipeline_plan import plan_pipeline
+    from torchpar.planner.pipeline.pipeline_plan import plan_pipeline
 
     transformers.logging.set_verbosity_error()
     rows = []

@@ -91,7 +91,7 @@ def measure(family: str, method: str, library_fusions: bool = False) -> list[dic
 def _in_flight(plan) -> list[int]:
     if len(plan.stages) == 1:
         return [1]
-    from torchpar.planner.stages import micro_batches_in_flight
+    from torchpar.planner.pipeline.stages import micro_batches_in_flight
 
     return micro_batches_in_flight(len(plan.stages), plan.num_micro_batches, plan.schedule)
 

@@ -7,7 +7,7 @@ The local runtime on 4 fake CPU devices (one device per device group) trains a c
 with 8 stages of 1 layer, 2 per device group (stage s on device s mod 4). Per schedule it reports
 
 - the simulated bubble on equal stages (forward = input-gradient = weight-gradient time:
-  :mod:`torchpar.planner.schedules`'s formulas), and simulated again with the op times measured in the run;
+  :mod:`torchpar.planner.pipeline.schedules`'s formulas), and simulated again with the op times measured in the run;
 - the measured bubble (``engine.last_timeline.bubble_fraction``) and step time (medians over the steps);
 
 and, on one stage, what the split backward (ZB-H1's B then W, :mod:`torchpar.runtime.pipeline.split_backward`) costs
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     torchpar.init(cluster="local", num_devices=GROUPS)
     import torch
 
-    from torchpar.planner.schedules import make_schedule, simulate
+    from torchpar.planner.pipeline.schedules import make_schedule, simulate
 
     class DeepMLP(torch.nn.Module):
         def __init__(self) -> None:

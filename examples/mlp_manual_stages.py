@@ -26,7 +26,7 @@ def main() -> None:
 
     import torch
 
-    from torchpar.planner.schedules import format_schedule, make_schedule
+    from torchpar.planner.pipeline.schedules import format_schedule, make_schedule
 
     class MLP(torch.nn.Module):
         def __init__(self, width: int = 128, depth: int = 4):

@@ -33,7 +33,7 @@ from torchpar.ir.optimizer import step_scalars
 from torchpar.methods import data_replicas, searches_micro_batches
 from torchpar.model_link import Tracked, pull_holders, suspended, tracked_state
 from torchpar.options import CompileOptions, describe_numerics
-from torchpar.planner.micro_batch_counts import candidate_counts, plan_micro_batch_count
+from torchpar.planner.pipeline.micro_batch_counts import candidate_counts, plan_micro_batch_count
 from torchpar.planner.plan import Plan
 from torchpar.planner.training_plan import TrainingPlan
 from torchpar.profiled import plan_training_profiled
@@ -169,8 +169,8 @@ class CompiledTraining:
         self, method: Any, example_batch: Any, first: Capture, cluster: Any
     ) -> tuple[Capture, TrainingPlan]:
         """``num_micro_batches="auto"``: each candidate count captured and planned
-        (:func:`torchpar.planner.micro_batch_counts.plan_micro_batch_count`; ``first`` is the capture at the largest);
-        the chosen count's capture and plan, this object's counts set to it."""
+        (:func:`torchpar.planner.pipeline.micro_batch_counts.plan_micro_batch_count`; ``first`` is the capture at the
+        largest); the chosen count's capture and plan, this object's counts set to it."""
         first_count = self.num_micro_batches
 
         def plan_with(concrete: Any, beat_s: float) -> tuple[Capture, TrainingPlan]:

@@ -181,7 +181,7 @@ class ManualStageOption:
 
 
 PIPELINE_SCHEDULES: tuple[str, ...] = ("1f1b", "gpipe", "interleaved_1f1b", "zb_h1")
-"""``PipeshardParallel.schedule`` values (their instruction lists: :mod:`torchpar.planner.schedules`)."""
+"""``PipeshardParallel.schedule`` values (their instruction lists: :mod:`torchpar.planner.pipeline.schedules`)."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -194,13 +194,14 @@ class PipeshardParallel:
     num_micro_batches: int | Literal["auto"] = 1
     """Micro-batches per step; the batch dim must divide evenly. ``"auto"``: the planner tries the counts that divide
     the example batch's rows (powers of two, and one row per micro-batch), planning each, and keeps the fastest
-    (:mod:`torchpar.planner.micro_batch_counts`; ``plan.num_micro_batches``, ``plan.solver["micro_batches"]``)."""
+    (:mod:`torchpar.planner.pipeline.micro_batch_counts`; ``plan.num_micro_batches``,
+    ``plan.solver["micro_batches"]``)."""
     layer_option: AutoLayerOption | Literal["manual"] = AutoLayerOption(layer_num=2)
     """How ops are grouped into layers; ``"manual"`` cuts at ``mark_pipeline_boundary``."""
     stage_option: Literal["auto", "uniform"] | ManualStageOption = "auto"
     """How layers are grouped into stages and stages placed on submeshes."""
     schedule: Literal["1f1b", "gpipe", "interleaved_1f1b", "zb_h1"] = "1f1b"
-    """Pipeline schedule (:mod:`torchpar.planner.schedules`): ``"1f1b"`` or ``"gpipe"``; ``"interleaved_1f1b"``
+    """Pipeline schedule (:mod:`torchpar.planner.pipeline.schedules`): ``"1f1b"`` or ``"gpipe"``; ``"interleaved_1f1b"``
     (Megatron-LM's virtual stages: each device group runs ``virtual_stages`` non-adjacent stages; bubble
     ``(G−1)/(v·M+G−1)`` on G groups); ``"zb_h1"`` (zero bubble: each backward split into its input- and
     weight-gradient parts, the latter deferred; bubble ``(S−1)/(3M+S−1)`` when the parts cost the same)."""

@@ -1,6 +1,6 @@
 """``torchpar.plan``'s work: the model captured on one micro-batch and planned, without XLA or workers; with
 ``PipeshardParallel(num_micro_batches="auto")`` once per micro-batch count tried
-(:mod:`torchpar.planner.micro_batch_counts`)."""
+(:mod:`torchpar.planner.pipeline.micro_batch_counts`)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from torchpar.capture.precision import autocast_dtype
 from torchpar.cluster import current_cluster
 from torchpar.methods import Method, data_replicas, searches_micro_batches
 from torchpar.options import MixedPrecision, Remat, describe_numerics, numerics_for
-from torchpar.planner.micro_batch_counts import plan_micro_batch_count
+from torchpar.planner.pipeline.micro_batch_counts import plan_micro_batch_count
 from torchpar.planner.plan import Plan
 from torchpar.profiled import plan_training_profiled
 from torchpar.progress import CompilePhases

@@ -243,7 +243,7 @@ def test_functions_inside_remat_layers_train_like_pytorch(remat):
 
 
 def test_a_stage_cut_inside_a_function_is_refused():
-    from torchpar.planner.slicing import slice_stages
+    from torchpar.planner.pipeline.slicing import slice_stages
 
     graph = capture_train_step(FunctionModel("grad_reverse"), (torch.randn(4, 8), torch.randn(4, 8))).graph
     (region,) = function_regions(graph)

@@ -1,4 +1,4 @@
-"""Layers: cuts at pipeline boundaries and Alpa's operator clustering (torchpar/planner/layers.py)."""
+"""Layers: cuts at pipeline boundaries and Alpa's operator clustering (torchpar/planner/pipeline/layers.py)."""
 
 import itertools
 import warnings
@@ -10,7 +10,7 @@ import torch
 import torchpar
 from torchpar.capture.export import capture_train_step
 from torchpar.harness import zoo
-from torchpar.planner.layers import (  # the DP's inputs, for the brute-force check
+from torchpar.planner.pipeline.layers import (  # the DP's inputs, for the brute-force check
     Layering,
     _entering_bytes,
     _units,

@@ -15,7 +15,7 @@ from torchpar.cluster import ClusterSpec
 from torchpar.hardware import PRESETS
 from torchpar.planner.for_method import plan_for_method
 from torchpar.planner.mesh_links import axes_crossing_hosts, stage_mesh, submesh_of
-from torchpar.planner.pipeline_plan import plan_pipeline
+from torchpar.planner.pipeline.pipeline_plan import plan_pipeline
 from torchpar.planner.plan import Plan
 
 

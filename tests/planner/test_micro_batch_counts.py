@@ -10,7 +10,7 @@ import torch
 import transformers
 
 import torchpar
-from torchpar.planner.micro_batch_counts import PATIENCE, candidate_counts, search_counts
+from torchpar.planner.pipeline.micro_batch_counts import PATIENCE, candidate_counts, search_counts
 from torchpar.planner.remat_choice import NoFasterPlan
 
 

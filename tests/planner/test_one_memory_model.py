@@ -1,7 +1,7 @@
 """One memory model: a stage partition the stage DP accepts under a budget always has a sharding the per-stage ILP
 can fit in it.
 
-The DP prices a stage with :class:`torchpar.planner.stage_cost.AnalyticStageCost` (state, kept activations, the
+The DP prices a stage with :class:`torchpar.planner.pipeline.stage_cost.AnalyticStageCost` (state, kept activations, the
 stage's inputs per micro-batch in flight, the recomputed layer's peak; for a stage with experts, its other weights
 replicated too); the ILP prices every root's strategy on the stage graph. Checked for 20 seeded combinations of
 model × mixed precision × remat × micro-batches × cluster × budget, and 4 of a tiny Mixtral: every stage of the DP's
@@ -21,10 +21,10 @@ import torchpar
 from torchpar.capture.export import capture_train_step
 from torchpar.capture.precision import autocast_dtype
 from torchpar.cluster import ClusterSpec
-from torchpar.planner import layers as layers_mod
-from torchpar.planner import stages as stages_mod
+from torchpar.planner.pipeline import layers as layers_mod
+from torchpar.planner.pipeline import stages as stages_mod
 from torchpar.planner.intra_op import StageProblem, plan_stage
-from torchpar.planner.slicing import slice_stages, stage_of_nodes
+from torchpar.planner.pipeline.slicing import slice_stages, stage_of_nodes
 
 COMBINATIONS = 20
 

@@ -8,9 +8,9 @@ import torch
 import torchpar
 from torchpar.capture.export import capture_train_step
 from torchpar.cluster import ClusterSpec
-from torchpar.planner import pipeline_plan
-from torchpar.planner.pipeline_plan import plan_pipeline
-from torchpar.planner.slicing import slice_stages
+from torchpar.planner.pipeline import pipeline_plan
+from torchpar.planner.pipeline.pipeline_plan import plan_pipeline
+from torchpar.planner.pipeline.slicing import slice_stages
 
 # 2 hosts × 4 devices with a slow network (10 GB/s inner, 1 GB/s outer), where pipelining pays off
 SLOW_NETWORK = ClusterSpec(num_hosts=2, devices_per_host=4, alpha=(1e-3, 1e-4), beta=(1e-8, 1e-9))
@@ -105,8 +105,8 @@ def test_values_crossing_several_stages_pass_through_neighbours():
             return (self.c(k) + h).sum()  # h is made in stage 0 and read in stage 2
 
     graph = capture_train_step(Skip(), torch.randn(4, 8)).graph
-    from torchpar.planner.layers import manual_layers
-    from torchpar.planner.slicing import stage_of_nodes
+    from torchpar.planner.pipeline.layers import manual_layers
+    from torchpar.planner.pipeline.slicing import stage_of_nodes
 
     layering = manual_layers(graph)
     stages = slice_stages(graph, stage_of_nodes(graph, layering.layer_of, [[0], [1], [2]]))

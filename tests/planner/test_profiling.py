@@ -10,7 +10,7 @@ import torch
 import torchpar
 from torchpar.capture.export import capture_train_step
 from torchpar.cluster import ClusterSpec
-from torchpar.planner.pipeline_plan import plan_pipeline
+from torchpar.planner.pipeline.pipeline_plan import plan_pipeline
 from torchpar.planner.profiling import (LinkFit, StageTiming, calibrated_cluster, fit_alpha_beta, measured_step,
                                         rank_candidates)
 

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from torchpar.planner.schedules import (
+from torchpar.planner.pipeline.schedules import (
     Instruction,
     format_schedule,
     gpipe,

@@ -1,5 +1,5 @@
 """The inter-op stage DP, submeshes, the analytic stage cost, uniform and manual stages
-(torchpar/planner/stages.py)."""
+(torchpar/planner/pipeline/stages.py)."""
 
 import itertools
 import math
@@ -10,9 +10,9 @@ import pytest
 from torchpar.capture.export import capture_train_step
 from torchpar.cluster import ClusterSpec
 from torchpar.harness import zoo
-from torchpar.planner.layers import cluster_layers
+from torchpar.planner.pipeline.layers import cluster_layers
 from torchpar.planner.sharding.ilp import AboveCutoff
-from torchpar.planner.stages import (
+from torchpar.planner.pipeline.stages import (
     AnalyticStageCost,
     StageCost,
     assign_devices,
@@ -270,7 +270,7 @@ def test_stage_dp_on_gpt2_layers(gpt2):
                                               ("interleaved_1f1b", 3)])
 @pytest.mark.parametrize("groups,micro", [(2, 4), (4, 8), (4, 16)])
 def test_pipeline_latency_is_the_simulated_makespan_on_equal_stages(schedule, virtual, groups, micro):
-    from torchpar.planner.schedules import make_schedule, simulate
+    from torchpar.planner.pipeline.schedules import make_schedule, simulate
 
     t = 3.0 / virtual  # each stage: one micro-batch's forward + backward, in thirds F, B, W
     stages = groups * virtual
@@ -280,8 +280,8 @@ def test_pipeline_latency_is_the_simulated_makespan_on_equal_stages(schedule, vi
 
 
 def test_micro_batches_in_flight_per_schedule():
-    from torchpar.planner.stages import micro_batches_in_flight
-    from torchpar.planner.schedules import interleaved_one_f_one_b, stage_in_flight
+    from torchpar.planner.pipeline.stages import micro_batches_in_flight
+    from torchpar.planner.pipeline.schedules import interleaved_one_f_one_b, stage_in_flight
 
     assert micro_batches_in_flight(4, 8, "1f1b") == [4, 3, 2, 1]
     assert micro_batches_in_flight(4, 8, "zb_h1") == [4, 4, 4, 4]
@@ -322,12 +322,12 @@ def test_pipeshard_schedule_options():
         torchpar.PipeshardParallel(schedule="zb_h2")
 
 
-# --- the interleaved-1F1B stage DP (torchpar/planner/interleaved_stages.py) --------------------------------
+# --- the interleaved-1F1B stage DP (torchpar/planner/pipeline/interleaved_stages.py) --------------------------------
 
 def brute_force_interleaved(num_layers, hosts, per_host, micro_batches, cost, budget, virtual):
     """Every number of equal device groups G × every cut into v·G contiguous stages × each stage's best logical
     mesh within budget / v at its schedule position's in-flight count."""
-    from torchpar.planner.stages import _uniform_submesh, micro_batches_in_flight
+    from torchpar.planner.pipeline.stages import _uniform_submesh, micro_batches_in_flight
 
     devices, best = hosts * per_host, math.inf
     for groups in range(1, devices + 1):
@@ -354,7 +354,7 @@ def brute_force_interleaved(num_layers, hosts, per_host, micro_batches, cost, bu
 def test_interleaved_dp_matches_brute_force(seed):
     """Random instances and budgets that rule out some choices or all: the interleaved DP (per group count,
     t_max early stop) finds the brute-force optimum, its stages repeat one submesh, and each fits its share."""
-    from torchpar.planner.interleaved_stages import interleaved_stage_dp
+    from torchpar.planner.pipeline.interleaved_stages import interleaved_stage_dp
 
     rng = np.random.default_rng(200 + seed)
     hosts, per_host = [(1, 4), (2, 2), (1, 8)][seed % 3]
@@ -379,7 +379,7 @@ def test_interleaved_dp_matches_brute_force(seed):
 
 
 def test_interleaved_dp_errors_say_what_to_change():
-    from torchpar.planner.interleaved_stages import interleaved_stage_dp
+    from torchpar.planner.pipeline.interleaved_stages import interleaved_stage_dp
 
     with pytest.raises(ValueError, match="no number of equal device groups"):
         interleaved_stage_dp(3, 1, 4, 4, linear_cost([1.0] * 3), None, virtual_stages=4)  # 4·G stages > 3 layers
@@ -476,7 +476,7 @@ def test_analytic_cost_offers_experts_split_beside_replicated_dense_weights(mixt
 
 def test_close_logical_meshes_offers_the_meshes_within_the_tolerance_that_fit():
     """The stage's own mesh first, then the others within ``1 + tolerance`` of its latency that fit, fastest first."""
-    from torchpar.planner.stages import StageChoice, close_logical_meshes
+    from torchpar.planner.pipeline.stages import StageChoice, close_logical_meshes
 
     latency = {(1, 8): 1.00, (2, 4): 1.04, (4, 2): 1.02, (8, 1): 0.90}
     memory = {(1, 8): 1.0, (2, 4): 2.0, (4, 2): 4.0, (8, 1): 8.0}
@@ -515,7 +515,7 @@ class _Problem:
 
 
 def test_a_stage_takes_the_cheapest_logical_mesh_the_ilp_finds():
-    from torchpar.planner.pipeline_plan import _MeshChoice
+    from torchpar.planner.pipeline.pipeline_plan import _MeshChoice
 
     screened, other, hopeless, too_big = _Problem(0.8, 1.0), _Problem(0.7, 0.9), _Problem(0.95, 2.0), \
         _Problem(0.1, 0.2, fits=False)
@@ -534,7 +534,7 @@ def test_a_stage_takes_the_cheapest_logical_mesh_the_ilp_finds():
 def test_a_stage_whose_bound_loses_the_partition_stops_its_solve():
     """``_refine`` gives every stage's solve the test "with this bound the partition's step cannot beat the best":
     a solve that proves it stops (:class:`AboveCutoff`) and the partition is pruned with that bound in its step."""
-    from torchpar.planner.pipeline_plan import _CannotWin, _MeshChoice, _Prepared, _refine
+    from torchpar.planner.pipeline.pipeline_plan import _CannotWin, _MeshChoice, _Prepared, _refine
 
     slow, fast = _Problem(0.4, 0.6), _Problem(0.1, 0.5)
     prepared = _Prepared(partition=None, stage_graphs=[None, None], stage_layers=[[0], [1]], submeshes=[(1, 1)] * 2,
@@ -561,7 +561,7 @@ def test_analytic_cost_prices_convolutions_as_weight_matmuls(resnet):
     optimizer_state_copies)·(1 − 1/8)`` per weight split, and here (every activation larger than its weight's share
     of the gradient sync) the step gets slower with each."""
     from torchpar.planner.mesh_links import stage_mesh
-    from torchpar.planner.stage_cost import _WEIGHT_MATMULS, _weight_of, _weight_values
+    from torchpar.planner.pipeline.stage_cost import _WEIGHT_MATMULS, _weight_of, _weight_values
 
     graph, layering = resnet
     cluster = ClusterSpec(num_hosts=1, devices_per_host=8)

@@ -211,7 +211,7 @@ def test_auto_recomputes_only_when_the_memory_budget_needs_it(one_device_runs, o
 def test_auto_in_a_pipeline_plans_each_option_and_keeps_the_fastest_that_fits(monkeypatch):
     """Each option is planned, or bounded: an option whose candidates' proven lower bounds cannot beat the best plan
     so far is not solved to the end, and the choice is the one planning every option to the end makes."""
-    from torchpar.planner import pipeline_plan
+    from torchpar.planner.pipeline import pipeline_plan
 
     model, batch = _stack()
     method = torchpar.PipeshardParallel(num_micro_batches=2, layer_option=torchpar.AutoLayerOption(layer_num=4))

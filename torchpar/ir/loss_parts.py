@@ -25,7 +25,7 @@ A mean or sum qualifies only if what it adds are per-row terms: where an earlier
 The pass marks the form with one extra graph output of kind ``"loss_den"``: its value is the denominator ``b``
 (``"ratio"``), or ``None`` (``"sum"``); no mark means ``"mean"``. It adds no node, so plans made for the graph
 (node → layer maps) still fit it, and pipeline slicing carries the mark to the last stage
-(:mod:`torchpar.planner.slicing`). :func:`loss_reduction` reads the mark back. A loss of another form keeps
+(:mod:`torchpar.planner.pipeline.slicing`). :func:`loss_reduction` reads the mark back. A loss of another form keeps
 the mean of micro-batch losses, with a ``warnings.warn`` saying so and how to write it.
 
 Plain data in, plain data out: no torch, no JAX.

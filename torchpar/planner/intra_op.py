@@ -167,7 +167,8 @@ class PreparedStage:
     amortized_over: int = 1
     """A pipeline stage's ``num_micro_batches`` B: the ILP prices the stage's whole step (B micro-batches, each weight
     gradient synchronized once) and its estimates are that ÷ B, seconds per micro-batch with the step's gradient
-    sync amortized, as the pipeline formula (:func:`.stages.pipeline_latency`) and the stage DP take them."""
+    sync amortized, as the pipeline formula (:func:`torchpar.planner.pipeline.stages.pipeline_latency`) and the stage DP
+    take them."""
 
     @property
     def lower_bound_s(self) -> float:

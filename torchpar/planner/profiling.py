@@ -10,7 +10,7 @@ Stage ranking
 -------------
 A candidate pipeline of ``S`` stages on ``M`` micro-batches is estimated to take
 
-    T = Σ_i t_i + (M − 1) · max_i t_i                    (:func:`.stages.pipeline_latency`)
+    T = Σ_i t_i + (M − 1) · max_i t_i                    (:func:`torchpar.planner.pipeline.stages.pipeline_latency`)
 
 (1F1B and GPipe; interleaved 1F1B and ZB-H1 have their own formulas there, used alike) with ``t_i`` the per-micro-batch
 forward + backward time of stage ``i``. :func:`measured_step` puts the measured ``t̂_i`` (median over repeats of the
@@ -38,9 +38,9 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any, Protocol
 
 from torchpar.hardware import ClusterSpec
+from torchpar.planner.pipeline.slicing import StageGraph, slice_stages
+from torchpar.planner.pipeline.stages import pipeline_latency
 from torchpar.planner.plan import StagePlan
-from torchpar.planner.slicing import StageGraph, slice_stages
-from torchpar.planner.stages import pipeline_latency
 
 
 @dataclass(frozen=True)
@@ -118,8 +118,8 @@ def calibrated_cluster(cluster: ClusterSpec, fits: Sequence[LinkFit]) -> Cluster
 def measured_step(
     timings: Sequence[StageTiming], num_micro_batches: int, schedule: str = "1f1b", virtual_stages: int = 1
 ) -> float:
-    """The step of ``schedule`` on the stages' measured per-micro-batch times (:func:`.stages.pipeline_latency`:
-    ``T̂ = Σ t̂ + (M − 1)·max t̂`` under 1F1B and GPipe)."""
+    """The step of ``schedule`` on the stages' measured per-micro-batch times
+    (:func:`torchpar.planner.pipeline.stages.pipeline_latency`: ``T̂ = Σ t̂ + (M − 1)·max t̂`` under 1F1B and GPipe)."""
     return pipeline_latency([t.step_s for t in timings], num_micro_batches, schedule, virtual_stages)
 
 

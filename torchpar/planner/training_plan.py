@@ -19,10 +19,10 @@ from torchpar.hardware import ClusterSpec
 from torchpar.ir.graph import Graph
 from torchpar.methods import PipeshardParallel
 from torchpar.planner.for_method import check_plan_fits, plan_for_method, single_device_plan
-from torchpar.planner.pipeline_plan import plan_pipeline, stage_graphs_for, stage_graphs_on_new_shapes
+from torchpar.planner.pipeline.pipeline_plan import plan_pipeline, stage_graphs_for, stage_graphs_on_new_shapes
+from torchpar.planner.pipeline.slicing import StageGraph
 from torchpar.planner.plan import Plan
 from torchpar.planner.profiling import StageTimer, profile_one_stage
-from torchpar.planner.slicing import StageGraph
 
 
 @dataclass

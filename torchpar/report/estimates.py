@@ -159,8 +159,8 @@ def plan_numbers(plan: Plan, measured: Mapping[str, Any] | None = None) -> PlanN
     estimate = solver.get("estimate") if isinstance(solver.get("estimate"), Mapping) else {}
     micro = max(int(plan.num_micro_batches), 1)
     if plan.method == PIPELINE and stages:
-        from torchpar.planner.schedules import device_groups
-        from torchpar.planner.stages import latency_formula, pipeline_latency
+        from torchpar.planner.pipeline.schedules import device_groups
+        from torchpar.planner.pipeline.stages import latency_formula, pipeline_latency
 
         virtual = len(plan.stages) // device_groups(plan.schedule, [s.devices() for s in plan.stages])
         derived = pipeline_latency([s.cost_s for s in stages], micro, plan.schedule, virtual)

@@ -128,7 +128,7 @@ def timeline_view(plan: Plan, timeline: Any = None) -> TimelineView:
     start_s, end_s)``, or an object with such ``.blocks``: ``schedules.Timeline``, the Ray runtime's
     ``StepTimeline``), else ``simulate(make_schedule(plan.schedule, S, M))`` with each stage's forward
     taking ⅓ and its backward ⅔ of its ``estimated_cost_s`` per micro-batch."""
-    from torchpar.planner import schedules
+    from torchpar.planner.pipeline import schedules
 
     if timeline is None:
         return _estimated_timeline(plan)
@@ -145,7 +145,7 @@ def timeline_view(plan: Plan, timeline: Any = None) -> TimelineView:
 
 
 def _estimated_timeline(plan: Plan) -> TimelineView:
-    from torchpar.planner.schedules import COMPUTE_OPS, SCHEDULES, device_groups, make_schedule, simulate
+    from torchpar.planner.pipeline.schedules import COMPUTE_OPS, SCHEDULES, device_groups, make_schedule, simulate
 
     num_stages, micro = len(plan.stages), max(int(plan.num_micro_batches), 1)
     name = plan.schedule if plan.schedule in SCHEDULES else "gpipe"  # one stage: every schedule is F0..B0..

@@ -457,7 +457,7 @@ class Executor:
 
     def _timeline_rows(self) -> int:
         """The device groups of a pipeline's stages (its stages but under interleaved 1F1B); 1 for one-stage plans."""
-        from torchpar.planner.schedules import device_groups
+        from torchpar.planner.pipeline.schedules import device_groups
 
         return device_groups(self.spec.plan.schedule, [stage.devices() for stage in self.spec.plan.stages])
 

@@ -36,9 +36,9 @@ import numpy as np
 from jaxbackend.precision import FULL_FP32, Numerics
 from torchpar.ir.graph import Graph
 from torchpar.ir.optimizer import OptimizerSpec
+from torchpar.planner.pipeline.schedules import SPLIT_BACKWARD, device_groups, make_schedule
+from torchpar.planner.pipeline.slicing import StageGraph
 from torchpar.planner.plan import Plan
-from torchpar.planner.schedules import SPLIT_BACKWARD, device_groups, make_schedule
-from torchpar.planner.slicing import StageGraph
 from torchpar.runtime.arrays import local_copy, local_scalar, put, put_batch
 from torchpar.runtime.batch_parts import Ahead, HostRows, LeafPiece, local_box, pieces_from_rows, place
 from torchpar.runtime.checkpoint_io import KINDS, CheckpointSource, ShardReader, tensor_key, write_shards

@@ -1,10 +1,11 @@
 """This machine's cost constants, measured: how fast one device trains while ``k`` devices run at once.
 
-The planner prices a step as ``3·F / device_flops`` plus alpha-beta collectives (:mod:`torchpar.planner.stage_cost`).
-A hardware preset gives those constants for real GPUs; on any other machine — fake JAX CPU devices above all, which
-share the host's cores — the nominal defaults are off by 5–35×. This module measures, with ``k`` devices busy
-(each runs its own copy of the same jitted program on its own data: one program split over a ``k``-device mesh,
-nothing exchanged; fake devices divide the host's cores, so one device alone runs faster than each of four):
+The planner prices a step as ``3·F / device_flops`` plus alpha-beta collectives
+(:mod:`torchpar.planner.pipeline.stage_cost`). A hardware preset gives those constants for real GPUs; on any other
+machine — fake JAX CPU devices above all, which share the host's cores — the nominal defaults are off by 5–35×. This
+module measures, with ``k`` devices busy (each runs its own copy of the same jitted program on its own data: one program
+split over a ``k``-device mesh, nothing exchanged; fake devices divide the host's cores, so one device alone runs faster
+than each of four):
 
 - ``flops``: MLP training steps (``x·W1 → GELU → ·W2``, mean squared error, forward, backward, an SGD update) of
   widths 128 to 512 are timed; each gives ``3·F / t`` with ``F`` the forward matmul FLOPs (the estimate's own

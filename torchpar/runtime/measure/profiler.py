@@ -28,9 +28,9 @@ import numpy as np
 from jaxbackend.dtypes import to_jax
 from jaxbackend.precision import Numerics
 from torchpar.ir.optimizer import OptimizerSpec
+from torchpar.planner.pipeline.slicing import StageGraph
 from torchpar.planner.plan import StagePlan
 from torchpar.planner.profiling import LinkFit, StageTiming, fit_alpha_beta
-from torchpar.planner.slicing import StageGraph
 from torchpar.runtime.measure.profile_cache import ProfileCache, hardware_name
 from torchpar.runtime.one_stage.placement import Placement
 from torchpar.runtime.pipeline.stage_program import LOSS, StageProgram

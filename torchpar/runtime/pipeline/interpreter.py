@@ -1,5 +1,5 @@
-"""The pipeline interpreter: one device group's instruction list (:mod:`torchpar.planner.schedules`) executed in this
-process.
+"""The pipeline interpreter: one device group's instruction list (:mod:`torchpar.planner.pipeline.schedules`) executed
+in this process.
 
 Both runtimes run it, one thread per device group a process holds: the local runtime holds every group, a
 Ray host actor the groups whose devices it owns (a stage spanning several hosts is run by each of their
@@ -39,7 +39,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from torchpar.planner.schedules import Instruction
+from torchpar.planner.pipeline.schedules import Instruction
 from torchpar.runtime.pipeline.stage_program import AUX_PREFIX, DEN, LOSS, StageProgram
 from torchpar.runtime.pipeline.timeline import StageClock
 from torchpar.runtime.pipeline.transport import Transport

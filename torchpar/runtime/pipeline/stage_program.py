@@ -26,7 +26,7 @@ from jaxbackend.compiler import compiler_options
 from jaxbackend.lower import lower
 from jaxbackend.precision import Numerics
 from torchpar.ir.optimizer import OptimizerSpec
-from torchpar.planner.slicing import StageGraph
+from torchpar.planner.pipeline.slicing import StageGraph
 from torchpar.runtime.arrays import put, put_batch
 from torchpar.runtime.micro_batch_loss import MicroBatchLoss, reference_of
 from torchpar.runtime.one_stage.placement import Placement

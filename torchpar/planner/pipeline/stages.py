@@ -14,7 +14,7 @@ number of stages from this one to the last, ``f(s) = min(s, B)`` under 1F1B, ``f
     over       stages covering layers 0..L−1 in order, submeshes whose sizes sum to N, one c per stage
     subject to m_j + f(s_j)·a_j ≤ memory_budget  for every stage j
 
-Other schedules (:func:`pipeline_latency`; :mod:`torchpar.planner.schedules` derives and simulates them):
+Other schedules (:func:`pipeline_latency`; :mod:`torchpar.planner.pipeline.schedules` derives and simulates them):
 ZB-H1 with each stage's ``t`` split in equal forward, input- and weight-gradient thirds has
 ``T = Σ_j t_j / 3 + (B − 1/3) · max_j t_j`` (bubble ``(S−1)/(3B+S−1)`` on equal stages) — for a fixed ``t_max``
 still increasing in ``Σ t``, so the DP below serves it unchanged. Interleaved 1F1B (``v`` stages per device
@@ -64,8 +64,8 @@ from typing import Literal
 
 import numpy as np
 
-from torchpar.planner.stage_cost import AnalyticStageCost, StageCost, StageCostModel, stage_options
-from torchpar.planner.submeshes import _check_cluster, assign_devices, logical_mesh_shapes, submesh_shapes
+from torchpar.planner.pipeline.stage_cost import AnalyticStageCost, StageCost, StageCostModel, stage_options
+from torchpar.planner.pipeline.submeshes import _check_cluster, assign_devices, logical_mesh_shapes, submesh_shapes
 
 log = logging.getLogger(__name__)
 
@@ -407,7 +407,7 @@ def _in_flight(
     if schedule == "zb_h1":  # S = the stages from the first position (the DP: the most stages it considers)
         return np.full_like(stages_after, min(int(stages_after.max()), num_micro_batches))
     if schedule == "interleaved_1f1b":
-        from torchpar.planner.schedules import interleaved_one_f_one_b, stage_in_flight
+        from torchpar.planner.pipeline.schedules import interleaved_one_f_one_b, stage_in_flight
 
         num_stages = int(stages_after.max())
         if virtual_stages < 2 or num_stages % virtual_stages:

@@ -1,4 +1,4 @@
-"""The stage DP for interleaved 1F1B (Megatron-LM's virtual pipeline; :mod:`torchpar.planner.schedules`).
+"""The stage DP for interleaved 1F1B (Megatron-LM's virtual pipeline; :mod:`torchpar.planner.pipeline.schedules`).
 
 The problem
 -----------
@@ -7,8 +7,8 @@ The cluster is cut into ``G`` equal device groups, each a submesh ``σ_G`` (``(1
 ``(N/(G·D), D)`` across hosts; ``B`` a multiple of ``G``, as the schedule needs). ``S = v·G`` stages of
 contiguous layers run in order, stage ``p`` on group ``p mod G``, each with its own logical mesh ``c``.
 A device holds ``v`` stages, so each gets ``budget / v`` bytes (the ILP prices every stage against the
-same share: :func:`torchpar.planner.pipeline_plan._refine`). With ``f_p`` the micro-batches stage position
-``p`` holds at its peak under the schedule (:func:`torchpar.planner.stages.micro_batches_in_flight`):
+same share: :func:`torchpar.planner.pipeline.pipeline_plan._refine`). With ``f_p`` the micro-batches stage position
+``p`` holds at its peak under the schedule (:func:`torchpar.planner.pipeline.stages.micro_batches_in_flight`):
 
     minimize   T = Σ_p t_p / v + (vB − 1) · max_p t_p           (``pipeline_latency``)
     over       G, and stages p = 0..S−1 covering layers 0..L−1 in order, one c per stage
@@ -39,8 +39,8 @@ import time
 
 import numpy as np
 
-from torchpar.planner.stage_cost import StageCostModel
-from torchpar.planner.stages import (
+from torchpar.planner.pipeline.stage_cost import StageCostModel
+from torchpar.planner.pipeline.stages import (
     StageChoice,
     StagePartition,
     StagePlanResult,
@@ -49,7 +49,7 @@ from torchpar.planner.stages import (
     _Table,
     _uniform_submesh,
 )
-from torchpar.planner.submeshes import _check_cluster, logical_mesh_shapes
+from torchpar.planner.pipeline.submeshes import _check_cluster, logical_mesh_shapes
 
 log = logging.getLogger(__name__)
 
@@ -142,8 +142,9 @@ def _position_table(
     cost: StageCostModel,
     stage_budget: float,
 ) -> _Table:
-    """:func:`~torchpar.planner.stages._stage_table` on the one submesh, indexed ``[p, k, i]`` by stage position
-    ``p`` (its rows count the stages from a stage to the last: position ``p`` of ``S`` is row ``S − p − 1``)."""
+    """:func:`~torchpar.planner.pipeline.stages._stage_table` on the one submesh, indexed ``[p, k, i]`` by stage
+    position ``p`` (its rows count the stages from a stage to the last: position ``p`` of ``S`` is row ``S − p −
+    1``)."""
     table = _stage_table(
         num_layers, [submesh], num_stages, num_micro_batches, cost, stage_budget, "interleaved_1f1b", virtual_stages
     )

@@ -22,15 +22,15 @@ from dataclasses import dataclass, field
 from torchpar.hardware import ClusterSpec
 from torchpar.ir.graph import Graph
 from torchpar.methods import ManualStageOption, PipeshardParallel
-from torchpar.planner import layers as layers_mod
-from torchpar.planner.interleaved_stages import interleaved_stage_dp
 from torchpar.planner.intra_op import StageProblem, prepare_stage
+from torchpar.planner.pipeline import layers as layers_mod
+from torchpar.planner.pipeline.interleaved_stages import interleaved_stage_dp
+from torchpar.planner.pipeline.slicing import StageGraph, slice_stages, stage_of_nodes
 from torchpar.planner.plan import Plan
 from torchpar.planner.profiling import StageTimer, rank_candidates, record_profile
 from torchpar.planner.remat import check_remat
 from torchpar.planner.remat_choice import ORDER, PIPELINE_ORDER, NoFasterPlan, choose_remat
 from torchpar.planner.sharding.ilp import SOLVE_COUNTS, AboveCutoff, SolveTimeout
-from torchpar.planner.slicing import StageGraph, slice_stages, stage_of_nodes
 
 log = logging.getLogger(__name__)
 
@@ -66,10 +66,10 @@ def plan_pipeline(
     """Plan ``graph`` (captured on one micro-batch) with ``method`` on ``cluster``, every stage running with
     activation checkpointing ``remat`` (one of ``planner.remat.REMAT_OPTIONS``; the stage DP and each stage's ILP
     price it), or ``"auto"`` (:func:`_plan_auto_remat`). With a ``stage_timer`` (measured profiling,
-    :mod:`.profiling`) every ILP-refined candidate's stages are compiled and timed, and the candidate with the least
-    measured step wins (``plan.solver["profile"]``). ``beat_s``: a step reached elsewhere (another micro-batch
-    count's plan, :mod:`.micro_batch_counts`): a plan whose step is provably no less is not solved to the end, and if
-    no plan can beat it :class:`.remat_choice.NoFasterPlan` is raised."""
+    :mod:`torchpar.planner.profiling`) every ILP-refined candidate's stages are compiled and timed, and the candidate
+    with the least measured step wins (``plan.solver["profile"]``). ``beat_s``: a step reached elsewhere (another
+    micro-batch count's plan, :mod:`.micro_batch_counts`): a plan whose step is provably no less is not solved to the
+    end, and if no plan can beat it :class:`torchpar.planner.remat_choice.NoFasterPlan` is raised."""
     if check_remat(remat, allow_auto=True) == "auto":
         return _plan_auto_remat(
             graph,
@@ -105,14 +105,14 @@ def _plan_auto_remat(
     stage_timer: StageTimer | None,
     beat_s: float = math.inf,
 ) -> PipelinePlan:
-    """``remat="auto"`` (:mod:`.remat_choice`): the whole pipeline planned once per option (stage DP, ILP refinement
-    of its best partition and runners-up), the fastest that fits kept. The options are planned in
-    :data:`.remat_choice.PIPELINE_ORDER`, each bounded by the best step so far (or ``beat_s``, a step reached
-    elsewhere, which loses no tie): one whose candidates' proven lower bounds cannot beat it is not solved to the end
-    (:class:`.remat_choice.NoFasterPlan`; ties go to the option first in :data:`.remat_choice.ORDER`, as
-    :func:`.remat_choice.choose_remat` breaks them). Exact, as the candidates' branch and bound is: a pruned option
-    could not have been chosen. Raises :class:`.remat_choice.NoFasterPlan` when every option that fits was pruned by
-    ``beat_s``."""
+    """``remat="auto"`` (:mod:`torchpar.planner.remat_choice`): the whole pipeline planned once per option (stage DP,
+    ILP refinement of its best partition and runners-up), the fastest that fits kept. The options are planned in
+    :data:`torchpar.planner.remat_choice.PIPELINE_ORDER`, each bounded by the best step so far (or ``beat_s``, a step
+    reached elsewhere, which loses no tie): one whose candidates' proven lower bounds cannot beat it is not solved to
+    the end (:class:`torchpar.planner.remat_choice.NoFasterPlan`; ties go to the option first in
+    :data:`torchpar.planner.remat_choice.ORDER`, as :func:`torchpar.planner.remat_choice.choose_remat` breaks them).
+    Exact, as the candidates' branch and bound is: a pruned option could not have been chosen. Raises
+    :class:`torchpar.planner.remat_choice.NoFasterPlan` when every option that fits was pruned by ``beat_s``."""
     planned: dict[str, PipelinePlan] = {}
     seconds: dict[str, float] = {}
 
@@ -176,7 +176,7 @@ def _screen(
     start = time.perf_counter()
     runners_up: list = []
     cost = None
-    from torchpar.planner import stages as stages_mod
+    from torchpar.planner.pipeline import stages as stages_mod
 
     hosts, per_host = cluster.num_hosts, cluster.devices_per_host
     virtual = method.virtual_stages or 1  # interleaved 1F1B: stages per device group
@@ -275,9 +275,9 @@ def _plan_screened(
     """The plan of the best of ``candidates`` (stage partitions of ``screened``) refined by the sharding ILP. Raises
     the first candidate's ``ValueError`` when none fits. ``beat``: ``(step, loses_ties)`` of a plan made before
     (another remat option's); a candidate that cannot beat it is not refined, and if none can,
-    :class:`.remat_choice.NoFasterPlan` is raised."""
+    :class:`torchpar.planner.remat_choice.NoFasterPlan` is raised."""
     bounded = stage_timer is None and PRUNE_CANDIDATES  # a measured profile ranks every candidate: none left out
-    from torchpar.planner import stages as stages_mod
+    from torchpar.planner.pipeline import stages as stages_mod
 
     layering, timings = screened.layering, dict(screened.timings)
     virtual = method.virtual_stages or 1
@@ -556,7 +556,7 @@ def _prepare(
 ) -> _Prepared:
     """``partition``'s stage problems; with the stage DP's ``cost``, each stage's on every logical mesh
     :func:`.stages.close_logical_meshes` offers (:class:`_MeshChoice`), else on its own."""
-    from torchpar.planner import stages as stages_mod
+    from torchpar.planner.pipeline import stages as stages_mod
 
     stage_layers = [list(ids) for ids in partition.forward_stage_layer_ids]
     submeshes = [tuple(s) for s in partition.submesh_physical_shapes]
@@ -610,8 +610,8 @@ def _prepare(
 @dataclass
 class _MeshChoice:
     """One stage's sharding problems on the logical meshes the ILP prices for it, the screened one first: the stage
-    takes the cheapest solution. Probed and solved as a :class:`.intra_op.PreparedStage` is (its bound: the least
-    alternative's)."""
+    takes the cheapest solution. Probed and solved as a :class:`torchpar.planner.intra_op.PreparedStage` is (its bound:
+    the least alternative's)."""
 
     alternatives: list
 
@@ -644,8 +644,8 @@ class _MeshChoice:
     def solve(self, memory_budget: float, time_limit_s: float, give_up: Callable[[float], bool] | None = None):
         """The cheapest alternative's result. Alternatives already solved (by a probe) are taken first; another one is
         solved only while its bound can beat the best so far, and stops as soon as its proven bound cannot. ``give_up``
-        as :meth:`.intra_op.PreparedStage.solve`'s: :class:`.sharding.ilp.AboveCutoff` (the least bound proven) when
-        every alternative's bound was given up."""
+        as :meth:`torchpar.planner.intra_op.PreparedStage.solve`'s: :class:`.sharding.ilp.AboveCutoff` (the least bound
+        proven) when every alternative's bound was given up."""
         best, failure, bounds = None, None, []
         for problem in sorted(self.alternatives, key=lambda p: (p.final is None, p.lower_bound_s)):
             least = math.inf if best is None else best.stage.estimated_cost_s
@@ -678,9 +678,9 @@ def _refine(
     """The prepared partition priced by the sharding ILP, stage by stage. ``beat_s``: the best step found so far;
     raises :class:`_CannotWin` as soon as this partition's step is provably above it (or equal to it, if
     ``loses_ties``) — a bound made of the solved stages' estimates and the unsolved stages' lower bounds
-    (:attr:`.intra_op.PreparedStage.lower_bound_s`: every op at its cheapest strategy, no resharding), which the step
-    formula (non-decreasing in every stage's time) keeps a bound. Exact: a pruned partition could not have won.
-    Stages are solved slowest bound first, so that the bound rises early."""
+    (:attr:`torchpar.planner.intra_op.PreparedStage.lower_bound_s`: every op at its cheapest strategy, no resharding),
+    which the step formula (non-decreasing in every stage's time) keeps a bound. Exact: a pruned partition could not
+    have won. Stages are solved slowest bound first, so that the bound rises early."""
     problems, step = prepared.problems, prepared.step
     bounds = [problem.lower_bound_s for problem in problems]
 

@@ -16,8 +16,8 @@ import numpy as np
 from torchpar.hardware import ClusterSpec
 from torchpar.ir.graph import DTYPE_BYTES, Graph
 from torchpar.ir.op_families import GROUPED_MATMULS, VIEWS
-from torchpar.planner.layers import Layering
 from torchpar.planner.mesh_links import stage_mesh
+from torchpar.planner.pipeline.layers import Layering
 from torchpar.planner.remat import BACKWARD_WORKING_COPIES, materialized, remat_memory
 from torchpar.planner.sharding.cost_model import LogicalMesh
 from torchpar.planner.sharding.solver_graph import attention_probabilities_bytes
@@ -65,7 +65,7 @@ def stage_options(
 class AnalyticStageCost:
     """The alpha-beta stage cost model, from the IR alone (no compilation, no profiling).
 
-    ``graph`` is captured on one micro-batch (as :func:`torchpar.planner.pipeline_plan.plan_pipeline` does).
+    ``graph`` is captured on one micro-batch (as :func:`torchpar.planner.pipeline.pipeline_plan.plan_pipeline` does).
     A logical mesh ``(a, b)`` is read as ``a``-way data parallel (axis 0) × ``b``-way tensor parallel
     (axis 1). For layers ``k..i`` with forward FLOPs ``F``, parameter bytes ``P`` (every parameter the
     stage reads, so a tied weight counts in each stage that uses it), buffer bytes ``Q``, activation bytes
@@ -469,7 +469,8 @@ def _all_reduced_bytes(node, metas: dict, of_weight: dict[str, str]) -> float | 
 def _entering_values(graph: Graph, layering: Layering) -> list[tuple[int, tuple[int, ...], int]]:
     """Every activation a layer reads from an earlier layer, and every batch input: ``(layer defining it (−1 for a
     batch input), layers reading it, bytes)``. A stage of layers ``k..i`` receives those defined before ``k`` and
-    read in ``k..i`` (views count as the value they view, as :func:`torchpar.planner.slicing.slice_stages` sends)."""
+    read in ``k..i`` (views count as the value they view, as :func:`torchpar.planner.pipeline.slicing.slice_stages`
+    sends)."""
     kinds = {i.name: i.kind for i in graph.inputs}
     sizes = {i.name: i.meta.nbytes for i in graph.inputs if i.kind == "input"}
     defined: dict[str, int] = dict.fromkeys(sizes, -1)

@@ -11,8 +11,8 @@ planned, and priced by the same model as every other plan.
 Candidates (:func:`candidate_counts`): the counts that divide the batch's rows and are powers of two, and the rows
 themselves (one row per micro-batch), scanned from the most micro-batches down (:func:`search_counts`). Each count
 is planned with the best step so far as a bound: one whose proven lower bounds cannot beat it is not solved to the
-end (:class:`.remat_choice.NoFasterPlan`). The scan stops after :data:`PATIENCE` consecutive counts that do not
-improve on the best (slower, pruned, or not fitting). It is a search, not a proof: the step need not be unimodal
+end (:class:`torchpar.planner.remat_choice.NoFasterPlan`). The scan stops after :data:`PATIENCE` consecutive counts that
+do not improve on the best (slower, pruned, or not fitting). It is a search, not a proof: the step need not be unimodal
 in M, and the record (:func:`search_counts`'s rows) lists every count tried and why it lost."""
 
 from __future__ import annotations
@@ -55,10 +55,10 @@ def search_counts(
     count tried (``count``, ``outcome``: ``"planned"`` / ``"pruned"`` / ``"does not fit"``, ``estimated_step_s`` or
     ``step_at_least_s`` or ``error``, ``seconds``).
 
-    ``plan_at(count, beat_s)`` plans with ``count`` micro-batches; it raises :class:`.remat_choice.NoFasterPlan`
-    when its step is provably no less than ``beat_s`` (the best step so far; ties go to the count tried first) and
-    ``ValueError`` when nothing fits. ``step_of`` reads a plan's estimated step (s). Raises ``ValueError`` listing
-    every count's reason when none planned."""
+    ``plan_at(count, beat_s)`` plans with ``count`` micro-batches; it raises
+    :class:`torchpar.planner.remat_choice.NoFasterPlan` when its step is provably no less than ``beat_s`` (the best step
+    so far; ties go to the count tried first) and ``ValueError`` when nothing fits. ``step_of`` reads a plan's estimated
+    step (s). Raises ``ValueError`` listing every count's reason when none planned."""
     best: tuple[int, Planned, float] | None = None
     rows: list[dict] = []
     misses = 0
