@@ -20,9 +20,9 @@ import torch
 from torchpar import batches, compile_cache
 from torchpar import checkpoint as _checkpoint
 from torchpar.capture.export import Capture, ForwardFn, LossFn, StepFn, capture_forward, capture_train_step
-from torchpar.capture.grad_semantics import trainable_params
 from torchpar.capture.module_state import CapturedState, NumberAttribute
 from torchpar.capture.optim import TorchOptimizerBridge
+from torchpar.capture.semantics.grad_semantics import trainable_params
 from torchpar.cluster import current_cluster
 from torchpar.guard import StepGuard
 from torchpar.host_arrays import jax_dtype, to_torch

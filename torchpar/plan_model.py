@@ -12,9 +12,9 @@ import torch
 
 from torchpar import batches
 from torchpar.capture.export import LossFn, StepFn, capture_train_step
-from torchpar.capture.grad_semantics import trainable_params
 from torchpar.capture.optim import TorchOptimizerBridge
 from torchpar.capture.precision import autocast_dtype
+from torchpar.capture.semantics.grad_semantics import trainable_params
 from torchpar.cluster import current_cluster
 from torchpar.methods import Method, data_replicas, searches_micro_batches
 from torchpar.options import MixedPrecision, Remat, describe_numerics, numerics_for

@@ -38,7 +38,7 @@ check it against torch through JAX's XLA implementation (``implementation="xla"`
 Masks stay off cuDNN until checked on a GPU (its bias path: the mask becomes a bf16 bias whose gradient
 the backward always computes, and its output on fully masked rows). HF models build a materialized
 ``[B, 1, L, S]`` boolean mask in ``forward`` (causal for GPT-2 and Llama, all True for ViT and an unpadded
-BERT); the capture folds such constant masks into ``is_causal`` (:mod:`torchpar.capture.attention_masks`), so
+BERT); the capture folds such constant masks into ``is_causal`` (:mod:`torchpar.capture.semantics.attention_masks`), so
 they arrive here without a mask and reach cuDNN; a padding mask from the batch keeps the composition.
 
 Precision. The composition's two products take :func:`jaxbackend.precision.dot_precision`: float32 follows

@@ -232,7 +232,7 @@ def autograd_function_marker(x, *marker_args):
 @lowers("torchpar.stop_gradient", "aten.detach.default")
 def stop_gradient(x):
     """Where PyTorch's autograd stops the gradient (``detach``, a ``no_grad`` region's results; see
-    ``torchpar.capture.grad_semantics``): the value passes, its cotangent is zero."""
+    ``torchpar.capture.semantics.grad_semantics``): the value passes, its cotangent is zero."""
     return jax.lax.stop_gradient(x)
 
 

@@ -1,5 +1,5 @@
 """Constant attention masks become ``scaled_dot_product_attention``'s flags at capture
-(``torchpar/capture/attention_masks.py``), so HuggingFace models reach the fused attention path on a GPU.
+(``torchpar/capture/semantics/attention_masks.py``), so HuggingFace models reach the fused attention path on a GPU.
 
 Checked on the captured graphs (what the call receives, what is left of the mask's subgraph), on the lowering
 for a CUDA platform (which ``jax.nn.dot_product_attention`` implementation the step asks for) and on losses
@@ -16,7 +16,7 @@ import torchpar
 from jaxbackend import precision
 from jaxbackend.lower import lower
 from tests.models import hf_configs
-from torchpar.capture.attention_masks import classify_mask
+from torchpar.capture.semantics.attention_masks import classify_mask
 from torchpar.capture.export import capture_forward, capture_train_step
 
 SDPA = "aten.scaled_dot_product_attention.default"
@@ -143,7 +143,7 @@ def test_hf_gpt2_asks_for_cudnn_on_a_gpu(monkeypatch):
 def test_a_mask_past_the_size_limit_is_checked_in_row_blocks(kind, folded, monkeypatch):
     """Over the limit a mask is never materialized whole (a 32k-token one is 1 Gi entries): it is checked one block
     of query rows at a time, every entry still checked — a window that looks causal in its first rows stays."""
-    from torchpar.capture import attention_masks
+    from torchpar.capture.semantics import attention_masks
 
     monkeypatch.setattr(attention_masks, "_MAX_FOLD_ELEMENTS", 8)  # the 6 × 6 mask: blocks of one row
     evaluated = []

@@ -1,5 +1,5 @@
 """``BatchNorm(momentum=None)`` (a cumulative moving average of the batch statistics) trains as PyTorch: its factor
-``1 / num_batches_tracked`` is captured as a tensor (:mod:`torchpar.capture.batch_norm`), where PyTorch's own
+``1 / num_batches_tracked`` is captured as a tensor (:mod:`torchpar.capture.semantics.batch_norm`), where PyTorch's own
 forward takes ``float()`` of the buffer, which torch.export cannot trace."""
 
 from __future__ import annotations

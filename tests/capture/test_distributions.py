@@ -1,5 +1,5 @@
 """``torch.distributions`` in a training step (a VAE's reparameterised sample, a policy's Laplace noise): built with
-PyTorch's default validation, captured with it off (:mod:`torchpar.capture.distributions`), sampled with
+PyTorch's default validation, captured with it off (:mod:`torchpar.capture.semantics.distributions`), sampled with
 torchpar's PRNG. The deterministic parts equal PyTorch's; the samples have PyTorch's statistics."""
 
 from __future__ import annotations

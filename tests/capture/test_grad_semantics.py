@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 import torchpar
-from torchpar.capture.grad_semantics import UnsupportedAutogradError, module_modes
+from torchpar.capture.semantics.grad_semantics import UnsupportedAutogradError, module_modes
 
 STEPS = 3
 TOL = 1e-6  # fp32; measured ≤ 3e-7 (only the order of float32 sums differs)

@@ -17,7 +17,7 @@ import torch
 from torch.testing._internal.common_modules import module_db
 
 import torchpar
-from torchpar.capture.grad_semantics import module_modes
+from torchpar.capture.semantics.grad_semantics import module_modes
 
 TOL = 1e-5  # float32: losses over whole 3-d volumes and sequence sums after an SGD step; measured ≤ 2e-6
 MODE_DEPENDENT = ("nn.BatchNorm1d", "nn.BatchNorm2d", "nn.BatchNorm3d", "nn.InstanceNorm1d", "nn.InstanceNorm2d",

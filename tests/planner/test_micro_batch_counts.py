@@ -113,7 +113,7 @@ def _plan_with_bound(beat_s: float, remat: str):
     """``_plan(2)``'s pipeline planned through ``plan_with`` in ``torchpar.api.plan`` with a bound: the planner's
     entry (``plan_training_profiled``) called as the count search calls it."""
     from torchpar.capture.export import capture_train_step
-    from torchpar.capture.grad_semantics import trainable_params
+    from torchpar.capture.semantics.grad_semantics import trainable_params
     from torchpar.capture.optim import TorchOptimizerBridge
     from torchpar.cluster import current_cluster
     from torchpar.options import numerics_for

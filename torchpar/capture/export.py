@@ -7,7 +7,7 @@ eval forward), that function, which calls the model its own way; a ``step_fn`` m
 ``dict[str, torch.Tensor]`` of values to report (graph outputs of kind ``"aux"``, not differentiated). Export is
 non-strict, then ``run_decompositions()`` reduces the graph to core ATen, except ``scaled_dot_product_attention``,
 which stays one op (a fused lowering, one node for the planner); a mask it receives that is the same for every batch
-(causal or all True) becomes its ``is_causal`` flag (:mod:`torchpar.capture.attention_masks`).
+(causal or all True) becomes its ``is_causal`` flag (:mod:`torchpar.capture.semantics.attention_masks`).
 
 Parameters and buffers are keyed by their ``named_parameters()`` / ``named_buffers()`` names. Tied
 parameters (GPT-2 ``lm_head.weight`` is ``transformer.wte.weight``) are two placeholders with one
@@ -28,20 +28,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.export import ExportedProgram
 
-from torchpar.capture.attention_masks import fold_static_attention_masks
-from torchpar.capture.autograd_functions import capture_autograd_functions
-from torchpar.capture.batch_norm import cumulative_batch_norms
-from torchpar.capture.checkpointing import reentrant_checkpoints_inline
-from torchpar.capture.distributions import unvalidated_distributions
 from torchpar.capture.errors import CaptureError, dynamic_shape_error, parameter_write_error, translate_export_error
-from torchpar.capture.grad_semantics import (
-    autograd_capture_guards,
-    check_gradient_hooks,
-    mark_stop_gradients,
-    module_modes,
-    restore_module_modes,
-)
-from torchpar.capture.inner_gradients import refusing_inner_gradients
 from torchpar.capture.meta_models import as_fake_cpu, on_meta_device
 from torchpar.capture.module_state import (
     OUTSIDE_PREFIX,
@@ -55,6 +42,19 @@ from torchpar.capture.module_state import (
 )
 from torchpar.capture.precision import autocast_device, check_no_float64
 from torchpar.capture.repeated_blocks import CAPTURED_BLOCKS, expand_blocks, find_block_stack, truncated
+from torchpar.capture.semantics.attention_masks import fold_static_attention_masks
+from torchpar.capture.semantics.autograd_functions import capture_autograd_functions
+from torchpar.capture.semantics.batch_norm import cumulative_batch_norms
+from torchpar.capture.semantics.checkpointing import reentrant_checkpoints_inline
+from torchpar.capture.semantics.distributions import unvalidated_distributions
+from torchpar.capture.semantics.grad_semantics import (
+    autograd_capture_guards,
+    check_gradient_hooks,
+    mark_stop_gradients,
+    module_modes,
+    restore_module_modes,
+)
+from torchpar.capture.semantics.inner_gradients import refusing_inner_gradients
 from torchpar.capture.to_ir import decompose, tensor_meta, to_ir
 from torchpar.ir.graph import Graph, TensorMeta
 

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from torchpar.capture.errors import CaptureError
-from torchpar.capture.grad_semantics import user_line
+from torchpar.capture.semantics.grad_semantics import user_line
 
 MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))
 """Attributes every ``nn.Module`` sets in ``__init__`` (``training``, ``_parameters``, hooks…): never guarded here

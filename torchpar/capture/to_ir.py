@@ -1,6 +1,6 @@
 """An exported program → the IR: decomposition to core ATen and the translation of the FX graph and its signature
 into a :class:`torchpar.ir.Graph` (:func:`to_ir`). Shared by the model step's capture (:mod:`.export`) and the
-backward of each custom ``autograd.Function`` (:mod:`.autograd_functions`)."""
+backward of each custom ``autograd.Function`` (:mod:`torchpar.capture.semantics.autograd_functions`)."""
 
 from __future__ import annotations
 

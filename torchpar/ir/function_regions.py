@@ -1,7 +1,7 @@
 """Regions of a graph that a custom ``torch.autograd.Function`` computed, whose backward is the Function's own.
 
-Capture (:mod:`torchpar.capture.autograd_functions`) brackets each call ``F.apply(*args)`` of a Function with a
-user-defined backward by identity marker ops: one ``autograd_function_input`` per tensor argument (the Function's
+Capture (:mod:`torchpar.capture.semantics.autograd_functions`) brackets each call ``F.apply(*args)`` of a Function with
+a user-defined backward by identity marker ops: one ``autograd_function_input`` per tensor argument (the Function's
 ``call`` id and the argument's ``position``) and one ``autograd_function_output`` per tensor result (its position
 among the tensor results, and the tensors the Function saved for its backward as extra operands, so they are
 graph values). The nodes from the first marker of a call to its last output marker are the Function's forward;

@@ -19,7 +19,7 @@ from typing import Any
 import torch.autograd
 
 from torchpar.capture.errors import CaptureError
-from torchpar.capture.grad_semantics import user_line
+from torchpar.capture.semantics.grad_semantics import user_line
 
 
 @contextlib.contextmanager
