@@ -5,7 +5,7 @@
 For each model (the README's GPT-2, a wider GPT-2, two MLPs) and each method (one device, DataParallel on
 ``--devices`` fake CPU devices) the same model is planned twice — with the nominal constants
 (``TORCHPAR_COST_CONSTANTS=nominal``) and with the constants measured on this machine (the default,
-:mod:`torchpar.machine_constants`) — and trained for ``--steps`` steps; the table gives both estimates, the
+:mod:`torchpar.engine.machine_constants`) — and trained for ``--steps`` steps; the table gives both estimates, the
 measured step (median of the steps after the first three: compilation and warm-up excluded) and each ratio
 measured / estimated. The measurement is cached in the profile cache: delete ``~/.cache/torchpar/profiles`` (or
 set ``TORCHPAR_PROFILE_DIR``) to measure again, e.g. after the machine's load changed.

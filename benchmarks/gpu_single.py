@@ -246,7 +246,6 @@ def torchpar_runner(model: Any, batch: dict, mode: Mode) -> Runner:
 
     import torchpar
     from torchpar import compile_cache
-
     options = {"matmul_precision": mode.matmul_precision}
     if mode.mixed_precision is not None:
         options["mixed_precision"] = mode.mixed_precision
@@ -371,7 +370,6 @@ def probe_compile(name: str, mode_name: str, args: argparse.Namespace) -> dict[s
     import torch
 
     from torchpar import compile_cache
-
     device = _device(args.smoke)
     mode = MODES[mode_name]
     torch.set_float32_matmul_precision(mode.matmul_precision)

@@ -1,4 +1,4 @@
-"""What keeping the torch model and the engine one truth costs (``torchpar/model_link.py``).
+"""What keeping the torch model and the engine one truth costs (``torchpar/engine/model_link.py``).
 
     python benchmarks/training_loop.py [--steps 30] [--warmup 3] [--json benchmarks/results/training_loop.json]
 
@@ -42,8 +42,7 @@ def _without_checks(engine: Any) -> None:
 
 def _checks_alone(engine: Any, signature: tuple, calls: int = 200) -> float:
     """Median seconds of one step's link work outside the executable."""
-    from torchpar import model_link
-
+    from torchpar.engine import model_link
     seconds = []
     with model_link.suspended():
         for _ in range(calls):
@@ -59,7 +58,7 @@ def measure(steps: int, warmup: int) -> dict[str, Any]:
     import torchpar
     from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
-    from torchpar import batches
+    from torchpar.engine import batches
     from torchpar.harness import zoo
 
     torch.manual_seed(0)
@@ -90,7 +89,7 @@ def measure(steps: int, warmup: int) -> dict[str, Any]:
         models["checked"].state_dict()  # a pull: the engine's weights into the torch model
         pulls.append(time.perf_counter() - start)
         start = time.perf_counter()
-        with torchpar.model_link.suspended():
+        with torchpar.engine.model_link.suspended():
             checked._torch.link.before_step()  # the push of what the pull handed to user code
         pushes.append(time.perf_counter() - start)
     for engine in engines.values():

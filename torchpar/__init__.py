@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     import torch
 
     from torchpar.api import Engine
-    from torchpar.feeding import HostData
+    from torchpar.engine.feeding import HostData
     from torchpar.methods import Method
     from torchpar.options import CompileKwargs, PlanKwargs
     from torchpar.planner.plan import Plan
@@ -47,7 +47,7 @@ _LAZY = {  # public name → module defining it (imported on first use)
     "UnsupportedOpsError": "jaxbackend.lower",
     "LoweringError": "jaxbackend.lower",
     "CheckpointError": "torchpar.checkpoint",
-    "HostData": "torchpar.feeding",
+    "HostData": "torchpar.engine.feeding",
     "HostDataError": "torchpar.runtime.host_loading",
 }
 """``torchpar.Plan`` and the errors a user may catch (``docs/debugging.md`` lists every one)."""

@@ -20,7 +20,6 @@ import numpy as np
 import torch
 import torch.utils._pytree as pytree
 
-from torchpar import batches, diagnosis, feeding, model_link
 from torchpar import metrics as _metrics
 from torchpar.capture.export import ForwardFn, LossFn, StepFn, check_model_fns
 from torchpar.capture.module_state import NumberAttribute
@@ -28,12 +27,14 @@ from torchpar.capture.optim import mark_optimizer_stepped
 from torchpar.capture.precision import autocast_dtype
 from torchpar.capture.semantics.checkpointing import warn_if_gradient_checkpointing
 from torchpar.cluster import default_compile_cache
-from torchpar.compiled import CompiledTraining
-from torchpar.engine_checkpoints import EngineCheckpoints
-from torchpar.engine_readouts import EngineReadouts
-from torchpar.feeding import PREFETCH_DEPTH, HostData, HostFeed
-from torchpar.guard import StepGuard, leaf_names
-from torchpar.host_arrays import host_value, to_torch
+from torchpar.engine import batches, diagnosis, feeding, model_link
+from torchpar.engine.compiled import CompiledTraining
+from torchpar.engine.engine_checkpoints import EngineCheckpoints
+from torchpar.engine.engine_readouts import EngineReadouts
+from torchpar.engine.feeding import PREFETCH_DEPTH, HostData, HostFeed
+from torchpar.engine.guard import StepGuard, leaf_names
+from torchpar.engine.host_arrays import host_value, to_torch
+from torchpar.engine.torch_side import TorchSide, linked
 from torchpar.methods import Method
 from torchpar.options import (
     PLAN_OPTIONS,
@@ -46,7 +47,6 @@ from torchpar.options import (
 )
 from torchpar.plan_model import plan_model
 from torchpar.planner.plan import Plan
-from torchpar.torch_side import TorchSide, linked
 
 log = logging.getLogger(__name__)
 
@@ -226,7 +226,7 @@ class Engine(EngineReadouts, EngineCheckpoints):
         ``compile(data=...)``'s host-loaded data); returns the whole batch's loss (before the update) as a 0-d CPU
         tensor, or ``(loss, aux)`` for a ``step_fn`` that returns aux values, each the whole batch's
         (:meth:`CompiledTraining.returned`). Its measurements are then in :attr:`last_metrics`. Before it runs, what
-        user code changed on the torch model since the last step reaches the engine (:mod:`torchpar.model_link`);
+        user code changed on the torch model since the last step reaches the engine (:mod:`torchpar.engine.model_link`);
         after it, the torch model shows the new weights whenever user code looks."""
         started = time.perf_counter()
         batch, fed, waited = self._inputs.take(batch, self._executor)
@@ -281,7 +281,8 @@ class Engine(EngineReadouts, EngineCheckpoints):
 
     def prefetch(self, loader: Iterable[Any], depth: int = PREFETCH_DEPTH) -> Iterator[Any]:
         """``for batch in engine.prefetch(loader): engine.step(batch)``: ``loader``'s next batches pulled, converted
-        and placed on a background thread while the step runs (at most ``depth`` ahead; :mod:`torchpar.feeding`)."""
+        and placed on a background thread while the step runs (at most ``depth`` ahead;
+        :mod:`torchpar.engine.feeding`)."""
         return self._inputs.prefetch(loader, lambda: self._executor, self._compiled.step_graphs, depth)
 
     def _bring_in(self, batch: Any) -> bool:
@@ -352,7 +353,7 @@ class Engine(EngineReadouts, EngineCheckpoints):
     @linked(bring_in=False)
     def sync_to_torch(self) -> None:
         """Copy parameters, buffers and optimizer state into the torch model and optimizer now. Not needed for the
-        model (it is pulled whenever user code looks at it, :mod:`torchpar.model_link`) nor for
+        model (it is pulled whenever user code looks at it, :mod:`torchpar.engine.model_link`) nor for
         ``optimizer.state_dict()`` (pulled then too); kept for loops that read the optimizer's ``state`` directly."""
         self._torch.pull()
         self._torch.write_optimizer_state()

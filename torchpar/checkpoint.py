@@ -59,7 +59,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from torchpar.host_arrays import host_array, host_copy, host_tensor, to_torch
+from torchpar.engine.host_arrays import host_array, host_copy, host_tensor, to_torch
 
 log = logging.getLogger(__name__)
 
@@ -101,8 +101,8 @@ class TrainingState:
     translating_failures: Callable[[str], contextlib.AbstractContextManager[None]]
     """Turns a worker's failure while doing ``what`` into the engine's error."""
     data_cursor: dict[str, Any] | None = None
-    """Host-loaded data's position (:meth:`torchpar.feeding.HostFeed.cursor`), else ``None``; restoring replaces it
-    with the checkpoint's."""
+    """Host-loaded data's position (:meth:`torchpar.engine.feeding.HostFeed.cursor`), else ``None``; restoring replaces
+    it with the checkpoint's."""
     check_data_cursor: Callable[[dict[str, Any] | None], None] | None = None
     """Raises when a checkpoint's data cursor cannot continue this engine's data; called before anything loads."""
 
@@ -160,7 +160,7 @@ def load_state_dict(training: TrainingState, state: dict[str, Any]) -> None:
     made from it, if it differs from this engine's) into ``training``."""
     import jax
 
-    from torchpar.guard import validate_checkpoint
+    from torchpar.engine.guard import validate_checkpoint
     from torchpar.ir.optimizer import state_keys
     from torchpar.runtime.state import HostState
 

@@ -300,7 +300,7 @@ class StepFacts:
     loss: float
     step_time_s: float
     signature: tuple
-    """The batch signature (``torchpar.batches.signature``): its structure and each leaf's shape and dtype."""
+    """The batch signature (``torchpar.engine.batches.signature``): its structure and each leaf's shape and dtype."""
     tokens: int | None
     loss_scale: float | None
     update_skipped: bool

@@ -84,8 +84,8 @@ class CompileOptions:
     ``"none"``. The plan (``plan.remat``) says which ran."""
 
     profile: bool = False
-    """Measured profiling (:mod:`torchpar.profiled`): time all-reduces on this process's devices and plan with the
-    fitted link constants, then compile and time the planner's candidates on the devices (a pipeline's refined
+    """Measured profiling (:mod:`torchpar.engine.profiled`): time all-reduces on this process's devices and plan with
+    the fitted link constants, then compile and time the planner's candidates on the devices (a pipeline's refined
     stage partitions, or the one stage) and keep the fastest measured; ``plan.summary()`` shows measured next to
     estimated times. Timings are cached on disk (``TORCHPAR_PROFILE_DIR``,
     :mod:`torchpar.runtime.measure.profile_cache`). Local runtime only. Ignored when ``method`` is a saved ``Plan``."""
@@ -99,8 +99,8 @@ class CompileOptions:
     """Called after every step with its :class:`torchpar.metrics.StepMetrics` (``engine.last_metrics``), e.g. to
     stream them to TensorBoard or wandb (``metrics.scalars()``); its exceptions propagate from ``step``."""
     grad_stand_ins: bool = True
-    """After each step set ``p.grad`` of every trained parameter to a stand-in (:mod:`torchpar.grad_stand_in`) that
-    raises, naming the parameter and the fix, when user code reads it (a manual update, a leftover
+    """After each step set ``p.grad`` of every trained parameter to a stand-in (:mod:`torchpar.engine.grad_stand_in`)
+    that raises, naming the parameter and the fix, when user code reads it (a manual update, a leftover
     ``optimizer.step()``); ``optimizer.zero_grad()`` clears it. ``False`` leaves ``.grad`` as it is (``None``):
     for a loop that calls ``optimizer.step()`` on purpose after the engine's step, as ``TorchparTrainer`` does."""
 

@@ -10,17 +10,17 @@ from typing import Any
 
 import torch
 
-from torchpar import batches
 from torchpar.capture.export import LossFn, StepFn, capture_train_step
 from torchpar.capture.optim import TorchOptimizerBridge
 from torchpar.capture.precision import autocast_dtype
 from torchpar.capture.semantics.grad_semantics import trainable_params
 from torchpar.cluster import current_cluster
+from torchpar.engine import batches
+from torchpar.engine.profiled import plan_training_profiled
 from torchpar.methods import Method, data_replicas, searches_micro_batches
 from torchpar.options import MixedPrecision, Remat, describe_numerics, numerics_for
 from torchpar.planner.pipeline.micro_batch_counts import plan_micro_batch_count
 from torchpar.planner.plan import Plan
-from torchpar.profiled import plan_training_profiled
 from torchpar.progress import CompilePhases
 
 

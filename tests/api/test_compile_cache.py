@@ -13,16 +13,14 @@ from pathlib import Path
 import pytest
 
 from torchpar import compile_cache
-
 REPO = Path(__file__).resolve().parents[2]
 
 CHILD = """
 import json, logging, sys
 import torch, torchpar
 from torchpar import compile_cache
-
 logging.basicConfig(level=logging.WARNING)
-logging.getLogger("torchpar.compiled").setLevel(logging.INFO)  # says when the step came from the cache
+logging.getLogger("torchpar.engine.compiled").setLevel(logging.INFO)  # says when the step came from the cache
 
 init_options = json.loads(sys.argv[1])
 if init_options is not None:  # None: the README quickstart, which never calls init

@@ -236,7 +236,6 @@ def test_compile_has_an_explicit_documented_signature():
     from pathlib import Path
 
     from torchpar import api
-
     public = inspect.signature(torchpar.compile).parameters
     core = inspect.signature(api.compile).parameters
     assert list(public) == list(core)  # the same options, in the same order, with the same defaults

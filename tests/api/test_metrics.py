@@ -157,7 +157,6 @@ def test_log_every_prints_to_stderr_when_logging_is_not_set_up(capsys, monkeypat
     """A bare script (no logging configured: no handler on the metrics logger or its ancestors) still sees the line;
     once logging is configured the line goes through it instead (the test above)."""
     from torchpar import metrics
-
     monkeypatch.setattr(logging.getLogger("torchpar.metrics"), "propagate", False)
     metrics._announce("torchpar: step 2 | loss 1.0")
     assert "torchpar: step 2 | loss 1.0" in capsys.readouterr().err

@@ -12,8 +12,6 @@ import torch
 
 import torchpar
 from torchpar import api, options
-
-
 def test_the_static_declaration_matches_the_options():
     fields = {f.name: f.type for f in dataclasses.fields(options.CompileOptions)}
     declared = {name: hint.__forward_arg__ if isinstance(hint, typing.ForwardRef) else hint

@@ -9,8 +9,6 @@ import torch
 
 import torchpar
 from torchpar import progress
-
-
 def test_a_running_phase_is_redrawn_and_says_what_it_does(monkeypatch, capfd):
     monkeypatch.setenv("TORCHPAR_PROGRESS", "1")  # forced on without a TTY
     monkeypatch.setattr(progress, "TICK_S", 0.05)

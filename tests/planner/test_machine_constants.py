@@ -1,4 +1,4 @@
-"""Cost constants measured on this machine when nobody gave them (torchpar.machine_constants, runtime.calibration).
+"""Cost constants measured on this machine when nobody gave them (torchpar.engine.machine_constants, runtime.calibration).
 
 The suite itself plans with the nominal constants (``TORCHPAR_COST_CONSTANTS=nominal`` in ``tests/conftest.py``), so
 plans do not depend on the machine; these tests switch measuring on. Most of them replace the timed MLP steps
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import torchpar
-from torchpar import machine_constants
+from torchpar.engine import machine_constants
 from torchpar.cluster import ClusterSpec, current_cluster
 from torchpar.runtime.measure import calibration
 

@@ -117,7 +117,7 @@ def _plan_with_bound(beat_s: float, remat: str):
     from torchpar.capture.optim import TorchOptimizerBridge
     from torchpar.cluster import current_cluster
     from torchpar.options import numerics_for
-    from torchpar.profiled import plan_training_profiled
+    from torchpar.engine.profiled import plan_training_profiled
 
     torch.manual_seed(0)
     with torch.device("meta"):

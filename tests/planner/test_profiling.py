@@ -155,7 +155,7 @@ def test_profiled_one_stage_engine_trains_as_without_profiling(profile_dir):
 
 
 def test_profiling_needs_the_devices_in_this_process():
-    from torchpar.profiled import start_profiling
+    from torchpar.engine.profiled import start_profiling
 
     with pytest.raises(ValueError, match="Ray runtime"):
         start_profiling(ClusterSpec(runtime="ray"), spec=None, trainable=set(), num_micro_batches=1, numerics=None,

@@ -2,7 +2,7 @@
 rows; 98 samples leave 2, which do not split over a 4-way data axis (DataParallel and ZeRO shard the batch by
 construction; ShardParallel and the pipeline's stages keep this tiny model's batch whole) — trains under every
 method as PyTorch trains on the same batches, for two epochs. Each new batch shape compiles its step once under
-the same plan (:mod:`torchpar.compiled`); a batch that does not split evenly runs under GSPMD with its leaves whole
+the same plan (:mod:`torchpar.engine.compiled`); a batch that does not split evenly runs under GSPMD with its leaves whole
 on entry (:func:`torchpar.runtime.arrays.fitting`)."""
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ runs ``forward`` on fake tensors and drops Python side effects (a reassigned buf
 
 - **reads** — ``(module, attribute, value)`` for every plain value (``None``, ``bool``, ``int``, ``float``, ``str``,
   an enum, and tuples/lists of them) read from a module's instance ``__dict__``. The engine compares them before each
-  step (:mod:`torchpar.model_link`): a change recompiles the step, with a warning naming the attribute.
+  step (:mod:`torchpar.engine.model_link`): a change recompiles the step, with a warning naming the attribute.
 - **tensor attributes** — tensors held in a module's ``__dict__`` (neither parameter nor buffer) are registered as
   non-persistent buffers for the length of the export (:func:`tensors_as_buffers`), so the step reads them as inputs
   (the current value at every step, never a constant) and an in-place change in ``forward`` is a buffer mutation.

@@ -29,7 +29,8 @@ torch's own autograd. The overridden methods, and what each does instead:
 The Trainer's own ``optimizer.step()`` still runs and changes nothing (no parameter has a gradient); its
 scheduler writes the learning rate into ``optimizer.param_groups``, which the engine reads every step (the engine is
 compiled with ``grad_stand_ins=False`` for that ``optimizer.step()``). The torch model holds the engine's weights
-whenever code looks at it (:mod:`torchpar.model_link`): a callback reading them mid-training sees the current ones.
+whenever code looks at it (:mod:`torchpar.engine.model_link`): a callback reading them mid-training sees the current
+ones.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ except ImportError as error:  # pragma: no cover (transformers is a dependency; 
     raise ImportError("torchpar.integrations.transformers needs transformers: pip install 'transformers>=5'") from error
 
 import torchpar
-from torchpar import batches
+from torchpar.engine import batches
 from torchpar.integrations.trainer_loss import (
     LOSS_MODES,
     loss_factor_warning,

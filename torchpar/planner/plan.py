@@ -570,7 +570,7 @@ def _sequence_lines(stage: StagePlan) -> list[str]:
 
 def _constants_line(record: dict[str, Any]) -> str:
     """Where the plan's cost constants came from (``plan.solver["cost_constants"]``,
-    :mod:`torchpar.machine_constants`)."""
+    :mod:`torchpar.engine.machine_constants`)."""
     if record.get("source") != "measured":
         return str(record.get("source"))
     cached = ", from the profile cache" if record.get("cached") else ""

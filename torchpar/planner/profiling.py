@@ -179,7 +179,7 @@ def record_profile(
 ) -> dict[str, Any]:
     """Write the chosen candidate's per-stage measurements into its ``stages`` (``StagePlan.measured_cost_s``) and
     return the record the plan keeps in ``plan.solver["profile"]`` (its ``links`` are filled by whoever timed
-    them: ``torchpar.profiled.Profiling.record_links``)."""
+    them: ``torchpar.engine.profiled.Profiling.record_links``)."""
     for stage, timing in zip(stages, chosen.timings):
         stage.measured_cost_s = timing.step_s
     estimate_order = sorted(ranked, key=lambda r: r.estimated_step_s)

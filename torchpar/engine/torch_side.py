@@ -1,8 +1,8 @@
 """An engine's side of the user's torch model and optimizer between steps.
 
 One :class:`TorchSide` per compiled engine holds what keeps the training loop's torch objects and the engine one
-truth (``docs/semantics.md``, "The torch model between steps"): the :class:`~torchpar.model_link.ModelLink` (weights
-pulled when user code looks, pushed when it wrote), the training setup compiled for (modes, ``requires_grad``,
+truth (``docs/semantics.md``, "The torch model between steps"): the :class:`~torchpar.engine.model_link.ModelLink`
+(weights pulled when user code looks, pushed when it wrote), the training setup compiled for (modes, ``requires_grad``,
 param groups), the optimizer's ``state_dict`` hooks, and the ``.grad`` stand-ins. It says what changed since the
 last step; recompiling for a change is the engine's business.
 
@@ -20,12 +20,12 @@ from typing import Any
 
 import torch
 
-from torchpar import model_link
 from torchpar.capture.export import capture_train_step
 from torchpar.capture.module_state import NumberAttribute
 from torchpar.capture.precision import autocast_dtype
 from torchpar.capture.training_setup import describe_changes, training_setup
-from torchpar.grad_stand_in import GradStandIns
+from torchpar.engine import model_link
+from torchpar.engine.grad_stand_in import GradStandIns
 
 log = logging.getLogger(__name__)
 
@@ -33,8 +33,8 @@ log = logging.getLogger(__name__)
 class TorchSide:
     """The link between one engine and the torch ``model`` / ``optimizer`` it was compiled from.
 
-    ``compiled``: the engine's :class:`~torchpar.compiled.CompiledTraining`; ``executor`` and ``graph``: return the
-    engine's executor and its latest training graph, ``None`` once the engine is gone (callables, so that the
+    ``compiled``: the engine's :class:`~torchpar.engine.compiled.CompiledTraining`; ``executor`` and ``graph``: return
+    the engine's executor and its latest training graph, ``None`` once the engine is gone (callables, so that the
     optimizer's hooks keep no engine alive); ``fns``: the user's ``loss_fn``, ``step_fn``, ``forward_fn`` (the trial
     captures of :meth:`feedable_floats` use them); ``params``: the engine's parameter names → torch parameters."""
 
@@ -217,7 +217,7 @@ def _weakly(method: Callable[..., Any]) -> Callable[..., Any]:
 
 
 class _ExecutorState(model_link.StateAccess):
-    """The engine's executor state as its :class:`~torchpar.model_link.ModelLink` reads and writes it."""
+    """The engine's executor state as its :class:`~torchpar.engine.model_link.ModelLink` reads and writes it."""
 
     def __init__(self, executor: Callable[[], Any]):
         self._executor = executor

@@ -22,10 +22,10 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from torchpar.engine.machine_constants import priced_cluster
 from torchpar.hardware import ClusterSpec
 from torchpar.ir.graph import Graph
 from torchpar.ir.optimizer import OptimizerSpec, state_copies
-from torchpar.machine_constants import priced_cluster
 from torchpar.methods import PipeshardParallel
 from torchpar.planner.plan import Plan
 from torchpar.planner.profiling import LinkFit, StageTimer, calibrated_cluster
@@ -164,8 +164,9 @@ def plan_training_profiled(
     """:func:`torchpar.planner.training_plan.plan_training` of ``graph``, with measured profiling when ``profile``
     (links timed first, the candidates compiled and timed while planning; a saved :class:`Plan` is taken as it is
     and measures nothing). ``spec``: the optimizer's, for its state copies and the timed steps' update. A cluster
-    with the nominal cost constants is priced with this machine's measured ones (:mod:`torchpar.machine_constants`).
-    ``beat_s``: as :func:`~torchpar.planner.training_plan.plan_training`'s."""
+    with the nominal cost constants is priced with this machine's measured ones
+    (:mod:`torchpar.engine.machine_constants`). ``beat_s``: as
+    :func:`~torchpar.planner.training_plan.plan_training`'s."""
     measure = profile and not isinstance(method, Plan)
     micro = int(getattr(method, "num_micro_batches", 1)) if isinstance(method, PipeshardParallel) else 1
     cluster, constants = priced_cluster(

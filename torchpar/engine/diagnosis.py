@@ -10,9 +10,9 @@ from typing import Any
 
 import torch
 
-from torchpar.batches import call_leaves, split_leaves
-from torchpar.guard import leaf_names
-from torchpar.host_arrays import host_tensor
+from torchpar.engine.batches import call_leaves, split_leaves
+from torchpar.engine.guard import leaf_names
+from torchpar.engine.host_arrays import host_tensor
 from torchpar.ir.graph import Graph
 from torchpar.runtime.nonfinite import AUTO_DIAGNOSIS_BYTES, locate_nonfinite
 

@@ -17,26 +17,27 @@ from typing import Any
 
 import torch
 
-from torchpar import batches, compile_cache
 from torchpar import checkpoint as _checkpoint
+from torchpar import compile_cache
 from torchpar.capture.export import Capture, ForwardFn, LossFn, StepFn, capture_forward, capture_train_step
 from torchpar.capture.module_state import CapturedState, NumberAttribute
 from torchpar.capture.optim import TorchOptimizerBridge
 from torchpar.capture.semantics.grad_semantics import trainable_params
 from torchpar.cluster import current_cluster
-from torchpar.guard import StepGuard
-from torchpar.host_arrays import jax_dtype, to_torch
+from torchpar.engine import batches
+from torchpar.engine.guard import StepGuard
+from torchpar.engine.host_arrays import jax_dtype, to_torch
+from torchpar.engine.model_link import Tracked, pull_holders, suspended, tracked_state
+from torchpar.engine.profiled import plan_training_profiled
 from torchpar.ir.aux_parts import with_aux_parts
 from torchpar.ir.graph import Graph
 from torchpar.ir.loss_parts import with_loss_parts
 from torchpar.ir.optimizer import step_scalars
 from torchpar.methods import data_replicas, searches_micro_batches
-from torchpar.model_link import Tracked, pull_holders, suspended, tracked_state
 from torchpar.options import CompileOptions, describe_numerics
 from torchpar.planner.pipeline.micro_batch_counts import candidate_counts, plan_micro_batch_count
 from torchpar.planner.plan import Plan
 from torchpar.planner.training_plan import TrainingPlan
-from torchpar.profiled import plan_training_profiled
 from torchpar.progress import CompilePhases
 
 log = logging.getLogger(__name__)
@@ -45,7 +46,7 @@ log = logging.getLogger(__name__)
 class CompiledTraining:
     """A model's training step planned once and compiled per batch signature, and the executor running it.
 
-    ``signature`` keys are :func:`torchpar.batches.signature` of a whole batch; every graph held is captured on
+    ``signature`` keys are :func:`torchpar.engine.batches.signature` of a whole batch; every graph held is captured on
     one micro-batch of it (``num_micro_batches`` per step: pipelines, gradient accumulation). ``timings`` gathers
     each phase's seconds for ``plan.timings``. On failure while building, the workers already started are freed."""
 
@@ -82,7 +83,8 @@ class CompiledTraining:
         """Equal parts of dim 0 each batch is cut into (micro-batches × data replicas): the graphs are one part's."""
         self.example_signature = batches.signature(example_batch)
         self.tracked: dict[str, Tracked] = {}
-        """Every state tensor the executor holds a copy of, by name (:func:`torchpar.model_link.tracked_state`)."""
+        """Every state tensor the executor holds a copy of, by name
+        (:func:`torchpar.engine.model_link.tracked_state`)."""
         self.captured_state = CapturedState()
         """The module state the first capture found (guards, tensor attributes, modules outside the model)."""
         self.bridge: TorchOptimizerBridge | None = None
@@ -267,7 +269,7 @@ class CompiledTraining:
         self.step_graphs[signature] = capture.graph
 
     def first_part(self, batch: Any) -> Any:
-        """The part of ``batch`` the step's graph is captured on (:func:`torchpar.batches.first_micro_batch`)."""
+        """The part of ``batch`` the step's graph is captured on (:func:`torchpar.engine.batches.first_micro_batch`)."""
         return batches.first_micro_batch(batch, self.num_micro_batches, self.data_replicas)
 
     def capture(self, batch: Any) -> Capture:

@@ -333,7 +333,7 @@ class ModelLink:
         held = self.holds()
         if not held:
             return
-        from torchpar.host_arrays import write_into
+        from torchpar.engine.host_arrays import write_into
         from torchpar.runtime.executor import ExecutorClosedError
 
         try:
@@ -438,7 +438,7 @@ class ModelLink:
         return changes
 
     def _push(self, push: list[Tracked]) -> None:
-        from torchpar.host_arrays import host_copy
+        from torchpar.engine.host_arrays import host_copy
         from torchpar.runtime.state import HostState
 
         self.state.update(

@@ -2,8 +2,8 @@
 memory, the workers. Read-only; nothing here steps, compiles or moves state.
 
 :class:`EngineReadouts` is the Engine's base class: the Engine owns the fields it reads — ``_executor`` (the
-:class:`~torchpar.runtime.executor.Executor`), ``_compiled`` (the :class:`~torchpar.compiled.CompiledTraining`),
-``_recorder`` (the :class:`~torchpar.metrics.StepRecorder`), ``_guard`` (the :class:`~torchpar.guard.StepGuard`),
+:class:`~torchpar.runtime.executor.Executor`), ``_compiled`` (the :class:`~torchpar.engine.compiled.CompiledTraining`),
+``_recorder`` (the :class:`~torchpar.metrics.StepRecorder`), ``_guard`` (the :class:`~torchpar.engine.guard.StepGuard`),
 ``_loss_scaler``, ``_numerics``, ``_param_names``, ``_last_step_s``, ``_last_signature``, ``_example_signature``,
 ``options`` and ``model``.
 """

@@ -30,9 +30,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from torchpar import batches
-from torchpar.guard import leaf_names
-from torchpar.host_arrays import host_value
+from torchpar.engine import batches
+from torchpar.engine.guard import leaf_names
+from torchpar.engine.host_arrays import host_value
 from torchpar.runtime.batch_parts import HostBatch
 
 log = logging.getLogger(__name__)
@@ -177,7 +177,7 @@ class HostFeed:
 
     def checked(self, checks: tuple[Iterable[Any], Any], names: Iterable[str]) -> HostData:
         """The data as the processes get it: with the checks of the step's batch leaves (``checks``: the index
-        bounds and the integer-arithmetic check, :meth:`torchpar.guard.StepGuard.input_checks`)."""
+        bounds and the integer-arithmetic check, :meth:`torchpar.engine.guard.StepGuard.input_checks`)."""
         bounds, ranges = checks
         return dataclasses.replace(
             self.data, index_bounds=tuple(bounds), integer_ranges=ranges, leaf_names=tuple(names)

@@ -1,6 +1,6 @@
 """The Engine's saved state: sharded checkpoints, ``state_dict``, the torch state dict export and ``save_pretrained``.
 
-A mixin of :class:`torchpar.api.Engine` (as :class:`~torchpar.engine_readouts.EngineReadouts` holds its read-only
+A mixin of :class:`torchpar.api.Engine` (as :class:`~torchpar.engine.engine_readouts.EngineReadouts` holds its read-only
 views): each method hands one :class:`torchpar.checkpoint.TrainingState` — what the engine holds, as data — to
 :mod:`torchpar.checkpoint`, which does the work. It reads the engine's executor, bridge, names, step count, PRNG key,
 loss scaler and data cursor; it writes back only the step count and key a restore brings.
@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from torchpar import checkpoint as _checkpoint
-from torchpar.torch_side import linked
+from torchpar.engine.torch_side import linked
 
 
 class EngineCheckpoints:

@@ -13,7 +13,7 @@ import torch.utils._pytree as pytree
 from torchpar.capture.errors import describe_batch_mismatch
 from torchpar.capture.export import batch_to_call_args, call_args_to_batch
 from torchpar.capture.to_ir import dtype_name
-from torchpar.guard import leaf_names
+from torchpar.engine.guard import leaf_names
 
 
 def signature(batch: Any) -> tuple:
