@@ -240,3 +240,13 @@ def test_no_import_cycles_in_the_lowering():
     modules = _jaxbackend_modules()
     graph = {name: _imports(name, path, modules) for name, path in modules.items()}
     assert not _cycles(graph), f"import cycles in jaxbackend/: {_cycles(graph)}"
+
+
+def test_every_room_is_small_and_says_its_job():
+    """No folder of ``torchpar/`` holds more than 15 modules, and every package opens with a docstring naming its job
+    (a maintainer opens one folder for one bug)."""
+    for folder in sorted({path.parent for path in PACKAGE.rglob("*.py")}):
+        modules = sorted(folder.glob("*.py"))
+        assert len(modules) <= 15, f"{folder.relative_to(PACKAGE.parent)} holds {len(modules)} modules"
+        init = folder / "__init__.py"
+        assert init.exists() and ast.get_docstring(ast.parse(init.read_text())), f"{folder}: no opening docstring"
