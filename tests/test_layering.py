@@ -15,14 +15,14 @@ CASES = {
     # importing ...            must not import any module starting with ...
     "jaxbackend.lower": ("torchpar.planner", "torchpar.runtime", "torchpar.report"),
     "jaxbackend.spmd": ("torchpar.planner", "torchpar.runtime", "torchpar.report"),
-    "jaxbackend.optim": ("torchpar.planner", "torchpar.runtime", "torchpar.report"),
+    "jaxbackend.optimizer": ("torchpar.planner", "torchpar.runtime", "torchpar.report"),
     "torchpar.planner.plan": ("torchpar.report", "torchpar.runtime", "jax", "torch"),
     "torchpar.ir": ("torch", "jax", "torchpar.planner", "torchpar.runtime", "jaxbackend"),
     "torchpar.ir.layout": ("torch", "jax"),
     "torchpar.ir.graph": ("torch", "jax"),
     "torchpar.ir.optimizer": ("torch", "jax"),
     "torchpar.capture.export": ("jaxbackend", "jax", "torchpar.planner", "torchpar.runtime"),
-    "torchpar.capture.optim": ("jaxbackend", "jax", "torchpar.planner", "torchpar.runtime"),
+    "torchpar.capture.optimizer": ("jaxbackend", "jax", "torchpar.planner", "torchpar.runtime"),
     "torchpar.runtime.worker": ("torch", "torchpar.capture", "torchpar.report", "torchpar.api"),
     "torchpar.runtime.ray.host_actor": ("torch", "torchpar.capture", "torchpar.report", "torchpar.api"),
     "torchpar.runtime.checkpoint_io": ("torch", "torchpar.capture", "torchpar.api"),  # host actors write shards

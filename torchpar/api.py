@@ -23,9 +23,9 @@ import torch.utils._pytree as pytree
 from torchpar import metrics as _metrics
 from torchpar.capture.export import ForwardFn, LossFn, StepFn, check_model_fns
 from torchpar.capture.module_state import NumberAttribute
-from torchpar.capture.optim import mark_optimizer_stepped
+from torchpar.capture.optimizer import mark_optimizer_stepped
 from torchpar.capture.precision import autocast_dtype
-from torchpar.capture.semantics.checkpointing import warn_if_gradient_checkpointing
+from torchpar.capture.semantics.remat import warn_if_gradient_checkpointing
 from torchpar.cluster import default_compile_cache
 from torchpar.engine import batches, diagnosis, feeding, model_link
 from torchpar.engine.compiled import CompiledTraining

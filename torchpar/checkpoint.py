@@ -89,7 +89,7 @@ class TrainingState:
     """The model's parameters by name (a tied tensor under its first name)."""
     buffers: Mapping[str, torch.Tensor]
     bridge: Any
-    """The :class:`~torchpar.capture.optim.TorchOptimizerBridge`: the optimizer's spec and step counters."""
+    """The :class:`~torchpar.capture.optimizer.TorchOptimizerBridge`: the optimizer's spec and step counters."""
     plan: Any
     seed: int
     """``compile(seed=...)``."""
@@ -112,7 +112,7 @@ class TrainingState:
 
 def torch_state(params: Mapping[str, torch.Tensor], buffers: Mapping[str, torch.Tensor], bridge: Any) -> Any:
     """The torch model's parameters and buffers and the optimizer's state (``bridge``: its
-    :class:`~torchpar.capture.optim.TorchOptimizerBridge`) as a :class:`~torchpar.runtime.state.HostState`, for the
+    :class:`~torchpar.capture.optimizer.TorchOptimizerBridge`) as a :class:`~torchpar.runtime.state.HostState`, for the
     executor to start from."""
     from torchpar.runtime.state import HostState
 

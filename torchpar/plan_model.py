@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from torchpar.capture.export import LossFn, StepFn, capture_train_step
-from torchpar.capture.optim import TorchOptimizerBridge
+from torchpar.capture.optimizer import TorchOptimizerBridge
 from torchpar.capture.precision import autocast_dtype
 from torchpar.capture.semantics.grad_semantics import trainable_params
 from torchpar.cluster import current_cluster

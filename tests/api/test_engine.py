@@ -181,7 +181,7 @@ def test_mark_pipeline_boundary_is_identity_in_both_worlds():
 def test_hf_gradient_checkpointing_is_refused_with_a_warning_and_the_step_still_matches():
     import transformers
 
-    from torchpar.capture.semantics.checkpointing import GradientCheckpointingIgnoredWarning, checkpointing_modules
+    from torchpar.capture.semantics.remat import GradientCheckpointingIgnoredWarning, checkpointing_modules
 
     config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32, resid_pdrop=0.0,
                                      embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
@@ -211,7 +211,7 @@ def test_reading_an_hf_models_checkpointing_flag_raises_no_future_warning():
 
     import transformers
 
-    from torchpar.capture.semantics.checkpointing import checkpointing_modules
+    from torchpar.capture.semantics.remat import checkpointing_modules
 
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32,
                                                                  n_positions=16))
@@ -222,7 +222,7 @@ def test_reading_an_hf_models_checkpointing_flag_raises_no_future_warning():
 
 
 def test_gradient_checkpointing_flag_of_any_submodule_is_detected():
-    from torchpar.capture.semantics.checkpointing import checkpointing_modules
+    from torchpar.capture.semantics.remat import checkpointing_modules
 
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Sequential(torch.nn.Linear(2, 2)))
     assert checkpointing_modules(model) == []

@@ -1,6 +1,6 @@
 """Activation checkpointing written with ``torch.utils.checkpoint`` trains as the uncheckpointed model, reentrant
 or not: the reentrant one's no-grad forward runs inline while the step is captured
-(:func:`torchpar.capture.semantics.checkpointing.reentrant_checkpoints_inline`) instead of stopping the gradient."""
+(:func:`torchpar.capture.semantics.remat.reentrant_checkpoints_inline`) instead of stopping the gradient."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""jaxbackend.optim (+ torchpar.capture.optim) against torch.optim itself, step by step in fp32."""
+"""jaxbackend.optimizer (+ torchpar.capture.optimizer) against torch.optim itself, step by step in fp32."""
 
 import copy
 
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from jaxbackend.optim import OptimizerSpec, apply_updates, clip_grads_by_global_norm, init_state, step_scalars
-from torchpar.capture.optim import SUPPORTED_OPTIMIZERS, TorchOptimizerBridge
+from jaxbackend.optimizer import OptimizerSpec, apply_updates, clip_grads_by_global_norm, init_state, step_scalars
+from torchpar.capture.optimizer import SUPPORTED_OPTIMIZERS, TorchOptimizerBridge
 from torchpar.ir.optimizer import state_copies, state_keys, state_shape
 
 SHAPES = {"w1": (8, 5), "b1": (5,), "w2": (3, 4, 2), "s": ()}

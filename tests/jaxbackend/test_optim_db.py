@@ -1,4 +1,4 @@
-"""jaxbackend.optim (+ torchpar.capture.optim) against PyTorch's own optimizer test database.
+"""jaxbackend.optimizer (+ torchpar.capture.optimizer) against PyTorch's own optimizer test database.
 
 For every ``OptimizerInfo`` of ``torch.testing._internal.common_optimizers.optim_db`` whose class torchpar
 supports, every CPU sample configuration runs 5 steps through `TorchOptimizerBridge` + `apply_updates` once, and in
@@ -27,8 +27,8 @@ import torch
 from torch.testing._internal.common_optimizers import optim_db
 
 import torchpar
-from jaxbackend.optim import apply_updates
-from torchpar.capture.optim import SUPPORTED_OPTIMIZERS, TorchOptimizerBridge, mark_optimizer_stepped
+from jaxbackend.optimizer import apply_updates
+from torchpar.capture.optimizer import SUPPORTED_OPTIMIZERS, TorchOptimizerBridge, mark_optimizer_stepped
 from torchpar.ir.optimizer import state_copies
 
 SHAPES = {"w1": (8, 5), "b1": (5,), "w2": (3, 4, 2), "s": ()}
@@ -108,7 +108,7 @@ def _kwargs(info, sample, variant):
     kwargs = dict(sample.kwargs)
     if variant == "default":
         if "foreach" in inspect.signature(info.optim_cls).parameters:  # Muon has no foreach implementation
-            kwargs.setdefault("foreach", False)  # torch's single-tensor path, the reference of jaxbackend.optim
+            kwargs.setdefault("foreach", False)  # torch's single-tensor path, the reference of jaxbackend.optimizer
     else:
         kwargs[variant] = True
     return kwargs

@@ -114,7 +114,7 @@ def _plan_with_bound(beat_s: float, remat: str):
     entry (``plan_training_profiled``) called as the count search calls it."""
     from torchpar.capture.export import capture_train_step
     from torchpar.capture.semantics.grad_semantics import trainable_params
-    from torchpar.capture.optim import TorchOptimizerBridge
+    from torchpar.capture.optimizer import TorchOptimizerBridge
     from torchpar.cluster import current_cluster
     from torchpar.options import numerics_for
     from torchpar.engine.profiled import plan_training_profiled

@@ -45,7 +45,6 @@ from torchpar.capture.repeated_blocks import CAPTURED_BLOCKS, expand_blocks, fin
 from torchpar.capture.semantics.attention_masks import fold_static_attention_masks
 from torchpar.capture.semantics.autograd_functions import capture_autograd_functions
 from torchpar.capture.semantics.batch_norm import cumulative_batch_norms
-from torchpar.capture.semantics.checkpointing import reentrant_checkpoints_inline
 from torchpar.capture.semantics.distributions import unvalidated_distributions
 from torchpar.capture.semantics.grad_semantics import (
     autograd_capture_guards,
@@ -55,6 +54,7 @@ from torchpar.capture.semantics.grad_semantics import (
     restore_module_modes,
 )
 from torchpar.capture.semantics.inner_gradients import refusing_inner_gradients
+from torchpar.capture.semantics.remat import reentrant_checkpoints_inline
 from torchpar.capture.to_ir import decompose, tensor_meta, to_ir
 from torchpar.ir.graph import Graph, TensorMeta
 

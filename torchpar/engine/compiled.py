@@ -21,7 +21,7 @@ from torchpar import checkpoint as _checkpoint
 from torchpar import compile_cache
 from torchpar.capture.export import Capture, ForwardFn, LossFn, StepFn, capture_forward, capture_train_step
 from torchpar.capture.module_state import CapturedState, NumberAttribute
-from torchpar.capture.optim import TorchOptimizerBridge
+from torchpar.capture.optimizer import TorchOptimizerBridge
 from torchpar.capture.semantics.grad_semantics import trainable_params
 from torchpar.cluster import current_cluster
 from torchpar.engine import batches

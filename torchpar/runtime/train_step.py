@@ -36,7 +36,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxbackend import optim as jax_optim
+from jaxbackend import optimizer as jax_optim
 from jaxbackend.remat import Remat
 from torchpar.ir.graph import Graph
 from torchpar.ir.optimizer import OptimizerSpec
@@ -65,8 +65,8 @@ def optimizer_tail(
 
     Clipping is either computed here from ``grads`` (``grad_clip_norm``; ``complete_sum`` completes a
     sharded gradient's sum of squares inside ``shard_map``) or given as ``clip_scale``, the factor a
-    pipeline computed from every stage (:func:`jaxbackend.optim.clip_coefficient`). Without clipping the norm is
-    ``norm_of(grads)`` (default :func:`jaxbackend.optim.global_norm` with ``complete_sum``): only reported, so a
+    pipeline computed from every stage (:func:`jaxbackend.optimizer.clip_coefficient`). Without clipping the norm is
+    ``norm_of(grads)`` (default :func:`jaxbackend.optimizer.global_norm` with ``complete_sum``): only reported, so a
     per-device step may compute it with fewer collectives."""
     norm = None
     if grad_clip_norm is not None:

@@ -8,7 +8,7 @@ After its last backward every stage holds the gradients it accumulated. Two thin
   the same;
 - clipping by the global norm needs ``Σ‖g‖²`` over all parameters, each counted once (a tied one by the
   first stage holding it): :func:`owned_squared_norm` per stage, :func:`clip_scale` over all of them,
-  with the one clipping formula (:func:`jaxbackend.optim.clip_coefficient`).
+  with the one clipping formula (:func:`jaxbackend.optimizer.clip_coefficient`).
 
 One-stage programs clip inside their step (:func:`torchpar.runtime.train_step.optimizer_tail`).
 """
@@ -81,7 +81,7 @@ def owned_nonfinite_count(
 
 def clip_scale(squared_norms: Iterable[float], max_norm: float) -> float:
     """The factor every gradient is multiplied by: ``clip_coefficient(√Σ‖g‖², max_norm)``."""
-    from jaxbackend.optim import clip_coefficient
+    from jaxbackend.optimizer import clip_coefficient
 
     total = math.sqrt(max(sum(squared_norms), 0.0))
     return float(clip_coefficient(total, max_norm))

@@ -181,7 +181,7 @@ def _to_torch(a: Any, like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tenso
 
 
 class TorchOptimizerBridge:
-    """Connects a torch optimizer of `SUPPORTED_OPTIMIZERS` to `jaxbackend.optim` (see the module docstring)."""
+    """Connects a torch optimizer of `SUPPORTED_OPTIMIZERS` to `jaxbackend.optimizer` (see the module docstring)."""
 
     def __init__(
         self, optimizer: torch.optim.Optimizer, param_names: Mapping[int, str], *, orphans_allowed: bool = False
@@ -385,7 +385,7 @@ class TorchOptimizerBridge:
         return float(np.asarray(value, dtype=_numpy_dtype(_scalar_dtype_for_step(self.optimizer.param_groups[g]))))
 
     def step_scalars(self):
-        """Scalars for `jaxbackend.optim.apply_updates` for the step about to run; advances the counters.
+        """Scalars for `jaxbackend.optimizer.apply_updates` for the step about to run; advances the counters.
 
         Reads ``optimizer.param_groups`` now, so a scheduler's ``scheduler.step()`` since the last
         call is honoured. Call exactly once per optimizer step that is then applied.
