@@ -1,7 +1,7 @@
 """The optimizer as data: its static structure (:class:`OptimizerSpec`) and the per-step scalars built on the
 host (:func:`step_scalars`). Plain numpy — no torch, no JAX — so capture (which reads it off a
 ``torch.optim`` optimizer), the runtime (which ships it to host actors) and the lowering
-(``jaxbackend.optim``, which applies it) share one type on the IR floor.
+(``jaxbackend.optimizer``, which applies it) share one type on the IR floor.
 
 Scalars pytree (`step_scalars` output, argument of `apply_updates`): a tuple with one dict per param
 group, each value a 0-d numpy array (float32, flags bool), so its tree structure and avals never
@@ -316,134 +316,162 @@ def step_scalars(
         step = int(step)
         if step < 1:
             raise ValueError(f"step_scalars: steps are 1-based, got {step}")
-        kind = spec.kind
-        if kind in _SCALARS:
-            out.append(_SCALARS[kind](hp, step, counters[g] if counters is not None else None))
-            continue
-        lr, wd = float(hp["lr"]), float(hp["weight_decay"])
-        if kind == "sgd":
-            momentum = float(hp["momentum"])
-            out.append(
-                {
-                    "lr": _f32(lr),
-                    "weight_decay": _f32(wd),
-                    "momentum": _f32(momentum),
-                    "one_minus_dampening": _f32(1.0 - float(hp["dampening"])),
-                    "momentum_on": np.asarray(momentum != 0.0),
-                    "momentum_init": np.asarray(step == 1),
-                }
-            )
-            continue
-        if kind == "adagrad":
-            out.append(
-                {
-                    "weight_decay": _f32(wd),
-                    "eps": _f32(float(hp["eps"])),
-                    "neg_clr": _f32(-(lr / (1.0 + (step - 1) * float(hp["lr_decay"])))),
-                }
-            )
-            continue
-        if kind == "rmsprop":
-            alpha = float(hp["alpha"])
-            out.append(
-                {
-                    "lr": _f32(lr),
-                    "weight_decay": _f32(wd),
-                    "alpha": _f32(alpha),
-                    "one_minus_alpha": _f32(1.0 - alpha),
-                    "eps": _f32(float(hp["eps"])),
-                    "momentum": _f32(float(hp["momentum"])),
-                }
-            )
-            continue
-        if kind == "adadelta":
-            rho = float(hp["rho"])
-            out.append(
-                {
-                    "lr": _f32(lr),
-                    "weight_decay": _f32(wd),
-                    "rho": _f32(rho),
-                    "one_minus_rho": _f32(1.0 - rho),
-                    "eps": _f32(float(hp["eps"])),
-                }
-            )
-            continue
-        beta1, beta2 = _betas(hp)
-        bias_correction1 = 1.0 - beta1**step  # float64 on the host, like torch's non-capturable path
-        bias_correction2 = 1.0 - beta2**step
-        if kind == "adamax":
-            out.append(
-                {
-                    "weight_decay": _f32(wd),
-                    "beta1_weight": _f32(1.0 - beta1),
-                    "beta2": _f32(beta2),
-                    "eps": _f32(float(hp["eps"])),
-                    "neg_clr": _f32(-(lr / bias_correction1)),
-                }
-            )
-            continue
-        scalars = {
-            "beta1_weight": _f32(1.0 - beta1),
-            "beta2": _f32(beta2),
-            "one_minus_beta2": _f32(1.0 - beta2),
-            "eps": _f32(float(hp["eps"])),
-        }
-        if kind in ("nadam", "radam"):
-            decoupled = spec.decoupled_weight_decay[g]
-            scalars["weight_decay"] = _f32(0.0 if decoupled else wd)
-            scalars["param_scale"] = _f32(1.0 - lr * wd if decoupled else 1.0)
-        if kind == "nadam":
-            momentum_decay = float(hp["momentum_decay"])
-            if counters is None:
-                previous = np.float32(1.0)
-                for t in range(1, step):
-                    previous = nadam_mu_product(previous, beta1, momentum_decay, t)
-            else:
-                previous = np.float32(counters[g]["mu_product"])
-            mu = nadam_mu(beta1, momentum_decay, step)
-            mu_next = nadam_mu(beta1, momentum_decay, step + 1)
-            mu_product = float(nadam_mu_product(previous, beta1, momentum_decay, step))  # torch's .item()
-            mu_product_next = mu_product * mu_next
-            scalars.update(
-                {
-                    "bias_correction2": _f32(bias_correction2),
-                    "grad_coef": _f32(-lr * (1.0 - mu) / (1.0 - mu_product)),
-                    "exp_avg_coef": _f32((-lr * mu_next) / (1.0 - mu_product_next)),
-                }
-            )
-            out.append(scalars)
-            continue
-        if kind == "radam":
-            rho_inf = 2 / (1 - beta2) - 1
-            rho_t = rho_inf - 2 * step * (beta2**step) / bias_correction2
-            rectify = rho_t > 5.0
-            rect = 1.0  # unused: torch's un-rectified branch (and the formula's root would be imaginary)
-            if rectify:
-                rect = ((rho_t - 4) * (rho_t - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho_t)) ** 0.5
-            scalars.update(
-                {
-                    "lr": _f32(lr),
-                    "bias_correction1": _f32(bias_correction1),
-                    "bias_correction2_sqrt": _f32(bias_correction2**0.5),
-                    "rect": _f32(rect),
-                    "rectify": np.asarray(rectify),
-                }
-            )
-            out.append(scalars)
-            continue
-        scalars.update(
-            {
-                "lr": _f32(lr),
-                "bias_correction2_sqrt": _f32(bias_correction2**0.5),
-                "neg_step_size": _f32(-(lr / bias_correction1)),
-            }
-        )
-        if kind == "adamw":
-            scalars["param_scale"] = _f32(1.0 - lr * wd)
-        else:
-            scalars["weight_decay"] = _f32(wd)
-        out.append(scalars)
+        decoupled = bool(spec.decoupled_weight_decay[g]) if spec.decoupled_weight_decay else False
+        group = _GroupStep(hp, step, counters[g] if counters is not None else None, decoupled)
+        out.append(_SCALARS[spec.kind](group))
     return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class _GroupStep:
+    """One param group's step, what its scalars are computed from (:func:`step_scalars`)."""
+
+    hp: Mapping[str, Any]
+    step: int
+    counters: Mapping[str, float] | None
+    decoupled: bool
+    """NAdam / RAdam ``decoupled_weight_decay``."""
+
+    @property
+    def lr(self) -> float:
+        return float(self.hp["lr"])
+
+    @property
+    def wd(self) -> float:
+        return float(self.hp["weight_decay"])
+
+
+def _sgd_scalars(g: _GroupStep) -> dict[str, Any]:
+    momentum = float(g.hp["momentum"])
+    return {
+        "lr": _f32(g.lr),
+        "weight_decay": _f32(g.wd),
+        "momentum": _f32(momentum),
+        "one_minus_dampening": _f32(1.0 - float(g.hp["dampening"])),
+        "momentum_on": np.asarray(momentum != 0.0),
+        "momentum_init": np.asarray(g.step == 1),
+    }
+
+
+def _adagrad_scalars(g: _GroupStep) -> dict[str, Any]:
+    return {
+        "weight_decay": _f32(g.wd),
+        "eps": _f32(float(g.hp["eps"])),
+        "neg_clr": _f32(-(g.lr / (1.0 + (g.step - 1) * float(g.hp["lr_decay"])))),
+    }
+
+
+def _rmsprop_scalars(g: _GroupStep) -> dict[str, Any]:
+    alpha = float(g.hp["alpha"])
+    return {
+        "lr": _f32(g.lr),
+        "weight_decay": _f32(g.wd),
+        "alpha": _f32(alpha),
+        "one_minus_alpha": _f32(1.0 - alpha),
+        "eps": _f32(float(g.hp["eps"])),
+        "momentum": _f32(float(g.hp["momentum"])),
+    }
+
+
+def _adadelta_scalars(g: _GroupStep) -> dict[str, Any]:
+    rho = float(g.hp["rho"])
+    return {
+        "lr": _f32(g.lr),
+        "weight_decay": _f32(g.wd),
+        "rho": _f32(rho),
+        "one_minus_rho": _f32(1.0 - rho),
+        "eps": _f32(float(g.hp["eps"])),
+    }
+
+
+def _bias_corrections(g: _GroupStep) -> tuple[float, float, float, float]:
+    """``β₁, β₂, 1 - β₁ᵗ, 1 - β₂ᵗ`` (float64 on the host, like torch's non-capturable path)."""
+    beta1, beta2 = _betas(g.hp)
+    return beta1, beta2, 1.0 - beta1**g.step, 1.0 - beta2**g.step
+
+
+def _adamax_scalars(g: _GroupStep) -> dict[str, Any]:
+    beta1, beta2, bias_correction1, _ = _bias_corrections(g)
+    return {
+        "weight_decay": _f32(g.wd),
+        "beta1_weight": _f32(1.0 - beta1),
+        "beta2": _f32(beta2),
+        "eps": _f32(float(g.hp["eps"])),
+        "neg_clr": _f32(-(g.lr / bias_correction1)),
+    }
+
+
+def _moments(g: _GroupStep) -> dict[str, Any]:
+    """The scalars of Adam's two moments, shared by Adam, AdamW, NAdam and RAdam."""
+    beta1, beta2, _, _ = _bias_corrections(g)
+    return {
+        "beta1_weight": _f32(1.0 - beta1),
+        "beta2": _f32(beta2),
+        "one_minus_beta2": _f32(1.0 - beta2),
+        "eps": _f32(float(g.hp["eps"])),
+    }
+
+
+def _decay(g: _GroupStep) -> dict[str, Any]:
+    """NAdam / RAdam weight decay: L2 (into the gradient) or decoupled (a parameter scale)."""
+    return {
+        "weight_decay": _f32(0.0 if g.decoupled else g.wd),
+        "param_scale": _f32(1.0 - g.lr * g.wd if g.decoupled else 1.0),
+    }
+
+
+def _nadam_scalars(g: _GroupStep) -> dict[str, Any]:
+    beta1, _, _, bias_correction2 = _bias_corrections(g)
+    momentum_decay = float(g.hp["momentum_decay"])
+    if g.counters is None:
+        previous = np.float32(1.0)
+        for t in range(1, g.step):
+            previous = nadam_mu_product(previous, beta1, momentum_decay, t)
+    else:
+        previous = np.float32(g.counters["mu_product"])
+    mu = nadam_mu(beta1, momentum_decay, g.step)
+    mu_next = nadam_mu(beta1, momentum_decay, g.step + 1)
+    mu_product = float(nadam_mu_product(previous, beta1, momentum_decay, g.step))  # torch's .item()
+    mu_product_next = mu_product * mu_next
+    return {
+        **_moments(g),
+        **_decay(g),
+        "bias_correction2": _f32(bias_correction2),
+        "grad_coef": _f32(-g.lr * (1.0 - mu) / (1.0 - mu_product)),
+        "exp_avg_coef": _f32((-g.lr * mu_next) / (1.0 - mu_product_next)),
+    }
+
+
+def _radam_scalars(g: _GroupStep) -> dict[str, Any]:
+    _, beta2, bias_correction1, bias_correction2 = _bias_corrections(g)
+    rho_inf = 2 / (1 - beta2) - 1
+    rho_t = rho_inf - 2 * g.step * (beta2**g.step) / bias_correction2
+    rectify = rho_t > 5.0
+    rect = 1.0  # unused: torch's un-rectified branch (and the formula's root would be imaginary)
+    if rectify:
+        rect = ((rho_t - 4) * (rho_t - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho_t)) ** 0.5
+    return {
+        **_moments(g),
+        **_decay(g),
+        "lr": _f32(g.lr),
+        "bias_correction1": _f32(bias_correction1),
+        "bias_correction2_sqrt": _f32(bias_correction2**0.5),
+        "rect": _f32(rect),
+        "rectify": np.asarray(rectify),
+    }
+
+
+def _adam_scalars(g: _GroupStep, *, decoupled: bool = False) -> dict[str, Any]:
+    """Adam (L2 weight decay into the gradient) and, ``decoupled``, AdamW (a parameter scale)."""
+    _, _, bias_correction1, bias_correction2 = _bias_corrections(g)
+    decay = {"param_scale": _f32(1.0 - g.lr * g.wd)} if decoupled else {"weight_decay": _f32(g.wd)}
+    return {
+        **_moments(g),
+        "lr": _f32(g.lr),
+        "bias_correction2_sqrt": _f32(bias_correction2**0.5),
+        "neg_step_size": _f32(-(g.lr / bias_correction1)),
+        **decay,
+    }
 
 
 def _asgd_scalars(hp: Mapping[str, Any], step: int, counters: Mapping[str, float] | None) -> dict[str, Any]:
@@ -508,4 +536,19 @@ def _muon_scalars(hp: Mapping[str, Any], step: int, counters: Any) -> dict[str, 
     }
 
 
-_SCALARS = {"asgd": _asgd_scalars, "rprop": _rprop_scalars, "adafactor": _adafactor_scalars, "muon": _muon_scalars}
+_SCALARS: dict[str, Any] = {
+    "sgd": _sgd_scalars,
+    "adagrad": _adagrad_scalars,
+    "rmsprop": _rmsprop_scalars,
+    "adadelta": _adadelta_scalars,
+    "adamax": _adamax_scalars,
+    "nadam": _nadam_scalars,
+    "radam": _radam_scalars,
+    "adam": _adam_scalars,
+    "adamw": lambda g: _adam_scalars(g, decoupled=True),
+    "asgd": lambda g: _asgd_scalars(g.hp, g.step, g.counters),
+    "rprop": lambda g: _rprop_scalars(g.hp, g.step, g.counters),
+    "adafactor": lambda g: _adafactor_scalars(g.hp, g.step, g.counters),
+    "muon": lambda g: _muon_scalars(g.hp, g.step, g.counters),
+}
+"""Each optimizer kind's runtime scalars of one param group's step (:func:`step_scalars`): one table."""
