@@ -28,9 +28,9 @@ import logging
 import math
 import time
 import weakref
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -41,7 +41,10 @@ from torchpar.runtime.micro_batch_loss import MicroBatchLoss, gradient_factor, w
 from torchpar.runtime.pipeline import gradients
 from torchpar.runtime.pipeline.timeline import StepTimeline
 from torchpar.runtime.state import HostState, collect_state
-from torchpar.runtime.worker import ExecutionSpec, StepReport
+from torchpar.runtime.worker import ExecutionSpec, StepReport, Worker
+
+R = TypeVar("R")
+"""What a worker call returns (each worker's answer, in rank order)."""
 
 log = logging.getLogger(__name__)
 
@@ -110,13 +113,15 @@ class Executor:
 
     # --- the calls to workers (subclasses) ------------------------------------------------------------------
 
-    def _call(self, method: str, *args: Any, what: str, timeout_s: float | None = None) -> list[Any]:
-        """``worker.method(*args)`` on every worker, results in rank order; raises if any fails."""
+    def _call(self, method: Callable[..., R], *args: Any, what: str, timeout_s: float | None = None) -> list[R]:
+        """``worker.method(*args)`` on every worker, results in rank order; raises if any fails. ``method`` is a
+        method of :class:`~torchpar.runtime.worker.Worker` (``Worker.load``): referenced, not named by a string, so
+        a reader and a type checker cross the seam; each worker runs its own class's override of it."""
         raise NotImplementedError
 
     def _call_ranks(
-        self, method: str, args_by_rank: Sequence[tuple], what: str, timeout_s: float | None = None
-    ) -> list[Any]:
+        self, method: Callable[..., R], args_by_rank: Sequence[tuple], what: str, timeout_s: float | None = None
+    ) -> list[R]:
         """``worker.method(*args_by_rank[r])`` on every worker ``r`` (each its own arguments), results in rank
         order; raises if any fails."""
         raise NotImplementedError
@@ -137,7 +142,7 @@ class Executor:
             buffers={n: v for n, v in state.buffers.items() if n not in buffers},
             opt_state={n: e for n, e in state.opt_state.items() if n not in params},
         )
-        self._call("load", state, what="loading the training state")
+        self._call(Worker.load, state, what="loading the training state")
 
     def update_state(self, state: HostState) -> None:
         """Replace the entries ``state`` holds (a subset of the parameters, buffers and optimizer state, as host
@@ -148,13 +153,15 @@ class Executor:
         for n, entries in state.opt_state.items():
             if n in self._unheld.opt_state:
                 self._unheld.opt_state[n].update(entries)
-        self._call("update", state, what="updating the training state")
+        self._call(Worker.update, state, what="updating the training state")
 
     def export_state(self, kinds: tuple[str, ...] = ("param", "buffer", "state")) -> HostState:
         """The state as host arrays on this process (all of it: for checkpoints of large models see
         :meth:`save_shards`); ``kinds`` picks parameters, buffers and optimizer state (``"state"``)."""
         self._check_open()
-        entries = [entry for part in self._call("export", kinds, what="exporting the training state") for entry in part]
+        entries = [
+            entry for part in self._call(Worker.export, kinds, what="exporting the training state") for entry in part
+        ]
         state = collect_state(entries)
         state.params = {**self._unheld.params, **state.params} if "param" in kinds else {}
         state.buffers = {**self._unheld.buffers, **state.buffers} if "buffer" in kinds else {}
@@ -172,7 +179,7 @@ class Executor:
 
         self._check_open()
         manifests = self._call(
-            "save_shards", directory, what="writing the checkpoint's shards", timeout_s=self.compile_timeout_s
+            Worker.save_shards, directory, what="writing the checkpoint's shards", timeout_s=self.compile_timeout_s
         )
         unheld = [
             *((tensor_key("param", n), v) for n, v in self._unheld.params.items()),
@@ -205,7 +212,7 @@ class Executor:
                 },
             )
         return self._call(
-            "load_checkpoint", directory, tensors, what="loading the checkpoint", timeout_s=self.compile_timeout_s
+            Worker.load_checkpoint, directory, tensors, what="loading the checkpoint", timeout_s=self.compile_timeout_s
         )
 
     def _held_names(self) -> tuple[set[str] | Any, set[str] | Any]:
@@ -238,7 +245,7 @@ class Executor:
             )
             self._warned_spmd = True
         results = self._call(
-            "compile",
+            Worker.compile,
             key,
             graph,
             trainable,
@@ -310,7 +317,7 @@ class Executor:
         """Host-loaded training: every process loads its own rows with ``factory`` (``torchpar.HostData``),
         ``depth`` steps ahead."""
         self._check_open()
-        self._call("attach_data", factory, depth, what="attaching the host-loaded data")
+        self._call(Worker.attach_data, factory, depth, what="attaching the host-loaded data")
 
     @property
     def compile_timeout_s(self) -> float:
@@ -336,7 +343,7 @@ class Executor:
             self._await_prepared(leaves)
         payloads = leaves.payloads if isinstance(leaves, Prepared) else self.payloads(key, leaves)
         reports: list[StepReport] = self._call_ranks(
-            "run_step", [(key, payload, scalars, key_data, start) for payload in payloads], what="running the step"
+            Worker.run_step, [(key, payload, scalars, key_data, start) for payload in payloads], what="running the step"
         )
         self.last_input_bytes = [r.input_bytes for r in reports]
         self.last_data_wait_s = max(r.data_wait_s for r in reports)
@@ -366,7 +373,7 @@ class Executor:
                 # clip by the true norm (GradScaler's unscale_ before clip_grad_norm_)
                 clip = self.spec.options.grad_clip_norm
                 scale = (gradients.clip_scale(squares, clip) if clip is not None else 1.0) * unscale
-            self._call("apply_update", scale, what="applying the optimizer update")
+            self._call(Worker.apply_update, scale, what="applying the optimizer update")
         blocks = {s: b for r in reports for s, b in r.blocks.items()}
         spans = {s: b for r in reports for s, b in r.spans.items()}
         stages = range(self._timeline_rows())  # one row per device group (fewer than stages: interleaved 1F1B)
@@ -394,7 +401,7 @@ class Executor:
         from torchpar.runtime.arrays import assemble
 
         results = self._call(
-            "forward", key, graph, leaves, what="running the forward", timeout_s=self.compile_timeout_s
+            Worker.forward, key, graph, leaves, what="running the forward", timeout_s=self.compile_timeout_s
         )
         outputs = []
         for index, first in enumerate(results[0]):
@@ -425,23 +432,23 @@ class Executor:
 
     def hlo_text(self) -> list[str]:
         """Optimized HLO of each stage's (forward) executable, in stage order."""
-        return self._per_stage("hlo_text", "reading HLO")
+        return self._per_stage(Worker.hlo_text, "reading HLO")
 
     def memory_stats(self) -> dict[int, dict[str, int]]:
         """XLA's per-device memory analysis of each stage's executables, keyed by stage index (from each
         stage's lead process)."""
-        return self._by_stage("memory_stats", "reading memory statistics")
+        return self._by_stage(Worker.memory_stats, "reading memory statistics")
 
     def describe_workers(self, programs: bool = False) -> list[dict[str, Any]]:
         """Each worker's own account of itself (process, devices, stages, steps run; with ``programs`` the HLO
         it runs and its device assignment), in rank order (:meth:`.worker.Worker.describe`)."""
         self._check_open()
-        return self._call("describe", programs, what="describing the workers")
+        return self._call(Worker.describe, programs, what="describing the workers")
 
-    def _per_stage(self, method: str, what: str) -> list[Any]:
+    def _per_stage(self, method: Callable[..., dict[int, Any]], what: str) -> list[Any]:
         return list(self._by_stage(method, what).values())
 
-    def _by_stage(self, method: str, what: str) -> dict[int, Any]:
+    def _by_stage(self, method: Callable[..., dict[int, Any]], what: str) -> dict[int, Any]:
         """Every worker's ``{stage: answer}`` merged, in stage order."""
         self._check_open()
         merged: dict[int, Any] = {}
@@ -507,13 +514,13 @@ class LocalExecutor(Executor):
 
         self.worker = make_worker(spec, rank=0)
 
-    def _call(self, method: str, *args: Any, what: str, timeout_s: float | None = None) -> list[Any]:
-        return [getattr(self.worker, method)(*args)]
+    def _call(self, method: Callable[..., R], *args: Any, what: str, timeout_s: float | None = None) -> list[R]:
+        return [getattr(self.worker, method.__name__)(*args)]
 
     def _call_ranks(
-        self, method: str, args_by_rank: Sequence[tuple], what: str, timeout_s: float | None = None
-    ) -> list[Any]:
-        return [getattr(self.worker, method)(*args_by_rank[0])]
+        self, method: Callable[..., R], args_by_rank: Sequence[tuple], what: str, timeout_s: float | None = None
+    ) -> list[R]:
+        return [getattr(self.worker, method.__name__)(*args_by_rank[0])]
 
     def prepare(self, key: Hashable, leaves: Sequence[np.ndarray]) -> Prepared:
         payload = self.payloads(key, leaves)[0]

@@ -220,6 +220,37 @@ class Worker:
         Returns phase seconds (``lower``, ``xla_compile``) and, one-stage plans, how the step runs (``spmd``)."""
         raise NotImplementedError
 
+    def export(self, kinds: tuple[str, ...] = KINDS) -> list[Exported]:
+        """This process's pieces of the state entries of ``kinds``, for the driver to assemble."""
+        raise NotImplementedError
+
+    def place_ahead(self, token: int, key: Hashable, payload: Any) -> None:
+        """Place a later step's part of the batch on this process's devices now, kept under ``token`` (one-stage
+        plans; a prefetch beside the running step)."""
+        raise NotImplementedError
+
+    def run_step(self, key: Hashable, inputs: Any, scalars: Any, key_data: np.ndarray, start_time: float) -> StepReport:
+        """Run this process's part of one training step of signature ``key`` on ``inputs`` (its part of the batch,
+        placed, prefetched or host-loaded); ``start_time``: when the driver started the step (for the timeline)."""
+        raise NotImplementedError
+
+    def apply_update(self, clip_scale: float | None) -> None:
+        """Pipelines whose gradient clipping needs every stage's norm: the optimizer update, gradients scaled by
+        ``clip_scale``."""
+        raise NotImplementedError
+
+    def forward(self, key: Hashable, graph: Graph, leaves: list[np.ndarray]) -> list[Any]:
+        """The eval forward of ``graph`` on ``leaves``."""
+        raise NotImplementedError
+
+    def hlo_text(self) -> dict[int, str]:
+        """The optimized HLO of each stage this process leads, by stage index."""
+        raise NotImplementedError
+
+    def memory_stats(self) -> dict[int, dict[str, int]]:
+        """XLA's memory analysis of each stage this process leads, by stage index."""
+        raise NotImplementedError
+
     def save_shards(self, directory: str) -> dict[str, Any]:
         """Write this process's pieces of the state into ``directory``; returns their manifest."""
         return write_shards(directory, self.checkpoint_arrays(), writer=f"rank{self.rank}")

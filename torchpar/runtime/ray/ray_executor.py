@@ -22,6 +22,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -29,10 +30,10 @@ import ray
 
 from torchpar.runtime.batch_parts import Ahead
 from torchpar.runtime.devices import DeviceMap
-from torchpar.runtime.executor import Executor, Prepared, open_executors
+from torchpar.runtime.executor import Executor, Prepared, R, open_executors
 from torchpar.runtime.ray.host_actor import HostActor, actor_environment
 from torchpar.runtime.ray.ray_cluster import RayCluster
-from torchpar.runtime.worker import ExecutionSpec
+from torchpar.runtime.worker import ExecutionSpec, Worker
 
 log = logging.getLogger(__name__)
 
@@ -187,18 +188,22 @@ class RayExecutor(Executor):
 
     # --- calls --------------------------------------------------------------------------------------------------
 
-    def _call(self, method: str, *args: Any, what: str, timeout_s: float | None = None) -> list[Any]:
+    def _call(self, method: Callable[..., R], *args: Any, what: str, timeout_s: float | None = None) -> list[R]:
         self._check_open()
         if len(self.actors) > 1:  # one copy in the object store, read by every actor
             args = tuple(ray.put(a) if _is_bulky(a) else a for a in args)
-        refs = {rank: actor.call.remote(method, *args) for rank, actor in enumerate(self.actors)}
+        refs = {rank: actor.call.remote(method.__name__, *args) for rank, actor in enumerate(self.actors)}
         return self._gather(refs, what, self.timeout_s if timeout_s is None else timeout_s)
 
-    def _call_ranks(self, method: str, args_by_rank: Any, what: str, timeout_s: float | None = None) -> list[Any]:
-        """Each actor its own arguments (its part of a batch): sent to it alone, through the object store."""
+    def _call_ranks(
+        self, method: Callable[..., R], args_by_rank: Any, what: str, timeout_s: float | None = None
+    ) -> list[R]:
+        """Each actor its own arguments (its part of a batch): sent to it alone, through the object store (the
+        method by name: the wire carries names; :meth:`.host_actor.HostActor.call` looks it up)."""
         self._check_open()
         refs = {
-            rank: actor.call.remote(method, *args) for rank, (actor, args) in enumerate(zip(self.actors, args_by_rank))
+            rank: actor.call.remote(method.__name__, *args)
+            for rank, (actor, args) in enumerate(zip(self.actors, args_by_rank))
         }
         return self._gather(refs, what, self.timeout_s if timeout_s is None else timeout_s)
 
@@ -214,7 +219,7 @@ class RayExecutor(Executor):
             return Prepared(payloads)
         token = next(self._tokens)
         pending = {
-            rank: actor.call.remote("place_ahead", token, key, payload)
+            rank: actor.call.remote(Worker.place_ahead.__name__, token, key, payload)
             for rank, (actor, payload) in enumerate(zip(self.actors, payloads))
         }
         return Prepared([Ahead(token)] * len(payloads), pending)
