@@ -27,7 +27,7 @@ from torchpar.methods import (
 if TYPE_CHECKING:
     import torch
 
-    from torchpar.api import Engine
+    from torchpar.api import Captured, Engine
     from torchpar.engine.feeding import HostData
     from torchpar.methods import Method
     from torchpar.options import CompileKwargs, PlanKwargs
@@ -48,6 +48,8 @@ _LAZY = {  # public name → module defining it (imported on first use)
     "LoweringError": "jaxbackend.lower",
     "CheckpointError": "torchpar.checkpoint",
     "HostData": "torchpar.engine.feeding",
+    "Captured": "torchpar.api",
+    "Planned": "torchpar.api",
     "HostDataError": "torchpar.runtime.host_loading",
 }
 """``torchpar.Plan`` and the errors a user may catch (``docs/debugging.md`` lists every one)."""
@@ -80,6 +82,37 @@ def _save_png(plan: Plan, path: str, **options: Any) -> None:
 # The plan imports none of its reports (data flows down): this floor, above both, hands it their writers.
 _plan_writers.register("html", _save_html)
 _plan_writers.register("png", _save_png)
+
+
+@_options.with_options()
+def capture_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    example_batch: Any = None,
+    data: HostData | None = None,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    step_fn: Callable[[torch.nn.Module, Any], torch.Tensor] | None = None,
+    forward_fn: Callable[[torch.nn.Module, Any], Any] | None = None,
+    **options: Unpack[CompileKwargs],
+) -> Captured:
+    """:func:`compile` in three inspectable stages: ``torchpar.capture_step(model, optimizer, example_batch=...)`` →
+    :class:`~torchpar.api.Captured` (``.graph``: the training step as IR), ``.plan(method)`` →
+    :class:`~torchpar.api.Planned` (``.plan``: the :class:`Plan`), ``.compile()`` → the
+    :class:`~torchpar.api.Engine`. ``torchpar.compile`` and ``torchpar.plan`` are shortcuts over these objects.
+    Arguments and options: :func:`compile`'s."""
+    from torchpar import api
+
+    return api.capture_step(
+        model,
+        optimizer,
+        example_batch=example_batch,
+        data=data,
+        loss_fn=loss_fn,
+        step_fn=step_fn,
+        forward_fn=forward_fn,
+        **options,
+    )
 
 
 @_options.with_options()
@@ -183,15 +216,18 @@ def mark_pipeline_boundary(x: Any) -> Any:
 
 __all__ = [
     "AutoLayerOption",
+    "Captured",
     "ClusterSpec",
     "DataParallel",
     "ManualStageOption",
     "MegatronParallel",
     "PipeshardParallel",
     "Plan",
+    "Planned",
     "ShardParallel",
     "Zero2Parallel",
     "Zero3Parallel",
+    "capture_step",
     "compile",
     "init",
     "load_checkpoint",

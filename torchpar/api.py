@@ -1,4 +1,5 @@
-"""``torchpar.compile`` and the :class:`Engine` it returns.
+"""``torchpar.capture_step(...).plan(method).compile()``: the three stages (:class:`Captured`, :class:`Planned`,
+:class:`Engine`), and ``torchpar.compile`` and ``torchpar.plan``, shortcuts over them that cannot drift apart.
 
 The engine owns three things and nothing more: the capture of the user's model (one training graph per
 batch signature, one eval graph per forward signature), the :class:`~torchpar.planner.plan.Plan`, and one
@@ -14,7 +15,7 @@ import logging
 import time
 import weakref
 from collections.abc import Iterable, Iterator
-from typing import Any, Unpack
+from typing import TYPE_CHECKING, Any, Unpack, cast
 
 import numpy as np
 import torch
@@ -24,7 +25,6 @@ from torchpar import metrics as _metrics
 from torchpar.capture.export import ForwardFn, LossFn, StepFn, check_model_fns
 from torchpar.capture.module_state import NumberAttribute
 from torchpar.capture.optimizer import mark_optimizer_stepped
-from torchpar.capture.precision import autocast_dtype
 from torchpar.capture.semantics.remat import warn_if_gradient_checkpointing
 from torchpar.cluster import default_compile_cache
 from torchpar.engine import batches, diagnosis, feeding, model_link
@@ -34,7 +34,9 @@ from torchpar.engine.engine_readouts import EngineReadouts
 from torchpar.engine.feeding import PREFETCH_DEPTH, HostData, HostFeed
 from torchpar.engine.guard import StepGuard, leaf_names
 from torchpar.engine.host_arrays import host_value, to_torch
+from torchpar.engine.step_capture import BatchParts, PlannedStep, StepCapture
 from torchpar.engine.torch_side import TorchSide, linked
+from torchpar.ir.graph import Graph
 from torchpar.methods import Method
 from torchpar.options import (
     PLAN_OPTIONS,
@@ -42,13 +44,32 @@ from torchpar.options import (
     CompileOptions,
     PlanKwargs,
     compile_options,
-    numerics_for,
     with_options,
 )
-from torchpar.plan_model import plan_model
 from torchpar.planner.plan import Plan
 
+if TYPE_CHECKING:
+    from torchpar.runtime.executor import Executor
+
 log = logging.getLogger(__name__)
+
+
+@with_options()
+def capture_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    example_batch: Any = None,
+    data: HostData | None = None,
+    loss_fn: LossFn | None = None,
+    step_fn: StepFn | None = None,
+    forward_fn: ForwardFn | None = None,
+    **options: Unpack[CompileKwargs],
+) -> Captured:
+    """The first stage of ``torchpar.capture_step(...).plan(method).compile()`` (:func:`compile` in three steps, each
+    inspectable): ``model``'s training step on ``example_batch`` (or ``data``'s first batch), checked and ready to be
+    captured and planned. Arguments and options: :func:`compile`'s."""
+    return _captured(model, optimizer, example_batch, data, (loss_fn, step_fn, forward_fn), compile_options(options))
 
 
 @with_options()
@@ -64,7 +85,8 @@ def compile(
     method: Method | Plan | None = None,
     **options: Unpack[CompileKwargs],
 ) -> Engine:
-    """Capture ``model``'s training step on ``example_batch`` and compile it with ``method``.
+    """Capture ``model``'s training step on ``example_batch`` and compile it with ``method``:
+    ``capture_step(...).plan(method).compile()``.
 
     ``method=None`` runs on one device; a :class:`Plan` (e.g. loaded with ``Plan.from_dict``) runs as given,
     without solving. The calling convention and the loss rule: ``docs/user_guide.md``, "Compile and train". With
@@ -72,42 +94,12 @@ def compile(
     until ``engine.close()``; ``with torchpar.compile(...) as engine:`` closes it on exit. ``data``: host-loaded
     training (:class:`torchpar.HostData`: every process loads its own rows; ``engine.step()`` / ``engine.run(steps)``).
     """
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if isinstance(optimizer, (list, tuple)) and all(isinstance(o, torch.optim.Optimizer) for o in optimizer):
-        raise TypeError(
-            f"compile takes one optimizer, got {len(optimizer)}. Optimizers stepping on different losses (a GAN's D "
-            "and G, actor and critic): compile one engine per model and optimizer, each with its step_fn; engines "
-            "over models that call each other read each other's latest weights (docs/porting.md, 'Several "
-            "optimizers'). Several optimizers stepping on the same loss are not supported yet"
-        )
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    if isinstance(method, type) and issubclass(method, Method):
-        raise TypeError(
-            f"method=torchpar.{method.__name__} is the class; pass an instance: "
-            f"method=torchpar.{method.__name__}() (its options, if any, inside the parentheses)"
-        )
-    if method is not None and not isinstance(method, Method | Plan):
-        raise TypeError(
-            f"method must be None, a torchpar parallel method or a Plan (e.g. torchpar.DataParallel()), "
-            f"got {method!r} of type {type(method).__name__}"
-        )
-    on_meta = next((name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta), None)
-    if on_meta is not None:
-        raise ValueError(
-            f"{on_meta} is on the meta device: the model has no weights to train. torchpar.plan(...) "
-            "plans such a model (python -m torchpar plan --meta); to train it, materialize the "
-            "weights first (model.to_empty(device='cpu') and initialize them, or load a checkpoint)"
-        )
-    check_model_fns(loss_fn, step_fn, forward_fn)
-    example_batch, feed = feeding.example_and_feed(example_batch, data)
-    validated = compile_options(options)
-    warn_if_gradient_checkpointing(model, stacklevel=3)  # the caller of torchpar.compile
-    default_compile_cache()
-    return Engine(
-        model, optimizer, example_batch, loss_fn, validated, method, step_fn=step_fn, forward_fn=forward_fn, feed=feed
+    captured = _captured(
+        model, optimizer, example_batch, data, (loss_fn, step_fn, forward_fn), compile_options(options)
     )
+    _check_method(method)
+    _check_materialized(model)  # before planning
+    return captured.plan(method).compile()
 
 
 @with_options(PLAN_OPTIONS)
@@ -123,96 +115,178 @@ def plan(
     **options: Unpack[PlanKwargs],
 ) -> Plan:
     """The plan ``method`` gives the model's training step, without XLA compilation or a step (for inspecting
-    and comparing plans). Capture and planning phases are timed in ``plan.timings``.
+    and comparing plans): ``capture_step(...).plan(method, explain=explain).plan``. Capture and planning phases are
+    timed in ``plan.timings``.
 
     ``explain`` (default): also count each stage's collective bytes by kind and, for one-stage methods, price
     ShardParallel, DataParallel, Zero2Parallel and MegatronParallel on the same cost model
     (``plan.solver["method_comparison"]``), for the summary and the report; a few more solves. The options are
     :func:`compile`'s that change a plan (:data:`torchpar.options.PLAN_OPTIONS`); ``remat=None`` plans ``"none"``."""
     validated = compile_options(options, only=PLAN_OPTIONS, caller="plan")
-    check_model_fns(loss_fn, step_fn, None)
-    warn_if_gradient_checkpointing(model, stacklevel=3)  # the caller of torchpar.plan
-    return plan_model(
-        model,
-        optimizer,
-        example_batch=example_batch,
-        loss_fn=loss_fn,
-        step_fn=step_fn,
-        method=method,
-        explain=explain,
-        mixed_precision=validated.mixed_precision,
-        remat=validated.remat or "none",
-        profile=validated.profile,
+    fns = (loss_fn, step_fn, None)
+    return _captured(model, optimizer, example_batch, None, fns, validated).plan(method, explain=explain).plan
+
+
+def _captured(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    example_batch: Any,
+    data: HostData | None,
+    fns: tuple[LossFn | None, StepFn | None, ForwardFn | None],
+    options: CompileOptions,
+) -> Captured:
+    """:func:`capture_step`'s checks and result, for the three public doors (``options`` validated)."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(optimizer, (list, tuple)) and all(isinstance(o, torch.optim.Optimizer) for o in optimizer):
+        raise TypeError(
+            f"compile takes one optimizer, got {len(optimizer)}. Optimizers stepping on different losses (a GAN's D "
+            "and G, actor and critic): compile one engine per model and optimizer, each with its step_fn; engines "
+            "over models that call each other read each other's latest weights (docs/porting.md, 'Several "
+            "optimizers'). Several optimizers stepping on the same loss are not supported yet"
+        )
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    check_model_fns(*fns)
+    example_batch, feed = feeding.example_and_feed(example_batch, data)
+    warn_if_gradient_checkpointing(model, stacklevel=4)  # the caller of torchpar.compile / plan / capture
+    loss_fn, step_fn, forward_fn = fns
+    step = StepCapture(
+        model, optimizer, example_batch, options, loss_fn=loss_fn, step_fn=step_fn, forward_fn=forward_fn
     )
+    return Captured(step, feed)
+
+
+def _check_method(method: object) -> None:
+    if isinstance(method, type) and issubclass(method, Method):
+        raise TypeError(
+            f"method=torchpar.{method.__name__} is the class; pass an instance: "
+            f"method=torchpar.{method.__name__}() (its options, if any, inside the parentheses)"
+        )
+    if method is not None and not isinstance(method, Method | Plan):
+        raise TypeError(
+            f"method must be None, a torchpar parallel method or a Plan (e.g. torchpar.DataParallel()), "
+            f"got {method!r} of type {type(method).__name__}"
+        )
+
+
+def _check_materialized(model: torch.nn.Module) -> None:
+    on_meta = next((name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta), None)
+    if on_meta is not None:
+        raise ValueError(
+            f"{on_meta} is on the meta device: the model has no weights to train. torchpar.plan(...) "
+            "plans such a model (python -m torchpar plan --meta); to train it, materialize the "
+            "weights first (model.to_empty(device='cpu') and initialize them, or load a checkpoint)"
+        )
+
+
+class Captured:
+    """Stage 1 of ``torchpar.capture_step(...).plan(method).compile()``: the user's training step, checked, with the
+    example batch. :attr:`graph` is the training graph on the whole example batch (captured when first read);
+    :meth:`plan` captures the part of the batch its method steps on and plans it."""
+
+    def __init__(self, step: StepCapture, feed: HostFeed | None):
+        self._step, self._feed = step, feed
+        self._graph: Graph | None = None
+
+    @property
+    def graph(self) -> Graph:
+        """The training step on the whole example batch, as the IR every planner pass reads."""
+        if self._graph is None:
+            self._graph = self._step.capture(self._step.example_batch, BatchParts()).graph
+        return self._graph
+
+    def plan(self, method: Method | Plan | None = None, *, explain: bool = False) -> Planned:
+        """Stage 2: ``method``'s plan (``None``: one device; a :class:`Plan`: taken as given). ``explain``: as
+        :func:`plan`'s."""
+        _check_method(method)
+        return Planned(self, method, self._step.plan(method, explain=explain))
+
+    def _again(self, batch: Any, numbers: tuple[NumberAttribute, ...]) -> Captured:
+        """The same step captured anew on ``batch`` (a recompile: the optimizer may hold tensors the model lost;
+        ``numbers`` are read as inputs)."""
+        step = self._step
+        again = StepCapture(
+            step.model, step.optimizer, batch, step.options, **step.fns, numbers=numbers, orphans_allowed=True
+        )
+        return Captured(again, self._feed)
+
+
+class Planned:
+    """Stage 2 of ``torchpar.capture_step(...).plan(method).compile()``: :attr:`plan` made on :attr:`graph` (one part of
+    the example batch: a micro-batch of a data replica); :meth:`compile` starts the workers and compiles it."""
+
+    def __init__(self, captured: Captured, method: Method | Plan | None, planned: PlannedStep):
+        self.captured, self.method, self._planned = captured, method, planned
+        self._compiled = False
+
+    @property
+    def plan(self) -> Plan:
+        return self._planned.plan
+
+    @property
+    def graph(self) -> Graph:
+        """The captured graph the plan's stages were cut from."""
+        return self._planned.capture.graph
+
+    def compile(self) -> Engine:
+        """Stage 3: the :class:`Engine` running the plan (workers started, the step compiled for the example batch's
+        shapes). Once per planned object: capture again for a second engine."""
+        if self._compiled:
+            raise RuntimeError(
+                "this plan was compiled already; call torchpar.capture_step(...) again for a second engine "
+                "(an engine owns the state it captured)"
+            )
+        _check_materialized(self.captured._step.model)
+        default_compile_cache()
+        self._compiled = True
+        return Engine(self)
 
 
 class Engine(EngineReadouts, EngineCheckpoints):
     """A compiled training step bound to a model and optimizer. Create it with :func:`torchpar.compile`."""
 
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        example_batch: Any,
-        loss_fn: LossFn | None,
-        options: CompileOptions,
-        method: Method | Plan | None = None,
-        *,
-        step_fn: StepFn | None = None,
-        forward_fn: ForwardFn | None = None,
-        feed: HostFeed | None = None,
-        _recompiled: bool = False,
-        _numbers: tuple[NumberAttribute, ...] = (),
-    ):
+    def __init__(self, planned: Planned):
         import jax
 
         from torchpar.runtime.loss_scale import LossScaler
 
+        self._captured = planned.captured
+        step = self._captured._step
+        options = step.options
         self._jax = jax
-        self.model, self.optimizer, self.options, self.method = model, optimizer, options, method
-        self._fns = dict(loss_fn=loss_fn, step_fn=step_fn, forward_fn=forward_fn)
-        self._feed = feed
+        self.model, self.optimizer, self.options, self.method = step.model, step.optimizer, options, planned.method
+        self._fns = step.fns
+        self._feed = self._captured._feed
         self._recorder = _metrics.StepRecorder(log_every=options.log_every, on_metrics=options.on_metrics)
         self._steps_taken = 0
         self._last_step_s: float | None = None
         self._base_key = jax.random.key(options.seed)
-        self._numerics = numerics_for(options.matmul_precision)
+        self._numerics = step.numerics
         self._loss_scaler = LossScaler() if options.mixed_precision == "fp16" else None
-        self._example_signature = batches.signature(example_batch)
-        self._example_skeleton = batches.skeleton(example_batch)
+        self._example_signature = batches.signature(step.example_batch)
+        self._example_skeleton = batches.skeleton(step.example_batch)
         self._last_signature: tuple | None = None
         self._guard = StepGuard(check_inputs=options.check_inputs, on_nonfinite=options.on_nonfinite)
-        self._capture_batch = example_batch
+        self._capture_batch = step.example_batch
         """A batch to capture the step on again when it must recompile (the last step's)."""
         with model_link.suspended():
-            self._compiled = CompiledTraining(
-                model,
-                optimizer,
-                options,
-                method,
-                example_batch,
-                **self._fns,
-                guard=self._guard,
-                loss_scaler=self._loss_scaler,
-                numerics=self._numerics,
-                autocast=autocast_dtype(options.mixed_precision),
-                orphans_allowed=_recompiled,
-                numbers=_numbers,
-            )
-        assert self._compiled.bridge is not None
+            self._compiled = CompiledTraining(step, planned._planned, guard=self._guard, loss_scaler=self._loss_scaler)
         self._bridge = self._compiled.bridge
         self._param_names = self._compiled.params  # tied tensors keep their first name; modules outside included
         self._buffer_names = self._compiled.buffers
-        self._executor = self._compiled.executor
+        executor = self._compiled.executor
+        assert executor is not None, "the executor starts while compiling"
+        self._executor: Executor = executor
         self._finalizer = weakref.finalize(self, self._executor.close)
-        self._inputs = feeding.StepInputs(feed, self._host_leaves, self._guard.input_checks)
+        self._inputs = feeding.StepInputs(self._feed, self._host_leaves, self._guard.input_checks)
         engine = weakref.ref(self)
         self._torch = TorchSide(
-            model,
-            optimizer,
+            self.model,
+            self.optimizer,
             self._compiled,
             executor=lambda: getattr(engine(), "_executor", None),
-            graph=lambda: engine().graph,
+            graph=lambda: cast(Engine, engine()).graph,  # TorchSide lives no longer than its engine
             options=options,
             fns=self._fns,
             params=self._param_names,
@@ -307,18 +381,8 @@ class Engine(EngineReadouts, EngineCheckpoints):
         self._torch.close(pull=False)
         self._finalizer.detach()
         self._executor.close()
-        Engine.__init__(
-            self,
-            self.model,
-            self.optimizer,
-            batch,
-            options=self.options,
-            method=self.method,
-            **self._fns,
-            feed=self._feed,
-            _recompiled=True,
-            _numbers=(*self._compiled.numbers, *fed),
-        )
+        again = self._captured._again(batch, numbers=(*self._compiled.numbers, *fed))
+        Engine.__init__(self, again.plan(self.method))
         self._steps_taken, self._base_key, self._loss_scaler, self._guard.skipped_steps = carried
 
     def locate_nonfinite(self, batch: Any) -> str:
@@ -331,7 +395,7 @@ class Engine(EngineReadouts, EngineCheckpoints):
             graph,
             state=self._executor.export_state(),
             batch=batch,
-            key=self._jax.random.wrap_key_data(self._step_key_data(self._steps_taken)),
+            key=self._jax.random.wrap_key_data(self._jax.numpy.asarray(self._step_key_data(self._steps_taken))),
             trainable=self._compiled.trainable(graph),
             num_micro_batches=self._compiled.batch_parts,
         )
@@ -348,6 +412,7 @@ class Engine(EngineReadouts, EngineCheckpoints):
         with self._compiled.translating_failures("running the forward"):
             outputs = self._executor.forward(("eval", signature), capture.graph, leaves)
         tensors = [to_torch(o) if o is not None else None for o in outputs]
+        assert capture.out_spec is not None, "an eval capture unflattens its outputs"
         return pytree.tree_unflatten(tensors, capture.out_spec)
 
     @linked(bring_in=False)
@@ -362,8 +427,6 @@ class Engine(EngineReadouts, EngineCheckpoints):
         """Copy the engine's newer weights into the torch model, then free the engine's workers (Ray actors and what
         they hold); idempotent; also on leaving a ``with`` block and by ``torchpar.shutdown()`` (a garbage-collected
         engine frees its workers without the copy). The engine is unusable afterwards."""
-        if self._executor is None:
-            return
         try:
             if not self._torch.closed:
                 self._torch.close(pull=not self._executor.closed)
@@ -375,7 +438,7 @@ class Engine(EngineReadouts, EngineCheckpoints):
 
     @property
     def closed(self) -> bool:
-        return self._executor is None or self._executor.closed
+        return self._executor.closed
 
     def __enter__(self) -> Engine:
         return self

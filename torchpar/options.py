@@ -17,7 +17,7 @@ import ast
 import dataclasses
 import functools
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal, TypedDict
 
@@ -168,7 +168,7 @@ class PlanKwargs(TypedDict, total=False):
 
 
 def compile_options(
-    options: dict[str, Any], *, only: tuple[str, ...] | None = None, caller: str = "compile"
+    options: Mapping[str, Any], *, only: tuple[str, ...] | None = None, caller: str = "compile"
 ) -> CompileOptions:
     """``CompileOptions(**options)``; an unknown name (or, with ``only``, one outside it) is a ``TypeError`` naming the
     options ``caller`` takes."""
@@ -197,7 +197,7 @@ def with_options(names: tuple[str, ...] | None = None) -> Callable[[Callable], C
             )
             for name in chosen
         ]
-        fn.__signature__ = inspect.signature(fn).replace(parameters=[*own, *added])
+        fn.__signature__ = inspect.signature(fn).replace(parameters=[*own, *added])  # type: ignore[attr-defined]  # inspect reads it
         docs = option_docs()
         listed = "\n".join(f"    - ``{name}``: {_indent(docs[name])}" for name in chosen)
         fn.__doc__ = (
@@ -215,7 +215,13 @@ def option_docs() -> dict[str, str]:
     body = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "CompileOptions").body
     docs = {}
     for field, after in zip(body, body[1:]):
-        if isinstance(field, ast.AnnAssign) and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant):
+        if (
+            isinstance(field, ast.AnnAssign)
+            and isinstance(field.target, ast.Name)
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+            and isinstance(after.value.value, str)
+        ):
             docs[field.target.id] = inspect.cleandoc(after.value.value)
     return docs
 

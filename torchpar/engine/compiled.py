@@ -1,139 +1,88 @@
-"""The road from a model to a running step, on three floors: capture (:mod:`torchpar.capture`) → plan
-(:func:`torchpar.planner.training_plan.plan_training`) → executor (:mod:`torchpar.runtime`).
+"""The last stage of ``torchpar.capture(...).plan(method).compile()``: a planned step
+(:mod:`torchpar.engine.step_capture`) handed to an executor (:mod:`torchpar.runtime`) and compiled.
 
-:class:`CompiledTraining` walks it once when built (capture the example batch's first micro-batch, plan, start
-the executor's workers with the state, compile the step) and again per new batch signature (capture, cut the
-plan's stages out of the new graph, compile); the plan is made once. Every method takes the same road: a
-one-stage plan is a pipeline of one stage, and what differs lives under the planner's and the executor's doors.
+:class:`CompiledTraining` starts the executor's workers with the state and compiles the step on the planned capture
+when built, and again per new batch signature (capture, cut the plan's stages out of the new graph, compile); the
+plan is made once. Every method takes the same road: a one-stage plan is a pipeline of one stage, and what differs
+lives under the planner's and the executor's doors.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import math
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from torchpar import checkpoint as _checkpoint
 from torchpar import compile_cache
-from torchpar.capture.export import Capture, ForwardFn, LossFn, StepFn, capture_forward, capture_train_step
+from torchpar.capture.export import Capture
 from torchpar.capture.module_state import CapturedState, NumberAttribute
 from torchpar.capture.optimizer import TorchOptimizerBridge
-from torchpar.capture.semantics.grad_semantics import trainable_params
 from torchpar.cluster import current_cluster
 from torchpar.engine import batches
 from torchpar.engine.guard import StepGuard
 from torchpar.engine.host_arrays import jax_dtype, to_torch
-from torchpar.engine.model_link import Tracked, pull_holders, suspended, tracked_state
-from torchpar.engine.profiled import plan_training_profiled
-from torchpar.ir.aux_parts import with_aux_parts
-from torchpar.ir.graph import Graph
-from torchpar.ir.loss_parts import with_loss_parts
+from torchpar.engine.model_link import Tracked, pull_holders
+from torchpar.engine.step_capture import PlannedStep, StepCapture
+from torchpar.ir.graph import Graph, Ref, TensorMeta
 from torchpar.ir.optimizer import step_scalars
-from torchpar.methods import data_replicas, searches_micro_batches
-from torchpar.options import CompileOptions, describe_numerics
-from torchpar.planner.pipeline.micro_batch_counts import candidate_counts, plan_micro_batch_count
 from torchpar.planner.plan import Plan
 from torchpar.planner.training_plan import TrainingPlan
 from torchpar.progress import CompilePhases
+
+if TYPE_CHECKING:
+    from torchpar.runtime.executor import Executor
+    from torchpar.runtime.loss_scale import LossScaler
 
 log = logging.getLogger(__name__)
 
 
 class CompiledTraining:
-    """A model's training step planned once and compiled per batch signature, and the executor running it.
+    """A planned training step (:class:`~torchpar.engine.step_capture.PlannedStep`) compiled per batch signature, and
+    the executor running it: the last stage of ``torchpar.capture(...).plan(method).compile()``.
 
     ``signature`` keys are :func:`torchpar.engine.batches.signature` of a whole batch; every graph held is captured on
-    one micro-batch of it (``num_micro_batches`` per step: pipelines, gradient accumulation). ``timings`` gathers
-    each phase's seconds for ``plan.timings``. On failure while building, the workers already started are freed."""
+    one part of it (:class:`~torchpar.engine.step_capture.BatchParts`). ``timings`` gathers each phase's seconds for
+    ``plan.timings`` (the step capture's own dict). On failure while building, the workers already started are
+    freed."""
 
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        options: CompileOptions,
-        method: Any,
-        example_batch: Any,
-        *,
-        loss_fn: LossFn | None,
-        step_fn: StepFn | None,
-        forward_fn: ForwardFn | None,
-        guard: StepGuard,
-        loss_scaler: Any,
-        numerics: Any,
-        autocast: Any,
-        orphans_allowed: bool = False,
-        numbers: tuple[NumberAttribute, ...] = (),
-    ):
-        self.model, self.optimizer, self.options, self.guard = model, optimizer, options, guard
-        self._loss_fn, self._step_fn, self._forward_fn = loss_fn, step_fn, forward_fn
-        self._loss_scaler, self._numerics, self._autocast = loss_scaler, numerics, autocast
-        self._searching = searches_micro_batches(method)
-        """``num_micro_batches="auto"``: the count is searched while building (the largest candidate first)."""
-        self.num_micro_batches = (
-            candidate_counts(batches.splittable_rows(example_batch))[0]
-            if self._searching
-            else int(getattr(method, "num_micro_batches", 1))
-        )
-        self.data_replicas = data_replicas(method)
-        self.batch_parts = self.num_micro_batches * self.data_replicas
+    def __init__(self, step: StepCapture, planned: PlannedStep, *, guard: StepGuard, loss_scaler: LossScaler | None):
+        self.step, self.guard, self._loss_scaler = step, guard, loss_scaler
+        self.model, self.optimizer, self.options = step.model, step.optimizer, step.options
+        self.parts = planned.parts
+        self.num_micro_batches, self.data_replicas = self.parts.num_micro_batches, self.parts.data_replicas
+        self.batch_parts = self.parts.count
         """Equal parts of dim 0 each batch is cut into (micro-batches × data replicas): the graphs are one part's."""
-        self.example_signature = batches.signature(example_batch)
-        self.tracked: dict[str, Tracked] = {}
-        """Every state tensor the executor holds a copy of, by name
-        (:func:`torchpar.engine.model_link.tracked_state`)."""
-        self.captured_state = CapturedState()
-        """The module state the first capture found (guards, tensor attributes, modules outside the model)."""
-        self.bridge: TorchOptimizerBridge | None = None
-        self._orphans_allowed = orphans_allowed
-        self.numbers = numbers
-        """Float attributes ``(module, name)`` the step reads as inputs rather than constants."""
-        """The optimizer may hold tensors the model lost since it was built (a recompile after a weight was tied)."""
-        self.timings: dict[str, float] = {}
+        self.example_signature = batches.signature(step.example_batch)
+        self.timings = step.timings
         self.step_graphs: dict[tuple, Graph] = {}
         """Batch signature → the training graph its compiled step runs."""
         self._captures: dict[tuple, Capture] = {}
         self._eval: dict[tuple, Capture] = {}
         self._diagnosed: dict[tuple, Graph] = {}
-        self.planned: TrainingPlan | None = None
-        self.executor: Any = None
+        self.planned: TrainingPlan = planned.training
+        self.executor: Executor | None = None
         try:
-            self._build(method, example_batch)
+            self._build(planned.capture)
         except BaseException:
             self.close()
             raise
 
-    def _build(self, method: Any, example_batch: Any) -> None:
+    def _build(self, capture: Capture) -> None:
         from torchpar.runtime import build_executor
         from torchpar.runtime.devices import DeviceMap
         from torchpar.runtime.worker import ExecutionSpec
 
-        phases = CompilePhases(("capture", "plan", "start workers", "XLA compile"), "compiling the training step")
+        phases = CompilePhases(("start workers", "XLA compile"), "compiling the training step")
         try:
             with self.translating_failures("compiling the training step"):
-                with phases.phase("capture"):
-                    capture = self.capture(self.first_part(example_batch))
-                    self.captured_state = capture.state
-                    self.tracked = tracked_state(self.model, capture.state)
-                    self.bridge = TorchOptimizerBridge(
-                        self.optimizer,
-                        {id(p): n for n, p in self.params.items()},
-                        orphans_allowed=self._orphans_allowed,
-                    )
-                with phases.phase("plan"):
-                    cluster = current_cluster()
-                    if self._searching:
-                        capture, self.planned = self._plan_micro_batch_count(method, example_batch, capture, cluster)
-                    else:
-                        self.planned = self._plan(capture, method, cluster)
-                    self.plan.numerics = describe_numerics(self._numerics, self.options.mixed_precision)
-                    log.info("torchpar: plan %s (engine.plan.summary() lists every layout)", self.plan.headline())
-                    log.debug("torchpar plan:\n%s", self.plan.summary())
+                log.info("torchpar: plan %s (engine.plan.summary() lists every layout)", self.plan.headline())
+                log.debug("torchpar plan:\n%s", self.plan.summary())
                 with phases.phase("start workers"):
                     start = time.perf_counter()
+                    cluster = current_cluster()
                     spec = ExecutionSpec(
                         plan=self.plan,
                         optimizer=self.bridge.spec,
@@ -142,55 +91,15 @@ class CompiledTraining:
                         stage_graphs=self.planned.stage_graphs,
                         trainable=tuple(sorted(self.planned.trainable)),
                     )
-                    self.executor = build_executor(spec, cluster, label=self.plan.method)
-                    self.timings.update(self.executor.timings)
+                    self.executor = executor = build_executor(spec, cluster, label=self.plan.method)
+                    self.timings.update(executor.timings)
                     pull_holders(t.tensor for t in self.tracked.values())  # what other engines trained newer
-                    self.executor.load_state(_checkpoint.torch_state(self.params, self.buffers, self.bridge))
+                    executor.load_state(_checkpoint.torch_state(self.params, self.buffers, self.bridge))
                     self.timings["start_workers"] = time.perf_counter() - start
                 with phases.phase("XLA compile"):
                     self._compile(self.example_signature, capture)
         finally:
             phases.close()
-
-    def _plan(self, capture: Capture, method: Any, cluster: Any, beat_s: float = math.inf) -> TrainingPlan:
-        assert self.bridge is not None
-        return plan_training_profiled(
-            capture.graph,
-            method,
-            cluster,
-            profile=self.options.profile,
-            spec=self.bridge.spec,
-            trainable=set(self.trainable(capture.graph)),
-            remat=self.options.remat,
-            numerics=self._numerics,
-            library_fusions=self.options.xla_library_fusions,
-            beat_s=beat_s,
-        )
-
-    def _plan_micro_batch_count(
-        self, method: Any, example_batch: Any, first: Capture, cluster: Any
-    ) -> tuple[Capture, TrainingPlan]:
-        """``num_micro_batches="auto"``: each candidate count captured and planned
-        (:func:`torchpar.planner.pipeline.micro_batch_counts.plan_micro_batch_count`; ``first`` is the capture at the
-        largest); the chosen count's capture and plan, this object's counts set to it."""
-        first_count = self.num_micro_batches
-
-        def plan_with(concrete: Any, beat_s: float) -> tuple[Capture, TrainingPlan]:
-            self._set_micro_batches(concrete.num_micro_batches)
-            capture = (
-                first if concrete.num_micro_batches == first_count else self.capture(self.first_part(example_batch))
-            )
-            return capture, self._plan(capture, concrete, cluster, beat_s)
-
-        count, (capture, planned) = plan_micro_batch_count(
-            method, batches.splittable_rows(example_batch), plan_with, lambda result: result[1].plan
-        )
-        self._set_micro_batches(count)
-        return capture, planned
-
-    def _set_micro_batches(self, count: int) -> None:
-        self.num_micro_batches = count
-        self.batch_parts = count * self.data_replicas
 
     def _run_options(self) -> Any:
         from torchpar.runtime.worker import RunOptions
@@ -201,7 +110,7 @@ class CompiledTraining:
             spmd=self.options.spmd,
             timeout_s=current_cluster().timeout_s,
             check_finite=self.options.on_nonfinite != "ignore" or self._loss_scaler is not None,
-            numerics=self._numerics,
+            numerics=self.step.numerics,
             loss_scaling=self._loss_scaler is not None,
             remat=self.plan.remat,
         )
@@ -212,16 +121,32 @@ class CompiledTraining:
         return self.planned.plan
 
     @property
+    def bridge(self) -> TorchOptimizerBridge:
+        assert self.step.bridge is not None, "the optimizer bridge is built with the first capture"
+        return self.step.bridge
+
+    @property
+    def tracked(self) -> dict[str, Tracked]:
+        """Every state tensor the executor holds a copy of, by name (:attr:`StepCapture.tracked`)."""
+        return self.step.tracked
+
+    @property
+    def captured_state(self) -> CapturedState:
+        return self.step.state
+
+    @property
+    def numbers(self) -> tuple[NumberAttribute, ...]:
+        return self.step.numbers
+
+    @property
     def params(self) -> dict[str, torch.Tensor]:
-        """The parameters the executor holds by name: the model's (a tied one under its first name) and those of
-        the modules outside it the step calls."""
-        return {n: t.tensor for n, t in self.tracked.items() if t.kind == "param"}
+        """:attr:`StepCapture.params`: the parameters the executor holds by name."""
+        return self.step.params
 
     @property
     def buffers(self) -> dict[str, torch.Tensor]:
-        """The buffers the executor holds by name: the model's, its tensor attributes the step reads, and those of
-        the modules outside it the step calls."""
-        return {n: t.tensor for n, t in self.tracked.items() if t.kind == "buffer"}
+        """:attr:`StepCapture.buffers`: the buffers the executor holds by name."""
+        return self.step.buffers
 
     # --- per batch signature -----------------------------------------------------------------------------------
 
@@ -269,44 +194,12 @@ class CompiledTraining:
         self.step_graphs[signature] = capture.graph
 
     def first_part(self, batch: Any) -> Any:
-        """The part of ``batch`` the step's graph is captured on (:func:`torchpar.engine.batches.first_micro_batch`)."""
-        return batches.first_micro_batch(batch, self.num_micro_batches, self.data_replicas)
+        """The part of ``batch`` the step's graph is captured on (:meth:`BatchParts.first`)."""
+        return self.parts.first(batch)
 
     def capture(self, batch: Any) -> Capture:
-        """The training graph on ``batch`` (one micro-batch); every op must have a lowering (checked here, before
-        any worker starts, so the error lists them all at once)."""
-        from jaxbackend.lower import check_supported
-
-        start = time.perf_counter()
-        with suspended():
-            capture = capture_train_step(
-                self.model,
-                batch,
-                self._loss_fn,
-                autocast=self._autocast,
-                step_fn=self._step_fn,
-                outside=self.captured_state.outside,
-                numbers=self.numbers,
-            )
-        self.timings["capture"] = time.perf_counter() - start
-        self._check_state_known(capture)
-        check_supported(capture.graph)
-        if self.data_replicas > 1:  # before any worker starts
-            from torchpar.runtime.one_stage.programs import check_replicable
-
-            check_replicable(capture.graph, self.data_replicas)
-        if self.batch_parts > 1:  # mark how the parts' losses and aux values make the whole batch's (before any worker
-            # starts: torchpar.ir.loss_parts, torchpar.ir.aux_parts)
-            graph = with_aux_parts(with_loss_parts(capture.graph), self._describe_parts())
-            capture = dataclasses.replace(capture, graph=graph)
-        return capture
-
-    def _describe_parts(self) -> str:
-        """``"4 micro-batches"``, ``"2 data replicas"``, ``"8 parts (4 micro-batches × 2 data replicas)"``."""
-        micro, replicas = f"{self.num_micro_batches} micro-batches", f"{self.data_replicas} data replicas"
-        if self.data_replicas == 1:
-            return micro
-        return replicas if self.num_micro_batches == 1 else f"{self.batch_parts} parts ({micro} × {replicas})"
+        """The training graph on ``batch`` (one part): :meth:`StepCapture.capture`."""
+        return self.step.capture(batch, self.parts)
 
     def returned(self, signature: tuple, result: Any) -> Any:
         """What ``engine.step`` returns for the executor's ``result`` of a step on a batch of ``signature``: the whole
@@ -316,7 +209,13 @@ class CompiledTraining:
         capture = self._captures[signature]
         graph = capture.graph
         metas = graph.metas()
-        torch_dtype = lambda value: getattr(torch, metas[value.name].dtype)
+
+        def torch_dtype(value: Ref | None) -> torch.dtype:
+            assert value is not None, "a loss or aux output has a value"
+            meta = metas[value.name]
+            assert isinstance(meta, TensorMeta), f"{value.name}: a loss or aux value is one tensor"
+            return getattr(torch, meta.dtype)
+
         loss = torch.tensor(result.loss, dtype=torch_dtype(next(o.value for o in graph.outputs if o.kind == "loss")))
         if capture.aux_keys is None:
             return loss
@@ -326,31 +225,8 @@ class CompiledTraining:
     def forward_capture(self, signature: tuple, batch: Any) -> Capture:
         """The eval-mode forward graph on ``batch`` (captured once per signature)."""
         if signature not in self._eval:
-            with suspended():
-                capture = capture_forward(
-                    self.model,
-                    batch,
-                    autocast=self._autocast,
-                    forward_fn=self._forward_fn,
-                    outside=self.captured_state.outside,
-                    numbers=self.numbers,
-                )
-            self._check_state_known(capture)
-            self._eval[signature] = capture
+            self._eval[signature] = self.step.capture_forward(batch)
         return self._eval[signature]
-
-    def _check_state_known(self, capture: Capture) -> None:
-        """A later capture (another batch shape, the eval forward) may read no state the engine does not hold."""
-        if not self.tracked:
-            return
-        unknown = sorted(
-            i.target for i in capture.graph.inputs if i.kind in ("param", "buffer") and i.target not in self.tracked
-        )
-        if unknown:
-            raise NotImplementedError(
-                f"this capture reads state the engine does not hold: {unknown} (modules or tensor attributes the "
-                "first training step did not read); compile the engine with a step that reads them all"
-            )
 
     def graph(self, signature: tuple) -> Graph:
         """The training graph compiled for ``signature``."""
@@ -365,10 +241,8 @@ class CompiledTraining:
         return self._diagnosed[signature]
 
     def trainable(self, graph: Graph) -> tuple[str, ...]:
-        """Parameters the optimizer updates this step: in the optimizer, requiring grad, and reaching the
-        loss (PyTorch leaves the others' ``.grad`` as ``None`` and skips them)."""
-        assert self.bridge is not None, "the optimizer bridge is built with the first capture"
-        return trainable_params(graph, self.params, self.bridge.spec.param_names)
+        """:meth:`StepCapture.trainable`: the parameters the optimizer updates this step."""
+        return self.step.trainable(graph)
 
     # --- scalars and failures ----------------------------------------------------------------------------------
 
