@@ -218,7 +218,6 @@ class Planned:
 
     def __init__(self, captured: Captured, method: Method | Plan | None, planned: PlannedStep):
         self.captured, self.method, self._planned = captured, method, planned
-        self._compiled = False
 
     @property
     def plan(self) -> Plan:
@@ -231,15 +230,17 @@ class Planned:
 
     def compile(self) -> Engine:
         """Stage 3: the :class:`Engine` running the plan (workers started, the step compiled for the example batch's
-        shapes). Once per planned object: capture again for a second engine."""
-        if self._compiled:
+        shapes). Once per :class:`Captured`: an engine owns the state it captured (the optimizer's step counters
+        among it), so a second engine captures again."""
+        step = self.captured._step
+        if step.compiled:
             raise RuntimeError(
-                "this plan was compiled already; call torchpar.capture_step(...) again for a second engine "
-                "(an engine owns the state it captured)"
+                "this captured step was compiled already; call torchpar.capture_step(...) again for a second engine "
+                "(an engine owns the state it captured, the optimizer's step counters among it)"
             )
-        _check_materialized(self.captured._step.model)
+        _check_materialized(step.model)
         default_compile_cache()
-        self._compiled = True
+        step.compiled = True
         return Engine(self)
 
 

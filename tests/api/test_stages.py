@@ -80,8 +80,9 @@ def test_each_stage_is_inspectable_and_the_chain_trains_as_compile_does():
     assert planned.plan.method == "data_parallel" and isinstance(planned.graph, Graph)
     with planned.compile() as engine:
         ours = [engine.step(batch).item() for _ in range(3)]
-    with pytest.raises(RuntimeError, match="compiled already"):
-        planned.compile()
+    for again in (planned, captured.plan(torchpar.DataParallel())):  # one engine per capture: it owns the state
+        with pytest.raises(RuntimeError, match="compiled already"):
+            again.compile()
     ref_opt = torch.optim.Adam(reference.parameters(), lr=1e-2)
     theirs = []
     for _ in range(3):

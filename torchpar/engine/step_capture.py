@@ -118,6 +118,8 @@ class StepCapture:
         """Every state tensor a step reads, by name (:func:`torchpar.engine.model_link.tracked_state`)."""
         self.bridge: TorchOptimizerBridge | None = None
         self.timings: dict[str, float] = {}
+        self.compiled = False
+        """Whether an engine was compiled from this step (one engine per capture: it owns the state)."""
         self._orphans_allowed = orphans_allowed
 
     # --- capture ---------------------------------------------------------------------------------------------------
