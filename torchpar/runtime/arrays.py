@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
 
 import jax
 import numpy as np
+import numpy.typing as npt
+from jax.typing import ArrayLike
 
 Index = tuple[tuple[int, int], ...]
 Piece = tuple[Index, np.ndarray]
@@ -47,14 +48,14 @@ def fitting(sharding: jax.sharding.Sharding, shape: Sequence[int]) -> jax.shardi
     return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec))
 
 
-def put_batch(value: Any, sharding: jax.sharding.Sharding) -> jax.Array:
+def put_batch(value: ArrayLike, sharding: jax.sharding.Sharding) -> jax.Array:
     """A batch leaf or an activation (:func:`put`) laid out as ``sharding``, or as :func:`fitting` makes it where
     ``sharding`` does not split its shape evenly (an epoch's last batch). The state is never fitted: a plan
     whose parameter layout does not split it is an error at load."""
     return put(value, fitting(sharding, np.shape(value)))
 
 
-def put(value: Any, sharding: jax.sharding.Sharding) -> jax.Array:
+def put(value: ArrayLike, sharding: jax.sharding.Sharding) -> jax.Array:
     """``value`` (a host array, the same in every process that calls this) laid out as ``sharding``."""
     if sharding.is_fully_addressable:
         return jax.device_put(value, sharding)
@@ -98,7 +99,7 @@ def to_host(array: jax.Array) -> np.ndarray | list[Piece]:
     return owned_pieces(array)
 
 
-def assemble(shape: Sequence[int], dtype: Any, pieces: Sequence[Piece]) -> np.ndarray:
+def assemble(shape: Sequence[int], dtype: npt.DTypeLike, pieces: Sequence[Piece]) -> np.ndarray:
     """A host array of ``shape`` from pieces that tile it; raises if some element is missing."""
     out = np.empty(tuple(shape), dtype)
     covered = 0

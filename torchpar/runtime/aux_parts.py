@@ -20,12 +20,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from torchpar.ir.aux_parts import AUX
 from torchpar.ir.graph import Graph
+
+if TYPE_CHECKING:
+    import jax
 
 
 @dataclass(frozen=True)
@@ -43,13 +46,13 @@ class AuxOutputs:
         entries = [(o.target, i, o.combine) for i, o in enumerate(values) if o.kind == AUX]
         return cls(*(tuple(column) for column in zip(*entries))) if entries else cls()
 
-    def pick(self, outputs: Sequence[Any]) -> dict[str, Any]:
+    def pick(self, outputs: Sequence[jax.Array]) -> dict[str, jax.Array]:
         """The aux values among the lowered outputs, by key."""
         return {key: outputs[position] for key, position in zip(self.keys, self.positions)}
 
     # --- in the executables (JAX) ---------------------------------------------------------------------------
 
-    def over_micro_batches(self, stacked: Mapping[str, Any], num_micro_batches: int) -> dict[str, Any]:
+    def over_micro_batches(self, stacked: Mapping[str, jax.Array], num_micro_batches: int) -> dict[str, jax.Array]:
         """The whole batch's values from each key's ``[M, …]`` stack of micro-batch values (micro-batch ``m`` holding
         rows ``m, m+M, …``)."""
         import jax.numpy as jnp
@@ -68,7 +71,7 @@ class AuxOutputs:
                 out[key] = x[0]
         return out
 
-    def over_replicas(self, aux: Mapping[str, Any], axis: str) -> dict[str, Any]:
+    def over_replicas(self, aux: Mapping[str, jax.Array], axis: str) -> dict[str, jax.Array]:
         """The whole batch's values from each data replica's (inside a ``shard_map`` manual over ``axis``, replica ``r``
         holding the ``r``-th block of the rows)."""
         import jax
@@ -89,7 +92,7 @@ class AuxOutputs:
         return out
 
 
-def _sum(x: Any) -> Any:
+def _sum(x: jax.Array) -> jax.Array:
     import jax.numpy as jnp
 
     if jnp.issubdtype(x.dtype, jnp.floating):

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
@@ -61,11 +61,11 @@ class HostRows:
     signature key. ``ahead`` are the next steps' ``(step, key, rows, indices, batch_rows)`` for prefetching."""
 
     step: int
-    key: Any
+    key: Hashable
     batch_rows: int
     rows: tuple[int, int]
     indices: tuple[int, ...]
-    ahead: tuple[tuple[int, Any, tuple[int, int], tuple[int, ...], int], ...] = field(default=())
+    ahead: tuple[tuple[int, Hashable, tuple[int, int], tuple[int, ...], int], ...] = field(default=())
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,10 @@ def local_box(sharding: jax.sharding.Sharding, shape: Sequence[int]) -> Index:
     whole = tuple((0, size) for size in shape)
     if sharding.is_fully_addressable or not shape:
         return whole
-    indices = [normalize(index, shape) for index in sharding.addressable_devices_indices_map(tuple(shape)).values()]
+    indices = [
+        normalize(cast("tuple[slice, ...]", index), shape)  # JAX gives every device of a sharding its index
+        for index in sharding.addressable_devices_indices_map(tuple(shape)).values()
+    ]
     return tuple((min(i[d][0] for i in indices), max(i[d][1] for i in indices)) for d in range(len(shape)))
 
 
@@ -107,7 +110,8 @@ def place(piece: LeafPiece, sharding: jax.sharding.Sharding) -> jax.Array:
     if sharding.is_fully_addressable and piece.box == whole:
         return jax.device_put(piece.data, sharding)
 
-    def slice_for(index: tuple[slice, ...]) -> np.ndarray:
+    def slice_for(index: tuple[slice, ...] | None) -> np.ndarray:
+        assert index is not None  # JAX gives every device of a sharding its index
         return piece.data[relative(normalize(index, piece.shape), piece.box)]
 
     return jax.make_array_from_callback(piece.shape, sharding, slice_for)

@@ -38,17 +38,53 @@ from __future__ import annotations
 import math
 import os
 import socket
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any, TypeAlias, TypedDict
 
 import numpy as np
+import numpy.typing as npt
 
 from torchpar.runtime.arrays import Index, intersect, relative
+from torchpar.runtime.state import EntryName
+
+if TYPE_CHECKING:
+    import jax
+    from safetensors import safe_open
 
 KINDS = ("param", "buffer", "state")
 
+StateArray: TypeAlias = "jax.Array | np.ndarray"
+"""A state array a process writes: on its devices, or a host array (the driver's)."""
 
-def tensor_key(kind: str, name: Any) -> str:
+
+class FileEntry(TypedDict):
+    """One shard file in the manifest: who wrote it (writer, process id, host), for which device, its size."""
+
+    writer: str
+    pid: int
+    host: str
+    device: str
+    bytes: int
+
+
+class PieceEntry(TypedDict):
+    """One stored piece of a tensor in the manifest: its file, key in it, global offsets and shape."""
+
+    file: str
+    key: str
+    offsets: list[int]
+    shape: list[int]
+
+
+class TensorEntry(TypedDict):
+    """One tensor in the manifest (and the checkpoint's index): its global shape, dtype and stored pieces."""
+
+    shape: list[int]
+    dtype: str
+    pieces: list[PieceEntry]
+
+
+def tensor_key(kind: str, name: EntryName) -> str:
     """The checkpoint's name of one state array (see the module docstring)."""
     if kind == "state":
         return f"state/{name[0]}/{name[1]}"
@@ -81,14 +117,14 @@ def _umask() -> int:
     return mask
 
 
-def write_shards(directory: str, arrays: Iterable[tuple[str, Any]], *, writer: str) -> dict[str, Any]:
+def write_shards(directory: str, arrays: Iterable[tuple[str, StateArray]], *, writer: str) -> dict[str, Any]:
     """Write this process's pieces of ``arrays`` (``(tensor key, jax.Array or host array)``) into ``directory``,
     one file per device (host arrays: one file ``{writer}-host``), and return the manifest the index is built from:
     ``{"files": {file: {writer, pid, host, device, bytes}}, "tensors": {key: {shape, dtype, pieces: [...]}}}``.
     Files are written one after another, each device's pieces copied to the host just before its file is written."""
-    by_file: dict[str, list[tuple[str, Any]]] = {}
+    by_file: dict[str, list[tuple[str, StateArray]]] = {}
     devices: dict[str, str] = {}
-    tensors: dict[str, dict[str, Any]] = {}
+    tensors: dict[str, TensorEntry] = {}
     for key, array in arrays:
         entry = tensors.setdefault(key, {"shape": list(array.shape), "dtype": np.dtype(array.dtype).name, "pieces": []})
         for file, device, offsets, data in _pieces(array, writer):
@@ -97,7 +133,7 @@ def write_shards(directory: str, arrays: Iterable[tuple[str, Any]], *, writer: s
             entry["pieces"].append(
                 {"file": file, "key": _piece_key(key, offsets), "offsets": list(offsets), "shape": list(data.shape)}
             )
-    files = {}
+    files: dict[str, FileEntry] = {}
     host, pid = socket.gethostname(), os.getpid()
     for file, pieces in sorted(by_file.items()):
         path = os.path.join(directory, file)
@@ -114,7 +150,7 @@ def write_shards(directory: str, arrays: Iterable[tuple[str, Any]], *, writer: s
     return {"files": files, "tensors": {k: v for k, v in tensors.items() if v["pieces"]}}
 
 
-def _host_piece(data: Any) -> np.ndarray:
+def _host_piece(data: StateArray) -> np.ndarray:
     """A piece as the C-contiguous host array safetensors writes, of exactly its shape and dtype.
 
     Not ``np.ascontiguousarray``: it returns at least one dimension, so a 0-d tensor (BatchNorm's
@@ -124,7 +160,7 @@ def _host_piece(data: Any) -> np.ndarray:
     return host
 
 
-def _pieces(array: Any, writer: str) -> Iterable[tuple[str, str, tuple[int, ...], Any]]:
+def _pieces(array: StateArray, writer: str) -> Iterable[tuple[str, str, tuple[int, ...], StateArray]]:
     """``(file, device, offsets, data)`` of each piece of ``array`` this process writes: replica 0 of each shard
     on its devices, its data still on the device (host arrays: the whole array)."""
     if isinstance(array, np.ndarray):
@@ -140,11 +176,12 @@ def _pieces(array: Any, writer: str) -> Iterable[tuple[str, str, tuple[int, ...]
 def merge_manifests(manifests: Iterable[dict[str, Any]]) -> dict[str, Any]:
     """The manifests of every writer as one: each tensor's pieces from all processes (they must tile it exactly:
     an invariant of replica-0 deduplication)."""
-    files: dict[str, Any] = {}
-    tensors: dict[str, dict[str, Any]] = {}
+    files: dict[str, FileEntry] = {}
+    tensors: dict[str, TensorEntry] = {}
     for manifest in manifests:
         files.update(manifest["files"])
-        for key, entry in manifest["tensors"].items():
+        entries: dict[str, TensorEntry] = manifest["tensors"]
+        for key, entry in entries.items():
             merged = tensors.setdefault(key, {**entry, "pieces": []})
             assert merged["shape"] == entry["shape"] and merged["dtype"] == entry["dtype"], (key, merged, entry)
             merged["pieces"].extend(entry["pieces"])
@@ -160,22 +197,22 @@ class ShardReader:
     A worker builds its arrays with :meth:`place` (each device's shard from the pieces overlapping it), the
     driver whole tensors with :meth:`read`. Files are opened (mmap'd) on first use and closed by :meth:`close`."""
 
-    def __init__(self, directory: str, tensors: dict[str, dict[str, Any]]):
+    def __init__(self, directory: str, tensors: Mapping[str, TensorEntry]):
         self.directory = directory
         self.tensors = tensors
-        self._open: dict[str, Any] = {}
+        self._open: dict[str, safe_open] = {}
         self.bytes_read = 0
 
     def __enter__(self) -> ShardReader:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def close(self) -> None:
         self._open.clear()
 
-    def _file(self, name: str) -> Any:
+    def _file(self, name: str) -> safe_open:
         if name not in self._open:
             from safetensors import safe_open
 
@@ -213,7 +250,7 @@ class ShardReader:
             )
         return out
 
-    def _read_piece(self, key: str, piece: dict[str, Any], where: tuple[slice, ...]) -> np.ndarray:
+    def _read_piece(self, key: str, piece: PieceEntry, where: tuple[slice, ...]) -> np.ndarray:
         """The part ``where`` of one stored piece (``where`` is ``()`` for a 0-d tensor). The file's shape of the
         piece must be the index's; the one exception read as it was meant: a 0-d tensor that an earlier torchpar
         stored as shape ``[1]``."""
@@ -230,7 +267,7 @@ class ShardReader:
             "match them"
         )
 
-    def place(self, key: str, sharding: Any) -> Any:
+    def place(self, key: str, sharding: jax.sharding.Sharding) -> jax.Array:
         """Tensor ``key`` laid out as ``sharding``: each of this process's devices gets its shard, read from the
         files (a shard that several local devices hold is read once)."""
         import jax
@@ -241,7 +278,8 @@ class ShardReader:
         shape = tuple(self.tensors[key]["shape"])
         cache: dict[Index, np.ndarray] = {}
 
-        def shard(index: tuple[slice, ...]) -> np.ndarray:
+        def shard(index: tuple[slice, ...] | None) -> np.ndarray:
+            assert index is not None  # JAX gives every device of a sharding its index
             normalized = normalize(index, shape)
             if normalized not in cache:
                 cache[normalized] = to_numpy_input(self.read(key, normalized))
@@ -269,11 +307,11 @@ class CheckpointSource:
                 name, _, state_key = rest.rpartition("/")
                 self.opt_state.setdefault(name, {})[state_key] = None
 
-    def place(self, kind: str, name: Any, sharding: Any) -> Any:
+    def place(self, kind: str, name: EntryName, sharding: jax.sharding.Sharding) -> jax.Array:
         return self.reader.place(tensor_key(kind, name), sharding)
 
 
-def _numpy_dtype(name: str) -> Any:
+def _numpy_dtype(name: str) -> npt.DTypeLike:
     if name == "bfloat16":
         import ml_dtypes
 

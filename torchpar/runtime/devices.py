@@ -12,7 +12,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import jax
 
 
 @dataclass(frozen=True)
@@ -39,7 +42,7 @@ class DeviceMap:
         """The process ranks owning any of ``indices``, ascending."""
         return tuple(sorted({self.rank_of_device(i) for i in indices}))
 
-    def jax_devices(self, indices: Sequence[int]) -> list[Any]:
+    def jax_devices(self, indices: Sequence[int]) -> list[jax.Device]:
         """The JAX devices of cluster device ``indices`` (global devices: some may belong to other processes)."""
         import jax
 
@@ -51,7 +54,7 @@ class DeviceMap:
                     "torchpar.init(num_devices=...) before JAX is imported"
                 )
             return [everything[i] for i in indices]
-        by_process: dict[int, list[Any]] = {}
+        by_process: dict[int, list[jax.Device]] = {}
         for device in everything:
             by_process.setdefault(device.process_index, []).append(device)
         for devices in by_process.values():

@@ -30,21 +30,39 @@ import time
 import weakref
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import numpy as np
 
 from torchpar.ir.graph import Graph
+from torchpar.ir.optimizer import Scalars
+from torchpar.planner.pipeline.slicing import StageGraph
 from torchpar.runtime.aux_parts import combine_blocks
-from torchpar.runtime.batch_parts import HostBatch, HostRows, cut, pipeline_leaves, rows_of
+from torchpar.runtime.batch_parts import HostBatch, HostRows, Index, cut, pipeline_leaves, rows_of
 from torchpar.runtime.micro_batch_loss import MicroBatchLoss, gradient_factor, whole_batch_loss
 from torchpar.runtime.pipeline import gradients
 from torchpar.runtime.pipeline.timeline import StepTimeline
 from torchpar.runtime.state import HostState, collect_state
-from torchpar.runtime.worker import ExecutionSpec, StepReport, Worker
+from torchpar.runtime.train_step import LossScale, StepScalars
+from torchpar.runtime.worker import (
+    ExecutionSpec,
+    HostOutput,
+    LeafSpec,
+    OneStageWorker,
+    Payload,
+    StepReport,
+    Worker,
+)
+
+if TYPE_CHECKING:
+    from torchpar.runtime.checkpoint_io import TensorEntry
+    from torchpar.runtime.host_loading import DataFactory
 
 R = TypeVar("R")
 """What a worker call returns (each worker's answer, in rank order)."""
+
+T = TypeVar("T")
+"""A worker's answer for one stage."""
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +122,7 @@ class Executor:
         self._warned_spmd = False
         self.timings: dict[str, float] = {}
         """Seconds of the executor's own set-up phases (e.g. starting and joining Ray host actors)."""
-        self._boxes: dict[Hashable, list[list[Any]]] = {}
+        self._boxes: dict[Hashable, list[list[Index]]] = {}
         self.last_input_bytes: list[int] = []
         """Bytes of batch data each process (by rank) received for the last step (0 for host-loaded data)."""
         self.last_data_wait_s = 0.0
@@ -113,7 +131,7 @@ class Executor:
 
     # --- the calls to workers (subclasses) ------------------------------------------------------------------
 
-    def _call(self, method: Callable[..., R], *args: Any, what: str, timeout_s: float | None = None) -> list[R]:
+    def _call(self, method: Callable[..., R], *args: object, what: str, timeout_s: float | None = None) -> list[R]:
         """``worker.method(*args)`` on every worker, results in rank order; raises if any fails. ``method`` is a
         method of :class:`~torchpar.runtime.worker.Worker` (``Worker.load``): referenced, not named by a string, so
         a reader and a type checker cross the seam; each worker runs its own class's override of it."""
@@ -190,7 +208,7 @@ class Executor:
             manifests.append(write_shards(directory, [(k, np.asarray(v)) for k, v in unheld], writer="driver"))
         return merge_manifests(manifests)
 
-    def load_checkpoint(self, directory: str, tensors: dict[str, Any]) -> list[dict[str, int]]:
+    def load_checkpoint(self, directory: str, tensors: dict[str, TensorEntry]) -> list[dict[str, int]]:
         """Load the state from a sharded checkpoint: each worker reads the slices its devices hold under this plan
         (``tensors``: the index's entries, names checked by the caller); entries no worker holds are read here.
         Returns each worker's ``{"rank", "bytes_read"}``."""
@@ -215,7 +233,7 @@ class Executor:
             Worker.load_checkpoint, directory, tensors, what="loading the checkpoint", timeout_s=self.compile_timeout_s
         )
 
-    def _held_names(self) -> tuple[set[str] | Any, set[str] | Any]:
+    def _held_names(self) -> tuple[set[str] | _Everything, set[str] | _Everything]:
         """Names of the parameters and buffers some worker holds (one-stage plans: all of them)."""
         if not self.spec.is_pipeline:
             return _Everything(), _Everything()
@@ -230,9 +248,9 @@ class Executor:
         key: Hashable,
         graph: Graph,
         trainable: tuple[str, ...],
-        leaves: list[tuple[tuple[int, ...], Any]],
-        scalars: Any,
-        stage_graphs: list[Any] | None = None,
+        leaves: list[LeafSpec],
+        scalars: StepScalars,
+        stage_graphs: list[StageGraph] | None = None,
     ) -> dict[str, float]:
         """Compile the step for batch signature ``key`` on every worker (:meth:`.worker.Worker.compile`: ``graph``
         captured on one micro-batch, ``leaves`` the whole batch's ``(shape, dtype)``, ``stage_graphs`` a pipeline's
@@ -263,7 +281,7 @@ class Executor:
 
     # --- the batch each process receives ----------------------------------------------------------------------
 
-    def payloads(self, key: Hashable, batch: Sequence[np.ndarray] | HostBatch) -> list[Any]:
+    def payloads(self, key: Hashable, batch: Sequence[np.ndarray] | HostBatch) -> list[Payload]:
         """What each process receives for a step on ``batch`` (whole host leaves, or a host-loaded step's
         :class:`HostBatch`), by rank: one-stage plans, each leaf's piece its devices hold
         (:class:`~.batch_parts.LeafPiece`) or, host-loaded, the rows to load (:class:`~.batch_parts.HostRows`);
@@ -313,7 +331,7 @@ class Executor:
     def _await_prepared(self, prepared: Prepared) -> None:
         """Wait for the calls placing a prefetched batch (host actors); raises what they raised."""
 
-    def attach_data(self, factory: Any, depth: int) -> None:
+    def attach_data(self, factory: DataFactory, depth: int) -> None:
         """Host-loaded training: every process loads its own rows with ``factory`` (``torchpar.HostData``),
         ``depth`` steps ahead."""
         self._check_open()
@@ -331,7 +349,11 @@ class Executor:
         return Prepared(self.payloads(key, leaves))
 
     def step(
-        self, key: Hashable, leaves: list[np.ndarray] | HostBatch | Prepared, scalars: Any, key_data: np.ndarray
+        self,
+        key: Hashable,
+        leaves: list[np.ndarray] | HostBatch | Prepared,
+        scalars: StepScalars,
+        key_data: np.ndarray,
     ) -> StepResult:
         """One optimizer step on the batch ``leaves``: the whole batch's loss (and aux values) and whether it was
         finite. A pipeline's micro-batch losses are combined here (:func:`.micro_batch_loss.whole_batch_loss`), as are
@@ -362,7 +384,8 @@ class Executor:
         finite = all(r.finite for r in reports) and nonfinite == 0 and math.isfinite(loss)
         # under loss scaling the gradients are S times the true ones (scalars: (optimizer scalars, [S, 1/S])); a ratio
         # loss's accumulated gradients times M·r/D are the whole batch's: the true gradients are computed × unscale
-        unscale = float(scalars[1][1]) if self.spec.options.loss_scaling else 1.0
+        loss_scaled = cast("tuple[Scalars, LossScale]", scalars) if self.spec.options.loss_scaling else None
+        unscale = float(loss_scaled[1][1]) if loss_scaled is not None else 1.0
         unscale *= factor
         squares = [v * unscale * unscale for r in reports for v in r.squared_norms.values()]
         norms = [r.grad_norm for r in reports if r.grad_norm is not None]
@@ -382,11 +405,11 @@ class Executor:
             makespan=time.time() - start,
             spans=[spans.get(s, []) for s in stages],
         )
-        aux = {key: values for r in reports for key, values in r.aux.items()}
+        parts = {key: values for r in reports for key, values in r.aux.items()}
         if self.spec.is_pipeline:
-            aux = combine_blocks(self._aux_rules(), aux)
+            aux = combine_blocks(self._aux_rules(), parts)
         else:
-            aux = {key: values[0] for key, values in aux.items()}
+            aux = {key: values[0] for key, values in parts.items()}
         return StepResult(loss=loss, finite=finite, nonfinite_gradients=nonfinite, grad_norm=grad_norm, aux=aux)
 
     def _aux_rules(self) -> dict[str, str]:
@@ -403,7 +426,7 @@ class Executor:
         results = self._call(
             Worker.forward, key, graph, leaves, what="running the forward", timeout_s=self.compile_timeout_s
         )
-        outputs = []
+        outputs: list[np.ndarray | None] = []
         for index, first in enumerate(results[0]):
             if first is None:
                 outputs.append(None)
@@ -412,7 +435,8 @@ class Executor:
             if isinstance(payload, np.ndarray):
                 outputs.append(payload)
                 continue
-            pieces = [piece for result in results for piece in result[index][2]]
+            # every process has output `index` of the same graph: none is None where the first is not
+            pieces = [piece for result in results for piece in cast(HostOutput, result[index])[2]]
             outputs.append(assemble(shape, dtype, pieces))
         return outputs
 
@@ -439,19 +463,19 @@ class Executor:
         stage's lead process)."""
         return self._by_stage(Worker.memory_stats, "reading memory statistics")
 
-    def describe_workers(self, programs: bool = False) -> list[dict[str, Any]]:
+    def describe_workers(self, programs: bool = False) -> list[dict[str, object]]:
         """Each worker's own account of itself (process, devices, stages, steps run; with ``programs`` the HLO
         it runs and its device assignment), in rank order (:meth:`.worker.Worker.describe`)."""
         self._check_open()
         return self._call(Worker.describe, programs, what="describing the workers")
 
-    def _per_stage(self, method: Callable[..., dict[int, Any]], what: str) -> list[Any]:
+    def _per_stage(self, method: Callable[..., dict[int, T]], what: str) -> list[T]:
         return list(self._by_stage(method, what).values())
 
-    def _by_stage(self, method: Callable[..., dict[int, Any]], what: str) -> dict[int, Any]:
+    def _by_stage(self, method: Callable[..., dict[int, T]], what: str) -> dict[int, T]:
         """Every worker's ``{stage: answer}`` merged, in stage order."""
         self._check_open()
-        merged: dict[int, Any] = {}
+        merged: dict[int, T] = {}
         for result in self._call(method, what=what):
             merged.update(result)
         return {s: merged[s] for s in sorted(merged)}
@@ -496,7 +520,7 @@ class Executor:
     def __enter__(self) -> Executor:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def summary(self) -> str:
@@ -514,7 +538,7 @@ class LocalExecutor(Executor):
 
         self.worker = make_worker(spec, rank=0)
 
-    def _call(self, method: Callable[..., R], *args: Any, what: str, timeout_s: float | None = None) -> list[R]:
+    def _call(self, method: Callable[..., R], *args: object, what: str, timeout_s: float | None = None) -> list[R]:
         return [getattr(self.worker, method.__name__)(*args)]
 
     def _call_ranks(
@@ -526,7 +550,8 @@ class LocalExecutor(Executor):
         payload = self.payloads(key, leaves)[0]
         if self.spec.is_pipeline:
             return Prepared([payload])
-        return Prepared([self.worker.step_inputs(key, payload)[0]])  # placed on the devices now
+        worker = cast(OneStageWorker, self.worker)  # not a pipeline: the one-stage worker
+        return Prepared([worker.step_inputs(key, payload)[0]])  # placed on the devices now
 
     def _release(self) -> None:
         if self.worker is not None:
@@ -539,8 +564,9 @@ class Prepared:
     """A driver-fed batch made ready ahead of its step (:meth:`Executor.prepare`): each process's payload, and the
     calls placing it that the step must see finished (host actors, by rank)."""
 
-    payloads: list[Any]
-    pending: dict[int, Any] | None = None
+    payloads: Sequence[object]
+    """Each process's payload (:data:`~.worker.Payload`), or a reference to it in Ray's object store."""
+    pending: dict[int, object] | None = None
 
 
 class _Everything:

@@ -14,11 +14,16 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
 
 from torchpar.runtime.batch_parts import HostRows
+
+if TYPE_CHECKING:
+    import jax
 
 log = logging.getLogger(__name__)
 
@@ -27,18 +32,33 @@ class HostDataError(RuntimeError):
     """A host's data factory failed loading a step's rows."""
 
 
+class DataFactory(Protocol):
+    """What a process loads its rows with (``torchpar.HostData``)."""
+
+    def load_leaves(self, indices: tuple[int, ...], step: int, /) -> list[np.ndarray]:
+        """The collated rows ``indices`` of step ``step``: the leaves in the step's call order."""
+        ...
+
+
+Prepare = Callable[[Hashable, HostRows, list[np.ndarray]], "list[jax.Array] | None"]
+"""``prepare(key, rows, leaves)``: loaded rows placed for compiled signature ``key``, ``None`` if not compiled."""
+
+Loaded = tuple[HostRows, list[np.ndarray], "list[jax.Array] | None"]
+"""``(loaded, leaves, prepared)``: what was loaded, its leaves, and the placed inputs or ``None``."""
+
+
 class HostLoader:
     """Loads and places this process's rows of each host-loaded step, ``depth`` steps ahead (see the module
-    docstring). ``prepare(key, rows, leaves) → (inputs, received_bytes)`` places loaded rows for a compiled
+    docstring). ``prepare(key, rows, leaves) → inputs`` places loaded rows for a compiled
     signature ``key`` and returns ``None`` for one not compiled yet (the step then places them itself)."""
 
-    def __init__(self, factory: Any, host: int, depth: int, prepare: Callable[[Any, HostRows, list[Any]], Any]):
+    def __init__(self, factory: DataFactory, host: int, depth: int, prepare: Prepare):
         self.factory, self.host, self.depth, self._prepare = factory, host, depth, prepare
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"torchpar-host{host}-data")
-        self._pending: dict[int, Future] = {}
+        self._pending: dict[int, Future[Loaded]] = {}
         self._lock = threading.Lock()
 
-    def take(self, rows: HostRows) -> tuple[tuple[HostRows, list[Any], Any], float]:
+    def take(self, rows: HostRows) -> tuple[Loaded, float]:
         """The step's loaded rows — ``(loaded, leaves, prepared)``: what was loaded (a prefetch may have loaded
         other rows than ``rows`` names, e.g. all of them before the step's shapes compiled), the leaves, and the
         placed inputs or ``None`` — and the seconds the step waited for them; schedules the next steps' loading."""
@@ -54,7 +74,7 @@ class HostLoader:
         result = future.result()
         return result, time.perf_counter() - start
 
-    def _load(self, rows: HostRows) -> tuple[HostRows, list[Any], Any]:
+    def _load(self, rows: HostRows) -> Loaded:
         try:
             leaves = self.factory.load_leaves(rows.indices, rows.step)
         except Exception as error:

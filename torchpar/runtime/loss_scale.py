@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -63,7 +63,7 @@ class LossScaler:
                 self.scale = float(grown)
             self.growth_tracker = 0
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, float | int]:
         """GradScaler's state-dict keys (``scale``, ``growth_factor``, ``backoff_factor``, ``growth_interval``,
         ``_growth_tracker``)."""
         return {
@@ -74,7 +74,7 @@ class LossScaler:
             "_growth_tracker": self.growth_tracker,
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, float | int]) -> None:
         self.scale = float(state["scale"])
         self.growth_factor = float(state["growth_factor"])
         self.backoff_factor = float(state["backoff_factor"])

@@ -28,10 +28,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from torchpar.ir.graph import Graph
 from torchpar.ir.loss_parts import LOSS_DEN, ReductionKind, loss_reduction
+
+if TYPE_CHECKING:
+    import jax
 
 
 @dataclass(frozen=True)
@@ -58,7 +61,7 @@ class MicroBatchLoss:
         """The factor of each micro-batch's loss in the value differentiated: ``1`` for a sum, else ``1/M``."""
         return 1.0 if self.kind == "sum" else 1.0 / num_micro_batches
 
-    def den(self, outputs: Sequence[Any]) -> Any:
+    def den(self, outputs: Sequence[jax.Array]) -> jax.Array | None:
         """A ratio's denominator among the lowered outputs (``None`` for other reductions)."""
         return outputs[self.den_output] if self.den_output is not None else None
 
@@ -66,7 +69,7 @@ class MicroBatchLoss:
 # --- in the executables (JAX) -----------------------------------------------------------------------------
 
 
-def reference_of(den: Any) -> Any:
+def reference_of(den: jax.Array) -> jax.Array:
     """``r``: the first micro-batch's denominator as float32, or 1 where it is 0."""
     import jax.numpy as jnp
 
@@ -74,7 +77,7 @@ def reference_of(den: Any) -> Any:
     return jnp.where(den != 0, den, jnp.float32(1))
 
 
-def weigh(grads: Mapping[str, Any], den: Any, reference: Any) -> dict[str, Any]:
+def weigh(grads: Mapping[str, jax.Array], den: jax.Array, reference: jax.Array) -> dict[str, jax.Array]:
     """Each gradient times ``den / r`` (float32 product, in its own dtype); zero where ``den`` is 0."""
     import jax.numpy as jnp
 
@@ -87,7 +90,7 @@ def weigh(grads: Mapping[str, Any], den: Any, reference: Any) -> dict[str, Any]:
     }
 
 
-def numerator(loss: Any, den: Any) -> Any:
+def numerator(loss: jax.Array, den: jax.Array) -> jax.Array:
     """``num_m = ℓ_m · den_m`` in float32, 0 where ``den_m`` is 0 (whose ``ℓ_m`` is ``0/0``)."""
     import jax.numpy as jnp
 
@@ -96,8 +99,8 @@ def numerator(loss: Any, den: Any) -> Any:
 
 
 def combine_replicas(
-    loss: MicroBatchLoss, value: Any, den: Any, grads: Mapping[str, Any], axis: str
-) -> tuple[Any, dict[str, Any]]:
+    loss: MicroBatchLoss, value: jax.Array, den: jax.Array | None, grads: Mapping[str, jax.Array], axis: str
+) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The whole batch's loss and gradients from each data replica's (inside a ``shard_map`` manual over ``axis``;
     every replica holds an equal share of the rows): ``value``, ``grads`` are the replica's own, as :func:`.train_step.
     accumulate` returns them, ``den`` its ratio denominator. A mean averages over the replicas, a sum adds, a ratio
@@ -111,6 +114,7 @@ def combine_replicas(
         return jax.lax.psum(value, axis), {n: jax.lax.psum(g, axis) for n, g in grads.items()}
     if loss.kind == "mean":
         return jax.lax.pmean(value, axis), {n: jax.lax.pmean(g, axis) for n, g in grads.items()}
+    assert den is not None  # a ratio loss's replicas have their denominators
     den = den.astype(jnp.float32)
     keep = den != 0
     total = jax.lax.psum(den, axis)

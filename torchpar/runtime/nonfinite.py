@@ -21,14 +21,17 @@ automatically only below ``AUTO_DIAGNOSIS_BYTES``; ``engine.locate_nonfinite(bat
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from torchpar.ir.graph import Graph, Node
 from torchpar.ir.loss_parts import loss_reduction
+
+if TYPE_CHECKING:
+    import jax
 
 AUTO_DIAGNOSIS_BYTES = 1 << 30
 """Largest state (parameters + buffers) re-run on the driver automatically after a non-finite step."""
@@ -67,11 +70,11 @@ class Culprit:
 def locate_nonfinite(
     graph: Graph,
     trainable: Sequence[str],
-    params: dict[str, Any],
-    buffers: dict[str, Any],
+    params: Mapping[str, np.ndarray],
+    buffers: Mapping[str, np.ndarray],
     leaves: Sequence[np.ndarray],
     leaf_names: Sequence[str],
-    key: Any,
+    key: jax.Array,
 ) -> Culprit | None:
     """The first source of inf/nan in one training step of ``graph`` (module docstring), or ``None`` if the
     re-run is finite (a nondeterministic or device-specific overflow)."""
@@ -79,15 +82,17 @@ def locate_nonfinite(
         found = _describe_bad(np.asarray(leaf))
         if found:
             return Culprit("input", f"{name} holds {found}")
-    for kind, values in (("parameter", params), ("buffer", buffers)):
-        for name, value in values.items():
+    for kind, held in (("parameter", params), ("buffer", buffers)):
+        for name, value in held.items():
             found = _describe_bad(np.asarray(value))
             if found:
                 return Culprit("state", f"{kind} {name} already holds {found} (an earlier step went unchecked)")
     values, loss, grads = _rerun(graph, trainable, params, buffers, [np.asarray(leaf) for leaf in leaves], key)
     reduction = loss_reduction(graph)
-    if reduction.kind == "ratio" and not np.any(np.asarray(values[reduction.den])):
-        return None  # a ratio loss's micro-batch with denominator 0 (every token ignored): its 0/0 adds nothing
+    if reduction.kind == "ratio":
+        assert reduction.den is not None  # a ratio loss names its denominator
+        if not np.any(np.asarray(values[reduction.den])):
+            return None  # a ratio loss's micro-batch with denominator 0 (every token ignored): its 0/0 adds nothing
     first = _first_culprits(graph, values)
     if first:
         return first.get("nan") or first["inf"]
@@ -108,31 +113,31 @@ def locate_nonfinite(
 def _rerun(
     graph: Graph,
     trainable: Sequence[str],
-    params: dict[str, Any],
-    buffers: dict[str, Any],
+    params: Mapping[str, np.ndarray],
+    buffers: Mapping[str, np.ndarray],
     arrays: list[np.ndarray],
-    key: Any,
-) -> tuple[dict[str, Any], float, dict[str, Any]]:
+    key: jax.Array,
+) -> tuple[dict[str, object], float, dict[str, jax.Array]]:
     """One jitted forward + backward of ``graph`` returning every value it computed (inputs and nodes, as host
     arrays), the loss and the gradients: one compilation, where an eager re-run compiles every op alone."""
     import jax
 
     from jaxbackend.lower import lower
 
-    def collect(node: Node, value: Any, env: dict[str, Any]) -> None:
+    def collect(node: Node, value: object, env: Mapping[str, object]) -> None:
         collected[node.name] = value
 
-    collected: dict[str, Any] = {}
+    collected: dict[str, object] = {}
     run = lower(graph, observe=collect)
     frozen = {n: v for n, v in params.items() if n not in trainable}
 
-    def step(train: dict[str, Any]) -> Any:
+    def step(train: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, object]]:
         collected.clear()
         outputs, _ = run({**frozen, **train}, buffers, arrays, key)
         return outputs[0], dict(collected)
 
     (loss, nodes), grads = jax.jit(jax.value_and_grad(step, has_aux=True))({n: params[n] for n in trainable})
-    values: dict[str, Any] = {}
+    values: dict[str, object] = {}
     for inp in graph.inputs:
         source = {"param": params, "buffer": buffers, "constant": graph.constants}.get(inp.kind)
         values[inp.name] = source[inp.target] if source is not None else arrays[int(inp.target)]
@@ -140,7 +145,7 @@ def _rerun(
     return values, float(np.asarray(loss)), grads
 
 
-def _first_culprits(graph: Graph, values: dict[str, Any]) -> dict[str, Culprit]:
+def _first_culprits(graph: Graph, values: Mapping[str, object]) -> dict[str, Culprit]:
     """The first op (graph order) introducing a nan from nan-free operands (key ``"nan"``), and the first turning
     finite operands into an inf (``"inf"``; ops writing an infinite literal excepted)."""
     first: dict[str, Culprit] = {}

@@ -10,7 +10,10 @@ each stage, what the device has, and the options that lower the footprint.
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torchpar.planner.plan import Plan
 
 _OOM = re.compile(r"RESOURCE_EXHAUSTED|[Oo]ut of memory|OOM when allocating")
 _ALLOCATION = re.compile(r"allocate\s+([0-9.]+\s*[KMGT]?i?B|\d+\s*bytes)")
@@ -21,7 +24,7 @@ class DeviceMemoryError(MemoryError):
     stage, the plan's estimate, the device's memory and what to try. The XLA error is chained."""
 
 
-def is_device_oom(error: BaseException) -> bool:
+def is_device_oom(error: BaseException | None) -> bool:
     """Whether ``error`` (or an error it wraps) is XLA's out-of-memory."""
     seen = 0
     while error is not None and seen < 8:
@@ -33,7 +36,7 @@ def is_device_oom(error: BaseException) -> bool:
 
 
 def as_device_memory_error(
-    error: BaseException, plan: Any, *, what: str, device_memory_bytes: int | None, device_kind: str = ""
+    error: BaseException, plan: Plan, *, what: str, device_memory_bytes: int | None, device_kind: str = ""
 ) -> DeviceMemoryError | None:
     """A :class:`DeviceMemoryError` for ``error`` if it is an out-of-memory (else ``None``). ``what`` says what
     was running (``"compiling the training step"``); ``plan`` is the :class:`~torchpar.planner.plan.Plan`."""

@@ -9,13 +9,19 @@ array, or the pieces of a sharded one that this process owns (:mod:`.arrays`) â€
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, TypeAlias, cast
 
 import numpy as np
 
-from torchpar.runtime.arrays import assemble, put, to_host
+from torchpar.runtime.arrays import Piece, assemble, put, to_host
+
+if TYPE_CHECKING:
+    import jax
+
+EntryName: TypeAlias = str | tuple[str, str]
+"""A state entry's name: a parameter's or buffer's, or ``(parameter, state key)`` for optimizer state."""
 
 
 @dataclass
@@ -26,13 +32,13 @@ class HostState:
     buffers: dict[str, np.ndarray] = field(default_factory=dict)
     opt_state: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
 
-    def place(self, kind: str, name: Any, sharding: Any) -> Any:
+    def place(self, kind: str, name: EntryName, sharding: jax.sharding.Sharding) -> jax.Array:
         """One array laid out as ``sharding`` (what ``Worker.load`` calls; a checkpoint on disk answers the same
         call, reading only its devices' slices: :class:`~.checkpoint_io.CheckpointSource`)."""
         if kind == "param":
-            return put(self.params[name], sharding)
+            return put(self.params[cast(str, name)], sharding)
         if kind == "buffer":
-            return put(self.buffers[name], sharding)
+            return put(self.buffers[cast(str, name)], sharding)
         return put(self.opt_state[name[0]][name[1]], sharding)
 
 
@@ -43,14 +49,18 @@ class Exported:
 
     stage: int
     kind: str
-    name: Any
+    name: EntryName
     shape: tuple[int, ...]
-    dtype: Any
-    payload: Any
+    dtype: np.dtype
+    payload: np.ndarray | list[Piece]
 
 
 def export_arrays(
-    stage: int, params: dict, buffers: dict, opt_state: dict, kinds: tuple[str, ...] = ("param", "buffer", "state")
+    stage: int,
+    params: Mapping[str, jax.Array],
+    buffers: Mapping[str, jax.Array],
+    opt_state: Mapping[str, Mapping[str, jax.Array]],
+    kinds: tuple[str, ...] = ("param", "buffer", "state"),
 ) -> list[Exported]:
     """This process's share of one stage's state (see :class:`Exported`), of the ``kinds`` asked for."""
     entries = [
@@ -72,8 +82,8 @@ def export_arrays(
 
 def collect_state(entries: Iterable[Exported]) -> HostState:
     """Every process's :class:`Exported` entries â†’ one :class:`HostState`."""
-    first_stage: dict[tuple[str, Any], int] = {}
-    grouped: dict[tuple[int, str, Any], list[Exported]] = {}
+    first_stage: dict[tuple[str, EntryName], int] = {}
+    grouped: dict[tuple[int, str, EntryName], list[Exported]] = {}
     for entry in entries:
         key = (entry.kind, entry.name)
         first_stage[key] = min(first_stage.get(key, entry.stage), entry.stage)
@@ -88,9 +98,9 @@ def collect_state(entries: Iterable[Exported]) -> HostState:
             else assemble(parts[0].shape, parts[0].dtype, [piece for p in parts for piece in p.payload])
         )
         if kind == "param":
-            state.params[name] = value
+            state.params[cast(str, name)] = value
         elif kind == "buffer":
-            state.buffers[name] = value
+            state.buffers[cast(str, name)] = value
         else:
             state.opt_state.setdefault(name[0], {})[name[1]] = value
     return state

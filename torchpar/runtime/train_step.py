@@ -31,15 +31,17 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import NamedTuple, TypeAlias, TypeVar, cast
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
 
 from jaxbackend import optimizer as jax_optim
 from jaxbackend.remat import Remat
 from torchpar.ir.graph import Graph
-from torchpar.ir.optimizer import OptimizerSpec
+from torchpar.ir.optimizer import OptimizerSpec, Scalars
 from torchpar.planner.remat import check_remat, layer_groups
 from torchpar.runtime import micro_batch_loss
 from torchpar.runtime.aux_parts import AuxOutputs
@@ -47,19 +49,35 @@ from torchpar.runtime.micro_batch_loss import MicroBatchLoss
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
+LossScale: TypeAlias = jax.Array | np.ndarray
+"""``[S, 1/S]`` (float32): a host array on the host, traced inside a step."""
+
+StepScalars: TypeAlias = Scalars | tuple[Scalars, LossScale]
+"""A step's ``scalars`` argument: the optimizer scalars, or ``(optimizer scalars, loss_scale)`` under loss scaling."""
+
+Arrays: TypeAlias = dict[str, jax.Array]
+"""Arrays by name (parameters, gradients, buffers, aux values)."""
+
+GradOf: TypeAlias = Callable[
+    [list[jax.Array], Arrays, jax.Array], tuple[jax.Array, jax.Array | None, Arrays, Arrays, Arrays]
+]
+"""``grad_of(micro_inputs, buffers, key) → (loss, den, aux values, grads, new buffer values)`` (:func:`accumulate`)."""
+
 
 def optimizer_tail(
     spec: OptimizerSpec,
-    params: Mapping[str, Any],
-    grads: Mapping[str, Any],
-    opt_state: Mapping[str, Any],
-    scalars: Any,
+    params: Mapping[str, jax.Array],
+    grads: Mapping[str, jax.Array],
+    opt_state: Mapping[str, Mapping[str, jax.Array]],
+    scalars: Scalars,
     *,
     grad_clip_norm: float | None = None,
-    complete_sum: Callable[[str, Any], Any] | None = None,
-    clip_scale: Any = None,
-    norm_of: Callable[[Mapping[str, Any]], Any] | None = None,
-) -> tuple[dict[str, Any], dict[str, Any], Any]:
+    complete_sum: Callable[[str, jax.Array], jax.Array] | None = None,
+    clip_scale: jax.Array | None = None,
+    norm_of: Callable[[Mapping[str, jax.Array]], jax.Array] | None = None,
+) -> tuple[Arrays, dict[str, Arrays], jax.Array | None]:
     """Clip and apply the optimizer: ``→ (new params, new optimizer state, the gradients' global norm before
     clipping)`` (the norm is ``None`` with ``clip_scale``: the pipeline computed it from every stage).
 
@@ -68,7 +86,7 @@ def optimizer_tail(
     pipeline computed from every stage (:func:`jaxbackend.optimizer.clip_coefficient`). Without clipping the norm is
     ``norm_of(grads)`` (default :func:`jaxbackend.optimizer.global_norm` with ``complete_sum``): only reported, so a
     per-device step may compute it with fewer collectives."""
-    norm = None
+    norm: jax.Array | None = None
     if grad_clip_norm is not None:
         grads, norm = jax_optim.clip_grads_by_global_norm(grads, grad_clip_norm, complete_sum)
     elif clip_scale is not None:
@@ -78,7 +96,7 @@ def optimizer_tail(
     return (*jax_optim.apply_updates(spec, params, grads, opt_state, scalars), norm)
 
 
-def nonfinite_count(grads: Mapping[str, Any]) -> jax.Array:
+def nonfinite_count(grads: Mapping[str, jax.Array]) -> jax.Array:
     """How many gradient elements are inf or nan (int32), over the arrays as this program sees them."""
     total = jnp.int32(0)
     for g in grads.values():
@@ -86,36 +104,39 @@ def nonfinite_count(grads: Mapping[str, Any]) -> jax.Array:
     return total
 
 
-def split_scalars(scalars: Any, loss_scaling: bool) -> tuple[Any, Any]:
+def split_scalars(scalars: StepScalars, loss_scaling: bool) -> tuple[Scalars, LossScale | None]:
     """``(optimizer scalars, loss_scale or None)`` of a step's ``scalars`` argument (see the module docstring)."""
-    return (scalars[0], scalars[1]) if loss_scaling else (scalars, None)
+    if loss_scaling:
+        scaled = cast("tuple[Scalars, LossScale]", scalars)
+        return (scaled[0], scaled[1])
+    return (cast(Scalars, scalars), None)
 
 
-def scale_loss(loss: Any, loss_scale: Any) -> Any:
+def scale_loss(loss: jax.Array, loss_scale: LossScale | None) -> jax.Array:
     """The value to differentiate: ``loss·S`` in float32 (GradScaler's ``scale(loss)``), or ``loss`` unscaled."""
     return loss if loss_scale is None else loss.astype(jnp.float32) * loss_scale[0]
 
 
-def share(value: Any, num_micro_batches: int, loss: MicroBatchLoss = MicroBatchLoss()) -> Any:
+def share(value: jax.Array, num_micro_batches: int, loss: MicroBatchLoss = MicroBatchLoss()) -> jax.Array:
     """One micro-batch's share of the value a step differentiates: ``value / M`` for a mean or ratio loss, ``value``
     for a sum and for ``M = 1`` (:mod:`.micro_batch_loss`)."""
     factor = loss.seed_share(num_micro_batches)
     return value if factor == 1.0 else value / num_micro_batches
 
 
-def unscale_grads(grads: Mapping[str, Any], loss_scale: Any) -> dict[str, Any]:
+def unscale_grads(grads: Mapping[str, jax.Array], loss_scale: LossScale | None) -> Arrays:
     """Gradients of ``loss·S`` times ``1/S`` (GradScaler's ``unscale_``), each in its own dtype."""
     if loss_scale is None:
         return dict(grads)
     return {n: g * loss_scale[1].astype(g.dtype) for n, g in grads.items()}
 
 
-def keep_if(finite: Any, new: Any, old: Any) -> Any:
+def keep_if(finite: jax.Array, new: T, old: T) -> T:
     """``new`` where ``finite`` else ``old``, leaf by leaf (same tree structure): a skipped step's state."""
     return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
 
 
-def micro_batches(inputs: list[Any], num_micro_batches: int) -> list[Any]:
+def micro_batches(inputs: list[jax.Array], num_micro_batches: int) -> list[jax.Array]:
     """Each batch leaf ``[B, ...]`` as ``[M, B/M, ...]``, micro-batch ``m`` holding rows ``m, m+M, m+2M, …``
     (row ``i`` goes to micro-batch ``i mod M``). With dim 0 split over ``d`` devices (``B/M`` a multiple of ``d``)
     every device keeps its rows: the reshape ``[B] → [B/M, M]`` splits the minor part of each device's block, so
@@ -128,18 +149,18 @@ class Accumulated(NamedTuple):
     micro-batch, a ratio loss's whole-batch denominator ``D`` (``None`` for other reductions, for combining data
     replicas: :func:`.micro_batch_loss.combine_replicas`) and the whole batch's aux values (:mod:`.aux_parts`)."""
 
-    loss: Any
-    grads: dict
-    buffers: dict
-    den: Any
-    aux: dict
+    loss: jax.Array
+    grads: Arrays
+    buffers: Arrays
+    den: jax.Array | None
+    aux: Arrays
 
 
 def accumulate(
-    grad_of: Callable[[list[Any], dict, Any], tuple[Any, Any, dict, dict, dict]],
-    inputs: list[Any],
-    buffers: dict,
-    key: Any,
+    grad_of: GradOf,
+    inputs: list[jax.Array],
+    buffers: Arrays,
+    key: jax.Array,
     num_micro_batches: int,
     loss: MicroBatchLoss = MicroBatchLoss(),
     aux: AuxOutputs = AuxOutputs(),
@@ -163,7 +184,7 @@ def accumulate(
     stacked = micro_batches(inputs, num_micro_batches)
     first_loss, den, first_aux, grads, changed = grad_of([x[0] for x in stacked], buffers, jax.random.fold_in(key, 0))
     names = tuple(changed)
-    reference = micro_batch_loss.reference_of(den) if ratio else None
+    reference = micro_batch_loss.reference_of(cast(jax.Array, den)) if ratio else None  # a ratio has its den
 
     def start(micro_loss, micro_den, micro_grads):
         if not ratio:
@@ -190,6 +211,7 @@ def accumulate(
         {k: jnp.concatenate([v[None], rest_aux[k]]) for k, v in first_aux.items()}, num_micro_batches
     )
     if ratio:
+        assert reference is not None  # set above for a ratio loss
         factor = num_micro_batches * reference / den_total
         grads = {n: g * factor.astype(g.dtype) for n, g in grads.items()}
         return Accumulated((total / den_total).astype(first_loss.dtype), grads, changed, den_total, whole_aux)
@@ -202,9 +224,9 @@ def make_fused_step(
     trainable: tuple[str, ...],
     spec: OptimizerSpec,
     grad_clip_norm: float | None,
-    grad_shardings: Mapping[str, Any],
+    grad_shardings: Mapping[str, NamedSharding],
     check_finite: bool = False,
-    count_nonfinite: Callable[[dict], Any] | None = None,
+    count_nonfinite: Callable[[Arrays], jax.Array] | None = None,
     loss_scaling: bool = False,
     num_micro_batches: int = 1,
     loss: MicroBatchLoss = MicroBatchLoss(),
@@ -280,7 +302,7 @@ def make_fused_step(
     return step
 
 
-def over_data_replicas(step: Callable, mesh: Any, num_inputs: int, data_axis: str) -> Callable:
+def over_data_replicas(step: Callable, mesh: Mesh, num_inputs: int, data_axis: str) -> Callable:
     """``step`` (:func:`make_fused_step` with ``data_axis``) as one program over ``mesh``: a ``shard_map`` manual over
     ``data_axis`` only, the batch leaves' rows split over it (replica ``r`` gets the ``r``-th block of every leaf's
     dim 0), everything else — state, scalars, key, and every output — the same on every replica (the parameters'

@@ -26,30 +26,77 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, NotRequired, TypeAlias, TypedDict, cast
 
 import jax
 import numpy as np
 
 from jaxbackend.precision import FULL_FP32, Numerics
 from torchpar.ir.graph import Graph
-from torchpar.ir.optimizer import OptimizerSpec
+from torchpar.ir.optimizer import OptimizerSpec, Scalars
 from torchpar.planner.pipeline.schedules import SPLIT_BACKWARD, device_groups, make_schedule
 from torchpar.planner.pipeline.slicing import StageGraph
 from torchpar.planner.plan import Plan
-from torchpar.runtime.arrays import local_copy, local_scalar, put, put_batch
-from torchpar.runtime.batch_parts import Ahead, HostRows, LeafPiece, local_box, pieces_from_rows, place
-from torchpar.runtime.checkpoint_io import KINDS, CheckpointSource, ShardReader, tensor_key, write_shards
+from torchpar.runtime.arrays import Piece, local_copy, local_scalar, put, put_batch
+from torchpar.runtime.batch_parts import Ahead, HostRows, Index, LeafPiece, local_box, pieces_from_rows, place
+from torchpar.runtime.checkpoint_io import (
+    KINDS,
+    CheckpointSource,
+    ShardReader,
+    StateArray,
+    TensorEntry,
+    tensor_key,
+    write_shards,
+)
 from torchpar.runtime.devices import DeviceMap
 from torchpar.runtime.micro_batch_loss import MicroBatchLoss
 from torchpar.runtime.pipeline import gradients
-from torchpar.runtime.pipeline.transport import Deliver, Mailbox, Transport
+from torchpar.runtime.pipeline.transport import Deliver, Mailbox, MessageKey, Transport
 from torchpar.runtime.state import Exported, HostState, export_arrays
-from torchpar.runtime.train_step import split_scalars
+from torchpar.runtime.train_step import StepScalars, split_scalars
+
+if TYPE_CHECKING:
+    from torchpar.runtime.host_loading import DataFactory, HostLoader
+    from torchpar.runtime.one_stage.placement import Placement
+    from torchpar.runtime.one_stage.programs import CompiledStep
+    from torchpar.runtime.pipeline.interpreter import StageRun
+    from torchpar.runtime.pipeline.stage_program import StageProgram
 
 log = logging.getLogger(__name__)
+
+LeafSpec: TypeAlias = tuple[tuple[int, ...], np.dtype]
+"""A batch leaf's ``(shape, dtype)``."""
+
+OneStagePayload: TypeAlias = Ahead | HostRows | Sequence[jax.Array] | Sequence[LeafPiece] | Sequence[np.ndarray]
+"""What a one-stage process receives for a step (:meth:`OneStageWorker.step_inputs`)."""
+
+PipelinePayload: TypeAlias = list[dict[int, np.ndarray]] | HostRows
+"""What a pipeline process receives for a step: each micro-batch's leaves its stages read, or the rows to load."""
+
+Payload: TypeAlias = OneStagePayload | PipelinePayload
+"""A process's part of a step's batch (:meth:`.executor.Executor.payloads`)."""
+
+HostOutput: TypeAlias = tuple[tuple[int, ...], np.dtype, np.ndarray | list[Piece]]
+"""An eval output as a process returns it: ``(shape, dtype, the host array or this process's pieces)``."""
+
+
+class CompileResult(TypedDict):
+    """What :meth:`Worker.compile` returns: phase seconds and, one-stage plans, how the step runs and the boxes of
+    the batch leaves this process holds (:func:`~.batch_parts.local_box`)."""
+
+    lower: float
+    xla_compile: float
+    spmd: NotRequired[str]
+    input_boxes: NotRequired[list[Index]]
+
+
+class ProgramInfo(TypedDict):
+    """A stage's program as :meth:`Worker.describe` shows it: its optimized HLO and the process of each device."""
+
+    hlo: str
+    device_processes: list[int]
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -131,18 +178,20 @@ class StepReport:
 class Worker:
     """The calls every worker answers (see the module docstring)."""
 
+    host_loader: HostLoader | None
+
     def __init__(self, spec: ExecutionSpec, rank: int):
         self.spec = spec
         self.rank = rank
         self.steps_run = 0
 
-    def describe(self, programs: bool = False) -> dict[str, Any]:
+    def describe(self, programs: bool = False) -> dict[str, object]:
         """Where this worker runs and what it ran: process, devices, stages, steps, and which of its devices
         hold a piece of the state. ``programs=True`` adds, per stage, the optimized HLO this process runs and
         its device assignment as process indices (logical id ``i`` of the HLO's replica groups is device
         ``i`` of the stage's mesh), so a caller can see which collectives cross processes."""
         devices = jax.local_devices()
-        info = {
+        info: dict[str, object] = {
             "rank": self.rank,
             "pid": os.getpid(),
             "process_index": jax.process_index(),
@@ -161,7 +210,7 @@ class Worker:
             info["programs"] = self.programs_info()
         return info
 
-    def attach_data(self, factory: Any, depth: int) -> None:
+    def attach_data(self, factory: DataFactory, depth: int) -> None:
         """Host-loaded training: load this process's rows of every step with ``factory`` (``torchpar.HostData``),
         ``depth`` steps ahead (:mod:`.host_loading`)."""
         from torchpar.runtime.host_loading import HostLoader
@@ -175,18 +224,18 @@ class Worker:
         if loader is not None:
             loader.close()
 
-    def _prepare_rows(self, key: Hashable, rows: HostRows, leaves: list[np.ndarray]) -> Any:
+    def _prepare_rows(self, key: Hashable, rows: HostRows, leaves: list[np.ndarray]) -> list[jax.Array] | None:
         """Loaded rows placed for signature ``key`` (on the loader's thread), ``None`` if ``key`` is not compiled."""
         return None
 
     def stages(self) -> list[int]:
         raise NotImplementedError
 
-    def state_arrays(self) -> list[Any]:
+    def state_arrays(self) -> list[jax.Array]:
         """Every array of the state this process holds (parameters, buffers, optimizer state)."""
         raise NotImplementedError
 
-    def programs_info(self) -> dict[int, dict[str, Any]]:
+    def programs_info(self) -> dict[int, ProgramInfo]:
         raise NotImplementedError
 
     def load(self, state: HostState | CheckpointSource) -> None:
@@ -194,7 +243,7 @@ class Worker:
         (:class:`~.checkpoint_io.CheckpointSource`); both answer ``place(kind, name, sharding)``."""
         raise NotImplementedError
 
-    def checkpoint_arrays(self) -> list[tuple[str, Any]]:
+    def checkpoint_arrays(self) -> list[tuple[str, StateArray]]:
         """``(tensor key, array)`` of every state array this process writes into a checkpoint (a parameter that
         several stages hold is written by its first stage only)."""
         raise NotImplementedError
@@ -209,10 +258,10 @@ class Worker:
         key: Hashable,
         graph: Graph,
         trainable: tuple[str, ...],
-        leaves: list[tuple[tuple[int, ...], Any]],
-        scalars: Any,
+        leaves: list[LeafSpec],
+        scalars: StepScalars,
         stage_graphs: list[StageGraph] | None = None,
-    ) -> dict[str, Any]:
+    ) -> CompileResult:
         """Compile the training step for batch signature ``key`` now (not inside its first step): ``graph`` is the
         training graph captured on one micro-batch of such a batch, ``leaves`` the whole batch's ``(shape, dtype)``
         per input, ``scalars`` a step's scalars (their shapes are what matter); ``stage_graphs``: the plan's stages
@@ -224,12 +273,14 @@ class Worker:
         """This process's pieces of the state entries of ``kinds``, for the driver to assemble."""
         raise NotImplementedError
 
-    def place_ahead(self, token: int, key: Hashable, payload: Any) -> None:
+    def place_ahead(self, token: int, key: Hashable, payload: OneStagePayload) -> None:
         """Place a later step's part of the batch on this process's devices now, kept under ``token`` (one-stage
         plans; a prefetch beside the running step)."""
         raise NotImplementedError
 
-    def run_step(self, key: Hashable, inputs: Any, scalars: Any, key_data: np.ndarray, start_time: float) -> StepReport:
+    def run_step(
+        self, key: Hashable, inputs: Payload, scalars: StepScalars, key_data: np.ndarray, start_time: float
+    ) -> StepReport:
         """Run this process's part of one training step of signature ``key`` on ``inputs`` (its part of the batch,
         placed, prefetched or host-loaded); ``start_time``: when the driver started the step (for the timeline)."""
         raise NotImplementedError
@@ -239,7 +290,7 @@ class Worker:
         ``clip_scale``."""
         raise NotImplementedError
 
-    def forward(self, key: Hashable, graph: Graph, leaves: list[np.ndarray]) -> list[Any]:
+    def forward(self, key: Hashable, graph: Graph, leaves: list[np.ndarray]) -> list[HostOutput | None]:
         """The eval forward of ``graph`` on ``leaves``."""
         raise NotImplementedError
 
@@ -255,7 +306,7 @@ class Worker:
         """Write this process's pieces of the state into ``directory``; returns their manifest."""
         return write_shards(directory, self.checkpoint_arrays(), writer=f"rank{self.rank}")
 
-    def load_checkpoint(self, directory: str, tensors: dict[str, Any]) -> dict[str, int]:
+    def load_checkpoint(self, directory: str, tensors: dict[str, TensorEntry]) -> dict[str, int]:
         """Load the state from the checkpoint in ``directory`` (``tensors``: its index's entries), each device's
         shard read from the pieces overlapping it; returns the bytes this process read."""
         with ShardReader(directory, tensors) as reader:
@@ -290,28 +341,28 @@ class OneStageWorker(Worker):
             num_micro_batches=spec.plan.num_micro_batches,
         )
         self.lead = min(spec.stage_ranks()[0]) == rank
-        self.params: dict[str, Any] = {}
-        self.buffers: dict[str, Any] = {}
-        self.opt_state: dict[str, dict[str, Any]] = {}
-        self._steps: dict[Hashable, Any] = {}
-        self._boxes: dict[Hashable, list[Any]] = {}
-        self._ahead: dict[int, tuple[list[Any], int, float]] = {}
+        self.params: dict[str, jax.Array] = {}
+        self.buffers: dict[str, jax.Array] = {}
+        self.opt_state: dict[str, dict[str, jax.Array]] = {}
+        self._steps: dict[Hashable, CompiledStep] = {}
+        self._boxes: dict[Hashable, list[Index]] = {}
+        self._ahead: dict[int, tuple[list[jax.Array], int, float]] = {}
         self._ahead_ready = threading.Condition()
-        self._forwards: dict[Hashable, Any] = {}
-        self._last: Any = None
-        self.host_loader: Any = None
+        self._forwards: dict[Hashable, Callable] = {}
+        self._last: CompiledStep | None = None
+        self.host_loader = None
 
     def stages(self) -> list[int]:
         return [0]
 
-    def state_arrays(self) -> list[Any]:
+    def state_arrays(self) -> list[jax.Array]:
         return [
             *self.params.values(),
             *self.buffers.values(),
             *(v for entries in self.opt_state.values() for v in entries.values()),
         ]
 
-    def programs_info(self) -> dict[int, dict[str, Any]]:
+    def programs_info(self) -> dict[int, ProgramInfo]:
         mesh = self.program.placement.mesh
         return {
             0: {
@@ -340,7 +391,7 @@ class OneStageWorker(Worker):
     def export(self, kinds: tuple[str, ...] = KINDS) -> list[Exported]:
         return export_arrays(0, self.params, self.buffers, self.opt_state, kinds)
 
-    def checkpoint_arrays(self) -> list[tuple[str, Any]]:
+    def checkpoint_arrays(self) -> list[tuple[str, StateArray]]:
         return [
             *((tensor_key("param", n), v) for n, v in self.params.items()),
             *((tensor_key("buffer", n), v) for n, v in self.buffers.items()),
@@ -352,10 +403,10 @@ class OneStageWorker(Worker):
         key: Hashable,
         graph: Graph,
         trainable: tuple[str, ...],
-        leaves: list[tuple[tuple[int, ...], Any]],
-        scalars: Any,
+        leaves: list[LeafSpec],
+        scalars: StepScalars,
         stage_graphs: list[StageGraph] | None = None,
-    ) -> dict[str, Any]:
+    ) -> CompileResult:
         compiled = self.program.compile_step(
             graph, trainable, leaves, (self.params, self.opt_state, self.buffers), scalars
         )
@@ -371,14 +422,14 @@ class OneStageWorker(Worker):
             "input_boxes": self._boxes[key],
         }
 
-    def _prepare_rows(self, key: Hashable, rows: HostRows, leaves: list[np.ndarray]) -> Any:
+    def _prepare_rows(self, key: Hashable, rows: HostRows, leaves: list[np.ndarray]) -> list[jax.Array] | None:
         compiled = self._steps.get(key)
         if compiled is None:
             return None
         pieces = pieces_from_rows(leaves, rows.rows, self._boxes[key], rows.batch_rows)
         return [place(piece, sharding) for piece, sharding in zip(pieces, compiled.input_shardings)]
 
-    def place_ahead(self, token: int, key: Hashable, payload: Any) -> None:
+    def place_ahead(self, token: int, key: Hashable, payload: OneStagePayload) -> None:
         """Place a prefetched batch's pieces on this process's devices now (beside the running step); the step that
         trains on it names ``token`` (:class:`~.batch_parts.Ahead`)."""
         placed = self.step_inputs(key, payload)
@@ -386,7 +437,7 @@ class OneStageWorker(Worker):
             self._ahead[token] = placed
             self._ahead_ready.notify_all()
 
-    def step_inputs(self, key: Hashable, batch: Any) -> tuple[list[Any], int, float]:
+    def step_inputs(self, key: Hashable, batch: Payload) -> tuple[list[jax.Array], int, float]:
         """The step's input arrays from what the driver sent — whole leaves, this process's
         :class:`~.batch_parts.LeafPiece` of each, arrays already placed (a prefetch, here or by :meth:`place_ahead`),
         or :class:`HostRows` to load — with the bytes received and the seconds waited for host-loaded rows."""
@@ -404,22 +455,27 @@ class OneStageWorker(Worker):
             (loaded, leaves, prepared), waited = self.host_loader.take(batch)
             if prepared is None:
                 prepared = self._prepare_rows(key, loaded, leaves)
+            assert prepared is not None  # key is compiled (self._steps[key] above)
             return prepared, 0, waited
         if all(isinstance(leaf, jax.Array) for leaf in batch):
-            return list(batch), 0, 0.0
+            return cast("list[jax.Array]", list(batch)), 0, 0.0
         if all(isinstance(leaf, LeafPiece) for leaf in batch):
+            pieces = cast("Sequence[LeafPiece]", batch)
             return (
-                [place(piece, sharding) for piece, sharding in zip(batch, compiled.input_shardings)],
-                sum(piece.nbytes for piece in batch),
+                [place(piece, sharding) for piece, sharding in zip(pieces, compiled.input_shardings)],
+                sum(piece.nbytes for piece in pieces),
                 0.0,
             )
+        arrays = cast("Sequence[np.ndarray]", batch)  # a one-stage process's whole host leaves
         return (
-            [put(leaf, sharding) for leaf, sharding in zip(batch, compiled.input_shardings)],  # fitted at compile
-            sum(int(np.asarray(leaf).nbytes) for leaf in batch),
+            [put(leaf, sharding) for leaf, sharding in zip(arrays, compiled.input_shardings)],  # fitted at compile
+            sum(int(np.asarray(leaf).nbytes) for leaf in arrays),
             0.0,
         )
 
-    def run_step(self, key: Hashable, leaves: Any, scalars: Any, key_data: np.ndarray, start_time: float) -> StepReport:
+    def run_step(
+        self, key: Hashable, leaves: Payload, scalars: StepScalars, key_data: np.ndarray, start_time: float
+    ) -> StepReport:
         compiled = self._steps[key]
         inputs, received, waited = self.step_inputs(key, leaves)
         begin = time.time()
@@ -437,10 +493,10 @@ class OneStageWorker(Worker):
             report.blocks = {0: [("step", 0, begin - start_time, time.time() - start_time)]}
         return report
 
-    def apply_update(self, clip_scale: float) -> None:
+    def apply_update(self, clip_scale: float | None) -> None:
         raise AssertionError("one-stage steps update inside their executable")
 
-    def forward(self, key: Hashable, graph: Graph, leaves: list[np.ndarray]) -> list[Any]:
+    def forward(self, key: Hashable, graph: Graph, leaves: list[np.ndarray]) -> list[HostOutput | None]:
         """The eval forward of ``graph`` on ``leaves``: each output as a host array (lead process) or its pieces."""
         from torchpar.runtime.arrays import to_host
 
@@ -454,11 +510,13 @@ class OneStageWorker(Worker):
         return (self._last or next(iter(self._steps.values()))).spmd
 
     def hlo_text(self) -> dict[int, str]:
+        assert self._last is not None  # read after a step compiled
         return {0: self._last.compiled.as_text()} if self.lead else {}
 
     def memory_stats(self) -> dict[int, dict[str, int]]:
         from jaxbackend.compiler import memory_analysis
 
+        assert self._last is not None  # read after a step compiled
         return {0: memory_analysis(self._last.compiled)} if self.lead else {}
 
 
@@ -479,7 +537,7 @@ class PipelineWorker(Worker):
         self.placements, self.programs = self._build(spec.stage_graphs)
         self._build_s = time.perf_counter() - start
         self._primary = (self.placements, self.programs)
-        self._variants: dict[Hashable, tuple[dict[int, Any], dict[int, Any]]] = {}
+        self._variants: dict[Hashable, tuple[dict[int, Placement], dict[int, StageProgram]]] = {}
         from torchpar.runtime.pipeline.interpreter import StageState
 
         self.states = {s: StageState() for s in self.programs}
@@ -493,9 +551,9 @@ class PipelineWorker(Worker):
         )
         self.mailbox = Mailbox()
         self.transport = Transport(rank, self.ranks, self.mailbox, deliver, spec.options.timeout_s)
-        self.host_loader: Any = None
+        self.host_loader = None
 
-    def _build(self, stage_graphs: list[StageGraph]) -> tuple[dict[int, Any], dict[int, Any]]:
+    def _build(self, stage_graphs: list[StageGraph]) -> tuple[dict[int, Placement], dict[int, StageProgram]]:
         """Every stage's layouts (the neighbours' too: a sender lays values out as the receiver reads them) and
         the programs of the stages this process takes part in, for ``stage_graphs``."""
         from torchpar.runtime.one_stage.placement import Placement
@@ -530,10 +588,10 @@ class PipelineWorker(Worker):
         key: Hashable,
         graph: Graph,
         trainable: tuple[str, ...],
-        leaves: list[tuple[tuple[int, ...], Any]],
-        scalars: Any,
+        leaves: list[LeafSpec],
+        scalars: StepScalars,
         stage_graphs: list[StageGraph] | None = None,
-    ) -> dict[str, Any]:
+    ) -> CompileResult:
         """Compile every stage's executables this process takes part in (by running them on zeros), stages one
         after another in rank order so processes sharing a stage compile it together. ``stage_graphs=None``: the
         plan's own stages (built with the worker); else the stages are built again for other batch shapes and
@@ -553,7 +611,7 @@ class PipelineWorker(Worker):
         self._variants[key] = (placements, programs)
         return {"lower": lower_s, "xla_compile": time.perf_counter() - start}
 
-    def _optimizer_scalars(self, scalars: Any, programs: dict[int, Any]) -> Any:
+    def _optimizer_scalars(self, scalars: StepScalars, programs: dict[int, StageProgram]) -> Scalars:
         """The optimizer's part of a step's ``scalars``; under loss scaling (``(optimizer scalars, [S, 1/S])``)
         the stages' loss seeds are set to the step's scale first."""
         optimizer_scalars, loss_scale = split_scalars(scalars, self.spec.options.loss_scaling)
@@ -565,7 +623,7 @@ class PipelineWorker(Worker):
     def stages(self) -> list[int]:
         return sorted(self.programs)
 
-    def state_arrays(self) -> list[Any]:
+    def state_arrays(self) -> list[jax.Array]:
         return [
             v
             for stage in self.states.values()
@@ -576,7 +634,7 @@ class PipelineWorker(Worker):
             ]
         ]
 
-    def programs_info(self) -> dict[int, dict[str, Any]]:
+    def programs_info(self) -> dict[int, ProgramInfo]:
         return {
             s: {
                 "hlo": p.forward_hlo() + "\n" + p.backward_hlo(),
@@ -588,7 +646,7 @@ class PipelineWorker(Worker):
     def is_lead(self, stage: int) -> bool:
         return self.ranks[stage][0] == self.rank
 
-    def deliver(self, key: Any, payload: Any) -> None:
+    def deliver(self, key: MessageKey, payload: object) -> None:
         """A message from another process (the Ray actor's endpoint)."""
         self.mailbox.put(key, payload)
 
@@ -625,9 +683,9 @@ class PipelineWorker(Worker):
             entries += export_arrays(s, stage.params, stage.buffers, stage.opt_state, kinds)
         return entries
 
-    def checkpoint_arrays(self) -> list[tuple[str, Any]]:
+    def checkpoint_arrays(self) -> list[tuple[str, StateArray]]:
         first = self._first_stage_holding()
-        arrays = []
+        arrays: list[tuple[str, StateArray]] = []
         for s, stage in sorted(self.states.items()):
             arrays += [(tensor_key("param", n), v) for n, v in stage.params.items() if first[n] == s]
             arrays += [(tensor_key("buffer", n), v) for n, v in stage.buffers.items() if first[n] == s]
@@ -650,8 +708,8 @@ class PipelineWorker(Worker):
     def run_step(
         self,
         key: Hashable,
-        micro_inputs: list[dict[int, np.ndarray]] | HostRows,
-        scalars: Any,
+        micro_inputs: Payload,
+        scalars: StepScalars,
         key_data: np.ndarray,
         start_time: float,
     ) -> StepReport:
@@ -662,17 +720,19 @@ class PipelineWorker(Worker):
 
         received, waited = 0, 0.0
         if isinstance(micro_inputs, HostRows):  # load the whole batch's leaves this process's stages read
+            assert self.host_loader is not None  # attached before the driver sends rows to load
             (_, leaves, _), waited = self.host_loader.take(micro_inputs)
             needed = {i for s in self.programs for i in self.spec.stage_graphs[s].batch_inputs}
             parts = [np.split(leaf, self.spec.plan.num_micro_batches) for leaf in leaves]
             micro_inputs = [{i: parts[i][m] for i in needed} for m in range(self.spec.plan.num_micro_batches)]
         else:
+            micro_inputs = cast("list[dict[int, np.ndarray]]", micro_inputs)  # a pipeline process's payload
             received = sum(int(np.asarray(leaf).nbytes) for micro in micro_inputs for leaf in micro.values())
         self.placements, self.programs = self._variants.get(key, self._primary)
-        rng = jax.random.wrap_key_data(key_data)
+        rng = jax.random.wrap_key_data(key_data)  # type: ignore[arg-type]  # jax stub: Array; takes host uint32
         self._scalars = self._optimizer_scalars(scalars, self.programs)
         self.transport.begin_step(self.steps_run)
-        runs: dict[int, Any] = {}
+        runs: dict[int, StageRun] = {}
         errors: list[BaseException] = []
 
         groups = sorted({s % self.num_groups for s in self.programs})
@@ -719,8 +779,8 @@ class PipelineWorker(Worker):
             if self.is_lead(s):
                 report.blocks[s] = result.blocks
                 report.spans[s] = result.spans
-                for key, values in result.aux.items():
-                    report.aux[key] = [local_copy(values[m]) for m in sorted(values)]
+                for aux_key, values in result.aux.items():
+                    report.aux[aux_key] = [local_copy(values[m]) for m in sorted(values)]
                 if s == last % self.num_groups:
                     report.losses = [local_scalar(loss) for loss in result.losses]
                     report.loss_dens = [local_scalar(den) for den in result.dens]
@@ -747,7 +807,7 @@ class PipelineWorker(Worker):
         return report
 
     @staticmethod
-    def _run_threads(target: Any, items: list[int], name: str) -> None:
+    def _run_threads(target: Callable[[int], None], items: list[int], name: str) -> None:
         threads = [threading.Thread(target=target, args=(i,), name=f"torchpar-{name}-{i}", daemon=True) for i in items]
         for thread in threads:
             thread.start()
@@ -765,10 +825,10 @@ class PipelineWorker(Worker):
                 )
             stage.grads = None
 
-    def _layout(self, stage: int, name: str) -> Any:
+    def _layout(self, stage: int, name: str) -> jax.sharding.Sharding:
         return self.placements[stage].value(name)
 
-    def _grad_layout(self, stage: int, name: str) -> Any:
+    def _grad_layout(self, stage: int, name: str) -> jax.sharding.Sharding:
         return self.placements[stage].param(name)
 
     def hlo_text(self) -> dict[int, str]:
