@@ -4,7 +4,7 @@ compiled step per signature), the check that a batch fits the example batch's, a
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TypeAlias
 
 import numpy as np
 import torch
@@ -15,8 +15,11 @@ from torchpar.capture.export import batch_to_call_args, call_args_to_batch
 from torchpar.capture.to_ir import dtype_name
 from torchpar.engine.guard import leaf_names
 
+Signature: TypeAlias = tuple[str, tuple[tuple[tuple[int, ...], str], ...]]
+"""A batch's signature (:func:`signature`): its structure, then every leaf's ``(shape, dtype name)``."""
 
-def signature(batch: Any) -> tuple:
+
+def signature(batch: object) -> Signature:
     """``(structure, ((shape, dtype), ...))`` of ``batch``'s leaves; a ``TypeError`` naming a leaf that is not a
     tensor."""
     leaves, spec = pytree.tree_flatten(batch_to_call_args(batch))
@@ -30,17 +33,19 @@ def signature(batch: Any) -> tuple:
     return str(spec), tuple((tuple(leaf.shape), dtype_name(leaf.dtype)) for leaf in leaves)
 
 
-def describe(signature: tuple) -> str:
+def describe(signature: Signature) -> str:
     """A signature's leaves as ``float32[8, 16], int64[8]``."""
     return ", ".join(f"{dtype}{list(shape)}" for shape, dtype in signature[1])
 
 
-def skeleton(batch: Any) -> Any:
+def skeleton(batch: object) -> object:
     """``batch``'s structure, shapes and dtypes, without its data (tensors on the meta device)."""
     return pytree.tree_map(lambda leaf: leaf.to("meta") if isinstance(leaf, torch.Tensor) else leaf, batch)
 
 
-def check_compatible(signature: tuple, batch: Any, example_signature: tuple, example_skeleton: Any) -> None:
+def check_compatible(
+    signature: Signature, batch: object, example_signature: Signature, example_skeleton: object
+) -> None:
     """A ``ValueError`` unless ``batch`` has the example batch's structure and each leaf its dtype and rank (sizes
     may change)."""
     spec, leaves = signature
@@ -64,12 +69,12 @@ def check_compatible(signature: tuple, batch: Any, example_signature: tuple, exa
             )
 
 
-def call_leaves(batch: Any) -> list[Any]:
+def call_leaves(batch: object) -> list[torch.Tensor]:
     """The batch's leaves in the order the step takes them (its call arguments, flattened)."""
     return pytree.tree_leaves(batch_to_call_args(batch))
 
 
-def first_micro_batch(batch: Any, num_micro_batches: int, data_replicas: int = 1) -> Any:
+def first_micro_batch(batch: object, num_micro_batches: int, data_replicas: int = 1) -> object:
     """The first of ``num_micro_batches · data_replicas`` equal slices of every batch leaf along dim 0 (for capture:
     one micro-batch of one data replica): a ``ValueError`` naming the leaf if one does not split; ``batch`` itself
     for one part."""
@@ -107,7 +112,7 @@ def first_micro_batch(batch: Any, num_micro_batches: int, data_replicas: int = 1
     return call_args_to_batch(type(batch), args, kwargs)
 
 
-def splittable_rows(batch: Any) -> int:
+def splittable_rows(batch: object) -> int:
     """The greatest number of equal parts every leaf of ``batch`` splits into along dim 0 (the gcd of their batch
     sizes): what a searched micro-batch count must divide. A ``ValueError`` naming a leaf with no batch dim."""
     leaves = call_leaves(batch)
@@ -128,6 +133,6 @@ def split_leaves(leaves: list[np.ndarray], parts: int) -> list[list[np.ndarray]]
     ]
 
 
-def take_rows(batch: Any, rows: int) -> Any:
+def take_rows(batch: object, rows: int) -> object:
     """``batch`` with every tensor leaf cut to its first ``rows`` rows (dim 0)."""
     return pytree.tree_map(lambda leaf: leaf[:rows] if isinstance(leaf, torch.Tensor) and leaf.dim() else leaf, batch)

@@ -6,7 +6,7 @@ micro-batch at a time and decides whether the state is small enough to re-run wi
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,8 +16,15 @@ from torchpar.engine.host_arrays import host_tensor
 from torchpar.ir.graph import Graph
 from torchpar.runtime.nonfinite import AUTO_DIAGNOSIS_BYTES, locate_nonfinite
 
+if TYPE_CHECKING:
+    import jax
 
-def locate(graph: Graph, trainable: Sequence[str], state: Any, batch: Any, key: Any, num_micro_batches: int) -> str:
+    from torchpar.runtime.state import HostState
+
+
+def locate(
+    graph: Graph, trainable: Sequence[str], state: HostState, batch: object, key: jax.Array, num_micro_batches: int
+) -> str:
     """Re-run the step ``graph`` on each of ``batch``'s ``num_micro_batches`` micro-batches with ``state`` (a
     :class:`~torchpar.runtime.state.HostState`) and PRNG ``key``; the first culprit's description, or that the
     re-run is finite."""

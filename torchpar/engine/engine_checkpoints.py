@@ -8,20 +8,54 @@ loss scaler and data cursor; it writes back only the step count and key a restor
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from torchpar import checkpoint as _checkpoint
-from torchpar.engine.torch_side import linked
+from torchpar.engine.torch_side import TorchSide, linked
+
+if TYPE_CHECKING:
+    import jax
+
+    from torchpar.capture.optimizer import TorchOptimizerBridge
+    from torchpar.engine.compiled import CompiledTraining
+    from torchpar.engine.feeding import StepInputs
+    from torchpar.options import CompileOptions
+    from torchpar.planner.plan import Plan
+    from torchpar.runtime.executor import Executor
+    from torchpar.runtime.loss_scale import LossScaler
 
 
 class EngineCheckpoints:
     """Checkpoints of a :class:`torchpar.api.Engine` (module docstring)."""
 
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    options: CompileOptions
+    _executor: Executor
+    _compiled: CompiledTraining
+    _bridge: TorchOptimizerBridge
+    _param_names: dict[str, torch.Tensor]
+    _buffer_names: dict[str, torch.Tensor]
+    _loss_scaler: LossScaler | None
+    _steps_taken: int
+    _base_key: jax.Array
+    _inputs: StepInputs
+    _torch: TorchSide
+    _capture_batch: object
+
+    if TYPE_CHECKING:  # the Engine's, beside this mixin
+
+        @property
+        def plan(self) -> Plan: ...
+
+        def _bring_in(self, batch: object) -> bool: ...
+
     @linked()
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, object]:
         """A checkpoint of parameters, buffers, optimizer state, step count and PRNG position.
 
         Arrays are CPU torch tensors holding the exact values, parameters and buffers in the model's dtypes (an
@@ -30,19 +64,19 @@ class EngineCheckpoints:
         dicts only, so nothing is unpickled that could run code."""
         return _checkpoint.state_dict(self._training_state())
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, object]) -> None:
         """Restore a checkpoint made by :meth:`state_dict` (same model and optimizer structure)."""
         self._restore(_checkpoint.load_state_dict, state)
 
     @linked()
-    def save(self, path: str, *, scheduler: Any = None) -> Any:
+    def save(self, path: str, *, scheduler: torch.optim.lr_scheduler.LRScheduler | None = None) -> Path:
         """Write a sharded checkpoint at ``path`` (a directory): every process writes the shards it holds (safetensors
         files) and an ``index.json`` maps each tensor to its pieces; atomic (a save killed midway leaves the previous
         checkpoint at ``path``). Holds the state, optimizer counters and ``param_groups`` hyper-parameters, step
         count, PRNG key, loss scale and ``scheduler``'s state. Returns the path. See :mod:`torchpar.checkpoint`."""
         return _checkpoint.save(self._training_state(), path, scheduler=scheduler)
 
-    def load(self, path: str, *, scheduler: Any = None) -> None:
+    def load(self, path: str, *, scheduler: torch.optim.lr_scheduler.LRScheduler | None = None) -> None:
         """Restore a checkpoint written by :meth:`save` by an engine of any plan (another method, mesh, pipeline or
         runtime): each process reads only the slices its devices hold under this engine's plan. Host-loaded data
         (``compile(data=...)``) continues after the checkpoint's last batch."""
@@ -56,16 +90,17 @@ class EngineCheckpoints:
         return _checkpoint.export_torch_state_dict(self._training_state())
 
     @linked()
-    def save_pretrained(self, directory: str, **kwargs: Any) -> None:
+    def save_pretrained(self, directory: str, **kwargs: object) -> None:
         """A HuggingFace model's ``save_pretrained(directory, **kwargs)`` with the engine's current weights (copied
         into the torch model first): ``config.json`` + ``model.safetensors``, loadable with ``from_pretrained``."""
-        if not callable(getattr(self.model, "save_pretrained", None)):
+        save_pretrained = getattr(self.model, "save_pretrained", None)
+        if not callable(save_pretrained):
             raise TypeError(
                 f"{type(self.model).__name__} has no save_pretrained (not a HuggingFace PreTrainedModel): "
                 "save model.state_dict() (it holds the engine's weights) with torch.save or safetensors"
             )
         self._torch.pull()
-        self.model.save_pretrained(directory, **kwargs)
+        save_pretrained(directory, **kwargs)
 
     def _training_state(self) -> _checkpoint.TrainingState:
         return _checkpoint.TrainingState(
@@ -86,7 +121,7 @@ class EngineCheckpoints:
         )
 
     @linked(bring_in=False)
-    def _restore(self, restore: Callable[..., Any], *args: Any, **kwargs: Any) -> _checkpoint.TrainingState:
+    def _restore(self, restore: Callable[..., object], *args: object, **kwargs: object) -> _checkpoint.TrainingState:
         """``restore(training_state, *args, **kwargs)``, then take back the step count and PRNG key it restored; the
         engine now holds the model's weights newer than the torch model (pulled when user code looks), and the
         modules outside the model the step calls are read from torch again at the next step."""

@@ -10,7 +10,7 @@ memory, the workers. Read-only; nothing here steps, compiles or moves state.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from torchpar import metrics as _metrics
 from torchpar.capture.to_ir import dtype_name
@@ -18,9 +18,34 @@ from torchpar.cluster import current_cluster
 from torchpar.ir.graph import Graph
 from torchpar.planner.plan import Plan
 
+if TYPE_CHECKING:
+    import torch
+
+    from jaxbackend.precision import Numerics
+    from torchpar.engine.batches import Signature
+    from torchpar.engine.compiled import CompiledTraining
+    from torchpar.engine.guard import StepGuard
+    from torchpar.options import CompileOptions
+    from torchpar.runtime.executor import Executor
+    from torchpar.runtime.loss_scale import LossScaler
+    from torchpar.runtime.pipeline.timeline import StepTimeline
+
 
 class EngineReadouts:
     """The Engine's read-only properties and reports (module docstring: the fields they read)."""
+
+    _executor: Executor
+    _compiled: CompiledTraining
+    _recorder: _metrics.StepRecorder
+    _guard: StepGuard
+    _loss_scaler: LossScaler | None
+    _numerics: Numerics
+    _param_names: dict[str, torch.Tensor]
+    _last_step_s: float | None
+    _last_signature: Signature | None
+    _example_signature: Signature
+    options: CompileOptions
+    model: torch.nn.Module
 
     @property
     def last_metrics(self) -> _metrics.StepMetrics | None:
@@ -54,7 +79,7 @@ class EngineReadouts:
         return None if self._loss_scaler is None else self._loss_scaler.scale
 
     @property
-    def numerics(self) -> dict[str, Any]:
+    def numerics(self) -> dict[str, str]:
         """What the step computes with: ``matmul_precision`` / ``conv_precision`` asked, ``effective`` on this
         platform (the CPU computes fp32 products whatever is asked), ``mixed_precision`` and ``loss_scaling``."""
         return dict(self.plan.numerics)
@@ -69,7 +94,7 @@ class EngineReadouts:
         return self._executor.hlo_text()
 
     @property
-    def last_timeline(self) -> Any:
+    def last_timeline(self) -> StepTimeline | None:
         """Measured compute blocks of each pipeline stage in the last step (``None`` before one)."""
         return self._executor.last_timeline
 
@@ -78,21 +103,21 @@ class EngineReadouts:
         one-stage plan is stage 0; a pipeline's fields are prefixed ``forward_`` / ``backward_``)."""
         return self._executor.memory_stats()
 
-    def measured(self) -> dict[str, Any]:
+    def measured(self) -> dict[str, object]:
         """The last step's wall seconds and each stage's per-device memory (:func:`metrics.measured_figures`)."""
         return _metrics.measured_figures(self.plan, self.memory_stats(), self._last_step_s)
 
-    def save_report(self, path: str, **options: Any) -> Any:
+    def save_report(self, path: str, **options: object) -> object:
         """The plan's HTML report with the engine's measurements beside the estimates (:func:`metrics.save_report`)."""
         return _metrics.save_report(self.plan, path, self.measured(), self.last_timeline, self.model, **options)
 
-    def describe_workers(self, programs: bool = False) -> list[dict[str, Any]]:
+    def describe_workers(self, programs: bool = False) -> list[dict[str, object]]:
         """Each worker process's own account (rank, pid, devices, stages, steps run, devices holding state; with
         ``programs=True`` the HLO it runs per stage and its device assignment)."""
         return self._executor.describe_workers(programs)
 
     @property
-    def executor(self) -> Any:
+    def executor(self) -> Executor:
         """The :class:`torchpar.runtime.executor.Executor` running the plan."""
         return self._executor
 

@@ -24,8 +24,8 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from collections.abc import Callable, Container, Hashable, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 import numpy as np
 import torch
@@ -35,7 +35,23 @@ from torchpar.engine.guard import leaf_names
 from torchpar.engine.host_arrays import host_value
 from torchpar.runtime.batch_parts import HostBatch
 
+if TYPE_CHECKING:
+    from torchpar.ir.index_inputs import IndexBound
+    from torchpar.ir.integer_ranges import IntegerRanges
+    from torchpar.runtime.executor import Executor, Prepared
+
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class MapDataset(Protocol):
+    """A map-style dataset: its length and the sample at each index (what :class:`HostData` reads)."""
+
+    def __getitem__(self, index: int, /) -> object: ...
+
+    def __len__(self) -> int: ...
+
 
 PREFETCH_DEPTH = 2
 """Batches prepared ahead of the step (``engine.prefetch``) and steps loaded ahead by each host (host-loaded data)."""
@@ -52,15 +68,15 @@ class HostData:
     (true of stacking collators; a collator padding to the longest sample is not: pad to a fixed length), and the
     samples must collate to the same shapes beyond dim 0 in every batch."""
 
-    dataset: Any
+    dataset: MapDataset
     batch_size: int
-    collate_fn: Callable[[list[Any]], Any] | None = None
+    collate_fn: Callable[[list[Any]], object] | None = None
     shuffle: bool = True
     seed: int = 0
     drop_last: bool = False
-    index_bounds: tuple[Any, ...] = ()
+    index_bounds: tuple[IndexBound, ...] = ()
     """Set by the engine: the index-range checks of the batch leaves (``compile(check_inputs=True)``)."""
-    integer_ranges: Any = None
+    integer_ranges: IntegerRanges | None = None
     """Set by the engine: the check of the step's int64 arithmetic (:mod:`torchpar.ir.integer_ranges`), or ``None``."""
     leaf_names: tuple[str, ...] = ()
 
@@ -78,10 +94,10 @@ class HostData:
                 + (" with drop_last=True" if self.drop_last else "")
             )
 
-    def index_loader(self) -> torch.utils.data.DataLoader:
+    def index_loader(self) -> torch.utils.data.DataLoader[int]:
         """The ``DataLoader`` above over the dataset's indices: each pass over it is the next epoch's batches."""
         return torch.utils.data.DataLoader(
-            range(len(self.dataset)),
+            range(len(self.dataset)),  # type: ignore[arg-type]  # torch's stubs want a Dataset; any sequence works
             batch_size=self.batch_size,
             shuffle=self.shuffle,
             drop_last=self.drop_last,
@@ -97,7 +113,7 @@ class HostData:
                 pass
         return list(loader)
 
-    def collate(self, indices: Iterable[int]) -> Any:
+    def collate(self, indices: Iterable[int]) -> object:
         """The batch of samples ``indices``, collated; an exception names the dataset index that raised."""
         samples = []
         for index in indices:
@@ -148,7 +164,8 @@ class HostFeed:
 
     def _upcoming(self, count: int) -> list[tuple[int, int, tuple[int, ...]]]:
         """``(epoch, position, indices)`` of the next ``count`` batches from the cursor."""
-        out, epoch, position = [], self.epoch, self.position
+        out: list[tuple[int, int, tuple[int, ...]]] = []
+        epoch, position = self.epoch, self.position
         while len(out) < count:
             epoch_batches = self._batches(epoch)
             if position >= len(epoch_batches):
@@ -158,11 +175,11 @@ class HostFeed:
             position += 1
         return out
 
-    def template(self, rows: int) -> Any:
+    def template(self, rows: int) -> object:
         """The example batch with ``rows`` rows (a prefix: host-loaded batches never exceed the batch size)."""
         return batches.take_rows(self.example, rows)
 
-    def next(self) -> tuple[Any, Any]:
+    def next(self) -> tuple[object, HostBatch]:
         """The next step's template batch and its HostBatch; the cursor moves past it (epochs roll over)."""
         upcoming = self._upcoming(1 + self.depth)
         epoch, position, indices = upcoming[0]
@@ -175,7 +192,7 @@ class HostFeed:
         self.steps += 1
         return self.template(len(indices)), step
 
-    def checked(self, checks: tuple[Iterable[Any], Any], names: Iterable[str]) -> HostData:
+    def checked(self, checks: tuple[Iterable[IndexBound], IntegerRanges | None], names: Iterable[str]) -> HostData:
         """The data as the processes get it: with the checks of the step's batch leaves (``checks``: the index
         bounds and the integer-arithmetic check, :meth:`torchpar.engine.guard.StepGuard.input_checks`)."""
         bounds, ranges = checks
@@ -183,13 +200,13 @@ class HostFeed:
             self.data, index_bounds=tuple(bounds), integer_ranges=ranges, leaf_names=tuple(names)
         )
 
-    def cursor(self) -> dict[str, Any]:
+    def cursor(self) -> dict[str, int]:
         """Where the data stands, for a checkpoint: the next batch (``epoch``, ``position`` in it), the steps taken,
         and what fixes the order (dataset size, batch size, shuffle, seed, drop_last) — the sampler's state is the
         seeded generator walked epoch by epoch, so these recreate it."""
         return {"epoch": self.epoch, "position": self.position, "steps": self.steps, **self._order()}
 
-    def _order(self) -> dict[str, Any]:
+    def _order(self) -> dict[str, int]:
         data = self.data
         return {
             "samples": len(data.dataset),
@@ -199,14 +216,14 @@ class HostFeed:
             "drop_last": data.drop_last,
         }
 
-    def restore(self, cursor: dict[str, Any]) -> None:
+    def restore(self, cursor: Mapping[str, int]) -> None:
         """Continue from a :meth:`cursor` saved by another run over the same data: the next step loads the batch
         after the saved one, in the same order (checked first: :meth:`check`)."""
         self.check(cursor)
         self.epoch, self.position, self.steps = int(cursor["epoch"]), int(cursor["position"]), int(cursor["steps"])
         self._batches(self.epoch)
 
-    def check(self, cursor: dict[str, Any]) -> None:
+    def check(self, cursor: Mapping[str, int]) -> None:
         """Raises ``ValueError`` naming what differs when ``cursor`` was saved over data whose order is not this
         one's (another dataset size, batch size, shuffle, seed or drop_last)."""
         saved = {key: cursor.get(key) for key in self._order()}
@@ -232,9 +249,9 @@ class Prefetched:
     """A batch from ``engine.prefetch``: the batch, its payloads made ready for ``executor`` (``None`` when its
     shapes were not compiled yet), and the seconds the consumer waited for it."""
 
-    batch: Any
-    ready: Any
-    executor: Any
+    batch: object
+    ready: Prepared | None
+    executor: Executor
     wait_s: float
 
 
@@ -244,17 +261,19 @@ class Prefetcher(Iterator[Prefetched]):
 
     _END = object()
 
-    def __init__(self, loader: Iterable[Any], prepare: Callable[[Any], tuple[Any, Any]], depth: int):
+    def __init__(
+        self, loader: Iterable[object], prepare: Callable[[object], tuple[Prepared | None, Executor]], depth: int
+    ):
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
             raise ValueError(f"depth must be an int ≥ 1, got {depth!r}")
-        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._queue: queue.Queue[object] = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._thread = threading.Thread(
             target=self._fill, args=(iter(loader), prepare), daemon=True, name="torchpar-prefetch"
         )
         self._thread.start()
 
-    def _fill(self, source: Iterator[Any], prepare: Callable[[Any], tuple[Any, Any]]) -> None:
+    def _fill(self, source: Iterator[object], prepare: Callable[[object], tuple[Prepared | None, Executor]]) -> None:
         try:
             for batch in source:
                 if not self._put((batch, *prepare(batch))):
@@ -263,7 +282,7 @@ class Prefetcher(Iterator[Prefetched]):
         except BaseException as error:  # handed to the consumer, raised by next()
             self._put(error)
 
-    def _put(self, item: Any) -> bool:
+    def _put(self, item: object) -> bool:
         """Queue ``item`` unless the consumer stopped (then ``False``)."""
         while not self._stop.is_set():
             try:
@@ -283,7 +302,7 @@ class Prefetcher(Iterator[Prefetched]):
         if isinstance(item, BaseException):
             self._stop.set()
             raise item
-        batch, ready, executor = item
+        batch, ready, executor = cast("tuple[object, Prepared | None, Executor]", item)  # what _fill queued
         return Prefetched(batch, ready, executor, waited)
 
     def close(self) -> None:
@@ -303,13 +322,15 @@ class StepInputs:
     def __init__(
         self,
         feed: HostFeed | None,
-        host_leaves: Callable[[Any, Any], list[np.ndarray]],
-        checks: Callable[[Any], tuple[list[Any], Any]],
+        host_leaves: Callable[[Hashable, object], list[np.ndarray]],
+        checks: Callable[[Hashable], tuple[list[IndexBound], IntegerRanges | None]],
     ):
         self.feed, self._host_leaves, self._checks = feed, host_leaves, checks
-        self._attached_to: Any = None
+        self._attached_to: Executor | None = None
 
-    def take(self, batch: Any, executor: Any) -> tuple[Any, Any, float]:
+    def take(
+        self, batch: object, executor: Executor
+    ) -> tuple[object, HostBatch | tuple[Prepared, Executor] | None, float]:
         """What ``engine.step(batch)`` trains on: ``(batch, fed, waited)`` — the batch (for host-loaded data, the
         template of the next step's shapes), what the executor takes instead of converting it (the host-loaded
         step's :class:`HostBatch`, or a prefetched batch's payloads with the executor they were made for) or
@@ -326,13 +347,20 @@ class StepInputs:
             return batch.batch, (batch.ready, batch.executor) if batch.ready is not None else None, batch.wait_s
         return batch, None, 0.0
 
-    def leaves(self, signature: Any, batch: Any, fed: Any, executor: Any) -> tuple[Any, float]:
+    def leaves(
+        self,
+        signature: batches.Signature,
+        batch: object,
+        fed: HostBatch | Prepared | tuple[Prepared, Executor] | None,
+        executor: Executor,
+    ) -> tuple[list[np.ndarray] | HostBatch | Prepared, float]:
         """What ``executor.step`` takes for the step and the seconds spent converting it (a driver-fed batch, or one
         prefetched for an executor since replaced by a recompile)."""
         if isinstance(fed, tuple):
             ready, made_for = fed
             fed = ready if made_for is executor else None
         if isinstance(fed, HostBatch):
+            assert self.feed is not None, "a HostBatch comes from the host-loaded feed"
             if self._attached_to is not executor:
                 executor.attach_data(self.feed.checked(self._checks(signature), leaf_names(batch)), self.feed.depth)
                 self._attached_to = executor
@@ -342,16 +370,16 @@ class StepInputs:
         start = time.perf_counter()
         return self._host_leaves(signature, batch), time.perf_counter() - start
 
-    def cursor(self) -> dict[str, Any] | None:
+    def cursor(self) -> dict[str, int] | None:
         """Host-loaded data's position for a checkpoint (:meth:`HostFeed.cursor`), ``None`` without it."""
         return self.feed.cursor() if self.feed is not None else None
 
-    def check_cursor(self, cursor: dict[str, Any] | None) -> None:
+    def check_cursor(self, cursor: Mapping[str, int] | None) -> None:
         """Before a checkpoint loads: its cursor must continue this engine's data (:meth:`HostFeed.check`)."""
         if self.feed is not None and cursor is not None:
             self.feed.check(cursor)
 
-    def restore_cursor(self, cursor: dict[str, Any] | None) -> None:
+    def restore_cursor(self, cursor: Mapping[str, int] | None) -> None:
         """After ``engine.load``: host-loaded data continues from the checkpoint's cursor (the hosts' loaders are
         attached again, so nothing loaded ahead of the old position is used)."""
         if self.feed is None:
@@ -367,7 +395,7 @@ class StepInputs:
         self.feed.restore(cursor)
         self._attached_to = None
 
-    def run(self, step: Callable[[], Any], steps: int | None, epochs: int | None) -> Iterator[Any]:
+    def run(self, step: Callable[[], T], steps: int | None, epochs: int | None) -> Iterator[T]:
         """``step()`` run ``steps`` times (or to the end of ``epochs`` epochs), lazily, yielding what it returns;
         checked at once."""
         if self.feed is None or (steps is None) == (epochs is None):
@@ -375,14 +403,20 @@ class StepInputs:
                 "run(steps) / run(epochs=...) needs compile(..., data=torchpar.HostData(...)) and one of "
                 "steps, epochs; with batches of your own, call engine.step(batch)"
             )
-        count = steps if steps is not None else self.feed.steps_in_epochs(epochs)
+        count = steps if steps is not None else self.feed.steps_in_epochs(cast(int, epochs))  # one of the two
         return (step() for _ in range(count))
 
-    def prefetch(self, loader: Iterable[Any], executor: Callable[[], Any], compiled: Any, depth: int) -> Prefetcher:
+    def prefetch(
+        self,
+        loader: Iterable[object],
+        executor: Callable[[], Executor],
+        compiled: Container[batches.Signature],
+        depth: int,
+    ) -> Prefetcher:
         """``engine.prefetch``: on the prefetch thread each batch's payloads are made for the current executor if its
         signature is compiled (``compiled``: the compiled signatures), else left to the step to convert."""
 
-        def prepare(batch: Any) -> tuple[Any, Any]:
+        def prepare(batch: object) -> tuple[Prepared | None, Executor]:
             signature, made_for = batches.signature(batch), executor()
             if signature not in compiled:
                 return None, made_for
@@ -391,7 +425,7 @@ class StepInputs:
         return Prefetcher(loader, prepare, depth)
 
 
-def example_and_feed(example_batch: Any, data: HostData | None) -> tuple[Any, HostFeed | None]:
+def example_and_feed(example_batch: object, data: HostData | None) -> tuple[object, HostFeed | None]:
     """``compile``'s example batch and host-loaded feed: ``data``'s first batch is the example when none is given."""
     if data is not None and not isinstance(data, HostData):
         raise TypeError(f"data must be a torchpar.HostData, got {type(data).__name__}")

@@ -11,7 +11,8 @@ clears as usual and which raises, naming the parameter and the fix, on any other
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterable
+from typing import cast
 
 import torch
 
@@ -31,11 +32,17 @@ class GradStandIn(torch.Tensor):
         return stand_in
 
     @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    def __torch_dispatch__(  # type: ignore[override]  # torch's stubs type it as a plain function, not a classmethod
+        cls,
+        func: torch._ops.OpOverload,
+        types: Iterable[type],
+        args: tuple[object, ...] = (),
+        kwargs: dict[str, object] | None = None,
+    ) -> object:
         if func in _CLEARING:
             return args[0]
         if func is torch.ops.aten._foreach_zero_.default:
-            rest = [t for t in args[0] if not isinstance(t, GradStandIn)]
+            rest = [t for t in cast("list[torch.Tensor]", args[0]) if not isinstance(t, GradStandIn)]  # a tensor list
             return func(rest) if rest else None
         names = sorted({a.param_name for a in _flat(args) if isinstance(a, GradStandIn)})
         raise RuntimeError(
@@ -46,11 +53,13 @@ class GradStandIn(torch.Tensor):
             "clip_grad_norm_() left after engine.step (docs/porting.md)"
         )
 
-    def __repr__(self, *, tensor_contents: Any = None) -> str:
+    def __repr__(  # type: ignore[override]  # mypy reads a dunder's parameters as positional: no keyword matches
+        self, *, tensor_contents: object = None
+    ) -> str:
         return f"GradStandIn({self.param_name}: computed and applied inside the torchpar engine)"
 
 
-def _flat(args: Any) -> list[Any]:
+def _flat(args: object) -> list[object]:
     if isinstance(args, (list, tuple)):
         return [x for a in args for x in _flat(a)]
     return [args]

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from collections.abc import Callable, Hashable, Iterator, Mapping
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -23,6 +23,10 @@ import torch.utils._pytree as pytree
 from torchpar.ir.graph import Graph
 from torchpar.ir.index_inputs import IndexBound, check_index_inputs, index_bounds
 from torchpar.ir.integer_ranges import IntegerRanges, integer_ranges
+
+if TYPE_CHECKING:
+    from torchpar.planner.plan import Plan
+    from torchpar.runtime.loss_scale import LossScaler
 
 log = logging.getLogger(__name__)
 
@@ -40,28 +44,32 @@ class StepGuard:
         self.on_nonfinite = on_nonfinite
         self.skipped_steps = 0
         self.first_loss: float | None = None
-        self._bounds: dict[Any, list[IndexBound]] = {}
-        self._ranges: dict[Any, IntegerRanges] = {}
+        self._bounds: dict[Hashable, list[IndexBound]] = {}
+        self._ranges: dict[Hashable, IntegerRanges] = {}
         self._warned_divergence = False
 
-    def learn(self, key: Any, graph: Graph) -> None:
+    def learn(self, key: Hashable, graph: Graph) -> None:
         """Record what the integer inputs of ``graph`` (the program run for signature ``key``) index, and its integer
         arithmetic."""
         if key not in self._bounds:
             self._bounds[key] = index_bounds(graph)
             self._ranges[key] = integer_ranges(graph)
 
-    def bounds(self, key: Any) -> list[IndexBound]:
+    def bounds(self, key: Hashable) -> list[IndexBound]:
         """The index-range checks of signature ``key``'s batch leaves (empty if none, or before it compiled)."""
         return list(self._bounds.get(key) or []) if self.check_inputs else []
 
-    def input_checks(self, key: Any) -> tuple[list[IndexBound], IntegerRanges | None]:
+    def input_checks(self, key: Hashable) -> tuple[list[IndexBound], IntegerRanges | None]:
         """Signature ``key``'s index-range checks and integer-arithmetic check, for processes that load the batch
         themselves (empty and ``None`` if checks are off, or before it compiled)."""
         return self.bounds(key), self._ranges.get(key) if self.check_inputs else None
 
     def host_leaves(
-        self, key: Any, leaves: list[torch.Tensor], names: list[str], to_host: Callable[[Any], np.ndarray]
+        self,
+        key: Hashable,
+        leaves: list[torch.Tensor],
+        names: list[str],
+        to_host: Callable[[torch.Tensor | np.ndarray], np.ndarray],
     ) -> list[np.ndarray]:
         """The batch ``leaves`` as host arrays (``to_host``), after the index-range check of the values as the
         user passed them (before an ``int64 → int32`` cast could wrap a huge id into range); the graph's int64
@@ -82,7 +90,7 @@ class StepGuard:
         return hosted
 
     @contextlib.contextmanager
-    def translating_failures(self, what: str, plan: Any, device_memory_bytes: int) -> Iterator[None]:
+    def translating_failures(self, what: str, plan: Plan | None, device_memory_bytes: int) -> Iterator[None]:
         """Re-raise XLA's out-of-memory inside the block as a ``DeviceMemoryError`` naming ``plan``'s stages and
         what to try (``plan`` may be ``None`` before planning: then nothing is translated)."""
         from torchpar.runtime.resources import as_device_memory_error
@@ -99,7 +107,9 @@ class StepGuard:
                 raise translated from error
             raise
 
-    def after_step(self, step: int, loss: float, finite: bool, loss_scaler: Any, locate: Callable[[], str]) -> None:
+    def after_step(
+        self, step: int, loss: float, finite: bool, loss_scaler: LossScaler | None, locate: Callable[[], str]
+    ) -> None:
         """Apply the policy to step ``step``: a finite one feeds the divergence watch; a skipped one is counted
         (``"skip"``) or raised with ``locate()``'s culprit (``"raise"``). Under fp16 loss scaling (``loss_scaler``, a
         :class:`~torchpar.runtime.loss_scale.LossScaler` or ``None``) a gradient overflow is expected: it adjusts the
@@ -154,7 +164,7 @@ class StepGuard:
             )
 
 
-def leaf_names(batch: Any) -> list[str]:
+def leaf_names(batch: object) -> list[str]:
     """How messages call each batch leaf: ``batch['input_ids']``, ``batch[1]``, or ``the batch``."""
     if isinstance(batch, torch.Tensor):
         return ["the batch"]
@@ -163,7 +173,7 @@ def leaf_names(batch: Any) -> list[str]:
 
 
 def validate_checkpoint(
-    state: Any,
+    state: object,
     params: Mapping[str, torch.Tensor],
     buffers: Mapping[str, torch.Tensor],
     state_keys: Mapping[str, list[str]],

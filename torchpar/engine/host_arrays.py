@@ -4,9 +4,8 @@ off), and the way back to CPU torch tensors."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
+import numpy.typing as npt
 import torch
 
 
@@ -26,12 +25,12 @@ def host_copy(tensor: torch.Tensor) -> np.ndarray:
     return np.array(host_tensor(tensor), copy=True)
 
 
-def host_value(value: Any) -> np.ndarray:
+def host_value(value: torch.Tensor | np.ndarray) -> np.ndarray:
     """A torch tensor or a numpy array as the host array JAX reads."""
     return host_tensor(value) if isinstance(value, torch.Tensor) else host_array(value)
 
 
-def host_array(array: Any) -> np.ndarray:
+def host_array(array: npt.ArrayLike) -> np.ndarray:
     from jaxbackend.lower import to_numpy_input
 
     return to_numpy_input(np.asarray(array))
@@ -44,7 +43,7 @@ def jax_dtype(torch_dtype_name: str) -> np.dtype:
     return np.dtype(to_jax(torch_dtype_name))
 
 
-def to_torch(array: Any) -> torch.Tensor:
+def to_torch(array: npt.ArrayLike) -> torch.Tensor:
     """A host or JAX array as a CPU torch tensor holding the same values (bfloat16 by its bits)."""
     value = np.asarray(array)
     if value.dtype.name == "bfloat16":
@@ -52,7 +51,7 @@ def to_torch(array: Any) -> torch.Tensor:
     return torch.from_numpy(np.array(value, copy=True))
 
 
-def write_into(tensor: torch.Tensor, array: Any) -> None:
+def write_into(tensor: torch.Tensor, array: npt.ArrayLike) -> None:
     """Copy a host or JAX array's values into ``tensor`` in place (cast to its dtype). A contiguous CPU tensor is
     written through numpy — several times faster than ``Tensor.copy_`` on a busy CPU — which, unlike ``copy_``, does
     not bump the tensor's ``_version``: a caller that tracks writes counts this one itself."""

@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import fields, replace
-from typing import Any
+from typing import TYPE_CHECKING
 
 from torchpar import progress
 from torchpar.hardware import ClusterSpec
@@ -32,6 +32,9 @@ from torchpar.ir.graph import Graph
 from torchpar.ir.op_families import FREE
 from torchpar.planner.plan import Plan
 from torchpar.planner.profiling import calibrated_cluster
+
+if TYPE_CHECKING:
+    from torchpar.methods import Method
 
 log = logging.getLogger(__name__)
 
@@ -57,19 +60,19 @@ def constants_origin(cluster: ClusterSpec) -> str:
     return "nominal" if all(getattr(cluster, name) == value for name, value in defaults.items()) else "by hand"
 
 
-def busy_devices(method: Any, cluster: ClusterSpec) -> int:
+def busy_devices(method: Method | Plan | None, cluster: ClusterSpec) -> int:
     """Devices a plan of ``method`` keeps running at once: 1 for ``method=None``, else the whole cluster."""
     return 1 if method is None else cluster.num_devices
 
 
 def priced_cluster(
     cluster: ClusterSpec,
-    method: Any,
+    method: Method | Plan | None,
     graph: Graph,
     *,
     trainable: set[str] | None = None,
     optimizer_state_copies: float = 2.0,
-) -> tuple[ClusterSpec, dict[str, Any]]:
+) -> tuple[ClusterSpec, dict[str, object]]:
     """``(the cluster to plan ``graph`` with, the record of its constants)`` by the module docstring's rules; the
     record goes to ``plan.solver["cost_constants"]``. ``trainable`` (default: every parameter) and
     ``optimizer_state_copies`` price the optimizer update. A saved :class:`Plan` is not planned again: nothing is

@@ -47,11 +47,19 @@ import inspect
 import logging
 import weakref
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar, SupportsIndex
 
 import torch
 
-from torchpar.capture.module_state import MODULE_INTERNALS, AttributeRead, NumberAttribute, same_plain
+from torchpar.capture.module_state import MODULE_INTERNALS, AttributeRead, CapturedState, NumberAttribute, same_plain
+
+if TYPE_CHECKING:
+    from torchpar.runtime.state import HostState
+
+    _ModuleMixin = torch.nn.Module
+    """What :class:`_Linked` is mixed into (to the type checker; at run time it is a plain mixin)."""
+else:
+    _ModuleMixin = object
 
 log = logging.getLogger(__name__)
 
@@ -60,11 +68,11 @@ _MISSING = object()
 
 # --- the registry shared by every link --------------------------------------------------------------------------
 
-_holders: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+_holders: dict[int, tuple[weakref.ref[torch.Tensor], weakref.ref[ModelLink]]] = {}
 """``id(tensor)`` → (the tensor, the link whose engine holds newer values than it), both weakly."""
 _touches: dict[int, int] = {}
 """``id(tensor)`` → how many times user code was handed it (module docstring)."""
-_watchers: dict[int, weakref.WeakSet] = {}
+_watchers: dict[int, weakref.WeakSet[ModelLink]] = {}
 """``id(module)`` → the links watching it."""
 _seen: dict[int, int] = {}
 """``id(module)`` → the epoch in which user code last reached its whole tree (later accesses in it are free)."""
@@ -128,52 +136,58 @@ def pull_holders(tensors: Iterable[torch.Tensor], *, but: ModelLink | None = Non
 # --- the watched modules' class ---------------------------------------------------------------------------------
 
 
-class _Linked:
-    """Mixed into the class of a watched module: user code reaching the module pulls first (module docstring)."""
+class _Linked(_ModuleMixin):
+    """Mixed into the class of a watched module: user code reaching the module pulls first (module docstring).
+    Each method passes its arguments on, as they came, to the module's own class (whose signature may extend
+    ``torch.nn.Module``'s)."""
 
-    def __getattr__(self, name: str) -> Any:
+    _torchpar_base: ClassVar[type[torch.nn.Module]]
+    """The module's own class (set on each linked class by :func:`_linked_class`)."""
+
+    def __getattr__(self, name: str) -> torch.Tensor | torch.nn.Module:
         state = object.__getattribute__(self, "__dict__")
         if not _suspended and (name in state.get("_parameters", ()) or name in state.get("_buffers", ())):
             _user_access(self, name)
-        return super().__getattr__(name)  # type: ignore[misc]
+        return super().__getattr__(name)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         _user_access(self)
-        return super().__call__(*args, **kwargs)  # type: ignore[misc]
+        return super().__call__(*args, **kwargs)
 
-    def parameters(self, *args: Any, **kwargs: Any) -> Any:
+    def parameters(self, *args: Any, **kwargs: Any) -> Iterator[torch.nn.Parameter]:
         _user_access(self)
-        return super().parameters(*args, **kwargs)  # type: ignore[misc]
+        return super().parameters(*args, **kwargs)
 
-    def named_parameters(self, *args: Any, **kwargs: Any) -> Any:
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, torch.nn.Parameter]]:
         _user_access(self)
-        return super().named_parameters(*args, **kwargs)  # type: ignore[misc]
+        return super().named_parameters(*args, **kwargs)
 
-    def buffers(self, *args: Any, **kwargs: Any) -> Any:
+    def buffers(self, *args: Any, **kwargs: Any) -> Iterator[torch.Tensor]:
         _user_access(self)
-        return super().buffers(*args, **kwargs)  # type: ignore[misc]
+        return super().buffers(*args, **kwargs)
 
-    def named_buffers(self, *args: Any, **kwargs: Any) -> Any:
+    def named_buffers(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, torch.Tensor]]:
         _user_access(self)
-        return super().named_buffers(*args, **kwargs)  # type: ignore[misc]
+        return super().named_buffers(*args, **kwargs)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         _user_access(self)
-        return super().state_dict(*args, **kwargs)  # type: ignore[misc]
+        return super().state_dict(*args, **kwargs)
 
     def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
         _user_access(self)
-        return super().load_state_dict(*args, **kwargs)  # type: ignore[misc]
+        return super().load_state_dict(*args, **kwargs)
 
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         _user_access(self)
-        return super()._apply(*args, **kwargs)  # type: ignore[misc]
+        return super()._apply(*args, **kwargs)
 
-    def __reduce_ex__(self, protocol: Any) -> Any:
+    def __reduce_ex__(self, protocol: SupportsIndex) -> tuple[object, ...]:
         """Copies and pickles: the current weights, as the module's own class."""
         _user_access(self)
         reduced = super().__reduce_ex__(protocol)
-        return (copyreg._reconstructor, (type(self)._torchpar_base, object, None), *reduced[2:])
+        reconstructor = copyreg._reconstructor  # type: ignore[attr-defined]  # typeshed lacks this private helper
+        return (reconstructor, (type(self)._torchpar_base, object, None), *reduced[2:])
 
 
 _linked_classes: dict[type, type] = {}
@@ -185,9 +199,12 @@ METADATA_PROPERTIES = ("device", "dtype")
 
 
 def _metadata_property(prop: property) -> property:
-    def get(self: Any) -> Any:
+    fget = prop.fget
+    assert fget is not None, "only properties with a getter are wrapped"
+
+    def get(self: object) -> object:
         with suspended():
-            return prop.fget(self)
+            return fget(self)
 
     return property(get, doc=prop.__doc__)
 
@@ -196,7 +213,7 @@ def _linked_class(cls: type) -> type:
     if getattr(cls, "_torchpar_base", None) is not None:
         return cls
     if cls not in _linked_classes:
-        namespace: dict[str, Any] = {
+        namespace: dict[str, object] = {
             "__module__": cls.__module__,
             "__qualname__": cls.__qualname__,
             "_torchpar_base": cls,
@@ -252,7 +269,7 @@ class Slot:
     path: str
     """``path.attribute`` for messages."""
 
-    def current(self) -> Any:
+    def current(self) -> object:
         state = self.module.__dict__
         if self.where == "parameter":
             return state["_parameters"].get(self.attribute, _MISSING)
@@ -285,11 +302,11 @@ class Tracked:
 class StateAccess:
     """What a link needs from its engine (the executor's state, and the optimizer state behind the bridge)."""
 
-    def export(self, kinds: tuple[str, ...]) -> Any:
+    def export(self, kinds: tuple[str, ...]) -> HostState:
         """The executor's state of ``kinds`` as a ``HostState``."""
         raise NotImplementedError
 
-    def update(self, state: Any) -> None:
+    def update(self, state: HostState) -> None:
         """Replace entries of the executor's state (a ``HostState``)."""
         raise NotImplementedError
 
@@ -490,7 +507,7 @@ class ModelLink:
 # --- what an engine tracks ----------------------------------------------------------------------------------------
 
 
-def tracked_state(model: torch.nn.Module, captured: Any) -> dict[str, Tracked]:
+def tracked_state(model: torch.nn.Module, captured: CapturedState) -> dict[str, Tracked]:
     """Every state tensor an engine over ``model`` holds, by state name: the model's parameters and buffers
     (``named_parameters()`` / ``named_buffers()`` names; a tied tensor under its first name, with a slot per place),
     the tensor attributes the capture reads as buffers, and the parameters and buffers of the modules outside the

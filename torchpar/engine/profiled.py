@@ -18,7 +18,7 @@ import logging
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from tqdm.auto import tqdm
 
@@ -31,6 +31,10 @@ from torchpar.planner.plan import Plan
 from torchpar.planner.profiling import LinkFit, StageTimer, calibrated_cluster
 from torchpar.planner.training_plan import TrainingPlan, plan_training
 
+if TYPE_CHECKING:
+    from jaxbackend.precision import Numerics
+    from torchpar.methods import Method
+
 log = logging.getLogger(__name__)
 
 
@@ -41,7 +45,7 @@ class Profiling:
     cluster: ClusterSpec
     timer: StageTimer
     links: list[LinkFit]
-    bar: Any
+    bar: tqdm
 
     def record_links(self, plan: Plan) -> None:
         """Add the link fits to ``plan.solver["profile"]`` (the planner records the stages)."""
@@ -58,7 +62,7 @@ def start_profiling(
     spec: OptimizerSpec,
     trainable: set[str],
     num_micro_batches: int,
-    numerics: Any,
+    numerics: Numerics,
     library_fusions: bool,
 ) -> Profiling:
     """Time the links of this process's devices (or read them from the profile cache) and make the stage timer.
@@ -113,7 +117,7 @@ def profiling_if(
     spec: OptimizerSpec,
     trainable: set[str],
     num_micro_batches: int,
-    numerics: Any,
+    numerics: Numerics,
     library_fusions: bool,
 ) -> Iterator[Profiling | None]:
     """``profile=True``: the :class:`Profiling` to plan with inside the ``with`` block (links timed on entering,
@@ -149,7 +153,7 @@ def finish_profiling(profiling: Profiling | None, plan: Plan) -> None:
 
 def plan_training_profiled(
     graph: Graph,
-    method: Any,
+    method: Method | Plan | None,
     cluster: ClusterSpec,
     *,
     profile: bool,
@@ -157,7 +161,7 @@ def plan_training_profiled(
     trainable: set[str],
     remat: str | None,
     explain: bool = False,
-    numerics: Any,
+    numerics: Numerics,
     library_fusions: bool,
     beat_s: float = math.inf,
 ) -> TrainingPlan:

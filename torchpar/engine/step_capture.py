@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
 
@@ -41,6 +41,14 @@ if TYPE_CHECKING:
     from torchpar.methods import Method
 
 
+class StepFns(TypedDict):
+    """The functions feeding a batch to the model, by keyword, as ``torchpar.compile`` takes them."""
+
+    loss_fn: LossFn | None
+    step_fn: StepFn | None
+    forward_fn: ForwardFn | None
+
+
 @dataclasses.dataclass(frozen=True)
 class BatchParts:
     """How one step cuts its batch: ``num_micro_batches × data_replicas`` equal parts of every leaf's dim 0; every
@@ -59,7 +67,7 @@ class BatchParts:
     def count(self) -> int:
         return self.num_micro_batches * self.data_replicas
 
-    def first(self, batch: Any) -> Any:
+    def first(self, batch: object) -> object:
         """The part of ``batch`` a graph is captured on (:func:`torchpar.engine.batches.first_micro_batch`)."""
         return batches.first_micro_batch(batch, self.num_micro_batches, self.data_replicas)
 
@@ -97,7 +105,7 @@ class StepCapture:
         self,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
-        example_batch: Any,
+        example_batch: object,
         options: CompileOptions,
         *,
         loss_fn: LossFn | None = None,
@@ -107,7 +115,7 @@ class StepCapture:
         orphans_allowed: bool = False,
     ):
         self.model, self.optimizer, self.example_batch, self.options = model, optimizer, example_batch, options
-        self.fns: dict[str, Any] = dict(loss_fn=loss_fn, step_fn=step_fn, forward_fn=forward_fn)
+        self.fns = StepFns(loss_fn=loss_fn, step_fn=step_fn, forward_fn=forward_fn)
         """The step functions by keyword, as ``torchpar.compile`` takes them."""
         self.numbers = numbers
         self.numerics: Numerics = numerics_for(options.matmul_precision)
@@ -124,7 +132,7 @@ class StepCapture:
 
     # --- capture ---------------------------------------------------------------------------------------------------
 
-    def capture(self, batch: Any, parts: BatchParts) -> Capture:
+    def capture(self, batch: object, parts: BatchParts) -> Capture:
         """The training graph on ``batch`` (one of ``parts``); every op must have a lowering (checked here, before any
         worker starts, so the error lists them all at once). The first capture fixes :attr:`tracked` and
         :attr:`bridge`."""
@@ -159,7 +167,7 @@ class StepCapture:
             capture = dataclasses.replace(capture, graph=graph)
         return capture
 
-    def capture_forward(self, batch: Any) -> Capture:
+    def capture_forward(self, batch: object) -> Capture:
         """The eval-mode forward graph on ``batch`` (``forward_fn``, or the calling convention)."""
         with suspended():
             capture = capture_forward(
@@ -216,7 +224,7 @@ class StepCapture:
         phases = CompilePhases(() if searching else ("capture", "plan"), "planning the training step")
         cluster = current_cluster()
 
-        def plan_with(concrete: Any, beat_s: float = math.inf) -> PlannedStep:
+        def plan_with(concrete: Method | Plan | None, beat_s: float = math.inf) -> PlannedStep:
             parts = BatchParts.of(concrete)
             label = (lambda phase: f"{phase} ({parts.num_micro_batches} micro-batches)") if searching else str
             with phases.phase(label("capture")):

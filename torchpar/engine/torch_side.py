@@ -16,7 +16,7 @@ import functools
 import logging
 import weakref
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Concatenate, ParamSpec, Protocol, TypeVar
 
 import torch
 
@@ -27,7 +27,31 @@ from torchpar.capture.training_setup import describe_changes, training_setup
 from torchpar.engine import model_link
 from torchpar.engine.grad_stand_in import GradStandIns
 
+if TYPE_CHECKING:
+    from torchpar.engine.batches import Signature
+    from torchpar.engine.compiled import CompiledTraining
+    from torchpar.engine.step_capture import StepFns
+    from torchpar.ir.graph import Graph
+    from torchpar.options import CompileOptions
+    from torchpar.runtime.executor import Executor
+    from torchpar.runtime.state import HostState
+
 log = logging.getLogger(__name__)
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+class Linkable(Protocol):
+    """An engine as a :func:`linked` method's wrapper sees it."""
+
+    @property
+    def _capture_batch(self) -> object: ...
+
+    def _bring_in(self, batch: object) -> bool: ...
+
+
+E = TypeVar("E", bound=Linkable)
 
 
 class TorchSide:
@@ -42,11 +66,11 @@ class TorchSide:
         self,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
-        compiled: Any,
-        executor: Callable[[], Any],
-        graph: Callable[[], Any],
-        options: Any,
-        fns: dict[str, Any],
+        compiled: CompiledTraining,
+        executor: Callable[[], Executor | None],
+        graph: Callable[[], Graph],
+        options: CompileOptions,
+        fns: StepFns,
         params: dict[str, torch.Tensor],
     ):
         self.model, self.optimizer, self._compiled = model, optimizer, compiled
@@ -61,7 +85,7 @@ class TorchSide:
             state=_ExecutorState(executor),
             label=f"the engine over {type(model).__name__}",
         )
-        self._written: dict[tuple, set[str]] = {}
+        self._written: dict[Signature, set[str]] = {}
         self._grads = (
             GradStandIns({n: params[n] for n in compiled.bridge.spec.param_names}) if options.grad_stand_ins else None
         )
@@ -82,7 +106,9 @@ class TorchSide:
         if not changes and self._optimizer_loaded:
             from torchpar.runtime.state import HostState
 
-            self._executor().update_state(HostState(opt_state=self._compiled.bridge.initial_state()))
+            executor = self._executor()
+            assert executor is not None, "the engine asks for the changes while it lives"
+            executor.update_state(HostState(opt_state=self._compiled.bridge.initial_state()))
             self._optimizer_loaded = self.optimizer_stale = False
         return changes
 
@@ -90,7 +116,7 @@ class TorchSide:
         """The float attributes ``forward`` read whose values changed since the last step."""
         return self.link.changed_floats()
 
-    def after_step(self, signature: tuple) -> None:
+    def after_step(self, signature: Signature) -> None:
         """The step of ``signature`` ran: what it wrote is now newer in the engine than in torch."""
         self.link.after_step(self._written_by(signature))
         self.optimizer_stale = True
@@ -108,7 +134,9 @@ class TorchSide:
 
     def write_optimizer_state(self) -> None:
         """Copy the engine's optimizer state (of what its latest step trains) into the torch optimizer now."""
-        state = self._executor().export_state(("state",))
+        executor = self._executor()
+        assert executor is not None, "the engine writes its optimizer state while it lives"
+        state = executor.export_state(("state",))
         self._compiled.bridge.write_back(state.opt_state, trained=set(self._compiled.trainable(self._graph())))
         self.optimizer_stale = False
 
@@ -123,7 +151,7 @@ class TorchSide:
             else "",
         )
 
-    def feedable_floats(self, batch: Any, floats: Iterable[NumberAttribute]) -> list[NumberAttribute]:
+    def feedable_floats(self, batch: object, floats: Iterable[NumberAttribute]) -> list[NumberAttribute]:
         """Those of ``floats`` the step can read as inputs: each is tried in a capture on ``batch`` as a 0-d tensor; one
         that steers Python control flow in ``forward`` (``if self.w > 0``, ``F.dropout``'s range check) fails it and
         stays a constant of the step."""
@@ -166,7 +194,7 @@ class TorchSide:
             for handle in self._hooks:
                 handle.remove()
 
-    def _written_by(self, signature: tuple) -> set[str]:
+    def _written_by(self, signature: Signature) -> set[str]:
         """The state the step of ``signature`` writes: the parameters it trains and the buffers it mutates."""
         if signature not in self._written:
             graph = self._compiled.graph(signature)
@@ -186,14 +214,16 @@ class TorchSide:
         self._optimizer_loaded = True
 
 
-def linked(bring_in: bool = True) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def linked(
+    bring_in: bool = True,
+) -> Callable[[Callable[Concatenate[E, P], R]], Callable[Concatenate[E, P], R]]:
     """Decorate an engine method that reads or writes the engine's state: it runs with the torch link suspended (its
     own reads of the torch model pull nothing), after — with ``bring_in`` — what user code wrote into the torch model
     since the last step was brought in (the engine's ``_bring_in(_capture_batch)``)."""
 
-    def decorate(method: Callable[..., Any]) -> Callable[..., Any]:
+    def decorate(method: Callable[Concatenate[E, P], R]) -> Callable[Concatenate[E, P], R]:
         @functools.wraps(method)
-        def run(engine: Any, *args: Any, **kwargs: Any) -> Any:
+        def run(engine: E, *args: P.args, **kwargs: P.kwargs) -> R:
             with model_link.suspended():
                 if bring_in:
                     engine._bring_in(engine._capture_batch)
@@ -204,11 +234,11 @@ def linked(bring_in: bool = True) -> Callable[[Callable[..., Any]], Callable[...
     return decorate
 
 
-def _weakly(method: Callable[..., Any]) -> Callable[..., Any]:
+def _weakly(method: Callable[[torch.optim.Optimizer], None]) -> Callable[[torch.optim.Optimizer], None]:
     """A hook calling ``method`` while its object lives (the optimizer must not keep the engine alive)."""
     ref = weakref.WeakMethod(method)
 
-    def hook(*args: Any) -> None:
+    def hook(*args: torch.optim.Optimizer) -> None:
         bound = ref()
         if bound is not None:
             bound(*args)
@@ -219,16 +249,16 @@ def _weakly(method: Callable[..., Any]) -> Callable[..., Any]:
 class _ExecutorState(model_link.StateAccess):
     """The engine's executor state as its :class:`~torchpar.engine.model_link.ModelLink` reads and writes it."""
 
-    def __init__(self, executor: Callable[[], Any]):
+    def __init__(self, executor: Callable[[], Executor | None]):
         self._executor = executor
 
-    def _live(self) -> Any:
+    def _live(self) -> Executor:
         executor = self._executor()
         assert executor is not None, "a link outlived its engine"
         return executor
 
-    def export(self, kinds: tuple[str, ...]) -> Any:
+    def export(self, kinds: tuple[str, ...]) -> HostState:
         return self._live().export_state(kinds)
 
-    def update(self, state: Any) -> None:
+    def update(self, state: HostState) -> None:
         self._live().update_state(state)
