@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
-from typing import Any
+from typing import cast
 
 from torchpar.hardware import ClusterSpec
 from torchpar.ir.graph import Graph
+from torchpar.ir.layout import JsonSpec, MeshShape
 from torchpar.methods import (
     SINGLE_DEVICE,
     DataParallel,
@@ -18,6 +19,7 @@ from torchpar.methods import (
     data_replicas,
 )
 from torchpar.planner.intra_op import (
+    PlanKind,
     StageProblem,
     logical_mesh,
     memory_breakdown,
@@ -62,7 +64,7 @@ def single_device_plan(
     kept = remat_memory(graph, remat)
     recomputed_flops = sum(n.flops for n in graph.nodes if n.name in kept.recomputed)
     compute_s = (3.0 * graph.total_flops + recomputed_flops) / cluster.device_flops
-    params = {i.target: [None] * len(i.meta.shape) for i in graph.inputs if i.kind == "param"}
+    params: dict[str, JsonSpec] = {i.target: [None] * len(i.meta.shape) for i in graph.inputs if i.kind == "param"}
     solver_graph = build_solver_graph(
         graph,
         logical_mesh((1, 1), cluster),
@@ -89,7 +91,7 @@ def single_device_plan(
 
 def plan_for_method(
     graph: Graph,
-    method: Any,
+    method: object,
     cluster: ClusterSpec,
     *,
     trainable: set[str],
@@ -142,9 +144,9 @@ def plan_for_method(
     micro = getattr(method, "num_micro_batches", 1)
     start = time.perf_counter()
     problem = StageProblem(
-        kind=kind,
+        kind=cast(PlanKind, kind),  # a one-stage method's name, or a hand plan's kind: the plan kinds
         cluster=cluster,
-        trainable=trainable,
+        trainable=frozenset(trainable),
         optimizer_state_copies=optimizer_state_copies,
         num_micro_batches=micro,
         remat=remat,
@@ -236,7 +238,7 @@ def add_data_replicas(stage: StagePlan, replicas: int, cluster: ClusterSpec) -> 
 
 
 ESTIMATE_MODEL = "sharding ILP (alpha-beta, host-aware links)"
-COMPARED_KINDS: tuple[str, ...] = ("shard", "data_parallel", "zero2", "megatron")
+COMPARED_KINDS: tuple[PlanKind, ...] = ("shard", "data_parallel", "zero2", "megatron")
 """The methods an explained one-stage plan is compared with (each at its default mesh)."""
 
 
@@ -250,9 +252,9 @@ def _compare_methods(
     budget: float,
     time_limit: float,
     num_micro_batches: int = 1,
-) -> list[dict[str, Any]]:
+) -> list[dict[str, object]]:
     """Each of :data:`COMPARED_KINDS` priced on the same model; the plan's own row is its stage."""
-    rows = []
+    rows: list[dict[str, object]] = []
     for other in COMPARED_KINDS:
         if other == kind:
             chosen = stage
@@ -262,7 +264,7 @@ def _compare_methods(
                 problem = StageProblem(
                     kind=other,
                     cluster=cluster,
-                    trainable=trainable,
+                    trainable=frozenset(trainable),
                     optimizer_state_copies=optimizer_state_copies,
                     num_micro_batches=num_micro_batches,
                 )
@@ -285,12 +287,12 @@ def _compare_methods(
 
 def _compare_expert_layouts(
     graph: Graph, stage: StagePlan, problem: StageProblem, budget: float, time_limit: float
-) -> list[dict[str, Any]]:
+) -> list[dict[str, object]]:
     """The stage re-planned on its own logical mesh with its grouped matmuls forced to each other family of
     :data:`.plan.EXPERT_FAMILIES` (``ShardParallel.experts``), beside the chosen one: what the expert layout the
     ILP chose won against, on the same cost model. A family the plan already uses everywhere is its own row."""
     chosen = {expert_family(strategy) for _, strategy, _ in expert_layouts(stage)}
-    rows = [
+    rows: list[dict[str, object]] = [
         {
             "experts": family,
             "meaning": EXPERT_FAMILIES[family],
@@ -304,7 +306,7 @@ def _compare_expert_layouts(
         if chosen == {family}:
             continue
         try:
-            mesh_shape = tuple(stage.logical_mesh_shape)
+            mesh_shape = cast(MeshShape, tuple(stage.logical_mesh_shape))  # a stage's mesh has two axes
             other = plan_stage(graph, replace(problem, experts=family), mesh_shape, budget, time_limit).stage
         except (ValueError, SolveTimeout) as error:  # does not fit the memory budget, or no layout in time
             rows.append({"experts": family, "meaning": EXPERT_FAMILIES[family], "error": str(error)})

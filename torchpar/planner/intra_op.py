@@ -37,6 +37,7 @@ from torchpar.planner.sharding.cost_model import LogicalMesh
 from torchpar.planner.sharding.exchange_strategies import is_exchange
 from torchpar.planner.sharding.ilp import AboveCutoff, Solution, evaluate, gathered_memory, solve, transient_peak
 from torchpar.planner.sharding.solver_graph import SolverGraph, build_solver_graph
+from torchpar.planner.sharding.strategies import Strategy
 
 log = logging.getLogger(__name__)
 
@@ -372,7 +373,7 @@ def _restrictions(
     return allowed
 
 
-def _splits_only_output(strategy) -> bool:
+def _splits_only_output(strategy: Strategy) -> bool:
     """Every mesh axis the strategy uses splits its output (no contracted-dim splits; a matmul whose contracted
     split is reduce-scattered into its output rows, ``…>m@A``, splits a contracted dim too), and it runs as the op
     does or as a row exchange (a gather by a whole index keeping its rows split: data parallelism for a batch that
@@ -428,7 +429,7 @@ def _stage_from_solution(
     params: dict[str, Spec] = {}
     inputs: dict[str, Spec] = {}
     activations: dict[str, Spec] = {}
-    operands: dict[str, list] = {}
+    operands: dict[str, list[Spec | None]] = {}
     strategies: dict[str, str] = {}
     op_options: dict[str, dict[str, str]] = {}
     compute_s = 0.0
@@ -461,7 +462,7 @@ def _stage_from_solution(
         for name in sorted(trainable):
             meta = param_metas.get(name)
             sharded = _zero_spec(meta.shape, live_axes, mesh) if meta is not None else None
-            if sharded is None:
+            if meta is None or sharded is None:
                 continue
             grads[name] = optimizer_state[name] = sharded
             saved = meta.nbytes * (1 - 1 / mesh.num_devices)

@@ -21,6 +21,8 @@ so the two levels agree on what a spanning mesh costs.
 
 from __future__ import annotations
 
+from typing import cast
+
 from torchpar.hardware import ClusterSpec
 from torchpar.planner.sharding.cost_model import LogicalMesh
 
@@ -56,4 +58,9 @@ def stage_mesh(logical: Shape, cluster: ClusterSpec, submesh: Shape | None = Non
     crossing = axes_crossing_hosts(submesh, logical)
     alpha = tuple(max(a, cluster.inter_host_alpha) if cross else a for a, cross in zip(cluster.alpha, crossing))
     beta = tuple(max(b, cluster.inter_host_beta) if cross else b for b, cross in zip(cluster.beta, crossing))
-    return LogicalMesh(shape=logical, alpha=alpha, beta=beta, device_flops=cluster.device_flops)
+    return LogicalMesh(
+        shape=logical,
+        alpha=cast(tuple[float, float], alpha),  # one per axis, as zipped with the two axes' crossings
+        beta=cast(tuple[float, float], beta),
+        device_flops=cluster.device_flops,
+    )

@@ -111,8 +111,9 @@ class Plan:
     timings: dict[str, float] = field(default_factory=dict)
     layers: list[dict[str, float]] = field(default_factory=list)
     """Per pipeline layer: forward ``flops`` and entering ``activation_bytes`` (pipeline plans)."""
-    cluster: dict[str, int] = field(default_factory=dict)
-    """``num_hosts`` and ``devices_per_host`` the plan was made for."""
+    cluster: dict[str, Any] = field(default_factory=dict)
+    """The cluster the plan was made for (:meth:`ClusterSpec.cost_constants`, JSON values): ``num_hosts``,
+    ``devices_per_host`` and the cost constants it was priced with."""
     layer_of_node: dict[str, int] = field(default_factory=dict)
     """Pipeline plans: the layer of every node of the graph captured on one micro-batch (IR node names), so
     the plan alone says how to cut the graph into its stages (with each stage's ``layers``)."""
@@ -324,7 +325,7 @@ class Plan:
             lines.append("  compile phases: " + ", ".join(f"{k} {v:.2f}s" for k, v in self.timings.items()))
         return "\n".join(lines)
 
-    def save_html(self, path: str, timeline: Any = None, **options: Any) -> Any:
+    def save_html(self, path: str, timeline: object = None, **options: object) -> object:
         """Write a self-contained HTML report and return its path; see :func:`torchpar.report.html.render_html`
         for ``timeline`` (a measured step) and the ``options`` (``cluster``, ``param_shapes``, ``layer_stats``,
         ``title``, ``measured``: what a run measured, shown beside the estimates — ``engine.save_report`` fills
@@ -335,7 +336,7 @@ class Plan:
             options["cluster"] = ClusterSpec(**self.cluster)
         return plan_writers.writer("html")(self, path, timeline=timeline, **options)
 
-    def save_png(self, path: str, **options: Any) -> None:
+    def save_png(self, path: str, **options: object) -> None:
         """Write a PNG of the device grid and the pipeline timeline (:func:`torchpar.report.png.save_png`)."""
         plan_writers.writer("png")(self, path, **options)
 
@@ -583,7 +584,7 @@ def _constants_line(record: dict[str, Any]) -> str:
     )
 
 
-def _solver_value(value: Any) -> str:
+def _solver_value(value: object) -> str:
     """A solver statistic for the summary: floats to 4 significant digits, lists and dicts by their size."""
     if isinstance(value, bool) or not isinstance(value, (float, list, dict)):
         return str(value)

@@ -22,7 +22,7 @@ import numbers
 import reprlib
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NoReturn
+from typing import NoReturn, Required, TypedDict, TypeGuard, cast
 
 from torchpar.methods import METHOD_NAMES, PIPELINE_SCHEDULES, PipeshardParallel
 from torchpar.planner.remat import REMAT_OPTIONS
@@ -53,7 +53,7 @@ class PlanFormatError(ValueError):
         self.field = field
 
 
-def validate_plan_dict(data: Any) -> None:
+def validate_plan_dict(data: object) -> None:
     """Check ``data``, a plan's JSON form (``json.loads`` of a plan file, or ``Plan.to_dict()``), field by field.
 
     Returns ``None`` when :meth:`Plan.from_dict` can build the plan; raises :class:`PlanFormatError` naming the
@@ -64,16 +64,44 @@ def validate_plan_dict(data: Any) -> None:
             f"a plan must be a JSON object of fields, got {type(data).__name__} {_show(data)}", field=""
         )
     _check_fields("", data, PLAN_FIELDS, what="a plan")
-    _check_plan_consistency(data)
+    _check_plan_consistency(cast(_CheckedPlan, data))
 
 
 # --- the two records: a plan and its stages ----------------------------------------------------------
 
-Check = Callable[[str, Any], None]
+
+class _CheckedStage(TypedDict, total=False):
+    """The fields of a stage that passed their checks (:data:`STAGE_FIELDS`), as the checks that tie them read them."""
+
+    submesh_shape: Required[Sequence[int]]
+    logical_mesh_shape: Required[Sequence[int]]
+    data_replicas: int
+    device_ids: Sequence[int]
+
+
+class _CheckedCluster(TypedDict, total=False):
+    """The fields of a plan's cluster that passed their checks (:data:`CLUSTER_FIELDS`) and tie to its stages."""
+
+    num_hosts: int
+    devices_per_host: int
+
+
+class _CheckedPlan(TypedDict, total=False):
+    """The fields of a plan that passed their checks (:data:`PLAN_FIELDS`), as the checks that tie them read them."""
+
+    method: Required[str]
+    stages: Required[Sequence[_CheckedStage]]
+    schedule: str
+    cluster: _CheckedCluster
+
+
+Check = Callable[[str, object], None]
 """Checks the value at a field path; raises :class:`PlanFormatError` if it is bad."""
 
 
-def _check_fields(path: str, data: Mapping[str, Any], fields: Mapping[str, tuple[bool, Check]], *, what: str) -> None:
+def _check_fields(
+    path: str, data: Mapping[str, object], fields: Mapping[str, tuple[bool, Check]], *, what: str
+) -> None:
     """Every key of ``data`` is one of ``fields`` (name → (required, check)), every required one is there, and
     each passes its check; ``what`` names the record in messages (``a plan``, ``a stage``)."""
     for key in data:
@@ -93,7 +121,7 @@ def _check_fields(path: str, data: Mapping[str, Any], fields: Mapping[str, tuple
             )
 
 
-def _check_stages(path: str, value: Any) -> None:
+def _check_stages(path: str, value: object) -> None:
     """A non-empty list of stage objects, each with valid fields, meshes and devices."""
     stages = _list(path, value, "a non-empty list of stage objects")
     if not stages:
@@ -103,10 +131,10 @@ def _check_stages(path: str, value: Any) -> None:
         if not isinstance(stage, Mapping):
             _fail(where, "a stage object", stage)
         _check_fields(where, stage, STAGE_FIELDS, what="a stage")
-        _check_stage_devices(where, stage)
+        _check_stage_devices(where, cast(_CheckedStage, stage))
 
 
-def _check_stage_devices(path: str, stage: Mapping[str, Any]) -> None:
+def _check_stage_devices(path: str, stage: _CheckedStage) -> None:
     """The logical mesh holds the submesh's devices, and ``device_ids`` (if any) lists that many distinct ones."""
     submesh, logical = stage["submesh_shape"], stage["logical_mesh_shape"]
     count = math.prod(logical) * stage.get("data_replicas", 1)
@@ -128,7 +156,7 @@ def _check_stage_devices(path: str, stage: Mapping[str, Any]) -> None:
         _fail(f"{path}.device_ids", f"distinct device ids (device {repeated[0]} is listed twice)", devices)
 
 
-def _check_plan_consistency(data: Mapping[str, Any]) -> None:
+def _check_plan_consistency(data: _CheckedPlan) -> None:
     """Facts that tie fields together: stage count and schedule by method, device ids within the cluster."""
     method = FORMER_METHOD_NAMES.get(data["method"], data["method"])
     stages = data["stages"]
@@ -169,38 +197,38 @@ def _check_plan_consistency(data: Mapping[str, Any]) -> None:
 # --- field checks --------------------------------------------------------------------------------------
 
 
-def _check_method(path: str, value: Any) -> None:
+def _check_method(path: str, value: object) -> None:
     """One of :data:`METHOD_NAMES`, or a former name still read (``"auto"``)."""
     if not isinstance(value, str) or value not in (*METHOD_NAMES, *FORMER_METHOD_NAMES):
         _fail(path, f"one of {_names(METHOD_NAMES)} (or a former name: {_names(FORMER_METHOD_NAMES)})", value)
 
 
-def _check_schedule(path: str, value: Any) -> None:
+def _check_schedule(path: str, value: object) -> None:
     if not isinstance(value, str) or value not in SCHEDULE_NAMES:
         _fail(path, f"one of {_names(SCHEDULE_NAMES)}", value)
 
 
-def _check_positive_int(path: str, value: Any) -> None:
+def _check_positive_int(path: str, value: object) -> None:
     if not _is_int(value) or value < 1:
         _fail(path, "an int ≥ 1", value)
 
 
-def _check_count(path: str, value: Any) -> None:
+def _check_count(path: str, value: object) -> None:
     if not _is_int(value) or value < 0:
         _fail(path, "an int ≥ 0", value)
 
 
-def _check_number(path: str, value: Any) -> None:
+def _check_number(path: str, value: object) -> None:
     if not _is_number(value):
         _fail(path, "a number", value)
 
 
-def _check_mesh_shape(path: str, value: Any) -> None:
-    if not _is_list(value) or len(value) != 2 or not all(_is_int(d) and d >= 1 for d in value):
+def _check_mesh_shape(path: str, value: object) -> None:
+    if not _is_list(value) or len(value) != 2 or not all(_is_int(d) and int(d) >= 1 for d in value):
         _fail(path, _MESH, value)
 
 
-def _check_ids(path: str, value: Any, *, what: str, non_empty: bool) -> None:
+def _check_ids(path: str, value: object, *, what: str, non_empty: bool) -> None:
     """A list of ints ≥ 0 (layer ids, device ids), non-empty if ``non_empty``; their callers check they are
     distinct."""
     expected = f"a {'non-empty ' if non_empty else ''}list of {what} (ints ≥ 0)"
@@ -212,18 +240,19 @@ def _check_ids(path: str, value: Any, *, what: str, non_empty: bool) -> None:
             _fail(f"{path}[{index}]", f"one of the {what}: an int ≥ 0", item)
 
 
-def _check_layers(path: str, value: Any) -> None:
+def _check_layers(path: str, value: object) -> None:
     _check_ids(path, value, what="layer ids", non_empty=True)
-    repeated = sorted(d for d, n in Counter(value).items() if n > 1)
+    layers = cast(Sequence[int], value)  # a list of ints, as _check_ids found
+    repeated = sorted(d for d, n in Counter(layers).items() if n > 1)
     if repeated:
         _fail(path, f"distinct layer ids (layer {repeated[0]} is listed twice)", value)
 
 
-def _check_device_ids(path: str, value: Any) -> None:
+def _check_device_ids(path: str, value: object) -> None:
     _check_ids(path, value, what="device ids", non_empty=False)
 
 
-def _check_spec(path: str, value: Any) -> None:
+def _check_spec(path: str, value: object) -> None:
     """A spec: per dim null or distinct mesh axes, each axis splitting at most one dim."""
     entries = _list(path, value, _SPEC)
     for index, entry in enumerate(entries):
@@ -235,12 +264,13 @@ def _check_spec(path: str, value: Any) -> None:
             or len(set(entry)) != len(entry)
         ):
             _fail(f"{path}[{index}]", _ENTRY, entry)
-    used = [axis for entry in entries if entry for axis in entry]
+    checked = cast(Sequence[Sequence[int] | None], entries)  # each entry passed the check above
+    used = [axis for entry in checked if entry for axis in entry]
     if len(used) != len(set(used)):
         _fail(path, f"{_SPEC} that splits at most one dim over each mesh axis", value)
 
 
-def _check_value_spec(path: str, value: Any) -> None:
+def _check_value_spec(path: str, value: object) -> None:
     """An activation's layout: a spec, or for a multi-output op one spec (or null) per result."""
     if _is_list(value) and any(_is_list(entry) and any(a is None or _is_list(a) for a in entry) for entry in value):
         for index, spec in enumerate(value):
@@ -250,20 +280,20 @@ def _check_value_spec(path: str, value: Any) -> None:
         _check_spec(path, value)
 
 
-def _check_operand_specs(path: str, value: Any) -> None:
+def _check_operand_specs(path: str, value: object) -> None:
     """The layouts an op reads its operands in: one spec (or null for a non-tensor operand) per operand."""
     for index, spec in enumerate(_list(path, value, f"a list of operand layouts, each null or {_SPEC}")):
         if spec is not None:
             _check_spec(f"{path}[{index}]", spec)
 
 
-def _check_solver(path: str, value: Any) -> None:
+def _check_solver(path: str, value: object) -> None:
     """Free-form statistics: an object of plain JSON values, nested at most :data:`MAX_SOLVER_DEPTH` deep."""
     _object(path, value, "an object of solver statistics")
     _check_json_value(path, value, MAX_SOLVER_DEPTH)
 
 
-def _check_json_value(path: str, value: Any, depth: int) -> None:
+def _check_json_value(path: str, value: object, depth: int) -> None:
     if isinstance(value, (str, bool, numbers.Real)) or value is None:
         return
     if depth <= 0:
@@ -278,7 +308,7 @@ def _check_json_value(path: str, value: Any, depth: int) -> None:
         _fail(path, "a JSON value (string, number, bool, null, list or object)", value)
 
 
-def _check_cluster(path: str, value: Any) -> None:
+def _check_cluster(path: str, value: object) -> None:
     """The cluster the plan was made for (``ClusterSpec.cost_constants``): ``num_hosts`` and ``devices_per_host``
     (ints ≥ 1) and the cost constants it was priced with; empty if unknown."""
     _check_fields(
@@ -286,7 +316,7 @@ def _check_cluster(path: str, value: Any) -> None:
     )
 
 
-def _check_layer_stats(path: str, value: Any) -> None:
+def _check_layer_stats(path: str, value: object) -> None:
     """Per pipeline layer: an object with the numbers ``flops`` and ``activation_bytes``."""
     for index, row in enumerate(_list(path, value, "a list of per-layer objects {flops, activation_bytes}")):
         where = f"{path}[{index}]"
@@ -301,14 +331,14 @@ def _check_layer_stats(path: str, value: Any) -> None:
 def _mapping_of(check: Check, what: str) -> Check:
     """A check of an object whose values each pass ``check`` (``what``: the object's description)."""
 
-    def check_mapping(path: str, value: Any) -> None:
+    def check_mapping(path: str, value: object) -> None:
         for key, item in _object(path, value, what).items():
             check(_key(path, key), item)
 
     return check_mapping
 
 
-def _check_axis_pair(path: str, value: Any) -> None:
+def _check_axis_pair(path: str, value: object) -> None:
     """Two non-negative numbers, one per logical mesh axis."""
     if not _is_list(value) or len(value) != 2:
         _fail(path, "a list of two numbers (mesh axis 0, axis 1)", value)
@@ -316,28 +346,28 @@ def _check_axis_pair(path: str, value: Any) -> None:
         _check_number(f"{path}[{index}]", item)
 
 
-def _check_axis_flags(path: str, value: Any) -> None:
+def _check_axis_flags(path: str, value: object) -> None:
     """Two booleans, one per logical mesh axis, or empty (unknown)."""
     if not _is_list(value) or len(value) not in (0, 2) or not all(isinstance(v, bool) for v in value):
         _fail(path, "a list of two booleans (mesh axis 0, axis 1), or empty", value)
 
 
-def _check_str_list(path: str, value: Any) -> None:
+def _check_str_list(path: str, value: object) -> None:
     for index, item in enumerate(_list(path, value, "a list of strings")):
         _check_str(f"{path}[{index}]", item)
 
 
-def _check_optional_str(path: str, value: Any) -> None:
+def _check_optional_str(path: str, value: object) -> None:
     if value is not None:
         _check_str(path, value)
 
 
-def _check_str(path: str, value: Any) -> None:
+def _check_str(path: str, value: object) -> None:
     if not isinstance(value, str):
         _fail(path, "a string", value)
 
 
-def _check_remat(path: str, value: Any) -> None:
+def _check_remat(path: str, value: object) -> None:
     if value not in REMAT_OPTIONS:
         _fail(path, f"one of {', '.join(REMAT_OPTIONS)}", value)
 
@@ -413,51 +443,51 @@ LAYER_STAT_FIELDS: dict[str, tuple[bool, Check]] = {
 # --- small helpers ---------------------------------------------------------------------------------------
 
 
-def _fail(path: str, expected: str, found: Any, *, shown: str | None = None) -> NoReturn:
+def _fail(path: str, expected: str, found: object, *, shown: str | None = None) -> NoReturn:
     """Raise the error for the field at ``path``: it must be ``expected`` and is ``found`` (described as
     ``shown``, by default its shortened repr)."""
     raise PlanFormatError(f"plan field {path} must be {expected}, got {shown or _show(found)}", field=path)
 
 
-def _show(value: Any) -> str:
+def _show(value: object) -> str:
     """``value`` for a message: its repr, cut short."""
     return _repr.repr(value)
 
 
-def _field(path: str, name: Any) -> str:
+def _field(path: str, name: object) -> str:
     """The path of a record's field: ``method`` at the top, ``stages[0].params`` below."""
     return f"{path}.{name}" if path else str(name)
 
 
-def _key(path: str, key: Any) -> str:
+def _key(path: str, key: object) -> str:
     """The path of an object's entry: ``stages[0].params["fc.weight"]``."""
     return f"{path}[{json.dumps(key, ensure_ascii=False)}]"
 
 
-def _names(names: Sequence[str] | Mapping[str, Any]) -> str:
+def _names(names: Sequence[str] | Mapping[str, object]) -> str:
     return ", ".join(repr(n) for n in names)
 
 
-def _is_int(value: Any) -> bool:
+def _is_int(value: object) -> TypeGuard[numbers.Integral]:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def _is_number(value: Any) -> bool:
+def _is_number(value: object) -> TypeGuard[numbers.Real]:
     return isinstance(value, numbers.Real) and not isinstance(value, bool) and not math.isnan(value)
 
 
-def _is_list(value: Any) -> bool:
+def _is_list(value: object) -> TypeGuard[list[object] | tuple[object, ...]]:
     """A JSON array: a list (or a tuple, as ``Plan.to_dict()`` leaves some)."""
     return isinstance(value, (list, tuple))
 
 
-def _list(path: str, value: Any, expected: str) -> Sequence[Any]:
+def _list(path: str, value: object, expected: str) -> Sequence[object]:
     if not _is_list(value):
         _fail(path, expected, value)
     return value
 
 
-def _object(path: str, value: Any, expected: str) -> Mapping[str, Any]:
+def _object(path: str, value: object, expected: str) -> Mapping[str, object]:
     """``value`` if it is an object with string keys (as JSON has)."""
     if not isinstance(value, Mapping):
         _fail(path, expected, value)

@@ -35,12 +35,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
-from typing import Any, Protocol
+from typing import Protocol
 
 from torchpar.hardware import ClusterSpec
+from torchpar.ir.graph import Graph
 from torchpar.planner.pipeline.slicing import StageGraph, slice_stages
-from torchpar.planner.pipeline.stages import pipeline_latency
-from torchpar.planner.plan import StagePlan
+from torchpar.planner.pipeline.stages import Schedule, pipeline_latency
+from torchpar.planner.plan import Plan, StagePlan
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,7 @@ class StageTiming:
         """Forward + backward of one micro-batch: the ``t̂_i`` of the module docstring."""
         return self.forward_s + self.backward_s
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         return asdict(self)
 
 
@@ -80,7 +81,7 @@ class LinkFit:
     beta: float
     points: tuple[tuple[float, float], ...]
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         return {
             "axis": self.axis,
             "devices": self.devices,
@@ -112,11 +113,11 @@ def calibrated_cluster(cluster: ClusterSpec, fits: Sequence[LinkFit]) -> Cluster
     alpha, beta = list(cluster.alpha), list(cluster.beta)
     for fit in fits:
         alpha[fit.axis], beta[fit.axis] = fit.alpha, fit.beta
-    return replace(cluster, alpha=tuple(alpha), beta=tuple(beta))
+    return replace(cluster, alpha=(alpha[0], alpha[1]), beta=(beta[0], beta[1]))
 
 
 def measured_step(
-    timings: Sequence[StageTiming], num_micro_batches: int, schedule: str = "1f1b", virtual_stages: int = 1
+    timings: Sequence[StageTiming], num_micro_batches: int, schedule: Schedule = "1f1b", virtual_stages: int = 1
 ) -> float:
     """The step of ``schedule`` on the stages' measured per-micro-batch times
     (:func:`torchpar.planner.pipeline.stages.pipeline_latency`: ``T̂ = Σ t̂ + (M − 1)·max t̂`` under 1F1B and GPipe)."""
@@ -132,7 +133,7 @@ class RankedCandidate:
     timings: list[StageTiming]
     measured_step_s: float
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         return {
             "candidate": self.index,
             "estimated_step_s": self.estimated_step_s,
@@ -147,7 +148,7 @@ def rank_candidates(
     num_micro_batches: int,
     *,
     remat: str = "none",
-    schedule: str = "1f1b",
+    schedule: Schedule = "1f1b",
     virtual_stages: int = 1,
     on_stage: Callable[[], None] | None = None,
 ) -> list[RankedCandidate]:
@@ -176,7 +177,7 @@ def rank_candidates(
 
 def record_profile(
     ranked: Sequence[RankedCandidate], chosen: RankedCandidate, stages: Sequence[StagePlan]
-) -> dict[str, Any]:
+) -> dict[str, object]:
     """Write the chosen candidate's per-stage measurements into its ``stages`` (``StagePlan.measured_cost_s``) and
     return the record the plan keeps in ``plan.solver["profile"]`` (its ``links`` are filled by whoever timed
     them: ``torchpar.engine.profiled.Profiling.record_links``)."""
@@ -195,7 +196,7 @@ def record_profile(
     }
 
 
-def profile_one_stage(plan: Any, graph: Any, timer: StageTimer) -> None:
+def profile_one_stage(plan: Plan, graph: Graph, timer: StageTimer) -> None:
     """Time the single stage of a one-stage ``plan`` (one device, or a sharding method) on ``graph``, the whole
     training graph it was planned for, and record it (``StagePlan.measured_cost_s``, ``plan.solver["profile"]``).
     There is one candidate: the measurement is reported beside the estimate and chooses nothing."""

@@ -313,7 +313,7 @@ def _prefix_dp(
     for _ in range(1, num_layers):
         candidates = combine(value[:-1, None], cost[1:, :])  # [a−1, b]: layer [a..b] after prefix 0..a−1
         best = candidates.min(axis=0)
-        if tie is not None:
+        if tie is not None and tie_cost is not None:  # tie is set exactly when tie_cost is
             tied = np.where(candidates == best[None, :], tie[:-1, None] + tie_cost[1:, :], np.inf)
             first = tied.argmin(axis=0)
             tie = np.where(np.isfinite(best), tied[first, np.arange(num_units)], np.inf)

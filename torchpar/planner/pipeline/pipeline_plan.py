@@ -18,19 +18,24 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, cast
 
 from torchpar.hardware import ClusterSpec
 from torchpar.ir.graph import Graph
 from torchpar.methods import ManualStageOption, PipeshardParallel
-from torchpar.planner.intra_op import StageProblem, prepare_stage
+from torchpar.planner.intra_op import IntraOpResult, PreparedStage, StageProblem, prepare_stage
 from torchpar.planner.pipeline import layers as layers_mod
 from torchpar.planner.pipeline.interleaved_stages import interleaved_stage_dp
+from torchpar.planner.pipeline.layers import Layering
 from torchpar.planner.pipeline.slicing import StageGraph, slice_stages, stage_of_nodes
-from torchpar.planner.plan import Plan
+from torchpar.planner.plan import Plan, StagePlan
 from torchpar.planner.profiling import StageTimer, rank_candidates, record_profile
 from torchpar.planner.remat import check_remat
 from torchpar.planner.remat_choice import ORDER, PIPELINE_ORDER, NoFasterPlan, choose_remat
 from torchpar.planner.sharding.ilp import SOLVE_COUNTS, AboveCutoff, SolveTimeout
+
+if TYPE_CHECKING:
+    from torchpar.planner.pipeline.stages import AnalyticStageCost, Schedule, StagePartition
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +47,8 @@ class PipelinePlan:
     plan: Plan
     stages: list[StageGraph]
     devices: list[list[int]]
-    layering: object
-    stage_results: list = field(default_factory=list)
+    layering: Layering
+    stage_results: list[IntraOpResult] = field(default_factory=list)
     """The solved stages (:class:`~torchpar.planner.intra_op.IntraOpResult`), for :meth:`explain`."""
 
     def explain(self) -> None:
@@ -153,11 +158,11 @@ def _plan_auto_remat(
 class _Screened:
     """Layers and the stage DP's partitions for one remat option, before the sharding ILP."""
 
-    layering: object
-    partition: object
-    runners_up: list
+    layering: Layering
+    partition: StagePartition
+    runners_up: list[StagePartition]
     timings: dict[str, float]
-    cost: object | None = None
+    cost: AnalyticStageCost | None = None
     """The stage DP's cost model (``None``: stages given by hand or uniform, their logical meshes kept as given)."""
 
 
@@ -172,9 +177,10 @@ def _screen(
         layering = layers_mod.cluster_layers(graph, method.layer_option.layer_num, method.layer_option.eps)
     timings["cluster"] = time.perf_counter() - start
     num_layers = layering.num_layers
+    micro = _micro_batches(method)
     option = method.stage_option
     start = time.perf_counter()
-    runners_up: list = []
+    runners_up: list[StagePartition] = []
     cost = None
     from torchpar.planner.pipeline import stages as stages_mod
 
@@ -188,7 +194,7 @@ def _screen(
             num_layers=num_layers,
             cluster_hosts=hosts,
             devices_per_host=per_host,
-            num_micro_batches=method.num_micro_batches,
+            num_micro_batches=micro,
             schedule=method.schedule,
             virtual_stages=virtual,
         )
@@ -198,20 +204,18 @@ def _screen(
             None,
             hosts,
             per_host,
-            num_micro_batches=method.num_micro_batches,
+            num_micro_batches=micro,
             schedule=method.schedule,
             virtual_stages=virtual,
         )
     else:
-        cost = stages_mod.AnalyticStageCost(
-            layering, graph, cluster, method.num_micro_batches, optimizer_state_copies, remat=remat
-        )
+        cost = stages_mod.AnalyticStageCost(layering, graph, cluster, micro, optimizer_state_copies, remat=remat)
         if virtual > 1:
             result = interleaved_stage_dp(
                 num_layers,
                 hosts,
                 per_host,
-                method.num_micro_batches,
+                micro,
                 cost,
                 cluster.device_memory_bytes,
                 virtual_stages=virtual,
@@ -221,7 +225,7 @@ def _screen(
                 num_layers,
                 hosts,
                 per_host,
-                method.num_micro_batches,
+                micro,
                 cost,
                 cluster.device_memory_bytes,
                 schedule=method.schedule,
@@ -237,7 +241,7 @@ def _screen(
                         hosts,
                         per_host,
                         cost=cost,
-                        num_micro_batches=method.num_micro_batches,
+                        num_micro_batches=micro,
                         memory_budget=cluster.device_memory_bytes,
                         schedule=method.schedule,
                         warn_over_budget=False,
@@ -268,7 +272,7 @@ def _plan_screened(
     trainable: set[str],
     optimizer_state_copies: float,
     remat: str,
-    candidates: list,
+    candidates: list[StagePartition],
     stage_timer: StageTimer | None,
     beat: tuple[float, bool] = (math.inf, True),
 ) -> PipelinePlan:
@@ -281,11 +285,12 @@ def _plan_screened(
 
     layering, timings = screened.layering, dict(screened.timings)
     virtual = method.virtual_stages or 1
+    micro = _micro_batches(method)
     start = time.perf_counter()
     counts_before = dict(SOLVE_COUNTS)
-    refined: list[tuple[int, _Refined]] = []  # (position in candidates, its refinement)
-    failures = []
-    pruned: list[tuple[object, float, float]] = []  # (candidate, its step's lower bound, the best step then)
+    refined_at: list[tuple[int, _Refined]] = []  # (position in candidates, its refinement)
+    failed_at: list[tuple[int, StagePartition, ValueError | SolveTimeout]] = []  # (position, candidate, error)
+    pruned: list[tuple[StagePartition, float, float]] = []  # (candidate, its step's lower bound, the best step then)
     prepared: list[tuple[int, _Prepared]] = []
     for position, candidate in enumerate(candidates):
         try:
@@ -297,7 +302,7 @@ def _plan_screened(
                         layering,
                         candidate,
                         cluster,
-                        method.num_micro_batches,
+                        micro,
                         trainable,
                         optimizer_state_copies,
                         remat,
@@ -310,20 +315,20 @@ def _plan_screened(
                 )
             )
         except ValueError as error:  # e.g. a batch that does not divide a stage's mesh
-            failures.append((position, candidate, error))
+            failed_at.append((position, candidate, error))
     if bounded and (len(prepared) > 1 or math.isfinite(beat[0])):
         probing = time.perf_counter()
-        prepared = _probe(prepared, cluster.device_memory_bytes / virtual, failures, reached=beat[0])
+        prepared = _probe(prepared, cluster.device_memory_bytes / virtual, failed_at, reached=beat[0])
         timings["ilp_probe"] = time.perf_counter() - probing
     for position, problem in prepared:
         candidate = problem.partition
         # a measured profile ranks every candidate by its timing, so none may be left out by the estimate
-        leader = min(refined, key=lambda item: (item[1].step_s, item[0]), default=None)
+        leader = min(refined_at, key=lambda item: (item[1].step_s, item[0]), default=None)
         beat_s, loses_ties = beat if bounded else (math.inf, True)
         if bounded and leader is not None and leader[1].step_s < beat_s:
             beat_s, loses_ties = leader[1].step_s, position > leader[0]
         try:
-            refined.append(
+            refined_at.append(
                 (
                     position,
                     _refine(
@@ -344,10 +349,10 @@ def _plan_screened(
                 beat_s,
             )
         except (ValueError, SolveTimeout) as error:  # no sharding fits the memory budget, or none found in time
-            failures.append((position, candidate, error))
+            failed_at.append((position, candidate, error))
             log.info("stage partition %s: the ILP found no plan (%s)", candidate, error)
-    refined = [r for _, r in sorted(refined, key=lambda item: item[0])]  # candidates' order: ties go to the first
-    failures = [(candidate, error) for _, candidate, error in sorted(failures, key=lambda item: item[0])]
+    refined = [r for _, r in sorted(refined_at, key=lambda item: item[0])]  # candidates' order: ties go to the first
+    failures = [(candidate, error) for _, candidate, error in sorted(failed_at, key=lambda item: item[0])]
     timings["ilp"] = time.perf_counter() - start
     timings["ilp_graphs"] = sum(p.build_s for _, problem in prepared for p in problem.problems)
     timings["ilp_solves"] = sum(r.solution.solve_s for refinement in refined for r in refinement.results)
@@ -357,13 +362,13 @@ def _plan_screened(
             raise NoFasterPlan(min(bound for _, bound, _ in pruned), beat[0])
         raise failures[0][1]
     best = min(refined, key=lambda r: r.step_s)
-    profile = None
+    profile: dict[str, object] | None = None
     if stage_timer is not None:
         start = time.perf_counter()
         ranked = rank_candidates(
             [(r.step_s, list(zip(r.stage_graphs, r.stage_plans))) for r in refined],
             stage_timer,
-            method.num_micro_batches,
+            micro,
             remat=remat,
             schedule=method.schedule,
             virtual_stages=virtual,
@@ -383,7 +388,7 @@ def _plan_screened(
     solver["ilp_problems"] = ilp_counts  # CP-SAT solves run, and identical stages' problems answered from them
     solver["estimate"] = {
         "model": ESTIMATE_MODEL,
-        "step_formula": stages_mod.latency_formula(method.schedule, method.num_micro_batches, virtual),
+        "step_formula": stages_mod.latency_formula(method.schedule, micro, virtual),
     }
     if method.stage_option == "auto":
         solver["stage_partition"] = {**best.partition.to_dict(), "model": SCREENING_MODEL}
@@ -410,7 +415,7 @@ def _plan_screened(
     plan = Plan(
         method=PipeshardParallel.name,
         stages=best.stage_plans,
-        num_micro_batches=method.num_micro_batches,
+        num_micro_batches=micro,
         schedule=method.schedule,
         estimated_step_s=best.step_s,
         solver=solver,
@@ -454,11 +459,11 @@ SCREENING_MODEL = "stage DP screening (analytic: 3·FLOPs, data- and tensor-para
 class _Refined:
     """A stage partition priced by the sharding ILP: its stage plans and the pipeline step they give."""
 
-    partition: object
+    partition: StagePartition
     stage_graphs: list[StageGraph]
     devices: list[list[int]]
-    results: list
-    stage_plans: list
+    results: list[IntraOpResult]
+    stage_plans: list[StagePlan]
     step_s: float
     solver_stats: list[dict]
 
@@ -484,7 +489,7 @@ class _Refined:
 def _probe(
     prepared: list[tuple[int, _Prepared]],
     memory_budget: float,
-    failures: list[tuple[int, object, ValueError]],
+    failures: list[tuple[int, StagePartition, ValueError | SolveTimeout]],
     reached: float = math.inf,
 ) -> list[tuple[int, _Prepared]]:
     """Every candidate's stages solved under :data:`PROBE_STAGE_TIME_LIMIT_S` first (:meth:`.PreparedStage.probe`):
@@ -508,6 +513,14 @@ def _probe(
     return sorted(kept, key=lambda item: (item[1].probed_step_s, item[1].lower_bound_s))
 
 
+def _micro_batches(method: PipeshardParallel) -> int:
+    """``method``'s micro-batch count: an int by the time a pipeline is planned (``"auto"`` is a search over counts,
+    :mod:`.micro_batch_counts`, each planned with its own count)."""
+    count = method.num_micro_batches
+    assert isinstance(count, int), "num_micro_batches='auto' is resolved before a pipeline is planned"
+    return count
+
+
 class _CannotWin(Exception):
     """A partition's step is provably no better than one already refined (``step_s``: its lower bound)."""
 
@@ -520,12 +533,12 @@ class _CannotWin(Exception):
 class _Prepared:
     """A stage partition's sharding problems, built and not yet solved, and the bound on its step they give."""
 
-    partition: object
+    partition: StagePartition
     stage_graphs: list[StageGraph]
     stage_layers: list[list[int]]
     submeshes: list[tuple[int, int]]
     devices: list[list[int]]
-    problems: list
+    problems: list[_MeshChoice]
     step: Callable[[list[float]], float]
 
     @property
@@ -541,26 +554,27 @@ class _Prepared:
 
 def _prepare(
     graph: Graph,
-    layering,
-    partition,
+    layering: Layering,
+    partition: StagePartition,
     cluster: ClusterSpec,
     num_micro_batches: int,
     trainable: set[str],
     optimizer_state_copies: float,
     remat: str,
-    schedule: str,
+    schedule: Schedule,
     virtual_stages: int,
     experts: str = "auto",
     context: str = "auto",
-    cost=None,
+    cost: AnalyticStageCost | None = None,
 ) -> _Prepared:
     """``partition``'s stage problems; with the stage DP's ``cost``, each stage's on every logical mesh
     :func:`.stages.close_logical_meshes` offers (:class:`_MeshChoice`), else on its own."""
     from torchpar.planner.pipeline import stages as stages_mod
 
     stage_layers = [list(ids) for ids in partition.forward_stage_layer_ids]
-    submeshes = [tuple(s) for s in partition.submesh_physical_shapes]
-    logical = [tuple(s) for s in partition.submesh_logical_shapes]
+    # a partition's shapes are pairs
+    submeshes = cast(list[tuple[int, int]], [tuple(s) for s in partition.submesh_physical_shapes])
+    logical = cast(list[tuple[int, int]], [tuple(s) for s in partition.submesh_logical_shapes])
     stage_graphs = slice_stages(graph, stage_of_nodes(graph, layering.layer_of, stage_layers))
     groups = len(submeshes) // virtual_stages  # interleaved 1F1B: stage s on the devices of group s mod G
     group_devices = stages_mod.assign_devices(submeshes[:groups], cluster.num_hosts, cluster.devices_per_host)
@@ -583,7 +597,7 @@ def _prepare(
                     StageProblem(
                         kind="shard",
                         cluster=cluster,
-                        trainable=trainable & set(stage.params),
+                        trainable=frozenset(trainable & set(stage.params)),
                         optimizer_state_copies=optimizer_state_copies,
                         submesh=submeshes[index],
                         remat=remat,
@@ -613,7 +627,7 @@ class _MeshChoice:
     takes the cheapest solution. Probed and solved as a :class:`torchpar.planner.intra_op.PreparedStage` is (its bound:
     the least alternative's)."""
 
-    alternatives: list
+    alternatives: list[PreparedStage]
 
     @property
     def build_s(self) -> float:
@@ -641,12 +655,16 @@ class _MeshChoice:
             raise errors[0]
         self.alternatives = fitting
 
-    def solve(self, memory_budget: float, time_limit_s: float, give_up: Callable[[float], bool] | None = None):
+    def solve(
+        self, memory_budget: float, time_limit_s: float, give_up: Callable[[float], bool] | None = None
+    ) -> IntraOpResult:
         """The cheapest alternative's result. Alternatives already solved (by a probe) are taken first; another one is
         solved only while its bound can beat the best so far, and stops as soon as its proven bound cannot. ``give_up``
         as :meth:`torchpar.planner.intra_op.PreparedStage.solve`'s: :class:`.sharding.ilp.AboveCutoff` (the least bound
         proven) when every alternative's bound was given up."""
-        best, failure, bounds = None, None, []
+        best: IntraOpResult | None = None
+        failure: ValueError | SolveTimeout | None = None
+        bounds: list[float] = []
         for problem in sorted(self.alternatives, key=lambda p: (p.final is None, p.lower_bound_s)):
             least = math.inf if best is None else best.stage.estimated_cost_s
             if problem.lower_bound_s >= least:
@@ -668,6 +686,7 @@ class _MeshChoice:
         if best is None and bounds:
             raise AboveCutoff(min(bounds))
         if best is None:
+            assert failure is not None  # no alternative solved, and none stopped at its bound: one failed
             raise failure
         return best
 
@@ -689,7 +708,7 @@ def _refine(
 
     if cannot_win(step(bounds)):
         raise _CannotWin(step(bounds))
-    results: list = [None] * len(problems)
+    results: list[IntraOpResult | None] = [None] * len(problems)
     order = sorted(range(len(problems)), key=lambda i: -bounds[i]) if math.isfinite(beat_s) else range(len(problems))
     for count, index in enumerate(order, start=1):
 
@@ -710,19 +729,20 @@ def _refine(
         bounds[index] = result.stage.estimated_cost_s
         if count < len(problems) and cannot_win(step(bounds)):
             raise _CannotWin(step(bounds))
-    plans = [r.stage for r in results]
+    solved = cast(list[IntraOpResult], results)  # every stage solved above (or _CannotWin raised)
+    plans = [r.stage for r in solved]
     return _Refined(
         prepared.partition,
         prepared.stage_graphs,
         prepared.devices,
-        results,
+        solved,
         plans,
         step([p.estimated_cost_s for p in plans]),
-        [r.solver_stats() for r in results],
+        [r.solver_stats() for r in solved],
     )
 
 
-def _layer_stats(graph: Graph, layering) -> list[dict]:
+def _layer_stats(graph: Graph, layering: Layering) -> list[dict]:
     """Per layer: forward FLOPs, entering activation bytes, and the modules whose ops it holds (block level)."""
     modules: list[dict[str, None]] = [{} for _ in range(layering.num_layers)]
     for node in graph.nodes:

@@ -410,8 +410,9 @@ def stage_lists(schedule: Schedule) -> list[list[Instruction]]:
     per_stage: dict[int, list[Instruction]] = {}
     for group, steps in enumerate(schedule):
         for ins in steps:
-            if ins.op != "update":
-                per_stage.setdefault(ins.stage_in(group), []).append(ins)
+            stage = ins.stage_in(group)
+            if stage is not None:  # every op but update
+                per_stage.setdefault(stage, []).append(ins)
     return [per_stage.get(s, []) for s in range(max(per_stage, default=-1) + 1)]
 
 
@@ -440,10 +441,11 @@ def validate(schedule: Schedule) -> None:
                     f"list {group}, instruction {j} (update): update must be the stage's last "
                     "instruction (once per step)"
                 )
-            if ins.op != "update" and ins.stage_in(group) % len(schedule) != group:
+            runs_on = ins.stage_in(group)  # None: update
+            if runs_on is not None and runs_on % len(schedule) != group:
                 raise ValueError(
                     f"list {group}, instruction {j} ({ins}): stage {ins.stage} belongs on list "
-                    f"{ins.stage_in(group) % len(schedule)} (stage s runs on group s mod "
+                    f"{runs_on % len(schedule)} (stage s runs on group s mod "
                     f"{len(schedule)})"
                 )
         if not steps or steps[-1].op != "update":
@@ -497,6 +499,7 @@ def _check_stage(steps: list[Instruction], stage: int, num_stages: int, sent: di
     grads_in: set[int] = set()
     for j, ins in enumerate(steps):
         m = ins.micro_batch
+        assert m is not None  # every op but update has one, and a stage's list holds no update
         if ins.peer is not None:
             want = stage + _PEER_OFFSET[ins.op]
             if not 0 <= want <= last:
@@ -654,8 +657,9 @@ def simulate(
     pc = [0] * G
     clock = [0.0] * G
     blocks: list[list[Block]] = [[] for _ in range(G)]
-    sent: dict[tuple[int, int, str], list[tuple[int | None, float]]] = {}
-    taken: dict[tuple[int, int, str], int] = {}
+    # channels (src, dst, kind): the stage, peer and kind of a send or recv, all set for those ops
+    sent: dict[tuple[int | None, int | None, str | None], list[tuple[int | None, float]]] = {}
+    taken: dict[tuple[int | None, int | None, str | None], int] = {}
     progress = True
     while progress:
         progress = False
@@ -677,7 +681,7 @@ def simulate(
                     clock[g] = max(clock[g], arrival)
                 elif ins.op in duration or ins.op == "update":
                     start = clock[g]
-                    clock[g] = start + (upd[g] if ins.op == "update" else duration[ins.op][s])
+                    clock[g] = start + (upd[g] if s is None else duration[ins.op][s])  # s None: update
                     blocks[g].append(Block(ins.op, ins.micro_batch, start, clock[g], s))
                 pc[g] += 1
                 progress = True

@@ -16,9 +16,10 @@ A parameter read by several stages (tied weights) is an input of each of them.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 from torchpar.ir.function_regions import function_regions
-from torchpar.ir.graph import Graph, Input, Node, Output, Ref
+from torchpar.ir.graph import Graph, Input, Node, Output, Ref, TensorMeta
 
 
 @dataclass
@@ -97,7 +98,7 @@ def slice_stages(graph: Graph, stage_of: dict[str, int]) -> list[StageGraph]:
     for mark in marks:
         if mark.value is not None:
             consumers.setdefault(mark.value.name, set()).add(num_stages - 1)
-    outputs_by_value = {}
+    outputs_by_value: dict[str, list[Output]] = {}
     for out in graph.outputs:
         if out.value is not None and out.kind != "loss_den":
             outputs_by_value.setdefault(out.value.name, []).append(out)
@@ -112,7 +113,8 @@ def slice_stages(graph: Graph, stage_of: dict[str, int]) -> list[StageGraph]:
         # activations enter a stage from the one before it; values that skip stages pass through
         activations_in = [v for v, d in defined_in.items() if d < s and last_use.get(v, -1) >= s]
         activations_out = [v for v, d in defined_in.items() if d <= s and last_use.get(v, -1) > s]
-        stage_inputs: list[Input] = [Input(v, "activation", v, metas[v]) for v in activations_in]
+        # a tuple's elements stay with its op (getitem above): what crosses stages is a tensor
+        stage_inputs: list[Input] = [Input(v, "activation", v, cast(TensorMeta, metas[v])) for v in activations_in]
         seen = set(activations_in)
         for node in nodes:
             for ref in node.refs():
@@ -128,7 +130,7 @@ def slice_stages(graph: Graph, stage_of: dict[str, int]) -> list[StageGraph]:
                 passes_input = out.value is not None and out.value.name in inputs_by_name
                 if (out.kind in ("buffer", "aux") and passes_input) or out.kind == "loss_den":
                     outputs.append(out)
-                    if passes_input and out.value.name not in seen:
+                    if passes_input and out.value is not None and out.value.name not in seen:
                         seen.add(out.value.name)
                         stage_inputs.append(inputs_by_name[out.value.name])
         constants = {i.target: graph.constants[i.target] for i in stage_inputs if i.kind == "constant"}

@@ -9,12 +9,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import NamedTuple, Protocol
+from typing import NamedTuple, Protocol, cast
 
 import numpy as np
 
 from torchpar.hardware import ClusterSpec
-from torchpar.ir.graph import DTYPE_BYTES, Graph
+from torchpar.ir.graph import DTYPE_BYTES, Graph, Node
+from torchpar.ir.layout import Spec
 from torchpar.ir.op_families import GROUPED_MATMULS, VIEWS
 from torchpar.planner.mesh_links import stage_mesh
 from torchpar.planner.pipeline.layers import Layering
@@ -183,8 +184,8 @@ class AnalyticStageCost:
                     if of_weight[weight] in self._state_bytes
                 )
             )
-            exchanged = [nbytes for nbytes in exchanged if nbytes is not None]
-            self._tensor_parallel.append((len(exchanged), float(sum(exchanged))))
+            reduced = [nbytes for nbytes in exchanged if nbytes is not None]
+            self._tensor_parallel.append((len(reduced), float(sum(reduced))))
             grouped = (_grouped_matmul(n, metas) for n in nodes if n.target in GROUPED_MATMULS)
             self._grouped.append(tuple(g for g in grouped if g is not None))
             self._expert_params.append(
@@ -397,7 +398,7 @@ class _GroupedMatmul:
     """``X_g``: the smaller of ``x`` and the output, the tensor-parallel all-reduce's buffer."""
 
 
-def _grouped_matmul(node, metas: dict) -> _GroupedMatmul | None:
+def _grouped_matmul(node: Node, metas: dict) -> _GroupedMatmul | None:
     """``node``'s :class:`_GroupedMatmul`, ``None`` unless it has the ``x [S, K], w [E, K, N], offs [E]`` form."""
     refs = list(node.refs())
     if len(refs) < 2 or any(r not in metas for r in refs[:3]):
@@ -424,8 +425,10 @@ def _grouped_matmul_cost(matmul: _GroupedMatmul, mesh: LogicalMesh) -> tuple[flo
     relayout = 2.0 * mesh.all_to_all(matmul.exchanged_bytes / (data * tensor), [0, 1]) if data > 1 else 0.0
     # the weight's gradient sync is the stage's data-parallel term: not priced again here
     for strategy in expert_strategies(matmul.shapes, matmul.flops, matmul.itemsize, (True, False, False), mesh):
-        if 1 in strategy.in_specs[1][0]:
-            rows_both = len(strategy.in_specs[0][0]) == 2
+        x_spec, w_spec = cast(tuple[Spec, Spec], strategy.in_specs[:2])  # the rows' and the experts' layouts
+        row_axes, expert_axes = cast(tuple[int, ...], x_spec[0]), cast(tuple[int, ...], w_spec[0])  # both split
+        if 1 in expert_axes:
+            rows_both = len(row_axes) == 2
             options.append((max(strategy.compute_s - base, 0.0), strategy.comm_s + (relayout if rows_both else 0.0)))
     return min(options, key=sum)
 
@@ -447,17 +450,17 @@ def _weight_values(graph: Graph) -> dict[str, str]:
     return found
 
 
-def _operands(node) -> list[str]:
+def _operands(node: Node) -> list[str]:
     """A weight matmul's operand names, an ``addmm``'s bias left out."""
     return list(node.refs())[1:] if node.target == "aten.addmm.default" else list(node.refs())
 
 
-def _weight_of(node, of_weight: dict[str, str]) -> str:
+def _weight_of(node: Node, of_weight: dict[str, str]) -> str:
     """The operand of weight matmul ``node`` that is a weight (or a view or cast of one)."""
     return next(r for r in _operands(node) if r in of_weight)
 
 
-def _all_reduced_bytes(node, metas: dict, of_weight: dict[str, str]) -> float | None:
+def _all_reduced_bytes(node: Node, metas: dict, of_weight: dict[str, str]) -> float | None:
     """``X_w`` of a matmul ``node`` reading a weight (the class docstring); ``None`` if it reads none."""
     refs = _operands(node)
     if not any(r in of_weight for r in refs):

@@ -60,7 +60,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, cast
 
 import numpy as np
 
@@ -693,8 +693,8 @@ def manual_stages(
                 )
     return _evaluate(
         [(ids[0], ids[-1]) for ids in stage_layers],
-        submeshes,
-        logical,
+        cast(list[Shape], submeshes),  # pairs: assign_devices checked them
+        cast(list[Shape] | None, logical),  # pairs, as checked above
         cost,
         num_micro_batches,
         memory_budget,
@@ -733,7 +733,7 @@ def close_logical_meshes(
         for option in stage_options(cost, stage.first_layer, stage.last_layer, stage.submesh, mesh):
             if option.peak_bytes(in_flight) <= memory_budget and option.latency_s <= (1 + tolerance) * stage.latency_s:
                 timed[mesh] = min(timed.get(mesh, math.inf), option.latency_s)
-    return [tuple(stage.logical), *sorted(timed, key=timed.get)]
+    return [cast(Shape, tuple(stage.logical)), *sorted(timed, key=timed.__getitem__)]
 
 
 def _evaluate(

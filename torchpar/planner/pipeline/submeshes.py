@@ -9,6 +9,7 @@ can when the sizes add up is in :mod:`.stages`).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 Shape = tuple[int, int]
 
@@ -32,7 +33,9 @@ def logical_mesh_shapes(submesh: Shape) -> tuple[Shape, ...]:
     return tuple((a, devices // a) for a in range(1, devices + 1) if devices % a == 0)
 
 
-def assign_devices(submeshes: Sequence[Shape], num_hosts: int, devices_per_host: int) -> tuple[tuple[int, ...], ...]:
+def assign_devices(
+    submeshes: Sequence[Sequence[int]], num_hosts: int, devices_per_host: int
+) -> tuple[tuple[int, ...], ...]:
     """Device indices (host ``h`` owns ``[h·D, (h+1)·D)``) of each submesh, tiling the cluster exactly.
 
     Tries stage order first (each stage takes the next free devices, so neighbouring stages sit on
@@ -53,9 +56,8 @@ def assign_devices(submeshes: Sequence[Shape], num_hosts: int, devices_per_host:
             f"the submeshes {shapes} hold {total} devices, but the cluster has {num_hosts}×"
             f"{devices_per_host} = {num_hosts * devices_per_host}; they must tile it exactly"
         )
-    placement = _place_in_order(shapes, num_hosts, devices_per_host) or _place_packed(
-        shapes, num_hosts, devices_per_host
-    )
+    pairs = cast(list[Shape], shapes)  # each unpacked into (hosts, devices) above
+    placement = _place_in_order(pairs, num_hosts, devices_per_host) or _place_packed(pairs, num_hosts, devices_per_host)
     if placement is None:
         raise ValueError(
             f"the submeshes {shapes} cannot tile {num_hosts} host(s) of {devices_per_host} devices "

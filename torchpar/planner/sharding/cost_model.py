@@ -90,6 +90,7 @@ class LogicalMesh:
                 continue
             local = nbytes / num_shards(tuple(current), self.shape)
             if d is None:  # gather this axis
+                assert s is not None  # s == d == None continued above
                 current[s] = _without(current[s], axis)
                 cost += self.all_gather(local * self.shape[axis], [axis])
             elif s is None:  # slice: free

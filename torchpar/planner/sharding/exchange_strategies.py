@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import cast
 
 from torchpar.ir.costs import expert_slot_rows
-from torchpar.ir.graph import Node, TensorMeta, one_row_index
+from torchpar.ir.graph import Node, OutMeta, TensorMeta, one_row_index
+from torchpar.ir.layout import Spec
 from torchpar.planner.sharding.cost_model import LogicalMesh
 from torchpar.planner.sharding.strategies import Einsum, Strategy, anchor_einsum
 
@@ -53,7 +54,7 @@ def row_exchange_form(
     return None
 
 
-def anchor_of(node: Node, operand_metas: Sequence[Any]) -> tuple[Einsum | None, str | None] | None:
+def anchor_of(node: Node, operand_metas: Sequence[OutMeta]) -> tuple[Einsum | None, str | None] | None:
     """How ``node`` is a root (anchor) of the sharding ILP — ``(its einsum view, its row-exchange form)``, either
     possibly ``None`` — or ``None`` when it follows an operand instead. ``operand_metas``: its tensor operands' metas
     in ``Node.refs()`` order (the solver graph and the layouts replayed from a plan both decide by this)."""
@@ -64,10 +65,11 @@ def anchor_of(node: Node, operand_metas: Sequence[Any]) -> tuple[Einsum | None, 
         or not all(isinstance(m, TensorMeta) for m in operand_metas)
     ):
         return None
-    einsum = anchor_einsum(node.target, node.args, [len(m.shape) for m in operand_metas], len(out.shape))
-    if einsum is not None and len(einsum.operands) != len(operand_metas):
+    tensors = cast(Sequence[TensorMeta], operand_metas)  # every operand is a tensor, as just checked
+    einsum = anchor_einsum(node.target, node.args, [len(m.shape) for m in tensors], len(out.shape))
+    if einsum is not None and len(einsum.operands) != len(tensors):
         einsum = None
-    form = row_exchange_form(node.target, node.args, [m.shape for m in operand_metas], out.shape)
+    form = row_exchange_form(node.target, node.args, [m.shape for m in tensors], out.shape)
     return (einsum, form) if einsum is not None or form is not None else None
 
 
@@ -117,6 +119,7 @@ def exchange_strategies(
             (rows,) + ((columns,) if columns else (None,)) * (rank > 1) + (None,) * max(rank - 2, 0)
         )
         whole_index = (None,)
+        in_specs: tuple[Spec | None, ...]
         if form == "gather":
             in_specs = (spec(len(data)), whole_index)
         else:
@@ -141,7 +144,7 @@ def exchange_strategies(
     return strategies
 
 
-def is_exchange(strategy: Any) -> bool:
+def is_exchange(strategy: Strategy) -> bool:
     return tuple(getattr(strategy, "lowering", ()) or ()) == EXCHANGE
 
 

@@ -20,10 +20,10 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import cast
 
 from torchpar.ir.function_regions import MARKERS as FUNCTION_MARKERS
-from torchpar.ir.graph import Node, TensorMeta
+from torchpar.ir.graph import Node, OutMeta, TensorMeta
 from torchpar.ir.layout import Multi, Spec, is_valid
 from torchpar.ir.op_families import ALONG_DIM, ALONG_DIM_DEFAULT, BATCH_NORMS, REDUCTIONS, RESHAPES, reduction_dims
 from torchpar.planner.sharding.cost_model import LogicalMesh
@@ -46,9 +46,9 @@ class Follow:
 
 def follow(
     node: Node,
-    operands: Sequence[Any],
+    operands: Sequence[OutMeta],
     main: int,
-    main_spec: Any,
+    main_spec: OutSpec,
     mesh: LogicalMesh,
     needs_grad: Sequence[bool],
     weights: Sequence[bool] = (),
@@ -76,9 +76,9 @@ def follow(
     if target in ("aten.t.default", "aten.transpose.int"):
         rank = len(main_meta.shape)
         d0, d1 = (0, 1) if target == "aten.t.default" else (node.args[1] % rank, node.args[2] % rank)
-        spec = list(main_spec)
-        spec[d0], spec[d1] = spec[d1], spec[d0]
-        return Follow(tuple(spec), (main_spec,))
+        swapped = list(main_spec)
+        swapped[d0], swapped[d1] = swapped[d1], swapped[d0]
+        return Follow(tuple(swapped), (main_spec,))
     if target == "aten.unsqueeze.default":
         dim = node.args[1] % (len(main_meta.shape) + 1)
         return Follow(tuple(main_spec[:dim]) + (None,) + tuple(main_spec[dim:]), (main_spec,))
@@ -123,18 +123,20 @@ def follow(
         dim = along_dim(node)
         dims = [dim] if isinstance(dim, int) else list(dim)
         keep = tuple(None if d in [x % len(main_meta.shape) for x in dims] else e for d, e in enumerate(main_spec))
-        required = [None] * len(operands)
-        required[main] = keep
+        operand_specs: list[Spec | None] = [None] * len(operands)
+        operand_specs[main] = keep
         if target == "aten.gather.default" and len(operands) > 1:
-            required[1] = keep if isinstance(operands[1], TensorMeta) and len(operands[1].shape) == len(keep) else None
+            operand_specs[1] = (
+                keep if isinstance(operands[1], TensorMeta) and len(operands[1].shape) == len(keep) else None
+            )
         if target == "aten.index_select.default" and len(operands) > 1:
-            required[1] = (None,) * len(operands[1].shape)
-        out_spec = keep
+            operand_specs[1] = (None,) * len(cast(TensorMeta, operands[1]).shape)  # the index tensor
+        along: OutSpec = keep
         if isinstance(out, tuple):
-            out_spec = Multi(keep if isinstance(m, TensorMeta) and len(m.shape) == len(keep) else None for m in out)
+            along = Multi(keep if isinstance(m, TensorMeta) and len(m.shape) == len(keep) else None for m in out)
         elif len(first_out.shape) != len(keep):
             return _replicated(node, operands)
-        return Follow(out_spec, tuple(required))
+        return Follow(along, tuple(operand_specs))
     if _is_elementwise(first_out, operands):
         result = _broadcast_like(first_out, operands, main, main_spec, mesh, needs_grad, weights)
         if isinstance(out, tuple):
@@ -148,7 +150,7 @@ def follow(
     return _replicated(node, operands)
 
 
-def along_dim(node: Node) -> Any:
+def along_dim(node: Node) -> int | Sequence[int]:
     """The ``dim`` argument of an :data:`~torchpar.ir.op_families.ALONG_DIM` op (positional, or the keyword of
     ``sort.stable``), or its default when left out (``sort``, ``topk``: the last dim)."""
     position = ALONG_DIM[node.target]
@@ -157,17 +159,17 @@ def along_dim(node: Node) -> Any:
     return node.kwargs.get("dim", ALONG_DIM_DEFAULT.get(node.target, 0))
 
 
-def _function_marker(operands: Sequence[Any], main: int, main_spec: Any) -> Follow:
+def _function_marker(operands: Sequence[OutMeta], main: int, main_spec: OutSpec) -> Follow:
     """A custom autograd.Function's marker (:mod:`torchpar.ir.function_regions`): its value takes operand 0's
     layout; when a saved tensor is the operand followed, the value is whole."""
     rest = (None,) * (len(operands) - 1)
     if main == 0 and main_spec is not None:
         return Follow(main_spec, (main_spec,) + rest)
-    whole = (None,) * len(operands[0].shape)
+    whole = (None,) * len(cast(TensorMeta, operands[0]).shape)  # the marked tensor
     return Follow(whole, (whole,) + rest)
 
 
-def _replicated(node: Node, operands: Sequence[Any]) -> Follow:
+def _replicated(node: Node, operands: Sequence[OutMeta]) -> Follow:
     required = tuple((None,) * len(m.shape) if isinstance(m, TensorMeta) else None for m in operands)
     out = node.out
     if isinstance(out, TensorMeta):
@@ -184,7 +186,7 @@ def _same_out(node: Node, spec: Spec, required: tuple) -> Follow:
     return Follow(spec, required)
 
 
-def _is_elementwise(out: TensorMeta, operands: Sequence[Any]) -> bool:
+def _is_elementwise(out: TensorMeta, operands: Sequence[OutMeta]) -> bool:
     tensors = [m for m in operands if isinstance(m, TensorMeta)]
     if not tensors:
         return False
@@ -200,7 +202,7 @@ def _is_elementwise(out: TensorMeta, operands: Sequence[Any]) -> bool:
 
 def _broadcast_like(
     out: TensorMeta,
-    operands: Sequence[Any],
+    operands: Sequence[OutMeta],
     main: int,
     main_spec: Spec,
     mesh: LogicalMesh,
@@ -210,16 +212,16 @@ def _broadcast_like(
     """Right-aligned broadcasting: the output takes the main operand's splits; every operand gets the
     output's splits on its non-broadcast dims."""
     rank = len(out.shape)
-    main_shape = operands[main].shape
+    main_shape = cast(TensorMeta, operands[main]).shape  # the operand followed is a tensor
     offset = rank - len(main_shape)
-    out_spec = [None] * rank
+    out_spec: list[tuple[int, ...] | None] = [None] * rank
     for d, entry in enumerate(main_spec):
         if main_shape[d] == out.shape[d + offset]:
             out_spec[d + offset] = entry
     out_spec_t = tuple(out_spec)
     if not is_valid(out_spec_t, out.shape, mesh.shape):
         out_spec_t = (None,) * rank
-    required = []
+    required: list[Spec | None] = []
     comm = weight_comm = 0.0
     for position, (meta, grad) in enumerate(zip(operands, needs_grad)):
         if not isinstance(meta, TensorMeta):
@@ -256,7 +258,8 @@ def reduced_dims(node: Node, rank: int) -> set[int]:
         or dims_arg == []
     ):
         return set(range(rank))
-    return {d % rank for d in ([dims_arg] if isinstance(dims_arg, int) else dims_arg)}
+    dims = cast(int | Sequence[int], dims_arg)  # a reduction's dim argument: one dim or a list of them
+    return {d % rank for d in ([dims] if isinstance(dims, int) else dims)}
 
 
 def _reduce(
@@ -281,7 +284,7 @@ def _reduce(
     return Follow(out_value, (spec,) + (None,) * (n_operands - 1), comm)
 
 
-def _normalize(node: Node, operands: Sequence[Any], main_meta: TensorMeta, spec: Spec, dims: range) -> Follow:
+def _normalize(node: Node, operands: Sequence[OutMeta], main_meta: TensorMeta, spec: Spec, dims: range) -> Follow:
     keep = tuple(None if d in dims else e for d, e in enumerate(spec))
     rank = len(main_meta.shape)
     required = [keep] + [
@@ -298,7 +301,9 @@ def _normalize(node: Node, operands: Sequence[Any], main_meta: TensorMeta, spec:
     return Follow(out, tuple(required))
 
 
-def _batch_norm(node: Node, operands: Sequence[Any], main_meta: TensorMeta, spec: Spec, mesh: LogicalMesh) -> Follow:
+def _batch_norm(
+    node: Node, operands: Sequence[OutMeta], main_meta: TensorMeta, spec: Spec, mesh: LogicalMesh
+) -> Follow:
     channel = spec[1] if len(spec) > 1 else None
     required = tuple(
         spec if i == 0 else ((channel,) if isinstance(m, TensorMeta) else None) for i, m in enumerate(operands)
@@ -328,10 +333,11 @@ def _view(in_meta: TensorMeta, out_meta: TensorMeta, spec: Spec, mesh: LogicalMe
     """A split survives a reshape only on the major dim of each merged/split group."""
     in_shape, out_shape = list(in_meta.shape), list(out_meta.shape)
     required = list(spec)
-    out_spec: list[Any] = [None] * len(out_shape)
+    out_spec: list[tuple[int, ...] | None] = [None] * len(out_shape)
     i = j = 0
     while i < len(in_shape) or j < len(out_shape):
-        group_in, group_out = [], []
+        group_in: list[int] = []
+        group_out: list[int] = []
         prod_in = prod_out = 1
         while True:
             if prod_in == prod_out and group_in and group_out:

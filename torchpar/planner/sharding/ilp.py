@@ -42,12 +42,16 @@ import hashlib
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal, overload
 
 import numpy as np
 
 from torchpar.planner.sharding.solver_graph import SolverGraph
+
+if TYPE_CHECKING:  # OR-Tools is imported where a problem is solved (one device never needs it)
+    from ortools.sat.python.cp_model import CpModel, IntVar, LinearExpr
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +104,30 @@ SUBSOLVERS = ("max_lp", "core")
 """CP-SAT's full-problem workers, one thread each (see the module docstring)."""
 
 
+@overload
+def solve(
+    graph: SolverGraph,
+    *,
+    memory_budget: float | None = ...,
+    time_limit_s: float = ...,
+    workers: int = ...,
+    allowed: dict[int, set[int]] | None = ...,
+    relative_gap: float = ...,
+    none_if_unsolved: Literal[False] = ...,
+    give_up: Callable[[float], bool] | None = ...,
+) -> Solution: ...
+@overload
+def solve(
+    graph: SolverGraph,
+    *,
+    memory_budget: float | None = ...,
+    time_limit_s: float = ...,
+    workers: int = ...,
+    allowed: dict[int, set[int]] | None = ...,
+    relative_gap: float = ...,
+    none_if_unsolved: bool,
+    give_up: Callable[[float], bool] | None = ...,
+) -> Solution | None: ...
 def solve(
     graph: SolverGraph,
     *,
@@ -326,7 +354,7 @@ def _forced_solution(graph: SolverGraph, choice: list[int], memory_budget: float
     )
 
 
-def _one_choice(model, graph: SolverGraph) -> list[list]:
+def _one_choice(model: CpModel, graph: SolverGraph) -> list[list[IntVar]]:
     """x_v[k] with Σ_k x_v[k] = 1."""
     x = []
     for v, root in enumerate(graph.roots):
@@ -336,7 +364,7 @@ def _one_choice(model, graph: SolverGraph) -> list[list]:
     return x
 
 
-def _edges(model, graph: SolverGraph, x: list[list]) -> tuple[list, list]:
+def _edges(model: CpModel, graph: SolverGraph, x: list[list[IntVar]]) -> tuple[list[LinearExpr], list[LinearExpr]]:
     """y_uv[g,h] ≥ X_u[g] + X_v[h] − 1 for R_uv[g,h] > 0 or G_uv[g,h] > 0; returns the objective terms and the
     memory terms (KiB).
 
@@ -344,7 +372,8 @@ def _edges(model, graph: SolverGraph, x: list[list]) -> tuple[list, list]:
     ``X_u[g] = Σ_{k∈g} x_u[k]`` (likewise columns for ``v``): the linearization needs one variable per
     distinct (row, column) pair with a positive cost or memory, not per strategy pair.
     """
-    terms, memory_terms = [], []
+    terms: list[LinearExpr] = []
+    memory_terms: list[LinearExpr] = []
     pairs = list(graph.edges) + [pair for pair in graph.memory_edges if pair not in graph.edges]
     for pair in pairs:
         u, v = pair
@@ -372,12 +401,12 @@ def _edges(model, graph: SolverGraph, x: list[list]) -> tuple[list, list]:
     return terms, memory_terms
 
 
-def _groups(model, matrix: np.ndarray, x_row: list, name: str) -> tuple[list, list[list[int]]]:
+def _groups(model: CpModel, matrix: np.ndarray, x_row: list[IntVar], name: str) -> tuple[list[IntVar], list[list[int]]]:
     """Indicators of the groups of identical rows of ``matrix`` (one per group) and the groups."""
     _, inverse = np.unique(matrix, axis=0, return_inverse=True)
     members: dict[int, list[int]] = defaultdict(list)
-    for k, group in enumerate(np.asarray(inverse).reshape(-1)):
-        members[int(group)].append(k)
+    for k, label in enumerate(np.asarray(inverse).reshape(-1)):
+        members[int(label)].append(k)
     groups = [members[g] for g in sorted(members)]
     indicators = []
     for index, group in enumerate(groups):
@@ -390,7 +419,9 @@ def _groups(model, matrix: np.ndarray, x_row: list, name: str) -> tuple[list, li
     return indicators, groups
 
 
-def _memory(model, graph: SolverGraph, x: list[list], budget: float, gathered: list = ()) -> None:
+def _memory(
+    model: CpModel, graph: SolverGraph, x: list[list[IntVar]], budget: float, gathered: Sequence[LinearExpr] = ()
+) -> None:
     """Σ_v Σ_k m_v[k]·x_v[k] + Σ G·y + t ≤ M with t ≥ Σ_k r_v[k]·x_v[k] for every root with transients (``t``: the
     largest transient of the chosen strategies); in KiB, to keep coefficients small; ``gathered``: the G·y terms."""
     terms = [
@@ -399,12 +430,12 @@ def _memory(model, graph: SolverGraph, x: list[list], budget: float, gathered: l
         for m, var in zip(root.memory, vars_)
         if m > 0
     ]
-    transient_roots = [(root, vars_) for root, vars_ in zip(graph.roots, x) if root.transient is not None]
+    transient_roots = [(root.transient, vars_) for root, vars_ in zip(graph.roots, x) if root.transient is not None]
     if transient_roots:
-        largest = int(np.ceil(max(float(root.transient.max()) for root, _ in transient_roots) / 1024))
+        largest = int(np.ceil(max(float(transient.max()) for transient, _ in transient_roots) / 1024))
         peak = model.new_int_var(0, largest, "transient_peak")
-        for root, vars_ in transient_roots:
-            model.add(peak >= sum(int(np.ceil(r / 1024)) * var for r, var in zip(root.transient, vars_) if r > 0))
+        for transient, vars_ in transient_roots:
+            model.add(peak >= sum(int(np.ceil(r / 1024)) * var for r, var in zip(transient, vars_) if r > 0))
         terms.append(peak)
     model.add(sum(terms) + sum(gathered) <= int(budget // 1024))
 
@@ -431,7 +462,7 @@ def gathered_memory(graph: SolverGraph, choice: list[int]) -> float:
     return float(sum(matrix[choice[u], choice[v]] for (u, v), matrix in graph.memory_edges.items()))
 
 
-def _share(model, graph: SolverGraph, x: list[list]) -> None:
+def _share(model: CpModel, graph: SolverGraph, x: list[list[IntVar]]) -> None:
     """x_v = x_w for roots of one share class (the same op in identical repeated layers)."""
     classes: dict[str, list[int]] = defaultdict(list)
     for v, root in enumerate(graph.roots):

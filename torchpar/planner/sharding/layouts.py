@@ -16,16 +16,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import cast
 
 from torchpar.ir.function_regions import MARKERS as FUNCTION_MARKERS
-from torchpar.ir.graph import Graph, Node, TensorMeta
-from torchpar.ir.layout import Multi, Spec, from_json
+from torchpar.ir.graph import Graph, Input, Node, OutMeta, TensorMeta
+from torchpar.ir.layout import MeshShape, Multi, Spec, from_json
 from torchpar.ir.op_families import ASSERTS, BATCH_NORMS, PARTIAL_SUM_REDUCTIONS, REDUCTIONS
 from torchpar.planner.plan import StagePlan
 from torchpar.planner.sharding.cost_model import LogicalMesh
 from torchpar.planner.sharding.exchange_strategies import anchor_of
-from torchpar.planner.sharding.follow import follow, reduced_dims
+from torchpar.planner.sharding.follow import OutSpec, follow, reduced_dims
 from torchpar.planner.sharding.solver_graph import _numel
 
 
@@ -40,7 +40,7 @@ class ValueLayouts:
     """
 
     mesh_shape: tuple[int, int]
-    values: dict[str, Any] = field(default_factory=dict)
+    values: dict[str, OutSpec] = field(default_factory=dict)
     operands: dict[str, tuple[Spec | None, ...]] = field(default_factory=dict)
     partial: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)
     statistics_axes: dict[str, tuple[int, ...]] = field(default_factory=dict)
@@ -72,7 +72,7 @@ class ValueLayouts:
 
 def replay_layouts(graph: Graph, stage: StagePlan) -> ValueLayouts:
     """The layout of every value of ``graph`` under ``stage`` (see the module docstring)."""
-    mesh_shape = tuple(stage.logical_mesh_shape)
+    mesh_shape = cast(MeshShape, tuple(stage.logical_mesh_shape))  # a plan's mesh has two axes
     mesh = LogicalMesh(shape=mesh_shape)
     layouts = ValueLayouts(mesh_shape=mesh_shape)
     metas = graph.metas()
@@ -85,7 +85,7 @@ def replay_layouts(graph: Graph, stage: StagePlan) -> ValueLayouts:
     return layouts
 
 
-def _input_spec(inp: Any, stage: StagePlan) -> Spec:
+def _input_spec(inp: Input, stage: StagePlan) -> Spec:
     rank = len(inp.meta.shape)
     if inp.kind == "param":
         spec = stage.params_at_use.get(inp.target, stage.params.get(inp.target))
@@ -98,7 +98,9 @@ def _input_spec(inp: Any, stage: StagePlan) -> Spec:
     return from_json(spec) if spec is not None else (None,) * rank
 
 
-def _replay_node(node: Node, metas: dict, stage: StagePlan, mesh: LogicalMesh, layouts: ValueLayouts) -> None:
+def _replay_node(
+    node: Node, metas: dict[str, OutMeta], stage: StagePlan, mesh: LogicalMesh, layouts: ValueLayouts
+) -> None:
     refs = list(node.refs())
     operand_metas = [metas.get(r) for r in refs]
     out = node.out
@@ -167,10 +169,10 @@ def _replay_anchor(node: Node, stage: StagePlan, layouts: ValueLayouts) -> None:
         layouts.partial[node.name] = ("contract", tuple(contracted))
 
 
-def _replay_reduction(node: Node, main_meta: TensorMeta, spec: Spec | None, layouts: ValueLayouts) -> None:
+def _replay_reduction(node: Node, main_meta: OutMeta, spec: Spec | None, layouts: ValueLayouts) -> None:
     if not spec:
         return
-    dims = reduced_dims(node, len(main_meta.shape))
+    dims = reduced_dims(node, len(cast(TensorMeta, main_meta).shape))  # it has a spec to read it in: a tensor
     axes = tuple(sorted(a for d, entry in enumerate(spec) if entry and d in dims for a in entry))
     if not axes:
         return
@@ -183,7 +185,7 @@ def _replay_reduction(node: Node, main_meta: TensorMeta, spec: Spec | None, layo
     layouts.partial[node.name] = (kind, axes)
 
 
-def _replicated_out(out: Any) -> Any:
+def _replicated_out(out: OutMeta) -> OutSpec:
     if isinstance(out, TensorMeta):
         return (None,) * len(out.shape)
     if isinstance(out, tuple):
@@ -191,10 +193,10 @@ def _replicated_out(out: Any) -> Any:
     return None
 
 
-def _is_split(spec: Any) -> bool:
+def _is_split(spec: OutSpec) -> bool:
     if isinstance(spec, Multi):
         return any(_is_split(s) for s in spec)
-    return bool(spec) and any(entry for entry in spec)
+    return spec is not None and any(entry for entry in spec)
 
 
 __all__ = ["ValueLayouts", "replay_layouts"]

@@ -16,19 +16,21 @@ import dataclasses
 import math
 import re
 from collections import defaultdict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import cast
 
 import numpy as np
 
-from torchpar.ir.graph import DTYPE_BYTES, Graph, Node, TensorMeta
+from torchpar.ir.graph import DTYPE_BYTES, Graph, Input, Node, OutMeta, TensorMeta
 from torchpar.ir.layout import Multi, Spec
 from torchpar.ir.op_families import ASSERTS, GROUPED_MATMULS, SLICES
 from torchpar.planner.remat import BACKWARD_WORKING_COPIES, remat_memory
 from torchpar.planner.sharding.cost_model import LogicalMesh
 from torchpar.planner.sharding.exchange_strategies import anchor_of, exchange_strategies, replicated_put
-from torchpar.planner.sharding.follow import follow
+from torchpar.planner.sharding.follow import Follow, OutSpec, follow
 from torchpar.planner.sharding.strategies import (
+    Einsum,
     Strategy,
     attention_scores_bytes,
     context_strategies,
@@ -66,7 +68,7 @@ class ValueLayout:
     """The value's spec under each strategy of its root (``Multi`` for multi-output ops)."""
 
     root: int
-    specs: list[Any]
+    specs: list[OutSpec]
 
 
 @dataclass
@@ -93,7 +95,7 @@ class SolverGraph:
         return sum(len(r.strategies) for r in self.roots)
 
     def summary(self) -> str:
-        kinds = defaultdict(int)
+        kinds: defaultdict[str, int] = defaultdict(int)
         for root in self.roots:
             kinds[root.kind] += 1
         return (
@@ -242,7 +244,7 @@ class _Builder:
                 ) from error
         for out in self.graph.outputs:
             if out.kind == "buffer" and out.value is not None and out.value.name in self.values:
-                meta = self.metas[out.value.name]
+                meta = cast(TensorMeta, self.metas[out.value.name])  # a buffer's new value
                 replicated = (None,) * len(meta.shape)
                 self._require(out.value.name, lambda k, spec=replicated: spec, meta, None)
         self._assign_share_keys()
@@ -292,7 +294,7 @@ class _Builder:
         self.values[name] = ValueLayout(index, [s.out_spec for s in strategies])
         return index
 
-    def _add_input(self, inp: Any) -> None:
+    def _add_input(self, inp: Input) -> None:
         meta = inp.meta
         if inp.kind == "param":
             tied = next((i.name for i in self.graph.inputs if i.kind == "param" and i.target == inp.target), inp.name)
@@ -351,7 +353,7 @@ class _Builder:
         operand_metas = [self.metas.get(r) for r in refs]
         anchor = anchor_of(node, operand_metas)
         if anchor is not None:
-            self._add_anchor(node, refs, operand_metas, *anchor)
+            self._add_anchor(node, refs, cast(list[TensorMeta], operand_metas), *anchor)  # all tensors (anchor_of)
             return
         tracked = [i for i, r in enumerate(refs) if r in self.values]
         if not tracked:
@@ -362,32 +364,36 @@ class _Builder:
 
     def _add_constant(self, node: Node) -> None:
         out = node.out
+        assert out is not None  # build() skips ops with no output
         if isinstance(out, TensorMeta):
-            spec: Any = (None,) * len(out.shape)
+            spec: Spec = (None,) * len(out.shape)
         else:
             spec = Multi((None,) * len(m.shape) if m is not None else None for m in out)
         self._new_root(node.name, "constant", node.target, [Strategy("replicated", spec)], None)
 
-    def _add_anchor(self, node: Node, refs: list[str], metas: list[Any], einsum: Any, form: str | None = None) -> None:
+    def _add_anchor(
+        self, node: Node, refs: list[str], metas: list[TensorMeta], einsum: Einsum | None, form: str | None = None
+    ) -> None:
         """An anchor's root: its einsum strategies (a put with no einsum view: run whole), the expert, attention or
         row-exchange (``form``, :func:`.exchange_strategies.row_exchange_form`) ones its op adds."""
+        out = cast(TensorMeta, node.out)  # one tensor, as anchor_of requires
         grads = [r in self.needs_grad for r in refs]
         if einsum is not None:
             strategies = einsum_strategies(
                 einsum,
                 [m.shape for m in metas],
-                node.out.shape,
+                out.shape,
                 node.flops,
-                node.out.nbytes,
+                out.nbytes,
                 [m.nbytes for m in metas],
                 grads,
                 self.mesh,
                 weight_operands=self._weights(refs),
                 num_micro_batches=self.num_micro_batches,
-                scatter_rows=node.target in ROW_SCATTERED and len(node.out.shape) == 2,
+                scatter_rows=node.target in ROW_SCATTERED and len(out.shape) == 2,
             )
         else:
-            strategies = [replicated_put([m.shape for m in metas], node.out.nbytes)]
+            strategies = [replicated_put([m.shape for m in metas], out.nbytes)]
         if form is not None:
             moved = metas[0] if form == "gather" else metas[2]
             strategies = strategies + exchange_strategies(
@@ -431,7 +437,7 @@ class _Builder:
                 count_gathered=node.target in GROUPED_MATMULS,
             )
 
-    def _attention_strategies(self, node: Node, metas: list[Any], einsum: list[Strategy]) -> list[Strategy]:
+    def _attention_strategies(self, node: Node, metas: list[TensorMeta], einsum: list[Strategy]) -> list[Strategy]:
         """An attention's strategies: the einsum ones (batch, heads), charged the ``L × S`` probabilities their
         composition keeps for the backward (not a 16-bit one that may take cuDNN's flash kernel) and, when causal,
         half the FLOPs; and (under ``context``) those splitting its sequence."""
@@ -464,12 +470,12 @@ class _Builder:
             return split
         return whole + split
 
-    def _add_follower(self, node: Node, refs: list[str], metas: list[Any], main: int) -> None:
+    def _add_follower(self, node: Node, refs: list[str], metas: list[OutMeta], main: int) -> None:
         layout = self.values[refs[main]]
         root = self.roots[layout.root]
         grads = [r in self.needs_grad for r in refs]
         weights = self._weights(refs)
-        cache: dict[Any, Any] = {}
+        cache: dict[str, Follow] = {}
         results = []
         for spec in layout.specs:
             cache_key = repr(spec)
@@ -491,13 +497,13 @@ class _Builder:
             self._require(
                 ref,
                 lambda k, p=position: results[k].required[p],
-                metas[position],
+                cast(TensorMeta, metas[position]),  # neither None nor a tuple: a tensor
                 layout.root,
                 grad=ref in self.needs_grad,
             )
 
     def _gathered_view_bytes(
-        self, node: Node, ref: str, main: int, meta: Any, specs: list[Any], results: list[Any]
+        self, node: Node, ref: str, main: int, meta: OutMeta, specs: list[OutSpec], results: list[Follow]
     ) -> list[float]:
         """Per strategy: the bytes a slice or split of ``ref`` (``op_families.SLICES``) holds when it needs ``ref``
         gathered into a larger layout. Its result aliases the gathered copy (XLA fuses the slice into its
@@ -519,7 +525,7 @@ class _Builder:
     def _require(
         self,
         ref: str,
-        required_of: Any,
+        required_of: Callable[..., Spec | None],
         meta: TensorMeta,
         consumer_root: int | None,
         grad: bool = False,
@@ -555,7 +561,7 @@ class _Builder:
                 if key not in cache:
                     cache[key] = self._reshard(nbytes, spec, wanted, grad)
                 matrix[k, column] = cache[key]
-                if is_param:
+                if gathered is not None:  # is_param
                     gathered[k, column] = _gathered_bytes(meta, spec, wanted, self.mesh)
         self._add_pair(self.edges, source, consumer_root, matrix)
         if gathered is not None:
@@ -583,7 +589,7 @@ class _Builder:
         return self.num_micro_batches * cost
 
 
-def attention_probabilities_bytes(node: Node, operand_metas: list[Any]) -> float:
+def attention_probabilities_bytes(node: Node, operand_metas: Sequence[OutMeta]) -> float:
     """Bytes of ``L × S`` probabilities an attention node keeps for its backward when its sequence is whole
     (:func:`.strategies.attention_scores_bytes`); 0 for other nodes, and for a 16-bit attention with no mask or
     dropout, which takes cuDNN's flash kernel on a GPU (it keeps only the rows' log-sum-exp)."""
@@ -593,10 +599,11 @@ def attention_probabilities_bytes(node: Node, operand_metas: list[Any]) -> float
         or not all(isinstance(m, TensorMeta) for m in operand_metas[:2])
     ):
         return 0.0
-    itemsize = DTYPE_BYTES.get(operand_metas[0].dtype, 4)
+    query, key = cast(TensorMeta, operand_metas[0]), cast(TensorMeta, operand_metas[1])  # tensors, as just checked
+    itemsize = DTYPE_BYTES.get(query.dtype, 4)
     if itemsize == 2 and attention_form(node) is not None:
         return 0.0
-    return float(attention_scores_bytes(operand_metas[0].shape, operand_metas[1].shape, itemsize))
+    return float(attention_scores_bytes(query.shape, key.shape, itemsize))
 
 
 def attention_form(node: Node) -> bool | None:
@@ -609,7 +616,7 @@ def attention_form(node: Node) -> bool | None:
     return bool(values.get("is_causal", False))
 
 
-def _shards(spec: Any, mesh: LogicalMesh) -> int:
+def _shards(spec: Spec, mesh: LogicalMesh) -> int:
     return math.prod(mesh.shape[a] for entry in spec if entry for a in entry)
 
 
@@ -632,7 +639,7 @@ def _expert_choice(experts: str, einsum: list[Strategy], split: list[Strategy]) 
     return kept or einsum + split
 
 
-def _numel(meta: Any) -> int:
+def _numel(meta: OutMeta) -> int:
     if isinstance(meta, TensorMeta):
         return meta.numel
     if isinstance(meta, tuple):
@@ -649,7 +656,7 @@ def _gathered_bytes(meta: TensorMeta, spec: Spec | None, wanted: Spec | None, me
     return used if used > _local_bytes(meta, spec, mesh) else 0.0
 
 
-def _local_bytes(out: Any, spec: Any, mesh: LogicalMesh) -> float:
+def _local_bytes(out: OutMeta, spec: OutSpec, mesh: LogicalMesh) -> float:
     """Per-device bytes of an op output ``out`` (a ``TensorMeta``, or a tuple of them for a multi-output op)
     laid out as ``spec`` (a ``Spec``, or a :class:`Multi` of one per output): each tensor's bytes over the
     number of pieces its own spec cuts it into; an output without a spec counts whole."""

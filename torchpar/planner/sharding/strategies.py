@@ -86,7 +86,7 @@ def layout_strategies(shape: Sequence[int], mesh: LogicalMesh) -> list[Spec]:
 
 
 def _axis_groups(live_axes: list[int]) -> list[tuple[int, ...]]:
-    groups = [(a,) for a in live_axes]
+    groups: list[tuple[int, ...]] = [(a,) for a in live_axes]
     if len(live_axes) == 2:
         groups.append((0, 1))
     return groups
