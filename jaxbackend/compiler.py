@@ -14,16 +14,15 @@ jaxlib 0.10.2, so it is left off. Other backends get no extra options.
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
+import jax.stages
 
-CPU_LIBRARY_FUSIONS: dict[str, Any] = {
+CPU_LIBRARY_FUSIONS: dict[str, str] = {
     "xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT,LIBRARY_FUSION_TYPE_REDUCE",
 }
 
 
-def compiler_options(library_fusions: bool = True, num_devices: int = 1) -> dict[str, Any]:
+def compiler_options(library_fusions: bool = True, num_devices: int = 1) -> dict[str, str]:
     """Options for ``jit(..., compiler_options=...)`` / ``lowered.compile(compiler_options=...)`` of an
     executable running on ``num_devices`` devices.
 
@@ -38,7 +37,7 @@ def compiler_options(library_fusions: bool = True, num_devices: int = 1) -> dict
 MEMORY_FIELDS = ("argument", "output", "alias", "temp", "generated_code")
 
 
-def memory_analysis(compiled: Any) -> dict[str, int]:
+def memory_analysis(compiled: jax.stages.Compiled) -> dict[str, int]:
     """XLA's per-device memory analysis of a compiled executable: ``{argument,output,alias,temp,
     generated_code}_bytes``."""
     analysis = compiled.memory_analysis()

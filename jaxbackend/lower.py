@@ -10,29 +10,40 @@ returns buffers and a ``step_fn``'s aux outputs whole on every device.
 
 Each node's tensor results are cast to the dtype PyTorch reported for it (this is where torch's type
 promotion rules are enforced) and checked against its static shape.
+
+One interpreter (:class:`_Interpreter`) computes the nodes in both modes; what a GSPMD program and a per-device one
+do differently (constraints vs. explicit reshards and collectives, global vs. local shapes) is one of two operand
+strategies chosen once per graph (:class:`_GlobalOperands`, :class:`_LocalOperands`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
 
 from jaxbackend import dtypes, ops, precision
+from jaxbackend.ops.registry import Lowering, LoweringFn
 from jaxbackend.precision import Numerics
 from jaxbackend.remat import Remat, checkpoint
 from jaxbackend.rewrites import fold_transposed_weights
 from jaxbackend.sharding import constrain
 from torchpar.ir.function_regions import FunctionRegion, function_regions
-from torchpar.ir.graph import DType, Graph, Node, OutMeta, Ref, TensorMeta
+from torchpar.ir.graph import DType, Graph, Node, OutMeta, Output, Ref, TensorMeta
+from torchpar.ir.layout import Multi, Spec
 
-StepFn = Callable[
-    [dict[str, jax.Array], dict[str, jax.Array], Sequence[jax.Array], jax.Array], tuple[list[Any], dict[str, jax.Array]]
-]
+if TYPE_CHECKING:
+    from jaxbackend.spmd import Layouts, LocalProgram
+
+Results = tuple[list[Any], dict[str, jax.Array]]
+"""``(outputs, new_buffers)``: the graph's value outputs in order (``None`` for one without a value) and its
+buffers' new values by name."""
+StepFn = Callable[[dict[str, jax.Array], dict[str, jax.Array], Sequence[jax.Array], jax.Array], Results]
 
 
 class UnsupportedOpsError(NotImplementedError):
@@ -69,11 +80,11 @@ def check_supported(graph: Graph) -> None:
 def lower(
     graph: Graph,
     *,
-    value_shardings: Mapping[str, Any] | None = None,
-    operand_shardings: Mapping[str, Sequence[Any]] | None = None,
-    op_options: Mapping[str, Mapping[str, Any]] | None = None,
-    layouts: Any = None,
-    observe: Callable[[Node, Any, dict[str, Any]], None] | None = None,
+    value_shardings: Mapping[str, NamedSharding | None] | None = None,
+    operand_shardings: Mapping[str, Sequence[NamedSharding | None]] | None = None,
+    op_options: Mapping[str, Mapping[str, object]] | None = None,
+    layouts: Layouts | None = None,
+    observe: Callable[[Node, object, Mapping[str, object]], None] | None = None,
     numerics: Numerics | None = None,
     remat: Remat | None = None,
 ) -> StepFn:
@@ -101,22 +112,11 @@ def lower(
     recomputes what the policy does not keep. Ignored with ``observe`` (an eager diagnostic keeps nothing).
     """
     check_supported(graph)
-    local = None
-    if layouts is not None:
-        from jaxbackend.spmd import LocalProgram
-
-        if value_shardings or operand_shardings:
-            raise ValueError("a per-device (layouts=) lowering takes no sharding constraints")
-        local = LocalProgram(layouts)
-    value_shardings = dict(value_shardings or {})
-    operand_shardings = dict(operand_shardings or {})
-    op_options = dict(op_options or {})
-    if local is None:  # a per-device program reads each operand in its planned layout, by name
-        graph, operand_shardings = fold_transposed_weights(graph, operand_shardings)
-    constants = {name: jnp.asarray(value) for name, value in graph.constants.items()}
-    lowerings = [ops.get(node.target) for node in graph.nodes]
-    buffer_outputs = [o for o in graph.outputs if o.kind == "buffer"]
-    value_outputs = [o for o in graph.outputs if o.kind != "buffer"]
+    operands = _operands_for(graph, value_shardings, operand_shardings, op_options, layouts)
+    graph = operands.graph
+    regions = function_regions(graph)
+    backwards = {region.call: lower(graph.custom_backwards[region.call], numerics=numerics) for region in regions}
+    interpreter = _Interpreter(graph, operands, regions, backwards, observe, remat if observe is None else None)
 
     def run(
         params: dict[str, jax.Array],
@@ -124,38 +124,256 @@ def lower(
         inputs: Sequence[jax.Array],
         key: jax.Array,
         activations: Mapping[str, jax.Array] | None = None,
-    ) -> tuple[list[Any], dict[str, jax.Array]]:
+    ) -> Results:
         with precision.using(numerics):
-            return trace(params, buffers, inputs, key, activations)
+            return interpreter.trace(params, buffers, inputs, key, activations)
 
-    regions = function_regions(graph)
-    segments = _segments(graph, remat if observe is None else None, regions)
-    region_at = {region.start: region for region in regions}
-    backwards = {region.call: lower(graph.custom_backwards[region.call], numerics=numerics) for region in regions}
-    read_after = _last_reads(graph) if regions else {}
+    return run
 
-    def evaluate(index: int, env: dict[str, Any], key: jax.Array) -> None:
+
+# --- the two operand strategies --------------------------------------------------------------------------------------
+
+Finish = Callable[[object], object]
+"""What completes an op's result after its lowering ran (per device: the collective that sums a partial result)."""
+
+
+class _Operands(Protocol):
+    """Where GSPMD and per-device lowering differ: how a value becomes the operand an op reads, how an op is called,
+    which shape its result must have, and how the graph's results leave the function. :class:`_Interpreter` runs
+    every node the same way through one of these, chosen once by :func:`_operands_for`."""
+
+    graph: Graph
+    """The graph to interpret (GSPMD: after :func:`~jaxbackend.rewrites.fold_transposed_weights`)."""
+
+    def produced(self, name: str, value: object) -> object:
+        """Value ``name`` (an input or a node's result) as the rest of the graph reads it."""
+        ...
+
+    def read(self, node: Node, env: dict[str, object]) -> dict[str, object]:
+        """``env`` with ``node``'s operands in the layout the op reads them in (``env`` itself if none changes)."""
+        ...
+
+    def call(
+        self, node: Node, lowering: Lowering, args: Sequence[object], kwargs: dict[str, object]
+    ) -> tuple[LoweringFn, Sequence[object], dict[str, object], Finish]:
+        """The function computing ``node``, its arguments, and what finishes its result."""
+        ...
+
+    def spec(self, name: str) -> Spec | None:
+        """The layout of value ``name`` on one device (a ``Multi`` for a multi-output op); ``None``: whole."""
+        ...
+
+    def shard_meta(self, meta: TensorMeta, spec: Spec | None) -> TensorMeta:
+        """The shape and dtype of one device's piece of a tensor of ``meta`` laid out as ``spec``."""
+        ...
+
+    def mismatch(self, node: Node, graph: Graph, shape: list[int], meta: TensorMeta) -> Exception:
+        """The error for ``node``'s lowering producing ``shape`` where ``meta`` was expected."""
+        ...
+
+    def enter_region(self, region: FunctionRegion, graph: Graph) -> None:
+        """Raise if this mode cannot run the custom autograd.Function ``region``."""
+        ...
+
+    def returned(self, output: Output, value: object) -> object:
+        """What the function returns for ``output`` (a buffer's new value or a value output) of value ``value``."""
+        ...
+
+
+class _GlobalOperands:
+    """GSPMD: ops read and make global arrays; the plan's shardings are constraints XLA partitions the program by."""
+
+    def __init__(
+        self,
+        graph: Graph,
+        value_shardings: Mapping[str, NamedSharding | None],
+        operand_shardings: Mapping[str, Sequence[NamedSharding | None]],
+        op_options: Mapping[str, Mapping[str, object]],
+    ):
+        self.graph, self.operand_shardings = fold_transposed_weights(graph, operand_shardings)
+        self.value_shardings = value_shardings
+        self.op_options = op_options
+
+    def produced(self, name: str, value: object) -> object:
+        return constrain(value, self.value_shardings[name]) if name in self.value_shardings else value
+
+    def read(self, node: Node, env: dict[str, object]) -> dict[str, object]:
+        if node.name not in self.operand_shardings:
+            return env
+        scope = dict(env)
+        for ref, sharding in zip(node.refs(), self.operand_shardings[node.name]):
+            scope[ref] = constrain(env[ref], sharding)
+        return scope
+
+    def call(
+        self, node: Node, lowering: Lowering, args: Sequence[object], kwargs: dict[str, object]
+    ) -> tuple[LoweringFn, Sequence[object], dict[str, object], Finish]:
+        if lowering.sharded and node.name in self.operand_shardings:
+            kwargs["shardings"] = tuple(self.operand_shardings[node.name])
+            kwargs.update(self.op_options.get(node.name, {}))
+        return lowering.fn, args, kwargs, _unchanged
+
+    def spec(self, name: str) -> Spec | None:
+        return None
+
+    def shard_meta(self, meta: TensorMeta, spec: Spec | None) -> TensorMeta:
+        return meta
+
+    def mismatch(self, node: Node, graph: Graph, shape: list[int], meta: TensorMeta) -> Exception:
+        return LoweringError(_context(node, graph, f"produced shape {shape}, PyTorch says {list(meta.shape)}"))
+
+    def enter_region(self, region: FunctionRegion, graph: Graph) -> None:
+        return None
+
+    def returned(self, output: Output, value: object) -> object:
+        return value
+
+
+class _LocalOperands:
+    """Per device (inside ``jax.shard_map``): ops read and make this device's shards; :class:`LocalProgram` reshards
+    operands, rewrites calls and finishes partial results with explicit collectives. Buffers' new values and a
+    ``step_fn``'s aux outputs are gathered whole."""
+
+    def __init__(self, graph: Graph, program: LocalProgram):
+        self.graph = graph
+        self.program = program
+
+    def produced(self, name: str, value: object) -> object:
+        return value
+
+    def read(self, node: Node, env: dict[str, object]) -> dict[str, object]:
+        return self.program.read_operands(node, env)
+
+    def call(
+        self, node: Node, lowering: Lowering, args: Sequence[object], kwargs: dict[str, object]
+    ) -> tuple[LoweringFn, Sequence[object], dict[str, object], Finish]:
+        return self.program.prepare(node, lowering.fn, args, kwargs)
+
+    def spec(self, name: str) -> Spec | None:
+        return self.program.spec(name)
+
+    def shard_meta(self, meta: TensorMeta, spec: Spec | None) -> TensorMeta:
+        return self.program.local_meta(meta, spec)
+
+    def mismatch(self, node: Node, graph: Graph, shape: list[int], meta: TensorMeta) -> Exception:
+        from jaxbackend.spmd import LocalModeError
+
+        problem = f"per device it produced shape {shape}, the plan's layout gives {list(meta.shape)}"
+        return LocalModeError(_context(node, graph, problem))
+
+    def enter_region(self, region: FunctionRegion, graph: Graph) -> None:
+        _check_replicated(region, graph, self.program)
+
+    def returned(self, output: Output, value: object) -> object:
+        if output.kind not in ("buffer", "aux"):
+            return value
+        assert output.value is not None  # buffers' new values and aux outputs are values of the graph
+        return self.program.whole(cast(jax.Array, value), self.program.spec(output.value.name))
+
+
+def _unchanged(result: object) -> object:
+    return result
+
+
+def _operands_for(
+    graph: Graph,
+    value_shardings: Mapping[str, NamedSharding | None] | None,
+    operand_shardings: Mapping[str, Sequence[NamedSharding | None]] | None,
+    op_options: Mapping[str, Mapping[str, object]] | None,
+    layouts: Layouts | None,
+) -> _Operands:
+    """GSPMD operands, or per-device ones with ``layouts`` (which excludes the sharding mappings)."""
+    if layouts is None:
+        return _GlobalOperands(
+            graph, dict(value_shardings or {}), dict(operand_shardings or {}), dict(op_options or {})
+        )
+    from jaxbackend.spmd import LocalProgram
+
+    if value_shardings or operand_shardings:
+        raise ValueError("a per-device (layouts=) lowering takes no sharding constraints")
+    # the graph is not rewritten (fold_transposed_weights): a per-device program reads each operand in its planned
+    # layout, by name
+    return _LocalOperands(graph, LocalProgram(layouts))
+
+
+# --- the interpreter -------------------------------------------------------------------------------------------------
+
+
+class _Interpreter:
+    """Computes ``graph``'s nodes in order, each by its lowering, on the values ``operands`` makes operands of (the
+    one place where GSPMD and per-device programs differ); an autograd.Function region as one ``jax.custom_vjp``
+    unit whose backward is the lowered ``backwards[region.call]``, a ``remat`` group under ``jax.checkpoint``."""
+
+    def __init__(
+        self,
+        graph: Graph,
+        operands: _Operands,
+        regions: Sequence[FunctionRegion],
+        backwards: Mapping[int, StepFn],
+        observe: Callable[[Node, object, Mapping[str, object]], None] | None,
+        remat: Remat | None,
+    ):
+        self.graph = graph
+        self.operands = operands
+        self.observe = observe
+        self.remat = remat
+        self.constants = {name: jnp.asarray(value) for name, value in graph.constants.items()}
+        self.lowerings = _lowerings(graph)
+        self.buffer_outputs = [o for o in graph.outputs if o.kind == "buffer"]
+        self.value_outputs = [o for o in graph.outputs if o.kind != "buffer"]
+        self.segments = _segments(graph, remat, regions)
+        self.region_at = {region.start: region for region in regions}
+        self.backwards = backwards
+        self.read_after = _last_reads(graph) if regions else {}
+
+    def trace(
+        self,
+        params: Mapping[str, jax.Array],
+        buffers: Mapping[str, jax.Array],
+        inputs: Sequence[jax.Array],
+        key: jax.Array,
+        activations: Mapping[str, jax.Array] | None,
+    ) -> Results:
+        """The graph's value outputs and its buffers' new values, computed from its inputs."""
+        env: dict[str, object] = {}
+        for inp in self.graph.inputs:
+            value: jax.Array
+            if inp.kind == "param":
+                value = params[inp.target]
+            elif inp.kind == "buffer":
+                value = buffers[inp.target]
+            elif inp.kind == "constant":
+                value = self.constants[inp.target]
+            elif inp.kind == "activation":
+                assert activations is not None  # a pipeline stage's graph is run with its activations
+                value = activations[inp.target]
+            else:
+                value = inputs[int(inp.target)]
+            env[inp.name] = self.operands.produced(inp.name, value)
+        for segment in self.segments:
+            if segment.checkpointed:
+                self.evaluate_checkpointed(segment, env, key)
+            else:
+                self.evaluate_span(segment.start, segment.stop, env, key)
+        outputs = [env[o.value.name] if o.value is not None else None for o in self.value_outputs]
+        new_buffers = {o.target: self._buffer(o, env) for o in self.buffer_outputs}
+        return [self.operands.returned(o, v) for o, v in zip(self.value_outputs, outputs)], new_buffers
+
+    def _buffer(self, output: Output, env: Mapping[str, object]) -> jax.Array:
+        assert output.value is not None  # a buffer's new value is a value of the graph
+        return cast(jax.Array, self.operands.returned(output, env[output.value.name]))
+
+    def evaluate(self, index: int, env: dict[str, object], key: jax.Array) -> None:
         """Compute node ``index`` from the values in ``env`` and store its result there."""
-        node, lowering = graph.nodes[index], lowerings[index]
-        scope = env
-        if node.name in operand_shardings:
-            scope = dict(env)
-            for ref, sharding in zip(node.refs(), operand_shardings[node.name]):
-                scope[ref] = constrain(env[ref], sharding)
-        elif local is not None:
-            scope = local.read_operands(node, env)
-        args = _materialize(node.args, scope)
+        graph, node, lowering = self.graph, self.graph.nodes[index], self.lowerings[index]
+        scope = self.operands.read(node, env)
+        args = tuple(_materialize(arg, scope) for arg in node.args)
         kwargs = {k: _materialize(v, scope) for k, v in node.kwargs.items()}
         if lowering.random:
             kwargs["key"] = jax.random.fold_in(key, index)
-        if lowering.sharded and node.name in operand_shardings:
-            kwargs["shardings"] = tuple(operand_shardings[node.name])
-            kwargs.update(op_options.get(node.name, {}))
-        fn, finish = lowering.fn, None
-        if local is not None:
-            fn, args, kwargs, finish = local.prepare(node, fn, args, kwargs)
+        fn, call_args, call_kwargs, finish = self.operands.call(node, lowering, args, kwargs)
         try:
-            result = fn(*args, **kwargs)
+            result = fn(*call_args, **call_kwargs)
         except OverflowError as error:  # a Python int beyond int32 meeting an int32 array (an int64 tensor's)
             raise LoweringError(
                 _context(
@@ -170,82 +388,56 @@ def lower(
             ) from None
         except Exception as error:
             raise LoweringError(_context(node, graph, f"lowering raised {type(error).__name__}: {error}")) from error
-        if finish is not None:
-            result = finish(result)
-        env[node.name] = _conform(result, node, graph, local)
-        if node.name in value_shardings:
-            env[node.name] = constrain(env[node.name], value_shardings[node.name])
-        if observe is not None:
-            observe(node, env[node.name], env)
+        env[node.name] = self.operands.produced(node.name, _conform(finish(result), node, graph, self.operands))
+        if self.observe is not None:
+            self.observe(node, env[node.name], env)
 
-    def evaluate_span(start: int, stop: int, env: dict[str, Any], key: jax.Array) -> None:
+    def evaluate_span(self, start: int, stop: int, env: dict[str, object], key: jax.Array) -> None:
         """Nodes ``start:stop``, each autograd.Function region among them as one unit."""
         index = start
         while index < stop:
-            if index in region_at:
-                evaluate_region(region_at[index], env, key)
-                index = region_at[index].stop
+            if index in self.region_at:
+                self.evaluate_region(self.region_at[index], env, key)
+                index = self.region_at[index].stop
             else:
-                evaluate(index, env, key)
+                self.evaluate(index, env, key)
                 index += 1
 
-    def evaluate_region(region: FunctionRegion, env: dict[str, Any], key: jax.Array) -> None:
+    def evaluate_region(self, region: FunctionRegion, env: dict[str, object], key: jax.Array) -> None:
         """A custom autograd.Function's forward, as one ``jax.custom_vjp`` function whose backward is the
         Function's own (:func:`_function_vjp`)."""
-        if local is not None:
-            _check_replicated(region, graph, local)
+        self.operands.enter_region(region, self.graph)
 
-        def forward(scope: dict[str, Any], key: jax.Array) -> None:
+        def forward(scope: dict[str, object], key: jax.Array) -> None:
             for index in region.node_range():
-                evaluate(index, scope, key)
+                self.evaluate(index, scope, key)
 
-        _function_vjp(region, graph, backwards[region.call], read_after, forward)(env, key)
+        _function_vjp(region, self.graph, self.backwards[region.call], self.read_after, forward)(env, key)
 
-    def evaluate_checkpointed(segment: _Segment, env: dict[str, Any], key: jax.Array) -> None:
+    def evaluate_checkpointed(self, segment: _Segment, env: dict[str, object], key: jax.Array) -> None:
         """Nodes ``segment.start:segment.stop`` under ``jax.checkpoint``; only their later-used results enter
         ``env``."""
+        assert self.remat is not None  # only a remat makes checkpointed segments
         arrays = [name for name in segment.reads if _is_traced_value(env[name])]
         fixed = {name: env[name] for name in segment.reads if name not in arrays}
 
-        def body(values: list[Any], key: jax.Array) -> list[Any]:
+        def body(values: list[object], key: jax.Array) -> list[object]:
             inner = dict(fixed) | dict(zip(arrays, values))
-            evaluate_span(segment.start, segment.stop, inner, key)
+            self.evaluate_span(segment.start, segment.stop, inner, key)
             return [inner[name] for name in segment.writes]
 
-        results = checkpoint(body, remat.policy)([env[name] for name in arrays], key)
+        results = checkpoint(body, self.remat.policy)([env[name] for name in arrays], key)
         env.update(zip(segment.writes, results))
 
-    def trace(params, buffers, inputs, key, activations):
-        env: dict[str, Any] = {}
-        for inp in graph.inputs:
-            if inp.kind == "param":
-                env[inp.name] = params[inp.target]
-            elif inp.kind == "buffer":
-                env[inp.name] = buffers[inp.target]
-            elif inp.kind == "constant":
-                env[inp.name] = constants[inp.target]
-            elif inp.kind == "activation":
-                env[inp.name] = activations[inp.target]
-            else:
-                env[inp.name] = inputs[int(inp.target)]
-            if inp.name in value_shardings:
-                env[inp.name] = constrain(env[inp.name], value_shardings[inp.name])
-        for segment in segments:
-            if segment.checkpointed:
-                evaluate_checkpointed(segment, env, key)
-            else:
-                evaluate_span(segment.start, segment.stop, env, key)
-        outputs = [env[o.value.name] if o.value is not None else None for o in value_outputs]
-        new_buffers = {o.target: env[o.value.name] for o in buffer_outputs}
-        if local is not None:  # buffers are stored whole on every device; a step_fn's aux values come back whole
-            new_buffers = {o.target: local.whole(env[o.value.name], local.spec(o.value.name)) for o in buffer_outputs}
-            outputs = [
-                local.whole(v, local.spec(o.value.name)) if o.kind == "aux" else v
-                for o, v in zip(value_outputs, outputs)
-            ]
-        return outputs, new_buffers
 
-    return run
+def _lowerings(graph: Graph) -> list[Lowering]:
+    """Each node's lowering (:func:`check_supported` has found one for every node)."""
+    lowerings = []
+    for node in graph.nodes:
+        lowering = ops.get(node.target)
+        assert lowering is not None  # check_supported raised otherwise
+        lowerings.append(lowering)
+    return lowerings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -302,8 +494,8 @@ def _function_vjp(
     graph: Graph,
     backward: StepFn,
     read_after: dict[str, int],
-    forward: Callable[[dict[str, Any], jax.Array], None],
-) -> Callable[[dict[str, Any], jax.Array], None]:
+    forward: Callable[[dict[str, object], jax.Array], None],
+) -> Callable[[dict[str, object], jax.Array], None]:
     """``run(env, key)``: computes the region's nodes (``forward(scope, key)`` evaluates them into ``scope``)
     and stores its results in ``env``, as a ``jax.custom_vjp`` function of the arrays it reads whose backward
     is the Function's backward graph, lowered as ``backward``.
@@ -337,24 +529,28 @@ def _function_vjp(
     for position, name in region.inputs:
         argument_of.setdefault(name, []).append(position)
 
-    def run(env: dict[str, Any], key: jax.Array) -> None:
+    def run(env: dict[str, object], key: jax.Array) -> None:
         arrays = [name for name in reads if _is_traced_value(env[name])]
         fixed = {name: env[name] for name in reads if name not in arrays}
 
-        def compute(values: list[Any], key: jax.Array) -> tuple[list[Any], list[Any]]:
+        def compute(values: list[object], key: jax.Array) -> tuple[list[object], list[jax.Array]]:
             scope = dict(fixed) | dict(zip(arrays, values))
             forward(scope, key)
-            return [scope[name] for name in outputs], [scope[name] for name in region.saved]
+            return [scope[name] for name in outputs], [cast(jax.Array, scope[name]) for name in region.saved]
 
         @jax.custom_vjp
-        def function(values: list[Any], key: jax.Array) -> list[Any]:
+        def function(values: list[object], key: jax.Array) -> list[object]:
             return compute(values, key)[0]
 
-        def function_fwd(values: list[Any], key: jax.Array) -> tuple[list[Any], Any]:
+        def function_fwd(
+            values: list[object], key: jax.Array
+        ) -> tuple[list[object], tuple[list[jax.Array], jax.Array]]:
             results, saved = compute(values, key)
             return results, (saved, key)
 
-        def function_bwd(residuals: Any, cotangents: list[Any]) -> tuple[list[Any], None]:
+        def function_bwd(
+            residuals: tuple[list[jax.Array], jax.Array], cotangents: list[jax.Array]
+        ) -> tuple[list[jax.Array | None], None]:
             saved, key = residuals
             grads_out = [jnp.zeros(meta.shape, dtypes.to_jax(meta.dtype)) for meta in cotangent_metas]
             for (position, _), cotangent in zip(region.outputs, cotangents):
@@ -362,16 +558,18 @@ def _function_vjp(
                 if cotangent.dtype != jax.dtypes.float0:
                     grads_out[position] = cotangent.astype(dtypes.to_jax(meta.dtype))
             grads_in, _ = backward({}, {}, [*saved, *grads_out], key)
-            result: list[Any] = []
+            result: list[jax.Array | None] = []
             for name in arrays:
-                meta = metas[name]
+                argument = metas[name]
                 total = None
                 for position in argument_of.get(name, ()):
                     grad = grads_in[position] if position < len(grads_in) else None
-                    if grad is not None and isinstance(meta, TensorMeta):
-                        grad = _sum_to(grad, meta)
+                    if grad is not None and isinstance(argument, TensorMeta):
+                        grad = _sum_to(grad, argument)
                         total = grad if total is None else total + grad
-                floating = isinstance(meta, TensorMeta) and jnp.issubdtype(dtypes.to_jax(meta.dtype), jnp.inexact)
+                floating = isinstance(argument, TensorMeta) and jnp.issubdtype(
+                    dtypes.to_jax(argument.dtype), jnp.inexact
+                )
                 result.append(total if total is not None and floating else None)
             return result, None
 
@@ -397,7 +595,7 @@ def _sum_to(grad: jax.Array, meta: TensorMeta) -> jax.Array:
     return grad.reshape(meta.shape).astype(dtypes.to_jax(meta.dtype))
 
 
-def _check_replicated(region: FunctionRegion, graph: Graph, local: Any) -> None:
+def _check_replicated(region: FunctionRegion, graph: Graph, local: LocalProgram) -> None:
     """A per-device program runs a Function region only where all its values are whole on every device: its
     backward graph was traced on whole shapes."""
     from jaxbackend.spmd import LocalModeError
@@ -411,7 +609,7 @@ def _check_replicated(region: FunctionRegion, graph: Graph, local: Any) -> None:
         )
 
 
-def _is_split(spec: Any) -> bool:
+def _is_split(spec: Sequence[object] | None) -> bool:
     if spec is None:
         return False
     return any(
@@ -432,14 +630,14 @@ def _last_reads(graph: Graph) -> dict[str, int]:
     return last
 
 
-def _is_traced_value(value: Any) -> bool:
+def _is_traced_value(value: object) -> bool:
     """Whether a value can be an argument of ``jax.checkpoint``'s function (arrays, tuples of arrays); Python
     scalars and ``None`` stay static."""
     leaves = jax.tree_util.tree_leaves(value)
     return bool(leaves) and all(isinstance(leaf, (jax.Array, np.ndarray)) for leaf in leaves)
 
 
-def _materialize(value: Any, env: dict[str, Any]) -> Any:
+def _materialize(value: object, env: Mapping[str, object]) -> object:
     if isinstance(value, Ref):
         return env[value.name]
     if isinstance(value, DType):
@@ -451,41 +649,29 @@ def _materialize(value: Any, env: dict[str, Any]) -> Any:
     return value
 
 
-def _conform(result: Any, node: Node, graph: Graph, local: Any = None) -> Any:
+def _conform(result: object, node: Node, graph: Graph, operands: _Operands) -> object:
     """Cast ``result`` to the node's torch dtype and check its shape against the node's meta (per device:
     its local shape)."""
     meta = node.out
-    spec = local.spec(node.name) if local is not None else None
+    spec = operands.spec(node.name)
     if isinstance(meta, TensorMeta):
-        return _conform_one(result, local.local_meta(meta, spec) if local is not None else meta, node, graph, local)
+        return _conform_one(result, operands.shard_meta(meta, spec), node, graph, operands)
     if isinstance(meta, tuple):
         if not isinstance(result, (tuple, list)) or len(result) != len(meta):
             raise LoweringError(_context(node, graph, f"expected {len(meta)} results, got {type(result).__name__}"))
-        if local is not None:
-            specs = spec if isinstance(spec, tuple) and len(spec) == len(meta) else (None,) * len(meta)
-            meta = tuple(local.local_meta(m, s) if m is not None else None for m, s in zip(meta, specs))
-        return tuple(_conform_one(r, m, node, graph, local) if m is not None else r for r, m in zip(result, meta))
+        # a multi-output op's spec is a Multi of its results' specs
+        specs = cast(Multi, spec) if isinstance(spec, tuple) and len(spec) == len(meta) else (None,) * len(meta)
+        metas = tuple(operands.shard_meta(m, s) if m is not None else None for m, s in zip(meta, specs))
+        return tuple(_conform_one(r, m, node, graph, operands) if m is not None else r for r, m in zip(result, metas))
     return result
 
 
-def _conform_one(value: Any, meta: TensorMeta, node: Node, graph: Graph, local: Any = None) -> jax.Array:
-    value = jnp.asarray(value)
-    if tuple(value.shape) != meta.shape:
-        if local is not None:
-            from jaxbackend.spmd import LocalModeError
-
-            raise LocalModeError(
-                _context(
-                    node,
-                    graph,
-                    f"per device it produced shape {list(value.shape)}, the plan's layout gives {list(meta.shape)}",
-                )
-            )
-        raise LoweringError(
-            _context(node, graph, f"produced shape {list(value.shape)}, PyTorch says {list(meta.shape)}")
-        )
+def _conform_one(value: object, meta: TensorMeta, node: Node, graph: Graph, operands: _Operands) -> jax.Array:
+    array = jnp.asarray(value)
+    if tuple(array.shape) != meta.shape:
+        raise operands.mismatch(node, graph, list(array.shape), meta)
     want = dtypes.to_jax(meta.dtype)
-    return value if value.dtype == want else value.astype(want)
+    return array if array.dtype == want else array.astype(want)
 
 
 def _context(node: Node, graph: Graph, problem: str) -> str:

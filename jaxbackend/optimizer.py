@@ -101,10 +101,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from torchpar.ir.optimizer import OPTIMIZER_KINDS, OptimizerSpec, Scalars, state_keys, state_shape, step_scalars
 
@@ -167,7 +167,7 @@ def apply_updates(
     return new_params, new_state
 
 
-def _opmath(x: Array) -> tuple[Array, Any]:
+def _opmath(x: Array) -> tuple[Array, np.dtype]:
     """Upcast to at least float32 (torch computes low-precision updates in float32)."""
     dtype = jnp.promote_types(x.dtype, jnp.float32)
     return x.astype(dtype), dtype

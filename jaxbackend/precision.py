@@ -29,7 +29,6 @@ import contextlib
 import contextvars
 import dataclasses
 from collections.abc import Iterator
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -89,7 +88,7 @@ def current() -> Numerics:
     return _current.get().effective()
 
 
-def dot_precision(*operands: Any) -> Any:
+def dot_precision(*operands: jax.typing.ArrayLike) -> jax.lax.Precision | jax.lax.DotAlgorithmPreset:
     """The ``precision=`` argument of a matrix product of ``operands`` (see the module docstring)."""
     numerics = current()
     if numerics.platform == "cpu":
@@ -103,7 +102,7 @@ def dot_precision(*operands: Any) -> Any:
     return jax.lax.Precision.HIGHEST
 
 
-def conv_precision(*operands: Any) -> Any:
+def conv_precision(*operands: jax.typing.ArrayLike) -> jax.lax.Precision:
     """The ``precision=`` argument of a convolution of ``operands``."""
     numerics = current()
     if numerics.platform == "cpu":

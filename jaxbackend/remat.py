@@ -23,12 +23,15 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import TypeVar
 
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 
 POLICIES = ("layers", "selective")
+
+R = TypeVar("R")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +48,7 @@ class Remat:
             raise ValueError(f"remat policy must be one of {POLICIES}, got {self.policy!r}")
 
 
-def checkpoint(fn: Callable[..., Any], policy: str) -> Callable[..., Any]:
+def checkpoint(fn: Callable[..., R], policy: str) -> Callable[..., R]:
     """``fn(*args)`` whose backward recomputes what ``policy`` does not keep (module docstring), and recomputes it
     only once the cotangent of its results exists.
 
@@ -61,13 +64,13 @@ def checkpoint(fn: Callable[..., Any], policy: str) -> Callable[..., Any]:
     saved = jax.checkpoint(fn, policy=_SAVEABLE[policy], prevent_cse=True)
 
     @jax.custom_vjp
-    def call(*args: Any) -> Any:
+    def call(*args: object) -> R:
         return fn(*args)
 
-    def forward(*args: Any) -> tuple[Any, Any]:
+    def forward(*args: object) -> tuple[R, Callable[[R], tuple[object, ...]]]:
         return jax.vjp(saved, *args)
 
-    def backward(pullback: Any, cotangent: Any) -> Any:
+    def backward(pullback: Callable[[R], tuple[object, ...]], cotangent: R) -> tuple[object, ...]:
         anchor = _first_float(cotangent)
         if anchor is not None:
             pullback = jax.tree_util.tree_map(lambda residual: _depend(residual, anchor), pullback)
@@ -83,14 +86,14 @@ _SAVEABLE = {
 }
 
 
-def _first_float(tree: Any) -> jax.Array | None:
+def _first_float(tree: object) -> jax.Array | None:
     for leaf in jax.tree_util.tree_leaves(tree):
         if hasattr(leaf, "dtype") and jnp.issubdtype(leaf.dtype, jnp.floating) and leaf.size:
             return leaf.ravel()[0]
     return None
 
 
-def _depend(value: Any, anchor: jax.Array) -> Any:
+def _depend(value: ArrayLike, anchor: jax.Array) -> ArrayLike:
     if not (hasattr(value, "dtype") and jnp.issubdtype(value.dtype, jnp.floating)):
         return value
     return value + (anchor * 0).astype(value.dtype)

@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxbackend.ops.expert_parallel import swap_weight_dims
-from torchpar.ir.graph import Graph, Node, Ref
+from torchpar.ir.graph import Graph, Node, Ref, TensorMeta
 from torchpar.ir.op_families import GROUPED_MATMULS
 
 _SWAPS_LAST_TWO = {
@@ -33,14 +32,15 @@ _SWAPS_LAST_TWO = {
 
 
 def fold_transposed_weights(
-    graph: Graph, operand_shardings: Mapping[str, Sequence[Any]] | None = None
-) -> tuple[Graph, dict[str, Sequence[Any]]]:
+    graph: Graph, operand_shardings: Mapping[str, Sequence[NamedSharding | None]] | None = None
+) -> tuple[Graph, dict[str, Sequence[NamedSharding | None]]]:
     """``graph`` with every grouped matmul whose weight is a swap of the last two dims of a 3-D value reading that
     value with ``weight_transposed=True`` (``graph`` itself if there is none), and ``operand_shardings`` with those
     ops' weight shardings permuted to the stored value's dims."""
     producers = {node.name: node for node in graph.nodes}
     shardings = dict(operand_shardings or {})
-    nodes, changed = [], False
+    nodes: list[Node] = []
+    changed = False
     for node in graph.nodes:
         source = _transposed_source(node, producers) if node.target in GROUPED_MATMULS else None
         if source is None:
@@ -57,7 +57,9 @@ def fold_transposed_weights(
 
 
 def _swap_last_two(sharding: NamedSharding | None) -> NamedSharding | None:
-    return None if sharding is None else NamedSharding(sharding.mesh, PartitionSpec(*swap_weight_dims(sharding.spec)))
+    if sharding is None:
+        return None
+    return NamedSharding(sharding.mesh, PartitionSpec(*swap_weight_dims(tuple(sharding.spec))))
 
 
 def _transposed_source(node: Node, producers: dict[str, Node]) -> Ref | None:
@@ -66,10 +68,6 @@ def _transposed_source(node: Node, producers: dict[str, Node]) -> Ref | None:
     if producer is None or producer.target not in _SWAPS_LAST_TWO or not isinstance(producer.args[0], Ref):
         return None
     out = producer.out
-    if (
-        getattr(out, "shape", None) is None
-        or len(out.shape) != 3
-        or not _SWAPS_LAST_TWO[producer.target](producer.args)
-    ):
+    if not isinstance(out, TensorMeta) or len(out.shape) != 3 or not _SWAPS_LAST_TWO[producer.target](producer.args):
         return None
     return producer.args[0]

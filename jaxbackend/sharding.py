@@ -11,19 +11,22 @@ the abstract mesh with the data axis manual (:func:`region_mesh`, :func:`constra
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
+
+F = TypeVar("F", bound=Callable[..., object])
+T = TypeVar("T")
 
 AXIS_NAMES = ("d0", "d1")
 DATA_AXIS = "dp"
 """The outer mesh axis of data replicas of a 2-D plan (never named by a spec)."""
 
 
-def make_mesh(shape: tuple[int, int], devices: Sequence[Any] | None = None, data_replicas: int = 1) -> Mesh:
+def make_mesh(shape: tuple[int, int], devices: Sequence[jax.Device] | None = None, data_replicas: int = 1) -> Mesh:
     """A 2-D mesh of the first ``shape[0]·shape[1]`` devices (row-major: axis 1 is the inner one); with
     ``data_replicas`` R > 1 the 3-D mesh ``(DATA_AXIS, d0, d1)`` of the first ``R·shape[0]·shape[1]``, replica
     ``r`` holding devices ``[r·d0·d1, (r+1)·d0·d1)``."""
@@ -45,7 +48,7 @@ def data_replicas_of(mesh: Mesh) -> int:
     return int(mesh.shape[DATA_AXIS]) if DATA_AXIS in mesh.axis_names else 1
 
 
-def region_mesh(mesh: Any) -> Any:
+def region_mesh(mesh: Mesh | AbstractMesh) -> Mesh | AbstractMesh:
     """The mesh to build shardings and nested ``shard_map`` calls on where this code is traced: inside a ``shard_map``
     manual over some axes (the data axis), the current abstract mesh (those axes ``Manual``); else ``mesh``."""
     current = jax.sharding.get_abstract_mesh()
@@ -55,7 +58,7 @@ def region_mesh(mesh: Any) -> Any:
 
 
 def partition_spec(spec: Sequence[Sequence[int] | None]) -> PartitionSpec:
-    entries = []
+    entries: list[str | tuple[str, ...] | None] = []
     for entry in spec:
         if not entry:
             entries.append(None)
@@ -91,7 +94,7 @@ def in_data_replica() -> bool:
     return not current.empty and DATA_AXIS in current.manual_axes
 
 
-def shard_map(body: Any, mesh: Any, in_specs: Any, out_specs: Any) -> Any:
+def shard_map(body: F, mesh: Mesh | AbstractMesh, in_specs: object, out_specs: object) -> F:
     """``jax.shard_map`` of ``body`` manual over every axis of ``mesh`` not already manual where it is traced (inside
     a data replica's step: ``d0`` and ``d1``, on the abstract mesh, :func:`region_mesh`, and not varying-typed, as
     that step is: ``torchpar.runtime.train_step.over_data_replicas``); over all of them elsewhere."""
@@ -103,7 +106,7 @@ def shard_map(body: Any, mesh: Any, in_specs: Any, out_specs: Any) -> Any:
     )
 
 
-def constrain(value: Any, sharding: NamedSharding | None) -> Any:
+def constrain(value: T, sharding: NamedSharding | None) -> T:
     """``with_sharding_constraint`` for arrays; other values pass through."""
     if sharding is None or not isinstance(value, jax.Array | jax.core.Tracer):
         return value

@@ -29,18 +29,19 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Protocol, cast
 
 import jax
 import jax.numpy as jnp
 
 from jaxbackend import collectives
 from jaxbackend.ops.expert_parallel import grouped_mm_split_of
+from jaxbackend.ops.registry import LoweringFn
 from jaxbackend.ops.row_exchange import gather_rows_local, put_rows_local, rows_from_end
 from jaxbackend.sharding import AXIS_NAMES
 from torchpar.ir.graph import Node, TensorMeta
-from torchpar.ir.layout import Multi
+from torchpar.ir.layout import Multi, Spec
 from torchpar.ir.op_families import BIAS_ARGUMENT, GROUPED_MATMULS, SIZE_ARGUMENT
 
 
@@ -52,17 +53,44 @@ def axis_names(axes: Sequence[int]) -> tuple[str, ...]:
     return tuple(AXIS_NAMES[a] for a in axes)
 
 
+class Layouts(Protocol):
+    """What a per-device program reads of a plan's value layouts (the planner's ``ValueLayouts``, taken as data; its
+    docstring defines the fields)."""
+
+    @property
+    def mesh_shape(self) -> tuple[int, int]: ...
+
+    @property
+    def values(self) -> Mapping[str, Spec | None]:
+        """The spec of every input and node (a :class:`~torchpar.ir.layout.Multi` for a multi-output op)."""
+        ...
+
+    @property
+    def operands(self) -> Mapping[str, Sequence[Spec | None]]: ...
+
+    @property
+    def partial(self) -> Mapping[str, tuple[str, tuple[int, ...]]]: ...
+
+    @property
+    def statistics_axes(self) -> Mapping[str, tuple[int, ...]]: ...
+
+    @property
+    def options(self) -> Mapping[str, Mapping[str, str]]: ...
+
+    def local_shape(self, shape: tuple[int, ...], spec: Spec | None) -> tuple[int, ...]: ...
+
+
 class LocalProgram:
     """Per-device rules for one graph; ``layouts`` is a ``ValueLayouts`` (see the module docstring)."""
 
-    def __init__(self, layouts: Any):
+    def __init__(self, layouts: Layouts):
         self.layouts = layouts
         self.mesh_shape = tuple(layouts.mesh_shape)
 
-    def spec(self, name: str) -> Any:
+    def spec(self, name: str) -> Spec | None:
         return self.layouts.values.get(name)
 
-    def read_operands(self, node: Node, env: dict[str, Any]) -> dict[str, Any]:
+    def read_operands(self, node: Node, env: dict[str, object]) -> dict[str, object]:
         """``env`` with each operand of ``node`` resharded to the spec the op reads it in."""
         required = self.layouts.operands.get(node.name)
         if not required:
@@ -74,10 +102,17 @@ class LocalProgram:
                 continue
             if scope is env:
                 scope = dict(env)
-            scope[ref] = self.reshard(env[ref], have, wanted)
+            scope[ref] = self.reshard(cast(jax.Array, env[ref]), have, wanted)  # a tensor operand
         return scope
 
-    def reshard(self, x: jax.Array, have: Sequence[Any], wanted: Sequence[Any], *, invariant: bool = True) -> jax.Array:
+    def reshard(
+        self,
+        x: jax.Array,
+        have: Sequence[Sequence[int] | None],
+        wanted: Sequence[Sequence[int] | None],
+        *,
+        invariant: bool = True,
+    ) -> jax.Array:
         """``x`` (this device's shard under ``have``) as its shard under ``wanted``: all-gather the dims
         whose split changes, then slice the dims ``wanted`` splits.
 
@@ -99,24 +134,24 @@ class LocalProgram:
         return x
 
     def prepare(
-        self, node: Node, fn: Callable, args: list[Any], kwargs: dict[str, Any]
-    ) -> tuple[Callable, list[Any], dict[str, Any], Callable[[Any], Any]]:
+        self, node: Node, fn: LoweringFn, args: Sequence[object], kwargs: dict[str, object]
+    ) -> tuple[LoweringFn, Sequence[object], dict[str, object], Callable[[object], object]]:
         """The per-device call of ``node``: its lowering (or a replacement), arguments (local sizes, extra
         keywords, a per-shard random key, a held-back bias) and what finishes its result."""
         args = self.rewrite_args(node, args)
         kwargs = {**kwargs, **self.extra_kwargs(node)}
         if "key" in kwargs:
-            kwargs["key"] = self.key(node, kwargs["key"])
+            kwargs["key"] = self.key(node, cast(jax.Array, kwargs["key"]))  # the lowering's PRNG key
         args, bias_term = self.hold_back_bias(node, args, kwargs)
         return self.replacement(node) or fn, args, kwargs, functools.partial(self.finish, node, bias_term=bias_term)
 
-    def whole(self, x: jax.Array, spec: Any) -> jax.Array:
+    def whole(self, x: jax.Array, spec: Spec | None) -> jax.Array:
         """This device's shard of a value laid out as ``spec``, gathered to the whole value."""
         if not spec or not any(spec):
             return x
         return self.reshard(x, spec, (None,) * len(spec))
 
-    def rewrite_args(self, node: Node, args: list[Any]) -> list[Any]:
+    def rewrite_args(self, node: Node, args: Sequence[object]) -> Sequence[object]:
         """``args`` with a size argument replaced by the output's local shape."""
         position = SIZE_ARGUMENT.get(node.target)
         if position is None or not isinstance(node.out, TensorMeta) or len(args) <= position:
@@ -125,7 +160,7 @@ class LocalProgram:
         args[position] = list(self.layouts.local_shape(node.out.shape, self.spec(node.name)))
         return args
 
-    def extra_kwargs(self, node: Node) -> dict[str, Any]:
+    def extra_kwargs(self, node: Node) -> dict[str, object]:
         """Keyword arguments that make an op's lowering work across devices (batch-norm statistics of the
         whole split batch: ``across=`` mesh axis names; a grouped matmul's split: ``local_split=``)."""
         axes = self.layouts.statistics_axes.get(node.name)
@@ -146,7 +181,7 @@ class LocalProgram:
             return key
         return jax.random.fold_in(key, jax.lax.axis_index(axis_names(axes)))
 
-    def replacement(self, node: Node) -> Any:
+    def replacement(self, node: Node) -> LoweringFn | None:
         """A per-device lowering to use instead of the op's own, or ``None``: an embedding (or a one-index
         ``table[idx]``) whose table is split by rows looks up only the rows this device holds (zeros elsewhere; the
         psum completes it); a gather or put the plan runs as a row exchange runs its per-device part
@@ -173,7 +208,9 @@ class LocalProgram:
             )
         return None
 
-    def hold_back_bias(self, node: Node, args: list[Any], kwargs: dict[str, Any]) -> tuple[list[Any], Any]:
+    def hold_back_bias(
+        self, node: Node, args: Sequence[object], kwargs: dict[str, object]
+    ) -> tuple[Sequence[object], Callable[[jax.Array], jax.Array] | None]:
         """For a biased matmul/convolution whose local result is a partial product (a split contracted dim):
         the arguments without the bias, and the bias term to add once after the sum (else every device would
         add it). ``(args, None)`` for every other op."""
@@ -188,15 +225,15 @@ class LocalProgram:
         ):
             return args, None
         args = list(args)
-        bias = args[position]
+        bias = cast(jax.Array, args[position])  # the bias operand, present
         if node.target == "aten.convolution.default":
             args[position] = None
             return args, lambda out: out + bias.reshape((1, -1) + (1,) * (out.ndim - 2))
-        beta = kwargs.get("beta", args[3] if len(args) > 3 else 1)
+        beta = cast(float, kwargs.get("beta", args[3] if len(args) > 3 else 1))  # an ATen Scalar
         args[position] = jnp.zeros((), bias.dtype)
         return args, lambda out: out + beta * bias
 
-    def finish(self, node: Node, result: Any, bias_term: Any = None) -> Any:
+    def finish(self, node: Node, result: object, bias_term: Callable[[jax.Array], jax.Array] | None = None) -> object:
         """Complete a partial local result with its collective (then add a held-back bias term)."""
         partial = self.layouts.partial.get(node.name)
         if partial is None:
@@ -205,10 +242,10 @@ class LocalProgram:
         names = axis_names(axes)
         if kind == "mean":
             return jax.lax.pmean(result, names)
-        result = jax.lax.psum(result, names)
-        return bias_term(result) if bias_term is not None else result
+        total = jax.lax.psum(result, names)
+        return bias_term(total) if bias_term is not None else total
 
-    def local_meta(self, meta: TensorMeta, spec: Any) -> TensorMeta:
+    def local_meta(self, meta: TensorMeta, spec: Spec | None) -> TensorMeta:
         return TensorMeta(self.layouts.local_shape(meta.shape, spec), meta.dtype)
 
 
@@ -245,16 +282,16 @@ def _embedding_rows(
 def require_invariant(value: jax.Array, what: str) -> jax.Array:
     """Raise :class:`LocalModeError` unless ``value`` is the same on every device by construction (its
     type varies along no mesh axis), as a loss must be for its gradient to be right."""
-    varying = getattr(getattr(jax.typeof(value), "manual_axis_type", None), "varying", frozenset())
+    varying: frozenset[str] = getattr(getattr(jax.typeof(value), "manual_axis_type", None), "varying", frozenset())
     if varying:
         raise LocalModeError(f"{what} varies along mesh axes {sorted(varying)}: it is not reduced across devices")
     return value
 
 
-def _first_spec(spec: Any) -> Any:
+def _first_spec(spec: Spec | None) -> Sequence[Sequence[int] | None] | None:
     if isinstance(spec, Multi):  # a multi-output op: its first tensor result's spec
         return next((s for s in spec if s is not None), None)
     return spec
 
 
-__all__ = ["LocalModeError", "LocalProgram", "axis_names", "require_invariant"]
+__all__ = ["Layouts", "LocalModeError", "LocalProgram", "axis_names", "require_invariant"]

@@ -46,7 +46,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import TypedDict, TypeVar, Unpack
 
 import jax
 import jax.numpy as jnp
@@ -55,6 +55,17 @@ from jax.sharding import Mesh, PartitionSpec
 from jaxbackend.ops.grouped_matmul import block_rows_for, blocked_ragged_dot
 from jaxbackend.sharding import AXIS_NAMES, shard_map
 from torchpar.ir.costs import expert_slot_rows
+
+E = TypeVar("E")
+
+
+class DotOptions(TypedDict, total=False):
+    """How the grouped matmul multiplies (the keywords :func:`~jaxbackend.ops.grouped_matmul.blocked_ragged_dot`
+    takes from the op)."""
+
+    weight_transposed: bool
+    precision: jax.lax.PrecisionLike
+    preferred_element_type: jax.typing.DTypeLike | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,9 +126,9 @@ class GroupedMatmulSplit:
         )
 
 
-def swap_weight_dims(spec: Sequence[Any]) -> tuple:
+def swap_weight_dims(spec: Sequence[E]) -> tuple[E | None, E | None, E | None]:
     """A weight's spec ``[E, K, N]`` as the spec of ``[E, N, K]`` and back (missing trailing entries: ``None``)."""
-    entries = tuple(spec) + (None,) * (3 - len(spec))
+    entries: tuple[E | None, ...] = tuple(spec) + (None,) * (3 - len(spec))
     return entries[0], entries[2], entries[1]
 
 
@@ -126,7 +137,7 @@ def _contiguous(inner: Sequence[int], outer: Sequence[int]) -> bool:
     return start >= 0 and tuple(outer[start : start + len(inner)]) == tuple(inner)
 
 
-def _names(axes: Sequence[int]) -> Any:
+def _names(axes: Sequence[int]) -> str | tuple[str, ...] | None:
     if not axes:
         return None
     return AXIS_NAMES[axes[0]] if len(axes) == 1 else tuple(AXIS_NAMES[a] for a in axes)
@@ -195,7 +206,12 @@ class _Routing:
 
 
 def _exchange(
-    x: jax.Array, weight: jax.Array, routing: _Routing, slot: int, split: GroupedMatmulSplit, **dot: Any
+    x: jax.Array,
+    weight: jax.Array,
+    routing: _Routing,
+    slot: int,
+    split: GroupedMatmulSplit,
+    **dot: Unpack[DotOptions],
 ) -> jax.Array:
     """Rows to their experts' devices, multiplied there, and back (module docstring): the rows for this device's
     own experts stay (``L`` of them at most), the others travel in slots of ``slot`` rows per peer. Rows past a
@@ -275,7 +291,12 @@ class _ExpertMajor:
 
 
 def split_grouped_mm(
-    x: jax.Array, weight: jax.Array, offs: jax.Array, mesh: Mesh, split: GroupedMatmulSplit, **dot_options: Any
+    x: jax.Array,
+    weight: jax.Array,
+    offs: jax.Array,
+    mesh: Mesh,
+    split: GroupedMatmulSplit,
+    **dot_options: Unpack[DotOptions],
 ) -> jax.Array:
     """The split grouped matmul of global arrays (under ``jit``/GSPMD): a ``shard_map`` over ``mesh`` of
     :func:`split_grouped_mm_local`. ``x [S, K]``, ``weight [E, K, N]`` (``[E, N, K]`` with
@@ -286,8 +307,8 @@ def split_grouped_mm(
 
 
 def grouped_mm_split_of(
-    x_spec: Sequence[Any] | None,
-    weight_spec: Sequence[Any] | None,
+    x_spec: Sequence[Sequence[int] | None] | None,
+    weight_spec: Sequence[Sequence[int] | None] | None,
     mesh_shape: Sequence[int],
     capacity: float | None = None,
 ) -> GroupedMatmulSplit | None:

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import TypeVar
 
-LoweringFn = Callable[..., Any]
+LoweringFn = Callable[..., object]
+"""A lowering: called with the op's arguments (module docstring); returns its result(s)."""
+F = TypeVar("F", bound=LoweringFn)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,10 +36,10 @@ class Lowering:
 _REGISTRY: dict[str, Lowering] = {}
 
 
-def lowers(*targets: str, random: bool = False, sharded: bool = False) -> Callable[[LoweringFn], LoweringFn]:
+def lowers(*targets: str, random: bool = False, sharded: bool = False) -> Callable[[F], F]:
     """Register ``fn`` as the lowering of each of ``targets`` (e.g. ``"aten.mm.default"``)."""
 
-    def register(fn: LoweringFn) -> LoweringFn:
+    def register(fn: F) -> F:
         for target in targets:
             assert target not in _REGISTRY, f"{target} registered twice"
             _REGISTRY[target] = Lowering(target, fn, random, sharded)

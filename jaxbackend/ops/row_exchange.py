@@ -30,8 +30,8 @@ as PyTorch does (which one is unspecified in both).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import cast
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +39,9 @@ from jax.sharding import Mesh, PartitionSpec
 
 from jaxbackend.sharding import shard_map
 from torchpar.ir.costs import expert_slot_rows
+
+Axes = str | tuple[str, ...]
+"""A mesh axis name, or the names of the axes a dim is split over (major first), as in a ``PartitionSpec``."""
 
 
 def _kth_in_rows(mask: jax.Array, slot: int) -> tuple[jax.Array, jax.Array]:
@@ -68,7 +71,7 @@ def _spill(counts: jax.Array) -> jax.Array:
     return jnp.where(jnp.eye(counts.shape[0], dtype=bool), 0, counts).max()
 
 
-def _exact_or_fast(spill: jax.Array, exact: int, fast: int, run: Any) -> jax.Array:
+def _exact_or_fast(spill: jax.Array, exact: int, fast: int, run: Callable[[int], jax.Array]) -> jax.Array:
     """``run(fast)`` when no device pair has more than ``fast`` rows to move, else ``run(exact)``; ``spill`` is
     computed from the whole index, the same on every device."""
     if fast >= exact:
@@ -86,7 +89,7 @@ def _masked(valid: jax.Array, rows: jax.Array) -> jax.Array:
     return jnp.where(valid.reshape(valid.shape + (1,) * (rows.ndim - valid.ndim)), rows, jnp.zeros((), rows.dtype))
 
 
-def gather_rows_local(table: jax.Array, idx: jax.Array, axes: Any, peers: int, slot: int | None = None) -> jax.Array:
+def gather_rows_local(table: jax.Array, idx: jax.Array, axes: Axes, peers: int, slot: int | None = None) -> jax.Array:
     """This device's rows of ``table[idx]`` inside a ``shard_map`` manual over the mesh axes ``axes`` (``peers``
     devices): ``table [L_src, …]`` its chunk of the table's rows, ``idx [S]`` whole (``S`` divisible by
     ``peers``). Returns rows ``me·S/P … (me+1)·S/P − 1`` of the gather, ``[S/P, …]`` (module docstring).
@@ -121,7 +124,7 @@ def put_rows_local(
     base: jax.Array,
     idx: jax.Array,
     values: jax.Array,
-    axes: Any,
+    axes: Axes,
     peers: int,
     accumulate: bool = False,
     slot: int | None = None,
@@ -160,31 +163,36 @@ def put_rows_local(
     return _exact_or_fast(spill, value_rows, expert_slot_rows(value_rows, peers), run)
 
 
-def _peers(mesh: Mesh, entry: Any) -> int:
+def _peers(mesh: Mesh, entry: Axes) -> int:
     names = (entry,) if isinstance(entry, str) else tuple(entry)
     return math.prod(mesh.shape[name] for name in names)
 
 
-def row_axes_of(spec: Sequence[Any] | None) -> Any:
+def row_axes_of(spec: Sequence[Axes | None] | None) -> Axes | None:
     """The mesh axis name(s) splitting dim 0 of a ``PartitionSpec``-like ``spec`` (``None``: not split)."""
     return spec[0] if spec and len(spec) else None
 
 
-def gather_rows(table: jax.Array, idx: jax.Array, mesh: Mesh, table_spec: Sequence[Any]) -> jax.Array:
+def gather_rows(table: jax.Array, idx: jax.Array, mesh: Mesh, table_spec: Sequence[Axes | None]) -> jax.Array:
     """``table[idx]`` of global arrays under ``jit`` (GSPMD): ``table`` laid out as ``table_spec`` (its dim 0 split),
     ``idx`` whole; the result laid out as ``table_spec`` too. A ``shard_map`` of :func:`gather_rows_local`."""
-    axes = row_axes_of(table_spec)
+    axes = cast(Axes, row_axes_of(table_spec))  # its dim 0 is split
     spec = PartitionSpec(*table_spec)
     body = lambda t, i: gather_rows_local(t, i, axes, _peers(mesh, axes))
     return shard_map(body, mesh, in_specs=(spec, PartitionSpec()), out_specs=spec)(table, idx)
 
 
 def put_rows(
-    base: jax.Array, idx: jax.Array, values: jax.Array, mesh: Mesh, base_spec: Sequence[Any], accumulate: bool = False
+    base: jax.Array,
+    idx: jax.Array,
+    values: jax.Array,
+    mesh: Mesh,
+    base_spec: Sequence[Axes | None],
+    accumulate: bool = False,
 ) -> jax.Array:
     """``base.index_put([idx], values, accumulate)`` of global arrays under ``jit``: ``base`` and ``values`` laid
     out as ``base_spec`` (dim 0 split), ``idx`` whole. A ``shard_map`` of :func:`put_rows_local`."""
-    axes = row_axes_of(base_spec)
+    axes = cast(Axes, row_axes_of(base_spec))  # its dim 0 is split
     spec = PartitionSpec(*base_spec)
     body = lambda b, i, v: put_rows_local(b, i, v, axes, _peers(mesh, axes), accumulate)
     return shard_map(body, mesh, in_specs=(spec, PartitionSpec(), spec), out_specs=spec)(base, idx, values)
