@@ -34,9 +34,9 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TypedDict, cast
 
 import jax
 import jax.numpy as jnp
@@ -103,6 +103,15 @@ OVERHEAD_WORKLOAD = Workload("transformer", 4, 64, 32, 128, 6, heads=2, vocab=25
 """The step whose time is mostly per-op cost: 6 narrow transformer blocks, 64 ops and few FLOPs."""
 
 
+class MachineEntry(TypedDict):
+    """What the profile cache keeps of a machine's measurement (its links are kept apart, by :func:`time_links`)."""
+
+    rates: list[float]
+    flops: float
+    op_s: float
+    update_s: float
+
+
 @dataclass(frozen=True)
 class MachineConstants:
     """What this machine measured with ``busy_devices`` devices running at once: ``flops`` (training FLOP/s of one
@@ -128,7 +137,7 @@ class MachineConstants:
         update = params * self.update_s * (3.0 + 2.0 * state_copies) / ADAM_TRAFFIC
         return work / (work / self.flops + ops * self.op_s + update)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         return {
             "source": "measured",
             "flops": self.flops,
@@ -142,7 +151,7 @@ class MachineConstants:
         }
 
 
-def measure_machine(cache: ProfileCache, devices: list[Any]) -> MachineConstants:
+def measure_machine(cache: ProfileCache, devices: Sequence[jax.Device]) -> MachineConstants:
     """The constants of ``devices`` all busy at once (module docstring), from ``cache`` when it has them."""
     hardware = hardware_name(devices)
     key = {
@@ -153,7 +162,7 @@ def measure_machine(cache: ProfileCache, devices: list[Any]) -> MachineConstants
         "workload": WORKLOAD_VERSION,
         "repeats": REPEATS,
     }
-    stored = cache.get(key)
+    stored = cast("MachineEntry | None", cache.get(key))  # what this function put under a training_flops key
     cached = stored is not None
     if stored is None:
         rates = [3.0 * w.forward_flops / _step_seconds(devices, w) for w in RATE_WORKLOADS]
@@ -214,7 +223,7 @@ def _mlp_loss(workload: Workload, weights: list, x: jax.Array, y: jax.Array) -> 
     return jnp.mean((x - y) ** 2)
 
 
-def _step_seconds(devices: list[Any], workload: Workload) -> float:
+def _step_seconds(devices: Sequence[jax.Device], workload: Workload) -> float:
     """Median seconds of one training step of ``workload`` (forward, backward, an SGD update), every device of
     ``devices`` running its own copy at once."""
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -246,7 +255,7 @@ def _step_seconds(devices: list[Any], workload: Workload) -> float:
     return _median_seconds(lambda: every_device(weights, x, y))
 
 
-def _adam_update_seconds(devices: list[Any], elements: int) -> float:
+def _adam_update_seconds(devices: Sequence[jax.Device], elements: int) -> float:
     """Median seconds of an Adam update of ``elements`` float32 parameters, on every device of ``devices`` at once."""
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -261,14 +270,14 @@ def _adam_update_seconds(devices: list[Any], elements: int) -> float:
     p, g, m, v = (jax.device_put(np.full((len(devices) * elements,), 0.5, np.float32), split) for _ in range(4))
     state = [p, m, v]  # donated each call: the next call takes the outputs
 
-    def step() -> Any:
+    def step() -> list[jax.Array]:
         state[:] = every_device(state[0], g, state[1], state[2])
         return state
 
     return _median_seconds(step)
 
 
-def _median_seconds(run: Callable[[], Any]) -> float:
+def _median_seconds(run: Callable[[], object]) -> float:
     """Median wall seconds of ``run()`` until its outputs are ready, over :data:`REPEATS` calls after a first
     (compiling) one."""
     jax.block_until_ready(run())

@@ -19,9 +19,13 @@ import logging
 import os
 import platform
 import tempfile
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from torchpar import compile_cache
+
+if TYPE_CHECKING:
+    import jax
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +46,7 @@ def profile_dir() -> str | None:
     return os.path.join(os.path.dirname(compile_cache.default_dir()), "profiles")  # beside the XLA cache's default
 
 
-def hardware_name(devices: list[Any]) -> str:
+def hardware_name(devices: Sequence[jax.Device]) -> str:
     """``platform:device kind`` of ``devices`` (all the same kind), with the processor model for CPU devices, whose
     JAX device kind does not tell one machine from another."""
     kinds = sorted({f"{d.platform}:{d.device_kind}" for d in devices})
@@ -64,18 +68,19 @@ def _cpu_model() -> str:
 
 
 class ProfileCache:
-    """``get(key)`` / ``put(key, value)`` of JSON timings under ``directory`` (``None``: remember nothing)."""
+    """``get(key)`` / ``put(key, value)`` of JSON timings under ``directory`` (``None``: remember nothing). A value
+    comes back as JSON made it (lists for tuples): each caller reads what it stores under its kind of key."""
 
     def __init__(self, directory: str | None):
         self.directory = directory
         self.hits = 0
         self.misses = 0
 
-    def _path(self, key: dict[str, Any]) -> str:
+    def _path(self, key: Mapping[str, object]) -> str:
         text = json.dumps({"version": VERSION, **key}, sort_keys=True, default=str)
         return os.path.join(self.directory or "", hashlib.sha256(text.encode()).hexdigest() + ".json")
 
-    def get(self, key: dict[str, Any]) -> dict[str, Any] | None:
+    def get(self, key: Mapping[str, object]) -> object | None:
         """The stored value of ``key``, or ``None``. A corrupt entry is logged and treated as absent."""
         if self.directory is None:
             return None
@@ -93,7 +98,7 @@ class ProfileCache:
         self.hits += 1
         return value
 
-    def put(self, key: dict[str, Any], value: dict[str, Any]) -> None:
+    def put(self, key: Mapping[str, object], value: object) -> None:
         """Store ``value`` under ``key``; a directory that cannot be written is logged, never raised."""
         if self.directory is None:
             return

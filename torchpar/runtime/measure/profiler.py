@@ -18,8 +18,8 @@ import hashlib
 import logging
 import statistics
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, TypedDict, cast
 
 import jax
 import jax.numpy as jnp
@@ -27,13 +27,18 @@ import numpy as np
 
 from jaxbackend.dtypes import to_jax
 from jaxbackend.precision import Numerics
+from torchpar.ir.graph import TensorMeta
 from torchpar.ir.optimizer import OptimizerSpec
 from torchpar.planner.pipeline.slicing import StageGraph
 from torchpar.planner.plan import StagePlan
 from torchpar.planner.profiling import LinkFit, StageTiming, fit_alpha_beta
 from torchpar.runtime.measure.profile_cache import ProfileCache, hardware_name
 from torchpar.runtime.one_stage.placement import Placement
-from torchpar.runtime.pipeline.stage_program import LOSS, StageProgram
+from torchpar.runtime.pipeline.stage_program import LOSS, Residuals, StageProgram
+from torchpar.runtime.train_step import Arrays
+
+if TYPE_CHECKING:
+    from jax.sharding import Mesh
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +48,15 @@ COLLECTIVE_BYTES = (1 << 16, 1 << 19, 1 << 22, 1 << 24)
 """All-reduce sizes (bytes of float32 buffers) the link fit is made from: 64 KiB to 16 MiB."""
 
 
-def graph_key(stage: StageGraph) -> dict[str, Any]:
+class StageEntry(TypedDict):
+    """A stage's timing as the profile cache keeps it."""
+
+    forward_s: float
+    backward_s: float
+    compile_s: float
+
+
+def graph_key(stage: StageGraph) -> dict[str, object]:
     """What of a stage graph its timing depends on: every input, op and output (names, targets, operands,
     shapes, dtypes) and the constants' shapes and bytes' digest."""
     graph = stage.graph
@@ -65,7 +78,7 @@ def graph_key(stage: StageGraph) -> dict[str, Any]:
     }
 
 
-def plan_key(plan: StagePlan) -> dict[str, Any]:
+def plan_key(plan: StagePlan) -> dict[str, object]:
     """The layouts and mesh of ``plan`` a stage's timing depends on."""
     return {
         "logical_mesh_shape": list(plan.logical_mesh_shape),
@@ -96,7 +109,7 @@ class StageProfiler:
         library_fusions: bool,
         cache: ProfileCache,
         repeats: int = DEFAULT_REPEATS,
-        devices: list[Any] | None = None,
+        devices: Sequence[jax.Device] | None = None,
         on_stage: Callable[[str], None] | None = None,
     ):
         if repeats < 1:
@@ -122,14 +135,17 @@ class StageProfiler:
             "trainable": sorted(n for n in stage.params if n in self.trainable),
             "repeats": self.repeats,
         }
-        stored = self.cache.get(key)
+        stored = cast("StageEntry | None", self.cache.get(key))  # what this profiler put under a stage key
         if stored is not None:
             timing = StageTiming(forward_s=stored["forward_s"], backward_s=stored["backward_s"], cached=True)
         else:
             timing = self._measure(stage, plan, remat)
-            self.cache.put(
-                key, {"forward_s": timing.forward_s, "backward_s": timing.backward_s, "compile_s": timing.compile_s}
-            )
+            entry: StageEntry = {
+                "forward_s": timing.forward_s,
+                "backward_s": timing.backward_s,
+                "compile_s": timing.compile_s,
+            }
+            self.cache.put(key, entry)
         if self.on_stage is not None:
             self.on_stage(f"stage of {len(stage.graph.nodes)} ops on {tuple(plan.logical_mesh_shape)}")
         return timing
@@ -155,7 +171,7 @@ class StageProfiler:
         params, buffers, inputs, acts = _random_arguments(program)
         key = jax.random.key(0)
 
-        def forward() -> Any:
+        def forward() -> tuple[Arrays, Arrays, Arrays, Residuals]:
             return program.forward(params, buffers, inputs, acts, key)
 
         begin = time.perf_counter()
@@ -191,18 +207,21 @@ class StageProfiler:
         return timing
 
 
-def _random_arguments(program: StageProgram) -> tuple[dict, dict, dict, dict]:
+def _random_arguments(program: StageProgram) -> tuple[Arrays, Arrays, dict[int, jax.Array], Arrays]:
     """Parameters, buffers, batch inputs and received activations of ``program``'s stage, of its shapes and dtypes,
     placed as its plan lays them out: floats drawn from N(0, 0.02²) (parameters) or N(0, 1), integers zero."""
     rng = np.random.default_rng(0)
 
-    def draw(meta: Any, scale: float) -> np.ndarray:
+    def draw(meta: TensorMeta, scale: float) -> np.ndarray:
         dtype = to_jax(meta.dtype)
         if jnp.issubdtype(dtype, jnp.floating):
             return (rng.standard_normal(meta.shape) * scale).astype(dtype)
         return np.zeros(meta.shape, dtype)
 
-    params, buffers, inputs, acts = {}, {}, {}, {}
+    params: Arrays = {}
+    buffers: Arrays = {}
+    inputs: dict[int, jax.Array] = {}
+    acts: Arrays = {}
     for item in program.stage.graph.inputs:
         if item.kind == "param" and item.target not in params:
             params[item.target] = program.put_param(item.target, draw(item.meta, 0.02))
@@ -217,7 +236,7 @@ def _random_arguments(program: StageProgram) -> tuple[dict, dict, dict, dict]:
 
 def time_links(
     cache: ProfileCache,
-    devices: list[Any] | None = None,
+    devices: Sequence[jax.Device] | None = None,
     *,
     sizes: tuple[int, ...] = COLLECTIVE_BYTES,
     repeats: int = DEFAULT_REPEATS,
@@ -243,13 +262,14 @@ def time_links(
             "jax": jax.__version__,
             "repeats": repeats,
         }
-        points = cache.get(key)
+        points = cast("list[list[float]] | None", cache.get(key))  # what this function put under a link key
         if points is None:
             mesh = Mesh(np.array(devices).reshape(shape), ("d0", "d1"))
             name = mesh.axis_names[axis]
             points = [[float(nbytes), _time_all_reduce(mesh, name, nbytes, repeats)] for nbytes in sizes]
             cache.put(key, points)
-        alpha, beta = fit_alpha_beta([tuple(p) for p in points], len(devices))
+        pairs = [cast("tuple[float, float]", tuple(p)) for p in points]  # each point is [bytes, seconds]
+        alpha, beta = fit_alpha_beta(pairs, len(devices))
         fits.append(
             LinkFit(
                 axis=axis,
@@ -263,7 +283,7 @@ def time_links(
     return fits
 
 
-def _time_all_reduce(mesh: Any, axis_name: str, nbytes: int, repeats: int) -> float:
+def _time_all_reduce(mesh: Mesh, axis_name: str, nbytes: int, repeats: int) -> float:
     """Median seconds of one all-reduce (``psum``) of a float32 buffer of ``nbytes`` over ``axis_name``."""
     from jax.sharding import NamedSharding, PartitionSpec
 

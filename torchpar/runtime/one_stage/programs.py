@@ -30,23 +30,27 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, cast
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding
 
 from jaxbackend.compiler import compiler_options
 from jaxbackend.precision import Numerics
 from jaxbackend.sharding import DATA_AXIS
 from torchpar.ir.graph import Graph
-from torchpar.ir.layout import from_json, num_shards
+from torchpar.ir.layout import JsonSpec, from_json, num_shards
 from torchpar.ir.optimizer import NOT_ELEMENTWISE, OptimizerSpec
 from torchpar.planner.plan import StagePlan
 from torchpar.runtime.arrays import fitting
 from torchpar.runtime.aux_parts import AuxOutputs
 from torchpar.runtime.micro_batch_loss import MicroBatchLoss
 from torchpar.runtime.one_stage.placement import Placement
-from torchpar.runtime.train_step import make_fused_step, over_data_replicas, remat_groups
+from torchpar.runtime.train_step import Arrays, StepScalars, make_fused_step, over_data_replicas, remat_groups
+
+if TYPE_CHECKING:
+    from torchpar.planner.sharding.layouts import ValueLayouts
 
 log = logging.getLogger(__name__)
 
@@ -60,13 +64,13 @@ reduces them in every micro-batch)."""
 class CompiledStep:
     """A training step compiled for one batch signature."""
 
-    compiled: Any
+    compiled: jax.stages.Compiled
     spmd: str
     """``"shard_map"`` or ``"gspmd"``; ``"single_device"`` on a one-device mesh (nothing is partitioned)."""
     num_inputs: int
     lower_s: float
     compile_s: float
-    input_shardings: list[Any]
+    input_shardings: list[jax.sharding.Sharding]
     """Each batch leaf's sharding on entry: the plan's, or :func:`torchpar.runtime.arrays.fitting`'s where it does not
     split evenly."""
 
@@ -78,7 +82,7 @@ class OneStageProgram:
         self,
         stage: StagePlan,
         method: str,
-        devices: list[Any],
+        devices: list[jax.Device],
         *,
         optimizer: OptimizerSpec,
         grad_clip_norm: float | None,
@@ -109,9 +113,9 @@ class OneStageProgram:
         self,
         graph: Graph,
         trainable: tuple[str, ...],
-        leaves: list[tuple[tuple[int, ...], Any]],
-        state: tuple[dict, dict, dict],
-        scalars: Any,
+        leaves: list[tuple[tuple[int, ...], np.dtype]],
+        state: tuple[Arrays, dict[str, Arrays], Arrays],
+        scalars: StepScalars,
     ) -> CompiledStep:
         """Lower and compile the training step of ``graph`` for batch ``leaves`` (shape and dtype of each, in
         flattened order), the given state (arrays on this program's shardings) and optimizer
@@ -120,11 +124,16 @@ class OneStageProgram:
         params, opt_state, buffers = state
         placement = Placement.from_stage(self.stage, graph, self.devices, self.optimizer)
         replicas = self.stage.data_replicas
+        input_shardings: list[jax.sharding.Sharding]
         if replicas > 1:  # (what replicas cannot train was refused at capture: check_replicable)
             # each replica's rows laid out as the plan says (XLA pads what does not divide), its block of dim 0 its own
             input_shardings = [
                 placement.with_data_axis(
-                    fitting(placement.inputs.get(i, placement.replicated), (shape[0] // replicas, *shape[1:]))
+                    # a named sharding fitted is a named sharding
+                    cast(
+                        NamedSharding,
+                        fitting(placement.inputs.get(i, placement.replicated), (shape[0] // replicas, *shape[1:])),
+                    )
                 )
                 for i, (shape, _) in enumerate(leaves)
             ]
@@ -159,7 +168,8 @@ class OneStageProgram:
         key_data = np.asarray(jax.random.key_data(jax.random.key(0)))
         args = (params, opt_state, buffers, inputs, scalars, key_data)
 
-        def jit_step(fn: Callable) -> Any:  # the PRNG key travels as raw key data: a host array in every process
+        # the PRNG key travels as raw key data: a host array in every process
+        def jit_step(fn: Callable) -> jax.stages.Wrapped:
             with_key = lambda p, o, b, i, s, k: fn(p, o, b, i, s, jax.random.wrap_key_data(k))
             return jax.jit(with_key, donate_argnums=(0, 1, 2), out_shardings=out_shardings)
 
@@ -277,7 +287,7 @@ class OneStageProgram:
             else ""
         )
 
-    def _shard_map_layouts(self, graph: Graph) -> Any:
+    def _shard_map_layouts(self, graph: Graph) -> ValueLayouts | None:
         """The value layouts a per-device step runs with, or ``None`` for the GSPMD step (per ``spmd``)."""
         per_device_by_default = self.method in SHARD_MAP_METHODS or self.num_micro_batches > 1
         if self.spmd == "gspmd" or (self.spmd == "auto" and not per_device_by_default):
@@ -324,7 +334,7 @@ class OneStageProgram:
         as :func:`.spmd_step.make_spmd_step` lays them out) splits a dim over more than one device."""
         if self.optimizer.kind not in NOT_ELEMENTWISE:
             return []
-        mesh_shape = tuple(self.stage.logical_mesh_shape)
+        mesh_shape = cast("tuple[int, int]", tuple(self.stage.logical_mesh_shape))  # a plan's mesh is 2-D
         out = []
         for name in self.optimizer.param_names:
             stored = self.stage.params.get(name)
@@ -352,12 +362,12 @@ class OneStageProgram:
     def _spmd_step(
         self,
         graph: Graph,
-        layouts: Any,
+        layouts: ValueLayouts,
         trainable: tuple[str, ...],
         placement: Placement,
-        params: dict,
-        opt_state: dict,
-        buffers: dict,
+        params: Arrays,
+        opt_state: dict[str, Arrays],
+        buffers: Arrays,
         num_inputs: int,
         gradient_axes: tuple[str, ...],
     ) -> Callable:
@@ -415,12 +425,12 @@ def check_replicable(graph: Graph, replicas: int) -> None:
         ) from None
 
 
-def _splits(json_spec: Any, mesh_shape: tuple[int, ...]) -> bool:
+def _splits(json_spec: JsonSpec | None, mesh_shape: tuple[int, int]) -> bool:
     """Whether a plan's JSON spec cuts the tensor into more than one piece on a mesh of ``mesh_shape``."""
     return json_spec is not None and num_shards(from_json(json_spec), mesh_shape) > 1
 
 
-def _one_collective_count(placement: Placement) -> Callable[[dict], Any]:
+def _one_collective_count(placement: Placement) -> Callable[[Arrays], jax.Array]:
     """``grads → inf/nan element count`` over a sharded GSPMD step's gradients with a single scalar all-reduce
     (XLA's partitioner would all-reduce each gradient's partial count on its own): each device counts its
     pieces in a ``shard_map`` over the gradients' layouts, then one ``psum``. A replicated piece is counted once
@@ -432,10 +442,10 @@ def _one_collective_count(placement: Placement) -> Callable[[dict], Any]:
     mesh = placement.mesh
     axes = tuple(mesh.axis_names)
 
-    def count(grads: dict) -> Any:
+    def count(grads: Arrays) -> jax.Array:
         specs = {n: (placement.grads.get(n) or placement.param(n)).spec for n in grads}
 
-        def local(pieces: dict) -> Any:
+        def local(pieces: Arrays) -> jax.Array:
             return jax.lax.psum(nonfinite_count(pieces), axes)
 
         return jax.shard_map(local, mesh=mesh, in_specs=(specs,), out_specs=PartitionSpec(), check_vma=False)(grads)

@@ -28,14 +28,17 @@ by construction (``psum``/``pmean``-reduced where the plan reduces over a split 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from jaxbackend import sharding as jsh
 from jaxbackend.collectives import reduce_scatter
-from jaxbackend.spmd import LocalProgram, axis_names, require_invariant
+from jaxbackend.lower import StepFn
+from jaxbackend.spmd import Layouts, LocalProgram, axis_names, require_invariant
+from torchpar.ir.layout import JsonSpec, Spec
+from torchpar.ir.optimizer import OptimizerSpec
 from torchpar.planner.plan import StagePlan
 from torchpar.runtime.aux_parts import AuxOutputs
 from torchpar.runtime.micro_batch_loss import MicroBatchLoss
@@ -51,17 +54,17 @@ from torchpar.runtime.train_step import (
 
 
 def make_spmd_step(
-    run: Callable,
-    layouts: Any,
+    run: StepFn,
+    layouts: Layouts,
     stage: StagePlan,
     *,
-    mesh: Any,
+    mesh: Mesh,
     param_names: list[str],
     buffer_names: list[str],
     state_keys: dict[str, list[str]],
     num_inputs: int,
     trainable: tuple[str, ...],
-    spec: Any,
+    spec: OptimizerSpec,
     grad_clip_norm: float | None,
     gradient_axes: tuple[str, ...],
     check_finite: bool = False,
@@ -192,7 +195,7 @@ def _nonfinite_total(grads: dict[str, jax.Array], live_axes: tuple[str, ...]) ->
     total, varying_total = jnp.int32(0), None
     for g in grads.values():
         count = jnp.sum(~jnp.isfinite(g), dtype=jnp.int32)
-        varying = getattr(jax.typeof(count).manual_axis_type, "varying", frozenset())
+        varying: frozenset[str] = getattr(jax.typeof(count).manual_axis_type, "varying", frozenset())
         if not varying:
             total = total + count
             continue
@@ -204,7 +207,7 @@ def _nonfinite_total(grads: dict[str, jax.Array], live_axes: tuple[str, ...]) ->
     return total + jax.lax.psum(varying_total, live_axes)
 
 
-def _finish_gradient(g: jax.Array, stored: Any, target: Any) -> jax.Array:
+def _finish_gradient(g: jax.Array, stored: Spec | None, target: Spec | None) -> jax.Array:
     """This device's partial gradient → its piece of the whole gradient laid out as ``target``:
     reduce-scatter onto ``target``'s split dims, then all-reduce over the other axes it still varies along
     (axes splitting the stored parameter are a layout, not a partial sum)."""
@@ -213,12 +216,12 @@ def _finish_gradient(g: jax.Array, stored: Any, target: Any) -> jax.Array:
         if entry and not set(entry) <= owned:
             g = reduce_scatter(g, axis_names(entry), dim=dim)
             owned |= set(entry)
-    varying = getattr(jax.typeof(g).manual_axis_type, "varying", frozenset())
+    varying: frozenset[str] = getattr(jax.typeof(g).manual_axis_type, "varying", frozenset())
     rest = tuple(a for a in jsh.AXIS_NAMES if a in varying and jsh.AXIS_NAMES.index(a) not in owned)
     return jax.lax.psum(g, rest) if rest else g
 
 
-def _varying_copy(p: jax.Array, stored: Any, at_use: Any, gradient_axes: tuple[str, ...]) -> jax.Array:
+def _varying_copy(p: jax.Array, stored: Spec | None, at_use: Spec | None, gradient_axes: tuple[str, ...]) -> jax.Array:
     """``p`` typed as varying along the ``gradient_axes`` it is not split over (a ZeRO-3 shard, all-gathered
     inside the loss, needs no copy: the all-gather's transpose already reduce-scatters its gradient)."""
     if not _same(stored, at_use):
@@ -227,7 +230,9 @@ def _varying_copy(p: jax.Array, stored: Any, at_use: Any, gradient_axes: tuple[s
     return jax.lax.pcast(p, free, to="varying") if free else p
 
 
-def _relayout(program: LocalProgram, p: jax.Array, have: Any, wanted: Any, *, invariant: bool = True) -> jax.Array:
+def _relayout(
+    program: LocalProgram, p: jax.Array, have: Spec | None, wanted: Spec | None, *, invariant: bool = True
+) -> jax.Array:
     """This device's piece of ``p`` (laid out as ``have``; ``None`` = whole) as laid out as ``wanted``."""
     if _same(have, wanted):
         return p
@@ -248,14 +253,14 @@ def batch_axes(stage: StagePlan, num_inputs: int) -> tuple[str, ...]:
     return axis_names(tuple(sorted(common or ())))
 
 
-def _spec(json_spec: Any) -> tuple | None:
+def _spec(json_spec: JsonSpec | None) -> Spec | None:
     """A plan's JSON spec as a tuple spec (``None`` if absent)."""
     if json_spec is None:
         return None
     return tuple(tuple(entry) if entry else None for entry in json_spec)
 
 
-def _global_norm(grads: dict[str, jax.Array], layouts: dict[str, Any]) -> jax.Array:
+def _global_norm(grads: dict[str, jax.Array], layouts: dict[str, Spec | None]) -> jax.Array:
     """The gradients' global L2 norm (float32) with one scalar ``psum`` per distinct set of mesh axes sharding them
     (usually one, often none): each device's sums of squares are added first, then completed across the shards.
     ``layouts``: each gradient's spec (:func:`_axes` gives the axes splitting it)."""
@@ -267,15 +272,15 @@ def _global_norm(grads: dict[str, jax.Array], layouts: dict[str, Any]) -> jax.Ar
     return jnp.sqrt(total)
 
 
-def _axes(spec: Any) -> tuple[str, ...]:
+def _axes(spec: Spec | None) -> tuple[str, ...]:
     return axis_names(_mesh_axes(spec))
 
 
-def _mesh_axes(spec: Any) -> tuple[int, ...]:
+def _mesh_axes(spec: Spec | None) -> tuple[int, ...]:
     return tuple(a for entry in (spec or ()) if entry for a in entry)
 
 
-def _same(a: Any, b: Any) -> bool:
+def _same(a: Spec | None, b: Spec | None) -> bool:
     return tuple(a or ()) == tuple(b or ()) or (not _mesh_axes(a) and not _mesh_axes(b))
 
 

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+
+import jax
 
 from torchpar.runtime.arrays import local_scalar
 from torchpar.runtime.pipeline.transport import Transport
@@ -36,11 +37,11 @@ def shared_parameters(stage_params: Mapping[int, Iterable[str]]) -> dict[str, tu
 
 def exchange_tied_gradients(
     index: int,
-    grads: dict[str, Any],
+    grads: dict[str, jax.Array],
     shared: Mapping[str, Sequence[int]],
     transport: Transport,
-    layout: Callable[[int, str], Any],
-) -> dict[str, Any]:
+    layout: Callable[[int, str], jax.sharding.Sharding],
+) -> dict[str, jax.Array]:
     """``grads`` of stage ``index`` with every tied parameter's gradient replaced by the sum over the stages
     holding it, added in stage order. ``layout(stage, name)`` is the sharding ``stage`` holds the gradient in."""
     mine = {name: stages for name, stages in shared.items() if index in stages and name in grads}
@@ -50,7 +51,7 @@ def exchange_tied_gradients(
     for peer in peers:
         names = [n for n, stages in mine.items() if peer in stages]
         transport.send(TIED, index, peer, 0, {n: grads[n] for n in names}, {n: layout(peer, n) for n in names})
-    parts: dict[int, dict[str, Any]] = {index: grads}
+    parts: dict[int, dict[str, jax.Array]] = {index: grads}
     for peer in peers:
         names = [n for n, stages in mine.items() if peer in stages]
         parts[peer] = transport.receive(TIED, peer, index, 0, {n: layout(index, n) for n in names})
@@ -64,7 +65,10 @@ def exchange_tied_gradients(
 
 
 def owned_squared_norm(
-    index: int, grads: Mapping[str, Any], shared: Mapping[str, Sequence[int]], squared_norm: Callable[[dict], Any]
+    index: int,
+    grads: Mapping[str, jax.Array],
+    shared: Mapping[str, Sequence[int]],
+    squared_norm: Callable[[dict[str, jax.Array]], jax.Array],
 ) -> float:
     """``Σ‖g‖²`` over the gradients stage ``index`` counts: its own, and tied ones it is the first holder of."""
     owned = {n: g for n, g in grads.items() if n not in shared or shared[n][0] == index}
@@ -72,7 +76,10 @@ def owned_squared_norm(
 
 
 def owned_nonfinite_count(
-    index: int, grads: Mapping[str, Any], shared: Mapping[str, Sequence[int]], nonfinite_count: Callable[[dict], Any]
+    index: int,
+    grads: Mapping[str, jax.Array],
+    shared: Mapping[str, Sequence[int]],
+    nonfinite_count: Callable[[dict[str, jax.Array]], jax.Array],
 ) -> int:
     """How many elements of the gradients stage ``index`` counts (as :func:`owned_squared_norm`) are inf/nan."""
     owned = {n: g for n, g in grads.items() if n not in shared or shared[n][0] == index}

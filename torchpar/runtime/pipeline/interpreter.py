@@ -34,13 +34,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import jax
 import numpy as np
 
 from torchpar.planner.pipeline.schedules import Instruction
-from torchpar.runtime.pipeline.stage_program import AUX_PREFIX, DEN, LOSS, StageProgram
+from torchpar.runtime.pipeline.stage_program import AUX_PREFIX, DEN, LOSS, Residuals, StageProgram
 from torchpar.runtime.pipeline.timeline import StageClock
 from torchpar.runtime.pipeline.transport import Transport
 
@@ -53,10 +52,10 @@ class StageState:
     """What one stage holds in this process across steps: its parameters, buffers, optimizer state, and
     during a step the accumulated parameter gradients."""
 
-    params: dict[str, Any] = field(default_factory=dict)
-    buffers: dict[str, Any] = field(default_factory=dict)
-    opt_state: dict[str, dict[str, Any]] = field(default_factory=dict)
-    grads: dict[str, Any] | None = None
+    params: dict[str, jax.Array] = field(default_factory=dict)
+    buffers: dict[str, jax.Array] = field(default_factory=dict)
+    opt_state: dict[str, dict[str, jax.Array]] = field(default_factory=dict)
+    grads: dict[str, jax.Array] | None = None
 
 
 @dataclass
@@ -66,12 +65,12 @@ class StageRun:
     (:data:`~.timeline.SPAN_KINDS`) alike. A ratio loss's last stage also gives each micro-batch's denominator and
     the reference ``r`` its seeds were divided by (:mod:`torchpar.runtime.micro_batch_loss`)."""
 
-    losses: list[Any]
+    losses: list[jax.Array]
     blocks: list[tuple[str, int, float, float]]
     spans: list[tuple[str, int, float, float]] = field(default_factory=list)
-    dens: list[Any] = field(default_factory=list)
-    reference: Any = None
-    aux: dict[str, dict[int, Any]] = field(default_factory=dict)
+    dens: list[jax.Array] = field(default_factory=list)
+    reference: jax.Array | None = None
+    aux: dict[str, dict[int, jax.Array]] = field(default_factory=dict)
     """A ``step_fn``'s aux values the group's stages computed: key → micro-batch → value (replicated on the stage)."""
 
 
@@ -82,33 +81,36 @@ def run_instructions(
     instructions: Sequence[Instruction],
     transport: Transport,
     micro_inputs: Sequence[dict[int, np.ndarray]],
-    key: Any,
-    send_layout: Callable[[int, str], Any],
+    key: jax.Array,
+    send_layout: Callable[[int, str], jax.sharding.Sharding],
     start_time: float,
 ) -> StageRun:
     """Execute device group ``index``'s ``instructions`` (see the module docstring): each instruction on its
     stage's program and state (``programs``/``states`` by stage; one stage per group but for interleaved
     schedules). ``send_layout(peer, name)`` is the sharding stage ``peer`` holds value ``name`` in;
     ``start_time`` is the step's ``time.time()``."""
-    received: dict[tuple[int, int], dict] = {}
-    cotangents: dict[tuple[int, int], dict] = {}
-    residuals: dict[tuple[int, int], Any] = {}
-    carried: dict[tuple[int, int], Any] = {}  # split backward: what backward_input hands to backward_weight
-    outputs: dict[tuple[int, int], dict] = {}
-    losses: list[Any] = []
-    aux: dict[str, dict[int, Any]] = {}
-    dens: list[Any] = []
-    reference: Any = None
+    received: dict[tuple[int, int], dict[str, jax.Array]] = {}
+    cotangents: dict[tuple[int, int], dict[str, jax.Array]] = {}
+    residuals: dict[tuple[int, int], Residuals] = {}
+    carried: dict[tuple[int, int], tuple[jax.Array, ...]] = {}  # split backward: what backward_input hands on
+    outputs: dict[tuple[int, int], dict[str, jax.Array]] = {}
+    losses: list[jax.Array] = []
+    aux: dict[str, dict[int, jax.Array]] = {}
+    dens: list[jax.Array] = []
+    reference: jax.Array | None = None
     clock = StageClock(start_time)
     activation_layouts = {s: {n: p.placement.value(n) for n in p.stage.activation_inputs} for s, p in programs.items()}
     output_layouts = {s: {n: p.placement.value(n) for n in p.stage.activation_outputs} for s, p in programs.items()}
     for state in states.values():
         state.grads = None
     for ins in instructions:
+        if ins.op == "update":
+            continue  # applied by the runtime once every stage's gradients are final
         mb, s = ins.micro_batch, ins.stage_in(index)
-        program, state = (programs[s], states[s]) if s is not None else (None, None)
+        assert mb is not None and s is not None  # every op but update has both (Instruction checks)
+        program, state = programs[s], states[s]
         if ins.op == "recv_act":
-            received[s, mb] = transport.receive("act", ins.peer, s, mb, activation_layouts[s], clock=clock)
+            received[s, mb] = transport.receive("act", _peer(ins), s, mb, activation_layouts[s], clock=clock)
         elif ins.op == "forward":
             begin = time.time()
             inputs = {i: program.put_input(i, micro_inputs[mb][i]) for i in program.stage.batch_inputs}
@@ -138,9 +140,10 @@ def run_instructions(
             outputs[s, mb] = {**{n: v for n, v in diff.items() if n != LOSS}, **rest}
         elif ins.op == "send_act":
             values = outputs.pop((s, mb))
-            transport.send("act", s, ins.peer, mb, values, {n: send_layout(ins.peer, n) for n in values}, clock=clock)
+            peer = _peer(ins)
+            transport.send("act", s, peer, mb, values, {n: send_layout(peer, n) for n in values}, clock=clock)
         elif ins.op == "recv_grad":
-            cotangents[s, mb] = transport.receive("grad", ins.peer, s, mb, output_layouts[s], clock=clock)
+            cotangents[s, mb] = transport.receive("grad", _peer(ins), s, mb, output_layouts[s], clock=clock)
         elif ins.op == "backward":
             started = clock.start()
             state.grads, act_cotangents = program.backward_into(
@@ -167,11 +170,16 @@ def run_instructions(
             clock.compute("backward_weight", mb, started, dispatch_s)
         elif ins.op == "send_grad":
             values = outputs.pop((s, mb))
-            transport.send("grad", s, ins.peer, mb, values, {n: send_layout(ins.peer, n) for n in values}, clock=clock)
+            peer = _peer(ins)
+            transport.send("grad", s, peer, mb, values, {n: send_layout(peer, n) for n in values}, clock=clock)
         elif ins.op == "free":
             residuals.pop((s, mb), None)
-        elif ins.op == "update":
-            pass  # applied by the runtime once every stage's gradients are final
         else:
             raise ValueError(f"unknown instruction {ins}")
     return StageRun(losses=losses, blocks=clock.blocks, spans=clock.spans, dens=dens, reference=reference, aux=aux)
+
+
+def _peer(ins: Instruction) -> int:
+    """The stage a send or receive talks to (set exactly for those: :class:`Instruction` checks)."""
+    assert ins.peer is not None
+    return ins.peer

@@ -21,12 +21,16 @@ seed; stage 0's ∂x is empty, so its B computes nothing and its W the whole bac
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, cast
 
 import jax
 from jax.extend import core as jcore
+from jax.tree_util import PyTreeDef
+
+if TYPE_CHECKING:
+    from jax.core import ShapedArray
 
 
 @dataclass(frozen=True)
@@ -34,9 +38,9 @@ class SplitBackward:
     """The two parts of one backward, for one signature of its arguments (both plain, un-jitted functions
     of the same ``*args`` as the fused backward)."""
 
-    input_part: Callable[..., tuple[Any, tuple]]
+    input_part: Callable[..., tuple[object, tuple[jax.Array, ...]]]
     """``input_part(*args) → (∂x, carry)``."""
-    weight_part: Callable[..., Any]
+    weight_part: Callable[..., object]
     """``weight_part(*args, carry) → ∂θ`` (the ``args`` a jitted caller does not read are dropped by XLA)."""
     equations: tuple[int, int]
     """How many equations of the traced backward each part runs (B, W)."""
@@ -44,12 +48,13 @@ class SplitBackward:
     """Bytes of the values B hands to W per micro-batch."""
 
 
-def split_backward(backward: Callable[..., tuple[Any, Any]], *args: Any) -> SplitBackward:
+def split_backward(backward: Callable[..., tuple[object, object]], *args: object) -> SplitBackward:
     """Trace ``backward(*args) → (∂θ, ∂x)`` and split it into B and W (see the module docstring)."""
     nested, out_shape = jax.make_jaxpr(backward, return_shape=True)(*args)
     closed = jax.make_jaxpr(lambda *leaves: _inline(nested.jaxpr, nested.consts, leaves))(*jax.tree.leaves(args))
     grads_shape, acts_shape = out_shape
-    grads_tree, acts_tree = jax.tree.structure(grads_shape), jax.tree.structure(acts_shape)
+    grads_tree: PyTreeDef = jax.tree.structure(grads_shape)
+    acts_tree: PyTreeDef = jax.tree.structure(acts_shape)
     jaxpr = closed.jaxpr
     num_grads = grads_tree.num_leaves
     grad_out, act_out = list(jaxpr.outvars[:num_grads]), list(jaxpr.outvars[num_grads:])
@@ -64,7 +69,7 @@ def split_backward(backward: Callable[..., tuple[Any, Any]], *args: Any) -> Spli
     b_eqns = [e for e, b in zip(jaxpr.eqns, in_b) if b]
     w_eqns = [e for e, b in zip(jaxpr.eqns, in_b) if not b]
     made_by_b = {o for e in b_eqns for o in e.outvars}
-    carry: list = []
+    carry: list[jcore.Var] = []
     for v in [*(x for e in w_eqns for x in e.invars), *grad_out]:
         if isinstance(v, jcore.Var) and v in made_by_b and v not in carry:
             carry.append(v)
@@ -75,15 +80,17 @@ def split_backward(backward: Callable[..., tuple[Any, Any]], *args: Any) -> Spli
     run_w = jcore.jaxpr_as_fun(jcore.ClosedJaxpr(w_jaxpr, closed.consts))
     num_acts = acts_tree.num_leaves
 
-    def input_part(*call_args: Any) -> tuple[Any, tuple]:
+    def input_part(*call_args: object) -> tuple[object, tuple[jax.Array, ...]]:
         outs = run_b(*jax.tree.leaves(call_args))
         return jax.tree.unflatten(acts_tree, outs[:num_acts]), tuple(outs[num_acts:])
 
-    def weight_part(*call_args: Any) -> Any:
+    def weight_part(*call_args: object) -> object:
         *fused_args, carried = call_args
+        carried = cast("tuple[jax.Array, ...]", carried)  # the carry input_part returned
         return jax.tree.unflatten(grads_tree, run_w(*jax.tree.leaves(fused_args), *carried))
 
-    carry_bytes = sum(v.aval.size * v.aval.dtype.itemsize for v in carry)
+    carried_avals = (cast("ShapedArray", v.aval) for v in carry)  # carried values are arrays
+    carry_bytes = sum(aval.size * aval.dtype.itemsize for aval in carried_avals)
     return SplitBackward(input_part, weight_part, (len(b_eqns), len(w_eqns)), int(carry_bytes))
 
 
@@ -91,12 +98,12 @@ _CALLS = ("pjit", "jit", "closed_call", "core_call", "checkpoint", "remat", "rem
 """Primitives whose body :func:`_inline` evaluates in place (their ``jaxpr`` / ``call_jaxpr`` parameter)."""
 
 
-def _inline(jaxpr: Any, consts: Any, args: Any) -> list:
+def _inline(jaxpr: jcore.Jaxpr, consts: Sequence[object], args: Sequence[object]) -> list[object]:
     """Evaluate ``jaxpr`` on ``args`` (under a trace: re-emit its equations), with the bodies of calls
     (:data:`_CALLS`) evaluated in place rather than bound as one equation."""
-    env: dict = {}
+    env: dict[jcore.Var, object] = {}
 
-    def read(v: Any) -> Any:
+    def read(v: jcore.Var | jcore.Literal) -> object:
         return v.val if isinstance(v, jcore.Literal) else env[v]
 
     env.update(zip(jaxpr.constvars, consts))

@@ -16,21 +16,30 @@ interpreter (:mod:`.interpreter`) moves activations and cotangents between stage
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, TypeAlias, cast
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.tree_util import PyTreeDef
+from jax.typing import ArrayLike
 
 from jaxbackend.compiler import compiler_options
 from jaxbackend.lower import lower
 from jaxbackend.precision import Numerics
-from torchpar.ir.optimizer import OptimizerSpec
+from torchpar.ir.graph import Ref, TensorMeta
+from torchpar.ir.optimizer import OptimizerSpec, Scalars
 from torchpar.planner.pipeline.slicing import StageGraph
 from torchpar.runtime.arrays import put, put_batch
 from torchpar.runtime.micro_batch_loss import MicroBatchLoss, reference_of
 from torchpar.runtime.one_stage.placement import Placement
-from torchpar.runtime.train_step import nonfinite_count, optimizer_tail, remat_groups
+from torchpar.runtime.train_step import Arrays, nonfinite_count, optimizer_tail, remat_groups
+
+if TYPE_CHECKING:
+    from jax.extend.core import Primitive
+
+    from torchpar.runtime.pipeline.split_backward import SplitBackward
 
 LOSS = "__loss__"
 DEN = "__loss_den__"
@@ -39,6 +48,14 @@ KEEP = "__keep__"
 """A ratio loss's seed entry: whether the micro-batch's denominator is nonzero (else its gradients are zeroed)."""
 AUX_PREFIX = "__aux__:"
 """A ``step_fn``'s aux value among the forward's other (not differentiated) results: this prefix and its key."""
+
+Residuals: TypeAlias = Callable[[Arrays], tuple[Arrays, Arrays]]
+"""One micro-batch's residuals: the forward's ``jax.vjp`` function (a pytree holding the saved arrays), the
+cotangents of its float outputs → (parameter gradients, cotangents of the float activation inputs)."""
+Split: TypeAlias = "tuple[SplitBackward, jax.stages.Wrapped, jax.stages.Wrapped, jax.stages.Wrapped]"
+"""A backward split for one argument structure: the split, and jitted B, W, and W adding into an accumulator."""
+Signature: TypeAlias = tuple[object, ...]
+"""A jitted function's arguments as :func:`_signature_of` describes them (shape, dtype, sharding of each array)."""
 
 
 def _is_float(dtype_name: str) -> bool:
@@ -53,6 +70,9 @@ def sub_spec(spec: OptimizerSpec, names: tuple[str, ...]) -> OptimizerSpec:
 
 class StageProgram:
     """Jitted forward / backward / accumulate / update of one stage (see the module docstring)."""
+
+    _residual_layout: tuple[PyTreeDef, dict[int, tuple[str, str | int]]] | None
+    """(treedef, {leaf: (kind, name)}) of the forward's residuals, set at its trace."""
 
     def __init__(
         self,
@@ -91,7 +111,9 @@ class StageProgram:
         float_out = {
             name
             for name, o in zip(out_names, value_outputs)
-            if name == LOSS or (o.kind == "activation" and _is_float(node_metas[o.value.name].dtype))
+            # an activation output names one tensor value
+            if name == LOSS
+            or (o.kind == "activation" and _is_float(cast(TensorMeta, node_metas[cast(Ref, o.value).name]).dtype))
         }
         replicated = placement.replicated
         trainable_names = self.trainable
@@ -156,23 +178,24 @@ class StageProgram:
 
         options = self._options = compiler_options(library_fusions, placement.mesh.devices.size)
         self._forward = jax.jit(forward, compiler_options=options)
-        self._residual_layout: Any = None  # (treedef, {leaf: (kind, name)}) of the forward's residuals, at its trace
-        self._forward_signature: Any = None
-        self._backward_signature: Any = None
-        self._inspected: dict[Any, Any] = {}
+        self._residual_layout = None
+        self._forward_signature: Signature | None = None
+        self._backward_signature: Signature | None = None
+        self._inspected: dict[jax.stages.Wrapped, jax.stages.Compiled] = {}
         self._backward = jax.jit(backward, compiler_options=options)
         self._backward_accumulate = jax.jit(backward_accumulate, donate_argnums=(2,), compiler_options=options)
         self._update_fn = update
-        self._update: Any = None  # jitted at the first call, when the optimizer state's keys are known
+        # jitted at the first call, when the optimizer state's keys are known
+        self._update: jax.stages.Wrapped | None = None
         self._squared_norm = jax.jit(squared_norm, compiler_options=options)
         self._nonfinite_count = jax.jit(nonfinite_count, compiler_options=options)
-        self._loss_seed: Any = None
+        self._loss_seed: jax.Array | None = None
         self._ratio_seed = jax.jit(_ratio_seed, compiler_options=options)
         self._reference_of = jax.jit(reference_of, compiler_options=options)
         self._backward_fn = backward
         self.split_backward = split_backward
         """ZB-H1: the backward runs as backward_input then backward_weight_into (warm_up compiles those)."""
-        self._splits: dict[Any, tuple[Any, Any, Any]] = {}  # residuals/cotangents tree → (split, jitted B, jitted W)
+        self._splits: dict[PyTreeDef, Split] = {}  # residuals/cotangents tree → its split
 
     def set_loss_scale(self, loss_scale: float) -> None:
         """Seed the loss cotangent with ``S·share`` instead of ``share`` (``1/M``, or 1 for a sum loss) from now on
@@ -181,16 +204,16 @@ class StageProgram:
         if self.stage.has_loss:
             self._loss_seed = self.put(np.float32(np.float64(loss_scale) * self._scale))
 
-    def _seeded(self, cotangents: dict) -> dict:
+    def _seeded(self, cotangents: Arrays) -> Arrays:
         if self._loss_seed is None or LOSS in cotangents:
             return cotangents
         return {**cotangents, LOSS: self._loss_seed}
 
-    def den_reference(self, den: Any) -> Any:
+    def den_reference(self, den: jax.Array) -> jax.Array:
         """A ratio loss's ``r`` from the first micro-batch's denominator (:mod:`torchpar.runtime.micro_batch_loss`)."""
         return self._reference_of(den)
 
-    def ratio_seed(self, den: Any, reference: Any) -> dict:
+    def ratio_seed(self, den: jax.Array, reference: jax.Array) -> Arrays:
         """The last stage's seed entries for a ratio loss's micro-batch with denominator ``den``: the loss cotangent
         ``share·S·den/r`` and whether ``den`` is nonzero (:data:`KEEP`); to pass as that micro-batch's cotangents."""
         base = self._loss_seed if self._loss_seed is not None else np.float32(self._scale)
@@ -199,36 +222,42 @@ class StageProgram:
 
     # --- calls ------------------------------------------------------------------------------------
 
-    def put(self, value: Any) -> Any:
+    def put(self, value: ArrayLike) -> jax.Array:
         """``value`` replicated on this stage's devices."""
         return put(value, self.placement.replicated)
 
-    def put_param(self, name: str, value: Any) -> Any:
+    def put_param(self, name: str, value: ArrayLike) -> jax.Array:
         return put(value, self.placement.param(name))
 
-    def put_input(self, index: int, value: Any) -> Any:
+    def put_input(self, index: int, value: ArrayLike) -> jax.Array:
         return put_batch(value, self.placement.input(index))
 
-    def put_activation(self, name: str, value: Any) -> Any:
+    def put_activation(self, name: str, value: ArrayLike) -> jax.Array:
         return put_batch(value, self.placement.value(name))
 
-    def forward(self, params: dict, buffers: dict, inputs: dict, acts: dict, key: Any) -> tuple[dict, dict, dict, Any]:
+    def forward(
+        self, params: Arrays, buffers: Arrays, inputs: dict[int, jax.Array], acts: Arrays, key: jax.Array
+    ) -> tuple[Arrays, Arrays, Arrays, Residuals]:
         """→ (float outputs incl. the loss, other outputs, new buffers, residuals)."""
         if self._forward_signature is None:
             self._forward_signature = _signature_of((params, buffers, inputs, acts, key))
         diff, rest, new_buffers, leaves = self._forward(params, buffers, inputs, acts, key)
+        assert self._residual_layout is not None  # set while the call above traced the forward
         treedef, holes = self._residual_layout
         given = {"params": params, "buffers": buffers, "inputs": inputs, "acts": acts}
-        leaves = [given[holes[k][0]][holes[k][1]] if k in holes else leaf for k, leaf in enumerate(leaves)]
+        leaves = [  # a hole names an argument and its key there (a batch input's key is its index)
+            cast("Mapping[str | int, jax.Array]", given[holes[k][0]])[holes[k][1]] if k in holes else leaf
+            for k, leaf in enumerate(leaves)
+        ]
         return diff, rest, new_buffers, jax.tree.unflatten(treedef, leaves)
 
     def forward_hlo(self) -> str:
         """Optimized HLO of the stage's forward (available after its first step)."""
-        return self._compiled(self._forward, self._forward_signature).as_text()
+        return _text(self._compiled(self._forward, self._forward_signature))
 
     def backward_hlo(self) -> str:
         """Optimized HLO of the stage's backward (available after its first step)."""
-        return self._compiled(self._backward, self._backward_signature).as_text()
+        return _text(self._compiled(self._backward, self._backward_signature))
 
     def memory_stats(self) -> dict[str, int]:
         """XLA's per-device memory analysis of the stage's forward and backward executables, fields prefixed
@@ -243,7 +272,7 @@ class StageProgram:
             stats.update({f"{prefix}_{k}": v for k, v in memory_analysis(self._compiled(fn, signature)).items()})
         return stats
 
-    def _compiled(self, fn: Any, signature: Any) -> Any:
+    def _compiled(self, fn: jax.stages.Wrapped, signature: Signature | None) -> jax.stages.Compiled:
         """``fn`` compiled for ``signature`` (once: HLO text and memory statistics read the same executable)."""
         if signature is None:
             raise RuntimeError("the stage has not run yet: call engine.step first")
@@ -251,14 +280,14 @@ class StageProgram:
             self._inspected[fn] = fn.lower(*signature).compile(compiler_options=self._options)
         return self._inspected[fn]
 
-    def backward(self, residuals: Any, cotangents: dict) -> tuple[dict, dict]:
+    def backward(self, residuals: Residuals, cotangents: Arrays) -> tuple[Arrays, Arrays]:
         """→ (parameter gradients, cotangents of the float activation inputs)."""
         cotangents = self._seeded(cotangents)
         if self._backward_signature is None:
             self._backward_signature = _signature_of((residuals, cotangents))
         return self._backward(residuals, cotangents)
 
-    def backward_into(self, residuals: Any, cotangents: dict, total: dict | None) -> tuple[dict, dict]:
+    def backward_into(self, residuals: Residuals, cotangents: Arrays, total: Arrays | None) -> tuple[Arrays, Arrays]:
         """Backward of one micro-batch with its parameter gradients added into ``total`` (donated) in the
         same executable, so the accumulation costs no extra pass over the gradients.
         → (accumulated gradients, cotangents of the float activation inputs)."""
@@ -266,13 +295,15 @@ class StageProgram:
             return self.backward(residuals, cotangents)
         return self._backward_accumulate(residuals, self._seeded(cotangents), total)
 
-    def backward_input(self, residuals: Any, cotangents: dict) -> tuple[dict, tuple]:
+    def backward_input(self, residuals: Residuals, cotangents: Arrays) -> tuple[Arrays, tuple[jax.Array, ...]]:
         """Split backward, part 1 (ZB-H1's B, :mod:`.split_backward`): → (cotangents of the float activation
         inputs, the carry that :meth:`backward_weight_into` needs). No parameter gradient is computed."""
         cotangents = self._seeded(cotangents)
         return self._split(residuals, cotangents)[1](residuals, cotangents)
 
-    def backward_weight_into(self, residuals: Any, cotangents: dict, carry: tuple, total: dict | None) -> dict:
+    def backward_weight_into(
+        self, residuals: Residuals, cotangents: Arrays, carry: tuple[jax.Array, ...], total: Arrays | None
+    ) -> Arrays:
         """Split backward, part 2 (ZB-H1's W): the parameter gradients from ``carry`` and the residuals, added into
         ``total`` (donated) in the same executable. → accumulated gradients."""
         cotangents = self._seeded(cotangents)
@@ -281,12 +312,12 @@ class StageProgram:
             return weight(residuals, cotangents, carry)
         return weight_accumulate(residuals, cotangents, carry, total)
 
-    def split_stats(self) -> dict[str, Any]:
+    def split_stats(self) -> dict[str, tuple[int, int] | int]:
         """How the backward split (after the first split backward): equations in B and W, carried bytes."""
         split = next(iter(self._splits.values()))[0]
         return {"equations": split.equations, "carry_bytes": split.carry_bytes}
 
-    def _split(self, residuals: Any, cotangents: dict) -> tuple[Any, Any, Any, Any]:
+    def _split(self, residuals: Residuals, cotangents: Arrays) -> Split:
         """The backward split into jitted B, W and W-with-accumulation, traced once per argument structure."""
         from torchpar.runtime.pipeline.split_backward import split_backward
 
@@ -306,16 +337,16 @@ class StageProgram:
             )
         return self._splits[tree]
 
-    def squared_norm(self, grads: dict) -> Any:
+    def squared_norm(self, grads: Arrays) -> jax.Array:
         return self._squared_norm(grads)
 
-    def nonfinite_count(self, grads: dict) -> Any:
+    def nonfinite_count(self, grads: Arrays) -> jax.Array:
         """How many elements of ``grads`` are inf or nan (an int32 scalar on the stage's devices)."""
         return self._nonfinite_count(grads)
 
     def update(
-        self, params: dict, grads: dict, state: dict, scalars: Any, clip_scale: float = 1.0
-    ) -> tuple[dict, dict]:
+        self, params: Arrays, grads: Arrays, state: dict[str, Arrays], scalars: Scalars, clip_scale: float = 1.0
+    ) -> tuple[Arrays, dict[str, Arrays]]:
         owned = {n: params[n] for n in self.trainable}
         if self._update is None:
             # pin the outputs to the planned layouts: left to XLA's propagation, a parameter could come back
@@ -331,7 +362,7 @@ class StageProgram:
         new_params, new_state = self._update(owned, grads, state, scalars, np.float32(clip_scale))
         return {**params, **new_params}, new_state
 
-    def warm_up(self, params: dict, buffers: dict, opt_state: dict, scalars: Any) -> None:
+    def warm_up(self, params: Arrays, buffers: Arrays, opt_state: dict[str, Arrays], scalars: Scalars) -> None:
         """Compile every function of the stage by running it once on zeros of the right shapes (the state
         passed in is not modified), so the first training step does not pay XLA compilation."""
         from jaxbackend.dtypes import to_jax
@@ -362,7 +393,13 @@ class StageProgram:
         jax.block_until_ready(grads)
 
 
-def _ratio_seed(den: Any, reference: Any, base: Any) -> tuple[Any, Any]:
+def _text(compiled: jax.stages.Compiled) -> str:
+    text = compiled.as_text()
+    assert text is not None  # XLA's executables (CPU, GPU) have their HLO text
+    return text
+
+
+def _ratio_seed(den: jax.Array, reference: jax.Array, base: jax.Array) -> tuple[jax.Array, jax.Array]:
     den = den.astype(jnp.float32)
     return base.astype(jnp.float32) * den / reference, den != 0
 
@@ -371,7 +408,7 @@ _RECOMPUTED = frozenset({"transpose", "sharding_constraint", "reduce_precision",
 """Primitives whose results the forward does not save for the backward (:func:`_recompute_transposes`)."""
 
 
-def _recompute_transposes(primitive: Any, *_: Any, **__: Any) -> bool:
+def _recompute_transposes(primitive: Primitive, *_: object, **__: object) -> bool:
     """The forward's residual policy: save every intermediate but layout changes and rounding (:data:`_RECOMPUTED`).
     A transposed weight (``x @ w.T``, as a torch ``Linear`` lowers, then laid out and rounded to the matmul's
     precision) would otherwise be written out whole by every micro-batch's forward and read back by its backward;
@@ -380,14 +417,14 @@ def _recompute_transposes(primitive: Any, *_: Any, **__: Any) -> bool:
     return primitive.name not in _RECOMPUTED
 
 
-def _signature_of(args: Any) -> Any:
+def _signature_of(args: Signature) -> Signature:
     """Shapes, dtypes and shardings of ``args`` (a pytree of arrays), to lower a jitted function again.
 
     An uncommitted array (the step's PRNG key, made on the process's default device) keeps no sharding: at
     run time it follows the stage's committed arguments, and pinning it to the default device would make the
     lowering ask for two device sets whenever the stage does not run on that device."""
 
-    def struct(a: Any) -> jax.ShapeDtypeStruct:
+    def struct(a: jax.Array) -> jax.ShapeDtypeStruct:
         sharding = getattr(a, "sharding", None) if getattr(a, "committed", True) else None
         return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
 

@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Literal, TypeAlias, cast
 
 import jax
 import numpy as np
@@ -58,20 +58,30 @@ class MessageKey:
         )
 
 
+Pieces: TypeAlias = list[tuple[Index, np.ndarray]]
+"""Host slices of one value: each slice's index in the global array and its data."""
+Message: TypeAlias = (
+    tuple[Literal["arrays"], dict[str, jax.Array]]
+    | tuple[Literal["pieces"], dict[str, tuple[tuple[int, ...], np.dtype, Pieces]]]
+)
+"""What one process sends another (see the module docstring): ``("arrays", {name: array})`` or
+``("pieces", {name: (shape, dtype, pieces)})``."""
+
+
 class Mailbox:
     """Messages delivered to one process, taken by key; waits are bounded."""
 
     def __init__(self) -> None:
-        self._messages: dict[MessageKey, Any] = {}
+        self._messages: dict[MessageKey, object] = {}
         self._cv = threading.Condition()
         self._aborted: BaseException | None = None
 
-    def put(self, key: MessageKey, payload: Any) -> None:
+    def put(self, key: MessageKey, payload: object) -> None:
         with self._cv:
             self._messages[key] = payload
             self._cv.notify_all()
 
-    def take(self, key: MessageKey, timeout_s: float, where: str) -> Any:
+    def take(self, key: MessageKey, timeout_s: float, where: str) -> object:
         deadline = time.monotonic() + timeout_s
         with self._cv:
             while key not in self._messages:
@@ -99,7 +109,7 @@ class Mailbox:
             self._aborted = None
 
 
-Deliver = Callable[[int, MessageKey, Any], None]
+Deliver = Callable[[int, MessageKey, Message], None]
 """``deliver(rank, key, payload)``: hand a message to another process's mailbox."""
 
 
@@ -151,7 +161,7 @@ class Transport:
                 and all(targets[n].is_fully_addressable for n in values)
             )
             if local:
-                payload: Any = ("arrays", {n: jax.device_put(v, targets[n]) for n, v in values.items()})
+                payload: Message = ("arrays", {n: jax.device_put(v, targets[n]) for n, v in values.items()})
             else:
                 payload = (
                     "pieces",
@@ -184,16 +194,17 @@ class Transport:
         wait = time.time()
         where = f"stage {dst} (process {self.rank})"
         arrays: dict[str, jax.Array] = {}
-        pieces: dict[str, list] = {}
-        meta: dict[str, tuple] = {}
+        pieces: dict[str, Pieces] = {}
+        meta: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
         for sender in self.ranks_of_stage[src]:
-            form, content = self.mailbox.take(
-                MessageKey(self.step, kind, src, dst, micro_batch, sender), self.timeout_s, where
+            message = cast(  # what the sender's Transport.send put together
+                Message,
+                self.mailbox.take(MessageKey(self.step, kind, src, dst, micro_batch, sender), self.timeout_s, where),
             )
-            if form == "arrays":
-                arrays.update(content)
+            if message[0] == "arrays":
+                arrays.update(message[1])
                 continue
-            for name, (shape, dtype, parts) in content.items():
+            for name, (shape, dtype, parts) in message[1].items():
                 meta[name] = (shape, dtype)
                 pieces.setdefault(name, []).extend(parts)
         copy = time.time()
@@ -205,19 +216,19 @@ class Transport:
         return arrays
 
 
-def _pieces_for(
-    value: jax.Array, target: jax.sharding.Sharding, receiver: int, rank: int
-) -> list[tuple[Index, np.ndarray]]:
+def _pieces_for(value: jax.Array, target: jax.sharding.Sharding, receiver: int, rank: int) -> Pieces:
     """The slices of ``value`` that process ``rank`` owes process ``receiver``, for ``target``'s layout."""
     shape = value.shape
     needed = {
         normalize(index, shape)
         for device, index in target.devices_indices_map(shape).items()
-        if device.process_index == receiver
+        if device.process_index == receiver  # type: ignore[attr-defined]  # jaxlib has no stub of its Device
     }
     holders: dict[Index, set[int]] = {}
     for device, index in value.sharding.devices_indices_map(shape).items():
-        holders.setdefault(normalize(index, shape), set()).add(device.process_index)
+        holders.setdefault(normalize(index, shape), set()).add(
+            device.process_index  # type: ignore[attr-defined]  # jaxlib has no stub of its Device
+        )
     pieces: dict[Index, np.ndarray] = {}
     done: set[Index] = set()
     for shard in value.addressable_shards:
@@ -239,12 +250,13 @@ def _pieces_for(
 
 
 def _assemble_global(
-    shape: tuple[int, ...], dtype: Any, target: jax.sharding.Sharding, pieces: list[tuple[Index, np.ndarray]], name: str
+    shape: tuple[int, ...], dtype: np.dtype, target: jax.sharding.Sharding, pieces: Pieces, name: str
 ) -> jax.Array:
     """The global array laid out as ``target`` whose local shards are cut from ``pieces``."""
     buffers = []
     devices_indices = target.addressable_devices_indices_map(shape)
     for device, index in devices_indices.items():
+        assert index is not None  # each device of the sharding holds its slice
         region = normalize(index, shape)
         whole = next((data for piece_index, data in pieces if piece_index == region), None)
         if whole is not None:  # one piece is this device's slice: straight to the device, no staging copy

@@ -28,7 +28,10 @@ import socket
 import struct
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torchpar.runtime.pipeline.transport import MessageKey
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +43,7 @@ class ChannelServer:
     """Accepts peers' connections and delivers every message read from them to ``on_message(key, payload)``.
     ``address``: ``(host, port, token)``, what a peer needs to connect."""
 
-    def __init__(self, host: str, on_message: Callable[[Any, Any], None]):
+    def __init__(self, host: str, on_message: Callable[[MessageKey, object], None]):
         self._on_message = on_message
         self._token = secrets.token_bytes(TOKEN_BYTES)
         self._listener = socket.create_server((host, 0))
@@ -91,7 +94,7 @@ class PeerLinks:
     def __contains__(self, rank: int) -> bool:
         return rank in self.addresses
 
-    def send(self, rank: int, key: Any, payload: Any) -> None:
+    def send(self, rank: int, key: MessageKey, payload: object) -> None:
         """One message to peer ``rank``, in order with this actor's earlier ones to it."""
         buffers: list[pickle.PickleBuffer] = []
         header = pickle.dumps((key, payload), protocol=5, buffer_callback=buffers.append)

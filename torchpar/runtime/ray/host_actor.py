@@ -24,29 +24,72 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from typing import Any
+from typing import TYPE_CHECKING, Protocol, TypedDict, TypeVar, cast
 
 import ray
 
 from torchpar import compile_cache
 
+if TYPE_CHECKING:
+    from torchpar.runtime.pipeline.transport import MessageKey
+    from torchpar.runtime.worker import ExecutionSpec, PipelineWorker, Worker
+
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 ACTOR_CONCURRENCY = 32
 """Threads serving an actor's calls: a step, its stage threads' deliveries from peers, and pings."""
 
 
-@ray.remote(max_concurrency=ACTOR_CONCURRENCY)
+class HostInfo(TypedDict, total=False):
+    """What a host actor reports: where it runs (:meth:`HostActor.info`), then the JAX system it joined
+    (:meth:`HostActor.join`: the driver adds those fields to the first)."""
+
+    host: int
+    rank: int
+    pid: int
+    node_id: str
+    address: str
+    gpu_ids: list[str]
+    cuda_visible_devices: str | None
+    cores: list[int]
+    process_index: int
+    platform: str
+    local_devices: list[str]
+    global_devices: int
+    channel: tuple[str, int, str]
+
+
+class RemoteMethod(Protocol[T]):
+    """A method of an actor handle: ``remote(*args)`` starts the call, whose result the returned reference gives."""
+
+    def remote(self, *args: object) -> ray.ObjectRef[T]: ...
+
+
+class HostActorHandle(Protocol):
+    """A :class:`HostActor` as the driver and the peers hold it (a Ray actor handle)."""
+
+    info: RemoteMethod[HostInfo]
+    coordinator_address: RemoteMethod[str]
+    join: RemoteMethod[HostInfo]
+    build: RemoteMethod[None]
+    call: RemoteMethod[object]
+    deliver: RemoteMethod[None]
+    ping: RemoteMethod[int]
+
+
+@ray.remote(max_concurrency=ACTOR_CONCURRENCY)  # type: ignore[call-overload]  # ray's overloads omit actor options
 class HostActor:
     """One host of an engine (see the module docstring)."""
 
     def __init__(self, host: int, rank: int, slot: int, slots_on_node: int, cores_per_host: int | None):
         self.host = host
         self.rank = rank
-        self.worker: Any = None
+        self.worker: Worker | None = None
         self._cores = _pin(slot, slots_on_node, cores_per_host)
 
-    def info(self) -> dict[str, Any]:
+    def info(self) -> HostInfo:
         """Where the actor runs (node, pid, the GPUs Ray gave it, pinned cores); imports nothing heavy."""
         return {
             "host": self.host,
@@ -66,7 +109,7 @@ class HostActor:
             port = probe.getsockname()[1]
         return f"{ray.util.get_node_ip_address()}:{port}"
 
-    def join(self, coordinator: str | None, num_processes: int, timeout_s: float) -> dict[str, Any]:
+    def join(self, coordinator: str | None, num_processes: int, timeout_s: float) -> HostInfo:
         """Join the engine's JAX system as process ``rank`` (``coordinator=None``: a single process); returns
         the devices JAX sees."""
         import jax
@@ -80,7 +123,7 @@ class HostActor:
                 initialization_timeout=int(max(timeout_s, 1)),
             )
         local = jax.local_devices()
-        joined = {
+        joined: HostInfo = {
             "rank": self.rank,
             "process_index": jax.process_index(),
             "platform": local[0].platform,
@@ -94,28 +137,35 @@ class HostActor:
             joined["channel"] = self._channel.address
         return joined
 
-    def build(self, spec: Any, peers: dict[int, Any], channels: dict[int, tuple[str, int, str]] | None = None) -> None:
+    def build(
+        self,
+        spec: ExecutionSpec,
+        peers: dict[int, HostActorHandle],
+        channels: dict[int, tuple[str, int, str]] | None = None,
+    ) -> None:
         """Build this host's worker for ``spec``; ``peers`` maps process ranks to actor handles, ``channels`` to
         the address each listens on (:mod:`.channels`)."""
         from torchpar.runtime.ray.channels import PeerLinks
         from torchpar.runtime.worker import make_worker
 
         self._peers = peers
-        self._links = PeerLinks({r: tuple(a) for r, a in (channels or {}).items() if r != self.rank})
+        self._links = PeerLinks(
+            {r: cast("tuple[str, int, str]", tuple(a)) for r, a in (channels or {}).items() if r != self.rank}
+        )
         self.worker = make_worker(spec, self.rank, self._deliver_to_peer)
 
-    def call(self, method: str, *args: Any) -> Any:
+    def call(self, method: str, *args: object) -> object:
         """``worker.method(*args)``."""
         return getattr(self.worker, method)(*args)
 
-    def deliver(self, key: Any, payload: Any) -> None:
+    def deliver(self, key: MessageKey, payload: object) -> None:
         """A stage message from a peer (see :mod:`torchpar.runtime.pipeline.transport`)."""
-        self.worker.deliver(key, payload)
+        cast("PipelineWorker", self.worker).deliver(key, payload)  # only pipeline stages send messages
 
     def ping(self) -> int:
         return self.rank
 
-    def _deliver_to_peer(self, rank: int, key: Any, payload: Any) -> None:
+    def _deliver_to_peer(self, rank: int, key: MessageKey, payload: object) -> None:
         if rank in self._links:
             self._links.send(rank, key, payload)
         else:

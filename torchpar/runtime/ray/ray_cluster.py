@@ -23,7 +23,7 @@ import os
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TypedDict
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +59,16 @@ class RayCluster:
             f"{len(self.hosts)} host(s) × {self.devices_per_host} {self.accelerator.upper()} device(s) on "
             f"{len(nodes)} node(s) {nodes}{' (simulated hosts)' if self.simulated else ''}"
         )
+
+
+class RayNode(TypedDict, total=False):
+    """A ``ray.nodes()`` entry: the fields read here (the liveness flag as ``Alive`` or ``alive``)."""
+
+    NodeID: str
+    NodeManagerAddress: str
+    Alive: bool
+    alive: bool
+    Resources: dict[str, float]
 
 
 _current: RayCluster | None = None
@@ -170,7 +180,7 @@ def _simulated(num_hosts: int, devices_per_host: int, accelerator: str, embedded
 
 
 def _from_nodes(
-    nodes: list[dict[str, Any]], driver_node: str, num_hosts: int | None, devices_per_host: int | None, accelerator: str
+    nodes: list[RayNode], driver_node: str, num_hosts: int | None, devices_per_host: int | None, accelerator: str
 ) -> RayCluster:
     """Hosts from ``ray.nodes()`` entries (see the module docstring)."""
     alive = [n for n in nodes if n.get("Alive") or n.get("alive")]

@@ -22,8 +22,8 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import TYPE_CHECKING, TypeVar, cast
 
 import numpy as np
 import ray
@@ -31,11 +31,16 @@ import ray
 from torchpar.runtime.batch_parts import Ahead
 from torchpar.runtime.devices import DeviceMap
 from torchpar.runtime.executor import Executor, Prepared, R, open_executors
-from torchpar.runtime.ray.host_actor import HostActor, actor_environment
+from torchpar.runtime.ray.host_actor import HostActor, HostActorHandle, HostInfo, actor_environment
 from torchpar.runtime.ray.ray_cluster import RayCluster
 from torchpar.runtime.worker import ExecutionSpec, Worker
 
+if TYPE_CHECKING:
+    from ray.actor import ActorClass, ActorHandle
+
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 RESOURCE_GRACE_S = 5.0
 """How long a start waits for CPUs/GPUs that a just-closed engine is releasing."""
@@ -75,8 +80,8 @@ class RayExecutor(Executor):
         self.cluster = cluster
         self.timeout_s = timeout_s
         self.hosts = [cluster.hosts[h] for h in used]
-        self.actors: list[Any] = []
-        self.infos: list[dict[str, Any]] = []
+        self.actors: list[HostActorHandle] = []
+        self.infos: list[HostInfo] = []
         self._tokens = itertools.count()
         ranks = spec.stage_ranks()
         self.stages_of_rank = {r: [s for s, members in ranks.items() if r in members] for r in range(len(used))}
@@ -96,19 +101,19 @@ class RayExecutor(Executor):
         start = time.perf_counter()
         self._check_resources(len(self.hosts), gpus)
         env = actor_environment(per_host)
-        slots: dict[Any, int] = {}
+        slots: dict[str | None, int] = {}
         on_node = {h.node_id: sum(1 for g in self.hosts if g.node_id == h.node_id) for h in self.hosts}
         for rank, host in enumerate(self.hosts):
             slot = slots.get(host.node_id, 0)
             slots[host.node_id] = slot + 1
-            options: dict[str, Any] = {"num_cpus": 1, "num_gpus": gpus, "runtime_env": {"env_vars": env}}
+            options: dict[str, object] = {"num_cpus": 1, "num_gpus": gpus, "runtime_env": {"env_vars": env}}
             if host.node_id is not None:
                 options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(host.node_id, soft=False)
-            self.actors.append(
-                HostActor.options(**options).remote(
-                    host.index, rank, slot, on_node[host.node_id], cores_per_host if cluster.simulated else None
-                )
+            actor_class = cast("ActorClass[HostActor]", HostActor)  # ray.remote made it one (mypy reads no decorator)
+            actor = actor_class.options(**options).remote(
+                host.index, rank, slot, on_node[host.node_id], cores_per_host if cluster.simulated else None
             )
+            self.actors.append(cast(HostActorHandle, actor))
         self.infos = self._gather(
             {r: a.info.remote() for r, a in enumerate(self.actors)},
             "starting the host actors",
@@ -116,7 +121,7 @@ class RayExecutor(Executor):
             placing=True,
         )
         placed = time.perf_counter()
-        coordinator = None
+        coordinator: str | None = None
         if len(self.actors) > 1:
             coordinator = self._gather(
                 {0: self.actors[0].coordinator_address.remote()}, "choosing the JAX coordinator", self.timeout_s
@@ -188,15 +193,16 @@ class RayExecutor(Executor):
 
     # --- calls --------------------------------------------------------------------------------------------------
 
-    def _call(self, method: Callable[..., R], *args: Any, what: str, timeout_s: float | None = None) -> list[R]:
+    def _call(self, method: Callable[..., R], *args: object, what: str, timeout_s: float | None = None) -> list[R]:
         self._check_open()
         if len(self.actors) > 1:  # one copy in the object store, read by every actor
             args = tuple(ray.put(a) if _is_bulky(a) else a for a in args)
         refs = {rank: actor.call.remote(method.__name__, *args) for rank, actor in enumerate(self.actors)}
-        return self._gather(refs, what, self.timeout_s if timeout_s is None else timeout_s)
+        # each actor's worker ran `method`, which returns an R
+        return cast("list[R]", self._gather(refs, what, self.timeout_s if timeout_s is None else timeout_s))
 
     def _call_ranks(
-        self, method: Callable[..., R], args_by_rank: Any, what: str, timeout_s: float | None = None
+        self, method: Callable[..., R], args_by_rank: Sequence[tuple], what: str, timeout_s: float | None = None
     ) -> list[R]:
         """Each actor its own arguments (its part of a batch): sent to it alone, through the object store (the
         method by name: the wire carries names; :meth:`.host_actor.HostActor.call` looks it up)."""
@@ -205,35 +211,39 @@ class RayExecutor(Executor):
             rank: actor.call.remote(method.__name__, *args)
             for rank, (actor, args) in enumerate(zip(self.actors, args_by_rank))
         }
-        return self._gather(refs, what, self.timeout_s if timeout_s is None else timeout_s)
+        # each actor's worker ran `method`, which returns an R
+        return cast("list[R]", self._gather(refs, what, self.timeout_s if timeout_s is None else timeout_s))
 
     @property
     def num_ranks(self) -> int:
         return len(self.actors)
 
-    def prepare(self, key: Any, leaves: Any) -> Prepared:
+    def prepare(self, key: Hashable, leaves: Sequence[np.ndarray]) -> Prepared:
         """Each actor's part of the batch sent now and, one-stage plans, placed on its devices beside the running
         step (``place_ahead``); a pipeline's parts wait in the object store."""
         payloads = [ray.put(payload) for payload in self.payloads(key, leaves)]
         if self.spec.is_pipeline:
             return Prepared(payloads)
         token = next(self._tokens)
-        pending = {
+        pending: dict[int, object] = {
             rank: actor.call.remote(Worker.place_ahead.__name__, token, key, payload)
             for rank, (actor, payload) in enumerate(zip(self.actors, payloads))
         }
         return Prepared([Ahead(token)] * len(payloads), pending)
 
     def _await_prepared(self, prepared: Prepared) -> None:
-        if prepared.pending:
-            self._gather(prepared.pending, "placing a prefetched batch", self.timeout_s)
+        if prepared.pending:  # the references prepare() made
+            pending = cast("dict[int, ray.ObjectRef[object]]", prepared.pending)
+            self._gather(pending, "placing a prefetched batch", self.timeout_s)
 
-    def _gather(self, refs: dict[int, Any], what: str, timeout_s: float, placing: bool = False) -> list[Any]:
+    def _gather(
+        self, refs: Mapping[int, ray.ObjectRef[T]], what: str, timeout_s: float, placing: bool = False
+    ) -> list[T]:
         """Results of one call per rank, in rank order; the first failure stops every actor and raises."""
         deadline = time.monotonic() + timeout_s
         rank_of = {ref: rank for rank, ref in refs.items()}
         pending = list(refs.values())
-        values: dict[int, Any] = {}
+        values: dict[int, T] = {}
         while pending:
             left = max(deadline - time.monotonic(), 0.0)
             ready, pending = ray.wait(pending, num_returns=1, timeout=min(left, LIVENESS_PERIOD_S))
@@ -336,7 +346,7 @@ class RayExecutor(Executor):
         held_cpus = ray.available_resources().get("CPU", 0) + len(actors)
         for actor in actors:
             try:
-                ray.kill(actor, no_restart=True)
+                ray.kill(cast("ActorHandle[HostActor]", actor), no_restart=True)  # a handle ray made
             except Exception as error:  # already gone
                 log.debug("ray.kill: %s", error)
         _await_death(actors, timeout_s=10.0)
@@ -353,7 +363,7 @@ class RayExecutor(Executor):
         )
 
 
-def _await_death(actors: list[Any], timeout_s: float) -> None:
+def _await_death(actors: list[HostActorHandle], timeout_s: float) -> None:
     """Wait until Ray reports every actor dead, so its resources are free when ``close()`` returns."""
     deadline = time.monotonic() + timeout_s
     alive = list(actors)
@@ -374,7 +384,7 @@ def _await_death(actors: list[Any], timeout_s: float) -> None:
         log.warning("torchpar: %d host actor(s) were not reported dead within %.0fs of ray.kill", len(alive), timeout_s)
 
 
-def _is_bulky(value: Any) -> bool:
+def _is_bulky(value: object) -> bool:
     """Arguments worth one object-store copy for all actors: arrays and containers of them."""
     if isinstance(value, np.ndarray):
         return value.nbytes > 1 << 16
