@@ -29,10 +29,13 @@ import logging
 import sys
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict
 
-from torchpar.methods import CONTEXT_OPTIONS, EXPERTS_OPTIONS, METHOD_NAMES, METHODS, SINGLE_DEVICE
+from torchpar.methods import CONTEXT_OPTIONS, EXPERTS_OPTIONS, METHOD_NAMES, METHODS, SINGLE_DEVICE, Method
 from torchpar.planner.remat import REMAT_CHOICES
+
+if TYPE_CHECKING:
+    import torch
 
 OPTIMIZERS = ("adamw", "adam", "sgd")
 
@@ -207,13 +210,19 @@ def _configure_logging(verbose: int) -> None:
         warnings.filterwarnings("ignore", category=UserWarning, module="torch")
 
 
+class _CostConstants(TypedDict, total=False):
+    """The cost constants the command line sets by hand (``torchpar.init``'s ``**constants``)."""
+
+    device_memory_bytes: int
+
+
 def _init_cluster(args: argparse.Namespace) -> None:
     """``torchpar.init`` for ``--devices``/``--hosts``; must run before JAX is imported."""
     import torchpar
 
     if args.devices < 1 or args.hosts < 1 or args.devices % args.hosts:
         raise ValueError(f"--devices {args.devices} must be a positive multiple of --hosts {args.hosts}")
-    constants = {}
+    constants: _CostConstants = {}
     if getattr(args, "memory_gib", None) is not None:
         if not args.memory_gib > 0:
             raise ValueError(f"--memory-gib must be positive, got {args.memory_gib}")
@@ -237,7 +246,7 @@ def _init_cluster(args: argparse.Namespace) -> None:
         pass
 
 
-def _method(args: argparse.Namespace) -> Any:
+def _method(args: argparse.Namespace) -> Method | None:
     import torchpar
 
     mesh = _mesh(args.mesh)
@@ -254,16 +263,18 @@ def _method(args: argparse.Namespace) -> Any:
         )
     if args.method == SINGLE_DEVICE:
         return None
+    method_class = METHODS[args.method]
+    assert method_class is not None  # single_device alone has no class
     if args.method == "shard":
-        return METHODS[args.method](mesh_shape=mesh, experts=args.experts, context=args.context)
+        return method_class(mesh_shape=mesh, experts=args.experts, context=args.context)
     for flag, value in (("--experts", args.experts), ("--context", args.context)):
         if value != "auto":
             raise ValueError(f"{flag} applies to shard and pipeshard, not {args.method}")
     if args.method == "megatron":
-        return METHODS[args.method](mesh_shape=mesh, sequence_parallel=args.sequence_parallel)
+        return method_class(mesh_shape=mesh, sequence_parallel=args.sequence_parallel)
     if args.sequence_parallel:
         raise ValueError(f"--sequence-parallel applies to megatron, not {args.method}")
-    return METHODS[args.method](mesh_shape=mesh)
+    return method_class(mesh_shape=mesh)
 
 
 def _micro_batches(text: str) -> int | str:
@@ -288,7 +299,7 @@ def _mesh(text: str | None) -> tuple[int, ...] | None:
     return tuple(int(p) for p in parts)
 
 
-def _build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
+def _build(args: argparse.Namespace) -> tuple[torch.nn.Module, torch.optim.Optimizer, object]:
     """``(model, optimizer, batch)`` from a zoo family or from a file's ``build()``."""
     import torch
 
@@ -305,6 +316,7 @@ def _build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
                 "(with torch.device('meta'): ...)"
             )
         spec = importlib.util.spec_from_file_location(f"_torchpar_model_{path.stem}", path)
+        assert spec is not None and spec.loader is not None  # a .py file: Python's source loader
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         if not callable(getattr(module, "build", None)):
@@ -325,7 +337,7 @@ def _build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     return model, make_optimizer(args.optimizer, model.parameters(), lr), batch
 
 
-def _build_with_progress(args: argparse.Namespace) -> tuple[Any, Any, Any]:
+def _build_with_progress(args: argparse.Namespace) -> tuple[torch.nn.Module, torch.optim.Optimizer, object]:
     """:func:`_build` under a progress bar (importing torch and transformers and building the model take seconds)."""
     from torchpar.progress import CompilePhases
 

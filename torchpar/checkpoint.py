@@ -54,12 +54,21 @@ import time
 import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from torchpar.engine.host_arrays import host_array, host_copy, host_tensor, to_torch
+
+if TYPE_CHECKING:
+    import jax
+
+    from torchpar.capture.optimizer import TorchOptimizerBridge
+    from torchpar.planner.plan import Plan
+    from torchpar.runtime.executor import Executor
+    from torchpar.runtime.loss_scale import LossScaler
+    from torchpar.runtime.state import HostState
 
 log = logging.getLogger(__name__)
 
@@ -81,22 +90,22 @@ class TrainingState:
     optimizer they belong to, and the run's position. The engine builds one per call; restoring replaces
     ``steps_taken`` and ``base_key`` here, and the engine takes them back."""
 
-    executor: Any
+    executor: Executor
     """The :class:`~torchpar.runtime.executor.Executor` holding parameters, buffers and optimizer state."""
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     params: Mapping[str, torch.Tensor]
     """The model's parameters by name (a tied tensor under its first name)."""
     buffers: Mapping[str, torch.Tensor]
-    bridge: Any
+    bridge: TorchOptimizerBridge
     """The :class:`~torchpar.capture.optimizer.TorchOptimizerBridge`: the optimizer's spec and step counters."""
-    plan: Any
+    plan: Plan
     seed: int
     """``compile(seed=...)``."""
-    loss_scaler: Any
+    loss_scaler: LossScaler | None
     """The fp16 :class:`~torchpar.runtime.loss_scale.LossScaler`, else ``None``."""
     steps_taken: int
-    base_key: Any
+    base_key: jax.Array
     """The PRNG key each step's key is folded from."""
     translating_failures: Callable[[str], contextlib.AbstractContextManager[None]]
     """Turns a worker's failure while doing ``what`` into the engine's error."""
@@ -110,7 +119,9 @@ class TrainingState:
 # --- between the torch objects and the executor --------------------------------------------------------------
 
 
-def torch_state(params: Mapping[str, torch.Tensor], buffers: Mapping[str, torch.Tensor], bridge: Any) -> Any:
+def torch_state(
+    params: Mapping[str, torch.Tensor], buffers: Mapping[str, torch.Tensor], bridge: TorchOptimizerBridge
+) -> HostState:
     """The torch model's parameters and buffers and the optimizer's state (``bridge``: its
     :class:`~torchpar.capture.optimizer.TorchOptimizerBridge`) as a :class:`~torchpar.runtime.state.HostState`, for the
     executor to start from."""
@@ -138,7 +149,7 @@ def sync_to_torch(training: TrainingState, trained: Callable[[], set[str]]) -> N
 # --- in memory (engine.state_dict / engine.load_state_dict) ----------------------------------------------------
 
 
-def state_dict(training: TrainingState) -> dict[str, Any]:
+def state_dict(training: TrainingState) -> dict[str, object]:
     """``engine.state_dict()``: the executor's state gathered to this process as CPU torch tensors (parameters and
     buffers in the model's dtypes), the optimizer's counters, the step count, the seed and the fp16 loss scaler's
     state (when there is one)."""
@@ -154,7 +165,7 @@ def state_dict(training: TrainingState) -> dict[str, Any]:
     }
 
 
-def load_state_dict(training: TrainingState, state: dict[str, Any]) -> None:
+def load_state_dict(training: TrainingState, state: Mapping[str, Any]) -> None:
     """``engine.load_state_dict(state)``: check ``state`` against the model and optimizer, load its arrays into the
     executor, its counters into the optimizer bridge and the loss scaler, and its step count and seed (a PRNG key
     made from it, if it differs from this engine's) into ``training``."""
@@ -192,7 +203,9 @@ def load_state_dict(training: TrainingState, state: dict[str, Any]) -> None:
 # --- save -------------------------------------------------------------------------------------------------------
 
 
-def save(training: TrainingState, path: str | os.PathLike, *, scheduler: Any = None) -> Path:
+def save(
+    training: TrainingState, path: str | os.PathLike, *, scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+) -> Path:
     """Write the engine's training state as a sharded checkpoint at ``path`` (see the module docstring); returns the
     path. ``scheduler``: a torch LR scheduler whose state is saved too."""
     target = Path(path).absolute()
@@ -230,7 +243,7 @@ def save(training: TrainingState, path: str | os.PathLike, *, scheduler: Any = N
     return target
 
 
-def _host_state(training: TrainingState, scheduler: Any) -> dict[str, Any]:
+def _host_state(training: TrainingState, scheduler: torch.optim.lr_scheduler.LRScheduler | None) -> dict[str, Any]:
     """What the index holds beside the shards: counters, hyper-parameters, PRNG, loss scale, scheduler, and the
     model's names and torch dtypes (for loading into torch without an engine)."""
     import jax
@@ -272,7 +285,7 @@ def _host_state(training: TrainingState, scheduler: Any) -> dict[str, Any]:
     }
 
 
-def _plain(value: Any) -> Any:
+def _plain(value: object) -> object:
     """``value`` as JSON data (tensors as numbers or lists, tuples as lists)."""
     if isinstance(value, torch.Tensor):
         return value.tolist()
@@ -326,7 +339,7 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _check_files(directory: Path, files: dict[str, Any]) -> None:
+def _check_files(directory: Path, files: Mapping[str, Mapping[str, object]]) -> None:
     """Every shard file the writers reported is there with its size (on a shared file system: visible here)."""
     for name, info in files.items():
         path = directory / name
@@ -340,7 +353,7 @@ def _check_files(directory: Path, files: dict[str, Any]) -> None:
             )
 
 
-def _write_json_durably(path: Path, data: dict[str, Any]) -> None:
+def _write_json_durably(path: Path, data: Mapping[str, object]) -> None:
     partial = path.with_name(path.name + ".partial")
     with open(partial, "w") as f:
         json.dump(data, f, indent=1)
@@ -429,7 +442,9 @@ def read_index(path: str | os.PathLike) -> dict[str, Any]:
     return index
 
 
-def load(training: TrainingState, path: str | os.PathLike, *, scheduler: Any = None) -> dict[str, Any]:
+def load(
+    training: TrainingState, path: str | os.PathLike, *, scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+) -> dict[str, Any]:
     """Restore the engine's training state from the checkpoint at ``path``, resharded to the engine's plan (see the
     module docstring); ``scheduler``: a torch LR scheduler to restore too. The step count and PRNG key go into
     ``training``. Returns the checkpoint's index, with ``"bytes_read"``: the shard bytes each worker read, in rank
@@ -454,7 +469,10 @@ def load(training: TrainingState, path: str | os.PathLike, *, scheduler: Any = N
     training.steps_taken = int(index["steps_taken"])
     training.data_cursor = index.get("data")
     prng = index["prng"]
-    training.base_key = jax.random.wrap_key_data(np.asarray(prng["base_key_data"], dtype=np.uint32), impl=prng["impl"])
+    training.base_key = jax.random.wrap_key_data(
+        np.asarray(prng["base_key_data"], dtype=np.uint32),  # type: ignore[arg-type]  # jax says Array; any array works
+        impl=prng["impl"],
+    )
     if prng["seed"] != training.seed:
         log.info(
             "torchpar: checkpoint seed %s differs from this engine's seed %s; its PRNG stream continues",
@@ -574,13 +592,14 @@ def export_torch_state_dict(training: TrainingState) -> dict[str, torch.Tensor]:
     return out
 
 
-def save_pretrained(training: TrainingState, directory: str | os.PathLike, **kwargs: Any) -> None:
+def save_pretrained(training: TrainingState, directory: str | os.PathLike, **kwargs: object) -> None:
     """``model.save_pretrained(directory, **kwargs)`` with the engine's current weights: the parameters and buffers
     are copied into the torch model first (as :meth:`Engine.sync_to_torch` does, without the optimizer state), then
     HuggingFace writes ``config.json`` and ``model.safetensors``. The driver holds the torch model anyway; this adds
     one transient copy of the weights while they are gathered."""
     model = training.model
-    if not callable(getattr(model, "save_pretrained", None)):
+    save = getattr(model, "save_pretrained", None)
+    if not callable(save):
         raise TypeError(
             f"{type(model).__name__} has no save_pretrained (not a HuggingFace PreTrainedModel): use "
             "engine.export_torch_state_dict() and torch.save or safetensors.torch.save_file"
@@ -588,4 +607,4 @@ def save_pretrained(training: TrainingState, directory: str | os.PathLike, **kwa
     state = export_torch_state_dict(training)
     with torch.no_grad():
         model.load_state_dict(state)
-    model.save_pretrained(directory, **kwargs)
+    save(directory, **kwargs)

@@ -12,6 +12,7 @@ import logging
 import os
 import re
 import sys
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -126,7 +127,7 @@ _compile_cache_set = False  # init (or default_compile_cache) decided the compil
 _COST_FIELDS = ("device_flops", "device_memory_bytes", "alpha", "beta", "inter_host_alpha", "inter_host_beta")
 
 
-def _check_constants(preset_name: str | None, constants: dict[str, Any]) -> None:
+def _check_constants(preset_name: str | None, constants: Mapping[str, object]) -> None:
     unknown = sorted(set(constants) - set(_COST_FIELDS))
     if unknown:
         raise TypeError(

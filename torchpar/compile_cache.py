@@ -92,7 +92,7 @@ def enable(directory: str | None = None) -> str | None:
     import jax
 
     _listen()
-    current = jax.config.jax_compilation_cache_dir
+    current = jax.config.jax_compilation_cache_dir  # type: ignore[attr-defined]  # jax sets its flags at run time
     if current and current != _ours:
         if directory is not None and os.path.abspath(directory) != os.path.abspath(current):
             log.warning(
@@ -133,7 +133,7 @@ def disable() -> None:
         return
     import jax
 
-    if jax.config.jax_compilation_cache_dir == _ours:
+    if jax.config.jax_compilation_cache_dir == _ours:  # type: ignore[attr-defined]  # jax sets its flags at run time
         jax.config.update("jax_compilation_cache_dir", None)
         log.info("torchpar: XLA compilation cache off (it was %s)", _ours)
     _set_ours(None)
@@ -145,7 +145,7 @@ def cache_dir() -> str | None:
         return os.environ.get("JAX_COMPILATION_CACHE_DIR") or None
     import jax
 
-    return jax.config.jax_compilation_cache_dir or None
+    return jax.config.jax_compilation_cache_dir or None  # type: ignore[attr-defined]  # jax sets its flags at run time
 
 
 def environment() -> dict[str, str]:
@@ -155,13 +155,17 @@ def environment() -> dict[str, str]:
         return {name: value for name, value in os.environ.items() if name in JAX_VARIABLES}
     import jax
 
-    directory = jax.config.jax_compilation_cache_dir
+    directory = jax.config.jax_compilation_cache_dir  # type: ignore[attr-defined]  # jax sets its flags at run time
     if not directory:
         return {}
     return {
         "JAX_COMPILATION_CACHE_DIR": directory,
-        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": repr(jax.config.jax_persistent_cache_min_compile_time_secs),
-        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": str(jax.config.jax_persistent_cache_min_entry_size_bytes),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": repr(
+            jax.config.jax_persistent_cache_min_compile_time_secs  # type: ignore[attr-defined]  # a run-time flag
+        ),
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": str(
+            jax.config.jax_persistent_cache_min_entry_size_bytes  # type: ignore[attr-defined]  # a run-time flag
+        ),
     }
 
 

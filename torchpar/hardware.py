@@ -69,6 +69,7 @@ def _gpu(
 ) -> HardwarePreset:
     peak_flops = dict(zip(("fp32", "tf32", "bf16", "fp16"), peaks, strict=True))
     training = peak_flops["bf16"] or peak_flops["fp16"]
+    assert training is not None  # every GPU preset has bf16 or fp16 units
     return HardwarePreset(
         name=name,
         description=description,

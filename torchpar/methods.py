@@ -8,7 +8,7 @@ used alike by ``Plan.method`` in the JSON and by ``python -m torchpar --method``
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import ClassVar, Literal
 
 SINGLE_DEVICE = "single_device"
 """The name of ``method=None``: everything on one device."""
@@ -292,13 +292,13 @@ def _check_micro_batches(num_micro_batches: int, alternative: str = "") -> None:
         raise ValueError(f"num_micro_batches must be an int ≥ 1{also}, got {num_micro_batches!r}")
 
 
-def searches_micro_batches(method: Any) -> bool:
+def searches_micro_batches(method: object) -> bool:
     """Whether ``method`` leaves its micro-batch count to the planner
     (``PipeshardParallel(num_micro_batches="auto")``)."""
     return isinstance(method, PipeshardParallel) and method.num_micro_batches == "auto"
 
 
-def data_replicas(method: Any) -> int:
+def data_replicas(method: object) -> int:
     """The data replicas a method asks for: the first int of a three-int ``mesh_shape``; a saved one-stage plan's
     ``stages[0].data_replicas``; else 1."""
     stages = getattr(method, "stages", None)

@@ -33,10 +33,16 @@ import dataclasses
 import logging
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torchpar.ir.graph import Graph
 from torchpar.units import format_bytes, format_flops, format_seconds
+
+if TYPE_CHECKING:
+    import torch
+
+    from torchpar.hardware import ClusterSpec
+    from torchpar.planner.plan import Plan
 
 log = logging.getLogger(__name__)
 
@@ -124,14 +130,14 @@ def model_flops_per_step(graph: Graph, num_micro_batches: int = 1) -> float:
     return (1.0 + BACKWARD_FACTOR) * forward_matmul_flops(graph) * num_micro_batches
 
 
-def count_tokens(batch: Any) -> int | None:
+def count_tokens(batch: object) -> int | None:
     """Token ids in ``batch``: the number of elements of ``batch["input_ids"]`` for a dict batch holding it, else
     of the first 2-D integer tensor among the batch's leaves (in the order they flatten: a tuple's first entry
     first); ``None`` if there is no such tensor. Padding counts (the rate is of positions computed)."""
     import torch
     import torch.utils._pytree as pytree
 
-    def is_ids(value: Any) -> bool:
+    def is_ids(value: object) -> bool:
         return (
             isinstance(value, torch.Tensor)
             and value.dim() == 2
@@ -164,7 +170,7 @@ def step_precision(mixed_precision: str | None, matmul_precision: str, param_dty
     return _MATMUL_PRECISION_NAMES[matmul_precision]
 
 
-def peak_flops_per_device(cluster: Any, precision: str) -> float | None:
+def peak_flops_per_device(cluster: ClusterSpec, precision: str) -> float | None:
     """One device's dense peak FLOP/s at ``precision``: the cluster preset's ``peak_flops[precision]`` (its fp32
     peak where it has no units for ``precision``), or ``cluster.device_flops`` when it was set by hand (with or
     without a preset); ``None`` when neither says: no preset and the nominal default ``device_flops``."""
@@ -233,7 +239,9 @@ def step_metrics(
     )
 
 
-def measured_figures(plan: Any, memory_stats: Mapping[int, Mapping[str, int]], last_step_s: float | None) -> dict:
+def measured_figures(
+    plan: Plan, memory_stats: Mapping[int, dict[str, int]], last_step_s: float | None
+) -> dict[str, object]:
     """What an engine measured, in the form the plan report shows beside its estimates: ``{"step_s": wall seconds
     of the last step (None before one), "memory_bytes": {stage: per-device bytes of the stage's executables by
     XLA's memory analysis}}``. Each stage's figure is also recorded in ``plan`` (``StagePlan.compiled_memory_bytes``),
@@ -247,7 +255,9 @@ def measured_figures(plan: Any, memory_stats: Mapping[int, Mapping[str, int]], l
     return {"step_s": last_step_s, "memory_bytes": memory}
 
 
-def save_report(plan: Any, path: str, measured: dict[str, Any], timeline: Any, model: Any, **options: Any) -> Any:
+def save_report(
+    plan: Plan, path: str, measured: dict[str, object], timeline: object, model: torch.nn.Module, **options: object
+) -> object:
     """``engine.save_report``: the plan's HTML report (``Plan.save_html``) with what the engine measured beside the
     estimates — the last step's wall time, each stage's memory (``engine.measured()``) and, for pipelines, the last
     step's timeline; ``options`` go to ``save_html`` (``param_shapes`` defaults to the model's, ``title``, ...)."""
@@ -318,8 +328,9 @@ class MetricsSource:
     num_micro_batches: int
     precision: str
     """:func:`step_precision`."""
-    cluster: Any
-    plan: Any
+    cluster: ClusterSpec
+    plan: Plan
+
     """The engine's :class:`~torchpar.planner.plan.Plan` (its stages' devices, its compile timings)."""
     memory_stats: Callable[[], dict[int, dict[str, int]]]
     """``engine.memory_stats``: XLA's memory analysis of each stage."""
@@ -348,9 +359,13 @@ class StepRecorder:
         self._facts = facts
         self._metrics = None
         if self._log_every and facts.step % self._log_every == 0:
-            _announce(f"torchpar: {format_line(read())}")
+            metrics = read()
+            assert metrics is not None  # a step was just recorded
+            _announce(f"torchpar: {format_line(metrics)}")
         if self._on_metrics is not None:
-            self._on_metrics(read())
+            metrics = read()
+            assert metrics is not None  # a step was just recorded
+            self._on_metrics(metrics)
 
     def last(self, source: Callable[[], MetricsSource]) -> StepMetrics | None:
         """The last recorded step's metrics (``source()`` is read once, when they are first derived); ``None``

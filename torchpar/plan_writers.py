@@ -9,9 +9,8 @@ imported on first use); Python runs it before any ``torchpar.…`` module, so th
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
-Writer = Callable[..., Any]
+Writer = Callable[..., object]
 """``writer(plan, path, **options)``: writes one report of ``plan`` to ``path``."""
 
 _writers: dict[str, Writer] = {}

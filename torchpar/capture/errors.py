@@ -17,7 +17,8 @@ import os
 import re
 import sysconfig
 import traceback
-from collections.abc import Iterator, Mapping
+import types
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -77,7 +78,9 @@ _MAX_NAMES = 8
 # translate_export_error
 
 
-def translate_export_error(error: BaseException, model: torch.nn.Module, *, batch: Any = None) -> CaptureError | None:
+def translate_export_error(
+    error: BaseException, model: torch.nn.Module, *, batch: object = None
+) -> CaptureError | None:
     """A :class:`CaptureError` explaining ``error`` (raised by ``torch.export.export`` on ``model``), or ``None``
     when ``error`` is not an export problem and must propagate unchanged.
 
@@ -317,7 +320,7 @@ def parameter_write_error(exported: ExportedProgram, model: torch.nn.Module) -> 
     return None
 
 
-def _op_name(target: Any) -> str:
+def _op_name(target: object) -> str:
     """``aten.nonzero.default`` for an ATen overload, else the target's name."""
     if isinstance(target, torch._ops.OpOverload):
         return f"{target.namespace}.{target._opname}.{target._overloadname}"
@@ -334,7 +337,7 @@ def _symbols(tensor: torch.Tensor) -> str:
 # forward called with arguments it does not take
 
 
-def _call_signature_error(error: BaseException, model: torch.nn.Module, batch: Any) -> CaptureError | None:
+def _call_signature_error(error: BaseException, model: torch.nn.Module, batch: object) -> CaptureError | None:
     """A :class:`CaptureError` if ``error`` is the TypeError of calling ``model.forward`` itself with the
     batch's arguments (missing / unexpected / too many); ``None`` for any other error, including TypeErrors
     raised inside forward."""
@@ -345,7 +348,9 @@ def _call_signature_error(error: BaseException, model: torch.nn.Module, batch: A
     code = getattr(getattr(forward, "__func__", forward), "__code__", None)
     if _raised_inside(error, code):
         return None
+    assert forward is not None  # it has a __qualname__
     problem = str(error).removeprefix(f"{qualname}() ").strip()
+
     names = re.findall(r"'([^']+)'", problem)
     return CaptureError(
         f"{qualname}() {_describe_problem(problem, names)}: {_calling_convention(batch)}\n"
@@ -354,7 +359,7 @@ def _call_signature_error(error: BaseException, model: torch.nn.Module, batch: A
     )
 
 
-def _plain_signature(forward: Any) -> str:
+def _plain_signature(forward: Callable[..., object]) -> str:
     """``forward(input_ids, labels=None)``: the parameters without annotations; ``forward(...)`` if unknown."""
     try:
         signature = inspect.signature(forward)
@@ -364,7 +369,7 @@ def _plain_signature(forward: Any) -> str:
     return f"forward{signature.replace(parameters=parameters, return_annotation=signature.empty)}"
 
 
-def _raised_inside(error: BaseException, code: Any) -> bool:
+def _raised_inside(error: BaseException, code: types.CodeType | None) -> bool:
     """Whether a frame of ``error``'s traceback runs ``code`` (the error was raised inside that function)."""
     tb = error.__traceback__
     while tb is not None:
@@ -385,7 +390,7 @@ def _describe_problem(problem: str, names: list[str]) -> str:
     return problem
 
 
-def _calling_convention(batch: Any) -> str:
+def _calling_convention(batch: object) -> str:
     """How torchpar calls the model with ``batch``, and what the batch holds."""
     if isinstance(batch, Mapping):
         return f"the batch keys are passed as model(**batch), and this batch has the keys {_quoted(list(batch))}"
@@ -396,7 +401,7 @@ def _calling_convention(batch: Any) -> str:
     return "the batch keys are passed as model(**batch) (a tuple or list batch as model(*batch))"
 
 
-def _signature_fix(problem: str, names: list[str], forward: Any, batch: Any) -> str:
+def _signature_fix(problem: str, names: list[str], forward: Callable[..., object], batch: object) -> str:
     """What to change in the batch or in forward so that the call fits."""
     missing, extra = _signature_mismatch(forward, batch)
     if problem.startswith("missing"):
@@ -429,7 +434,7 @@ def _signature_fix(problem: str, names: list[str], forward: Any, batch: Any) -> 
     return "; ".join(fixes) + "."
 
 
-def _signature_mismatch(forward: Any, batch: Any) -> tuple[list[str], list[str]]:
+def _signature_mismatch(forward: Callable[..., object], batch: object) -> tuple[list[str], list[str]]:
     """For a dict batch: forward's required parameters the batch lacks, and the batch keys forward does not
     take; two empty lists when the batch is not a dict or the signature is unknown."""
     if not isinstance(batch, Mapping):
@@ -449,7 +454,7 @@ def _signature_mismatch(forward: Any, batch: Any) -> tuple[list[str], list[str]]
 # describe_batch_mismatch
 
 
-def describe_batch_mismatch(expected: Any, got: Any) -> str:
+def describe_batch_mismatch(expected: object, got: object) -> str:
     """One sentence saying how batch ``got`` differs from the example batch ``expected``: missing and extra
     keys (``renamed? 'x' → 'y'`` when exactly one is missing and one is new), a different number of entries,
     a different container type, a different tensor shape or dtype; nested entries are named by their path
@@ -512,7 +517,7 @@ def _mapping_differences(path: str, expected: Mapping, got: Mapping) -> Iterator
             yield from _differences(f"{path}[{key!r}]", expected[key], got[key])
 
 
-def _category(value: Any) -> str:
+def _category(value: object) -> str:
     """``mapping``, ``sequence`` (tuple or list), ``tensor`` or ``other``."""
     if isinstance(value, Mapping):
         return "mapping"
@@ -523,7 +528,7 @@ def _category(value: Any) -> str:
     return "other"
 
 
-def _kind_name(value: Any) -> str:
+def _kind_name(value: object) -> str:
     """``a dict``, ``a tuple``, ``a tensor``, ``an int``: the value's type with an article."""
     return _with_article("tensor" if isinstance(value, torch.Tensor) else type(value).__name__)
 
@@ -542,7 +547,7 @@ def _entries(count: int) -> str:
     return f"{count} entr{'y' if count == 1 else 'ies'}"
 
 
-def _quoted(names: list[Any]) -> str:
+def _quoted(names: Sequence[object]) -> str:
     """``'a', 'b' and 'c'`` (at most ``_MAX_NAMES`` names, then ``and N more``)."""
     shown = [repr(n) if isinstance(n, str) else str(n) for n in names[:_MAX_NAMES]]
     if not shown:

@@ -21,7 +21,7 @@ import dataclasses
 import inspect
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -61,10 +61,10 @@ from torchpar.ir.graph import Graph, TensorMeta
 log = logging.getLogger(__name__)
 
 LossFn = Callable[[Any, Any], torch.Tensor]
-StepFn = Callable[[torch.nn.Module, Any], Any]
+StepFn = Callable[[torch.nn.Module, Any], object]
 """``step_fn(model, batch) -> loss | (loss, aux)``: calls the model as it likes (``compile(step_fn=...)``); ``loss`` a
 scalar tensor, ``aux`` a ``dict[str, torch.Tensor]`` the step returns beside the loss."""
-ForwardFn = Callable[[torch.nn.Module, Any], Any]
+ForwardFn = Callable[[torch.nn.Module, Any], object]
 """``forward_fn(model, batch) -> outputs``: the eval forward's call of the model (``compile(forward_fn=...)``)."""
 
 
@@ -91,7 +91,7 @@ class Capture:
     aux_keys: tuple[str, ...] | None = None
 
 
-def batch_to_call_args(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def batch_to_call_args(batch: object) -> tuple[tuple[object, ...], dict[str, object]]:
     """The calling convention: dict → ``model(**batch)``, tuple/list → ``model(*batch)``, else
     ``model(batch)``."""
     if isinstance(batch, dict):
@@ -101,7 +101,7 @@ def batch_to_call_args(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
     return (batch,), {}
 
 
-def call_args_to_batch(batch_type: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def call_args_to_batch(batch_type: type, args: tuple[Any, ...], kwargs: dict[str, object]) -> object:
     """Inverse of :func:`batch_to_call_args`, for handing the batch to a ``loss_fn``."""
     if issubclass(batch_type, dict):
         return kwargs
@@ -112,7 +112,7 @@ def call_args_to_batch(batch_type: type, args: tuple[Any, ...], kwargs: dict[str
     return args[0]
 
 
-def select_loss(outputs: Any, batch: Any, loss_fn: LossFn | None) -> torch.Tensor:
+def select_loss(outputs: Any, batch: object, loss_fn: LossFn | None) -> torch.Tensor:
     """The training loss: ``loss_fn(outputs, batch)`` if given, else a scalar output, else
     ``outputs.loss`` / ``outputs["loss"]``."""
     if loss_fn is not None:
@@ -154,7 +154,7 @@ def check_model_fns(loss_fn: LossFn | None, step_fn: StepFn | None, forward_fn: 
             check_model_fn(fn, name)
 
 
-def check_model_fn(fn: Any, name: str) -> None:
+def check_model_fn(fn: object, name: str) -> None:
     """A ``TypeError`` unless ``fn`` is a callable taking exactly ``(model, batch)`` (checked with
     :func:`inspect.signature`, before anything is traced); ``name`` is the keyword it was given as."""
     if not callable(fn):
@@ -173,7 +173,7 @@ def check_model_fn(fn: Any, name: str) -> None:
         ) from None
 
 
-def _scalar_loss(loss: Any, name: str) -> torch.Tensor:
+def _scalar_loss(loss: object, name: str) -> torch.Tensor:
     """``loss`` if it is a scalar tensor, else an error saying what ``name`` returned instead."""
     if not isinstance(loss, torch.Tensor):
         raise TypeError(f"{name} must return the loss as a scalar torch.Tensor, got a {type(loss).__name__}")
@@ -185,7 +185,7 @@ def _scalar_loss(loss: Any, name: str) -> torch.Tensor:
     return loss
 
 
-def split_step_result(result: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
+def split_step_result(result: object) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
     """``(loss, aux)`` of what a ``step_fn`` returned: a scalar loss (``aux`` ``None``), or a pair ``(loss, aux)``
     with ``aux`` a dict of tensors keyed by strings. Anything else is a ``TypeError`` / ``ValueError`` naming what was
     returned."""
@@ -209,10 +209,10 @@ def split_step_result(result: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor
     return loss, dict(aux)
 
 
-def _describe(values: Any) -> str:
+def _describe(values: Iterable[object]) -> str:
     """``"(Tensor[], dict, int)"``: the types of ``values``, a tensor with its shape, for error messages."""
 
-    def one(value: Any) -> str:
+    def one(value: object) -> str:
         return f"Tensor{list(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
 
     return "(" + ", ".join(one(v) for v in values) + ")"
@@ -230,7 +230,7 @@ class _StepFnModule(torch.nn.Module):
         self._batch_type = batch_type
         self._step_fn = step_fn
 
-    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor | tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def forward(self, *args: object, **kwargs: object) -> torch.Tensor | tuple[torch.Tensor, dict[str, torch.Tensor]]:
         loss, aux = split_step_result(self._step_fn(self.model, call_args_to_batch(self._batch_type, args, kwargs)))
         return loss if aux is None else (loss, aux)
 
@@ -253,7 +253,7 @@ class _ForwardFnModule(torch.nn.Module):
         self._batch_type = batch_type
         self._forward_fn = forward_fn
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
+    def forward(self, *args: object, **kwargs: object) -> object:
         return self._forward_fn(self.model, call_args_to_batch(self._batch_type, args, kwargs))
 
 
@@ -266,7 +266,7 @@ class _LossModule(torch.nn.Module):
         self._batch_type = batch_type
         self._loss_fn = loss_fn
 
-    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def forward(self, *args: object, **kwargs: object) -> torch.Tensor:
         outputs = self.model(*args, **kwargs)
         return select_loss(outputs, call_args_to_batch(self._batch_type, args, kwargs), self._loss_fn)
 
@@ -278,13 +278,13 @@ class _ForwardModule(torch.nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
+    def forward(self, *args: object, **kwargs: object) -> object:
         return self.model(*args, **kwargs)
 
 
 def capture_train_step(
     model: torch.nn.Module,
-    batch: Any,
+    batch: object,
     loss_fn: LossFn | None = None,
     *,
     autocast: torch.dtype | None = None,
@@ -327,7 +327,7 @@ def capture_train_step(
 
 def capture_forward(
     model: torch.nn.Module,
-    batch: Any,
+    batch: object,
     *,
     autocast: torch.dtype | None = None,
     forward_fn: ForwardFn | None = None,
@@ -342,6 +342,7 @@ def capture_forward(
     config = getattr(model, "config", None)
     use_cache = getattr(config, "use_cache", None)
     if use_cache:
+        assert config is not None  # use_cache was read from it
         config.use_cache = False
     try:
         wrapper = _ForwardModule(model) if forward_fn is None else _ForwardFnModule(model, type(batch), forward_fn)
@@ -357,13 +358,14 @@ def capture_forward(
         )
     finally:
         if use_cache:
+            assert config is not None  # use_cache was read from it
             config.use_cache = use_cache
 
 
 def _capture(
     wrapper: torch.nn.Module,
     model: torch.nn.Module,
-    batch: Any,
+    batch: object,
     *,
     training: bool,
     autocast: torch.dtype | None = None,
@@ -420,7 +422,7 @@ def _capture(
 def _capture_whole(
     wrapper: torch.nn.Module,
     model: torch.nn.Module,
-    batch: Any,
+    batch: object,
     *,
     training: bool,
     autocast: torch.dtype | None = None,
@@ -533,13 +535,13 @@ def _capture_whole(
     )
 
 
-def _unaliased(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def _unaliased(args: tuple[object, ...], kwargs: dict[str, object]) -> tuple[tuple[object, ...], dict[str, object]]:
     """The call arguments with every repeated tensor object (``{"input_ids": ids, "labels": ids}``) cloned:
     torch.export would make one graph input of both, and a later batch whose two entries differ would feed
     one of them to both uses."""
     seen: set[int] = set()
 
-    def distinct(leaf: Any) -> Any:
+    def distinct(leaf: object) -> object:
         if not isinstance(leaf, torch.Tensor):
             return leaf
         if id(leaf) in seen:
@@ -552,10 +554,10 @@ def _unaliased(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any
 
 def _export(
     wrapper: torch.nn.Module,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
+    args: tuple[object, ...],
+    kwargs: dict[str, object],
     model: torch.nn.Module,
-    batch: Any,
+    batch: object,
     *,
     own_call: bool = False,
 ) -> ExportedProgram:
@@ -591,6 +593,6 @@ def _export(
     return exported
 
 
-def _leaf_paths(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[str]:
+def _leaf_paths(args: tuple[object, ...], kwargs: dict[str, object]) -> list[str]:
     paths, _ = pytree.tree_flatten_with_path((args, kwargs))
     return [pytree.keystr(path[1:]) for path, _ in paths]

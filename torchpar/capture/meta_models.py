@@ -32,8 +32,8 @@ def on_meta_device(model: torch.nn.Module) -> bool:
 
 @contextlib.contextmanager
 def as_fake_cpu(
-    model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> Iterator[tuple[tuple[Any, ...], dict[str, Any]]]:
+    model: torch.nn.Module, args: tuple[object, ...], kwargs: dict[str, object]
+) -> Iterator[tuple[tuple[object, ...], dict[str, object]]]:
     """Inside: ``model``'s meta parameters and buffers are fake CPU tensors (same shapes, dtypes and
     ``requires_grad``; tied parameters stay one object), and the call arguments yielded are the batch's tensors
     as fake CPU tensors. On exit every module holds its original meta tensors again."""
@@ -43,7 +43,7 @@ def as_fake_cpu(
     def fake(tensor: torch.Tensor) -> torch.Tensor:
         if id(tensor) not in swapped:
             meta = tensor if tensor.device.type == "meta" else tensor.to("meta")
-            stand_in = FakeTensor(mode, meta.detach(), torch.device("cpu"))
+            stand_in: torch.Tensor = FakeTensor(mode, meta.detach(), torch.device("cpu"))
             if isinstance(tensor, torch.nn.Parameter):
                 stand_in = torch.nn.Parameter(stand_in, requires_grad=tensor.requires_grad)
             swapped[id(tensor)] = stand_in
@@ -51,7 +51,8 @@ def as_fake_cpu(
 
     originals: list[tuple[dict[str, Any], str, torch.Tensor]] = []
     for module in model.modules():
-        for table in (module._parameters, module._buffers):
+        tables: tuple[dict[str, Any], ...] = (module._parameters, module._buffers)
+        for table in tables:
             for name, tensor in list(table.items()):
                 if tensor is not None:
                     originals.append((table, name, tensor))

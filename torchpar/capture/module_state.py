@@ -32,6 +32,7 @@ import dataclasses
 import enum
 import os
 import sys
+import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -63,7 +64,7 @@ class AttributeRead:
     """Where the module is, for messages: its ``named_modules()`` name in the model (``""``: the model itself), or
     ``external<i>.<name>`` for a module outside it (:func:`outside_modules`)."""
     name: str
-    value: Any
+    value: object
     source: str
     """``file:line: code`` of the first read."""
 
@@ -84,7 +85,7 @@ class ModuleAccess:
     """``path.name`` of each buffer ``forward`` reassigned (carried out as an in-place copy)."""
 
 
-def is_plain(value: Any) -> bool:
+def is_plain(value: object) -> bool:
     """Whether ``value`` is a Python value a guard compares by ``==`` (module docstring)."""
     if value is None or isinstance(value, (bool, int, float, str, enum.Enum)):
         return True
@@ -110,7 +111,7 @@ class _Recorder:
     def path(self, module: torch.nn.Module) -> str:
         return self.paths.get(id(module), type(module).__name__)
 
-    def read(self, module: torch.nn.Module, name: str, value: Any) -> None:
+    def read(self, module: torch.nn.Module, name: str, value: object) -> None:
         key = (id(module), name)
         if key in self.access.reads or name in MODULE_INTERNALS or not is_plain(value):
             return
@@ -118,7 +119,7 @@ class _Recorder:
             return
         self.access.reads[key] = AttributeRead(module, self.path(module), name, value, user_line())
 
-    def write(self, module: torch.nn.Module, name: str, value: Any) -> bool:
+    def write(self, module: torch.nn.Module, name: str, value: object) -> bool:
         """Handle ``module.name = value`` in ``forward``: ``True`` if done here (a buffer copy), ``False`` to let
         ``nn.Module.__setattr__`` do it; raises for what a compiled step cannot carry out."""
         if name in MODULE_INTERNALS:
@@ -174,7 +175,7 @@ class _Recorder:
 _MISSING = object()
 
 
-def _holds_tensors(value: Any) -> bool:
+def _holds_tensors(value: object) -> bool:
     if isinstance(value, (tuple, list)):
         return any(isinstance(v, torch.Tensor) or _holds_tensors(v) for v in value)
     if isinstance(value, dict):
@@ -185,7 +186,7 @@ def _holds_tensors(value: Any) -> bool:
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 
 
-def _by_torch(frame: Any) -> bool:
+def _by_torch(frame: types.FrameType) -> bool:
     """Whether the assignment is torch's own bookkeeping (an ``nn.LSTM`` refreshing ``_flat_weights``), not the
     model's code."""
     return os.path.abspath(frame.f_code.co_filename).startswith(_TORCH_DIR)
@@ -198,19 +199,19 @@ _active: _Recorder | None = None
 _recording_classes: dict[type, type] = {}
 
 
-def _recording_class(cls: type) -> type:
+def _recording_class(cls: type[torch.nn.Module]) -> type:
     """``cls`` with reads and assignments reported to the active recorder (cached per class)."""
     if cls not in _recording_classes:
 
-        def __getattribute__(self: Any, name: str) -> Any:
+        def __getattribute__(self: torch.nn.Module, name: str) -> object:
             value = object.__getattribute__(self, name)
             if _active is not None and (type(value) in _PLAIN_TYPES or isinstance(value, enum.Enum)):
                 _active.read(self, name, value)  # (methods, submodules and tensors — most reads — skip the call)
             return value
 
-        def __setattr__(self: Any, name: str, value: Any) -> None:
+        def __setattr__(self: torch.nn.Module, name: str, value: object) -> None:
             if _active is None or _by_torch(sys._getframe(1)) or not _active.write(self, name, value):
-                cls.__setattr__(self, name, value)
+                cls.__setattr__(self, name, value)  # type: ignore[arg-type]  # torch types it Tensor | Module
 
         _recording_classes[cls] = type(
             cls.__name__,
@@ -238,17 +239,17 @@ def recording(root: torch.nn.Module, modules: dict[str, torch.nn.Module]) -> Ite
     recorder = _Recorder({id(m): p for p, m in modules.items()})
     originals = {id(m): (m, type(m)) for m in modules.values()}
 
-    def enter(module: torch.nn.Module, args: Any) -> None:
+    def enter(module: torch.nn.Module, args: tuple[object, ...]) -> None:
         global _active
         _active = recorder
 
-    def leave(module: torch.nn.Module, args: Any, output: Any) -> None:
+    def leave(module: torch.nn.Module, args: tuple[object, ...], output: object) -> None:
         global _active
         _active = None
 
     saved: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}
 
-    def called(module: torch.nn.Module, args: Any) -> None:
+    def called(module: torch.nn.Module, args: tuple[object, ...]) -> None:
         recorder.access.called.setdefault(id(module), module)
         if id(module) not in originals:  # outside the watched modules: its real state, which forward may write
             from torch.utils._python_dispatch import _disable_current_modes

@@ -33,11 +33,13 @@ from typing import Any
 
 import numpy as np
 import torch
+from numpy.typing import ArrayLike
 
 from torchpar.ir.optimizer import (
     MUON_ADJUST_LR_FNS,
     STEP_COUNTED_KINDS,
     OptimizerSpec,
+    Scalars,
     asgd_eta_mu,
     nadam_mu_product,
     state_keys,
@@ -140,7 +142,7 @@ def _base_class(optimizer: torch.optim.Optimizer) -> type[torch.optim.Optimizer]
     )
 
 
-def _scalar_dtype_for_step(group: Mapping[str, Any]) -> torch.dtype:
+def _scalar_dtype_for_step(group: Mapping[str, object]) -> torch.dtype:
     """torch.optim.optimizer._get_scalar_dtype: the dtype torch gives Adam's state["step"]."""
     if group.get("fused"):
         return torch.float32
@@ -164,7 +166,7 @@ def _to_numpy(t: torch.Tensor) -> np.ndarray:
     return t.numpy().copy()
 
 
-def _to_torch(a: Any, like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+def _to_torch(a: ArrayLike, like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     """``a`` as a tensor of ``like``'s dtype and device; it must have ``shape``."""
     a = np.asarray(a)
     if a.shape != shape:
@@ -384,7 +386,7 @@ class TorchOptimizerBridge:
         """``value`` rounded as torch's 0-d state tensors of group ``g`` hold it (float32 by default)."""
         return float(np.asarray(value, dtype=_numpy_dtype(_scalar_dtype_for_step(self.optimizer.param_groups[g]))))
 
-    def step_scalars(self):
+    def step_scalars(self) -> Scalars:
         """Scalars for `jaxbackend.optimizer.apply_updates` for the step about to run; advances the counters.
 
         Reads ``optimizer.param_groups`` now, so a scheduler's ``scheduler.step()`` since the last
@@ -506,7 +508,7 @@ class TorchOptimizerBridge:
                     out[name][k] = _to_numpy(st[k].to(p.dtype))
         return out
 
-    def write_back(self, state: Mapping[str, Mapping[str, Any]], trained: Collection[str] | None = None) -> None:
+    def write_back(self, state: Mapping[str, Mapping[str, ArrayLike]], trained: Collection[str] | None = None) -> None:
         """Write name-keyed optimizer state into ``optimizer.state[p]`` in torch's own format.
 
         ``trained``: the parameters the compiled step gives a gradient (default: all of the spec); the others
@@ -535,10 +537,10 @@ class TorchOptimizerBridge:
                     or group.get("fused")
                     or (self.spec.kind == "rprop" and group.get("capturable"))
                 )
-                scalar = dict(dtype=_scalar_dtype_for_step(group), device=p.device if on_device else "cpu")
-                self._assign(torch_state, "step", torch.tensor(float(self._steps[g]), **scalar))
+                dtype, device = _scalar_dtype_for_step(group), p.device if on_device else "cpu"
+                self._assign(torch_state, "step", torch.tensor(float(self._steps[g]), dtype=dtype, device=device))
                 for key in _COUNTER_KEYS.get(self.spec.kind, ()):
-                    self._assign(torch_state, key, torch.tensor(self._counters[g][key], **scalar))
+                    self._assign(torch_state, key, torch.tensor(self._counters[g][key], dtype=dtype, device=device))
             for key in state_keys(self.spec, g, p.ndim):
                 self._assign(
                     torch_state, key, _to_torch(state[name][key], like=p, shape=state_shape(self.spec, key, p.shape))
@@ -560,11 +562,15 @@ class TorchOptimizerBridge:
 
     # -- checkpoint --------------------------------------------------------------------------------
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, object]:
         """The host counters (the arrays are checkpointed by whoever holds them): ``group_steps`` and, per counter
         of `_COUNTER_KEYS`, ``group_<key>s`` (NAdam ``group_mu_products``; ASGD ``group_etas``, ``group_mus``, None
         for a group that has not stepped)."""
-        out = {"kind": self.spec.kind, "param_names": list(self.spec.param_names), "group_steps": list(self._steps)}
+        out: dict[str, object] = {
+            "kind": self.spec.kind,
+            "param_names": list(self.spec.param_names),
+            "group_steps": list(self._steps),
+        }
         for key in _COUNTER_KEYS.get(self.spec.kind, ()):
             out[f"group_{key}s"] = [counters.get(key) for counters in self._counters]
         return out

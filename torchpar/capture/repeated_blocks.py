@@ -29,8 +29,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import re
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterator, Sequence
+from typing import cast
 
 import torch
 
@@ -62,9 +62,10 @@ def find_block_stack(model: torch.nn.Module) -> BlockStack | None:
         if not isinstance(module, torch.nn.ModuleList) or len(module) < MIN_BLOCKS:
             continue
         blocks = list(module)
-        attributes = [_attributes(block) for block in blocks]
+        attributes: Sequence[dict[tuple[str, str], object] | None] = [_attributes(block) for block in blocks]
         if any(a is None for a in attributes):
             continue
+        attributes = cast("Sequence[dict[tuple[str, str], object]]", attributes)  # none is None: checked above
         index_keys = {
             key
             for key in attributes[0]
@@ -82,10 +83,10 @@ def find_block_stack(model: torch.nn.Module) -> BlockStack | None:
     return None if best is None else best[1]
 
 
-def _attributes(block: torch.nn.Module) -> dict[tuple[str, str], Any] | None:
+def _attributes(block: torch.nn.Module) -> dict[tuple[str, str], object] | None:
     """Every plain attribute of ``block`` and its submodules by (submodule name, attribute), or ``None`` if a
     submodule has hooks."""
-    found: dict[tuple[str, str], Any] = {}
+    found: dict[tuple[str, str], object] = {}
     for name, module in block.named_modules():
         if module._forward_hooks or module._forward_pre_hooks or module._backward_hooks:
             return None
@@ -97,7 +98,7 @@ def _attributes(block: torch.nn.Module) -> dict[tuple[str, str], Any] | None:
     return found
 
 
-def _signature(block: torch.nn.Module, attributes: dict[tuple[str, str], Any], index_keys: set) -> tuple:
+def _signature(block: torch.nn.Module, attributes: dict[tuple[str, str], object], index_keys: set) -> tuple:
     """What makes ``block`` the program it is: submodule classes, plain attributes (those in ``index_keys``, the
     block's place in the stack like HF's ``layer_idx``, left out), parameter and buffer shapes."""
     return (
@@ -175,7 +176,9 @@ class _Expansion:
         _require(bool(positions))
         start, stop = positions[0], positions[-1] + 1
         runs = block_of[start:stop]
-        _require(all(b is not None for b in runs) and runs == sorted(runs) and set(runs) == {0, 1, 2})
+        _require(
+            all(b is not None for b in runs) and runs == sorted(cast("list[int]", runs)) and set(runs) == {0, 1, 2}
+        )
         pre, post = graph.nodes[:start], graph.nodes[stop:]
         blocks = [[n for n, b in zip(graph.nodes[start:stop], runs) if b == k] for k in range(3)]
         _require(len(blocks[1]) == len(blocks[2]))
@@ -195,7 +198,7 @@ class _Expansion:
             _require(not any(name in table for table in (*node_pos, *input_pos)))
             return ("shared", name)
 
-        def pattern(value: Any, block: int) -> Any:
+        def pattern(value: object, block: int) -> object:
             return map_refs(value, lambda ref: role(ref.name, block))
 
         for one, two in zip(blocks[1], blocks[2]):
@@ -204,14 +207,15 @@ class _Expansion:
             )
             _require(pattern(one.args, 1) == pattern(two.args, 2) and pattern(one.kwargs, 1) == pattern(two.kwargs, 2))
             _require(_extrapolate(one.module_path, two.module_path, 0) == two.module_path)
-        for one, two in zip(inputs[1], inputs[2]):
-            _require(one.kind == two.kind and one.meta == two.meta)
+        for one_input, two_input in zip(inputs[1], inputs[2]):
+            _require(one_input.kind == two_input.kind and one_input.meta == two_input.meta)
 
         # torch.fx name counters: the stride of each base name per block, from block 1 → 2
         stride: dict[str, int] = {}
         for one, two in zip(blocks[1], blocks[2]):
             a, b = _SUFFIX.match(one.name), _SUFFIX.match(two.name)
             _require(a is not None and b is not None and a.group(1) == b.group(1))
+            assert a is not None and b is not None  # required just above
             step = int(b.group(2)) - int(a.group(2))
             _require(stride.setdefault(a.group(1), step) == step and step > 0)
 
@@ -223,15 +227,15 @@ class _Expansion:
         for steps in range(1, self.missing + 1):
             weight_names: dict[str, str] = {}
             block_inputs = []
-            for one, two in zip(inputs[1], inputs[2]):
+            for one_input, two_input in zip(inputs[1], inputs[2]):
                 made = dataclasses.replace(
-                    two,
-                    name=_extrapolate(one.name, two.name, steps),
-                    target=_extrapolate(one.target, two.target, steps),
+                    two_input,
+                    name=_extrapolate(one_input.name, two_input.name, steps),
+                    target=_extrapolate(one_input.target, two_input.target, steps),
                 )
-                if two.kind == "constant":
-                    constants[made.target] = graph.constants[two.target]
-                weight_names[two.name] = made.name
+                if two_input.kind == "constant":
+                    constants[made.target] = graph.constants[two_input.target]
+                weight_names[two_input.name] = made.name
                 block_inputs.append(made)
             new_inputs.append(block_inputs)
             node_names = {two.name: _extrapolate(one.name, two.name, steps) for one, two in zip(blocks[1], blocks[2])}
@@ -266,6 +270,7 @@ class _Expansion:
             base = match.group(1) if match else node.name
             if base in stride:
                 _require(match is not None)
+                assert match is not None  # required just above
                 shifted[node.name] = f"{base}_{int(match.group(2)) + self.missing * stride[base]}"
             else:
                 shifted[node.name] = node.name

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Any
+from typing import Any, Literal, cast
 
 import numpy as np
 import torch
@@ -16,7 +16,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 from torchpar.capture.boundary import BOUNDARY_TARGET
 from torchpar.capture.meta_models import is_without_data
 from torchpar.ir.costs import op_flops
-from torchpar.ir.graph import DType, Graph, Input, Node, Output, Ref, TensorMeta
+from torchpar.ir.graph import DType, Graph, Input, Node, OutMeta, Output, Ref, TensorMeta
 
 KEEP_UNDECOMPOSED = ("scaled_dot_product_attention.default",)
 """Ops kept whole instead of decomposed to core ATen (each has a direct lowering)."""
@@ -36,7 +36,11 @@ def decompose(exported: ExportedProgram) -> ExportedProgram:
 
 
 def to_ir(
-    exported: ExportedProgram, model: torch.nn.Module, *, user_output_kind: str, aux_keys: tuple[str, ...] = ()
+    exported: ExportedProgram,
+    model: torch.nn.Module,
+    *,
+    user_output_kind: Literal["loss", "user"],
+    aux_keys: tuple[str, ...] = (),
 ) -> Graph:
     """Translate the exported program's graph and signature into the IR. User outputs are of ``user_output_kind``,
     but for ``aux_keys``: the last ``len(aux_keys)`` user outputs are a ``step_fn``'s aux values (kind ``"aux"``, the
@@ -48,7 +52,8 @@ def to_ir(
     user_index = 0
     placeholders = [n for n in exported.graph.nodes if n.op == "placeholder"]
     for node, spec in zip(placeholders, signature.input_specs, strict=True):
-        meta = _meta_of(node.meta.get("val"))
+        # a parameter, buffer, constant or batch input holds a tensor (any other kind is refused below)
+        meta = cast(TensorMeta, _meta_of(node.meta.get("val")))
         target = _strip_wrapper(spec.target) if spec.target is not None else ""
         if spec.kind == InputKind.PARAMETER:
             inputs.append(Input(node.name, "param", canonical.get(target, target), meta))
@@ -62,7 +67,7 @@ def to_ir(
             user_index += 1
         else:
             raise NotImplementedError(f"torch.export input kind {spec.kind.name} ({spec.target}) is not supported")
-    metas = {i.name: i.meta for i in inputs}
+    metas: dict[str, OutMeta] = {i.name: i.meta for i in inputs}
     nodes: list[Node] = []
     for fx_node in exported.graph.nodes:
         if fx_node.op != "call_function":
@@ -115,7 +120,7 @@ def _strip_wrapper(target: str) -> str:
     return target.removeprefix("model.")
 
 
-def _target_name(target: Any) -> str:
+def _target_name(target: object) -> str:
     if target is BOUNDARY_TARGET:
         return "torchpar.pipeline_boundary"
     if isinstance(target, torch._ops.OpOverload):
@@ -127,7 +132,7 @@ def _target_name(target: Any) -> str:
     return str(target)
 
 
-def _convert(value: Any) -> Any:
+def _convert(value: object) -> Any:
     """fx argument → IR argument (see :mod:`torchpar.ir.graph`)."""
     if isinstance(value, torch.fx.Node):
         return Ref(value.name)
@@ -170,7 +175,7 @@ def tensor_meta(tensor: torch.Tensor) -> TensorMeta:
     return TensorMeta(tuple(int(s) for s in tensor.shape), dtype_name(tensor.dtype))
 
 
-def _meta_of(value: Any) -> Any:
+def _meta_of(value: object) -> OutMeta:
     if isinstance(value, torch.Tensor):
         return tensor_meta(value)
     if isinstance(value, (list, tuple)):
@@ -198,7 +203,7 @@ def _source_line(stack_trace: str | None) -> str:
     return f"{location}: {code}" if code else location
 
 
-def _module_path(stack: dict[str, tuple[str, Any]] | None) -> str:
+def _module_path(stack: dict[str, tuple[str, object]] | None) -> str:
     if not stack:
         return ""
     path = list(stack.values())[-1][0]  # under the capture wrapper's attribute "model"

@@ -10,12 +10,15 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from torchpar.harness import zoo
+
+if TYPE_CHECKING:
+    from torchpar.methods import Method
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +88,7 @@ class Comparison:
         plt.close(fig)
 
 
-def make_optimizer(name: str, params: Any, lr: float) -> torch.optim.Optimizer:
+def make_optimizer(name: str, params: Iterable[torch.nn.Parameter], lr: float) -> torch.optim.Optimizer:
     """The optimizer both runs use: AdamW/Adam with weight decay, or SGD with Nesterov momentum."""
     if name == "adamw":
         return torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
@@ -102,7 +105,7 @@ def compare_training(
     steps: int = 20,
     optimizer: str = "adamw",
     lr: float | None = None,
-    method: Any = None,
+    method: Method | None = None,
     overrides: dict[str, Any] | None = None,
     batch_size: int = 4,
     seq_len: int = 32,
@@ -141,7 +144,7 @@ def compare_training(
     return Comparison(family, optimizer, method_name, torch_losses, torchpar_losses, tolerance)
 
 
-def _loss_of(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+def _loss_of(model: torch.nn.Module, batch: object) -> torch.Tensor:
     from torchpar.capture.export import batch_to_call_args, select_loss
 
     args, kwargs = batch_to_call_args(batch)

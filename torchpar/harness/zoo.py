@@ -9,12 +9,15 @@ Families: ``gpt2``, ``llama``, ``bert`` (masked LM), ``vit``, ``resnet`` (Huggin
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, cast
 
 import torch
 
 FAMILIES = ("gpt2", "llama", "bert", "vit", "resnet", "mlp", "moe", "mixtral")
+
+Batch = dict[str, torch.Tensor] | tuple[torch.Tensor, torch.Tensor]
+"""A family's batch: keyword tensors for the HF models, ``(x, y)`` for ``mlp`` and ``moe``."""
 
 
 class MLP(torch.nn.Module):
@@ -68,7 +71,7 @@ def build(
     batch_size: int = 2,
     seq_len: int = 16,
     dropout: float = 0.0,
-) -> tuple[torch.nn.Module, Any]:
+) -> tuple[torch.nn.Module, Batch]:
     """A randomly initialised model of ``family`` and a random batch for it.
 
     ``overrides`` are config fields (HF config attributes, or ``width``/``depth`` for ``mlp``) applied on
@@ -98,7 +101,7 @@ def config_keys(family: str) -> tuple[str, set[str]]:
     import inspect
 
     if family not in _CONFIG_CLASSES:
-        module = {"mlp": MLP, "moe": MoELayer}[family]
+        module: type[torch.nn.Module] = {"mlp": MLP, "moe": MoELayer}[family]
         return module.__name__, set(inspect.signature(module.__init__).parameters) - {"self"}
     import transformers
 
@@ -119,7 +122,7 @@ def config_keys(family: str) -> tuple[str, set[str]]:
     return f"transformers.{config_class.__name__}", keys
 
 
-def check_overrides(family: str, overrides: dict[str, Any]) -> None:
+def check_overrides(family: str, overrides: Mapping[str, object]) -> None:
     """Raise ``ValueError`` naming every override key that ``family``'s config does not have, with the nearest
     valid keys (a misspelled key would otherwise be set as an unused attribute and silently ignored)."""
     import difflib
@@ -139,7 +142,9 @@ def _token_batch(vocab: int, batch_size: int, seq_len: int) -> torch.Tensor:
     return torch.randint(0, vocab, (batch_size, seq_len))
 
 
-def _gpt2(overrides: dict, batch_size: int, seq_len: int, dropout: float) -> tuple[torch.nn.Module, Any]:
+def _gpt2(
+    overrides: dict, batch_size: int, seq_len: int, dropout: float
+) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
     import transformers
 
     fields = dict(
@@ -159,7 +164,9 @@ def _gpt2(overrides: dict, batch_size: int, seq_len: int, dropout: float) -> tup
     return transformers.GPT2LMHeadModel(config), {"input_ids": ids, "labels": ids}
 
 
-def _llama(overrides: dict, batch_size: int, seq_len: int, dropout: float) -> tuple[torch.nn.Module, Any]:
+def _llama(
+    overrides: dict, batch_size: int, seq_len: int, dropout: float
+) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
     import transformers
 
     fields = dict(
@@ -177,7 +184,9 @@ def _llama(overrides: dict, batch_size: int, seq_len: int, dropout: float) -> tu
     return transformers.LlamaForCausalLM(config), {"input_ids": ids, "labels": ids}
 
 
-def _mixtral(overrides: dict, batch_size: int, seq_len: int, dropout: float) -> tuple[torch.nn.Module, Any]:
+def _mixtral(
+    overrides: dict, batch_size: int, seq_len: int, dropout: float
+) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
     import transformers
 
     fields = dict(
@@ -198,7 +207,9 @@ def _mixtral(overrides: dict, batch_size: int, seq_len: int, dropout: float) -> 
     return transformers.MixtralForCausalLM(config), {"input_ids": ids, "labels": ids}
 
 
-def _bert(overrides: dict, batch_size: int, seq_len: int, dropout: float) -> tuple[torch.nn.Module, Any]:
+def _bert(
+    overrides: dict, batch_size: int, seq_len: int, dropout: float
+) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
     import transformers
 
     fields = dict(
@@ -222,7 +233,9 @@ def _bert(overrides: dict, batch_size: int, seq_len: int, dropout: float) -> tup
     }
 
 
-def _vit(overrides: dict, batch_size: int, seq_len: int, dropout: float) -> tuple[torch.nn.Module, Any]:
+def _vit(
+    overrides: dict, batch_size: int, seq_len: int, dropout: float
+) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
     import transformers
 
     fields = dict(
@@ -237,34 +250,41 @@ def _vit(overrides: dict, batch_size: int, seq_len: int, dropout: float) -> tupl
         attention_probs_dropout_prob=dropout,
     )
     config = transformers.ViTConfig(**{**fields, **overrides})
-    pixels = torch.randn(batch_size, config.num_channels, config.image_size, config.image_size)
-    labels = torch.randint(0, config.num_labels, (batch_size,))
+    size = cast(int, config.image_size)  # one int: a square image
+    pixels = torch.randn(batch_size, config.num_channels, size, size)
+    labels = torch.randint(0, cast(int, config.num_labels), (batch_size,))  # set above
     return transformers.ViTForImageClassification(config), {"pixel_values": pixels, "labels": labels}
 
 
-def _resnet(overrides: dict, batch_size: int, seq_len: int, dropout: float) -> tuple[torch.nn.Module, Any]:
+def _resnet(
+    overrides: dict, batch_size: int, seq_len: int, dropout: float
+) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
     import transformers
 
     fields = dict(embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], num_labels=10)
     config = transformers.ResNetConfig(**{**fields, **overrides})
     pixels = torch.randn(batch_size, config.num_channels, 32, 32)
-    labels = torch.randint(0, config.num_labels, (batch_size,))
+    labels = torch.randint(0, cast(int, config.num_labels), (batch_size,))  # set above
     return transformers.ResNetForImageClassification(config), {"pixel_values": pixels, "labels": labels}
 
 
-def _mlp(overrides: dict, batch_size: int, seq_len: int, dropout: float) -> tuple[torch.nn.Module, Any]:
+def _mlp(
+    overrides: dict, batch_size: int, seq_len: int, dropout: float
+) -> tuple[torch.nn.Module, tuple[torch.Tensor, torch.Tensor]]:
     model = MLP(**{"width": 64, "depth": 4, **overrides})
-    width = model.layers[0].in_features
+    width = cast(torch.nn.Linear, model.layers[0]).in_features
     return model, (torch.randn(batch_size, width), torch.randn(batch_size, width))
 
 
-def _moe(overrides: dict, batch_size: int, seq_len: int, dropout: float) -> tuple[torch.nn.Module, Any]:
+def _moe(
+    overrides: dict, batch_size: int, seq_len: int, dropout: float
+) -> tuple[torch.nn.Module, tuple[torch.Tensor, torch.Tensor]]:
     model = MoELayer(**{"width": 64, "hidden": 128, "experts": 4, "top_k": 2, **overrides})
     width = model.router.in_features
     return model, (torch.randn(batch_size, seq_len, width), torch.randn(batch_size, seq_len, width))
 
 
-_BUILDERS: dict[str, Callable[[dict, int, int, float], tuple[torch.nn.Module, Any]]] = {
+_BUILDERS: dict[str, Callable[[dict, int, int, float], tuple[torch.nn.Module, Batch]]] = {
     "gpt2": _gpt2,
     "llama": _llama,
     "bert": _bert,

@@ -30,9 +30,12 @@ import contextlib
 import logging
 import math
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, cast
 
 import torch
+
+if TYPE_CHECKING:
+    import transformers
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +45,7 @@ LOSS_MODES = ("trainer", "mean")
 batch's mean for a mean loss), whatever plain Trainer would do."""
 
 
-def trainer_scales_for_accumulation(trainer: Any, num_items: torch.Tensor | int | None) -> bool:
+def trainer_scales_for_accumulation(trainer: transformers.Trainer, num_items: torch.Tensor | int | None) -> bool:
     """Plain ``Trainer.training_step``'s test: does the loss ``compute_loss`` returns for a micro-batch count as
     already scaled for gradient accumulation (used as it is; else divided by the update's micro-batch count)?"""
     explicit = getattr(trainer, "loss_is_scaled_for_ga", None)  # transformers 5.24; None: decide as below
@@ -61,17 +64,21 @@ def trainer_loss_factor(*, scaled: bool, uses_item_count: bool, micro_batches: i
     return float(micro_batches) if scaled else 1.0 / micro_batches
 
 
-def loss_uses_item_count(trainer: Any, batch: Mapping[str, torch.Tensor], num_items: torch.Tensor | int) -> bool:
+def loss_uses_item_count(
+    trainer: transformers.Trainer, batch: Mapping[str, torch.Tensor], num_items: torch.Tensor | int
+) -> bool:
     """Whether ``trainer.compute_loss`` depends on ``num_items_in_batch``: one row's loss with the count ``N`` and
     with ``2N``, in eval mode without gradients (no dropout draw, no BatchNorm statistics update, every module's mode
     restored); the next row while a row's loss is 0 or not finite, which cannot tell. A loss that divides by the
     count halves; one that ignores it stays the same bit for bit. No row that tells: taken to divide by it."""
     rows = next(iter(batch.values())).shape[0]
-    with _evaluating(trainer.model):
+    model = trainer.model
+    assert model is not None  # a Trainer that trains holds its model
+    with _evaluating(model):
         for row in range(rows):
             inputs = {key: value[row : row + 1] for key, value in batch.items()}
-            first, second = (
-                float(trainer.compute_loss(trainer.model, dict(inputs), num_items_in_batch=count))
+            first, second = (  # without return_outputs, compute_loss returns the loss alone
+                float(cast(torch.Tensor, trainer.compute_loss(model, dict(inputs), num_items_in_batch=count)))
                 for count in (num_items, 2 * num_items)
             )
             if first != 0 and math.isfinite(first):
@@ -80,7 +87,7 @@ def loss_uses_item_count(trainer: Any, batch: Mapping[str, torch.Tensor], num_it
     return True
 
 
-def loss_factor_warning(trainer: Any, factor: float, micro_batches: int) -> str:
+def loss_factor_warning(trainer: transformers.Trainer, factor: float, micro_batches: int) -> str:
     """What ``TorchparTrainer`` logs once when plain Trainer trains ``factor`` × the batch's loss: why, and how to
     get the batch's loss instead."""
     model = type(trainer.model).__name__
@@ -103,7 +110,7 @@ def loss_factor_warning(trainer: Any, factor: float, micro_batches: int) -> str:
     )
 
 
-def _scaling_reason(trainer: Any) -> str:
+def _scaling_reason(trainer: transformers.Trainer) -> str:
     """Why :func:`trainer_scales_for_accumulation` holds for ``trainer``, in words."""
     if getattr(trainer, "loss_is_scaled_for_ga", None) is not None:
         return "trainer.loss_is_scaled_for_ga is True"

@@ -41,8 +41,8 @@ import importlib.util
 import logging
 import os
 import warnings
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -63,6 +63,9 @@ from torchpar.integrations.trainer_loss import (
 )
 from torchpar.methods import DataParallel, Method
 from torchpar.planner.plan import Plan
+
+if TYPE_CHECKING:
+    from torchpar.api import Engine
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +100,7 @@ PAD_VALUES = {
 ``pad_token_id``, else 0). Right padding with attention mask 0 and label -100 changes no loss or gradient."""
 
 
-def refused_arguments(args: Any) -> list[str]:
+def refused_arguments(args: transformers.TrainingArguments) -> list[str]:
     """The ``TrainingArguments`` (and Trainer features) torchpar cannot honour, each with what to do instead."""
     refused = []
     if args.deepspeed:
@@ -129,7 +132,7 @@ def refused_arguments(args: Any) -> list[str]:
     return refused
 
 
-def torch_side_arguments(args: Any) -> Any:
+def torch_side_arguments(args: transformers.TrainingArguments) -> transformers.TrainingArguments:
     """The ``TrainingArguments`` the Trainer's own machinery (accelerate, device placement) gets: ``args`` itself, or
     a copy without mixed precision (the engine casts; accelerate's autocast must not wrap the torch forward too)
     and on the CPU (the torch model only holds the initial weights and the batches are handed to the engine: no
@@ -145,7 +148,9 @@ def torch_side_arguments(args: Any) -> Any:
     return torch_side
 
 
-def merge_micro_batches(micro_batches: list[Mapping[str, Any]], pad_token_id: int | None = None) -> dict[str, Any]:
+def merge_micro_batches(
+    micro_batches: Sequence[Mapping[str, object]], pad_token_id: int | None = None
+) -> dict[str, torch.Tensor]:
     """One batch of ``micro_batches`` concatenated along dim 0, in order. Leaves of different sizes past dim 0
     (a collator that pads each micro-batch to its own longest sequence) are right-padded to the longest with
     :data:`PAD_VALUES`; a leaf torchpar cannot pad that way raises naming it."""
@@ -158,12 +163,13 @@ def merge_micro_batches(micro_batches: list[Mapping[str, Any]], pad_token_id: in
             )
     merged = {}
     for key in keys:
-        leaves = [micro[key] for micro in micro_batches]
-        if not all(isinstance(leaf, torch.Tensor) for leaf in leaves):
+        fields = [micro[key] for micro in micro_batches]
+        if not all(isinstance(leaf, torch.Tensor) for leaf in fields):
             raise TypeError(
-                f"batch field {key!r} is a {type(leaves[0]).__name__}, not a tensor: torchpar trains on "
+                f"batch field {key!r} is a {type(fields[0]).__name__}, not a tensor: torchpar trains on "
                 "tensor batches (return tensors from the data collator)"
             )
+        leaves = cast("list[torch.Tensor]", fields)  # every one a tensor: checked above
         if len({leaf.shape[1:] for leaf in leaves}) > 1:
             leaves = _right_padded(key, leaves, pad_token_id)
         merged[key] = torch.cat(leaves) if len(leaves) > 1 else leaves[0]
@@ -182,7 +188,7 @@ def _right_padded(key: str, leaves: list[torch.Tensor], pad_token_id: int | None
     return [torch.nn.functional.pad(leaf, (0, length - leaf.shape[1]), value=fill) for leaf in leaves]
 
 
-def with_item_count(batch: dict[str, Any], num_items: torch.Tensor | int | None) -> dict[str, Any]:
+def with_item_count(batch: dict[str, torch.Tensor], num_items: torch.Tensor | int | None) -> dict[str, torch.Tensor]:
     """``batch`` with the Trainer's ``num_items_in_batch`` for it (the update's count of label items, by which the
     Trainer divides a summed loss) as the leaf :data:`ITEM_COUNT_KEY`: ``num_items`` spread over the rows as whole
     numbers (row ``i`` holds ``N // rows`` plus one for ``i < N mod rows``), so micro-batches and devices each hold
@@ -197,7 +203,7 @@ def with_item_count(batch: dict[str, Any], num_items: torch.Tensor | int | None)
     return {**batch, ITEM_COUNT_KEY: share}
 
 
-def without_item_count(batch: Mapping[str, Any]) -> tuple[dict[str, Any], torch.Tensor | None]:
+def without_item_count(batch: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
     """The model's inputs and the Trainer's ``num_items_in_batch`` (``None`` if the batch has no
     :data:`ITEM_COUNT_KEY`)."""
     inputs = dict(batch)
@@ -218,10 +224,10 @@ def _engine_method(method: Method | Plan | None, accumulation: int) -> Method | 
     return method
 
 
-def _unwrapped_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+def _unwrapped_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """The torch optimizer inside accelerate's ``AcceleratedOptimizer`` (or ``optimizer`` itself)."""
-    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
-        optimizer = optimizer.optimizer
+    while isinstance(inner := getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
+        optimizer = inner
     return optimizer
 
 
@@ -302,18 +308,22 @@ class TorchparTrainer(transformers.Trainer):
         self._loss_factor = 1.0
         self._uses_item_count: bool | None = None
         self._warned_loss_factor = False
-        self.engine: Any = None
-        self._pending: list[dict[str, Any]] = []
+        self.engine: Engine | None = None
+        self._pending: list[dict[str, object]] = []
         self._grad_norm: float | None = None
         self._engine_checkpoint: str | None = None
         self._warned_torch_eval = False
-        self._train_structure: tuple | None = None
+        self._train_structure: str | None = None
+
         super().__init__(*args, **kwargs)
 
     # --- the training step ------------------------------------------------------------------------------------
 
     def training_step(
-        self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: torch.Tensor | int | None = None
+        self,
+        model: torch.nn.Module,
+        inputs: Mapping[str, object],
+        num_items_in_batch: torch.Tensor | int | None = None,
     ) -> torch.Tensor:
         """Collect the update's micro-batches; on the last one run the engine's step on all of them and return its
         loss (the earlier ones return 0). The loss is the Trainer's: ``compute_loss`` with the Trainer's
@@ -327,15 +337,16 @@ class TorchparTrainer(transformers.Trainer):
         self._pending = []
         self._loss_factor = self._update_loss_factor(batch, num_items_in_batch, micro_batches)
         batch = with_item_count(batch, num_items_in_batch)
+        assert self.model is not None  # a Trainer that trains holds its model
         self.model.train()  # the Trainer's training mode (evaluate() leaves the model in eval mode)
         self._check_rows(batch)
         engine = self.engine or self._build_engine(batch)
-        loss = engine.step(batch)
+        loss = cast(torch.Tensor, engine.step(batch))  # the step_fn (_loss_of) returns the loss alone, no aux
         self._grad_norm = engine.last_grad_norm
         return loss.to(device=self.args.device, dtype=torch.float32)
 
     def _update_loss_factor(
-        self, batch: dict[str, Any], num_items: torch.Tensor | int | None, micro_batches: int
+        self, batch: Mapping[str, torch.Tensor], num_items: torch.Tensor | int | None, micro_batches: int
     ) -> float:
         """The factor of the whole batch's loss that the engine trains for this update: plain Trainer's
         (:mod:`.trainer_loss`) under ``torchpar_loss="trainer"``, warning once when it is not 1; 1 under ``"mean"``.
@@ -359,10 +370,10 @@ class TorchparTrainer(transformers.Trainer):
         """The engine's gradient norm before clipping (the engine clipped to ``max_grad_norm`` in its step)."""
         return self._grad_norm
 
-    def _get_grad_norm(self, model: torch.nn.Module, grad_norm: Any = None) -> float | None:
+    def _get_grad_norm(self, model: torch.nn.Module, grad_norm: float | None = None) -> float | None:
         return self._grad_norm if grad_norm is None else grad_norm
 
-    def _build_engine(self, batch: dict[str, Any]) -> Any:
+    def _build_engine(self, batch: dict[str, torch.Tensor]) -> Engine:
         """Compile the engine on the first update's batch, and load the checkpoint being resumed from."""
         args = self.args
         method = _engine_method(self.torchpar_method, args.gradient_accumulation_steps)
@@ -373,6 +384,7 @@ class TorchparTrainer(transformers.Trainer):
             getattr(method, "num_micro_batches", 1),
         )
         self._train_structure = batches.signature(batch)[0]
+        assert self.optimizer is not None  # the Trainer creates it before its first step
         self.engine = torchpar.compile(
             self.model,
             _unwrapped_optimizer(self.optimizer),
@@ -392,15 +404,16 @@ class TorchparTrainer(transformers.Trainer):
             self._engine_checkpoint = None
         return self.engine
 
-    def _loss_of(self, model: torch.nn.Module, batch: dict[str, Any]) -> torch.Tensor:
+    def _loss_of(self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """The training loss as the Trainer computes it (label smoothing, ``compute_loss_func``, a subclass's
         ``compute_loss``; ``num_items_in_batch`` from :data:`ITEM_COUNT_KEY`), times the update's factor
         (:meth:`_update_loss_factor`, a constant of the captured graph): the engine's ``step_fn``."""
         inputs, num_items = without_item_count(batch)
-        loss = self.compute_loss(model, inputs, num_items_in_batch=num_items)
+        # without return_outputs, compute_loss returns the loss alone
+        loss = cast(torch.Tensor, self.compute_loss(model, inputs, num_items_in_batch=num_items))
         return loss if self._loss_factor == 1 else loss * self._loss_factor
 
-    def _eval_outputs_of(self, model: torch.nn.Module, batch: dict[str, Any]) -> dict[str, Any]:
+    def _eval_outputs_of(self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> dict[str, object]:
         """The eval forward: ``{"loss", "outputs"}`` from ``compute_loss`` when the batch has every label,
         else ``{"outputs"}`` (the engine's ``forward_fn``)."""
         inputs, num_items = without_item_count(batch)
@@ -409,7 +422,7 @@ class TorchparTrainer(transformers.Trainer):
             return {"loss": loss, "outputs": outputs}
         return {"outputs": model(**inputs)}
 
-    def _check_rows(self, batch: dict[str, Any]) -> None:
+    def _check_rows(self, batch: Mapping[str, torch.Tensor]) -> None:
         if self.engine is not None:
             micro = self.engine.plan.num_micro_batches
         else:
@@ -437,7 +450,7 @@ class TorchparTrainer(transformers.Trainer):
             self.engine.close()
             self.engine = None
 
-    def train(self, *args: Any, **kwargs: Any) -> Any:
+    def train(self, *args: Any, **kwargs: Any) -> transformers.trainer_utils.TrainOutput:
         """``Trainer.train``; afterwards ``trainer.model`` holds the trained weights."""
         self._pending = []
         try:
@@ -512,6 +525,7 @@ class TorchparTrainer(transformers.Trainer):
         if self.args.should_save:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # torch warns that the scheduler's state includes the optimizer's
+                assert self.lr_scheduler is not None  # created with the optimizer, before the first step
                 torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
@@ -528,6 +542,7 @@ class TorchparTrainer(transformers.Trainer):
             return
         scheduler_file = os.path.join(checkpoint, SCHEDULER_NAME)
         if os.path.isfile(scheduler_file):
+            assert self.lr_scheduler is not None  # train() creates it before it resumes
             self.lr_scheduler.load_state_dict(torch.load(scheduler_file, weights_only=True))
         if self.engine is not None:
             self.engine.load(engine_checkpoint)

@@ -24,11 +24,12 @@ Plain data in, plain data out: no torch, no JAX.
 from __future__ import annotations
 
 import dataclasses
+from typing import Final
 
-from torchpar.ir.graph import Graph, Node, Output, TensorMeta
+from torchpar.ir.graph import Graph, Node, OutMeta, Output, TensorMeta
 from torchpar.ir.loss_parts import NotDecomposable, Reductions
 
-AUX = "aux"
+AUX: Final = "aux"
 """The output kind of a ``step_fn``'s auxiliary values."""
 
 
@@ -48,15 +49,18 @@ def with_aux_parts(graph: Graph, parts: str) -> Graph:
     return dataclasses.replace(
         graph,
         outputs=[
-            dataclasses.replace(o, combine=_rule(analysis, o, metas[o.value.name], parts)) if o.kind == AUX else o
+            dataclasses.replace(o, combine=_rule(analysis, o, metas, parts)) if o.kind == AUX else o
             for o in graph.outputs
         ],
     )
 
 
-def _rule(analysis: Reductions, output: Output, meta: TensorMeta, parts: str) -> str:
+def _rule(analysis: Reductions, output: Output, metas: dict[str, OutMeta], parts: str) -> str:
     """The combination rule of ``output`` (module docstring), or the ``ValueError`` saying why it has none."""
+    assert output.value is not None  # an aux output names its value
     name = output.value.name
+    meta = metas[name]
+    assert isinstance(meta, TensorMeta)  # a step_fn's aux values are tensors
     if name not in analysis.on_batch:
         return "same"
     state = analysis.rows.get(name)

@@ -29,9 +29,9 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import SupportsInt, cast
 
-from torchpar.ir.graph import Graph, Node, Ref, TensorMeta, one_row_index
+from torchpar.ir.graph import Graph, Node, OutMeta, Ref, TensorMeta, one_row_index
 from torchpar.ir.op_families import reduction_dims
 
 Rows = frozenset[int] | None
@@ -129,7 +129,7 @@ def row_states(graph: Graph, *, integers: bool = False) -> dict[str, RowState]:
     for inp in graph.inputs:
         batch = inp.kind == "input" and isinstance(inp.meta, TensorMeta) and len(inp.meta.shape) >= 1
         states[inp.name] = RowState(frozenset({0}) if batch else frozenset())
-    positions = set()  # values of arange: row positions, an index numbering whatever order it is used in
+    positions: set[str] = set()  # values of arange: row positions, an index numbering whatever order it is used in
     for node in graph.nodes:
         states[node.name] = _state(node, states, metas, positions, carries)
         if node.target.startswith("aten.arange."):
@@ -138,7 +138,11 @@ def row_states(graph: Graph, *, integers: bool = False) -> dict[str, RowState]:
 
 
 def _state(
-    node: Node, states: dict[str, RowState], metas: dict[str, Any], positions: set[str], carries: Callable[[Any], bool]
+    node: Node,
+    states: dict[str, RowState],
+    metas: dict[str, OutMeta],
+    positions: set[str],
+    carries: Callable[[OutMeta], bool],
 ) -> RowState:
     """``node``'s state from its operands'; ``carries(meta)``: whether a value of that meta carries mixing."""
     refs = list(node.refs())
@@ -156,7 +160,7 @@ def _state(
 
 
 def _order(
-    node: Node, operands: list[RowState], metas: dict[str, Any], positions: set[str], rows: Rows
+    node: Node, operands: list[RowState], metas: dict[str, OutMeta], positions: set[str], rows: Rows
 ) -> tuple[str | None, str | None, bool]:
     """``(the order of the output's rows (None: not followed), what it indexes (an index's target), whether the op
     pairs rows of two orders)`` (module docstring: permuted rows)."""
@@ -193,7 +197,7 @@ def _order(
         and args
         and isinstance(args[0], Ref)
         and isinstance(metas.get(args[0].name), TensorMeta)
-        and metas[args[0].name].shape[:1] != node.out.shape[:1]
+        and cast(TensorMeta, metas[args[0].name]).shape[:1] != node.out.shape[:1]
     ):
         return None, None, False  # permuted rows merged or split: not followed
     tensors = [s for s, r in zip(operands, node.refs()) if isinstance(metas.get(r), TensorMeta)]
@@ -201,7 +205,7 @@ def _order(
     return order, index_target, False
 
 
-def _sort_dim(node: Node, metas: dict[str, Any]) -> int:
+def _sort_dim(node: Node, metas: dict[str, OutMeta]) -> int:
     """The dim a ``sort`` works along (``sort.stable`` takes it as a keyword; both default to the last)."""
     args = node.args
     meta = metas.get(args[0].name) if args and isinstance(args[0], Ref) else None
@@ -210,7 +214,7 @@ def _sort_dim(node: Node, metas: dict[str, Any]) -> int:
     return _norm(dim, max(rank, 1))
 
 
-def _elementwise(node: Node, metas: dict[str, Any]) -> bool:
+def _elementwise(node: Node, metas: dict[str, OutMeta]) -> bool:
     out = node.out
     tensors = [metas.get(r) for r in node.refs()]
     return isinstance(out, TensorMeta) and all(
@@ -218,7 +222,7 @@ def _elementwise(node: Node, metas: dict[str, Any]) -> bool:
     )
 
 
-def _rows(node: Node, operands: list[RowState], metas: dict[str, Any]) -> tuple[Rows, bool]:
+def _rows(node: Node, operands: list[RowState], metas: dict[str, OutMeta]) -> tuple[Rows, bool]:
     """``(the output's rows, whether the op reduces over rows)``; an operand that is not tracked leaves the output
     untracked and the op not called reducing."""
     target, args = node.target, node.args
@@ -231,6 +235,7 @@ def _rows(node: Node, operands: list[RowState], metas: dict[str, Any]) -> tuple[
         return _cat_rows(node, operands, metas), False
     if first.rows is None or rank is None:
         return None, False
+    assert isinstance(x_meta, TensorMeta)  # rank was read from it
     rows = first.rows
     if target in _SAME:
         return rows, False
@@ -289,7 +294,7 @@ def _rows(node: Node, operands: list[RowState], metas: dict[str, Any]) -> tuple[
         if index.rows is None or (rows and (rows != {0} or index.target is None)):
             return None, False
         return frozenset(index.rows) | frozenset(
-            d - 1 + len(metas[args[1][0].name].shape) for d in rows - {0}
+            d - 1 + len(cast(TensorMeta, metas[args[1][0].name]).shape) for d in rows - {0}
         ) if isinstance(metas.get(args[1][0].name), TensorMeta) else None, False
     if target == "aten.index_put.default" and one_row_index(args) and len(operands) > 2:
         index, values = operands[1], operands[2]
@@ -306,7 +311,7 @@ def _rows(node: Node, operands: list[RowState], metas: dict[str, Any]) -> tuple[
     return _elementwise_rows(node, operands, metas)
 
 
-def _cat_rows(node: Node, operands: list[RowState], metas: dict[str, Any]) -> Rows:
+def _cat_rows(node: Node, operands: list[RowState], metas: dict[str, OutMeta]) -> Rows:
     """``cat(tensors, dim)`` along a dim that holds no rows: the operands' rows (an empty operand — a cache's initial
     ``[0]`` tensor — adds nothing); of one operand (an RNN's layers, one of them): its rows; along rows, or with an
     untracked operand: not followed."""
@@ -316,7 +321,7 @@ def _cat_rows(node: Node, operands: list[RowState], metas: dict[str, Any]) -> Ro
         return None
     if len(sizes) == 1:
         return kept[0].rows
-    rows = frozenset().union(*(s.rows for s in kept))
+    rows = frozenset[int]().union(*(cast(frozenset[int], s.rows) for s in kept))  # none is None: checked above
     dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
     return None if _norm(dim, len(node.out.shape)) in rows else rows
 
@@ -336,7 +341,7 @@ def _matmul_rows(target: str, operands: list[RowState]) -> tuple[Rows, bool]:
     return frozenset(out), 1 in a.rows or 0 in b.rows
 
 
-def _elementwise_rows(node: Node, operands: list[RowState], metas: dict[str, Any]) -> tuple[Rows, bool]:
+def _elementwise_rows(node: Node, operands: list[RowState], metas: dict[str, OutMeta]) -> tuple[Rows, bool]:
     """An op whose tensor operands all broadcast to its output's shape (right-aligned): each output element reads
     the elements at its own position, so the rows stay where they are. Anything else is not followed."""
     out = node.out
@@ -352,7 +357,7 @@ def _elementwise_rows(node: Node, operands: list[RowState], metas: dict[str, Any
     return frozenset(rows), False
 
 
-def _view_rows(rows: frozenset[int], old: tuple[int, ...], out: Any) -> Rows:
+def _view_rows(rows: frozenset[int], old: tuple[int, ...], out: OutMeta) -> Rows:
     """A reshape keeps rows at dim 0 when it merges dim 0 with the dims after it or splits it into a leading dim of
     more than one (``[B, T, C] ↔ [B·T, C]``); a dim of rows it leaves whole moves to the dim of the result that has
     its size and as many elements before it (``[1, B, H] → [B, H]``, ``[T, B, H] → [T, B, H]``); otherwise they are
@@ -363,7 +368,7 @@ def _view_rows(rows: frozenset[int], old: tuple[int, ...], out: Any) -> Rows:
     if rows == {0} and new0 > 1 and (new0 % old0 == 0 or old0 % new0 == 0):
         return frozenset({0})
     kept = [_kept_dim(d, old, out.shape) for d in rows]
-    return None if None in kept else frozenset(kept)
+    return None if None in kept else frozenset(cast("list[int]", kept))
 
 
 def _kept_dim(dim: int, old: tuple[int, ...], new: tuple[int, ...]) -> int | None:
@@ -382,13 +387,13 @@ def _broadcasts(shape: tuple[int, ...], out: tuple[int, ...]) -> bool:
     return all(s in (1, o) for s, o in zip(shape, out[len(out) - len(shape) :]))
 
 
-def _floating(meta: Any) -> bool:
+def _floating(meta: OutMeta) -> bool:
     if isinstance(meta, tuple):
         return any(_floating(m) for m in meta)
     return isinstance(meta, TensorMeta) and ("float" in meta.dtype or "bfloat" in meta.dtype)
 
 
-def _norm(dim: Any, rank: int) -> int:
+def _norm(dim: SupportsInt, rank: int) -> int:
     return int(dim) + rank if int(dim) < 0 else int(dim)
 
 

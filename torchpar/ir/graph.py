@@ -21,7 +21,7 @@ import dataclasses
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar, overload
 
 import numpy as np
 
@@ -215,7 +215,14 @@ def one_row_index(args: tuple) -> bool:
     return isinstance(indices, (list, tuple)) and len(indices) == 1 and isinstance(indices[0], Ref)
 
 
-def map_refs(value: Any, fn: Callable[[Ref], Any]) -> Any:
+_V = TypeVar("_V")
+
+
+@overload
+def map_refs(value: _V, fn: Callable[[Ref], Ref]) -> _V: ...
+@overload
+def map_refs(value: object, fn: Callable[[Ref], object]) -> object: ...
+def map_refs(value: object, fn: Callable[[Ref], object]) -> object:
     """``value`` (a node argument: scalars, ``Ref``, lists, tuples, dicts of them) with every :class:`Ref` replaced by
     ``fn(ref)``; containers keep their type."""
     if isinstance(value, Ref):
@@ -227,7 +234,8 @@ def map_refs(value: Any, fn: Callable[[Ref], Any]) -> Any:
     return value
 
 
-def _iter_refs(values: tuple[Any, ...]) -> Iterator[str]:
+def _iter_refs(values: tuple[object, ...]) -> Iterator[str]:
+
     for value in values:
         if isinstance(value, Ref):
             yield value.name

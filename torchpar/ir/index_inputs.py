@@ -22,11 +22,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import cast
 
 import numpy as np
 
-from torchpar.ir.graph import Graph, Node, Ref, TensorMeta
+from torchpar.ir.graph import Graph, Node, OutMeta, Ref, TensorMeta
 
 _INT_DTYPES = frozenset({"int8", "uint8", "int16", "int32", "int64"})
 
@@ -143,12 +143,13 @@ def index_bounds(graph: Graph) -> list[IndexBound]:
     return bounds
 
 
-def check_index_inputs(bounds: Sequence[IndexBound], leaves: Sequence[np.ndarray], names: Sequence[str]) -> None:
+def check_index_inputs(bounds: Sequence[IndexBound], leaves: Sequence[np.ndarray | None], names: Sequence[str]) -> None:
     """Raise :class:`InputRangeError` for the first batch value outside its bound. ``leaves`` are the batch's
-    arrays in flattened order (the values the user passed, before any narrowing cast), ``names`` how to call
-    each (``"batch['input_ids']"``)."""
+    arrays in flattened order (the values the user passed, before any narrowing cast; ``None`` for a bfloat16
+    leaf, which indexes nothing), ``names`` how to call each (``"batch['input_ids']"``)."""
     for bound in bounds:
         values = leaves[bound.input_index]
+        assert values is not None  # an index is an integer leaf
         if values.size == 0:
             continue
         low, high = values.min(), values.max()
@@ -180,13 +181,13 @@ def _bound(
     node: Node,
     position: int | tuple[int, int],
     flowing: tuple[int, frozenset[int]],
-    metas: dict[str, Any],
+    metas: dict[str, OutMeta],
     params: dict[str, str],
     producers: dict[str, Node],
 ) -> IndexBound:
     input_index, allowed = flowing
     indexed_ref = node.args[0]
-    shape = metas[indexed_ref.name].shape
+    shape = cast(TensorMeta, metas[indexed_ref.name]).shape  # the indexed operand: a tensor
     named = params.get(indexed_ref.name)
     if node.target in _ZERO_BASED:
         _, dim_position, _ = _ZERO_BASED[node.target]
@@ -200,7 +201,7 @@ def _bound(
         else:
             indexed = f"dim {dim} (size {high}) of {named or 'a ' + str(metas[indexed_ref.name])}"
     elif node.target in _ADVANCED:
-        dim = position[1]
+        dim = cast("tuple[int, int]", position)[1]  # an advanced index's (operand, dim)
         low, high = -shape[dim], shape[dim]
         indexed = f"dim {dim} (size {high}) of {named or 'a ' + str(metas[indexed_ref.name])}"
     else:  # nll_loss: classes are dim 1 of the input (dim 0 when it is one sample)
@@ -251,7 +252,7 @@ def _passed_value(
     return None
 
 
-def _is_int(out: Any) -> bool:
+def _is_int(out: OutMeta) -> bool:
     return (
         isinstance(out, TensorMeta)
         and out.dtype in _INT_DTYPES

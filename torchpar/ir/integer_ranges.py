@@ -27,15 +27,18 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import cast
 
 import numpy as np
 
-from torchpar.ir.graph import Graph, Node, Ref, TensorMeta
+from torchpar.ir.graph import Graph, Node, OutMeta, Ref, TensorMeta
 from torchpar.ir.index_inputs import VALUE_PRESERVING
 
 Interval = tuple[int, int] | None
 """``(lo, hi)`` with ``lo ≤ hi``, or ``None``: unknown (a float value, or one the rules do not bound)."""
+
+Known = Interval | list[Interval]
+"""A value's interval, or one per result of a multi-output node."""
 
 INT32 = (-(2**31), 2**31 - 1)
 _DTYPE_RANGES = {"bool": (0, 1), "uint8": (0, 255), "int8": (-128, 127), "int16": (-(2**15), 2**15 - 1), "int32": INT32}
@@ -77,7 +80,7 @@ class IntegerRanges:
     constants: tuple[tuple[str, Interval], ...]
     nodes: tuple[Node, ...]
     """The nodes with an integer or boolean result, in graph order."""
-    metas: dict[str, Any]
+    metas: dict[str, OutMeta]
     """Shape and dtype of every value the nodes read (reduction lengths, operand dtypes)."""
 
     def check(self, leaves: Sequence[np.ndarray | None], names: Sequence[str]) -> None:
@@ -86,21 +89,21 @@ class IntegerRanges:
         if self.nodes:
             self.intervals(leaves, names)
 
-    def intervals(self, leaves: Sequence[np.ndarray | None], names: Sequence[str]) -> dict[str, Any]:
+    def intervals(self, leaves: Sequence[np.ndarray | None], names: Sequence[str]) -> dict[str, Known]:
         """Every integer value's interval for this batch (a list per multi-output node), raising as :meth:`check`."""
-        known: dict[str, Any] = dict(self.constants)
+        known: dict[str, Known] = dict(self.constants)
         described = []
         for name, position in self.inputs:
             values = leaves[position] if position < len(leaves) else None
             if values is None or not (np.issubdtype(values.dtype, np.integer) or values.dtype == np.bool_):
                 continue
-            known[name] = (int(values.min()), int(values.max())) if values.size else None
-            if known[name] is not None:
-                described.append(f"{names[position]} in [{known[name][0]}, {known[name][1]}]")
+            known[name] = found = (int(values.min()), int(values.max())) if values.size else None
+            if found is not None:
+                described.append(f"{names[position]} in [{found[0]}, {found[1]}]")
         for node in self.nodes:
             interval = _interval(node, known, self.metas)
             if isinstance(node.out, TensorMeta):
-                interval = _fit(interval, node.out.dtype, node, described)
+                interval = _fit(cast(Interval, interval), node.out.dtype, node, described)  # one result: no list
             known[node.name] = interval
         return known
 
@@ -129,10 +132,10 @@ def integer_ranges(graph: Graph) -> IntegerRanges:
 # --- the rules ---------------------------------------------------------------------------------------------------
 
 
-def _interval(node: Node, known: dict[str, Any], metas: dict[str, Any]) -> Any:
+def _interval(node: Node, known: dict[str, Known], metas: dict[str, OutMeta]) -> Known:
     """The interval of ``node``'s result (a tuple of them for a multi-output op) from its operands' (``known``)."""
 
-    def get(value: Any) -> Interval:
+    def get(value: object) -> Interval:
         if isinstance(value, Ref):
             found = known.get(value.name)
             return found if isinstance(found, tuple) and len(found) == 2 and isinstance(found[0], int) else None
@@ -185,7 +188,7 @@ def _packet(target: str) -> str:
     return target.rsplit(".", 1)[0] if target.startswith("aten.") else target
 
 
-def _integer_valued(out: Any) -> bool:
+def _integer_valued(out: OutMeta) -> bool:
     if isinstance(out, tuple):
         return any(_integer_valued(o) for o in out)
     return isinstance(out, TensorMeta) and out.dtype in _INTEGER_DTYPES
@@ -200,7 +203,8 @@ def _array_interval(array: np.ndarray | None) -> Interval:
 def _union(*intervals: Interval) -> Interval:
     if not intervals or any(i is None for i in intervals):
         return None
-    return min(i[0] for i in intervals), max(i[1] for i in intervals)
+    known = cast("tuple[tuple[int, int], ...]", intervals)  # none is None: checked above
+    return min(i[0] for i in known), max(i[1] for i in known)
 
 
 def _corners(a: Interval, b: Interval, op: Callable[[int, int], int]) -> Interval:
@@ -333,7 +337,7 @@ def _prod(node: Node, get: Callable, metas: dict) -> Interval:
 _DIM_POSITIONS = {"aten.argmax": 1, "aten.argmin": 1, "aten.sort": 1, "aten.topk": 2, "aten.max": 1, "aten.min": 1}
 
 
-def _indices(node: Node, get: Callable, metas: dict) -> Any:
+def _indices(node: Node, get: Callable, metas: dict) -> Known:
     """``argmax``/``argmin`` (one index result) and ``sort``/``topk``/``max.dim``/``min.dim`` (values, indices):
     indices in ``[0, n)`` with ``n`` the size of the dim they run over (every element without a dim)."""
     packet, source = _packet(node.target), metas.get(node.args[0].name)
@@ -347,7 +351,7 @@ def _indices(node: Node, get: Callable, metas: dict) -> Any:
     return [get(node.args[0]), index] if isinstance(node.out, tuple) else index
 
 
-def _reduction_value(node: Node, get: Callable, metas: dict) -> Any:
+def _reduction_value(node: Node, get: Callable, metas: dict) -> Known:
     """``max``/``min``/``amax``/``amin``: the input's values (with indices for the ``dim`` overloads); the
     elementwise ``max.other``/``min.other`` as ``maximum``/``minimum``."""
     if isinstance(node.out, tuple):
@@ -412,7 +416,7 @@ def _bitwise(node: Node, get: Callable, metas: dict) -> Interval:
     return 0, (1 << max(a[1], b[1]).bit_length()) - 1
 
 
-_RULES: dict[str, Callable[[Node, Callable, dict], Any]] = {
+_RULES: dict[str, Callable[[Node, Callable, dict], Known]] = {
     "aten.add": _add,
     "aten.sub": _add,
     "aten.rsub": _add,

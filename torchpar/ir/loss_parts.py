@@ -36,12 +36,12 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from dataclasses import dataclass
-from typing import Literal
+from typing import Final, Literal
 
 from torchpar.ir.batch_rows import row_states
 from torchpar.ir.graph import Graph, Node, Output, Ref, TensorMeta
 
-LOSS_DEN = "loss_den"
+LOSS_DEN: Final = "loss_den"
 """The output kind that marks how micro-batch losses combine."""
 
 ReductionKind = Literal["mean", "sum", "ratio"]
@@ -185,6 +185,7 @@ class Reductions:
         if target in _MULTIPLIES and len(operands) == 2:
             factor, other = self._split_factor(operands)
             if factor is not None:
+                assert other is not None  # found with its factor
                 return self.reduction(other.name, depth + 1)
         if target in _DIVIDES and len(operands) == 2 and isinstance(operands[0], Ref):
             num, den = operands

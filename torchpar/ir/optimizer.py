@@ -35,7 +35,7 @@ update is not elementwise (`NOT_ELEMENTWISE`): a program that updates a shard of
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -264,7 +264,7 @@ def nadam_mu(beta1: float, momentum_decay: float, step: int) -> float:
     return beta1 * (1.0 - 0.5 * (0.96 ** (step * momentum_decay)))
 
 
-def nadam_mu_product(previous: float, beta1: float, momentum_decay: float, step: int) -> np.ndarray:
+def nadam_mu_product(previous: float | np.float32, beta1: float, momentum_decay: float, step: int) -> np.float32:
     """torch's ``mu_product *= mu`` on its float32 state: the product after step `step`, as float32."""
     return np.float32(previous) * np.float32(nadam_mu(beta1, momentum_decay, step))
 
@@ -341,7 +341,7 @@ class _GroupStep:
         return float(self.hp["weight_decay"])
 
 
-def _sgd_scalars(g: _GroupStep) -> dict[str, Any]:
+def _sgd_scalars(g: _GroupStep) -> dict[str, np.ndarray]:
     momentum = float(g.hp["momentum"])
     return {
         "lr": _f32(g.lr),
@@ -353,7 +353,7 @@ def _sgd_scalars(g: _GroupStep) -> dict[str, Any]:
     }
 
 
-def _adagrad_scalars(g: _GroupStep) -> dict[str, Any]:
+def _adagrad_scalars(g: _GroupStep) -> dict[str, np.ndarray]:
     return {
         "weight_decay": _f32(g.wd),
         "eps": _f32(float(g.hp["eps"])),
@@ -361,7 +361,7 @@ def _adagrad_scalars(g: _GroupStep) -> dict[str, Any]:
     }
 
 
-def _rmsprop_scalars(g: _GroupStep) -> dict[str, Any]:
+def _rmsprop_scalars(g: _GroupStep) -> dict[str, np.ndarray]:
     alpha = float(g.hp["alpha"])
     return {
         "lr": _f32(g.lr),
@@ -373,7 +373,7 @@ def _rmsprop_scalars(g: _GroupStep) -> dict[str, Any]:
     }
 
 
-def _adadelta_scalars(g: _GroupStep) -> dict[str, Any]:
+def _adadelta_scalars(g: _GroupStep) -> dict[str, np.ndarray]:
     rho = float(g.hp["rho"])
     return {
         "lr": _f32(g.lr),
@@ -390,7 +390,7 @@ def _bias_corrections(g: _GroupStep) -> tuple[float, float, float, float]:
     return beta1, beta2, 1.0 - beta1**g.step, 1.0 - beta2**g.step
 
 
-def _adamax_scalars(g: _GroupStep) -> dict[str, Any]:
+def _adamax_scalars(g: _GroupStep) -> dict[str, np.ndarray]:
     beta1, beta2, bias_correction1, _ = _bias_corrections(g)
     return {
         "weight_decay": _f32(g.wd),
@@ -401,7 +401,7 @@ def _adamax_scalars(g: _GroupStep) -> dict[str, Any]:
     }
 
 
-def _moments(g: _GroupStep) -> dict[str, Any]:
+def _moments(g: _GroupStep) -> dict[str, np.ndarray]:
     """The scalars of Adam's two moments, shared by Adam, AdamW, NAdam and RAdam."""
     beta1, beta2, _, _ = _bias_corrections(g)
     return {
@@ -412,7 +412,7 @@ def _moments(g: _GroupStep) -> dict[str, Any]:
     }
 
 
-def _decay(g: _GroupStep) -> dict[str, Any]:
+def _decay(g: _GroupStep) -> dict[str, np.ndarray]:
     """NAdam / RAdam weight decay: L2 (into the gradient) or decoupled (a parameter scale)."""
     return {
         "weight_decay": _f32(0.0 if g.decoupled else g.wd),
@@ -420,7 +420,7 @@ def _decay(g: _GroupStep) -> dict[str, Any]:
     }
 
 
-def _nadam_scalars(g: _GroupStep) -> dict[str, Any]:
+def _nadam_scalars(g: _GroupStep) -> dict[str, np.ndarray]:
     beta1, _, _, bias_correction2 = _bias_corrections(g)
     momentum_decay = float(g.hp["momentum_decay"])
     if g.counters is None:
@@ -442,7 +442,7 @@ def _nadam_scalars(g: _GroupStep) -> dict[str, Any]:
     }
 
 
-def _radam_scalars(g: _GroupStep) -> dict[str, Any]:
+def _radam_scalars(g: _GroupStep) -> dict[str, np.ndarray]:
     _, beta2, bias_correction1, bias_correction2 = _bias_corrections(g)
     rho_inf = 2 / (1 - beta2) - 1
     rho_t = rho_inf - 2 * g.step * (beta2**g.step) / bias_correction2
@@ -461,7 +461,7 @@ def _radam_scalars(g: _GroupStep) -> dict[str, Any]:
     }
 
 
-def _adam_scalars(g: _GroupStep, *, decoupled: bool = False) -> dict[str, Any]:
+def _adam_scalars(g: _GroupStep, *, decoupled: bool = False) -> dict[str, np.ndarray]:
     """Adam (L2 weight decay into the gradient) and, ``decoupled``, AdamW (a parameter scale)."""
     _, _, bias_correction1, bias_correction2 = _bias_corrections(g)
     decay = {"param_scale": _f32(1.0 - g.lr * g.wd)} if decoupled else {"weight_decay": _f32(g.wd)}
@@ -474,7 +474,7 @@ def _adam_scalars(g: _GroupStep, *, decoupled: bool = False) -> dict[str, Any]:
     }
 
 
-def _asgd_scalars(hp: Mapping[str, Any], step: int, counters: Mapping[str, float] | None) -> dict[str, Any]:
+def _asgd_scalars(hp: Mapping[str, Any], step: int, counters: Mapping[str, float] | None) -> dict[str, np.ndarray]:
     if counters is None:
         eta, mu = (float(np.float32(x)) for x in (asgd_eta_mu(hp, step - 1) if step > 1 else (hp["lr"], 1.0)))
     else:
@@ -488,7 +488,7 @@ def _asgd_scalars(hp: Mapping[str, Any], step: int, counters: Mapping[str, float
     }
 
 
-def _rprop_scalars(hp: Mapping[str, Any], step: int, counters: Any) -> dict[str, Any]:
+def _rprop_scalars(hp: Mapping[str, Any], step: int, counters: Mapping[str, float] | None) -> dict[str, np.ndarray]:
     etaminus, etaplus = (float(e) for e in hp["etas"])
     step_size_min, step_size_max = (float(e) for e in hp["step_sizes"])
     return {
@@ -501,7 +501,7 @@ def _rprop_scalars(hp: Mapping[str, Any], step: int, counters: Any) -> dict[str,
     }
 
 
-def _adafactor_scalars(hp: Mapping[str, Any], step: int, counters: Any) -> dict[str, Any]:
+def _adafactor_scalars(hp: Mapping[str, Any], step: int, counters: Mapping[str, float] | None) -> dict[str, np.ndarray]:
     lr, wd = float(hp["lr"]), float(hp["weight_decay"])
     eps1, eps2 = hp["eps"]
     if eps1 is None:
@@ -521,7 +521,7 @@ def _adafactor_scalars(hp: Mapping[str, Any], step: int, counters: Any) -> dict[
     }
 
 
-def _muon_scalars(hp: Mapping[str, Any], step: int, counters: Any) -> dict[str, Any]:
+def _muon_scalars(hp: Mapping[str, Any], step: int, counters: Mapping[str, float] | None) -> dict[str, np.ndarray]:
     lr, wd, momentum = float(hp["lr"]), float(hp["weight_decay"]), float(hp["momentum"])
     a, b, c = (float(x) for x in hp["ns_coefficients"])
     return {
@@ -536,7 +536,7 @@ def _muon_scalars(hp: Mapping[str, Any], step: int, counters: Any) -> dict[str, 
     }
 
 
-_SCALARS: dict[str, Any] = {
+_SCALARS: dict[str, Callable[[_GroupStep], dict[str, np.ndarray]]] = {
     "sgd": _sgd_scalars,
     "adagrad": _adagrad_scalars,
     "rmsprop": _rmsprop_scalars,

@@ -13,7 +13,7 @@ Rows carry their exact numbers as ``data-*`` attributes (``data-step-s``, …) f
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from torchpar.methods import method_title
 from torchpar.report.estimates import (
@@ -22,7 +22,7 @@ from torchpar.report.estimates import (
     axes_crossing_hosts,
     mesh_text,
 )
-from torchpar.report.markup import attrs, e, ranges, relative, table
+from torchpar.report.markup import Cell, attrs, e, ranges, relative, table
 from torchpar.units import format_bytes, format_seconds
 
 if TYPE_CHECKING:
@@ -54,7 +54,8 @@ def why_html(plan: Plan, numbers: PlanNumbers) -> str | None:
 def runners_up_html(numbers: PlanNumbers) -> str:
     """Chosen plan first, then the runners-up, same columns."""
     chosen = numbers.alternatives[0]
-    rows, row_attrs = [], []
+    rows: list[list[Cell]] = []
+    row_attrs: list[str] = []
     for alt in numbers.alternatives:
         label = "<b>chosen</b>" if alt.chosen else f"#{alt.rank}"
         if alt.step_s is not None:
@@ -138,11 +139,12 @@ def _screening_only(numbers: PlanNumbers) -> str:
 # --- one-stage plans: hand plans and mesh shapes --------------------------------------------------------
 
 
-def method_comparison_html(plan: Plan, numbers: PlanNumbers, comparison: Sequence[Any]) -> str:
+def method_comparison_html(plan: Plan, numbers: PlanNumbers, comparison: Sequence[object]) -> str:
     """Each compared method on the same cost model, the plan's own method highlighted, with a verdict."""
     priced = [r for r in comparison if isinstance(r, Mapping) and isinstance(r.get("estimated_step_s"), (int, float))]
     longest = max((r["estimated_step_s"] for r in priced), default=0.0) or 1.0
-    rows, row_attrs = [], []
+    rows: list[list[Cell]] = []
+    row_attrs: list[str] = []
     for row in comparison:
         if not isinstance(row, Mapping):
             continue
@@ -219,13 +221,14 @@ def _verdict(plan: Plan, numbers: PlanNumbers, priced: list[Mapping[str, Any]]) 
     return f"<p class='verdict'>{e(text)}</p>"
 
 
-def mesh_shapes_html(plan: Plan, numbers: PlanNumbers, meshes: Sequence[Any]) -> str:
+def mesh_shapes_html(plan: Plan, numbers: PlanNumbers, meshes: Sequence[object]) -> str:
     """Every logical mesh ShardParallel tried, with the hosts each axis spans on the plan's submesh."""
     submesh = numbers.stages[0].submesh_shape if numbers.stages else (1, 1)
     chosen_step = next(
         (r.get("estimated_step_s") for r in meshes if isinstance(r, Mapping) and r.get("chosen")), numbers.step_s
     )
-    rows, row_attrs = [], []
+    rows: list[list[Cell]] = []
+    row_attrs: list[str] = []
     for row in meshes:
         if not isinstance(row, Mapping):
             continue
@@ -246,7 +249,7 @@ def mesh_shapes_html(plan: Plan, numbers: PlanNumbers, meshes: Sequence[Any]) ->
             )
             row_attrs.append(attrs(data_mesh=mesh_text(shape)))
             continue
-        step = row.get("estimated_step_s")
+        step = cast(float, row.get("estimated_step_s"))  # a row without an error was priced
         rows.append(
             [
                 (e(mesh_text(shape)), None),
@@ -275,10 +278,11 @@ def mesh_shapes_html(plan: Plan, numbers: PlanNumbers, meshes: Sequence[Any]) ->
     )
 
 
-def expert_layouts_html(experts: Sequence[Any]) -> str:
+def expert_layouts_html(experts: Sequence[object]) -> str:
     """The grouped matmuls' layout families priced on the plan's logical mesh (``plan.solver["expert_layouts"]``)."""
     chosen_step = next((r.get("estimated_step_s") for r in experts if isinstance(r, Mapping) and r.get("chosen")), None)
-    rows, row_attrs = [], []
+    rows: list[list[Cell]] = []
+    row_attrs: list[str] = []
     for row in experts:
         if not isinstance(row, Mapping):
             continue
@@ -296,7 +300,7 @@ def expert_layouts_html(experts: Sequence[Any]) -> str:
             )
             row_attrs.append(attrs(data_experts=family))
             continue
-        step = row.get("estimated_step_s")
+        step = cast(float, row.get("estimated_step_s"))  # a row without an error was priced
         rows.append(
             [
                 (label, None),

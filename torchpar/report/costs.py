@@ -13,8 +13,8 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from torchpar.report.estimates import (
     COLLECTIVES,
@@ -25,6 +25,9 @@ from torchpar.report.estimates import (
 from torchpar.report.layout import IDLE_COLOR, stage_color
 from torchpar.report.markup import attrs, bandwidth, e, ratio, stage_cell, swatch, table
 from torchpar.units import format_bytes, format_flops, format_seconds
+
+if TYPE_CHECKING:
+    from torchpar.planner.plan import Plan
 
 MEMORY_COLORS = {
     "parameters": "#0969da",
@@ -185,7 +188,15 @@ def communication_html(numbers: PlanNumbers) -> str:
 # --- layers ---------------------------------------------------------------------------------------------
 
 
-def layer_rows(layer_stats: Any) -> list[dict[str, Any]] | None:
+class LayerRow(TypedDict):
+    """One layer of the report's layer table and charts (:func:`layer_rows`)."""
+
+    flops: float
+    activation_bytes: float
+    modules: list[str]
+
+
+def layer_rows(layer_stats: Any) -> list[LayerRow] | None:
     """``layer_stats`` (a ``Layering`` with ``.flops``/``.boundary_bytes``, or ``Plan.layers``' dicts) as
     ``{"flops", "activation_bytes", "modules"}`` rows."""
     if layer_stats is None:
@@ -205,7 +216,7 @@ def layer_rows(layer_stats: Any) -> list[dict[str, Any]] | None:
     ]
 
 
-def layers_html(plan: Any, layers: list[dict[str, Any]]) -> str:
+def layers_html(plan: Plan, layers: list[LayerRow]) -> str:
     """A table (layer, stage, modules, FLOPs, activation bytes) and two column charts coloured by stage."""
     stage_of = {layer: index for index, stage in enumerate(plan.stages) for layer in stage.layers}
     colors = [stage_color(stage_of[i]) if i in stage_of else IDLE_COLOR for i in range(len(layers))]
@@ -269,7 +280,7 @@ def _run_text(run: list[int]) -> str:
     return str(run[0]) if len(run) == 1 else f"{run[0]}–{run[-1]}"
 
 
-def _columns(values: list[float], colors: list[str], fmt: Any) -> str:
+def _columns(values: list[float], colors: list[str], fmt: Callable[[float], str]) -> str:
     """An SVG column chart, one column per layer, coloured by stage."""
     width, height, left, bottom = 1000, 120, 70, 22
     top = max(values, default=0.0) or 1.0

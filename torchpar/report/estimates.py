@@ -19,13 +19,14 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from torchpar.methods import method_title
 from torchpar.units import format_bytes, format_seconds
 
 if TYPE_CHECKING:
-    from torchpar.planner.plan import Plan
+    from torchpar.planner.pipeline.stages import Schedule
+    from torchpar.planner.plan import Plan, StagePlan
 
 PIPELINE = "pipeshard"
 """``PipeshardParallel.name``: the one method whose step is a pipeline of stages."""
@@ -156,15 +157,16 @@ def plan_numbers(plan: Plan, measured: Mapping[str, Any] | None = None) -> PlanN
     step_measured, memory_measured = check_measured(measured, len(plan.stages))
     stages = tuple(_stage_numbers(i, s, memory_measured.get(i)) for i, s in enumerate(plan.stages))
     solver = plan.solver or {}
-    estimate = solver.get("estimate") if isinstance(solver.get("estimate"), Mapping) else {}
+    estimate = cast("Mapping[str, Any]", solver.get("estimate")) if isinstance(solver.get("estimate"), Mapping) else {}
     micro = max(int(plan.num_micro_batches), 1)
     if plan.method == PIPELINE and stages:
         from torchpar.planner.pipeline.schedules import device_groups
         from torchpar.planner.pipeline.stages import latency_formula, pipeline_latency
 
         virtual = len(plan.stages) // device_groups(plan.schedule, [s.devices() for s in plan.stages])
-        derived = pipeline_latency([s.cost_s for s in stages], micro, plan.schedule, virtual)
-        formula = latency_formula(plan.schedule, micro, virtual)
+        schedule = cast("Schedule", plan.schedule)  # a pipeline's: one of the schedules
+        derived = pipeline_latency([s.cost_s for s in stages], micro, schedule, virtual)
+        formula = latency_formula(schedule, micro, virtual)
     else:
         derived = stages[0].cost_s if len(stages) == 1 else sum(s.cost_s for s in stages)
         formula = "one step = the stage's estimate" if len(stages) == 1 else "Σ stage"
@@ -217,7 +219,7 @@ def check_measured(measured: Mapping[str, Any] | None, num_stages: int) -> tuple
     return (None if step is None else float(step)), by_stage
 
 
-def _stage_numbers(index: int, stage: Any, measured_memory: float | None) -> StageNumbers:
+def _stage_numbers(index: int, stage: StagePlan, measured_memory: float | None) -> StageNumbers:
     submesh = (int(stage.submesh_shape[0]), int(stage.submesh_shape[1]))
     logical = (int(stage.logical_mesh_shape[0]), int(stage.logical_mesh_shape[1]))
     stored = list(getattr(stage, "crosses_hosts", None) or [])
@@ -282,7 +284,7 @@ def _alternatives(
     return tuple(out)
 
 
-def _number(value: Any) -> float | None:
+def _number(value: object) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         return None
     return float(value)

@@ -80,7 +80,7 @@ def save_html(
     plan: Plan,
     path: str | Path,
     *,
-    timeline: Any = None,
+    timeline: object = None,
     measured: Mapping[str, Any] | None = None,
     cluster: ClusterSpec | None = None,
     param_shapes: Mapping[str, Sequence[int]] | None = None,
@@ -107,7 +107,7 @@ def save_html(
 def render_html(
     plan: Plan,
     *,
-    timeline: Any = None,
+    timeline: object = None,
     measured: Mapping[str, Any] | None = None,
     cluster: ClusterSpec | None = None,
     param_shapes: Mapping[str, Sequence[int]] | None = None,
@@ -420,6 +420,7 @@ def _param_table(plan: Plan, shapes: Mapping[str, Sequence[int]] | None) -> str:
                 (e("; ".join(other)), "; ".join(other)),
             ]
             if with_shapes:
+                assert shapes is not None  # with_shapes
                 shape = list(shapes[name]) if name in shapes else None
                 numel = math.prod(shape) if shape is not None else -1
                 cells[2:2] = [(e("×".join(map(str, shape)) if shape is not None else "?"), numel)]
@@ -579,7 +580,7 @@ def _solver_html(solver: Mapping[str, Any]) -> str:
     return profiled + "".join(out)
 
 
-def _fmt_stat(key: str, value: Any) -> str:
+def _fmt_stat(key: str, value: object) -> str:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return str(value)
     if key.endswith("_s"):

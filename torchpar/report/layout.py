@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import colorsys
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from torchpar.cluster import current_cluster
 from torchpar.hardware import ClusterSpec
@@ -76,6 +77,7 @@ def device_grid(plan: Plan, cluster: ClusterSpec | None = None) -> DeviceGrid:
         )
     stage_devices = _stage_devices(plan, submeshes, notes)
     owner: dict[int, tuple[int, tuple[int, ...]]] = {}
+    stage: int | None  # a device's stage; None: idle
     for stage, (devices, plan_stage) in enumerate(zip(stage_devices, plan.stages)):
         columns = max(int(plan_stage.logical_mesh_shape[1]), 1)
         per_replica = max(int(plan_stage.logical_mesh_shape[0]), 1) * columns
@@ -123,7 +125,7 @@ class TimelineView:
     """True when the plan has no cost estimates, so every stage got unit time."""
 
 
-def timeline_view(plan: Plan, timeline: Any = None) -> TimelineView:
+def timeline_view(plan: Plan, timeline: object = None) -> TimelineView:
     """The step as stage × time blocks: ``timeline`` if given (per stage a list of ``(op, micro_batch,
     start_s, end_s)``, or an object with such ``.blocks``: ``schedules.Timeline``, the Ray runtime's
     ``StepTimeline``), else ``simulate(make_schedule(plan.schedule, S, M))`` with each stage's forward
@@ -133,7 +135,7 @@ def timeline_view(plan: Plan, timeline: Any = None) -> TimelineView:
     if timeline is None:
         return _estimated_timeline(plan)
     source = "simulated" if isinstance(timeline, schedules.Timeline) else "measured"
-    raw = getattr(timeline, "blocks", timeline)
+    raw = cast("Sequence[Sequence[object]]", getattr(timeline, "blocks", timeline))  # per stage its blocks
     rows = schedules.device_groups(plan.schedule, [s.devices() for s in plan.stages])  # stages, or groups (interleaved)
     if len(raw) != rows:
         raise ValueError(f"the timeline has {len(raw)} stage(s) but the plan has {rows} (device groups)")

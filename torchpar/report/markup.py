@@ -6,27 +6,26 @@ Every text a table shows goes through :func:`e`; numbers are formatted by :mod:`
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from html import escape
-from typing import Any
 
 from torchpar.report.layout import AXIS_COLORS, stage_color
 
-Cell = tuple[str, Any]
+Cell = tuple[str, object]
 """A table cell: (inner HTML, sort key or ``None`` to sort by its text)."""
 
 
-def e(value: Any) -> str:
+def e(value: object) -> str:
     """``value`` as HTML text, quotes escaped too (safe in attributes)."""
     return escape(str(value), quote=True)
 
 
-def attrs(**values: Any) -> str:
+def attrs(**values: object) -> str:
     """``data_step_s=0.1`` → `` data-step-s='0.1'``: exact values for tests and scripts (floats as ``repr``)."""
     return "".join(f" {k.replace('_', '-')}='{e(_exact(v))}'" for k, v in values.items() if v is not None)
 
 
-def _exact(value: Any) -> str:
+def _exact(value: object) -> str:
     if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
         return str(int(value))
     return repr(value) if isinstance(value, float) else str(value)
@@ -36,7 +35,7 @@ def table(
     heads: Sequence[str],
     rows: Sequence[Sequence[Cell]],
     *,
-    numeric: set[int] = frozenset(),
+    numeric: Container[int] = frozenset(),
     sortable: bool = False,
     css: str = "",
     scroll: bool = False,

@@ -15,7 +15,7 @@ is split, and the section says which op splits it first.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from torchpar.ir.layout import describe
 from torchpar.report.estimates import mesh_text
@@ -23,7 +23,7 @@ from torchpar.report.layout import stage_color
 from torchpar.report.markup import e, ranges, spec_chips, spec_legend, swatch, table
 
 if TYPE_CHECKING:
-    from torchpar.planner.plan import Plan
+    from torchpar.planner.plan import Plan, StagePlan
 
 _MATMUL = {"m": "rows (batch × sequence)", "k": "contracted dim (in features)", "n": "out features"}
 _BATCHED = {"b": "batch", "m": "rows", "k": "contracted dim", "n": "columns"}
@@ -131,9 +131,9 @@ def _axes_text(axes: str) -> str:
     return f"axis {axes}" if len(axes) == 1 else "axes " + " and ".join(axes)
 
 
-def splits_batch(spec: Sequence[Any] | None) -> bool:
+def splits_batch(spec: Sequence[object] | None) -> bool:
     """Whether an op's output has its leading (batch) dim split."""
-    return bool(spec) and bool(spec[0])
+    return bool(spec and spec[0])
 
 
 def strategies_html(plan: Plan) -> str | None:
@@ -166,7 +166,7 @@ def strategies_html(plan: Plan) -> str | None:
     return legend + vocabulary + "".join(blocks)
 
 
-def _stage_block(index: int, stage: Any, strategies: Mapping[str, str], *, open_: bool) -> str:
+def _stage_block(index: int, stage: StagePlan, strategies: Mapping[str, str], *, open_: bool) -> str:
     mesh = tuple(int(d) for d in stage.logical_mesh_shape)
     activations = getattr(stage, "activations", {}) or {}
     operands = getattr(stage, "operands", {}) or {}
@@ -245,7 +245,7 @@ def merge_modules(modules: Sequence[str]) -> str:
     return ", ".join(unique)
 
 
-def _batch_note(stage: Any, first_split: tuple[str, str, str, str] | None) -> str:
+def _batch_note(stage: StagePlan, first_split: tuple[str, str, str, str] | None) -> str:
     inputs = getattr(stage, "inputs", {}) or {}
     stored = ", ".join(f"leaf {leaf}: {describe(spec)}" for leaf, spec in inputs.items())
     stored_text = f"Batch inputs as stored: {stored}. " if stored else ""

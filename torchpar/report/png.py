@@ -28,7 +28,7 @@ def save_png(
     plan: Plan,
     path: str | Path,
     *,
-    timeline: Any = None,
+    timeline: object = None,
     measured: Mapping[str, Any] | None = None,
     cluster: ClusterSpec | None = None,
     dpi: int = 110,
@@ -45,7 +45,11 @@ def save_png(
 
 
 def figure(
-    plan: Plan, *, timeline: Any = None, measured: Mapping[str, Any] | None = None, cluster: ClusterSpec | None = None
+    plan: Plan,
+    *,
+    timeline: object = None,
+    measured: Mapping[str, Any] | None = None,
+    cluster: ClusterSpec | None = None,
 ) -> Figure:
     """The matplotlib figure :func:`save_png` writes (close it with ``matplotlib.pyplot.close``)."""
     import matplotlib

@@ -33,7 +33,8 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any
+from collections.abc import Callable, Container
+from typing import Any, cast
 
 import torch
 import torch.fx
@@ -83,7 +84,7 @@ def fold_static_attention_masks(graph: torch.fx.Graph) -> int:
     """Rewrite ``graph``'s attention calls whose mask is a causal or all-attending constant (module docstring);
     returns how many calls were rewritten. ``graph`` is modified in place."""
     folded = 0
-    values: dict[torch.fx.Node, torch.Tensor] = {}
+    values: dict[torch.fx.Node, torch.Tensor | _RowBlocks] = {}
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target is not SDPA:
             continue
@@ -143,7 +144,9 @@ class _RowBlocks:
     ``rows(a, b)`` is the value's query rows ``a:b`` (dim −2), computed from its arguments' rows ``a:b`` (those with
     the same rows; an argument with one row, or fewer dims, broadcasts whole)."""
 
-    def __init__(self, target: Any, args: tuple, kwargs: dict, shape: tuple[int, ...], dtype: torch.dtype):
+    def __init__(
+        self, target: Callable[..., torch.Tensor], args: tuple, kwargs: dict, shape: tuple[int, ...], dtype: torch.dtype
+    ):
         self.target, self.args, self.kwargs, self.shape, self.dtype = target, args, kwargs, shape, dtype
 
     def rows(self, start: int, stop: int) -> torch.Tensor:
@@ -161,7 +164,7 @@ class _RowBlocks:
             return self.target(*args, **self.kwargs)
 
 
-def _rows_of(value: Any, start: int, stop: int, count: int) -> Any:
+def _rows_of(value: object, start: int, stop: int, count: int) -> Any:
     if isinstance(value, _RowBlocks):
         return value.rows(start, stop) if value.shape[-2] == count else value.rows(0, value.shape[-2])
     if isinstance(value, torch.Tensor) and value.ndim >= 2 and value.shape[-2] == count and count > 1:
@@ -181,7 +184,7 @@ def _attends(mask: torch.Tensor) -> torch.Tensor | None:
     return ~masked
 
 
-def _mask_arg(node: torch.fx.Node) -> Any:
+def _mask_arg(node: torch.fx.Node) -> torch.fx.node.Argument:
     if len(node.args) > _MASK_POSITION:
         return node.args[_MASK_POSITION]
     return node.kwargs.get("attn_mask")
@@ -220,7 +223,9 @@ def _depends_on_placeholder(node: torch.fx.Node) -> bool:
     return False
 
 
-def _evaluate(node: torch.fx.Node, values: dict[torch.fx.Node, Any]) -> torch.Tensor | _RowBlocks | None:
+def _evaluate(
+    node: torch.fx.Node, values: dict[torch.fx.Node, torch.Tensor | _RowBlocks]
+) -> torch.Tensor | _RowBlocks | None:
     """The node's value computed with torch on the CPU, its inputs first — past the size limit, a broadcasting
     elementwise op or ``expand`` as :class:`_RowBlocks` (``None`` if a node on the way is random, too large for
     either, or fails to run: the mask is then left as data)."""
@@ -230,23 +235,25 @@ def _evaluate(node: torch.fx.Node, values: dict[torch.fx.Node, Any]) -> torch.Te
         return None
     value = node.meta.get("val")
     large = isinstance(value, torch.Tensor) and value.numel() > _MAX_FOLD_ELEMENTS
-    if large and (node.target not in _BLOCKWISE or value.ndim < 2):
+    if large and (node.target not in _BLOCKWISE or cast(torch.Tensor, value).ndim < 2):  # large: a tensor
         return None
     inputs = {n: _evaluate(n, values) for n in node.all_input_nodes}
     if any(v is None for v in inputs.values()):
         return None
-    args = torch.fx.node.map_arg(node.args, inputs.__getitem__)
-    kwargs = torch.fx.node.map_arg(node.kwargs, inputs.__getitem__)
-    if kwargs.get("device") is not None and torch.device(kwargs["device"]).type == "meta":
+    # map_arg puts what the function returns in place of each node: any value, though torch types it as an fx Argument
+    args = torch.fx.node.map_arg(node.args, inputs.__getitem__)  # type: ignore[arg-type]  # torch: fn -> Argument
+    kwargs = torch.fx.node.map_arg(node.kwargs, inputs.__getitem__)  # type: ignore[arg-type]  # torch: fn -> Argument
+    if kwargs.get("device") is not None and torch.device(cast("torch.device | str", kwargs["device"])).type == "meta":
         kwargs = {**kwargs, "device": torch.device("cpu")}  # a model built on the meta device: the mask on the CPU
     if large or any(isinstance(v, _RowBlocks) for v in inputs.values()):
         if node.target not in _BLOCKWISE or value is None or value.ndim < 2:
             return None
-        values[node] = _RowBlocks(node.target, tuple(args), dict(kwargs), tuple(value.shape), value.dtype)
+        op = cast("Callable[..., torch.Tensor]", node.target)  # a blockwise ATen op
+        values[node] = _RowBlocks(op, tuple(args), dict(kwargs), tuple(value.shape), value.dtype)
         return values[node]
     try:
         with torch.no_grad():
-            result = node.target(*args, **kwargs)
+            result = cast("Callable[..., object]", node.target)(*args, **kwargs)  # a call_function node's op
     except Exception as error:
         log.debug("attention mask not folded: %s (%s) raised %r", node.name, node.target, error)
         return None
@@ -265,7 +272,7 @@ def _is_random(target: object) -> bool:
     return any(word in name for word in ("rand", "bernoulli", "dropout", "normal", "uniform", "multinomial"))
 
 
-def _remove_unused(graph: torch.fx.Graph, candidates: dict[torch.fx.Node, Any]) -> None:
+def _remove_unused(graph: torch.fx.Graph, candidates: Container[torch.fx.Node]) -> None:
     """Erase the evaluated mask nodes left without users (latest first, so chains go in one pass)."""
     for node in reversed(list(graph.nodes)):
         if node in candidates and not node.users:

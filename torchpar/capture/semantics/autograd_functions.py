@@ -40,8 +40,9 @@ import functools
 import inspect
 import os
 import sys
-from collections.abc import Iterator
-from typing import Any
+import types
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 import torch.utils._pytree as pytree
@@ -49,6 +50,9 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from torchpar.capture.errors import CaptureError
 from torchpar.capture.to_ir import decompose, to_ir
+
+if TYPE_CHECKING:
+    from torchpar.ir.graph import Graph
 
 # --- the marker ops --------------------------------------------------------------------------------------------
 
@@ -63,7 +67,7 @@ def _(x: torch.Tensor, call: int, position: int) -> torch.Tensor:
     return torch.empty_like(x)
 
 
-def _input_backward(ctx: object, grad: torch.Tensor) -> tuple[Any, ...]:
+def _input_backward(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
     return grad, None, None
 
 
@@ -80,7 +84,7 @@ def _(x: torch.Tensor, saved: list[torch.Tensor], call: int, position: int) -> t
     return torch.empty_like(x)
 
 
-def _output_backward(ctx: object, grad: torch.Tensor) -> tuple[Any, ...]:
+def _output_backward(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
     return grad, None, None, None
 
 
@@ -95,15 +99,15 @@ class _ForwardContext:
 
     def __init__(self, needs_input_grad: tuple[bool, ...]):
         self.needs_input_grad = needs_input_grad
-        self._torchpar_saved: tuple[Any, ...] = ()
+        self._torchpar_saved: tuple[object, ...] = ()
         self._torchpar_non_differentiable: list[torch.Tensor] = []
         self._torchpar_dirty: list[torch.Tensor] = []
         self._torchpar_materialize = True
 
-    def save_for_backward(self, *tensors: Any) -> None:
+    def save_for_backward(self, *tensors: object) -> None:
         self._torchpar_saved = tensors
 
-    def save_for_forward(self, *tensors: Any) -> None:  # forward-mode AD: not part of a training step
+    def save_for_forward(self, *tensors: object) -> None:  # forward-mode AD: not part of a training step
         pass
 
     def mark_non_differentiable(self, *tensors: torch.Tensor) -> None:
@@ -115,7 +119,7 @@ class _ForwardContext:
     def set_materialize_grads(self, value: bool) -> None:
         self._torchpar_materialize = bool(value)
 
-    def attributes(self) -> dict[str, Any]:
+    def attributes(self) -> dict[str, object]:
         """What the forward stored on the context for its backward."""
         return {k: v for k, v in vars(self).items() if not k.startswith("_torchpar_") and k != "needs_input_grad"}
 
@@ -124,7 +128,11 @@ class _BackwardContext:
     """The ``ctx`` a Function's backward sees while it is traced: the saved tensors, the forward's attributes."""
 
     def __init__(
-        self, saved: tuple[Any, ...], attributes: dict[str, Any], needs_input_grad: tuple[bool, ...], materialize: bool
+        self,
+        saved: tuple[object, ...],
+        attributes: dict[str, object],
+        needs_input_grad: tuple[bool, ...],
+        materialize: bool,
     ):
         self.__dict__.update(attributes)
         self.saved_tensors = saved
@@ -135,7 +143,7 @@ class _BackwardContext:
     def set_materialize_grads(self, value: bool) -> None:
         pass
 
-    def mark_non_differentiable(self, *tensors: Any) -> None:
+    def mark_non_differentiable(self, *tensors: torch.Tensor) -> None:
         pass
 
 
@@ -151,13 +159,13 @@ class FunctionCall:
     """One intercepted ``F.apply(*args)`` of the step: what tracing its backward needs."""
 
     call: int
-    cls: type
+    cls: type[torch.autograd.Function]
     where: str
     num_args: int
     needs_input_grad: tuple[bool, ...]
-    saved_layout: tuple[Any, ...]
+    saved_layout: tuple[object, ...]
     """``ctx.saved_tensors`` as saved: a :class:`_SavedSlot` per tensor, ``None`` where ``None`` was saved."""
-    attributes: dict[str, Any]
+    attributes: dict[str, object]
     """The context's attributes, tensors replaced by :class:`_SavedSlot`."""
     residuals: tuple[tuple[tuple[int, ...], torch.dtype], ...]
     """Shape and dtype of each residual."""
@@ -213,12 +221,12 @@ class FunctionCalls:
     def __init__(self) -> None:
         self.calls: list[FunctionCall] = []
         self._depth = 0
-        self._patched: dict[type, tuple[Any, Any]] = {}  # class -> its own forward, setup_context (or _MISSING)
+        self._patched: dict[type, tuple[object, object]] = {}  # class -> its own forward, setup_context (or _MISSING)
         self._setup_pending: dict[type, list[list[torch.Tensor]]] = {}
 
     # the patches
 
-    def patch(self, cls: type) -> None:
+    def patch(self, cls: type[torch.autograd.Function]) -> None:
         """Route ``cls``'s forward through :meth:`run` (once; not torch's own Functions, nor those without a
         backward of their own)."""
         if cls in self._patched or not has_custom_backward(cls) or cls.__module__.startswith(_TORCH_MACHINERY):
@@ -231,14 +239,16 @@ class FunctionCalls:
         if setup_style:
 
             @functools.wraps(forward)
-            def patched_forward(*args: Any) -> Any:
+            def patched_forward(*args: object) -> object:
                 if calls._depth > 0:
                     return forward(*args)
                 output, non_differentiable = calls.run(cls, forward, setup_context, args)
                 calls._setup_pending.setdefault(cls, []).append(non_differentiable)
                 return output
 
-            def patched_setup_context(ctx: Any, inputs: Any, output: Any) -> None:
+            def patched_setup_context(
+                ctx: torch.autograd.function.FunctionCtx, inputs: tuple[object, ...], output: object
+            ) -> object:
                 pending = calls._setup_pending.get(cls)
                 if not pending:  # a nested call: PyTorch's own
                     return setup_context(ctx, inputs, output)
@@ -249,12 +259,12 @@ class FunctionCalls:
 
             patched_forward._torchpar_original = forward  # type: ignore[attr-defined]
             patched_setup_context._torchpar_original = setup_context  # type: ignore[attr-defined]
-            cls.forward = staticmethod(patched_forward)
-            cls.setup_context = staticmethod(patched_setup_context)
+            setattr(cls, "forward", staticmethod(patched_forward))  # noqa: B010  (mypy: a swapped method)
+            setattr(cls, "setup_context", staticmethod(patched_setup_context))  # noqa: B010  (mypy: a swapped method)
         else:
 
             @functools.wraps(forward)
-            def patched_forward(ctx: Any, *args: Any) -> Any:
+            def patched_forward(ctx: torch.autograd.function.FunctionCtx, *args: object) -> object:
                 if calls._depth > 0:
                     return forward(ctx, *args)
                 output, non_differentiable = calls.run(cls, forward, None, args)
@@ -263,7 +273,7 @@ class FunctionCalls:
                 return output
 
             patched_forward._torchpar_original = forward  # type: ignore[attr-defined]
-            cls.forward = staticmethod(patched_forward)
+            setattr(cls, "forward", staticmethod(patched_forward))  # noqa: B010  (mypy: a swapped method)
 
     def unpatch(self) -> None:
         for cls, (forward, setup_context) in self._patched.items():
@@ -277,7 +287,13 @@ class FunctionCalls:
 
     # one call
 
-    def run(self, cls: type, forward: Any, setup_context: Any, args: tuple[Any, ...]) -> tuple[Any, list[torch.Tensor]]:
+    def run(
+        self,
+        cls: type[torch.autograd.Function],
+        forward: Callable[..., object],
+        setup_context: Callable[..., object] | None,
+        args: tuple[object, ...],
+    ) -> tuple[object, list[torch.Tensor]]:
         """The forward of ``cls`` on ``args``, bracketed by markers; records the call. Returns the marked
         output and the marked results that are not differentiable."""
         call = len(self.calls)
@@ -312,7 +328,7 @@ class FunctionCalls:
         results = output if isinstance(output, tuple) else (output,)
         residuals: list[torch.Tensor] = []
 
-        def slot(value: Any) -> Any:
+        def slot(value: object) -> object:
             if not isinstance(value, torch.Tensor):
                 return value
             residuals.append(value)
@@ -355,7 +371,7 @@ class FunctionCalls:
         )
         return (tuple(marked_results) if isinstance(output, tuple) else marked_results[0]), non_differentiable
 
-    def backward_graphs(self, model: torch.nn.Module | None = None) -> dict[int, Any]:
+    def backward_graphs(self, model: torch.nn.Module | None = None) -> dict[int, Graph]:
         """The IR backward graph of every intercepted call, by call id; a backward that reads ``model``'s parameters
         or buffers other than through ``ctx`` is refused (:func:`_refuse_read_parameters`)."""
         model_tensors = (
@@ -388,23 +404,24 @@ def capture_autograd_functions(enabled: bool = True) -> Iterator[FunctionCalls]:
     try:
         for cls in _subclasses(_BASE):
             calls.patch(cls)
-        _BASE.apply = classmethod(_patching_apply)
+        setattr(_BASE, "apply", classmethod(_patching_apply))  # noqa: B010  (mypy: a swapped method)
         yield calls
     finally:
-        _BASE.apply = _ORIGINAL_APPLY
+        setattr(_BASE, "apply", _ORIGINAL_APPLY)  # noqa: B010  (mypy: a swapped method)
         calls.unpatch()
         _ACTIVE = None
 
 
-def _patching_apply(cls: type, *args: Any, **kwargs: Any) -> Any:
+def _patching_apply(cls: type[torch.autograd.Function], *args: object, **kwargs: object) -> object:
     """``Function.apply`` during a capture: patches a class defined since the capture began, then runs PyTorch's."""
     if _ACTIVE is not None:
         _ACTIVE.patch(cls)
     return _ORIGINAL_APPLY.__get__(None, cls)(*args, **kwargs)
 
 
-def _subclasses(cls: type) -> list[type]:
-    found, stack = [], list(cls.__subclasses__())
+def _subclasses(cls: type[torch.autograd.Function]) -> list[type[torch.autograd.Function]]:
+    found: list[type[torch.autograd.Function]] = []
+    stack = list(cls.__subclasses__())
     while stack:
         sub = stack.pop()
         if sub not in found:
@@ -413,7 +430,7 @@ def _subclasses(cls: type) -> list[type]:
     return found
 
 
-def _unpatched(cls: type, name: str) -> Any:
+def _unpatched(cls: type, name: str) -> Callable[..., object]:
     value = getattr(cls, name)
     return getattr(value, "_torchpar_original", value)
 
@@ -426,7 +443,7 @@ def has_custom_backward(cls: type) -> bool:
     )
 
 
-def _user_backward(cls: type) -> Any:
+def _user_backward(cls: type[torch.autograd.Function]) -> Callable[..., object]:
     return cls.vjp if getattr(cls, "vjp", _BASE.vjp) is not _BASE.vjp else cls.backward
 
 
@@ -436,7 +453,7 @@ _TORCHPAR_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os
 
 def _caller_line() -> str:
     """``file:line: code`` of the innermost frame outside torch and torchpar (the model line calling apply)."""
-    frame = sys._getframe(2)
+    frame: types.FrameType | None = sys._getframe(2)
     while frame is not None:
         filename = frame.f_code.co_filename
         if not filename.startswith((_TORCH_DIR, _TORCHPAR_DIR)) and "<" not in filename:
@@ -466,11 +483,11 @@ class _Backward(torch.nn.Module):
         super().__init__()
         self.call = call
 
-    def forward(self, *values: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(self, *values: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         call = self.call
         residuals, cotangents = values[: len(call.residuals)], iter(values[len(call.residuals) :])
 
-        def fill(value: Any) -> Any:
+        def fill(value: object) -> object:
             return residuals[value.index] if isinstance(value, _SavedSlot) else value
 
         saved = tuple(fill(v) for v in call.saved_layout)
@@ -489,7 +506,7 @@ class _Backward(torch.nn.Module):
         return tuple(r if isinstance(r, torch.Tensor) else None for r in result[: call.num_args])
 
 
-def _trace_backward(call: FunctionCall, model_tensors: dict[int, str]) -> Any:
+def _trace_backward(call: FunctionCall, model_tensors: dict[int, str]) -> Graph:
     """The IR graph of ``call``'s backward (layout in :mod:`torchpar.ir.function_regions`)."""
     from torchpar.ir.graph import Output
 

@@ -24,6 +24,8 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 
 def _cumulative_forward(self: _BatchNorm, input: torch.Tensor) -> torch.Tensor:
+    # tracking its statistics (:func:`_cumulative`): the running buffers are there
+    assert self.running_mean is not None and self.running_var is not None and self.num_batches_tracked is not None
     self._check_input_dim(input)
     self.num_batches_tracked.add_(1)
     # the running buffers passed with a factor of 0 (left as they are): the same batch-norm op, and so the same

@@ -31,8 +31,8 @@ import contextlib
 import logging
 import os
 import traceback
-from collections.abc import Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
@@ -118,11 +118,11 @@ def autograd_capture_guards() -> Iterator[None]:
         self._torchpar_no_grad = torch.no_grad() if self.mode else torch.enable_grad()
         self._torchpar_no_grad.__enter__()
 
-    def exit_(self: Any, *exc: Any) -> None:
+    def exit_(self: Any, *exc: object) -> None:
         self._torchpar_no_grad.__exit__(*exc)
 
-    def refuse(name: str) -> Any:
-        def hook(tensor: torch.Tensor, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    def refuse(name: str) -> Callable[..., NoReturn]:
+        def hook(tensor: torch.Tensor, fn: object, *args: object, **kwargs: object) -> NoReturn:
             raise UnsupportedAutogradError(
                 f"a gradient hook is registered inside the captured step (Tensor.{name}({_callable_name(fn)}) at "
                 f"{user_line()}): torchpar computes the gradients with JAX and cannot call a hook on them. Write "
@@ -132,13 +132,16 @@ def autograd_capture_guards() -> Iterator[None]:
 
         return hook
 
-    base_data = torch._C.TensorBase.data
+    base_data = vars(torch._C.TensorBase)["data"]  # the C attribute's descriptor
     own_data = vars(torch.Tensor).get("data")  # None: inherited from the C base
-    mode_class.__enter__, mode_class.__exit__ = enter, exit_
+    setattr(mode_class, "__enter__", enter)  # noqa: B010  (mypy: a swapped method)
+    setattr(mode_class, "__exit__", exit_)  # noqa: B010  (mypy: a swapped method)
     for name in saved_hooks:
         setattr(torch.Tensor, name, refuse(name))
     # ``x.data`` reads the tensor outside autograd (a detach); export cannot trace the C-level attribute itself
-    torch.Tensor.data = property(lambda self: self.detach(), lambda self, value: base_data.__set__(self, value))
+    torch.Tensor.data = property(  # type: ignore[assignment]  # torch types Tensor.data as a Tensor: a descriptor
+        lambda self: self.detach(), lambda self, value: base_data.__set__(self, value)
+    )
     try:
         yield
     finally:
@@ -181,7 +184,7 @@ def check_gradient_hooks(model: torch.nn.Module) -> None:
         )
 
 
-def _callable_name(fn: Any) -> str:
+def _callable_name(fn: object) -> str:
     return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from typing import NoReturn
 
 import torch.autograd
 
@@ -23,11 +23,11 @@ from torchpar.capture.semantics.grad_semantics import user_line
 
 
 @contextlib.contextmanager
-def refusing_inner_gradients(model: Any) -> Iterator[None]:
+def refusing_inner_gradients(model: torch.nn.Module) -> Iterator[None]:
     """Within the block, running the autograd engine raises :class:`CaptureError` naming the user's line."""
     original = torch.autograd._engine_run_backward
 
-    def refuse(*args: Any, **kwargs: Any) -> Any:
+    def refuse(*args: object, **kwargs: object) -> NoReturn:
         raise CaptureError(
             f"{type(model).__name__}'s step takes a gradient inside itself\n  at {user_line()}\n"
             "Why: torchpar captures the step's forward with torch.export and differentiates it once (jax.grad); a "

@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 
 class GradientCheckpointingIgnoredWarning(UserWarning):
@@ -71,7 +73,7 @@ class _InlineCheckpoint:
     the recomputation is torchpar's ``remat`` option, as for the non-reentrant checkpoint."""
 
     @staticmethod
-    def apply(function: Any, preserve_rng_state: bool, *args: Any) -> Any:
+    def apply(function: Callable[..., T], preserve_rng_state: bool, *args: object) -> T:
         return function(*args)
 
 
@@ -83,8 +85,8 @@ def reentrant_checkpoints_inline() -> Iterator[None]:
     import torch.utils.checkpoint as checkpoint_module
 
     original = checkpoint_module.CheckpointFunction
-    checkpoint_module.CheckpointFunction = _InlineCheckpoint
+    setattr(checkpoint_module, "CheckpointFunction", _InlineCheckpoint)  # noqa: B010  (mypy: a swapped class)
     try:
         yield
     finally:
-        checkpoint_module.CheckpointFunction = original
+        setattr(checkpoint_module, "CheckpointFunction", original)  # noqa: B010  (mypy: a swapped class)
