@@ -53,11 +53,13 @@ FAST_TESTS = tests/capture/test_grad_semantics.py tests/capture/test_autograd_fu
 	tests/planner/test_sharded_training.py tests/planner/test_schedules.py tests/runtime/test_grad_accumulation.py \
 	tests/runtime/test_loss_reduction.py tests/runtime/test_last_batch.py tests/runtime/test_grad_norm.py tests/planner/test_training_plan.py tests/test_layering.py
 
-# Style as a machine checks it (configuration: pyproject.toml's [tool.ruff]); `ruff format torchpar jaxbackend` fixes
-# the layout, `ruff check --fix` what it can of the rest. Part of `make test`.
+# Style and types as a machine checks them (configuration: pyproject.toml's [tool.ruff] and [tool.mypy]);
+# `ruff format torchpar jaxbackend` fixes the layout, `ruff check --fix` what it can of the rest; mypy must report
+# nothing on torchpar/ and jaxbackend/ (about a minute on 2 cores). Part of `make test`.
 lint: install
 	$(PY) -m ruff check torchpar jaxbackend
 	$(PY) -m ruff format --check torchpar jaxbackend
+	$(PY) -m mypy
 
 test-fast: install
 	$(PY) -m pytest -q -n 2 --dist worksteal -m "not ray" --durations=10 $(FAST_TESTS) $(PYTEST_ARGS)

@@ -17,12 +17,12 @@ from __future__ import annotations
 import jax
 import jax.stages
 
-CPU_LIBRARY_FUSIONS: dict[str, str] = {
+CPU_LIBRARY_FUSIONS: dict[str, str | bool] = {
     "xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT,LIBRARY_FUSION_TYPE_REDUCE",
 }
 
 
-def compiler_options(library_fusions: bool = True, num_devices: int = 1) -> dict[str, str]:
+def compiler_options(library_fusions: bool = True, num_devices: int = 1) -> dict[str, str | bool]:
     """Options for ``jit(..., compiler_options=...)`` / ``lowered.compile(compiler_options=...)`` of an
     executable running on ``num_devices`` devices.
 

@@ -602,4 +602,4 @@ class TorchOptimizerBridge:
 def mark_optimizer_stepped(optimizer: torch.optim.Optimizer) -> None:
     """Tell torch LR schedulers the optimizer has stepped (the flag ``optimizer.step`` itself sets), so
     ``scheduler.step()`` after ``engine.step`` is not mistaken for a call before the first optimizer step."""
-    optimizer._opt_called = True  # type: ignore[attr-defined]
+    optimizer._opt_called = True  # type: ignore[attr-defined]  # the flag torch.optim sets itself

@@ -556,7 +556,7 @@ class LocalExecutor(Executor):
     def _release(self) -> None:
         if self.worker is not None:
             self.worker.detach_data()
-        self.worker = None  # type: ignore[assignment]
+        self.worker = None  # type: ignore[assignment]  # a closed executor drops its worker; every call checks `closed` first
 
 
 @dataclass(frozen=True)

@@ -129,11 +129,14 @@ def _rerun(
 
     collected: dict[str, object] = {}
     run = lower(graph, observe=collect)
-    frozen = {n: v for n, v in params.items() if n not in trainable}
+    # placed once (what jit would do with the host arrays it closes over): the step function takes device arrays
+    frozen = {n: jax.numpy.asarray(v) for n, v in params.items() if n not in trainable}
+    held = {n: jax.numpy.asarray(v) for n, v in buffers.items()}
+    inputs = [jax.numpy.asarray(a) for a in arrays]
 
     def step(train: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, object]]:
         collected.clear()
-        outputs, _ = run({**frozen, **train}, buffers, arrays, key)
+        outputs, _ = run({**frozen, **train}, held, inputs, key)
         return outputs[0], dict(collected)
 
     (loss, nodes), grads = jax.jit(jax.value_and_grad(step, has_aux=True))({n: params[n] for n in trainable})

@@ -366,7 +366,7 @@ class OneStageWorker(Worker):
         mesh = self.program.placement.mesh
         return {
             0: {
-                "hlo": self._last.compiled.as_text() if self._last else "",
+                "hlo": (self._last.compiled.as_text() or "") if self._last else "",
                 "device_processes": [d.process_index for d in mesh.devices.flat],
             }
         }
@@ -511,7 +511,7 @@ class OneStageWorker(Worker):
 
     def hlo_text(self) -> dict[int, str]:
         assert self._last is not None  # read after a step compiled
-        return {0: self._last.compiled.as_text()} if self.lead else {}
+        return {0: self._last.compiled.as_text() or ""} if self.lead else {}
 
     def memory_stats(self) -> dict[int, dict[str, int]]:
         from jaxbackend.compiler import memory_analysis

@@ -257,8 +257,8 @@ class FunctionCalls:
                     ctx.mark_non_differentiable(*non_differentiable)
                 return None
 
-            patched_forward._torchpar_original = forward  # type: ignore[attr-defined]
-            patched_setup_context._torchpar_original = setup_context  # type: ignore[attr-defined]
+            patched_forward._torchpar_original = forward  # type: ignore[attr-defined]  # a marker on a function
+            patched_setup_context._torchpar_original = setup_context  # type: ignore[attr-defined]  # a marker on a function
             setattr(cls, "forward", staticmethod(patched_forward))  # noqa: B010  (mypy: a swapped method)
             setattr(cls, "setup_context", staticmethod(patched_setup_context))  # noqa: B010  (mypy: a swapped method)
         else:
@@ -272,7 +272,7 @@ class FunctionCalls:
                     ctx.mark_non_differentiable(*non_differentiable)
                 return output
 
-            patched_forward._torchpar_original = forward  # type: ignore[attr-defined]
+            patched_forward._torchpar_original = forward  # type: ignore[attr-defined]  # a marker on a function
             setattr(cls, "forward", staticmethod(patched_forward))  # noqa: B010  (mypy: a swapped method)
 
     def unpatch(self) -> None:
