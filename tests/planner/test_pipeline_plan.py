@@ -118,3 +118,20 @@ def test_values_crossing_several_stages_pass_through_neighbours():
     with pytest.raises(ValueError):
         slice_stages(graph, {**stage_of_nodes(graph, layering.layer_of, [[0], [1], [2]]),
                              graph.nodes[-1].name: 0})
+
+
+def test_a_stage_whose_every_mesh_is_unbounded_is_a_value_error_naming_the_meshes():
+    """No alternative worth solving (every lower bound infinite) and none failed: a ValueError the stage DP counts as
+    a partition without a plan, never ``raise None``."""
+    import math
+    from types import SimpleNamespace
+
+    def unsolvable(shape):
+        def solve(*args, **kwargs):
+            raise AssertionError("an alternative whose bound is infinite is not solved")
+
+        return SimpleNamespace(final=None, lower_bound_s=math.inf, mesh=SimpleNamespace(shape=shape), solve=solve)
+
+    choice = pipeline_plan._MeshChoice([unsolvable((1, 4)), unsolvable((2, 2))])
+    with pytest.raises(ValueError, match=r"no logical mesh of this stage \(1x4, 2x2\)"):
+        choice.solve(memory_budget=1e9, time_limit_s=1.0)

@@ -685,9 +685,14 @@ class _MeshChoice:
                 best = result
         if best is None and bounds:
             raise AboveCutoff(min(bounds))
-        if best is None:
-            assert failure is not None  # no alternative solved, and none stopped at its bound: one failed
+        if best is None and failure is not None:
             raise failure
+        if best is None:  # every alternative's bound is infinite: none was worth solving
+            meshes = ", ".join("x".join(map(str, p.mesh.shape)) for p in self.alternatives)
+            raise ValueError(
+                f"no logical mesh of this stage ({meshes}) has a finite lower bound on its cost: every op's cheapest "
+                "strategy is infinite (an op no mesh can run); give the stage more devices or fewer layers"
+            )
         return best
 
 
