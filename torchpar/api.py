@@ -27,6 +27,7 @@ from torchpar.capture.module_state import NumberAttribute
 from torchpar.capture.optimizer import mark_optimizer_stepped
 from torchpar.capture.semantics.remat import warn_if_gradient_checkpointing
 from torchpar.cluster import default_compile_cache
+from torchpar.compile_arguments import check_materialized, check_method, check_model_and_optimizer
 from torchpar.engine import batches, diagnosis, feeding, model_link
 from torchpar.engine.compiled import CompiledTraining
 from torchpar.engine.engine_checkpoints import EngineCheckpoints
@@ -97,8 +98,8 @@ def compile(
     captured = _captured(
         model, optimizer, example_batch, data, (loss_fn, step_fn, forward_fn), compile_options(options)
     )
-    _check_method(method)
-    _check_materialized(model)  # before planning
+    check_method(method)
+    check_materialized(model)  # before planning
     return captured.plan(method).compile()
 
 
@@ -136,17 +137,7 @@ def _captured(
     options: CompileOptions,
 ) -> Captured:
     """:func:`capture_step`'s checks and result, for the three public doors (``options`` validated)."""
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if isinstance(optimizer, (list, tuple)) and all(isinstance(o, torch.optim.Optimizer) for o in optimizer):
-        raise TypeError(
-            f"compile takes one optimizer, got {len(optimizer)}. Optimizers stepping on different losses (a GAN's D "
-            "and G, actor and critic): compile one engine per model and optimizer, each with its step_fn; engines "
-            "over models that call each other read each other's latest weights (docs/porting.md, 'Several "
-            "optimizers'). Several optimizers stepping on the same loss are not supported yet"
-        )
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    check_model_and_optimizer(model, optimizer)
     check_model_fns(*fns)
     example_batch, feed = feeding.example_and_feed(example_batch, data)
     warn_if_gradient_checkpointing(model, stacklevel=4)  # the caller of torchpar.compile / plan / capture
@@ -157,59 +148,37 @@ def _captured(
     return Captured(step, feed)
 
 
-def _check_method(method: object) -> None:
-    if isinstance(method, type) and issubclass(method, Method):
-        raise TypeError(
-            f"method=torchpar.{method.__name__} is the class; pass an instance: "
-            f"method=torchpar.{method.__name__}() (its options, if any, inside the parentheses)"
-        )
-    if method is not None and not isinstance(method, Method | Plan):
-        raise TypeError(
-            f"method must be None, a torchpar parallel method or a Plan (e.g. torchpar.DataParallel()), "
-            f"got {method!r} of type {type(method).__name__}"
-        )
-
-
-def _check_materialized(model: torch.nn.Module) -> None:
-    on_meta = next((name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta), None)
-    if on_meta is not None:
-        raise ValueError(
-            f"{on_meta} is on the meta device: the model has no weights to train. torchpar.plan(...) "
-            "plans such a model (python -m torchpar plan --meta); to train it, materialize the "
-            "weights first (model.to_empty(device='cpu') and initialize them, or load a checkpoint)"
-        )
-
-
 class Captured:
     """Stage 1 of ``torchpar.capture_step(...).plan(method).compile()``: the user's training step, checked, with the
     example batch. :attr:`graph` is the training graph on the whole example batch (captured when first read);
     :meth:`plan` captures the part of the batch its method steps on and plans it."""
 
     def __init__(self, step: StepCapture, feed: HostFeed | None):
-        self._step, self._feed = step, feed
+        self.step, self.feed = step, feed
+        """The step's capture and planning (:class:`~torchpar.engine.step_capture.StepCapture`); host-loaded data."""
         self._graph: Graph | None = None
 
     @property
     def graph(self) -> Graph:
         """The training step on the whole example batch, as the IR every planner pass reads."""
         if self._graph is None:
-            self._graph = self._step.capture(self._step.example_batch, BatchParts()).graph
+            self._graph = self.step.capture(self.step.example_batch, BatchParts()).graph
         return self._graph
 
     def plan(self, method: Method | Plan | None = None, *, explain: bool = False) -> Planned:
         """Stage 2: ``method``'s plan (``None``: one device; a :class:`Plan`: taken as given). ``explain``: as
         :func:`plan`'s."""
-        _check_method(method)
-        return Planned(self, method, self._step.plan(method, explain=explain))
+        check_method(method)
+        return Planned(self, method, self.step.plan(method, explain=explain))
 
     def _again(self, batch: Any, numbers: tuple[NumberAttribute, ...]) -> Captured:
         """The same step captured anew on ``batch`` (a recompile: the optimizer may hold tensors the model lost;
         ``numbers`` are read as inputs)."""
-        step = self._step
+        step = self.step
         again = StepCapture(
             step.model, step.optimizer, batch, step.options, **step.fns, numbers=numbers, orphans_allowed=True
         )
-        return Captured(again, self._feed)
+        return Captured(again, self.feed)
 
 
 class Planned:
@@ -217,28 +186,28 @@ class Planned:
     the example batch: a micro-batch of a data replica); :meth:`compile` starts the workers and compiles it."""
 
     def __init__(self, captured: Captured, method: Method | Plan | None, planned: PlannedStep):
-        self.captured, self.method, self._planned = captured, method, planned
+        self.captured, self.method, self.planned_step = captured, method, planned
 
     @property
     def plan(self) -> Plan:
-        return self._planned.plan
+        return self.planned_step.plan
 
     @property
     def graph(self) -> Graph:
         """The captured graph the plan's stages were cut from."""
-        return self._planned.capture.graph
+        return self.planned_step.capture.graph
 
     def compile(self) -> Engine:
         """Stage 3: the :class:`Engine` running the plan (workers started, the step compiled for the example batch's
         shapes). Once per :class:`Captured`: an engine owns the state it captured (the optimizer's step counters
         among it), so a second engine captures again."""
-        step = self.captured._step
+        step = self.captured.step
         if step.compiled:
             raise RuntimeError(
                 "this captured step was compiled already; call torchpar.capture_step(...) again for a second engine "
                 "(an engine owns the state it captured, the optimizer's step counters among it)"
             )
-        _check_materialized(step.model)
+        check_materialized(step.model)
         default_compile_cache()
         step.compiled = True
         return Engine(self)
@@ -253,12 +222,12 @@ class Engine(EngineReadouts, EngineCheckpoints):
         from torchpar.runtime.loss_scale import LossScaler
 
         self._captured = planned.captured
-        step = self._captured._step
+        step = self._captured.step
         options = step.options
         self._jax = jax
         self.model, self.optimizer, self.options, self.method = step.model, step.optimizer, options, planned.method
         self._fns = step.fns
-        self._feed = self._captured._feed
+        self._feed = self._captured.feed
         self._recorder = _metrics.StepRecorder(log_every=options.log_every, on_metrics=options.on_metrics)
         self._steps_taken = 0
         self._last_step_s: float | None = None
@@ -272,7 +241,9 @@ class Engine(EngineReadouts, EngineCheckpoints):
         self._capture_batch = step.example_batch
         """A batch to capture the step on again when it must recompile (the last step's)."""
         with model_link.suspended():
-            self._compiled = CompiledTraining(step, planned._planned, guard=self._guard, loss_scaler=self._loss_scaler)
+            self._compiled = CompiledTraining(
+                step, planned.planned_step, guard=self._guard, loss_scaler=self._loss_scaler
+            )
         self._bridge = self._compiled.bridge
         self._param_names = self._compiled.params  # tied tensors keep their first name; modules outside included
         self._buffer_names = self._compiled.buffers
@@ -398,7 +369,7 @@ class Engine(EngineReadouts, EngineCheckpoints):
             batch=batch,
             key=self._jax.random.wrap_key_data(self._jax.numpy.asarray(self._step_key_data(self._steps_taken))),
             trainable=self._compiled.trainable(graph),
-            num_micro_batches=self._compiled.batch_parts,
+            num_micro_batches=self._compiled.parts.count,
         )
 
     @linked()

@@ -52,9 +52,7 @@ class CompiledTraining:
         self.step, self.guard, self._loss_scaler = step, guard, loss_scaler
         self.model, self.optimizer, self.options = step.model, step.optimizer, step.options
         self.parts = planned.parts
-        self.num_micro_batches, self.data_replicas = self.parts.num_micro_batches, self.parts.data_replicas
-        self.batch_parts = self.parts.count
-        """Equal parts of dim 0 each batch is cut into (micro-batches × data replicas): the graphs are one part's."""
+        """How each batch is cut (micro-batches × data replicas along dim 0): the graphs are one part's."""
         self.example_signature = batches.signature(step.example_batch)
         self.timings = step.timings
         self.step_graphs: dict[tuple, Graph] = {}
@@ -167,7 +165,7 @@ class CompiledTraining:
                 f"batch shapes {batches.describe(signature)}: {error} {batches.describe(self.example_signature)}"
             ) from None
         # the graph is one part's (micro-batch of a data replica); the step takes the whole batch (parts along dim 0)
-        leaves = [((m.shape[0] * self.batch_parts, *m.shape[1:]), jax_dtype(m.dtype)) for m in capture.input_metas]
+        leaves = [((m.shape[0] * self.parts.count, *m.shape[1:]), jax_dtype(m.dtype)) for m in capture.input_metas]
         hits = compile_cache.hits()
         with self.translating_failures("compiling the training step"):
             timings = self.executor.compile(

@@ -55,7 +55,7 @@ class EngineReadouts:
         return self._recorder.last(
             lambda: _metrics.MetricsSource(
                 graphs=self._compiled.step_graphs,
-                num_micro_batches=self._compiled.batch_parts,
+                num_micro_batches=self._compiled.parts.count,
                 precision=_metrics.step_precision(
                     self.options.mixed_precision,
                     self._numerics.effective().matmul,
