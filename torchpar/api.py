@@ -331,11 +331,12 @@ class Engine(EngineReadouts, EngineCheckpoints):
         :mod:`torchpar.engine.feeding`)."""
         return self._inputs.prefetch(loader, lambda: self._executor, self._compiled.step_graphs, depth)
 
-    def _bring_in(self, batch: Any) -> bool:
+    def _bring_in(self, batch: Any, *, setup: bool = True) -> bool:
         """Before a step (or forward, save…) on ``batch``: what user code wrote into the torch model and optimizer
         since the last step goes into the engine (:meth:`TorchSide.changes`); a change the compiled step cannot take
-        as new values recompiles it on ``batch``. Returns whether it recompiled."""
-        changes = self._torch.changes()
+        as new values recompiles it on ``batch`` (``setup=False``: training-setup changes wait for the next step).
+        Returns whether it recompiled."""
+        changes = self._torch.changes(setup=setup)
         if changes:
             self._recompile_for_changes(batch, changes, floats=self._torch.changed_floats())
         return bool(changes)
@@ -375,7 +376,9 @@ class Engine(EngineReadouts, EngineCheckpoints):
     @linked()
     def forward(self, batch: Any) -> Any:
         """The model's eval-mode outputs on ``batch``, as torch tensors in the model's output structure (with the
-        torch model's current weights: what user code wrote into it since the last step is taken in first)."""
+        torch model's current weights: what user code wrote into it since the last step is taken in first). The
+        training setup plays no part (the model is captured in eval mode): ``model.eval()`` before an evaluation
+        recompiles nothing, and neither does ``model.train()`` after it."""
         signature = batches.signature(batch)
         self._check_compatible(signature, batch)
         capture = self._compiled.forward_capture(signature, batch)

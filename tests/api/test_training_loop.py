@@ -135,6 +135,38 @@ def test_evaluation_saving_and_an_ema_between_steps_see_the_engines_weights(meth
         assert_same(ours["optimizer"]["state"][index]["momentum_buffer"], state["momentum_buffer"], "optimizer state")
 
 
+def recompiles(caplog) -> int:
+    return sum("recompiling the training step" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_an_evaluation_in_eval_mode_between_steps_recompiles_nothing(method, caplog):
+    """The Hugging Face Trainer's loop: ``model.eval()``, ``engine.forward`` and a checkpoint, ``model.train()``, the
+    next step. The eval forward and the save concern values only; the mode is back to the compiled one at the step.
+    A step taken while still in eval mode recompiles then, once (PyTorch trains in eval mode)."""
+    torch.manual_seed(0)
+    model = Net()
+    reference = copy.deepcopy(model)
+    ref_opt, optimizer = sgd(reference), sgd(model)
+    data, held_out = batches(4), batches(1)[0]
+    with cluster_for(method), torchpar.compile(model, optimizer, example_batch=data[0],
+                                               method=method_of(method)) as engine:
+        for i, batch in enumerate(data[:3]):
+            assert_same(engine.step(batch), torch_step(reference, ref_opt, batch), f"step {i} loss")
+            model.eval(), reference.eval()
+            with torch.no_grad():
+                assert_same(engine.forward(held_out), reference(*held_out), f"evaluation after step {i}")
+            engine.state_dict(), engine.export_torch_state_dict()
+            model.train(), reference.train()
+        assert recompiles(caplog) == 0, [r.getMessage() for r in caplog.records]
+        model.eval(), reference.eval()
+        engine.forward(held_out)
+        assert recompiles(caplog) == 0
+        assert_same(engine.step(data[3]), torch_step(reference, ref_opt, data[3]), "a step in eval mode")
+        assert recompiles(caplog) == 1
+        assert_same_model(model, reference, "after training")
+
+
 def test_copies_and_pickles_of_the_linked_model_are_its_own_class_with_the_current_weights():
     torch.manual_seed(0)
     model = Net()

@@ -48,7 +48,7 @@ class Linkable(Protocol):
     @property
     def _capture_batch(self) -> object: ...
 
-    def _bring_in(self, batch: object) -> bool: ...
+    def _bring_in(self, batch: object, *, setup: bool = True) -> bool: ...
 
 
 E = TypeVar("E", bound=Linkable)
@@ -97,13 +97,20 @@ class TorchSide:
             optimizer.register_load_state_dict_post_hook(_weakly(self._on_optimizer_loaded)),
         ]
 
-    def changes(self) -> list[str]:
+    def changes(self, *, setup: bool = True) -> list[str]:
         """Before a step (or forward, save…): push what user code wrote into the torch model since the last step into
         the engine; return the changes the compiled step cannot take as new values (modes, ``requires_grad``, param
         groups, a replaced parameter, a Python value ``forward`` read), each as a phrase; empty when none. With none,
-        an optimizer state user code loaded reaches the engine."""
-        changes = self.link.before_step() + describe_changes(self._setup, training_setup(self.model, self.optimizer))
-        if not changes and self._optimizer_loaded:
+        an optimizer state user code loaded reaches the engine.
+
+        ``setup=False`` (before anything but a step: an eval forward captures the model in eval mode, a checkpoint saves
+        values): changes of the training setup — modes, ``requires_grad``, param groups — are left for the next step
+        to find; they stay changes until the setup is the compiled one again (``model.eval()`` for an evaluation, then
+        ``model.train()``, recompiles nothing)."""
+        value_changes = self.link.before_step()
+        setup_changes = describe_changes(self._setup, training_setup(self.model, self.optimizer))
+        changes = value_changes + setup_changes if setup else value_changes
+        if not value_changes and not setup_changes and self._optimizer_loaded:
             from torchpar.runtime.state import HostState
 
             executor = self._executor()
@@ -219,14 +226,16 @@ def linked(
 ) -> Callable[[Callable[Concatenate[E, P], R]], Callable[Concatenate[E, P], R]]:
     """Decorate an engine method that reads or writes the engine's state: it runs with the torch link suspended (its
     own reads of the torch model pull nothing), after — with ``bring_in`` — what user code wrote into the torch model
-    since the last step was brought in (the engine's ``_bring_in(_capture_batch)``)."""
+    since the last step was brought in (the engine's ``_bring_in(_capture_batch, setup=False)``: the values; a change
+    of the training setup, such as ``model.eval()`` before an evaluation or a save, concerns only the training step
+    and waits for the next one, :meth:`TorchSide.changes`)."""
 
     def decorate(method: Callable[Concatenate[E, P], R]) -> Callable[Concatenate[E, P], R]:
         @functools.wraps(method)
         def run(engine: E, *args: P.args, **kwargs: P.kwargs) -> R:
             with model_link.suspended():
                 if bring_in:
-                    engine._bring_in(engine._capture_batch)
+                    engine._bring_in(engine._capture_batch, setup=False)
                 return method(engine, *args, **kwargs)
 
         return run
