@@ -32,6 +32,7 @@ from tests.docs.doc_blocks import DocBlockError, Piece
 ROOT = Path(__file__).resolve().parents[2]
 RUNNER = Path(doc_blocks.__file__).resolve()
 TIMEOUT_S = 300
+DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 OUTPUT_FLAGS = ("--out", "--plot", "--png", "--json")  # a command's files, checked to exist after it ran
 
 
@@ -46,9 +47,13 @@ def _params() -> list:
 
 
 def _env() -> dict[str, str]:
-    """This environment without the test session's 8-device XLA_FLAGS (each case calls torchpar.init itself),
-    with the repository importable; the session's JAX compilation cache is shared."""
+    """This environment without the test session's 8 fake devices in XLA_FLAGS (each case calls torchpar.init
+    itself) but with its other XLA flags (the fast compile of ``tests/conftest.py``), with the repository importable;
+    the session's JAX compilation cache is shared."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(DEVICE_COUNT_FLAG)]
+    if flags:
+        env["XLA_FLAGS"] = " ".join(flags)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
     return env
 
