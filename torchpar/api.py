@@ -349,7 +349,7 @@ class Engine(EngineReadouts, EngineCheckpoints):
         arithmetic are read as step inputs from now on, so their next changes need no recompile."""
         fed = self._torch.feedable_floats(batch, floats)
         self._torch.announce_recompile(changes, fed)
-        self.sync_to_torch()
+        self._torch.hand_over()
         carried = (self._steps_taken, self._base_key, self._loss_scaler, self._guard.skipped_steps)
         self._torch.close(pull=False)
         self._finalizer.detach()

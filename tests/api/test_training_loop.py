@@ -167,6 +167,32 @@ def test_an_evaluation_in_eval_mode_between_steps_recompiles_nothing(method, cap
         assert_same_model(model, reference, "after training")
 
 
+@pytest.mark.parametrize("method", ["one_device", "data_parallel"])
+def test_a_loaded_optimizer_state_survives_the_recompile_of_a_setup_change(method):
+    """Resuming from a checkpoint and freezing a layer in the same breath: the step recompiles for the frozen layer
+    and must start from the loaded optimizer state, not from the engine's own."""
+    torch.manual_seed(0)
+    model = Net()
+    reference = copy.deepcopy(model)
+    optimizer, ref_opt = (torch.optim.Adam(m.parameters(), lr=0.01) for m in (model, reference))
+    data = batches(5)
+    with cluster_for(method), torchpar.compile(model, optimizer, example_batch=data[0],
+                                               method=method_of(method)) as engine:
+        for i, batch in enumerate(data[:2]):
+            assert_same(engine.step(batch), torch_step(reference, ref_opt, batch), f"step {i} loss")
+        saved = copy.deepcopy((model.state_dict(), optimizer.state_dict()))
+        ref_saved = copy.deepcopy((reference.state_dict(), ref_opt.state_dict()))
+        for i, batch in enumerate(data[2:4], 2):
+            assert_same(engine.step(batch), torch_step(reference, ref_opt, batch), f"step {i} loss")
+        model.load_state_dict(saved[0]), optimizer.load_state_dict(saved[1])
+        reference.load_state_dict(ref_saved[0]), ref_opt.load_state_dict(ref_saved[1])
+        model.head.requires_grad_(False), reference.head.requires_grad_(False)
+        assert_same(engine.step(data[4]), torch_step(reference, ref_opt, data[4]), "the step after loading")
+        assert_same_model(model, reference, "after the step")
+        for got, expected in zip(optimizer.state_dict()["state"].values(), ref_opt.state_dict()["state"].values()):
+            assert_same(got["exp_avg_sq"], expected["exp_avg_sq"], "optimizer state")
+
+
 def test_copies_and_pickles_of_the_linked_model_are_its_own_class_with_the_current_weights():
     torch.manual_seed(0)
     model = Net()

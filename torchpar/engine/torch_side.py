@@ -139,6 +139,14 @@ class TorchSide:
         """Copy the engine's newer weights into the torch model now."""
         self.link.pull()
 
+    def hand_over(self) -> None:
+        """Before a recompile from the torch objects: the engine's newer weights into the model, and its optimizer
+        state into the optimizer unless user code loaded one since the last step (that one is newer: the recompiled
+        step starts from it)."""
+        self.pull()
+        if not self._optimizer_loaded:
+            self.write_optimizer_state()
+
     def write_optimizer_state(self) -> None:
         """Copy the engine's optimizer state (of what its latest step trains) into the torch optimizer now."""
         executor = self._executor()
