@@ -108,7 +108,11 @@ class TorchSide:
         to find; they stay changes until the setup is the compiled one again (``model.eval()`` for an evaluation, then
         ``model.train()``, recompiles nothing)."""
         value_changes = self.link.before_step()
-        setup_changes = describe_changes(self._setup, training_setup(self.model, self.optimizer))
+        setup_changes = (
+            describe_changes(self._setup, training_setup(self.model, self.optimizer))
+            if setup or self._optimizer_loaded
+            else []
+        )
         changes = value_changes + setup_changes if setup else value_changes
         if not value_changes and not setup_changes and self._optimizer_loaded:
             from torchpar.runtime.state import HostState

@@ -331,8 +331,8 @@ class _Builder:
                         if micro > 1
                         else f" ({meta.shape[0]} rows over {shards} devices: give an example "
                         f"batch of a multiple of {shards} rows, or use fewer devices, "
-                        f"e.g. the method's mesh_shape=(1, {math.gcd(meta.shape[0], shards)}) as in "
-                        f"torchpar.DataParallel(mesh_shape=(1, {math.gcd(meta.shape[0], shards)})); "
+                        f"e.g. the method's mesh_shape as in torchpar.DataParallel(mesh_shape=(1, "
+                        f"{math.gcd(meta.shape[0], shards)})); "
                         "later batches may be uneven)"
                     )
                     raise ValueError(
