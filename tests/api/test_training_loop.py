@@ -139,13 +139,28 @@ def recompiles(caplog) -> int:
     return sum("recompiling the training step" in r.getMessage() for r in caplog.records)
 
 
-@pytest.mark.parametrize("method", METHODS)
-def test_an_evaluation_in_eval_mode_between_steps_recompiles_nothing(method, caplog):
+class ConvBatchNorm(torch.nn.Module):
+    """A CNN whose BatchNorm behaves differently in eval mode (running statistics) and updates them in train mode."""
+
+    def __init__(self, width: int = 8):
+        super().__init__()
+        self.conv = torch.nn.Conv1d(1, 4, 3, padding=1)
+        self.norm = torch.nn.BatchNorm1d(4)
+        self.head = torch.nn.Linear(4 * width, 1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.norm(self.conv(x.unsqueeze(1))))
+        return F.mse_loss(self.head(h.flatten(1)), y)
+
+
+@pytest.mark.parametrize("net, method", [(Net, m) for m in METHODS]
+                         + [(ConvBatchNorm, m) for m in ("one_device", "data_parallel")])
+def test_an_evaluation_in_eval_mode_between_steps_recompiles_nothing(net, method, caplog):
     """The Hugging Face Trainer's loop: ``model.eval()``, ``engine.forward`` and a checkpoint, ``model.train()``, the
     next step. The eval forward and the save concern values only; the mode is back to the compiled one at the step.
     A step taken while still in eval mode recompiles then, once (PyTorch trains in eval mode)."""
     torch.manual_seed(0)
-    model = Net()
+    model = net()
     reference = copy.deepcopy(model)
     ref_opt, optimizer = sgd(reference), sgd(model)
     data, held_out = batches(4), batches(1)[0]
