@@ -253,6 +253,39 @@ def test_analytic_cost_formulas(gpt2):
         cost(0, last, (1, 8), (2, 2))
 
 
+def test_analytic_cost_offers_weights_sharded_over_the_data_axis_too(gpt2):
+    """``options`` on an ``(a > 1, b > 1)`` mesh: the stage with weights' state also split over axis 0 (ZeRO-3 / FSDP
+    inside tensor parallelism) — each weight saves ``P_w·(2 + 2)·(1 − 1/a)/b`` bytes for one all-gather ``AG_0(P_w/b)``
+    per micro-batch. Without it the screening read a (32, 8) stage of Llama-3 70B as over memory and took (8, 32) at
+    2.2× the step. The ILP reaches that memory: it fits the last option's budget by splitting weights over both axes."""
+    from torchpar.planner.intra_op import StageProblem, plan_stage
+    from torchpar.planner.mesh_links import stage_mesh
+
+    graph, layering = gpt2
+    cluster = ClusterSpec(num_hosts=2, devices_per_host=4)
+    cost = AnalyticStageCost(layering, graph, cluster, num_micro_batches=1, optimizer_state_copies=2)
+    last = layering.num_layers - 1
+    plain, *sharded = cost.options(0, last, (2, 4), (2, 4))
+    assert plain == cost(0, last, (2, 4), (2, 4)) and len(sharded) == 4
+    assert cost.options(0, last, (2, 4), (1, 8)) == (cost(0, last, (2, 4), (1, 8)),)  # no data axis: nothing to split
+    memories = [plain.memory_bytes] + [option.memory_bytes for option in sharded]
+    latencies = [plain.latency_s] + [option.latency_s for option in sharded]
+    assert memories == sorted(memories, reverse=True) and latencies == sorted(latencies)
+    _, weights = cost._weight_arrays(0, last)
+    assert plain.memory_bytes - sharded[-1].memory_bytes == pytest.approx(weights.sum() * 4 * (1 - 1 / 2) / 4)
+    mesh = stage_mesh((2, 4), cluster, (2, 4))
+    gathers = sum(mesh.all_gather(w / 4, [0]) for w in weights)
+    assert sharded[-1].communication_s - plain.communication_s == pytest.approx(gathers)
+    assert sharded[-1].compute_s == plain.compute_s
+    budget = 1.05 * sharded[-1].peak_bytes(1)
+    assert plain.peak_bytes(1) > budget
+    problem = StageProblem(kind="shard", cluster=cluster, trainable={i.target for i in graph.inputs if i.kind == "param"},
+                           optimizer_state_copies=2.0, submesh=(2, 4))
+    result = plan_stage(graph, problem, (2, 4), budget)
+    assert result.stage.estimated_memory_bytes <= budget
+    assert any({0, 1} <= {axis for entry in spec if entry for axis in entry} for spec in result.stage.params.values())
+
+
 def test_stage_dp_on_gpt2_layers(gpt2):
     graph, layering = gpt2
     cluster = ClusterSpec(num_hosts=2, devices_per_host=4)

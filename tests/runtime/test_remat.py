@@ -208,6 +208,10 @@ def test_auto_recomputes_only_when_the_memory_budget_needs_it(one_device_runs, o
     assert losses == pytest.approx(one_device_runs["none"][0], rel=LOSS_RTOL)
 
 
+def candidates_of(plan) -> list[str]:
+    return [row["remat"] for row in plan.solver["remat"]["candidates"]]
+
+
 def test_auto_in_a_pipeline_plans_each_option_and_keeps_the_fastest_that_fits(monkeypatch):
     """Each option is planned, or bounded: an option whose candidates' proven lower bounds cannot beat the best plan
     so far is not solved to the end, and the choice is the one planning every option to the end makes."""
@@ -224,6 +228,9 @@ def test_auto_in_a_pipeline_plans_each_option_and_keeps_the_fastest_that_fits(mo
     candidates = plan.solver["remat"]["candidates"]
     assert [row["remat"] for row in candidates] == ["none", "selective", "layers"]
     assert plan.remat == "none"  # everything fits: recomputing only adds compute
+    # planned least screened step first: with everything fitting, "none" (no recomputed FLOPs) screens fastest and
+    # bounds the others from the start (the fixed order planned "selective" first)
+    assert plan.solver["remat_order"][0] == "none" and sorted(plan.solver["remat_order"]) == sorted(candidates_of(plan))
     for row in candidates:
         assert row["fits"] or (row["pruned"] and row["step_at_least_s"] >= plan.estimated_step_s), row
         if row.get("pruned"):

@@ -7,7 +7,7 @@ recomputed FLOPs in the step time: :func:`torchpar.planner.remat.remat_memory`).
     argmin over the options whose plan fits of  (estimated step seconds, position in that order)
 
 (an option whose planning proves its step no better than an option planned before it — :class:`NoFasterPlan` — is
-not planned to the end: a pipeline plans the options in :data:`PIPELINE_ORDER` and bounds each by the best so far)
+not planned to the end: a pipeline plans the options least screened step first and bounds each by the best so far)
 so remat is taken only when it is needed to fit, or when it lets the ILP pick a faster sharding than the one that
 fits without it (e.g. data parallelism instead of sharded activations). ``plan.solver["remat"]`` records every
 candidate (its step and memory estimates, or why it did not fit) and the reason in words; ``plan.remat`` is the
@@ -29,8 +29,9 @@ ORDER = ("none", "selective", "layers")
 """Candidates, cheapest in compute first: ties go to the earlier one."""
 assert set(ORDER) == set(REMAT_OPTIONS)
 PIPELINE_ORDER = ("selective", "none", "layers")
-"""The order a pipeline plans the options in: the likeliest winner at scale first, so that its step bounds the others
-(GPT-3 175B on 64 × 8: "none" is tight on memory and its ILP slow; "layers" recomputes every layer)."""
+"""A pipeline plans the options least screened step first (the stage DP's estimate); this order breaks its ties: the
+likeliest winner at scale first, so that its step bounds the others (GPT-3 175B on 64 × 8: "none" is tight on memory
+and its ILP slow; "layers" recomputes every layer)."""
 
 
 class NoFasterPlan(ValueError):

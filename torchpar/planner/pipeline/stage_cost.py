@@ -204,6 +204,7 @@ class AnalyticStageCost:
         self._range = lru_cache(maxsize=None)(self._range_totals)
         self._experts = lru_cache(maxsize=None)(self._layer_expert_costs)
         self._weight_arrays = lru_cache(maxsize=None)(self._weight_matmul_arrays)
+        self._largest_weights_first = lru_cache(maxsize=None)(self._largest_weights_first_uncached)
         self._mesh = lru_cache(maxsize=None)(lambda logical, submesh: stage_mesh(logical, cluster, submesh))
 
     def _range_totals(self, first: int, last: int) -> _RangeTotals:
@@ -263,9 +264,57 @@ class AnalyticStageCost:
         plain = self._price(first_layer, last_layer, submesh, logical, dense_replicated=False)
         if logical[1] == 1:
             return (plain, *self._split_weight_options(plain, first_layer, last_layer, submesh, logical))
+        sharded = self._sharded_state_options(plain, first_layer, last_layer, submesh, logical)
         if not self._range(first_layer, last_layer).expert_param_bytes:
-            return (plain,)
-        return plain, self._price(first_layer, last_layer, submesh, logical, dense_replicated=True)
+            return (plain, *sharded)
+        return plain, *sharded, self._price(first_layer, last_layer, submesh, logical, dense_replicated=True)
+
+    def _sharded_state_options(
+        self, plain: StageCost, first_layer: int, last_layer: int, submesh: Shape, logical: Shape
+    ) -> tuple[StageCost, ...]:
+        """On an ``(a > 1, b > 1)`` mesh, the stage with some weights' state (weight, gradient, optimizer state)
+        split over axis 0 as well as axis 1 — ZeRO-3 / FSDP inside the tensor-parallel layout, which the ILP reaches
+        by storing a parameter split over both axes and gathering it over axis 0 for its use: weight ``w`` saves
+        ``P_w·(2 + optimizer_state_copies)·(1 − 1/a) / b`` bytes and costs one all-gather ``AG_0(P_w / b)`` per
+        micro-batch (the gathered copy serves the forward and the backward; its gradient is reduced once per step as
+        the plain layout's is, and split again for free). Per byte saved a weight costs ``α_0·b / (c·P_w) + const``,
+        so the largest weights go first on every mesh (:meth:`_largest_weights_first_uncached`); one option per
+        fraction of the bytes all of them would save (the DP takes the fastest that fits)."""
+        data, tensor = logical
+        if data == 1:
+            return ()
+        mesh = self._mesh(tuple(logical), tuple(submesh))
+        latency = mesh.all_gather(0.0, [0])
+        slope = mesh.all_gather(1.0, [0]) - latency
+        per_byte_saved = (2.0 + self.optimizer_state_copies) * (1 - 1 / data) / tensor
+        options = []
+        for count, weight_bytes in self._largest_weights_first(first_layer, last_layer):
+            added = count * latency + slope * weight_bytes / tensor
+            options.append(
+                StageCost(
+                    latency_s=plain.latency_s + added,
+                    memory_bytes=plain.memory_bytes - weight_bytes * per_byte_saved,
+                    activation_bytes=plain.activation_bytes,
+                    compute_s=plain.compute_s,
+                    communication_s=plain.communication_s + added,
+                )
+            )
+        return tuple(options)
+
+    def _largest_weights_first_uncached(
+        self, first_layer: int, last_layer: int, fractions: tuple[float, ...] = (0.25, 0.5, 0.75, 1.0)
+    ) -> tuple[tuple[int, float], ...]:
+        """Per fraction ``f`` of the weight matmuls' weight bytes: the fewest largest weights holding at least ``f``
+        of them, as ``(how many, their bytes)``; empty without weight matmuls."""
+        _, weights = self._weight_arrays(first_layer, last_layer)
+        if not len(weights):
+            return ()
+        so_far = np.cumsum(np.sort(weights)[::-1])
+        picked = []
+        for fraction in fractions:
+            last = min(int(np.searchsorted(so_far, fraction * so_far[-1] * (1 - 1e-9))), len(so_far) - 1)
+            picked.append((last + 1, float(so_far[last])))
+        return tuple(picked)
 
     def _split_weight_options(
         self,

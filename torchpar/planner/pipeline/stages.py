@@ -437,17 +437,32 @@ def _stage_table(
     memory = np.full(shape, np.inf)
     min_memory = np.full(shape, np.inf)
     in_flight = _in_flight(np.arange(1, max_stages + 1), num_micro_batches, schedule, virtual_stages)
+    counts = np.arange(max_stages)
     for first, last in itertools.combinations_with_replacement(range(num_layers), 2):
         for index, submesh in enumerate(submeshes):
-            for choice, mesh in enumerate(logical_mesh_shapes(submesh)):
-                for stage in stage_options(cost, first, last, submesh, mesh):
-                    peak = stage.memory_bytes + in_flight * stage.activation_bytes  # [s−1]
-                    cell = (slice(None), first, last, index)
-                    min_memory[cell] = np.minimum(min_memory[cell], peak)
-                    better = (peak <= memory_budget) & (stage.latency_s < latency[cell])
-                    latency[cell] = np.where(better, stage.latency_s, latency[cell])
-                    logical[cell] = np.where(better, choice, logical[cell])
-                    memory[cell] = np.where(better, peak, memory[cell])
+            # every option of every logical mesh at once: per stage count, the fastest that fits (the first such in
+            # mesh and option order on ties), and the least peak of all
+            options = [
+                (choice, stage)
+                for choice, mesh in enumerate(logical_mesh_shapes(submesh))
+                for stage in stage_options(cost, first, last, submesh, mesh)
+            ]
+            if not options:
+                continue
+            choices = np.array([choice for choice, _ in options])
+            latencies = np.array([stage.latency_s for _, stage in options])
+            peak = (
+                np.array([stage.memory_bytes for _, stage in options])[:, None]
+                + np.array([stage.activation_bytes for _, stage in options])[:, None] * in_flight[None, :]
+            )  # [option, s−1]
+            cell = (slice(None), first, last, index)
+            min_memory[cell] = peak.min(axis=0)
+            fitting = np.where(peak <= memory_budget, latencies[:, None], np.inf)
+            best = fitting.argmin(axis=0)
+            found = np.isfinite(fitting[best, counts])
+            latency[cell] = np.where(found, latencies[best], np.inf)
+            logical[cell] = np.where(found, choices[best], -1)
+            memory[cell] = np.where(found, peak[best, counts], np.inf)
     return _Table(latency, logical, memory, min_memory)
 
 

@@ -26,8 +26,9 @@ strategy (bytes an op holds only while it runs, e.g. an expert exchange's buffer
 largest, not the sum). A parameter and its update share a layout by construction: one root holds the parameter,
 its gradient and its optimizer state.
 
-Builders: :func:`_one_choice` (first family), :func:`_edges` (second), :func:`_memory` (third),
-:func:`_share` (fourth). Costs are scaled to integer nanoseconds for CP-SAT.
+Builders: :func:`_one_choice` (first family), :func:`_edges` (second), :func:`_memory` (third); the fourth family is
+not built but folded: the roots of one share class become one root before CP-SAT sees the problem
+(:mod:`.share_classes`, exact). Costs are scaled to integer nanoseconds for CP-SAT.
 
 CP-SAT runs the two search workers of :data:`SUBSOLVERS`: one on the full LP relaxation (``max_lp``, which proves
 the lower bounds on these problems) and one searching by unsatisfiable cores of the objective (``core``, which
@@ -48,6 +49,7 @@ from typing import TYPE_CHECKING, Literal, overload
 
 import numpy as np
 
+from torchpar.planner.sharding.share_classes import fold_share_classes
 from torchpar.planner.sharding.solver_graph import SolverGraph
 
 if TYPE_CHECKING:  # OR-Tools is imported where a problem is solved (one device never needs it)
@@ -163,12 +165,26 @@ def solve(
         return dataclasses.replace(
             cached, choice=list(cached.choice), status=f"{cached.status} (reused)", solve_s=time.perf_counter() - start
         )
+    folded = fold_share_classes(graph, allowed)
     solution = _solve_cp_sat(
-        graph, memory_budget, time_limit_s, workers, allowed, relative_gap, start, none_if_unsolved, give_up
+        folded.graph,
+        memory_budget,
+        time_limit_s,
+        workers,
+        folded.allowed,
+        relative_gap,
+        start,
+        none_if_unsolved,
+        give_up,
     )
     SOLVE_COUNTS["solved"] += 1
     if solution is None:
         return None
+    if folded.graph is not graph:
+        choice = folded.unfold(solution.choice)
+        solution = dataclasses.replace(
+            solution, choice=choice, objective_s=evaluate(graph, choice), memory_bytes=memory_of(graph, choice)
+        )
     if len(_SOLVED) >= SOLUTION_CACHE_SIZE:
         _SOLVED.pop(next(iter(_SOLVED)))
     _SOLVED[key] = solution
@@ -251,7 +267,6 @@ def _solve_cp_sat(
     objective += edge_terms
     if memory_budget is not None:
         _memory(model, graph, x, memory_budget, memory_terms)
-    _share(model, graph, x)
     for v, keep in (allowed or {}).items():
         for k, var in enumerate(x[v]):
             if k not in keep:
@@ -460,22 +475,6 @@ def transient_peak(graph: SolverGraph, choice: list[int]) -> float:
 def gathered_memory(graph: SolverGraph, choice: list[int]) -> float:
     """Bytes of the parameters ``choice`` gathers into larger layouts for their use (``G`` of the chosen pairs)."""
     return float(sum(matrix[choice[u], choice[v]] for (u, v), matrix in graph.memory_edges.items()))
-
-
-def _share(model: CpModel, graph: SolverGraph, x: list[list[IntVar]]) -> None:
-    """x_v = x_w for roots of one share class (the same op in identical repeated layers)."""
-    classes: dict[str, list[int]] = defaultdict(list)
-    for v, root in enumerate(graph.roots):
-        if root.share_key is not None:
-            classes[root.share_key].append(v)
-    for members in classes.values():
-        first = members[0]
-        names = [s.name for s in graph.roots[first].strategies]
-        for other in members[1:]:
-            if [s.name for s in graph.roots[other].strategies] != names:
-                continue
-            for a, b in zip(x[first], x[other]):
-                model.add(a == b)
 
 
 def evaluate(graph: SolverGraph, choice: list[int]) -> float:
