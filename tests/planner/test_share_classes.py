@@ -109,3 +109,16 @@ def test_a_model_of_repeated_layers_folds_to_about_one_layer():
     assert solution.objective_s == pytest.approx(evaluate(solver_graph, solution.choice))
     for key in {root.share_key for root in shared}:
         assert len({solution.choice[v] for v, root in enumerate(solver_graph.roots) if root.share_key == key}) == 1
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_a_hint_changes_nothing_but_where_the_search_starts(seed):
+    """``solve(hint=...)``: a tied choice given as the start (folded to its classes) — the worst admissible one — ends
+    at the same optimum as a solve without it."""
+    graph = _random_graph(seed)
+    choices = list(_tied_choices(graph))
+    worst = max(choices, key=lambda c: evaluate(graph, c))
+    plain = solve(graph, relative_gap=0.0, time_limit_s=10.0)
+    hinted = solve(graph, relative_gap=0.0, time_limit_s=11.0, hint=worst)  # another limit: not the cached answer
+    assert hinted.status == "OPTIMAL" and hinted.objective_s == pytest.approx(plain.objective_s, rel=1e-9)
+    assert fold_share_classes(graph).fold_choice(worst) == [worst[v] for v in (0, 1, 3, 5, 6)]

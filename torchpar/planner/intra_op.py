@@ -184,6 +184,8 @@ class PreparedStage:
     """The estimated seconds of the best layout a :meth:`probe` found (∞: none)."""
     final: IntraOpResult | None = None
     """A probe's result when it was optimal: :meth:`solve` returns it."""
+    probed_choice: list[int] | None = None
+    """The layout a probe found (each root's strategy index): :meth:`solve` starts CP-SAT from it."""
 
     def probe(self, memory_budget: float | None, time_limit_s: float) -> None:
         """Solve under a short time limit: keep the bound it proves, the best layout it finds, and the result if
@@ -199,6 +201,7 @@ class PreparedStage:
         if solution is None:
             return
         self.probed_bound_s = max(self.probed_bound_s, solution.lower_bound_s)
+        self.probed_choice = solution.choice
         result = self._result(solution)
         self.probed_s = result.stage.estimated_cost_s
         if solution.status.startswith(("OPTIMAL", "FORCED")):  # "OPTIMAL (reused)" too
@@ -225,6 +228,7 @@ class PreparedStage:
                 time_limit_s=time_limit_s,
                 allowed=allowed,
                 give_up=per_objective,
+                hint=self.probed_choice,
             )
         except AboveCutoff as stopped:
             self.probed_bound_s = max(self.probed_bound_s, stopped.bound_s)

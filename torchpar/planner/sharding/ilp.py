@@ -117,6 +117,7 @@ def solve(
     relative_gap: float = ...,
     none_if_unsolved: Literal[False] = ...,
     give_up: Callable[[float], bool] | None = ...,
+    hint: Sequence[int] | None = ...,
 ) -> Solution: ...
 @overload
 def solve(
@@ -129,6 +130,7 @@ def solve(
     relative_gap: float = ...,
     none_if_unsolved: bool,
     give_up: Callable[[float], bool] | None = ...,
+    hint: Sequence[int] | None = ...,
 ) -> Solution | None: ...
 def solve(
     graph: SolverGraph,
@@ -140,6 +142,7 @@ def solve(
     relative_gap: float = 1e-4,
     none_if_unsolved: bool = False,
     give_up: Callable[[float], bool] | None = None,
+    hint: Sequence[int] | None = None,
 ) -> Solution | None:
     """Solve the ILP on ``graph``; raises :class:`MemoryBudgetError` if no layout fits ``memory_budget``.
     ``none_if_unsolved``: return ``None`` instead of raising when the time limit passes before any solution.
@@ -150,7 +153,9 @@ def solve(
 
     ``allowed`` restricts roots to some strategy indices (hand plans are restrictions of the same ILP,
     so the automatic plan is never worse than them by the cost model). The solver stops once the
-    optimality gap is at most ``relative_gap`` (reported in the solution).
+    optimality gap is at most ``relative_gap`` (reported in the solution). ``hint``: a choice per root to start the
+    search from (e.g. the layout a shorter solve of the same problem found); it changes how fast CP-SAT finds and
+    proves the optimum, not the optimum.
     """
     start = time.perf_counter()
     forced = _forced_choice(graph, allowed)
@@ -176,6 +181,7 @@ def solve(
         start,
         none_if_unsolved,
         give_up,
+        folded.fold_choice(hint) if hint is not None else None,
     )
     SOLVE_COUNTS["solved"] += 1
     if solution is None:
@@ -255,6 +261,7 @@ def _solve_cp_sat(
     start: float,
     none_if_unsolved: bool = False,
     give_up: Callable[[float], bool] | None = None,
+    hint: Sequence[int] | None = None,
 ) -> Solution | None:
     from ortools.sat.python import cp_model
 
@@ -272,6 +279,8 @@ def _solve_cp_sat(
             if k not in keep:
                 model.add(var == 0)
     model.minimize(sum(objective))
+    for vars_, k in zip(x, hint or ()):
+        model.add_hint(vars_[k], True)
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = time_limit_s
     solver.parameters.num_workers = workers

@@ -23,6 +23,7 @@ only if admissible for every member it stands for).
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,6 +43,14 @@ class FoldedProblem:
     def unfold(self, choice: list[int]) -> list[int]:
         """The original roots' choice from the folded roots' ``choice``."""
         return [choice[q] for q in self.class_of]
+
+    def fold_choice(self, choice: Sequence[int]) -> list[int]:
+        """The folded roots' choice from a choice of the original roots (each class takes its first member's)."""
+        folded = [-1] * len(self.graph.roots)
+        for v, q in enumerate(self.class_of):
+            if folded[q] < 0:
+                folded[q] = choice[v]
+        return folded
 
 
 def fold_share_classes(graph: SolverGraph, allowed: dict[int, set[int]] | None = None) -> FoldedProblem:
