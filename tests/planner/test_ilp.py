@@ -133,7 +133,7 @@ def test_an_identical_problem_is_answered_from_the_first_solve():
     first, second = build(first_graph), build(second_graph)
     assert ilp.problem_key(first, 1e9, None, ()) == ilp.problem_key(second, 1e9, None, ())
     assert ilp.problem_key(first, 1e9, None, ()) != ilp.problem_key(first, 2e9, None, ())
-    ilp._SOLVED.clear()
+    ilp.forget_solutions()
     counts = dict(ilp.SOLVE_COUNTS)
     solved = solve(first, memory_budget=1e9)
     reused = solve(second, memory_budget=1e9)
@@ -150,14 +150,14 @@ def test_a_solve_given_up_above_a_cutoff_proves_its_bound():
     graph, trainable = _mlp_graph(256, 32)
     solver_graph = build_solver_graph(graph, LogicalMesh(shape=(2, 4)), trainable=trainable,
                                       optimizer_state_copies=ADAM_STATE)
-    ilp._SOLVED.clear()
+    ilp.forget_solutions()
     plain = solve(solver_graph, memory_budget=1e9)
-    ilp._SOLVED.clear()
+    ilp.forget_solutions()
     seen: list[float] = []
     never = solve(solver_graph, memory_budget=1e9, give_up=lambda bound: seen.append(bound) or False)
     assert never.objective_s == pytest.approx(plain.objective_s) and never.status == plain.status == "OPTIMAL"
     assert seen and max(seen) <= plain.objective_s + 1e-12
-    ilp._SOLVED.clear()
+    ilp.forget_solutions()
     try:
         early = solve(solver_graph, memory_budget=1e9, give_up=lambda bound: True)
     except ilp.AboveCutoff as stopped:

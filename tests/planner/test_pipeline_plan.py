@@ -34,12 +34,12 @@ class Blocks(torch.nn.Module):
         return torch.nn.functional.mse_loss(x, y)
 
 
-def _plan(depths: list[int]):
+def _plan(depths: list[int], stage_option: str = "auto"):
     torch.manual_seed(0)
     model = Blocks(depths)
     micro_batch = (torch.randn(BATCH // MICRO, WIDTH), torch.randn(BATCH // MICRO, WIDTH))
     graph = capture_train_step(model, micro_batch).graph
-    method = torchpar.PipeshardParallel(num_micro_batches=MICRO, layer_option="manual", stage_option="auto")
+    method = torchpar.PipeshardParallel(num_micro_batches=MICRO, layer_option="manual", stage_option=stage_option)
     return plan_pipeline(graph, method, SLOW_NETWORK, trainable={n for n, _ in model.named_parameters()},
                          optimizer_state_copies=2)
 
@@ -135,3 +135,26 @@ def test_a_stage_whose_every_mesh_is_unbounded_is_a_value_error_naming_the_meshe
     choice = pipeline_plan._MeshChoice([unsolvable((1, 4)), unsolvable((2, 2))])
     with pytest.raises(ValueError, match=r"no logical mesh of this stage \(1x4, 2x2\)"):
         choice.solve(memory_budget=1e9, time_limit_s=1.0)
+
+
+def test_stages_answered_from_a_roomier_twin_plan_as_solving_each(monkeypatch):
+    """Stages of identical layers differ only in the micro-batches they hold (here the middle two of four stages,
+    one layer each): a later stage's optimum answers an earlier one's problem when it fits its memory
+    (``ilp_problems["reused_roomier"]``, exact by :func:`torchpar.planner.sharding.ilp._looser_optimum`). With that
+    answer switched off every stage is solved by CP-SAT, and the plan is the same, stage by stage."""
+    from torchpar.planner.sharding import ilp
+
+    ilp.forget_solutions()
+    reused = _plan([1, 1, 1, 1], "uniform").plan
+    assert reused.solver["ilp_problems"]["reused_roomier"] > 0
+    ilp.forget_solutions()
+    monkeypatch.setattr(ilp, "_looser_optimum", lambda *args: None)
+    solved = _plan([1, 1, 1, 1], "uniform").plan
+    assert solved.solver["ilp_problems"]["reused_roomier"] == 0
+    assert solved.solver["ilp_problems"]["solved"] > reused.solver["ilp_problems"]["solved"]
+    assert reused.estimated_step_s == solved.estimated_step_s
+
+    def stages(plan):
+        return [(s.layers, s.submesh_shape, s.logical_mesh_shape, s.params, s.estimated_cost_s) for s in plan.stages]
+
+    assert stages(reused) == stages(solved)

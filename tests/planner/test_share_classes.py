@@ -15,8 +15,9 @@ from torchpar.capture.export import capture_train_step
 from torchpar.cluster import ClusterSpec
 from torchpar.harness import zoo
 from torchpar.planner.intra_op import StageProblem, prepare_stage
+from torchpar.planner.sharding import ilp
 from torchpar.planner.sharding.cost_model import LogicalMesh
-from torchpar.planner.sharding.ilp import MemoryBudgetError, evaluate, memory_of, solve
+from torchpar.planner.sharding.ilp import MemoryBudgetError, evaluate, forget_solutions, memory_of, solve
 from torchpar.planner.sharding.share_classes import fold_share_classes
 from torchpar.planner.sharding.solver_graph import Root, SolverGraph
 from torchpar.planner.sharding.strategies import Strategy
@@ -119,6 +120,72 @@ def test_a_hint_changes_nothing_but_where_the_search_starts(seed):
     choices = list(_tied_choices(graph))
     worst = max(choices, key=lambda c: evaluate(graph, c))
     plain = solve(graph, relative_gap=0.0, time_limit_s=10.0)
-    hinted = solve(graph, relative_gap=0.0, time_limit_s=11.0, hint=worst)  # another limit: not the cached answer
+    forget_solutions()  # CP-SAT solves again, from the hint
+    hinted = solve(graph, relative_gap=0.0, time_limit_s=10.0, hint=worst)
     assert hinted.status == "OPTIMAL" and hinted.objective_s == pytest.approx(plain.objective_s, rel=1e-9)
     assert fold_share_classes(graph).fold_choice(worst) == [worst[v] for v in (0, 1, 3, 5, 6)]
+
+
+def _roomier_pair(seed: int) -> tuple[SolverGraph, SolverGraph]:
+    """A problem and a copy of it whose every memory coefficient is as large or larger (roots, transients, gathered
+    copies: as a pipeline's earlier stage of the same layers, holding more micro-batches in flight, is to a later one);
+    the costs, edges and share classes are the same."""
+    rng = np.random.default_rng(1000 + seed)
+    roomy = _random_graph(seed)
+    tight = _random_graph(seed)
+    for root in tight.roots:
+        root.memory = root.memory + _kib(rng, 0, 4000) * (rng.uniform(size=3) < 0.5)
+        if root.transient is not None:
+            root.transient = root.transient + _kib(rng, 0, 2000)
+    tight.memory_edges = {pair: m + _kib(rng, 0, 1000, (3, 3)) for pair, m in tight.memory_edges.items()}
+    return roomy, tight
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_a_tighter_problem_answered_from_a_roomier_optimum_is_its_own_optimum(seed):
+    """The roomier problem solved first; the tighter one (a budget that keeps some layouts) is then answered from the
+    roomier optimum when that fits it — and either way the answer is the tighter problem's brute-force optimum. The
+    reverse (the roomier problem after the tighter one) always runs CP-SAT."""
+    roomy, tight = _roomier_pair(seed)
+    choices = list(_tied_choices(tight))
+    budget = float(np.quantile([memory_of(tight, c) for c in choices], [0.3, 0.6, 0.9][seed % 3]))
+    best = min(evaluate(tight, c) for c in choices if memory_of(tight, c) <= budget)
+    forget_solutions()
+    first = solve(roomy, memory_budget=budget, relative_gap=0.0)
+    counts = dict(ilp.SOLVE_COUNTS)
+    answer = solve(tight, memory_budget=budget, relative_gap=0.0)
+    reused = ilp.SOLVE_COUNTS["reused_roomier"] - counts["reused_roomier"]
+    assert reused == (answer.status == "OPTIMAL (reused: roomier problem)")
+    # whole KiB everywhere: the ILP's rounded memory row is exact, so the roomier optimum is taken iff it fits
+    assert reused == (memory_of(tight, first.choice) <= budget)
+    if reused:
+        assert answer.choice == first.choice
+    assert answer.objective_s == pytest.approx(best, rel=1e-6)
+    assert answer.memory_bytes == pytest.approx(memory_of(tight, answer.choice)) and answer.memory_bytes <= budget
+    assert answer.lower_bound_s <= best + 1e-9
+    counts = dict(ilp.SOLVE_COUNTS)
+    solve(roomy, memory_budget=budget * 1.01, relative_gap=0.0)  # roomier than any problem solved: no answer kept
+    assert ilp.SOLVE_COUNTS["solved"] == counts["solved"] + 1
+    forget_solutions()  # the other way round: the tighter optimum never answers the roomier problem
+    solve(tight, memory_budget=budget, relative_gap=0.0)
+    counts = dict(ilp.SOLVE_COUNTS)
+    roomy_answer = solve(roomy, memory_budget=budget, relative_gap=0.0)
+    assert ilp.SOLVE_COUNTS["solved"] == counts["solved"] + 1
+    roomy_best = min(evaluate(roomy, c) for c in _tied_choices(roomy) if memory_of(roomy, c) <= budget)
+    assert roomy_answer.objective_s == pytest.approx(roomy_best, rel=1e-6)
+
+
+def test_no_roomier_answer_across_costs_restrictions_or_settings():
+    """Only the memory side may differ: another cost, restriction or relative gap is another problem."""
+    roomy, tight = _roomier_pair(0)
+    forget_solutions()
+    solve(roomy, relative_gap=0.0)
+    variants: list[dict] = [{"allowed": {0: {1, 2}}, "relative_gap": 0.0}, {"relative_gap": 1e-3}]
+    for variant in variants:
+        counts = dict(ilp.SOLVE_COUNTS)
+        solve(tight, **variant)
+        assert ilp.SOLVE_COUNTS["solved"] == counts["solved"] + 1
+    tight.roots[1].cost = tight.roots[1].cost + 1e-3
+    counts = dict(ilp.SOLVE_COUNTS)
+    solve(tight, relative_gap=0.0)
+    assert ilp.SOLVE_COUNTS["solved"] == counts["solved"] + 1

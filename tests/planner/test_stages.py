@@ -571,7 +571,8 @@ def test_a_stage_whose_bound_loses_the_partition_stops_its_solve():
 
     slow, fast = _Problem(0.4, 0.6), _Problem(0.1, 0.5)
     prepared = _Prepared(partition=None, stage_graphs=[None, None], stage_layers=[[0], [1]], submeshes=[(1, 1)] * 2,
-                         devices=[[0], [1]], problems=[_MeshChoice([slow]), _MeshChoice([fast])], step=sum)
+                         devices=[[0], [1]], problems=[_MeshChoice([slow]), _MeshChoice([fast])], step=sum,
+                         in_flight=[2, 1])
     with pytest.raises(_CannotWin) as pruned:  # 0.6 + 0.5 > 1.0
         _refine(prepared, memory_budget=1.0, time_limit_s=30.0, beat_s=1.0)
     assert pruned.value.step_s == pytest.approx(1.1) and (slow.solved, fast.solved) == (1, 1)

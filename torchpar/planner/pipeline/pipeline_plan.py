@@ -521,10 +521,10 @@ def _probe(
     kept: list[tuple[int, _Prepared]] = []
     for position, candidate in sorted(prepared, key=lambda item: item[1].lower_bound_s):
         try:
-            for problem in sorted(candidate.problems, key=lambda p: -p.lower_bound_s):
+            for index in candidate.solve_order():
                 if candidate.lower_bound_s > reached:
                     break
-                problem.probe(memory_budget, PROBE_STAGE_TIME_LIMIT_S)
+                candidate.problems[index].probe(memory_budget, PROBE_STAGE_TIME_LIMIT_S)
         except ValueError as error:  # no layout of a stage fits the memory budget
             failures.append((position, candidate.partition, error))
             continue
@@ -560,6 +560,16 @@ class _Prepared:
     devices: list[list[int]]
     problems: list[_MeshChoice]
     step: Callable[[list[float]], float]
+    in_flight: list[int]
+    """Micro-batches each stage holds at once (its activations' copies in the memory model)."""
+
+    def solve_order(self, bounds: list[float] | None = None) -> list[int]:
+        """Stage indices, slowest ``bounds`` first (default: the stages' lower bounds), so that the partition's bound
+        rises early; among equal bounds (identical stages) the stage holding the fewest micro-batches first: its
+        optimum, if it fits the others' tighter memory, answers them without a solve
+        (:func:`torchpar.planner.sharding.ilp.solve`)."""
+        bounds = [problem.lower_bound_s for problem in self.problems] if bounds is None else bounds
+        return sorted(range(len(self.problems)), key=lambda i: (-bounds[i], self.in_flight[i]))
 
     @property
     def lower_bound_s(self) -> float:
@@ -638,7 +648,7 @@ def _prepare(
     def step(latencies: list[float]) -> float:
         return stages_mod.pipeline_latency(latencies, num_micro_batches, schedule, virtual_stages)
 
-    return _Prepared(partition, stage_graphs, stage_layers, submeshes, devices, problems, step)
+    return _Prepared(partition, stage_graphs, stage_layers, submeshes, devices, problems, step, list(in_flight))
 
 
 @dataclass
@@ -734,7 +744,7 @@ def _refine(
     if cannot_win(step(bounds)):
         raise _CannotWin(step(bounds))
     results: list[IntraOpResult | None] = [None] * len(problems)
-    order = sorted(range(len(problems)), key=lambda i: -bounds[i]) if math.isfinite(beat_s) else range(len(problems))
+    order = prepared.solve_order(bounds)
     for count, index in enumerate(order, start=1):
 
         def give_up(bound_s: float, index: int = index) -> bool:  # this stage at bound_s loses the partition

@@ -41,6 +41,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+import math
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -49,7 +50,7 @@ from typing import TYPE_CHECKING, Literal, overload
 
 import numpy as np
 
-from torchpar.planner.sharding.share_classes import fold_share_classes
+from torchpar.planner.sharding.share_classes import FoldedProblem, fold_share_classes
 from torchpar.planner.sharding.solver_graph import SolverGraph
 
 if TYPE_CHECKING:  # OR-Tools is imported where a problem is solved (one device never needs it)
@@ -171,6 +172,17 @@ def solve(
             cached, choice=list(cached.choice), status=f"{cached.status} (reused)", solve_s=time.perf_counter() - start
         )
     folded = fold_share_classes(graph, allowed)
+    shape_key = problem_key(graph, None, allowed, (workers, relative_gap), with_memory=False)
+    looser = _looser_optimum(shape_key, graph, folded, memory_budget)
+    if looser is not None:  # the optimum of a problem whose feasible set holds this one's, and it fits here
+        SOLVE_COUNTS["reused_roomier"] += 1
+        return dataclasses.replace(
+            looser,
+            choice=list(looser.choice),
+            memory_bytes=memory_of(graph, looser.choice),
+            status=f"{looser.status} (reused: roomier problem)",
+            solve_s=time.perf_counter() - start,
+        )
     solution = _solve_cp_sat(
         folded.graph,
         memory_budget,
@@ -194,6 +206,8 @@ def solve(
     if len(_SOLVED) >= SOLUTION_CACHE_SIZE:
         _SOLVED.pop(next(iter(_SOLVED)))
     _SOLVED[key] = solution
+    if solution.status == "OPTIMAL":
+        _remember_optimum(shape_key, graph, memory_budget, solution)
     return solution
 
 
@@ -212,18 +226,108 @@ class AboveCutoff(Exception):
 SOLUTION_CACHE_SIZE = 512
 """Solved problems kept in this process (:func:`problem_key` → :class:`Solution`), oldest dropped first."""
 _SOLVED: dict[str, Solution] = {}
-SOLVE_COUNTS: dict[str, int] = {"solved": 0, "reused": 0, "given_up": 0}
-"""CP-SAT solves run to the end, answers reused from identical problems, and solves stopped by their ``give_up``, in
-this process (``plan.solver["ilp_problems"]`` reads them)."""
+SOLVE_COUNTS: dict[str, int] = {"solved": 0, "reused": 0, "reused_roomier": 0, "given_up": 0}
+"""CP-SAT solves run to the end, answers reused from identical problems (``reused``) and from the optimum of a problem
+whose memory is nowhere tighter (``reused_roomier``, :func:`_looser_optimum`), and solves stopped by their
+``give_up``, in this process (``plan.solver["ilp_problems"]`` reads them)."""
+
+
+@dataclass(frozen=True)
+class _MemoryRows:
+    """The memory side of a solved problem: every root's ``memory`` and ``transient`` row, the gathered-memory
+    matrices, and the budget (``inf``: none)."""
+
+    memory: tuple[np.ndarray, ...]
+    transient: tuple[np.ndarray | None, ...]
+    gathered: dict[tuple[int, int], np.ndarray]
+    budget: float
+
+    def no_tighter_than(self, graph: SolverGraph, budget: float) -> bool:
+        """Whether every layout that fits ``graph`` under ``budget`` also fits this problem, in the ILP's own KiB
+        rounding: no coefficient here is above ``graph``'s (a missing transient row or gathered matrix is zeros) and
+        the budget is no smaller. Both sides round each coefficient up and the budget down, which keeps the order."""
+        if budget > self.budget:
+            return False
+        for mine, root in zip(self.memory, graph.roots):
+            if not np.all(mine <= root.memory):
+                return False
+        for mine_t, root in zip(self.transient, graph.roots):
+            if mine_t is not None and not np.all(mine_t <= (0.0 if root.transient is None else root.transient)):
+                return False
+        return all(np.all(matrix <= graph.memory_edges.get(pair, 0.0)) for pair, matrix in self.gathered.items())
+
+
+_OPTIMA: dict[str, list[tuple[_MemoryRows, Solution]]] = defaultdict(list)
+"""Optimal solutions by :func:`problem_key` without memory (the costs, edges, restrictions and settings), each with
+its problem's memory side (:func:`_looser_optimum`); at most :data:`SOLUTION_CACHE_SIZE` in all, oldest dropped."""
+
+
+def forget_solutions() -> None:
+    """Empty both solution caches (:data:`_SOLVED`, :data:`_OPTIMA`): the next solve of any problem runs CP-SAT."""
+    _SOLVED.clear()
+    _OPTIMA.clear()
+
+
+def _remember_optimum(shape_key: str, graph: SolverGraph, budget: float | None, solution: Solution) -> None:
+    if sum(map(len, _OPTIMA.values())) >= SOLUTION_CACHE_SIZE:
+        oldest = next(iter(_OPTIMA))
+        _OPTIMA[oldest].pop(0)
+        if not _OPTIMA[oldest]:
+            del _OPTIMA[oldest]
+    rows = _MemoryRows(
+        tuple(root.memory.copy() for root in graph.roots),
+        tuple(None if root.transient is None else root.transient.copy() for root in graph.roots),
+        {pair: np.asarray(matrix, np.float64).copy() for pair, matrix in graph.memory_edges.items()},
+        math.inf if budget is None else budget,
+    )
+    _OPTIMA[shape_key].append((rows, solution))
+
+
+def _looser_optimum(shape_key: str, graph: SolverGraph, folded: FoldedProblem, budget: float | None) -> Solution | None:
+    r"""An optimal solution of a problem ``P₁`` solved before that answers this one, ``P₂``, exactly, or ``None``.
+
+    ``P₁`` and ``P₂`` have the same objective (costs, resharding edges), restrictions and solver settings, and ``P₁``'s
+    memory is nowhere tighter: every memory coefficient ``m₁ ≤ m₂`` (roots, transients, gathered copies) and budget
+    ``M₁ ≥ M₂``. For any layout ``x`` the ILP's memory row is a sum of non-negative multiples of those coefficients
+    and a maximum of transients, both non-decreasing in each, so ``mem₂(x) ≤ M₂ ⟹ mem₁(x) ≤ mem₂(x) ≤ M₂ ≤ M₁``: the
+    feasible set ``F₂ ⊆ F₁``. If ``P₁``'s optimum ``x₁`` (within the relative gap) lies in ``F₂`` — checked in the
+    KiB-rounded row CP-SAT would see for ``P₂`` — then ``c(x₁) ≤ (1 + gap)·min_{F₁} c ≤ (1 + gap)·min_{F₂} c`` and
+    ``P₁``'s proven bound ``≤ min_{F₁} c ≤ min_{F₂} c`` still holds: ``x₁`` is an optimal answer to ``P₂`` with that
+    bound. (A pipeline's identical stages are such pairs: the same layers, the later stage holding fewer micro-batches
+    in flight.)"""
+    limit = math.inf if budget is None else budget
+    for rows, solution in _OPTIMA.get(shape_key, ()):
+        if not rows.no_tighter_than(graph, limit):
+            continue
+        if budget is None or _memory_kib(folded.graph, folded.fold_choice(solution.choice)) <= int(budget // 1024):
+            return solution
+    return None
+
+
+def _memory_kib(graph: SolverGraph, choice: list[int]) -> int:
+    """The left side of :func:`_memory`'s row for ``choice``, as CP-SAT counts it: every term rounded up to KiB."""
+
+    def kib(value: float) -> int:
+        return int(np.ceil(value / 1024)) if value > 0 else 0
+
+    total = sum(kib(float(root.memory[k])) for root, k in zip(graph.roots, choice))
+    total += sum(kib(float(matrix[choice[u], choice[v]])) for (u, v), matrix in graph.memory_edges.items())
+    transients = [kib(float(root.transient[k])) for root, k in zip(graph.roots, choice) if root.transient is not None]
+    return total + max(transients, default=0)
 
 
 def problem_key(
-    graph: SolverGraph, memory_budget: float | None, allowed: dict[int, set[int]] | None, settings: tuple
+    graph: SolverGraph,
+    memory_budget: float | None,
+    allowed: dict[int, set[int]] | None,
+    settings: tuple,
+    with_memory: bool = True,
 ) -> str:
     """A digest of everything the ILP reads — per root its strategy names, costs and memory, the share classes
     (as root positions), every edge's resharding matrix, the memory budget, the restrictions and the solver
     settings — and nothing it does not: two stages of identical layers on one logical mesh (which differ only in
-    their op and parameter names) have the same key, and the same optimal choice by root position."""
+    their op and parameter names) have the same key, and the same optimal choice by root position. Without
+    ``with_memory``, the memory side (memory and transient rows, gathered copies, budget) is left out."""
     digest = hashlib.blake2b(digest_size=20)
 
     def add(*parts: object) -> None:
@@ -232,22 +336,23 @@ def problem_key(
 
     classes: dict[str, list[int]] = defaultdict(list)
     for v, root in enumerate(graph.roots):
-        add(
-            v,
-            tuple(s.name for s in root.strategies),
-            np.asarray(root.cost, np.float64),
-            np.asarray(root.memory, np.float64),
-        )
-        if root.transient is not None:
+        add(v, tuple(s.name for s in root.strategies), np.asarray(root.cost, np.float64))
+        if with_memory:
+            add(np.asarray(root.memory, np.float64))
+        if with_memory and root.transient is not None:
             add("transient", v, np.asarray(root.transient, np.float64))
         if root.share_key is not None:
             classes[root.share_key].append(v)
     add(sorted(tuple(members) for members in classes.values()))
     for u, v in sorted(graph.edges):
         add((u, v), np.asarray(graph.edges[(u, v)], np.float64))
-    for u, v in sorted(graph.memory_edges):
+    for u, v in sorted(graph.memory_edges) if with_memory else ():
         add("memory", (u, v), np.asarray(graph.memory_edges[(u, v)], np.float64))
-    add(memory_budget, sorted((v, sorted(keep)) for v, keep in (allowed or {}).items()), settings)
+    add(
+        memory_budget if with_memory else None,
+        sorted((v, sorted(keep)) for v, keep in (allowed or {}).items()),
+        settings,
+    )
     return digest.hexdigest()
 
 
