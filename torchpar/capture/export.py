@@ -28,6 +28,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.export import ExportedProgram
 
+from torchpar.capture.decompositions import decompose
 from torchpar.capture.errors import CaptureError, dynamic_shape_error, parameter_write_error, translate_export_error
 from torchpar.capture.meta_models import as_fake_cpu, on_meta_device
 from torchpar.capture.module_state import (
@@ -55,7 +56,7 @@ from torchpar.capture.semantics.grad_semantics import (
 )
 from torchpar.capture.semantics.inner_gradients import refusing_inner_gradients
 from torchpar.capture.semantics.remat import reentrant_checkpoints_inline
-from torchpar.capture.to_ir import decompose, tensor_meta, to_ir
+from torchpar.capture.to_ir import tensor_meta, to_ir
 from torchpar.ir.graph import Graph, TensorMeta
 
 log = logging.getLogger(__name__)

@@ -1,11 +1,11 @@
-"""An exported program → the IR: decomposition to core ATen and the translation of the FX graph and its signature
-into a :class:`torchpar.ir.Graph` (:func:`to_ir`). Shared by the model step's capture (:mod:`.export`) and the
-backward of each custom ``autograd.Function`` (:mod:`torchpar.capture.semantics.autograd_functions`)."""
+"""An exported program (reduced to core ATen by :mod:`.decompositions`) → the IR: the translation of the FX graph
+and its signature into a :class:`torchpar.ir.Graph` (:func:`to_ir`). Shared by the model step's capture
+(:mod:`.export`) and the backward of each custom ``autograd.Function``
+(:mod:`torchpar.capture.semantics.autograd_functions`)."""
 
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from typing import Any, Literal, cast
 
 import numpy as np
@@ -17,22 +17,6 @@ from torchpar.capture.boundary import BOUNDARY_TARGET
 from torchpar.capture.meta_models import is_without_data
 from torchpar.ir.costs import op_flops
 from torchpar.ir.graph import DType, Graph, Input, Node, OutMeta, Output, Ref, TensorMeta
-
-KEEP_UNDECOMPOSED = ("scaled_dot_product_attention.default",)
-"""Ops kept whole instead of decomposed to core ATen (each has a direct lowering)."""
-
-
-def decompose(exported: ExportedProgram) -> ExportedProgram:
-    """``exported`` reduced to core ATen by PyTorch's default decompositions, except :data:`KEEP_UNDECOMPOSED`."""
-    table = torch.export.default_decompositions()
-    for op in list(table):
-        if str(op).removeprefix("aten.") in KEEP_UNDECOMPOSED:
-            del table[op]
-    with warnings.catch_warnings():  # torch's own deprecation inside run_decompositions (torch 2.13), not the user's
-        warnings.filterwarnings(
-            "ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning
-        )
-        return exported.run_decompositions(table)
 
 
 def to_ir(

@@ -48,8 +48,9 @@ import torch
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
+from torchpar.capture.decompositions import decompose
 from torchpar.capture.errors import CaptureError
-from torchpar.capture.to_ir import decompose, to_ir
+from torchpar.capture.to_ir import to_ir
 
 if TYPE_CHECKING:
     from torchpar.ir.graph import Graph
