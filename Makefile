@@ -10,16 +10,14 @@ PYTEST_ARGS ?=
 .PHONY: demo test test-fast lint install benchmark clean
 
 # pip prints what it collects and downloads (no --quiet): a fresh install takes minutes and should not look hung.
-# --no-compile: no bytecode for the ~17,500 modules installed (half the install's CPU time, 77 s → 37 s on 2 cores);
-# Python writes it for the modules a program imports, on their first import.
 $(VENV)/.installed: pyproject.toml
 	@echo "torchpar: creating $(VENV) and installing torch 2.13.0 (CPU wheel), JAX (jax[cpu]), OR-Tools, Ray, transformers"
 	@echo "torchpar: and the test tools: about 2.2 GB on disk, 3-5 minutes on a fresh machine (once; later runs reuse it)"
 	$(PYTHON) -m venv $(VENV)
 	@echo "torchpar: [1/2] torch==2.13.0"
-	$(PY) -m pip install --progress-bar on --no-compile torch==2.13.0
+	$(PY) -m pip install --progress-bar on torch==2.13.0
 	@echo "torchpar: [2/2] torchpar and its dependencies (pyproject.toml, extras [test])"
-	$(PY) -m pip install --progress-bar on --no-compile -e ".[test]"
+	$(PY) -m pip install --progress-bar on -e ".[test]"
 	@echo "torchpar: installed into $(VENV) ($$(du -sh $(VENV) | cut -f1))"
 	touch $@
 
