@@ -30,18 +30,22 @@ demo: install
 # Ray tests run one at a time at normal priority: the Ray tests spend much of their time waiting (host processes
 # starting, timeouts they provoke), the others fill the cores meanwhile, and the Ray processes get the CPU whenever
 # they want it, so their timeouts hold. (Beside them at the same priority, a Ray example's subprocess once ran past
-# its 300 s guard in CI — 45 s alone.) The Ray part's output follows the other part's. One XLA compilation cache is
-# shared. Exit status 5 ("nothing collected", e.g. PYTEST_ARGS naming one file) is not a failure. Each part reports
-# its ten slowest tests (--durations=10).
-test: install lint
-	@cache=$$(mktemp -d); ray_log=$$(mktemp); export JAX_COMPILATION_CACHE_DIR=$$cache; \
+# its 300 s guard in CI — 45 s alone.) `make lint` runs beside them too, at nice 10 (mypy is a minute on one core:
+# the suite is CPU-bound, so run first it would leave the other core idle). The lint's and the Ray part's output
+# follow the other part's. One XLA compilation cache is shared. Exit status 5 ("nothing collected", e.g. PYTEST_ARGS
+# naming one file) is not a failure. Each part reports its ten slowest tests (--durations=10).
+test: install
+	@cache=$$(mktemp -d); ray_log=$$(mktemp); lint_log=$$(mktemp); export JAX_COMPILATION_CACHE_DIR=$$cache; \
+	nice -n 10 $(MAKE) --no-print-directory lint > $$lint_log 2>&1 & lint=$$!; \
 	$(PY) -m pytest -q -m ray --durations=10 $(PYTEST_ARGS) > $$ray_log 2>&1 & ray=$$!; \
-	trap 'kill $$ray 2>/dev/null; rm -rf $$cache $$ray_log; exit 130' INT TERM; \
-	echo "--- the tests without Ray (pytest -m 'not ray', nice 10); the Ray tests run beside them ---"; \
+	trap 'kill $$ray $$lint 2>/dev/null; rm -rf $$cache $$ray_log $$lint_log; exit 130' INT TERM; \
+	echo "--- the tests without Ray (pytest -m 'not ray', nice 10); the Ray tests and make lint run beside them ---"; \
 	nice -n 10 $(PY) -m pytest -q -n 2 --dist worksteal -m "not ray" --durations=10 $(PYTEST_ARGS); first=$$?; \
-	wait $$ray; second=$$?; \
+	wait $$ray; second=$$?; wait $$lint; linted=$$?; \
+	echo "--- make lint (beside the tests) ---"; cat $$lint_log; \
 	echo "--- the Ray tests (pytest -m ray, one at a time, beside the others) ---"; cat $$ray_log; \
-	rm -rf $$cache $$ray_log; \
+	rm -rf $$cache $$ray_log $$lint_log; \
+	[ $$linted -eq 0 ] || { echo "make lint failed (its output is above)"; exit $$linted; }; \
 	for status in $$first $$second; do [ $$status -eq 0 ] || [ $$status -eq 5 ] || exit $$status; done
 
 # A subset for iterating (about 3 minutes on 2 cores, no Ray): capture and autograd semantics (not PyTorch's module_db
