@@ -189,3 +189,25 @@ def test_no_roomier_answer_across_costs_restrictions_or_settings():
     counts = dict(ilp.SOLVE_COUNTS)
     solve(tight, relative_gap=0.0)
     assert ilp.SOLVE_COUNTS["solved"] == counts["solved"] + 1
+
+
+def test_the_kept_optima_stay_within_their_byte_cap(monkeypatch):
+    """The optima kept for roomier answers are dropped oldest first once their memory rows would pass
+    ``OPTIMA_BYTES``: a problem whose optimum was dropped is solved again, the newest still answers."""
+    graphs = [_roomier_pair(seed)[0] for seed in range(3)]
+    forget_solutions()
+    solve(graphs[0], relative_gap=0.0)
+    (held,) = [rows for entries in ilp._OPTIMA.values() for rows, _ in entries]
+    monkeypatch.setattr(ilp, "OPTIMA_BYTES", 2 * held.nbytes)  # every graph here holds as many bytes
+    for graph in graphs[1:]:
+        solve(graph, relative_gap=0.0)
+    kept = [rows for entries in ilp._OPTIMA.values() for rows, _ in entries]
+    assert len(kept) == 2 and ilp._optima_bytes[0] == sum(rows.nbytes for rows in kept) <= ilp.OPTIMA_BYTES
+    ilp._SOLVED.clear()  # only the roomier answers remain
+    counts = dict(ilp.SOLVE_COUNTS)
+    solve(graphs[2], memory_budget=1e12, relative_gap=0.0)
+    assert ilp.SOLVE_COUNTS["reused_roomier"] == counts["reused_roomier"] + 1
+    solve(graphs[0], memory_budget=1e12, relative_gap=0.0)
+    assert ilp.SOLVE_COUNTS["solved"] == counts["solved"] + 1
+    forget_solutions()
+    assert ilp._optima_bytes[0] == 0

@@ -13,6 +13,7 @@ import torch
 import torchpar
 from tests.runtime.ray_helpers import crossing_collectives, gpt2, qwen2, ray_cluster, train_against_pytorch
 from torchpar.report.hlo import collectives
+from torchpar.runtime.ray.host_actor import ACTOR_GC_THRESHOLD
 
 ONE_STAGE_METHODS = {
     "data_parallel": (torchpar.DataParallel, "all-reduce"),
@@ -45,6 +46,7 @@ def test_one_stage_methods_run_on_both_host_actors(two_hosts_of_two, method):
         assert all(w["process_count"] == 2 and w["steps_run"] == 5 for w in workers)
         assert len({w["pid"] for w in workers}) == 2
         assert all(w["niceness"] == 0 for w in workers)  # embedded Ray: host actors at the driver's priority
+        assert all(tuple(w["gc_threshold"]) == ACTOR_GC_THRESHOLD for w in workers)  # the actor's collector settled
         for w in workers:  # each actor holds its share of the state on its own two devices
             assert len(w["local_devices"]) == 2
             assert w["devices_holding_state"] and set(w["devices_holding_state"]) <= set(w["local_devices"])

@@ -22,6 +22,7 @@ lowest-ranked — process); ``describe()``.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import threading
@@ -202,6 +203,7 @@ class Worker:
             "stages": self.stages(),
             "cores": sorted(os.sched_getaffinity(0)),
             "niceness": os.nice(0),
+            "gc_threshold": gc.get_threshold(),
             "devices_holding_state": sorted(
                 {str(s.device) for array in self.state_arrays() for s in array.addressable_shards}
             ),

@@ -164,7 +164,7 @@ def solve(
         return _forced_solution(graph, forced, memory_budget, time.perf_counter() - start)
     if memory_budget is not None and allowed is None and minimum_memory(graph) > memory_budget:
         _raise_over_budget(graph, memory_budget)  # infeasible for sure: do not let CP-SAT prove it
-    key = problem_key(graph, memory_budget, allowed, (time_limit_s, workers, relative_gap))
+    key, shape_key = problem_keys(graph, memory_budget, allowed, time_limit_s, (workers, relative_gap))
     cached = _SOLVED.get(key)
     if cached is not None:  # the same problem (an identical stage: same layers, mesh, budget) solved before
         SOLVE_COUNTS["reused"] += 1
@@ -172,7 +172,6 @@ def solve(
             cached, choice=list(cached.choice), status=f"{cached.status} (reused)", solve_s=time.perf_counter() - start
         )
     folded = fold_share_classes(graph, allowed)
-    shape_key = problem_key(graph, None, allowed, (workers, relative_gap), with_memory=False)
     looser = _looser_optimum(shape_key, graph, folded, memory_budget)
     if looser is not None:  # the optimum of a problem whose feasible set holds this one's, and it fits here
         SOLVE_COUNTS["reused_roomier"] += 1
@@ -224,7 +223,7 @@ class AboveCutoff(Exception):
 
 
 SOLUTION_CACHE_SIZE = 512
-"""Solved problems kept in this process (:func:`problem_key` → :class:`Solution`), oldest dropped first."""
+"""Solved problems kept in this process (:func:`problem_keys`' whole key → :class:`Solution`), oldest dropped first."""
 _SOLVED: dict[str, Solution] = {}
 SOLVE_COUNTS: dict[str, int] = {"solved": 0, "reused": 0, "reused_roomier": 0, "given_up": 0}
 """CP-SAT solves run to the end, answers reused from identical problems (``reused``) and from the optimum of a problem
@@ -256,31 +255,46 @@ class _MemoryRows:
                 return False
         return all(np.all(matrix <= graph.memory_edges.get(pair, 0.0)) for pair, matrix in self.gathered.items())
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the arrays held."""
+        held = [*self.memory, *(t for t in self.transient if t is not None), *self.gathered.values()]
+        return sum(array.nbytes for array in held)
+
 
 _OPTIMA: dict[str, list[tuple[_MemoryRows, Solution]]] = defaultdict(list)
-"""Optimal solutions by :func:`problem_key` without memory (the costs, edges, restrictions and settings), each with
-its problem's memory side (:func:`_looser_optimum`); at most :data:`SOLUTION_CACHE_SIZE` in all, oldest dropped."""
+"""Optimal solutions by :func:`problem_keys`' shape key (the costs, edges, restrictions and settings), each with its
+problem's memory side (:func:`_looser_optimum`); at most :data:`SOLUTION_CACHE_SIZE` in all and
+:data:`OPTIMA_BYTES` of memory rows, oldest dropped first."""
+OPTIMA_BYTES = 256 * 2**20
+"""The memory rows :data:`_OPTIMA` holds at most, in bytes (a stage of thousands of roots holds a few MB)."""
+_optima_bytes = [0]
 
 
 def forget_solutions() -> None:
     """Empty both solution caches (:data:`_SOLVED`, :data:`_OPTIMA`): the next solve of any problem runs CP-SAT."""
     _SOLVED.clear()
     _OPTIMA.clear()
+    _optima_bytes[0] = 0
 
 
 def _remember_optimum(shape_key: str, graph: SolverGraph, budget: float | None, solution: Solution) -> None:
-    if sum(map(len, _OPTIMA.values())) >= SOLUTION_CACHE_SIZE:
-        oldest = next(iter(_OPTIMA))
-        _OPTIMA[oldest].pop(0)
-        if not _OPTIMA[oldest]:
-            del _OPTIMA[oldest]
     rows = _MemoryRows(
         tuple(root.memory.copy() for root in graph.roots),
         tuple(None if root.transient is None else root.transient.copy() for root in graph.roots),
         {pair: np.asarray(matrix, np.float64).copy() for pair, matrix in graph.memory_edges.items()},
         math.inf if budget is None else budget,
     )
+    while _OPTIMA and (
+        sum(map(len, _OPTIMA.values())) >= SOLUTION_CACHE_SIZE or _optima_bytes[0] + rows.nbytes > OPTIMA_BYTES
+    ):
+        oldest = next(iter(_OPTIMA))
+        dropped, _ = _OPTIMA[oldest].pop(0)
+        _optima_bytes[0] -= dropped.nbytes
+        if not _OPTIMA[oldest]:
+            del _OPTIMA[oldest]
     _OPTIMA[shape_key].append((rows, solution))
+    _optima_bytes[0] += rows.nbytes
 
 
 def _looser_optimum(shape_key: str, graph: SolverGraph, folded: FoldedProblem, budget: float | None) -> Solution | None:
@@ -306,54 +320,56 @@ def _looser_optimum(shape_key: str, graph: SolverGraph, folded: FoldedProblem, b
 
 def _memory_kib(graph: SolverGraph, choice: list[int]) -> int:
     """The left side of :func:`_memory`'s row for ``choice``, as CP-SAT counts it: every term rounded up to KiB."""
-
-    def kib(value: float) -> int:
-        return int(np.ceil(value / 1024)) if value > 0 else 0
-
-    total = sum(kib(float(root.memory[k])) for root, k in zip(graph.roots, choice))
-    total += sum(kib(float(matrix[choice[u], choice[v]])) for (u, v), matrix in graph.memory_edges.items())
-    transients = [kib(float(root.transient[k])) for root, k in zip(graph.roots, choice) if root.transient is not None]
+    total = sum(_kib(root.memory[k]) for root, k in zip(graph.roots, choice))
+    total += sum(_kib(matrix[choice[u], choice[v]]) for (u, v), matrix in graph.memory_edges.items())
+    transients = [_kib(root.transient[k]) for root, k in zip(graph.roots, choice) if root.transient is not None]
     return total + max(transients, default=0)
 
 
-def problem_key(
+def _kib(value: float) -> int:
+    """Bytes as the ILP's memory row counts them: KiB, rounded up (0 for none)."""
+    return int(np.ceil(float(value) / 1024)) if value > 0 else 0
+
+
+def problem_keys(
     graph: SolverGraph,
     memory_budget: float | None,
     allowed: dict[int, set[int]] | None,
+    time_limit_s: float,
     settings: tuple,
-    with_memory: bool = True,
-) -> str:
-    """A digest of everything the ILP reads — per root its strategy names, costs and memory, the share classes
-    (as root positions), every edge's resharding matrix, the memory budget, the restrictions and the solver
-    settings — and nothing it does not: two stages of identical layers on one logical mesh (which differ only in
-    their op and parameter names) have the same key, and the same optimal choice by root position. Without
-    ``with_memory``, the memory side (memory and transient rows, gathered copies, budget) is left out."""
-    digest = hashlib.blake2b(digest_size=20)
+) -> tuple[str, str]:
+    """Two digests of what the ILP reads, made in one pass. The whole key: per root its strategy names, costs and
+    memory, the share classes (as root positions), every edge's resharding matrix, the memory budget, the
+    restrictions, ``time_limit_s`` and the other solver ``settings`` — and nothing it does not: two stages of
+    identical layers on one logical mesh (which differ only in their op and parameter names) have the same key, and
+    the same optimal choice by root position. The shape key: the same without the memory side (memory and transient
+    rows, gathered copies, budget) and the time limit (an optimal answer does not depend on it)."""
+    whole = hashlib.blake2b(digest_size=20)
+    shape = hashlib.blake2b(digest_size=20)
 
-    def add(*parts: object) -> None:
+    def add(*parts: object, memory: bool = False) -> None:
         for part in parts:
-            digest.update(part.tobytes() if isinstance(part, np.ndarray) else repr(part).encode())
+            data = part.tobytes() if isinstance(part, np.ndarray) else repr(part).encode()
+            whole.update(data)
+            if not memory:
+                shape.update(data)
 
     classes: dict[str, list[int]] = defaultdict(list)
     for v, root in enumerate(graph.roots):
         add(v, tuple(s.name for s in root.strategies), np.asarray(root.cost, np.float64))
-        if with_memory:
-            add(np.asarray(root.memory, np.float64))
-        if with_memory and root.transient is not None:
-            add("transient", v, np.asarray(root.transient, np.float64))
+        add(np.asarray(root.memory, np.float64), memory=True)
+        if root.transient is not None:
+            add("transient", v, np.asarray(root.transient, np.float64), memory=True)
         if root.share_key is not None:
             classes[root.share_key].append(v)
     add(sorted(tuple(members) for members in classes.values()))
     for u, v in sorted(graph.edges):
         add((u, v), np.asarray(graph.edges[(u, v)], np.float64))
-    for u, v in sorted(graph.memory_edges) if with_memory else ():
-        add("memory", (u, v), np.asarray(graph.memory_edges[(u, v)], np.float64))
-    add(
-        memory_budget if with_memory else None,
-        sorted((v, sorted(keep)) for v, keep in (allowed or {}).items()),
-        settings,
-    )
-    return digest.hexdigest()
+    for u, v in sorted(graph.memory_edges):
+        add("memory", (u, v), np.asarray(graph.memory_edges[(u, v)], np.float64), memory=True)
+    add(memory_budget, time_limit_s, memory=True)
+    add(sorted((v, sorted(keep)) for v, keep in (allowed or {}).items()), settings)
+    return whole.hexdigest(), shape.hexdigest()
 
 
 def _solve_cp_sat(
@@ -518,7 +534,7 @@ def _edges(model: CpModel, graph: SolverGraph, x: list[list[IntVar]]) -> tuple[l
         reduced_cost, reduced_memory = cost[picked], gathered[picked]
         for g, h in zip(*np.nonzero((reduced_cost > 0) | (reduced_memory > 0))):
             scaled = int(round(reduced_cost[g, h] * _SCALE))
-            kib = int(np.ceil(reduced_memory[g, h] / 1024))
+            kib = _kib(reduced_memory[g, h])
             if scaled <= 0 and kib <= 0:
                 continue
             y = model.new_bool_var(f"y{u}_{v}_{g}_{h}")
@@ -553,18 +569,13 @@ def _memory(
 ) -> None:
     """Σ_v Σ_k m_v[k]·x_v[k] + Σ G·y + t ≤ M with t ≥ Σ_k r_v[k]·x_v[k] for every root with transients (``t``: the
     largest transient of the chosen strategies); in KiB, to keep coefficients small; ``gathered``: the G·y terms."""
-    terms = [
-        int(np.ceil(m / 1024)) * var
-        for root, vars_ in zip(graph.roots, x)
-        for m, var in zip(root.memory, vars_)
-        if m > 0
-    ]
+    terms = [_kib(m) * var for root, vars_ in zip(graph.roots, x) for m, var in zip(root.memory, vars_) if m > 0]
     transient_roots = [(root.transient, vars_) for root, vars_ in zip(graph.roots, x) if root.transient is not None]
     if transient_roots:
-        largest = int(np.ceil(max(float(transient.max()) for transient, _ in transient_roots) / 1024))
+        largest = _kib(max(float(transient.max()) for transient, _ in transient_roots))
         peak = model.new_int_var(0, largest, "transient_peak")
         for transient, vars_ in transient_roots:
-            model.add(peak >= sum(int(np.ceil(r / 1024)) * var for r, var in zip(transient, vars_) if r > 0))
+            model.add(peak >= sum(_kib(r) * var for r, var in zip(transient, vars_) if r > 0))
         terms.append(peak)
     model.add(sum(terms) + sum(gathered) <= int(budget // 1024))
 
