@@ -1,7 +1,7 @@
 # Two commands on a fresh machine with Python ≥ 3.11:
 #   make demo   — create .venv, install, train GPT-2 with PyTorch and torchpar side by side
 #   make test   — create .venv, install with test extras, run the test suite
-#   make test-fast — the same venv, a subset for iterating (no Ray; 3.4 min on a quiet 2-vCPU machine)
+#   make test-fast — the same venv, a subset for iterating (no Ray; 2 min on a quiet 2-vCPU machine)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -48,7 +48,7 @@ test: install
 	[ $$linted -eq 0 ] || { echo "make lint failed (its output is above)"; exit $$linted; }; \
 	for status in $$first $$second; do [ $$status -eq 0 ] || [ $$status -eq 5 ] || exit $$status; done
 
-# A subset for iterating (about 3 minutes on 2 cores, no Ray): capture and autograd semantics (not PyTorch's module_db
+# A subset for iterating (about 2 minutes on 2 cores, no Ray): capture and autograd semantics (not PyTorch's module_db
 # sweep or the attention masks), the engine, every op against PyTorch's OpInfo samples, optimizers, the planner's
 # solvers, every one-stage method trained beside PyTorch, accumulation and micro-batch losses, schedules, per-device
 # programs, layering. `make test` is what CI runs.

@@ -26,7 +26,8 @@ above a fence is an error (:class:`DocBlockError`), as is a non-Python command i
 
 Run as a script (``python doc_blocks.py spec.json``) this module is the runner of a Python case: it executes
 the case's pieces in one namespace, each compiled with the markdown file as its file name and padded to its
-line, so a traceback names the page and line (``File ".../README.md", line 19``); it always calls
+line, so a traceback names the page and line (``File ".../README.md", line 19``), under the test session's
+garbage-collector thresholds (``tests/conftest.py``); it always calls
 ``torchpar.shutdown()`` at the end, and first writes the processes it started (Ray's) to ``spec["children"]``
 so the caller can check that none outlives it.
 """
@@ -34,6 +35,7 @@ so the caller can check that none outlives it.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import os
 import re
@@ -309,6 +311,7 @@ def _descendants() -> list[tuple[int, str]]:
 
 
 def run(spec_path: str) -> None:
+    gc.set_threshold(50_000, 20, 10)  # the test session's collector (tests/conftest.py), before the case imports torch
     spec = json.loads(Path(spec_path).read_text())
     namespace = {"__name__": "__main__"}
     try:
