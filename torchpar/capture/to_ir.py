@@ -124,8 +124,10 @@ def _convert(value: object) -> Any:
         return DType(dtype_name(value))
     if isinstance(value, (torch.device, torch.layout, torch.memory_format)):
         return str(value)
-    if isinstance(value, (list, tuple)):
-        return type(value)(_convert(v) for v in value) if isinstance(value, list) else tuple(_convert(v) for v in value)
+    if isinstance(value, list):  # fx's immutable_list too: the IR holds plain lists (a worker unpickles no torch)
+        return [_convert(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_convert(v) for v in value)
     if isinstance(value, (int, float, bool, str)) or value is None:
         return value
     if isinstance(value, torch.SymInt | torch.SymFloat | torch.SymBool):
