@@ -1,7 +1,11 @@
 """The core-ATen decomposition with its table split once per process (torchpar/capture/decompositions.py) gives the
-graph ``ExportedProgram.run_decompositions`` gives, op by op, and a newly registered op makes it split again."""
+graph ``ExportedProgram.run_decompositions`` gives, op by op, and a newly registered op makes it split again; a
+program reduced once is not retraced again, and what it reuses is bound to the new export's own state."""
 
 from __future__ import annotations
+
+import contextlib
+from collections import OrderedDict
 
 import pytest
 import torch
@@ -23,6 +27,8 @@ def _ops(graph) -> list[tuple]:
 ])
 def test_the_cached_split_gives_run_decompositions_graph(family, overrides, dropout, autocast, monkeypatch):
     assert decompositions._private_functions() is not None, "this torch takes the cached path"
+    monkeypatch.setattr(decompositions, "_decomposed", OrderedDict())  # every capture here retraces
+    monkeypatch.setattr(decompositions, "DECOMPOSED_KEPT", 0)
     model, batch = zoo.build(family, overrides, batch_size=2, seq_len=8, dropout=dropout)
     capture_train_step(model, batch, autocast=autocast)  # the first capture may register op namespaces: split again
     split = decompositions._cached[0]
@@ -62,3 +68,98 @@ def test_a_newly_registered_op_splits_the_table_again():
     assert decompositions._cached[0] is not before and decompositions._cached[0].state != before.state
     targets = [n.target for n in graph.nodes]
     assert not any("twice" in t for t in targets) and "aten.mul.Tensor" in targets
+
+
+@pytest.fixture
+def retraces(monkeypatch) -> list[int]:
+    """The number of retraces :func:`decompositions.decompose` runs from here on (one entry each), nothing kept
+    from earlier tests."""
+    monkeypatch.setattr(decompositions, "_decomposed", OrderedDict())
+    calls: list[int] = []
+    retrace = decompositions._retraced
+
+    def counted(*args):
+        calls.append(1)
+        return retrace(*args)
+
+    monkeypatch.setattr(decompositions, "_retraced", counted)
+    return calls
+
+
+@pytest.mark.parametrize(("family", "overrides", "dropout"), [
+    ("gpt2", {"n_layer": 2}, 0.1),
+    ("resnet", {}, 0.0),
+    ("mixtral", {"num_hidden_layers": 1}, 0.0),
+])
+def test_a_model_captured_again_reuses_its_core_aten_graph(family, overrides, dropout, retraces, monkeypatch):
+    """A second model of the same architecture on the same batch shapes (other weights) is not retraced, and its
+    capture is the one a retrace gives: every op, input and output."""
+    capture_train_step(*zoo.build(family, overrides, batch_size=2, seq_len=8, dropout=dropout))
+    before = len(retraces)
+    model, batch = zoo.build(family, overrides, batch_size=2, seq_len=8, dropout=dropout)
+    reused = capture_train_step(model, batch).graph
+    assert len(retraces) == before, "the second capture reused the first one's graph"
+    monkeypatch.setattr(decompositions, "DECOMPOSED_KEPT", 0)
+    monkeypatch.setattr(decompositions, "_decomposed", OrderedDict())
+    retraced = capture_train_step(model, batch).graph
+    assert len(retraces) == before + 1
+    assert _ops(reused) == _ops(retraced)
+    assert [(n.source, n.module_path) for n in reused.nodes] == [(n.source, n.module_path) for n in retraced.nodes]
+    assert reused.inputs == retraced.inputs and reused.outputs == retraced.outputs
+
+
+class _Scaled(torch.nn.Module):
+    """A linear layer times a plain tensor attribute, which ``torch.export`` lifts as a constant."""
+
+    def __init__(self, scale: float) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+        self.scale = torch.full((4,), scale)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) * self.scale
+
+
+def test_a_reused_graph_computes_with_the_new_exports_parameters_and_constants(retraces):
+    x = torch.randn(2, 4)
+    first, second = _Scaled(2.0), _Scaled(3.0)
+    reduced_first = decompositions.decompose(torch.export.export(first, (x,)))
+    reduced_second = decompositions.decompose(torch.export.export(second, (x,)))
+    assert len(retraces) == 1
+    assert list(reduced_second.constants.values())[0][0].item() == 3.0
+    assert reduced_second.state_dict["linear.weight"] is second.linear.weight
+    torch.testing.assert_close(reduced_second.module()(x), second(x), rtol=0, atol=0)
+    torch.testing.assert_close(reduced_first.module()(x), first(x), rtol=0, atol=0)
+
+
+def test_the_caller_owns_the_returned_graph(retraces):
+    """A caller rewriting its graph in place (as the attention-mask folding does) changes no later capture's."""
+    x = torch.randn(2, 4)
+    model = _Scaled(2.0)
+    reduced = decompositions.decompose(torch.export.export(model, (x,)))
+    code = reduced.graph_module.code
+    for node in reduced.graph.nodes:
+        if node.target is torch.ops.aten.mul.Tensor:
+            node.target = torch.ops.aten.add.Tensor
+    again = decompositions.decompose(torch.export.export(model, (x,)))
+    assert len(retraces) == 1 and again.graph is not reduced.graph
+    assert again.graph_module.code == code
+    torch.testing.assert_close(again.module()(x), model(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("change", ["batch shape", "autocast", "no_grad", "another op"])
+def test_what_the_retrace_depends_on_is_retraced_when_it_changes(change, retraces):
+    x = torch.randn(2, 4)
+    decompositions.decompose(torch.export.export(_Scaled(2.0), (x,)))
+    model, ambient = _Scaled(2.0), contextlib.nullcontext()
+    if change == "batch shape":
+        x = torch.randn(3, 4)
+    elif change == "autocast":
+        ambient = torch.autocast("cpu", torch.bfloat16)
+    elif change == "no_grad":
+        ambient = torch.no_grad()
+    else:
+        model.forward = lambda x: model.linear(x) - model.scale
+    with ambient:
+        decompositions.decompose(torch.export.export(model, (x,)))
+    assert len(retraces) == 2
