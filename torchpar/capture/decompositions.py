@@ -28,6 +28,7 @@ import functools
 import hashlib
 import inspect
 import logging
+import threading
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable
@@ -69,16 +70,13 @@ def decompose(exported: ExportedProgram) -> ExportedProgram:
         if private is None:
             return exported.run_decompositions(_table())
         key = _fingerprint(exported)
-        if key is not None and key in _decomposed:
-            _decomposed.move_to_end(key)
-            kept = _decomposed[key]
+        kept = _kept(key) if key is not None else None
+        if kept is not None:
             log.debug("core ATen graph of fingerprint %s reused (%d nodes)", key, len(kept.graph.nodes))
             return kept.program(exported)
         decomposed = _retraced(exported, *private)
         if key is not None and _keepable(decomposed, exported):
-            _decomposed[key] = _Decomposed.of(decomposed)
-            while len(_decomposed) > DECOMPOSED_KEPT:
-                _decomposed.popitem(last=False)
+            _keep(key, _Decomposed.of(decomposed))
         return decomposed
 
 
@@ -148,6 +146,22 @@ class _Decomposed:
 
 
 _decomposed: OrderedDict[str, _Decomposed] = OrderedDict()  # by fingerprint, least recently used first
+_decomposed_lock = threading.Lock()  # captures may run on several threads (an engine's forward, a trainer's)
+
+
+def _kept(key: str) -> _Decomposed | None:
+    with _decomposed_lock:
+        kept = _decomposed.get(key)
+        if kept is not None:
+            _decomposed.move_to_end(key)
+        return kept
+
+
+def _keep(key: str, decomposed: _Decomposed) -> None:
+    with _decomposed_lock:
+        _decomposed[key] = decomposed
+        while len(_decomposed) > DECOMPOSED_KEPT:
+            _decomposed.popitem(last=False)
 
 
 def _keepable(decomposed: ExportedProgram, exported: ExportedProgram) -> bool:
