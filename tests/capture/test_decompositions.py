@@ -86,17 +86,37 @@ def retraces(monkeypatch) -> list[int]:
     return calls
 
 
+class _LSTMRegressor(torch.nn.Module):
+    """A recurrent model (no transformer, no zoo family): an LSTM's last step regressed onto a target."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = torch.nn.LSTM(8, 8, batch_first=True)
+        self.head = torch.nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        out, _ = self.lstm(x)
+        return torch.nn.functional.mse_loss(self.head(out[:, -1]), y)
+
+
+def _built(family: str, overrides: dict, dropout: float) -> tuple[torch.nn.Module, object]:
+    if family == "lstm":
+        return _LSTMRegressor(), (torch.randn(2, 5, 8), torch.randn(2, 1))
+    return zoo.build(family, overrides, batch_size=2, seq_len=8, dropout=dropout)
+
+
 @pytest.mark.parametrize(("family", "overrides", "dropout"), [
     ("gpt2", {"n_layer": 2}, 0.1),
     ("resnet", {}, 0.0),
     ("mixtral", {"num_hidden_layers": 1}, 0.0),
+    ("lstm", {}, 0.0),
 ])
 def test_a_model_captured_again_reuses_its_core_aten_graph(family, overrides, dropout, retraces, monkeypatch):
     """A second model of the same architecture on the same batch shapes (other weights) is not retraced, and its
     capture is the one a retrace gives: every op, input and output."""
-    capture_train_step(*zoo.build(family, overrides, batch_size=2, seq_len=8, dropout=dropout))
+    capture_train_step(*_built(family, overrides, dropout))
     before = len(retraces)
-    model, batch = zoo.build(family, overrides, batch_size=2, seq_len=8, dropout=dropout)
+    model, batch = _built(family, overrides, dropout)
     reused = capture_train_step(model, batch).graph
     assert len(retraces) == before, "the second capture reused the first one's graph"
     monkeypatch.setattr(decompositions, "DECOMPOSED_KEPT", 0)

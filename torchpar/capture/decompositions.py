@@ -69,24 +69,23 @@ def decompose(exported: ExportedProgram) -> ExportedProgram:
         private = _private_functions()
         if private is None:
             return exported.run_decompositions(_table())
-        key = _fingerprint(exported)
+        split_table, decompose_program = private
+        split = _split(split_table)
+        key = _fingerprint(exported, split.state)
         kept = _kept(key) if key is not None else None
         if kept is not None:
             log.debug("core ATen graph of fingerprint %s reused (%d nodes)", key, len(kept.graph.nodes))
             return kept.program(exported)
-        decomposed = _retraced(exported, *private)
+        decomposed = _retraced(exported, split, decompose_program)
         if key is not None and _keepable(decomposed, exported):
             _keep(key, _Decomposed.of(decomposed))
         return decomposed
 
 
 def _retraced(
-    exported: ExportedProgram,
-    split_table: Callable[[OpTable], tuple[OpTable, OpTable]],
-    decompose_program: Callable[..., ExportedProgram],
+    exported: ExportedProgram, split: _Split, decompose_program: Callable[..., ExportedProgram]
 ) -> ExportedProgram:
     """``run_decompositions``' retrace of ``exported`` with the process's split of the table."""
-    split = _split(split_table)
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     with unset_fake_temporarily():  # as run_decompositions' decorator
@@ -171,16 +170,16 @@ def _keepable(decomposed: ExportedProgram, exported: ExportedProgram) -> bool:
     return no_attributes and set(decomposed.constants) == set(exported.constants)
 
 
-def _fingerprint(exported: ExportedProgram) -> str | None:
-    """A digest of everything the retrace of ``exported`` depends on (module docstring), or ``None`` when the graph
-    holds a ``get_attr`` (its target's contents are not in the digest)."""
+def _fingerprint(exported: ExportedProgram, registry_state: tuple[int, ...]) -> str | None:
+    """A digest of everything the retrace of ``exported`` with the split made in ``registry_state`` depends on (module
+    docstring), or ``None`` when the graph holds a ``get_attr`` (its target's contents are not in the digest)."""
     digest = hashlib.blake2b(digest_size=20)
 
     def put(part: object) -> None:
         digest.update(repr(part).encode())
         digest.update(b"\0")
 
-    put(_registry_state())
+    put(registry_state)
     put(_ambient_modes())
     put(str(exported.graph_signature))
     put(exported.range_constraints)
@@ -188,7 +187,7 @@ def _fingerprint(exported: ExportedProgram) -> str | None:
     for node in exported.graph.nodes:
         if node.op == "get_attr":
             return None
-        put((node.op, node.name, _target_name(node.target), _described(node.args), _described(node.kwargs)))
+        put((node.op, node.name, _target_identity(node.target), _described(node.args), _described(node.kwargs)))
         put(sorted((key, _described(value)) for key, value in node.meta.items()))
     return digest.hexdigest()
 
@@ -201,7 +200,7 @@ def _ambient_modes() -> tuple[object, ...]:
     return (torch.is_grad_enabled(), autocast)
 
 
-def _target_name(target: object) -> str:
+def _target_identity(target: object) -> str:
     if isinstance(target, str):
         return target
     return f"{getattr(target, '__module__', '')}.{getattr(target, '__qualname__', None) or target}"
