@@ -10,7 +10,7 @@ product in blocks of ``B`` rows that each belong to one group:
     y[block] = x[block] @ w[g]
 
 so the work is ``U·B·K·N ≤ (S + G·B)·K·N`` — the rows' own work plus at most one partial block per group. ``B`` is
-the power of two nearest below ``S / G`` within [16, 128] (:func:`block_rows_for`). Two ways to run the blocks:
+the power of two nearest below ``S / G`` within [16, 128] (:func:`block_rows_for`). Three ways to run them:
 
 - ``"loop"`` (the CPU default): a ``fori_loop`` over the ``U`` blocks holding rows, one ``[B, K] × [K, N]`` matmul
   each, written in place in ``y``; a block's weights are read in place (``dynamic_slice``), never copied. The trip
@@ -18,10 +18,18 @@ the power of two nearest below ``S / G`` within [16, 128] (:func:`block_rows_for
   the same blocks, ``dx[block] = dy[block] @ w[g]ᵀ`` and ``dw[g] += x[block]ᵀ @ dy[block]`` (fp32 accumulation for
   16-bit weights). On 2 CPU cores the forward and backward of ``[4096, 256] × [8, 256, 1024]`` take 35 ms against
   a dense ``[4096, 256] × [256, 1024]``'s 25 (the gathered path: 70).
-- ``"gathered"`` (the default elsewhere): every one of the ``n_b`` blocks at once, as one batched matmul of
-  ``n_b × [B, K] × [n_b, K, N]`` with each block's weights gathered (``n_b·K·N`` values, about twice the experts'
-  weights; gathered again in the backward rather than kept). One kernel launch instead of ``U`` small ones: on an
-  H200 the whole Mixtral step of ``benchmarks/moe.py`` took 12.7 ms this way; the loop is unmeasured on a GPU.
+- ``"gathered"`` (the default elsewhere: TPUs, GPUs for other dtypes): every one of the ``n_b`` blocks at once, as
+  one batched matmul of ``n_b × [B, K] × [n_b, K, N]`` with each block's weights gathered (``n_b·K·N`` values, about
+  twice the experts' weights; gathered again in the backward rather than kept). One kernel launch instead of ``U``
+  small ones: on an H200 the whole Mixtral step of ``benchmarks/moe.py`` took 12.7 ms this way; the loop is
+  unmeasured on a GPU.
+- ``"pallas"`` (the default on GPUs for 16- and 32-bit floats, :func:`.grouped_gemm.chosen`):
+  :mod:`jaxbackend.kernels.grouped_gemm`, a Pallas (Triton) grouped GEMM (one launch; its backward two) that
+  reads the experts' weights tile by tile in place (nothing gathered or copied); a program writes one ``[B, b_N]``
+  output tile, summing the products of the groups with rows in it — the same ``(S + G·B)·K·N`` bound on the work.
+  Its values and gradients are checked in Pallas's interpret mode (``"pallas-interpret"``, on the CPU) and its CUDA
+  lowering is checked to hold the Triton custom call, but it is **not timed on a GPU yet**: whether it beats the
+  gathered path or reaches ``torch._grouped_mm`` is for ``benchmarks/grouped_matmul.py`` to say.
 
 Nothing is dropped or capacity-limited: every row is computed exactly once, like PyTorch's ``_grouped_mm``; rows in
 no group come out zero (PyTorch leaves them unwritten).
@@ -35,11 +43,15 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxbackend.kernels import grouped_gemm
+
 MIN_BLOCK_ROWS = 16
 MAX_BLOCK_ROWS = 128
 METHOD: str | None = None
-"""The method of :func:`blocked_ragged_dot` when its caller names none: ``"loop"``, ``"gathered"``, or ``None`` (the
-loop on the CPU, gathered elsewhere)."""
+"""The method of :func:`blocked_ragged_dot` when its caller names none: ``"loop"``, ``"gathered"``, ``"pallas"``,
+``"pallas-interpret"`` (the Pallas kernel interpreted: runs on the CPU, slowly; for tests), or ``None`` (the Pallas
+kernel on a GPU where :func:`.grouped_gemm.chosen` says so, the loop on the CPU, gathered elsewhere)."""
+METHODS = ("loop", "gathered", "pallas", "pallas-interpret")
 
 
 def block_rows_for(rows: int, groups: int) -> int:
@@ -80,11 +92,13 @@ def blocked_ragged_dot(
     ``nn.Linear``, ``[E, out, in]``, and transposes them for ``_grouped_mm``): the blocks read it in place, where
     transposing it first would copy every expert's weights before the loop and their gradient back after it.
 
-    ``method``: ``"loop"`` or ``"gathered"`` (module docstring); ``None``: :data:`METHOD`.
+    ``method``: ``"loop"``, ``"gathered"``, ``"pallas"`` or ``"pallas-interpret"`` (module docstring); ``None``:
+    :data:`METHOD`, else the backend's default (:func:`default_method`).
     The loop runs only the blocks holding rows, so for a buffer sized for more rows than it usually holds (an
     expert-parallel exchange's receive slots) the work follows the rows it holds; the gathered path does so at the
     granularity of ``run_blocks`` (runs of that many blocks, every run after the first only if it holds a used
-    block, ``lax.cond``).
+    block, ``lax.cond``). The Pallas kernel ignores ``run_blocks``: its programs for row tiles no group reaches only
+    write zeros.
 
     Inside ``shard_map`` the rows and the weight are typed varying along the same mesh axes before the loops, so
     a cotangent's reduction over axes only the other operand varies along — the weight's over data parallelism
@@ -97,17 +111,38 @@ def blocked_ragged_dot(
     if weight_index is None:
         weight_index = jnp.arange(sizes.shape[0], dtype=jnp.int32)
     block = min(block_rows or block_rows_for(rows, sizes.shape[0]), rows)
-    method = method or METHOD or ("loop" if jax.default_backend() == "cpu" else "gathered")
-    if method not in ("loop", "gathered"):
-        raise ValueError(f"blocked_ragged_dot: method {method!r}; expected 'loop' or 'gathered'")
+    method = method or METHOD or default_method(x, weight)
+    if method not in METHODS:
+        raise ValueError(f"blocked_ragged_dot: method {method!r}; expected one of {', '.join(map(repr, METHODS))}")
     grouping = (sizes, starts.astype(jnp.int32), weight_index.astype(jnp.int32))
     x, weight = varying_like(x, weight, *grouping), varying_like(weight, x, *grouping)
+    if method.startswith("pallas"):
+        return grouped_gemm.grouped_gemm(
+            x,
+            weight,
+            sizes,
+            starts=grouping[1],
+            weight_index=grouping[2],
+            block_rows=block,
+            weight_transposed=weight_transposed,
+            precision=precision,
+            out_dtype=preferred_element_type,
+            interpret=method == "pallas-interpret",
+        )
     if method == "gathered":
         return _gathered_product(
             x, weight, *grouping, block, run_blocks, weight_transposed, precision, preferred_element_type
         )
     out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(x, weight))
     return _grouped_product(x, weight, *grouping, block, weight_transposed, precision, out_dtype)
+
+
+def default_method(x: jax.Array, weight: jax.Array) -> str:
+    """The method when none is named: ``"pallas"`` on a GPU for the kernel's dtypes, ``"loop"`` on the CPU,
+    ``"gathered"`` elsewhere."""
+    if grouped_gemm.chosen(x, weight):
+        return "pallas"
+    return "loop" if jax.default_backend() == "cpu" else "gathered"
 
 
 class _Blocks(NamedTuple):
