@@ -1,4 +1,4 @@
-"""One GPU: the context-parallel attention's XLA blocks against cuDNN's whole-sequence attention.
+"""One GPU: the context-parallel attention's blocks (XLA and Pallas) against cuDNN's whole-sequence attention.
 
     python benchmarks/attention_gpu.py [--lengths 4096,8192,16384] [--steps 10] [--json out.json]
 
@@ -6,11 +6,14 @@ Causal attention ``[1, 8, T, 128]`` in bf16, forward + backward (the sum of the 
 q, k and v), on one device: ``jax.nn.dot_product_attention(implementation="cudnn")`` (a fused flash kernel),
 ``implementation="xla"`` (matmul, softmax, matmul: the ``T × T`` probabilities materialized), and torchpar's
 context attention on a one-device mesh (``jaxbackend/ops/context_attention.py``: the blocks a ring step computes,
-tiles of 256 query rows, log-sum-exp merges, its own VJP) — the per-device kernel a ring over several devices runs
-on each of its steps. Per row: median step time, XLA's temporary bytes, and the largest difference of the output and
-the gradients from cuDNN's (bf16). A GPU has a cuDNN kernel per block in reach; torchpar does not call one yet (JAX's
-cuDNN attention drops the gradient of its log-sum-exp output, jax#28408), so this measures what the XLA blocks cost
-against it.
+log-sum-exp merges, its own VJP) — the per-device kernel a ring over several devices runs on each of its steps — with
+its blocks computed by XLA (``BLOCK_KERNEL = "xla"``: tiles of 256 query rows) and by the Pallas flash-attention
+kernel (``"pallas"``, the default on a GPU: ``jaxbackend/kernels/flash_attention.py``, Triton), and that kernel alone
+(``flash_block``, causal, its ``custom_vjp`` through the output). Per row: median step time, XLA's temporary bytes,
+and the largest difference of the output and the gradients from cuDNN's (bf16). torchpar does not call cuDNN per
+block (JAX's cuDNN attention drops the gradient of its log-sum-exp output, jax#28408), so this measures what the
+blocks cost against it. The Pallas rows have not been measured yet (written without a GPU: a first run may show
+that the Triton kernels fail to compile, a row's "failed:" line).
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ def main() -> int:
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec
 
+    from jaxbackend.kernels.flash_attention import flash_block
+    from jaxbackend.ops import context_attention
     from jaxbackend.ops.context_attention import ContextSplit, split_attention
     from jaxbackend.sharding import make_mesh
 
@@ -57,10 +62,14 @@ def main() -> int:
             "xla": lambda q, k, v: jax.nn.dot_product_attention(
                 q.swapaxes(1, 2), k.swapaxes(1, 2), v.swapaxes(1, 2), is_causal=True, scale=scale,
                 implementation="xla").swapaxes(1, 2),
-            "torchpar blocks": lambda q, k, v: split_attention(q, k, v, [sharding] * 3, split),
+            "torchpar xla blocks": lambda q, k, v: split_attention(q, k, v, [sharding] * 3, split),
+            "torchpar pallas blocks": lambda q, k, v: split_attention(q, k, v, [sharding] * 3, split),
+            "pallas flash_block": lambda q, k, v: flash_block(q, k, v, scale=scale, offset=0)[0],
         }
+        block_kernels = {"torchpar xla blocks": "xla", "torchpar pallas blocks": "pallas"}  # read while tracing
         results = {}
         for name, kernel in kernels.items():
+            context_attention.BLOCK_KERNEL = block_kernels.get(name)
             def loss(q, k, v, kernel=kernel):
                 out = kernel(q, k, v)
                 return jnp.sum(out.astype(jnp.float32)), out

@@ -36,6 +36,12 @@ needs ``L = S``. Without the mask there is no zig-zag (every block is whole).
 
 Precision as the composition (:func:`jaxbackend.precision.dot_precision`): scores, softmax statistics and
 accumulators in float32, the output in the inputs' dtype.
+
+**Block kernel** (:data:`BLOCK_KERNEL`). A block's ``(o, lse)`` (:func:`_block`) and its gradients
+(:func:`_block_grads`) are computed by the XLA code below (tiles of :data:`ROW_TILE` query rows) or by the Pallas
+flash-attention kernel :mod:`jaxbackend.kernels.flash_attention` (its own tiles; the same formulas). By default the
+kernel on the GPU platforms it compiles for, where it takes the operands, and the XLA code elsewhere; the tests force
+the kernel in Pallas's interpret mode on the CPU (``"pallas-interpret"``) and compare the two.
 """
 
 from __future__ import annotations
@@ -51,10 +57,17 @@ from jax.sharding import PartitionSpec
 
 from jaxbackend import precision
 from jaxbackend.collectives import reduce_scatter
+from jaxbackend.kernels import flash_attention
 from jaxbackend.ops.grouped_matmul import varying_like
 from jaxbackend.sharding import AXIS_NAMES, axes_of, shard_map
 
 VARIANTS = ("allgather", "ring")
+BLOCK_KERNELS = ("xla", "pallas", "pallas-interpret")
+BLOCK_KERNEL: str | None = None
+"""How blocks are computed: ``None`` (the default) — the Pallas kernel on a GPU platform it compiles for where it
+takes the operands (:func:`jaxbackend.kernels.flash_attention.supported`), the XLA code elsewhere; ``"xla"``;
+``"pallas"`` (compiled: a GPU only); ``"pallas-interpret"`` (Pallas's interpret mode, any platform: for tests, slow).
+Read when a program is traced."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,10 +177,41 @@ MIN_TILE = 64
 """Fewer query rows than this are one tile."""
 
 
+def _block_kernel(q, k, v) -> str:
+    """``"xla"``, ``"pallas"`` or ``"pallas-interpret"``: how blocks of these grouped operands are computed
+    (:data:`BLOCK_KERNEL`)."""
+    if BLOCK_KERNEL is not None and BLOCK_KERNEL not in BLOCK_KERNELS:
+        raise ValueError(f"context_attention.BLOCK_KERNEL = {BLOCK_KERNEL!r}: None or one of {BLOCK_KERNELS}")
+    if BLOCK_KERNEL == "xla":
+        return "xla"
+    ungrouped = jax.ShapeDtypeStruct(q.shape[:1] + (q.shape[1] * q.shape[2],) + q.shape[3:], q.dtype)
+    taken = flash_attention.supported(ungrouped, k, v)
+    if BLOCK_KERNEL is None:
+        on_gpu = flash_attention.compiled_for(precision.current().platform or jax.default_backend())
+        return "pallas" if on_gpu and taken else "xla"
+    if not taken:
+        raise ValueError(
+            f"context_attention.BLOCK_KERNEL = {BLOCK_KERNEL!r}, but the flash-attention kernel does not take "
+            f"q {ungrouped.shape} {q.dtype}, k {k.shape} {k.dtype}, v {v.shape} {v.dtype}"
+        )
+    return BLOCK_KERNEL
+
+
+def _ungrouped(x):
+    """``[B, Hk, G, L, …]`` → ``[B, Hk·G, L, …]`` (query head ``n`` of key head ``n // G``: the kernel's layout)."""
+    return x.reshape((x.shape[0], x.shape[1] * x.shape[2]) + x.shape[3:])
+
+
 def _block(q, k, v, scale, offset):
     """One block: its output normalized within the block (float32) and its rows' log-sum-exp (``−inf`` for a row
     with no allowed key). ``offset``: ``None`` (every key allowed) or ``δ``: key ``c`` allowed for row ``r`` when
     ``c ≤ r + δ`` (causal within the block)."""
+    kernel = _block_kernel(q, k, v)
+    if kernel != "xla":
+        o, lse = flash_attention.flash_block(
+            _ungrouped(q), k, v, scale=scale, offset=offset, out_dtype=jnp.float32, interpret=kernel != "pallas"
+        )
+        return o.reshape(q.shape[:4] + o.shape[3:]), lse.reshape(q.shape[:4])
 
     def tile(args):
         q_tile, first = args
@@ -247,7 +291,21 @@ def _merge(o1, lse1, o2, lse2):
 
 def _block_grads(q, k, v, do, lse, rowdot, scale, offset):
     """Gradients of one block's contribution: ``(dq, dk, dv)`` in float32 (module docstring's formulas), tile by
-    tile of query rows (``dk, dv`` summed over the tiles)."""
+    tile of query rows (``dk, dv`` summed over the tiles), or by the Pallas kernel (its ``δ`` is ``rowdot``)."""
+    kernel = _block_kernel(q, k, v)
+    if kernel != "xla":
+        dq, dk, dv = flash_attention.flash_block_grads(
+            _ungrouped(q),
+            k,
+            v,
+            _ungrouped(do),
+            _ungrouped(lse),
+            _ungrouped(rowdot),
+            scale=scale,
+            offset=offset,
+            interpret=kernel != "pallas",
+        )
+        return dq.reshape(q.shape), dk, dv
     tiles, firsts = _row_tiles(q)
     if tiles is None:
         return _block_grads_rows(q, k, v, do, lse, rowdot, scale, offset, 0)

@@ -6,12 +6,15 @@ gathers nothing; the all-gather's forward gathers once and its backward reduce-s
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxbackend import precision
 from jaxbackend.ops.attention import _composed
 from jaxbackend.ops import context_attention as context_attention_module
 from jaxbackend.ops.context_attention import ContextSplit, context_attention, split_attention
@@ -129,3 +132,48 @@ def test_causal_attention_needs_as_many_queries_as_keys():
         context_attention(jnp.zeros((1, 1, 4, 2)), jnp.zeros((1, 1, 8, 2)), jnp.zeros((1, 1, 8, 2)), split)
     with pytest.raises(ValueError, match="variant"):
         ContextSplit(("d0",), 2, "ulysses", True, 1.0)
+
+
+# --- the Pallas block kernel (jaxbackend.kernels.flash_attention) ---------------------------------------------------
+
+
+@pytest.mark.parametrize("case, variant, causal", [("seq@0,heads@1,gqa", "ring", True), ("seq@01", "allgather", False)])
+def test_the_pallas_blocks_interpreted_equal_the_xla_blocks(case, variant, causal, monkeypatch):
+    """``BLOCK_KERNEL = "pallas-interpret"``: every block and its gradients by the flash-attention kernel in Pallas's
+    interpret mode (the zig-zag's causal offsets, grouped heads, the ring's and the all-gather's backward)."""
+    batch, heads, kv_heads, length, _, _ = CASES[case]
+    q, k, v, cotangent = _operands(batch, heads, kv_heads, length)
+    results = []
+    for kernel in ("xla", "pallas-interpret"):
+        monkeypatch.setattr(context_attention_module, "BLOCK_KERNEL", kernel)
+        split, shardings = _split_fn(case, variant, causal)
+        out, pullback = jax.vjp(split, *(jax.device_put(x, s) for x, s in zip((q, k, v), shardings)))
+        results.append((out, *pullback(cotangent)))
+    for name, got, want in zip(["out", "dq", "dk", "dv"], results[1], results[0]):
+        np.testing.assert_allclose(got, want, atol=ATOL, rtol=0, err_msg=name)
+
+
+def test_the_block_kernel_is_pallas_on_a_gpu_and_xla_on_the_cpu(monkeypatch):
+    q, k, v, _ = _operands(1, 4, 2, 64)
+    grouped = q.reshape(1, 2, 2, 64, 8)
+    assert context_attention_module._block_kernel(grouped, k, v) == "xla"
+    with precision.using(precision.Numerics(platform="cuda")):
+        assert context_attention_module._block_kernel(grouped, k, v) == "pallas"
+        wide_v = jnp.zeros(v.shape[:3] + (512,))  # a head dim over MAX_HEAD_DIM: not taken
+        assert context_attention_module._block_kernel(grouped, k, wide_v) == "xla"
+        # the whole context-parallel step lowered for CUDA: forward, dq and dk/dv kernels as Triton calls
+        split, shardings = _split_fn("seq@0", "ring", True)
+        grad = jax.jit(jax.grad(lambda *a: jnp.sum(split(*a)), argnums=(0, 1, 2)))
+        text = grad.trace(*_operands(2, 4, 4, 64)[:3]).lower(lowering_platforms=("cuda",)).as_text()
+    kernels = {"flash_block_forward", "flash_block_dq", "flash_block_dkv"}
+    assert set(re.findall(r'name = "(flash_block_\w+)"', text)) == kernels
+    assert "stablehlo.custom_call @__gpu$xla.gpu.triton" in text
+    monkeypatch.setattr(context_attention_module, "BLOCK_KERNEL", "xla")
+    with precision.using(precision.Numerics(platform="cuda")):
+        assert context_attention_module._block_kernel(grouped, k, v) == "xla"
+    monkeypatch.setattr(context_attention_module, "BLOCK_KERNEL", "triton")
+    with pytest.raises(ValueError, match="BLOCK_KERNEL"):
+        context_attention_module._block_kernel(grouped, k, v)
+    monkeypatch.setattr(context_attention_module, "BLOCK_KERNEL", "pallas")
+    with pytest.raises(ValueError, match="does not take"):
+        context_attention_module._block_kernel(grouped.astype(jnp.bfloat16), k, v)
