@@ -31,7 +31,7 @@ from jaxbackend import dtypes, ops, precision
 from jaxbackend.ops.registry import Lowering, LoweringFn
 from jaxbackend.precision import Numerics
 from jaxbackend.remat import Remat, checkpoint
-from jaxbackend.rewrites import fold_transposed_weights
+from jaxbackend.rewrites import fold_transposed_weights, fuse_linear_cross_entropy
 from jaxbackend.sharding import constrain
 from torchpar.ir.function_regions import FunctionRegion, function_regions
 from torchpar.ir.graph import DType, Graph, Node, OutMeta, Output, Ref, TensorMeta
@@ -143,7 +143,8 @@ class _Operands(Protocol):
     every node the same way through one of these, chosen once by :func:`_operands_for`."""
 
     graph: Graph
-    """The graph to interpret (GSPMD: after :func:`~jaxbackend.rewrites.fold_transposed_weights`)."""
+    """The graph to interpret (GSPMD: after :func:`~jaxbackend.rewrites.fuse_linear_cross_entropy` and
+    :func:`~jaxbackend.rewrites.fold_transposed_weights`)."""
 
     def produced(self, name: str, value: object) -> object:
         """Value ``name`` (an input or a node's result) as the rest of the graph reads it."""
@@ -190,6 +191,7 @@ class _GlobalOperands:
         operand_shardings: Mapping[str, Sequence[NamedSharding | None]],
         op_options: Mapping[str, Mapping[str, object]],
     ):
+        graph = fuse_linear_cross_entropy(graph, value_shardings, operand_shardings, op_options)
         self.graph, self.operand_shardings = fold_transposed_weights(graph, operand_shardings)
         self.value_shardings = value_shardings
         self.op_options = op_options

@@ -6,6 +6,7 @@ from __future__ import annotations
 from jaxbackend.ops import (  # noqa: F401  (registration side effects)
     attention,
     elementwise,
+    fused_loss,
     indexing,
     linalg,
     nn,

@@ -270,3 +270,70 @@ def test_dropout_is_applied_by_the_composition():
     out, dropped = _jitted()(q, k, v), _jitted(dropout_p=0.5)(q, k, v)
     assert dropped.shape == out.shape and np.isfinite(np.asarray(dropped)).all()
     assert not np.allclose(np.asarray(dropped), np.asarray(out))
+
+
+# --- the composition in tiles of query rows (large scores on the CPU) -----------------------------------------------
+
+
+@pytest.fixture
+def row_tiles(monkeypatch):
+    """Tile every composition on the CPU, 8 query rows a tile."""
+    monkeypatch.setattr(attention, "ROW_TILED_MIN_BYTES", 0)
+    monkeypatch.setattr(attention, "ROW_TILE_BYTES", 1)
+
+
+def _composition_and_grads(q, k, v, mask, causal, dropout_p=0.0, key=None):
+    def f(q, k, v):
+        with precision.using(None):
+            out = attention._composed(q, k, v, mask, dropout_p, causal, 0.25, False, key)
+        return out, out
+
+    out, vjp, _ = jax.vjp(f, q, k, v, has_aux=True)
+    cotangent = jax.random.normal(jax.random.key(7), out.shape)
+    return out, vjp(cotangent)
+
+
+@pytest.mark.parametrize("mask_kind", ["none", "causal", "bool rows", "float broadcast"])
+def test_row_tiles_equal_the_whole_composition(mask_kind, monkeypatch):
+    keys = jax.random.split(jax.random.key(0), 4)
+    q, k, v = (jax.random.normal(key, (2, 3, 32, 8)) for key in keys[:3])
+    mask = {"none": None, "causal": None,
+            "bool rows": jax.random.bernoulli(keys[3], 0.8, (2, 1, 32, 32)),
+            "float broadcast": jax.random.normal(keys[3], (32,))}[mask_kind]
+    causal = mask_kind == "causal"
+    whole, whole_grads = _composition_and_grads(q, k, v, mask, causal)
+    monkeypatch.setattr(attention, "ROW_TILED_MIN_BYTES", 0)
+    monkeypatch.setattr(attention, "ROW_TILE_BYTES", 1)
+    with precision.using(None):
+        assert attention._row_tile(q, k) == 8  # ROW_TILE_BYTES of 1: the smallest tile, 8 rows (4 tiles)
+    tiled, tiled_grads = _composition_and_grads(q, k, v, mask, causal)
+    np.testing.assert_allclose(tiled, whole, **FP32_TOL)
+    for got, want in zip(tiled_grads, whole_grads):
+        np.testing.assert_allclose(got, want, **FP32_TOL)
+
+
+def test_row_tiles_draw_dropout_per_tile_and_differentiate_that_draw(row_tiles):
+    keys = jax.random.split(jax.random.key(1), 3)
+    q, k, v = (jax.random.normal(key, (2, 2, 32, 8)) for key in keys)
+    dropout_key = jax.random.key(5)
+    tiled, tiled_grads = _composition_and_grads(q, k, v, None, True, 0.25, dropout_key)
+
+    def reference(q, k, v):  # the same per-tile draws, applied to the whole sequence at once
+        keep = jnp.concatenate([jax.random.bernoulli(jax.random.fold_in(dropout_key, i), 0.75, (2, 2, 8, 32))
+                                for i in range(4)], axis=-2)
+        scores = jnp.where(jnp.tril(jnp.ones((32, 32), bool)), q @ jnp.swapaxes(k, -1, -2) * 0.25, -jnp.inf)
+        weights = jnp.where(keep, jax.nn.softmax(scores, axis=-1) / 0.75, 0.0)
+        return weights @ v
+
+    want, vjp = jax.vjp(reference, q, k, v)
+    np.testing.assert_allclose(tiled, want, **FP32_TOL)
+    for got, expected in zip(tiled_grads, vjp(jax.random.normal(jax.random.key(7), want.shape))):
+        np.testing.assert_allclose(got, expected, **FP32_TOL)
+
+
+def test_small_scores_and_other_platforms_stay_whole():
+    q = jnp.zeros((2, 3, 32, 8))
+    with precision.using(None):
+        assert attention._row_tile(q, q) is None  # far below ROW_TILED_MIN_BYTES
+    with precision.using(precision.Numerics(platform="cuda")):
+        assert attention._row_tile(jnp.zeros((8, 12, 4096, 64)), jnp.zeros((8, 12, 4096, 64))) is None
