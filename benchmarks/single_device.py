@@ -1,6 +1,7 @@
 """Single-device step time: torchpar vs PyTorch eager (and torch.compile where it runs).
 
     python benchmarks/single_device.py [--steps 10] [--warmup 3] [--sizes small,medium] [--json out.json]
+    python benchmarks/single_device.py --families all --sizes medium     # the CPU floor: six families
 
 For each model the three runners train the same model (same init, same batch, AdamW) and are timed
 interleaved — one step of each per round — so machine noise hits them alike; the table reports the
@@ -36,7 +37,31 @@ SIZES: dict[str, dict[str, tuple[dict[str, Any], int, int]]] = {
         "large": ({"num_hidden_layers": 6, "hidden_size": 384, "intermediate_size": 1024, "num_attention_heads": 6,
                    "num_key_value_heads": 2, "vocab_size": 8192}, 8, 128),
     },
+    "bert": {  # masked LM, every third label ignored
+        "small": ({"num_hidden_layers": 2, "hidden_size": 128, "intermediate_size": 512, "num_attention_heads": 4,
+                   "vocab_size": 4096}, 8, 64),
+        "medium": ({"num_hidden_layers": 4, "hidden_size": 256, "intermediate_size": 1024, "num_attention_heads": 4,
+                    "vocab_size": 8192}, 8, 128),
+    },
+    "vit": {  # image classification; the "sequence length" is unused (patches: (image / patch)² + 1)
+        "small": ({"num_hidden_layers": 2, "hidden_size": 128, "intermediate_size": 512, "num_attention_heads": 4,
+                   "image_size": 32, "patch_size": 4}, 8, 0),
+        "medium": ({"num_hidden_layers": 4, "hidden_size": 256, "intermediate_size": 1024, "num_attention_heads": 4,
+                    "image_size": 64, "patch_size": 8}, 16, 0),
+    },
+    "resnet": {  # bottleneck blocks on 32 × 32 images
+        "small": ({"embedding_size": 32, "hidden_sizes": [32, 64], "depths": [1, 1]}, 16, 0),
+        "medium": ({"embedding_size": 32, "hidden_sizes": [64, 128, 256, 512], "depths": [1, 1, 1, 1]}, 16, 0),
+    },
+    "mixtral": {  # 8 experts, top-2, router logits in the loss
+        "small": ({"num_hidden_layers": 2, "hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4,
+                   "num_key_value_heads": 2, "vocab_size": 4096}, 8, 64),
+        "medium": ({"num_hidden_layers": 2, "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4,
+                    "num_key_value_heads": 2, "vocab_size": 8192}, 8, 128),
+    },
 }
+CPU_FLOOR_FAMILIES = "gpt2,llama,bert,vit,resnet,mixtral"
+"""The families of the CPU floor (issue 50: no family slower than eager): ``--families all``."""
 
 
 def _torch_step(model: torch.nn.Module, batch: dict, optimizer: torch.optim.Optimizer) -> Callable[[], float]:
@@ -114,7 +139,7 @@ def measure(family: str, size: str, steps: int, warmup: int, with_torch_compile:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--families", default="gpt2,llama")
+    parser.add_argument("--families", default="gpt2,llama", help=f"comma-separated, or 'all' ({CPU_FLOOR_FAMILIES})")
     parser.add_argument("--sizes", default="small,medium")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per runner (median reported)")
     parser.add_argument("--warmup", type=int, default=3)
@@ -129,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, {platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} cpus")
     print(header)
-    for family in args.families.split(","):
+    families = CPU_FLOOR_FAMILIES if args.families == "all" else args.families
+    for family in families.split(","):
         for size in args.sizes.split(","):
             result = measure(family, size, args.steps, args.warmup, not args.no_torch_compile)
             results.append(result)
@@ -138,6 +164,14 @@ def main(argv: list[str] | None = None) -> int:
             tc_ratio = f"{r['torch.compile']:10.2f}" if "torch.compile" in r else f"{'-':>10}"
             print(f"{family + '/' + size:<14}{result['params'] / 1e6:>9.1f}M{m['eager'] * 1e3:11.1f}"
                   f"{m['torchpar'] * 1e3:13.1f}{tc_ms}{r['torchpar']:10.2f}{tc_ratio}", flush=True)
+    if len(results) > 1:
+        geomean = lambda key: statistics.geometric_mean(r["ratio_to_eager"][key] for r in results)
+        line = f"geometric mean: torchpar / eager {geomean('torchpar'):.2f}"
+        if all("torch.compile" in r["ratio_to_eager"] for r in results):
+            compiled = statistics.geometric_mean(
+                r["median_step_s"]["torchpar"] / r["median_step_s"]["torch.compile"] for r in results)
+            line += f", torchpar / torch.compile {compiled:.2f}"
+        print(line)
     import jax
 
     meta = {"torch": torch.__version__, "jax": jax.__version__, "device": str(jax.devices()[0]),
