@@ -149,11 +149,18 @@ def apply_updates(
     grads: Mapping[str, Array],
     state: Mapping[str, Mapping[str, Array]],
     scalars: Scalars,
+    keep: Array | None = None,
 ) -> tuple[Params, State]:
     """One optimizer step; pure and jittable with `spec` static. Returns (new_params, new_state).
 
     Parameters not in `spec.param_names`, and spec parameters absent from `grads` (no gradient this
     step, like a torch parameter whose ``.grad`` is None), are returned unchanged with their state.
+
+    ``keep`` (a boolean scalar, the step's finiteness): where it is false every parameter and state is returned as
+    given (a skipped step). Adam's moments are kept or replaced *before* the parameter's update reads them
+    (:func:`_adam_update`), so XLA updates each moment in place and the update reads the new one; a select after the
+    whole update would have the update read the old moments after their in-place write, which XLA resolves by
+    copying both moments of every parameter each step.
     """
     assert len(scalars) == spec.num_groups, (len(scalars), spec.num_groups)
     update = _UPDATES[spec.kind]
@@ -163,7 +170,15 @@ def apply_updates(
         if name not in grads:  # no gradient this step (PyTorch: .grad is None): leave it alone
             new_state[name] = dict(state[name])
             continue
-        new_params[name], new_state[name] = update(spec, group, params[name], grads[name], state[name], scalars[group])
+        p, old = params[name], state[name]
+        if update is _adam_update:
+            new_p, new_s = _adam_update(spec, group, p, grads[name], old, scalars[group], keep)
+        else:
+            new_p, new_s = update(spec, group, p, grads[name], old, scalars[group])
+            if keep is not None:
+                new_s = {key: jnp.where(keep, value, old[key]) for key, value in new_s.items()}
+        new_params[name] = new_p if keep is None else jnp.where(keep, new_p, p)
+        new_state[name] = new_s
     return new_params, new_state
 
 
@@ -199,7 +214,10 @@ def _lerp(start: Array, end: Array, weight: Array) -> Array:
     return jnp.where(jnp.abs(weight) < 0.5, start + weight * diff, end - diff * (1 - weight))
 
 
-def _adam_update(spec, group, p, g, state, s):
+def _adam_update(spec, group, p, g, state, s, keep=None):
+    """Adam and AdamW. ``keep`` (:func:`apply_updates`): the new state is selected against the old and passed through
+    an optimization barrier before the parameter's update reads it, so the update reads the stored new moments (not
+    a recomputation from the old ones, which XLA would fuse into it)."""
     p_dtype = p.dtype
     p, dt = _opmath(p)
     g = g.astype(dt)
@@ -211,13 +229,20 @@ def _adam_update(spec, group, p, g, state, s):
         p = p * s["param_scale"].astype(dt)
     else:
         g = g + s["weight_decay"].astype(dt) * p
+    m_old, v_old = m, v
     m = _lerp(m, g, s["beta1_weight"].astype(dt))
     v = (s["one_minus_beta2"].astype(dt) * g) * g + v * s["beta2"].astype(dt)  # order: see _sgd_update
-    new_state = {"exp_avg": m.astype(state["exp_avg"].dtype), "exp_avg_sq": v.astype(state["exp_avg_sq"].dtype)}
+    moments = {"exp_avg": m, "exp_avg_sq": v}
     if spec.amsgrad[group]:
-        v_max = jnp.maximum(state["max_exp_avg_sq"].astype(dt), v)
-        new_state["max_exp_avg_sq"] = v_max.astype(state["max_exp_avg_sq"].dtype)
-        v = v_max
+        moments["max_exp_avg_sq"] = jnp.maximum(state["max_exp_avg_sq"].astype(dt), v)
+    if keep is not None:
+        olds = {"exp_avg": m_old, "exp_avg_sq": v_old, "max_exp_avg_sq": state.get("max_exp_avg_sq")}
+        moments = jax.lax.optimization_barrier(
+            {key: jnp.where(keep, value, olds[key].astype(dt)) for key, value in moments.items()}
+        )
+        m = moments["exp_avg"]
+    new_state = {key: value.astype(state[key].dtype) for key, value in moments.items()}
+    v = moments["max_exp_avg_sq"] if spec.amsgrad[group] else moments["exp_avg_sq"]
     denom = jnp.sqrt(v) / s["bias_correction2_sqrt"].astype(dt) + s["eps"].astype(dt)
     new_p = p + (s["neg_step_size"].astype(dt) * m) / denom
     return new_p.astype(p_dtype), new_state

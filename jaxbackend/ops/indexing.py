@@ -33,8 +33,32 @@ def gather(x, dim, index, sparse_grad=False):
     if index.shape[:dim] == x.shape[:dim] and index.shape[dim + 1 :] == x.shape[dim + 1 :]:
         if index.shape[dim] == 1 and in_data_replica():
             return _select_along_axis(x, index, dim)
+        if index.shape[dim] == 1 and jnp.issubdtype(x.dtype, jnp.inexact):
+            return _take_one_along_axis(x, index, dim, x.shape, x.dtype)
         return jnp.take_along_axis(x, index, axis=dim)
     return x[_along_axis_indices(index, dim)]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _take_one_along_axis(x, index, dim, shape, dtype):
+    """``take_along_axis(x, index, dim)`` for one index per position (``index.shape[dim] == 1``: the loss's gather of
+    each row's label), whose gradient is ``where(iota_dim == index, g, 0)``: one elementwise pass XLA fuses into the
+    consumer (the log-softmax's backward), where ``take_along_axis``'s own transpose fills a ``shape`` buffer with
+    zeros and scatters into it (on 2 CPU cores 12.7 ms a step for Mixtral's ``[1024, 8192]`` logits). The same values:
+    each position receives the one cotangent that selected it (torch's ``scatter_add`` into zeros)."""
+    return jnp.take_along_axis(x, index, axis=dim)
+
+
+def _take_one_forward(x, index, dim, shape, dtype):
+    return jnp.take_along_axis(x, index, axis=dim), index
+
+
+def _take_one_backward(dim, shape, dtype, index, g):
+    positions = jax.lax.broadcasted_iota(index.dtype, shape, dim)
+    return jnp.where(positions == index, g, jnp.zeros((), g.dtype)).astype(dtype), None
+
+
+_take_one_along_axis.defvjp(_take_one_forward, _take_one_backward)
 
 
 def _select_along_axis(x, index, dim):

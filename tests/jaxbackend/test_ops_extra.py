@@ -521,3 +521,22 @@ def test_in_place_samplers_draw_pytorchs_distributions(name, sample, mean, std):
     assert abs(out.std() - std) < 0.01 * std
     np.testing.assert_array_equal(out, np.asarray(run(_arrays([x]), jax.random.key(0))[0]))
     assert not np.array_equal(out, np.asarray(run(_arrays([x]), jax.random.key(1))[0]))
+
+
+@pytest.mark.parametrize("shape, dim", [((6, 9), 1), ((6, 9), 0), ((3, 5, 4), 1), ((3, 5, 4), -1)])
+def test_gather_of_one_index_per_position_has_torchs_gradient(shape, dim):
+    """``gather`` with one index per position (the loss's label pick) differentiates by a select, not a scatter into
+    zeros: its gradient equals torch's ``scatter_add``."""
+    from jaxbackend import ops as jax_ops
+
+    torch.manual_seed(0)
+    x = torch.randn(shape, requires_grad=True)
+    index_shape = list(shape)
+    index_shape[dim] = 1
+    index = torch.randint(0, shape[dim], index_shape)
+    cotangent = torch.randn(index_shape)
+    (want,) = torch.autograd.grad(torch.gather(x, dim, index), x, cotangent)
+    gather = jax_ops.get("aten.gather.default").fn
+    out, vjp = jax.vjp(lambda v: gather(v, dim, jnp.asarray(index.numpy())), jnp.asarray(x.detach().numpy()))
+    np.testing.assert_array_equal(np.asarray(out), torch.gather(x, dim, index).detach().numpy())
+    np.testing.assert_array_equal(np.asarray(vjp(jnp.asarray(cotangent.numpy()))[0]), want.numpy())

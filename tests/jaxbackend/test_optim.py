@@ -321,3 +321,50 @@ def test_muon_spec_fields_and_adafactor_state_shapes():
     assert {k: v.shape for k, v in state["w"].items()} == {"row_var": (3, 4, 1), "col_var": (3, 1, 2)}
     assert {k: v.shape for k, v in state["b"].items()} == {"variance": (2,)}
     assert state_shape(spec, "col_var", (4, 2)) == (1, 2) and state_copies(spec) == 1
+
+
+KEPT_CONFIGS = {**CONFIGS, "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=1e-2, momentum=0.5),
+                "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=1e-1)}
+
+
+@pytest.mark.parametrize("config", list(KEPT_CONFIGS))
+def test_a_kept_step_equals_the_unguarded_one_and_a_skipped_step_changes_nothing(config):
+    """``apply_updates(keep=...)``: the finite-step guard inside the optimizer (Adam's moments selected before the
+    parameter reads them) computes the unguarded step where ``keep`` is true and returns the inputs where false."""
+    params = make_params()
+    jax_side = JaxSide(KEPT_CONFIGS[config](list(params.values())), params)
+    spec, scalars = jax_side.bridge.spec, jax_side.bridge.step_scalars()
+    state = jax_side.state
+    for t in range(3):
+        grads = {n: jnp.asarray(g.numpy()) for n, g in make_grads(t).items()}
+        plain = jax.jit(apply_updates, static_argnums=0)(spec, jax_side.params, grads, state, scalars)
+        kept = jax.jit(apply_updates, static_argnums=0)(spec, jax_side.params, grads, state, scalars, jnp.bool_(True))
+        skipped = jax.jit(apply_updates, static_argnums=0)(spec, jax_side.params, grads, state, scalars,
+                                                           jnp.bool_(False))
+        for got, want in zip(jax.tree.leaves(kept), jax.tree.leaves(plain)):
+            np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+        for got, want in zip(jax.tree.leaves(skipped), jax.tree.leaves((jax_side.params, state))):
+            np.testing.assert_array_equal(got, want)
+        jax_side.params, state = plain
+
+
+def test_the_guarded_adam_step_copies_no_moment():
+    """With the finite-step guard (the engine's default) XLA updates AdamW's moments in place: the compiled step's
+    entry computation copies none of its optimizer-state arguments (it copied both moments of every parameter when
+    the guard selected after the whole update)."""
+    import re
+
+    import torchpar
+    from torchpar.harness import zoo
+
+    torch.manual_seed(0)
+    model, batch = zoo.build("gpt2", {"n_layer": 1, "n_embd": 32, "n_head": 2, "vocab_size": 64}, batch_size=2,
+                             seq_len=8)
+    with torchpar.compile(model, torch.optim.AdamW(model.parameters(), lr=1e-3), example_batch=batch) as engine:
+        engine.step(batch)
+        hlo = engine.executor.worker._last.compiled.as_text()
+    entry = hlo[hlo.index("\nENTRY"):]
+    state_args = set(re.findall(r"%(o__\S+) = \S+ parameter\(", entry))
+    assert len(state_args) > 20  # exp_avg and exp_avg_sq of every parameter
+    copied = [arg for arg in re.findall(r" copy\(%([^)\s]+)\)", entry) if arg in state_args]
+    assert copied == []

@@ -77,6 +77,7 @@ def optimizer_tail(
     complete_sum: Callable[[str, jax.Array], jax.Array] | None = None,
     clip_scale: jax.Array | None = None,
     norm_of: Callable[[Mapping[str, jax.Array]], jax.Array] | None = None,
+    keep: jax.Array | None = None,
 ) -> tuple[Arrays, dict[str, Arrays], jax.Array | None]:
     """Clip and apply the optimizer: ``→ (new params, new optimizer state, the gradients' global norm before
     clipping)`` (the norm is ``None`` with ``clip_scale``: the pipeline computed it from every stage).
@@ -85,7 +86,8 @@ def optimizer_tail(
     sharded gradient's sum of squares inside ``shard_map``) or given as ``clip_scale``, the factor a
     pipeline computed from every stage (:func:`jaxbackend.optimizer.clip_coefficient`). Without clipping the norm is
     ``norm_of(grads)`` (default :func:`jaxbackend.optimizer.global_norm` with ``complete_sum``): only reported, so a
-    per-device step may compute it with fewer collectives."""
+    per-device step may compute it with fewer collectives. ``keep`` (the step's finiteness): where false the
+    parameters and state come back as given (:func:`jaxbackend.optimizer.apply_updates`)."""
     norm: jax.Array | None = None
     if grad_clip_norm is not None:
         grads, norm = jax_optim.clip_grads_by_global_norm(grads, grad_clip_norm, complete_sum)
@@ -93,7 +95,7 @@ def optimizer_tail(
         grads = {n: g * clip_scale.astype(g.dtype) for n, g in grads.items()}
     else:
         norm = norm_of(grads) if norm_of is not None else jax_optim.global_norm(grads, complete_sum)
-    return (*jax_optim.apply_updates(spec, params, grads, opt_state, scalars), norm)
+    return (*jax_optim.apply_updates(spec, params, grads, opt_state, scalars, keep), norm)
 
 
 def nonfinite_count(grads: Mapping[str, jax.Array]) -> jax.Array:
@@ -281,23 +283,17 @@ def make_fused_step(
             from jaxbackend.sharding import constrain
 
             grads = {n: constrain(g, grad_shardings.get(n)) for n, g in grads.items()}
+        finite = None
+        if check_finite:
+            finite = jnp.isfinite(whole_loss) & ((count_nonfinite or nonfinite_count)(grads) == 0)
         new_params, new_state, norm = optimizer_tail(
-            spec, params, grads, opt_state, scalars, grad_clip_norm=grad_clip_norm
+            spec, params, grads, opt_state, scalars, grad_clip_norm=grad_clip_norm, keep=finite
         )
         new_buffers = {**buffers, **new_buffers}
-        if not check_finite:
+        if finite is None:
             return whole_loss, whole_aux, jnp.bool_(True), norm, new_params, new_state, new_buffers
-        count = (count_nonfinite or nonfinite_count)(grads)
-        finite = jnp.isfinite(whole_loss) & (count == 0)
-        return (
-            whole_loss,
-            whole_aux,
-            finite,
-            norm,
-            keep_if(finite, new_params, params),
-            keep_if(finite, new_state, opt_state),
-            keep_if(finite, new_buffers, buffers),
-        )
+        # the optimizer kept the parameters and its state itself (keep=finite)
+        return whole_loss, whole_aux, finite, norm, new_params, new_state, keep_if(finite, new_buffers, buffers)
 
     return step
 

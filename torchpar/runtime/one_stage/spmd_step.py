@@ -139,6 +139,7 @@ def make_spmd_step(
         pieces = {n: _relayout(program, p, stored[n], grad[n]) if n in grads else p for n, p in params.items()}
         # a sharded gradient's sum of squares (and non-finite count) is completed across its shards
         complete_sum = lambda name, s: jax.lax.psum(s, _axes(grad[name])) if _axes(grad[name]) else s
+        finite = jnp.isfinite(loss) & (_nonfinite_total(grads, live_axes) == 0) if check_finite else None
         new_params, new_state, norm = optimizer_tail(
             spec,
             pieces,
@@ -148,20 +149,13 @@ def make_spmd_step(
             grad_clip_norm=grad_clip_norm,
             complete_sum=complete_sum,
             norm_of=lambda g: _global_norm(g, grad),
+            keep=finite,
         )
         new_buffers = {**buffers, **new_buffers}
-        if not check_finite:
+        if finite is None:
             return loss, whole_aux, jnp.bool_(True), norm, new_params, new_state, new_buffers
-        finite = jnp.isfinite(loss) & (_nonfinite_total(grads, live_axes) == 0)
-        return (
-            loss,
-            whole_aux,
-            finite,
-            norm,
-            keep_if(finite, new_params, pieces),
-            keep_if(finite, new_state, opt_state),
-            keep_if(finite, new_buffers, buffers),
-        )
+        # the optimizer kept the parameters and its state itself (keep=finite)
+        return loss, whole_aux, finite, norm, new_params, new_state, keep_if(finite, new_buffers, buffers)
 
     P = jsh.partition_spec
     param_out = {n: P(grad[n] or ()) if n in trainable else P(stored[n] or ()) for n in param_names}
