@@ -3,8 +3,8 @@
 
 GPT-2 on 4 devices under every method: each stage's ``estimated_memory_bytes`` is within 25% of what XLA's buffer
 assignment holds (arguments + outputs − aliased + temporaries; a pipeline stage's other in-flight micro-batches
-added as the plan counts them). Measured when this test was written (benchmarks/README.md): one device −18%,
-DataParallel −2%, ZeRO-2 −15%, ZeRO-3 +4%, Megatron 0%, pipeline stages +20% / −5%. The comparison compiles
+added as the plan counts them). Measured 2026-11-29 (benchmarks/README.md): one device +11%, DataParallel +19%,
+ZeRO-2 +8%, ZeRO-3 +13%, Megatron +18%, pipeline stages +20% / +21%. The comparison compiles
 without XLA's CPU library fusions, whose matmul buffers are a CPU artefact (+137% temporaries on one device)."""
 
 from __future__ import annotations
