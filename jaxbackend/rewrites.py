@@ -168,17 +168,14 @@ def fuse_linear_cross_entropy(
     value_shardings: Mapping[str, NamedSharding | None] | None = None,
     operand_shardings: Mapping[str, Sequence[NamedSharding | None]] | None = None,
     op_options: Mapping[str, Mapping[str, object]] | None = None,
-    *,
-    min_bytes: int | None = None,
 ) -> Graph:
-    """``graph`` with every LM-head-and-cross-entropy chain (module docstring) of at least ``min_bytes`` of logits
-    (default :data:`FUSED_LOSS_MIN_BYTES`) computed in chunks (``graph`` itself if none is). A chain is left as it
+    """``graph`` with every LM-head-and-cross-entropy chain (module docstring) of at least
+    :data:`FUSED_LOSS_MIN_BYTES` of logits computed in chunks (``graph`` itself if none is). A chain is left as it
     is where the plan splits any of its values or operands, or sets options of its matmul (the chunks would break
     the layout), and in graphs with custom autograd.Functions (their regions are node ranges)."""
     if graph.custom_backwards:
         return graph
-    threshold = FUSED_LOSS_MIN_BYTES if min_bytes is None else min_bytes
-    chains = [chain for chain in _loss_chains(graph) if chain.logits.nbytes >= threshold]
+    chains = [chain for chain in _loss_chains(graph) if chain.logits.nbytes >= FUSED_LOSS_MIN_BYTES]
     pinned = _pinned_names(value_shardings or {}, operand_shardings or {}, op_options or {})
     chains = [chain for chain in chains if not (chain.removed | {chain.gather.name}) & pinned]
     if not chains:
@@ -264,7 +261,7 @@ def _chain_at(
             return None
         if producer.target in _MATMULS:
             break
-        if producer.target not in _ROW_KEEPING or (producer.target == "aten._to_copy.default" and producer.args[1:]):
+        if producer.target not in _ROW_KEEPING:
             return None
         between.append(producer)
         value = producer.args[0]

@@ -251,8 +251,7 @@ def _row_tile(query, key_) -> int | None:
     if rows * row_bytes < ROW_TILED_MIN_BYTES:
         return None
     target = max(8, ROW_TILE_BYTES // row_bytes)
-    tile = next((t for t in range(min(target, rows // 2), 7, -1) if rows % t == 0), None)
-    return tile
+    return next((t for t in range(min(target, rows // 2), 7, -1) if rows % t == 0), None)
 
 
 def _attend_in_row_tiles(query, key_, value, attn_mask, dropout_p, is_causal, scale, key, tile):

@@ -54,8 +54,7 @@ def _take_one_forward(x, index, dim, shape, dtype):
 
 
 def _take_one_backward(dim, shape, dtype, index, g):
-    positions = jax.lax.broadcasted_iota(index.dtype, shape, dim)
-    return jnp.where(positions == index, g, jnp.zeros((), g.dtype)).astype(dtype), None
+    return jnp.where(_picked(index, shape, dim), g, jnp.zeros((), g.dtype)).astype(dtype), None
 
 
 _take_one_along_axis.defvjp(_take_one_forward, _take_one_backward)
@@ -68,8 +67,12 @@ def _select_along_axis(x, index, dim):
     axis), where partitioning the batched gather ``take_along_axis`` emits aborts XLA (``spmd_partitioner_util.cc``:
     ``partition_group_list.num_replica_groups() * ... == device_groups.num_devices_per_group()``, jax 0.10.2, 2×2×2
     mesh). An index out of range selects nothing (0), where torch raises."""
-    positions = jax.lax.broadcasted_iota(index.dtype, x.shape, dim)
-    return jnp.sum(jnp.where(positions == index, x, jnp.zeros((), x.dtype)), axis=dim, keepdims=True)
+    return jnp.sum(jnp.where(_picked(index, x.shape, dim), x, jnp.zeros((), x.dtype)), axis=dim, keepdims=True)
+
+
+def _picked(index, shape, dim):
+    """``[shape]`` booleans: true where the position along ``dim`` is the one ``index`` (size 1 there) names."""
+    return jax.lax.broadcasted_iota(index.dtype, shape, dim) == index
 
 
 def _lift_scalar(fn):
