@@ -3,7 +3,7 @@
     python benchmarks/fused_loss_memory.py                           # GPT-2 124M (vocab 50,257), batch 8 × 1024
     python benchmarks/fused_loss_memory.py --models gpt2-124m,llama-small --batch 4 --seq 512
 
-For each model the whole training step (forward, ``jax.grad`` backward; parameters, gradients and optimizer state are
+For each model (and each ``--remat`` policy) the whole training step (forward, ``jax.grad`` backward; parameters, gradients and optimizer state are
 arguments and outputs, not temporaries) is lowered twice from the same capture — the loss chain as captured, and
 computed in chunks (:func:`jaxbackend.rewrites.fuse_linear_cross_entropy`, forced on) — each with the attention
 whole and in tiles of query rows (``jaxbackend.ops.attention._attend_in_row_tiles``, forced on), and compiled for this
@@ -67,13 +67,16 @@ def _choices(fused: bool, tiles: bool, chunk_bytes: int | None):
         rewrites.FUSED_LOSS_MIN_BYTES, rewrites.FUSED_LOSS_CHUNK_BYTES, attention.ROW_TILED_MIN_BYTES = saved
 
 
-def measure(name: str, batch: int, seq: int, check: bool, chunk_bytes: int | None = None) -> dict[str, Any]:
+def measure(
+    name: str, batch: int, seq: int, check: bool, chunk_bytes: int | None = None, remat: str = "none"
+) -> dict[str, Any]:
     import jax
     import jax.numpy as jnp
 
     from jaxbackend import rewrites
     from jaxbackend.lower import lower
     from torchpar.capture.export import capture_train_step
+    from torchpar.runtime.train_step import remat_groups
 
     model, example = _build(name, batch, seq)
     graph = capture_train_step(model, example).graph
@@ -81,14 +84,14 @@ def measure(name: str, batch: int, seq: int, check: bool, chunk_bytes: int | Non
     params = {n: jnp.asarray(p.detach().numpy()) for n, p in model.named_parameters()}
     buffers = {n: jnp.asarray(b.numpy()) for n, b in model.named_buffers()}
     inputs = [jnp.asarray(v.numpy()).astype(jnp.int32) for v in example.values()]
-    row: dict[str, Any] = {"model": name, "batch": batch, "seq": seq, "chains": len(chains)}
+    row: dict[str, Any] = {"model": name, "batch": batch, "seq": seq, "remat": remat, "chains": len(chains)}
     results = {}
     for tiles in (False, True):
         for fused in (False, True):
             variant = ("fused" if fused else "unfused") + ("_tiled" if tiles else "")
             start = time.perf_counter()
             with _choices(fused, tiles, chunk_bytes):
-                run = lower(graph)
+                run = lower(graph, remat=remat_groups(graph, remat))
 
                 def loss(p, run=run):
                     return run(p, buffers, inputs, jax.random.key(0))[0][0]
@@ -115,6 +118,9 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--chunk-mib", type=float, default=None,
                         help="logits per chunk (default: jaxbackend.rewrites.FUSED_LOSS_CHUNK_BYTES)")
+    parser.add_argument("--remat", default="none",
+                        help="comma-separated activation checkpointing policies to measure under (none, selective, "
+                             "layers: torchpar.planner.remat)")
     parser.add_argument("--check", action="store_true", help="also run both steps once and compare them")
     parser.add_argument("--json", default=os.path.join(os.path.dirname(__file__), "results", "fused_loss_memory.json"))
     args = parser.parse_args()
@@ -126,16 +132,16 @@ def main() -> None:
     import transformers
 
     transformers.logging.set_verbosity_error()
-    print(f"{'model':<18}{'batch':>9}{'unfused GB':>12}{'fused GB':>10}{'cut':>7}"
+    print(f"{'model':<18}{'batch':>9}{'remat':>10}{'unfused GB':>12}{'fused GB':>10}{'cut':>7}"
           f"{'tiled attention: unfused GB':>29}{'fused GB':>10}{'cut':>7}")
     rows = []
-    for name in args.models.split(","):
-        chunk_bytes = int(args.chunk_mib * 2**20) if args.chunk_mib else None
-        row = measure(name, args.batch, args.seq, args.check, chunk_bytes)
+    chunk_bytes = int(args.chunk_mib * 2**20) if args.chunk_mib else None
+    for name, remat in ((n, r) for n in args.models.split(",") for r in args.remat.split(",")):
+        row = measure(name, args.batch, args.seq, args.check, chunk_bytes, remat)
         rows.append(row)
         shape = f"{args.batch}x{args.seq}"
-        print(f"{name:<18}{shape:>9}{row['unfused_temp_bytes'] / 1e9:12.3f}{row['fused_temp_bytes'] / 1e9:10.3f}"
-              f"{row['temp_cut']:7.1%}{row['unfused_tiled_temp_bytes'] / 1e9:29.3f}"
+        print(f"{name:<18}{shape:>9}{remat:>10}{row['unfused_temp_bytes'] / 1e9:12.3f}"
+              f"{row['fused_temp_bytes'] / 1e9:10.3f}{row['temp_cut']:7.1%}{row['unfused_tiled_temp_bytes'] / 1e9:29.3f}"
               f"{row['fused_tiled_temp_bytes'] / 1e9:10.3f}{row['temp_cut_tiled']:7.1%}", flush=True)
         if args.check:
             print(f"  loss |Δ| {row['loss_abs_diff']:.2e}, gradients max |Δ| {row['grad_max_abs_diff']:.2e}")

@@ -57,9 +57,12 @@ def checkpoint(fn: Callable[..., R], policy: str) -> Callable[..., R]:
     many as without ``jax.checkpoint`` (the scheduler runs the recomputation during the forward; the
     optimization barriers are gone by then). So the backward adds ``0 · g₀`` (``g₀`` an element of the first
     floating cotangent) to every floating residual before the pullback recomputes from them: a data dependency
-    no pass removes (``x · 0`` is not folded for floats), which brings those layers to 176 MiB. It costs one
-    elementwise pass over the residuals (the layer's inputs and weights, and what the policy saved). A non-finite
-    ``g₀`` makes the recomputed values NaN, where the gradients are non-finite anyway.
+    no pass removes (``x · 0`` is not folded for floats), which brings those layers to 176 MiB. Integer residuals
+    and PRNG keys (their key data) get the same ``0 · g₀``, converted: a recomputed dropout's mask depends on the
+    step's key alone, and untied XLA drew every layer's mask in the forward and kept them all (GPT-2 124M,
+    8 × 1024, ``"layers"``: 24.7 GB of temporaries with the key untied, 13.9 GB tied). It costs one elementwise
+    pass over the residuals (the layer's inputs and weights, and what the policy saved). A non-finite ``g₀`` makes the recomputed values NaN or the key arbitrary, where the gradients are
+    non-finite anyway (the step is skipped).
     """
     saved = jax.checkpoint(fn, policy=_SAVEABLE[policy], prevent_cse=True)
 
@@ -94,6 +97,11 @@ def _first_float(tree: object) -> jax.Array | None:
 
 
 def _depend(value: ArrayLike, anchor: jax.Array) -> ArrayLike:
-    if not (hasattr(value, "dtype") and jnp.issubdtype(value.dtype, jnp.floating)):
+    if not hasattr(value, "dtype"):
         return value
-    return value + (anchor * 0).astype(value.dtype)
+    if jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
+        data = jax.random.key_data(value)
+        return jax.random.wrap_key_data(data + (anchor * 0).astype(data.dtype), impl=jax.random.key_impl(value))
+    if jnp.issubdtype(value.dtype, jnp.floating) or jnp.issubdtype(value.dtype, jnp.integer):
+        return value + (anchor * 0).astype(value.dtype)
+    return value

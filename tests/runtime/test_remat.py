@@ -97,6 +97,16 @@ def test_dropout_recomputes_the_same_masks():
     assert with_remat == pytest.approx(without, rel=LOSS_RTOL)
 
 
+def test_recomputed_dropout_draws_its_masks_in_the_backward():
+    """A recomputed dropout's random bits depend on the step's key only, so XLA would draw every layer's mask
+    during the forward and keep them all (measured: 4 layers, 4 × 128 tokens, 'layers' kept 58% of the
+    temporaries with dropout against 32% without the key tied to the cotangent); the key is tied like the float
+    residuals (``jaxbackend.remat._depend``)."""
+    model, batch = _gpt2(dropout=0.1)
+    temp = {remat: _train(model, batch, remat, steps=1)[1][0]["temp_bytes"] for remat in ("none", "layers")}
+    assert temp["layers"] <= 0.45 * temp["none"], temp
+
+
 @pytest.mark.parametrize("method", [
     pytest.param(torchpar.DataParallel(mesh_shape=(1, 2)), id="dp-shard_map"),
     pytest.param(torchpar.MegatronParallel(mesh_shape=(1, 2)), id="megatron-gspmd"),
