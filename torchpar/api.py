@@ -36,6 +36,7 @@ from torchpar.engine.feeding import PREFETCH_DEPTH, HostData, HostFeed
 from torchpar.engine.guard import StepGuard, leaf_names
 from torchpar.engine.host_arrays import host_value, to_torch
 from torchpar.engine.step_capture import BatchParts, PlannedStep, StepCapture
+from torchpar.engine.step_keys import StepKeys
 from torchpar.engine.torch_side import TorchSide, linked
 from torchpar.ir.graph import Graph
 from torchpar.methods import Method
@@ -232,6 +233,7 @@ class Engine(EngineReadouts, EngineCheckpoints):
         self._steps_taken = 0
         self._last_step_s: float | None = None
         self._base_key = jax.random.key(options.seed)
+        self._step_keys = StepKeys()
         self._numerics = step.numerics
         self._loss_scaler = LossScaler() if options.mixed_precision == "fp16" else None
         self._example_signature = batches.signature(step.example_batch)
@@ -424,7 +426,7 @@ class Engine(EngineReadouts, EngineCheckpoints):
     # --- checks and failures ------------------------------------------------------------------------------
 
     def _step_key_data(self, step: int) -> np.ndarray:
-        return np.asarray(self._jax.random.key_data(self._jax.random.fold_in(self._base_key, step)))
+        return self._step_keys.data(self._base_key, step)
 
     def _host_leaves(self, key: Any, batch: Any) -> list[np.ndarray]:
         """The batch's leaves as host arrays in the dtypes JAX holds them in, index ranges checked."""

@@ -238,12 +238,19 @@ POOL_CASES = {
 }
 
 
+@pytest.mark.parametrize("backward", ["scatter", "pads"])
 @pytest.mark.parametrize("case", POOL_CASES, ids=list(POOL_CASES))
-def test_max_pool2d_with_indices(case):
+def test_max_pool2d_with_indices(case, backward, monkeypatch):
+    """Both backward rules (the CPU's scatter to the indices, the pads by offsets other platforms use) route each
+    window's gradient as PyTorch does — to the first of tied maxima (integer-valued inputs tie often) — also for an
+    unbatched ``[C, H, W]`` input."""
+    from jaxbackend.ops import pooling
+
+    monkeypatch.setattr(pooling, "_scatters", lambda: backward == "scatter")
     torch.manual_seed(0)
-    x = torch.randn(2, 3, 9, 10)
-    graph = _check(lambda t: F.max_pool2d(t, return_indices=True, **POOL_CASES[case]), x)
-    assert "aten.max_pool2d_with_indices.default" in _targets(graph)
+    for x in (torch.randn(2, 3, 9, 10), torch.randint(0, 3, (2, 3, 9, 10)).float(), torch.randn(3, 9, 10)):
+        graph = _check(lambda t: F.max_pool2d(t, return_indices=True, **POOL_CASES[case]), x)
+        assert "aten.max_pool2d_with_indices.default" in _targets(graph)
 
 
 # --- embedding -------------------------------------------------------------------------------------

@@ -28,12 +28,25 @@ class TrainingSetup:
 
 
 def training_setup(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> TrainingSetup:
-    """The current :class:`TrainingSetup` of ``model`` and ``optimizer`` (O(modules + parameters))."""
-    names = {id(p): n for n, p in model.named_parameters()}
+    """The current :class:`TrainingSetup` of ``model`` and ``optimizer`` (O(modules + parameters)).
+
+    One walk of the module tree (the engine takes this snapshot before every step): the parameters are those
+    ``named_parameters()`` yields, in its order and under its names — each module's own ``_parameters`` in
+    ``named_modules()`` order, a parameter shared by several modules once, under its first name."""
+    modes = []
+    parameters: dict[int, tuple[str, torch.nn.Parameter]] = {}
+    for prefix, module in model.named_modules():
+        modes.append((prefix, module.training))
+        for name, parameter in module._parameters.items():
+            if parameter is not None and id(parameter) not in parameters:
+                parameters[id(parameter)] = (f"{prefix}.{name}" if prefix else name, parameter)
     return TrainingSetup(
-        modes=tuple((n, m.training) for n, m in model.named_modules()),
-        requires_grad=tuple((n, p.requires_grad) for n, p in model.named_parameters()),
-        param_groups=tuple(tuple(names.get(id(p), "?") for p in g["params"]) for g in optimizer.param_groups),
+        modes=tuple(modes),
+        requires_grad=tuple((n, p.requires_grad) for n, p in parameters.values()),
+        param_groups=tuple(
+            tuple(parameters[id(p)][0] if id(p) in parameters else "?" for p in g["params"])
+            for g in optimizer.param_groups
+        ),
     )
 
 

@@ -59,6 +59,8 @@ class CompiledTraining:
         """Batch signature → the training graph its compiled step runs."""
         self._captures: dict[tuple, Capture] = {}
         self._eval: dict[tuple, Capture] = {}
+        self._dtypes: dict[tuple, tuple[Capture, torch.dtype, dict[str, torch.dtype] | None]] = {}
+        """Per batch signature: the capture and the PyTorch dtypes of what a step returns (:meth:`returned`)."""
         self._diagnosed: dict[tuple, Graph] = {}
         self.planned: TrainingPlan = planned.training
         self.executor: Executor | None = None
@@ -205,20 +207,14 @@ class CompiledTraining:
         pair ``(loss, aux)`` with every aux value a CPU tensor of the dtype it had in PyTorch (the whole batch's:
         :mod:`torchpar.ir.aux_parts`)."""
         capture = self._captures[signature]
-        graph = capture.graph
-        metas = graph.metas()
-
-        def torch_dtype(value: Ref | None) -> torch.dtype:
-            assert value is not None, "a loss or aux output has a value"
-            meta = metas[value.name]
-            assert isinstance(meta, TensorMeta), f"{value.name}: a loss or aux value is one tensor"
-            return getattr(torch, meta.dtype)
-
-        loss = torch.tensor(result.loss, dtype=torch_dtype(next(o.value for o in graph.outputs if o.kind == "loss")))
-        if capture.aux_keys is None:
+        cached = self._dtypes.get(signature)
+        if cached is None or cached[0] is not capture:  # (a recompile for changes replaces the capture)
+            cached = self._dtypes[signature] = (capture, *_returned_dtypes(capture))
+        _, loss_dtype, aux_dtypes = cached
+        loss = torch.tensor(result.loss, dtype=loss_dtype)
+        if aux_dtypes is None:
             return loss
-        values = {o.target: o.value for o in graph.outputs if o.kind == "aux"}
-        return loss, {key: to_torch(result.aux[key]).to(torch_dtype(values[key])) for key in capture.aux_keys}
+        return loss, {key: to_torch(result.aux[key]).to(dtype) for key, dtype in aux_dtypes.items()}
 
     def forward_capture(self, signature: tuple, batch: Any) -> Capture:
         """The eval-mode forward graph on ``batch`` (captured once per signature)."""
@@ -262,3 +258,22 @@ class CompiledTraining:
     def close(self) -> None:
         if self.executor is not None:
             self.executor.close()
+
+
+def _returned_dtypes(capture: Capture) -> tuple[torch.dtype, dict[str, torch.dtype] | None]:
+    """The loss's PyTorch dtype and each aux value's (``None``: the ``step_fn`` returns no aux) of ``capture``'s
+    training graph."""
+    graph = capture.graph
+    metas = graph.metas()
+
+    def torch_dtype(value: Ref | None) -> torch.dtype:
+        assert value is not None, "a loss or aux output has a value"
+        meta = metas[value.name]
+        assert isinstance(meta, TensorMeta), f"{value.name}: a loss or aux value is one tensor"
+        return getattr(torch, meta.dtype)
+
+    loss = torch_dtype(next(o.value for o in graph.outputs if o.kind == "loss"))
+    if capture.aux_keys is None:
+        return loss, None
+    values = {o.target: o.value for o in graph.outputs if o.kind == "aux"}
+    return loss, {key: torch_dtype(values[key]) for key in capture.aux_keys}
