@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
-from jaxbackend import dtypes, ops, precision
+from jaxbackend import dtypes, ops, precision, threefry_cpu
 from jaxbackend.ops.registry import Lowering, LoweringFn
 from jaxbackend.precision import Numerics
 from jaxbackend.remat import Remat, checkpoint
@@ -110,7 +110,10 @@ def lower(
 
     ``remat`` computes its groups of nodes under ``jax.checkpoint`` (:mod:`jaxbackend.remat`): the backward
     recomputes what the policy does not keep. Ignored with ``observe`` (an eager diagnostic keeps nothing).
+
+    Random bits on the CPU are hashed in one fused pass (:mod:`jaxbackend.threefry_cpu`, the same bits).
     """
+    threefry_cpu.install()
     check_supported(graph)
     operands = _operands_for(graph, value_shardings, operand_shardings, op_options, layouts)
     graph = operands.graph
