@@ -106,6 +106,17 @@ def nonfinite_count(grads: Mapping[str, jax.Array]) -> jax.Array:
     return total
 
 
+def all_finite(grads: Mapping[str, jax.Array]) -> jax.Array:
+    """Whether every gradient element is finite (a bool scalar): ``Σ g·0`` over each gradient is 0 unless an
+    element is inf or nan (``0·inf`` is nan; XLA does not fold ``x·0`` for floats). Equal to
+    ``nonfinite_count(grads) == 0``, without the int32 mask a count materializes per gradient (XLA:CPU, 3.1M
+    elements in 36 gradients: 1.8 → 0.8 ms)."""
+    total = jnp.float32(0)
+    for g in grads.values():
+        total = total + jnp.sum(g * jnp.zeros((), g.dtype), dtype=jnp.float32)
+    return jnp.isfinite(total)
+
+
 def split_scalars(scalars: StepScalars, loss_scaling: bool) -> tuple[Scalars, LossScale | None]:
     """``(optimizer scalars, loss_scale or None)`` of a step's ``scalars`` argument (see the module docstring)."""
     if loss_scaling:
@@ -285,7 +296,9 @@ def make_fused_step(
             grads = {n: constrain(g, grad_shardings.get(n)) for n, g in grads.items()}
         finite = None
         if check_finite:
-            finite = jnp.isfinite(whole_loss) & ((count_nonfinite or nonfinite_count)(grads) == 0)
+            finite = jnp.isfinite(whole_loss) & (
+                all_finite(grads) if count_nonfinite is None else count_nonfinite(grads) == 0
+            )
         new_params, new_state, norm = optimizer_tail(
             spec, params, grads, opt_state, scalars, grad_clip_norm=grad_clip_norm, keep=finite
         )
