@@ -128,6 +128,10 @@ def _runner_process(conn, name: str, family: str, size: str) -> None:
     import transformers
 
     transformers.logging.set_verbosity_error()
+    if name == "torchpar":  # first, as a user does: before JAX or torch start threads (torchpar.runtime.host_heap)
+        import torchpar
+
+        torchpar.init(cluster="local", num_devices=1)
     run, info = _runner(name, family, size)
     conn.send(info if run is not None else None)
     while (count := conn.recv()) is not None:
