@@ -23,9 +23,14 @@ if any device would send more than ``T`` rows to one peer (a skewed router) the 
 ``T = L`` (a ``lax.cond`` on a ``pmax``: every device takes the same branch, so the collectives in it complete).
 Nothing is dropped by default. With a ``capacity`` ``c`` there is only the path with ``T = ⌈c·L/P⌉``, and rows past
 a slot (a chunk's last rows for one peer: its highest experts') are **dropped** — their output is zero, as with
-GShard's capacity factor — which PyTorch's grouped_mm never does, so it is opt-in. ``jax.lax.ragged_all_to_all``
-would move only the rows sent, but XLA:CPU does not implement it (``UNIMPLEMENTED: HLO opcode ragged-all-to-all``),
-so the dense padded exchange is the one path.
+GShard's capacity factor — which PyTorch's grouped_mm never does, so it is opt-in.
+
+How the slots travel (:mod:`.exchange_collective`): on GPUs by ``jax.lax.ragged_all_to_all`` — each peer's rows go
+straight from where they lie in ``x`` to their place in the receiver's buffer, and only the rows sent move
+(``send[p]`` rows, not ``T``), both ways; elsewhere as the dense ``[P, T, K]`` slots above by ``all_to_all``, since
+XLA:CPU does not implement ``ragged-all-to-all``. Both fill the same buffers (rows past a slot dropped alike), so
+everything around the exchange is shared; the tests run the ragged path on the CPU through an emulation of the
+collective written from its documented semantics.
 
 The receiving matmul (:func:`.grouped_matmul.blocked_ragged_dot`) has blocks sized for a balanced ``L / E_l`` rows
 per expert and runs only the blocks that hold rows: the work follows the rows received, not the buffer's static
@@ -52,6 +57,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
+from jaxbackend.ops import exchange_collective
 from jaxbackend.ops.grouped_matmul import block_rows_for, blocked_ragged_dot
 from jaxbackend.sharding import AXIS_NAMES, shard_map
 from torchpar.ir.costs import expert_slot_rows
@@ -223,14 +229,20 @@ def _exchange(
     # send: slot p holds my rows for peer p, which start where the rows of the experts before p's end; my own
     # experts' rows stay here (their slot goes out empty)
     send_start = jnp.cumsum(routing.sent) - routing.sent
-    slot_row = jnp.arange(slot, dtype=jnp.int32)
     peer = jnp.arange(peers, dtype=jnp.int32)
-    taken = (slot_row[None, :] < routing.sent[:, None]) & (peer != me)[:, None]  # [P, slot]
-    source_row = jnp.clip(send_start[:, None] + slot_row[None, :], 0, rows - 1)
-    x_send = jnp.where(taken[..., None], x[source_row], jnp.zeros((), x.dtype))
-    x_recv = jax.lax.all_to_all(x_send, axes, 0, 0, tiled=True)
     own_row = jnp.clip(send_start[me] + jnp.arange(rows, dtype=jnp.int32), 0, rows - 1)
-    buffer = jnp.concatenate([x[own_row], x_recv.reshape(peers * slot, -1)])  # [L + P·slot, K]
+    ragged = exchange_collective.ragged()
+    if ragged:
+        assert axes is not None  # an exchange has expert axes
+        trips = _RaggedTrips.of(routing, send_start, slot, rows, axes)
+        buffer = trips.out(x, jnp.concatenate([x[own_row], jnp.zeros((peers * slot, x.shape[1]), x.dtype)]))
+    else:
+        slot_row = jnp.arange(slot, dtype=jnp.int32)
+        taken = (slot_row[None, :] < routing.sent[:, None]) & (peer != me)[:, None]  # [P, slot]
+        source_row = jnp.clip(send_start[:, None] + slot_row[None, :], 0, rows - 1)
+        x_send = jnp.where(taken[..., None], x[source_row], jnp.zeros((), x.dtype))
+        x_recv = jax.lax.all_to_all(x_send, axes, 0, 0, tiled=True)
+        buffer = jnp.concatenate([x[own_row], x_recv.reshape(peers * slot, -1)])  # [L + P·slot, K]
 
     # my experts' rows: my own (the first L rows of the buffer), then slot s of peer s; reorder expert-major
     # (each expert's rows from every source together), so the matmul has E_l groups, not P·E_l (each pads a block)
@@ -238,7 +250,11 @@ def _exchange(
     block = block_rows_for(rows, local_experts)  # sized for a balanced router's L / E_l rows per expert
     y_sorted = blocked_ragged_dot(buffer[order.source_row], weight, order.sizes, block_rows=block, **dot)
     y_buffer = jnp.where(order.buffer_used[:, None], y_sorted[order.sorted_row], 0)
-    y_back = jax.lax.all_to_all(y_buffer[rows:].reshape(peers, slot, -1), axes, 0, 0, tiled=True)
+    if ragged:
+        y_back = trips.back(y_buffer, jnp.zeros((peers * slot, y_buffer.shape[1]), y_buffer.dtype))
+        y_back = y_back.reshape(peers, slot, -1)
+    else:
+        y_back = jax.lax.all_to_all(y_buffer[rows:].reshape(peers, slot, -1), axes, 0, 0, tiled=True)
 
     # my row q went to its expert's owner p, at place q − send_start[p] of that slot (or stayed, if p is me)
     row = jnp.arange(rows, dtype=jnp.int32)
@@ -250,6 +266,51 @@ def _exchange(
     travelled = y_back[owner, jnp.clip(place, 0, slot - 1)]
     out = jnp.where(stayed[:, None], y_buffer[jnp.clip(place, 0, rows - 1)], travelled)
     return jnp.where(kept[:, None], out, jnp.zeros((), out.dtype))
+
+
+@dataclasses.dataclass(frozen=True)
+class _RaggedTrips:
+    """The two ``ragged_all_to_all`` calls of one device's exchange. Out: my rows for peer ``p`` (``sent[p]`` of
+    them from ``send_start[p]``, capped at a slot, none to myself) land at ``L + me·T`` of ``p``'s buffer; I receive
+    ``came[s]`` rows from each peer ``s`` at ``L + s·T`` of mine — the dense path's slot ``s``. Back: buffer part
+    ``s`` (``came[s]`` results) returns to ``s`` at ``me·T`` of its ``[P·T]`` results, and I receive ``sent[p]`` from
+    each ``p`` at ``p·T``: the dense path's ``y_back[p]``."""
+
+    out_offsets: jax.Array  # [P] where my rows start in each peer's buffer: L + me·T
+    send_start: jax.Array  # [P] where my rows for each peer start in x
+    sent: jax.Array  # [P] rows I send each peer (0 to myself), at most T
+    came: jax.Array  # [P] rows each peer sends me, at most T
+    part_start: jax.Array  # [P] where each peer's part of my buffer starts: L + s·T
+    back_offsets: jax.Array  # [P] where my results start in each peer's [P·T] results: me·T
+    axes: str | tuple[str, ...]
+
+    @classmethod
+    def of(
+        cls, routing: _Routing, send_start: jax.Array, slot: int, rows: int, axes: str | tuple[str, ...]
+    ) -> _RaggedTrips:
+        peers = routing.sent.shape[0]
+        others = jnp.arange(peers, dtype=jnp.int32) != routing.me
+        capped = lambda count: jnp.where(others, jnp.minimum(count, slot), 0).astype(jnp.int32)
+        everyone = jnp.ones((peers,), jnp.int32)
+        return cls(
+            out_offsets=(rows + routing.me * slot) * everyone,
+            send_start=send_start.astype(jnp.int32),
+            sent=capped(routing.sent),
+            came=capped(routing.received.sum(axis=1)),
+            part_start=rows + jnp.arange(peers, dtype=jnp.int32) * slot,
+            back_offsets=routing.me * slot * everyone,
+            axes=axes,
+        )
+
+    def out(self, x: jax.Array, buffer: jax.Array) -> jax.Array:
+        return exchange_collective.ragged_all_to_all(
+            x, buffer, self.send_start, self.sent, self.out_offsets, self.came, self.axes
+        )
+
+    def back(self, y_buffer: jax.Array, results: jax.Array) -> jax.Array:
+        return exchange_collective.ragged_all_to_all(
+            y_buffer, results, self.part_start, self.came, self.back_offsets, self.sent, self.axes
+        )
 
 
 class _ExpertMajor:

@@ -19,11 +19,11 @@ uniform permutation's share) on the fast path; when some device pair has more (a
 is mostly not a permutation), the exact path runs with ``T = L_dst`` for a gather and ``T = L_src`` for a put —
 a ``lax.cond`` on counts computed from the whole ``idx``, so every device takes the same branch and the
 collectives in it complete. Both branches' buffers are compiled in (the planner's memory estimate counts them:
-``torchpar.planner.sharding.exchange_strategies``). ``jax.lax.ragged_all_to_all`` would move only the rows sent,
-but XLA:CPU does not implement it; the padded dense exchange is the one path.
+``torchpar.planner.sharding.exchange_strategies``). On GPUs the slots travel by ``jax.lax.ragged_all_to_all``, so only
+the rows sent move; XLA:CPU lacks it and moves the padded slots by ``all_to_all`` (:mod:`.exchange_collective`).
 
-The backward needs no rule: ``jax.grad`` transposes the local gathers into scatter-adds and the all-to-all into
-the reverse all-to-all. A put with ``accumulate=False`` and a repeated index keeps one of the rows written there,
+The backward needs no rule: ``jax.grad`` transposes the local gathers into scatter-adds and the all-to-all (ragged or
+not) into the reverse one. A put with ``accumulate=False`` and a repeated index keeps one of the rows written there,
 as PyTorch does (which one is unspecified in both).
 """
 
@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
+from jaxbackend.ops.exchange_collective import slots_all_to_all
 from jaxbackend.sharding import shard_map
 from torchpar.ir.costs import expert_slot_rows
 
@@ -110,7 +111,8 @@ def gather_rows_local(table: jax.Array, idx: jax.Array, axes: Axes, peers: int, 
         taken, valid = _kth_in_rows(owner == me, slot)  # slot c: my rows chunk c needs
         valid = valid & (peer != me)[:, None]
         source = jnp.clip(jnp.take_along_axis(idx, taken, axis=1) - me * rows, 0, rows - 1)
-        received = jax.lax.all_to_all(_masked(valid, table[source]), axes, 0, 0, tiled=True)
+        came = jnp.where(peer != me, jnp.minimum((keys[None, :] == peer[:, None]).sum(axis=1), slot), 0)
+        received = slots_all_to_all(_masked(valid, table[source]), valid.sum(axis=1), came, axes)
         got = received[keys, jnp.clip(rank, 0, slot - 1)]
         return jnp.where((keys == me).reshape((-1,) + (1,) * (own.ndim - 1)), own, got)
 
@@ -148,9 +150,9 @@ def put_rows_local(
     def run(slot: int) -> jax.Array:
         taken, valid = _kth_in_rows(my_dest[None, :] == peer[:, None], slot)  # slot c: my rows bound for c
         valid = valid & (peer != me)[:, None]
-        received = jax.lax.all_to_all(_masked(valid, values[taken]), axes, 0, 0, tiled=True)
         arrived, present = _kth_in_rows(dest == me, slot)  # slot s: chunk s's rows for me
         present = present & (peer != me)[:, None]
+        received = slots_all_to_all(_masked(valid, values[taken]), valid.sum(axis=1), present.sum(axis=1), axes)
         target = jnp.where(present, jnp.take_along_axis(local, arrived, axis=1), rows)
         rows_in = jnp.concatenate([values, received.reshape((peers * slot,) + values.shape[1:])])
         targets = jnp.concatenate([own_target, target.reshape(-1)])

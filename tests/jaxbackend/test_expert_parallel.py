@@ -1,18 +1,26 @@
 """The split grouped matmul (``jaxbackend.ops.expert_parallel``) on fake CPU devices against ``jax.lax.ragged_dot``
 on one: every expert / row / column split of a 2×2 mesh, balanced routing (the fast exchange) and skewed routing
 (the exact path the fast one falls back to), values and the gradients of both operands; a capacity drops rows,
-and only the ones past a slot; the exchange is an all-to-all pair in the compiled program."""
+and only the ones past a slot; the exchange is an all-to-all pair in the compiled program. The ragged exchange (GPUs:
+``jax.lax.ragged_all_to_all``, which XLA:CPU lacks) runs here through an emulation written from the collective's
+documented semantics (checked on its documented example), and its programs lowered for CUDA call the collective."""
 
 from __future__ import annotations
+
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxbackend.ops import grouped_matmul
+from jax.sharding import PartitionSpec
+
+from jaxbackend import precision
+from jaxbackend.ops import exchange_collective, grouped_matmul
 from jaxbackend.ops.expert_parallel import GroupedMatmulSplit, grouped_mm_split_of, split_grouped_mm
 from jaxbackend.sharding import make_mesh
+from tests.jaxbackend.ragged_emulation import emulated_ragged_all_to_all
 from torchpar.ir.costs import EXPERT_EXCHANGE_HEADROOM, expert_slot_rows
 from torchpar.report.hlo import collectives
 
@@ -166,3 +174,77 @@ def test_slot_rows_and_split_of_layouts():
         grouped_mm_split_of(((0,), None), ((1,), None, None), (2, 2))
     with pytest.raises(ValueError, match="contracted dim split"):
         grouped_mm_split_of(((0,), (1,)), ((0,), (1,), None), (2, 2))
+
+
+# --- the ragged exchange ---------------------------------------------------------------------------------------
+
+
+def test_the_emulation_gives_the_documented_example():
+    """``jax.lax.ragged_all_to_all``'s docstring: two devices, the arguments and results it lists."""
+    from jax.sharding import Mesh
+
+    mesh = Mesh(np.array(jax.devices()[:2]), ("d0",))
+    per_device = {  # operand, output, input_offsets, send_sizes, output_offsets, recv_sizes
+        0: ([1, 2, 2], [0, 0, 0, 0], [0, 1], [1, 2], [0, 0], [1, 1]),
+        1: ([3, 4, 0], [0, 0, 0, 0], [0, 1], [1, 1], [1, 2], [2, 1]),
+    }
+    stacked = [jnp.asarray(np.concatenate([per_device[d][i] for d in (0, 1)]), jnp.int32) for i in range(6)]
+    run = jax.shard_map(lambda *a: emulated_ragged_all_to_all(*a, axis_name="d0"), mesh=mesh,
+                        in_specs=(PartitionSpec("d0"),) * 6, out_specs=PartitionSpec("d0"))
+    np.testing.assert_array_equal(np.asarray(jax.jit(run)(*stacked)), [1, 3, 0, 0, 2, 2, 4, 0])
+
+
+RAGGED_CASES = [("experts@0", "skewed"), ("experts@0,columns@1", "skewed"), ("experts@0,rows@01", "balanced"),
+                ("experts@01", "balanced"), ("experts@01", "skewed"), ("experts@01", "short")]
+
+
+@pytest.mark.parametrize("name, routing", RAGGED_CASES, ids=[f"{n}-{r}" for n, r in RAGGED_CASES])
+def test_the_ragged_exchange_matches_ragged_dot(name, routing, monkeypatch):
+    monkeypatch.setattr(exchange_collective, "EXCHANGE", "ragged")
+    monkeypatch.setattr(exchange_collective, "COLLECTIVE", emulated_ragged_all_to_all)
+    x, w, cotangent = _operands()
+    offs = _offsets(routing)
+    mesh = make_mesh((2, 2))
+    product = lambda x, w: split_grouped_mm(x, w, offs, mesh, _split(name), precision="highest")  # noqa: E731
+    np.testing.assert_allclose(jax.jit(product)(x, w), _reference(x, w, offs), atol=ATOL, rtol=0)
+    grads = jax.jit(jax.grad(lambda x, w: (product(x, w) * cotangent).sum(), argnums=(0, 1)))(x, w)
+    want = jax.grad(lambda x, w: (_reference(x, w, offs) * cotangent).sum(), argnums=(0, 1))(x, w)
+    for got_grad, want_grad, what in zip(grads, want, ("x", "w")):
+        np.testing.assert_allclose(got_grad, want_grad, atol=ATOL, rtol=0, err_msg=f"gradient of {what}")
+
+
+def test_a_capacity_drops_the_same_rows_in_the_ragged_exchange(monkeypatch):
+    """The dense case of ``test_a_capacity_drops_the_rows_past_a_slot_and_computes_the_others``, exchanged ragged:
+    the same 12 rows past device 0's slot come back zero, the others are computed."""
+    monkeypatch.setattr(exchange_collective, "COLLECTIVE", emulated_ragged_all_to_all)
+    x, w, _ = _operands()
+    offs = jnp.asarray(np.cumsum([4, 0, 40, 20]), jnp.int32)
+    results = {}
+    for exchange in ("dense", "ragged"):
+        monkeypatch.setattr(exchange_collective, "EXCHANGE", exchange)
+        run = jax.jit(lambda x, w: split_grouped_mm(x, w, offs, make_mesh((2, 2)), _split("experts@0", capacity=1.0),
+                                                    precision="highest"))
+        results[exchange] = np.asarray(run(x, w))
+    np.testing.assert_array_equal(results["ragged"] == 0, results["dense"] == 0)
+    np.testing.assert_allclose(results["ragged"], results["dense"], atol=ATOL, rtol=0)
+
+
+def test_lowered_for_cuda_the_exchange_calls_ragged_all_to_all_both_ways(monkeypatch):
+    """``EXCHANGE=None`` picks the ragged collective for a CUDA program (and the dense one for this CPU's); forward
+    and backward of the fast and the exact exchange call it, and no dense all-to-all of row slots is left."""
+    x, w, cotangent = _operands()
+    offs = _offsets("balanced")
+    mesh = make_mesh((2, 2))
+    monkeypatch.setattr(exchange_collective, "EXCHANGE", None)
+
+    def loss(x, w):
+        return (split_grouped_mm(x, w, offs, mesh, _split("experts@01"), precision="highest") * cotangent).sum()
+
+    with precision.using(precision.Numerics(platform="cuda")):
+        cuda = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
+    cpu = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(x, w).lower().as_text()
+    assert cuda.count("custom_call @ragged_all_to_all") >= 6, cuda.count("custom_call @ragged_all_to_all")
+    assert "ragged_all_to_all" not in cpu and "stablehlo.all_to_all" in cpu
+    # what dense all-to-alls are left move the int32 offset vectors the collective's transpose exchanges, no rows
+    dense = [line for line in cuda.splitlines() if "stablehlo.all_to_all" in line]
+    assert dense and all(re.search(r"-> tensor<\d+xi32>$", line.strip()) for line in dense), dense

@@ -3,9 +3,13 @@
 with the columns over the other; a permutation (a mixture-of-experts dispatch: ``perm // k``, repeats included),
 the identity (nothing moves), a skewed index (slots overflow: the exact path) and negative indices; values and
 gradients. The fast path alone is exact where its slots hold the rows and loses rows where they do not (so the
-exact path is what saved the skewed case), and the compiled exchange is all-to-alls with no all-gather."""
+exact path is what saved the skewed case), and the compiled exchange is all-to-alls with no all-gather. Each case
+runs with the slots moved dense (``all_to_all``, the CPU's) and ragged (``ragged_all_to_all``, the GPUs', emulated
+here: ``tests/jaxbackend/ragged_emulation.py``)."""
 
 from __future__ import annotations
+
+import re
 
 import jax
 import jax.numpy as jnp
@@ -13,9 +17,11 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec
 
+from jaxbackend.ops import exchange_collective
 from jaxbackend.ops.row_exchange import gather_rows, gather_rows_local, put_rows, put_rows_local
 from jaxbackend.sharding import make_mesh, shard_map
 from torchpar.ir.costs import expert_slot_rows
+from tests.jaxbackend.ragged_emulation import emulated_ragged_all_to_all
 from torchpar.report.hlo import collectives
 
 TOKENS, WIDTH, TOP_K = 32, 6, 2
@@ -44,9 +50,17 @@ def _data(shape, seed):
     return jnp.asarray(np.random.default_rng(seed).normal(size=shape), jnp.float32)
 
 
+@pytest.fixture(params=["dense", "ragged"])
+def exchange(request, monkeypatch):
+    """How the slots travel (``jaxbackend.ops.exchange_collective``)."""
+    monkeypatch.setattr(exchange_collective, "EXCHANGE", request.param)
+    monkeypatch.setattr(exchange_collective, "COLLECTIVE", emulated_ragged_all_to_all)
+    return request.param
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("kind", ["permutation", "identity", "skewed", "negative"])
-def test_a_gather_by_a_whole_index_is_the_plain_gather_and_its_gradient(layout, kind):
+def test_a_gather_by_a_whole_index_is_the_plain_gather_and_its_gradient(layout, kind, exchange):
     mesh_shape, spec = LAYOUTS[layout]
     mesh = make_mesh(mesh_shape)
     table, cotangent = _data((TOKENS, WIDTH), 0), _data((ROWS, WIDTH), 1)
@@ -64,7 +78,7 @@ def test_a_gather_by_a_whole_index_is_the_plain_gather_and_its_gradient(layout, 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("kind", ["permutation", "identity", "skewed", "negative"])
 @pytest.mark.parametrize("accumulate", [False, True])
-def test_a_put_by_a_whole_index_is_the_plain_index_put_and_its_gradients(layout, kind, accumulate):
+def test_a_put_by_a_whole_index_is_the_plain_index_put_and_its_gradients(layout, kind, accumulate, exchange):
     mesh_shape, spec = LAYOUTS[layout]
     mesh = make_mesh(mesh_shape)
     base, values, cotangent = _data((ROWS, WIDTH), 2), _data((ROWS, WIDTH), 3), _data((ROWS, WIDTH), 4)
@@ -114,3 +128,17 @@ def test_the_exchange_compiles_to_all_to_alls_and_gathers_nothing():
     kinds = [c.kind for c in collectives(step.lower(table).compile().as_text())]
     assert kinds.count("all-to-all") == 4, kinds  # the fast and exact paths, forward and backward
     assert "all-gather" not in kinds and "all-reduce" not in kinds, kinds
+
+
+def test_lowered_for_cuda_the_slots_travel_by_ragged_all_to_all():
+    from jaxbackend import precision
+
+    mesh_shape, spec = LAYOUTS["rows@01"]
+    mesh = make_mesh(mesh_shape)
+    table, idx = _data((TOKENS, WIDTH), 0), _indices("permutation", TOKENS, TOP_K)
+    loss = lambda t: gather_rows(t, idx, mesh, spec).sum()  # noqa: E731
+    with precision.using(precision.Numerics(platform="cuda")):
+        text = jax.jit(jax.grad(loss)).trace(table).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @ragged_all_to_all") >= 2  # forward and backward
+    dense = [line for line in text.splitlines() if "stablehlo.all_to_all" in line]  # offsets, for the transpose
+    assert all(re.search(r"-> tensor<\d+xi32>$", line.strip()) for line in dense), dense
