@@ -38,7 +38,7 @@ class StepKeys:
         if base_key is not self._base or block != self._block or self._data is None:
             self._data = _fold_block(base_key, block * BLOCK)
             self._base, self._block = base_key, block
-        return self._data[offset]
+        return self._data[offset].copy()  # (the caller's to keep)
 
 
 def _fold_block(base_key: jax.Array, first: int) -> np.ndarray:
