@@ -128,7 +128,7 @@ def _runner_process(conn, name: str, family: str, size: str) -> None:
     import transformers
 
     transformers.logging.set_verbosity_error()
-    if name == "torchpar":  # first, as a user does: before JAX or torch start threads (torchpar.runtime.host_heap)
+    if name == "torchpar":  # first, as a user does: before JAX or torch start threads (torchpar.host_heap)
         import torchpar
 
         torchpar.init(cluster="local", num_devices=1)

@@ -67,7 +67,7 @@ if os.environ.get("TORCHPAR_TEST_XLA_OPT", "0") != "default" and "xla_backend_op
     os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *_fast_compile]).strip()
 
 # The suite is compile-bound: malloc as the system sets it compiles ~10% faster than the one torchpar.init sets for
-# steps (one arena; torchpar/runtime/host_heap.py), which tests/runtime/test_host_heap.py runs in processes of its own.
+# steps (one arena; torchpar/host_heap.py), which tests/api/test_host_heap.py runs in processes of its own.
 os.environ.setdefault("TORCHPAR_HOST_HEAP", "system")
 
 import torchpar  # noqa: E402

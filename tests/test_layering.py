@@ -199,9 +199,10 @@ def test_a_stage_problem_travels_as_one_object():
 
 FLOORS: list[tuple[str, tuple[str, ...], str]] = [
     ("foundation", ("torchpar.units", "torchpar.hardware", "torchpar.methods", "torchpar.progress",
-                    "torchpar.plan_writers", "torchpar.compile_cache"),
+                    "torchpar.plan_writers", "torchpar.compile_cache", "torchpar.host_heap"),
      "pure data and leaf utilities: units, hardware presets and ClusterSpec, the method options, progress, the report "
-     "writer registry, JAX's compile cache settings; they import nothing of torchpar above them"),
+     "writer registry, JAX's compile cache settings, the process's malloc settings; they import nothing of torchpar "
+     "above them"),
     ("ir", ("torchpar.ir",), "the graph as plain data, and analyses of it (no torch, no JAX)"),
     ("capture", ("torchpar.capture",), "torch.export → IR; reads the IR's types, nothing that plans or runs"),
     ("planner", ("torchpar.planner",), "IR → Plan (layer clustering, stage DP, sharding ILP, schedules); no torch"),

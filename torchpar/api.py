@@ -34,9 +34,8 @@ from torchpar.engine.engine_checkpoints import EngineCheckpoints
 from torchpar.engine.engine_readouts import EngineReadouts
 from torchpar.engine.feeding import PREFETCH_DEPTH, HostData, HostFeed
 from torchpar.engine.guard import StepGuard, leaf_names
-from torchpar.engine.host_arrays import host_value, to_torch
+from torchpar.engine.host_arrays import StepKeys, host_value, to_torch
 from torchpar.engine.step_capture import BatchParts, PlannedStep, StepCapture
-from torchpar.engine.step_keys import StepKeys
 from torchpar.engine.torch_side import TorchSide, linked
 from torchpar.ir.graph import Graph
 from torchpar.methods import Method

@@ -68,9 +68,9 @@ def init(
     if not isinstance(compile_cache, bool | str):
         raise TypeError(f"compile_cache must be True, False or a directory, got {compile_cache!r}")
     if accelerator != "gpu":
-        from torchpar.runtime import host_heap
+        from torchpar import host_heap
 
-        host_heap.keep_freed_memory()  # before JAX starts its threads (torchpar.runtime.host_heap)
+        host_heap.keep_freed_memory()  # before JAX starts its threads (torchpar.host_heap)
     spec = _init_devices(
         cluster, num_devices, num_hosts, devices_per_host, address, accelerator, cores_per_host, timeout_s
     )
@@ -112,7 +112,7 @@ def default_compile_cache() -> None:
     (:func:`torchpar.compile` calls it); after an ``init`` its ``compile_cache`` setting stands."""
     if _cluster is None and not _compile_cache_set:
         _init_compile_cache(True)
-        from torchpar.runtime import host_heap
+        from torchpar import host_heap
 
         host_heap.keep_freed_memory()  # (late: threads that allocated already keep arenas of their own)
 

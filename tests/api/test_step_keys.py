@@ -1,4 +1,4 @@
-"""Each step's random key (``torchpar/engine/step_keys.py``): the keys folded a block at a time are exactly
+"""Each step's random key (``torchpar/engine/host_arrays.py``): the keys folded a block at a time are exactly
 ``fold_in(base_key, step)``, across a block's end, for another base key, and for another key implementation."""
 
 from __future__ import annotations
@@ -7,8 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from torchpar.engine import step_keys
-from torchpar.engine.step_keys import StepKeys
+from torchpar.engine.host_arrays import KEY_BLOCK, StepKeys
 
 
 def _alone(base_key: jax.Array, step: int) -> np.ndarray:
@@ -19,7 +18,7 @@ def _alone(base_key: jax.Array, step: int) -> np.ndarray:
 def test_block_keys_are_each_steps_fold_in(impl):
     keys = StepKeys()
     base = jax.random.key(1234, impl=impl)
-    for step in (0, 1, 2, step_keys.BLOCK - 1, step_keys.BLOCK, 3 * step_keys.BLOCK + 7, 5):
+    for step in (0, 1, 2, KEY_BLOCK - 1, KEY_BLOCK, 3 * KEY_BLOCK + 7, 5):
         np.testing.assert_array_equal(keys.data(base, step), _alone(base, step), err_msg=f"step {step}")
 
 

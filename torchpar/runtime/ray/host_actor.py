@@ -29,8 +29,7 @@ from typing import TYPE_CHECKING, Protocol, TypedDict, TypeVar, cast
 
 import ray
 
-from torchpar import compile_cache
-from torchpar.runtime import host_heap
+from torchpar import compile_cache, host_heap
 
 if TYPE_CHECKING:
     from torchpar.runtime.pipeline.transport import MessageKey
@@ -211,7 +210,7 @@ def actor_environment(devices_per_host: int) -> dict[str, str]:
     where JAX runs on CPU; no platform is forced (a GPU actor whose JAX has no GPU falls back to CPU). The
     driver's JAX compilation cache (:mod:`torchpar.compile_cache`: its directory and thresholds) is passed on,
     so an actor loads the steps the driver or an earlier actor compiled, and actors on a shared file system
-    share them. malloc keeps what a step frees for the next (:mod:`torchpar.runtime.host_heap`)."""
+    share them. malloc keeps what a step frees for the next (:mod:`torchpar.host_heap`)."""
     flags = os.environ.get("XLA_FLAGS", "")
     flags = " ".join(f for f in flags.split() if not f.startswith("--xla_force_host_platform_device_count"))
     env = {
