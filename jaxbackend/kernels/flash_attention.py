@@ -51,6 +51,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from jaxbackend import precision
+from jaxbackend.kernels.grouped_gemm import tile_dot
 
 BLOCK_Q = 64
 """Query rows per tile (a power of two)."""
@@ -328,8 +329,8 @@ def _allowed(first_row, first_key, shape: tuple[int, int], t: _Tiling, n_keys: i
 
 def _scores(q, k, first_row, first_key, t: _Tiling, n_keys: int):
     """float32 ``Q Kᵀ·scale`` of one tile pair, the disallowed pairs at ``−inf``."""
-    s = pl.dot(q, k, trans_b=True, precision=t.dot) * t.scale
-    allowed = _allowed(first_row, first_key, s.shape, t, n_keys)
+    s = tile_dot(q, k, (1, 1), t.dot) * t.scale
+    allowed = _allowed(first_row, first_key, (s.shape[0], s.shape[1]), t, n_keys)
     return s if allowed is None else jnp.where(allowed, s, -jnp.inf)
 
 
@@ -354,7 +355,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, t: _Tiling, n_keys: 
         safe = jnp.where(new_peak == -jnp.inf, 0.0, new_peak)  # a row with no key yet: nothing to rescale
         p = jnp.exp(s - safe[:, None])
         rescale = jnp.exp(peak - safe)
-        acc = acc * rescale[:, None] + pl.dot(p.astype(v.dtype), v, precision=t.dot)
+        acc = acc * rescale[:, None] + tile_dot(p.astype(v.dtype), v, (1, 0), t.dot)
         return acc, new_peak, total * rescale + jnp.sum(p, axis=1)
 
     init = (
@@ -382,9 +383,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, t: _T
     def body(j, dq):
         k, v = _rows(k_all, j * t.block_k, t.block_k, t), _rows(v_all, j * t.block_k, t.block_k, t)
         p = _probabilities(_scores(q, k, first_row, j * t.block_k, t, n_keys), lse)
-        dp = pl.dot(do, v, trans_b=True, precision=t.dot)
+        dp = tile_dot(do, v, (1, 1), t.dot)
         ds = p * (dp - delta[:, None])
-        return dq + pl.dot(ds.astype(k.dtype), k, precision=t.dot)
+        return dq + tile_dot(ds.astype(k.dtype), k, (1, 0), t.dot)
 
     dq = jnp.zeros(dq_ref.shape, jnp.float32)
     dq_ref[...] = jax.lax.fori_loop(0, _key_tiles(first_row, t, n_keys), body, dq) * t.scale
@@ -404,9 +405,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
         at = g * rows + i * t.block_q
         q, do, lse, delta = (_rows(x, at, t.block_q, t) for x in (queries, d_outs, lses, deltas))
         p = _probabilities(_scores(q, k, i * t.block_q, first_key, t, n_keys), lse)
-        dv = dv + pl.dot(p.astype(do.dtype), do, trans_a=True, precision=t.dot)
-        ds = p * (pl.dot(do, v, trans_b=True, precision=t.dot) - delta[:, None])
-        return dk + pl.dot(ds.astype(q.dtype), q, trans_a=True, precision=t.dot), dv
+        dv = dv + tile_dot(p.astype(do.dtype), do, (0, 0), t.dot)
+        ds = p * (tile_dot(do, v, (1, 1), t.dot) - delta[:, None])
+        return dk + tile_dot(ds.astype(q.dtype), q, (0, 0), t.dot), dv
 
     def head(g, carry):
         return jax.lax.fori_loop(first_tile, tiles, functools.partial(tile, g), carry)

@@ -199,7 +199,9 @@ def _out_struct(shape: tuple[int, ...], dtype: DTypeLike, *operands: jax.Array) 
     return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=types[0].update(varying=varying))
 
 
-def _dot(a: jax.Array, b: jax.Array, contract: tuple[int, int], precision: PrecisionLike) -> jax.Array:
+def tile_dot(a: jax.Array, b: jax.Array, contract: tuple[int, int], precision: PrecisionLike) -> jax.Array:
+    """The product of two 2-D tiles inside a Pallas kernel contracting dim ``contract[0]`` of ``a`` with
+    ``contract[1]`` of ``b``, accumulated in float32 (``pl.dot`` is deprecated since JAX 0.11 and gone in 0.12)."""
     dims = (((contract[0],), (contract[1],)), ((), ()))
     return jax.lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
 
@@ -226,9 +228,9 @@ def _forward_call(x: jax.Array, weight: jax.Array, grouping: _Grouping, config: 
                 x_tile = x_ref[pl.ds(t * block, block), pl.ds(k * b_k, b_k)].astype(compute)
                 if config.transposed:  # w[e] [N, K]: its tile (j, k), contracted over its dim 1
                     w_tile = w_ref[expert, pl.ds(j * b_n, b_n), pl.ds(k * b_k, b_k)].astype(compute)
-                    return part + _dot(x_tile, w_tile, (1, 1), config.precision)
+                    return part + tile_dot(x_tile, w_tile, (1, 1), config.precision)
                 w_tile = w_ref[expert, pl.ds(k * b_k, b_k), pl.ds(j * b_n, b_n)].astype(compute)
-                return part + _dot(x_tile, w_tile, (1, 0), config.precision)
+                return part + tile_dot(x_tile, w_tile, (1, 0), config.precision)
 
             part = jax.lax.fori_loop(0, depth_p // b_k, depth_step, jnp.zeros((block, b_n), jnp.float32))
             return acc + jnp.where((row >= lo_ref[v]) & (row < hi_ref[v]), part, 0.0)
@@ -271,8 +273,8 @@ def _weight_grad_call(
             x_tile = jnp.where(inside, x_ref[pl.ds(start, block), pl.ds(i * b_k, b_k)].astype(compute), 0)
             dy_tile = jnp.where(inside, dy_ref[pl.ds(start, block), pl.ds(j * b_n, b_n)].astype(compute), 0)
             if config.transposed:  # dw[e] [N, K]: dyᵀ @ x
-                return acc + _dot(dy_tile, x_tile, (0, 0), config.precision)
-            return acc + _dot(x_tile, dy_tile, (0, 0), config.precision)
+                return acc + tile_dot(dy_tile, x_tile, (0, 0), config.precision)
+            return acc + tile_dot(x_tile, dy_tile, (0, 0), config.precision)
 
         shape = (b_n, b_k) if config.transposed else (b_k, b_n)
         acc = jax.lax.fori_loop(first_ref[e], first_ref[e + 1], accumulate, jnp.zeros(shape, jnp.float32))
